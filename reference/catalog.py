@@ -1,0 +1,254 @@
+"""Model catalog: real public configs -> the training side's parameter list.
+
+Each model is a small JSON file in ``reference/configs/`` holding the fields of its published
+Hugging Face ``config.json`` that shape the weights, plus ``_source`` (the URL it was taken
+from). :func:`load_config` reads one, applies overrides (fewer layers, experts, a smaller
+vocab...) to get a small variant of the *same architecture*, and :func:`param_specs` lists the
+Hugging Face checkpoint names, shapes and dtypes of its parameters.
+
+Supported architectures (``architectures[0]`` in the HF config):
+
+- ``Qwen3ForCausalLM``: dense, GQA, per-head q/k RMSNorm, optionally tied embeddings;
+- ``Qwen3MoeForCausalLM``: Qwen3 attention + routed experts (``mlp.gate`` router, no shared
+  expert), ``decoder_sparse_step`` / ``mlp_only_layers`` choose the MoE layers;
+- ``DeepseekV3ForCausalLM`` (DeepSeek-V3, Kimi-K2): MLA attention (``q_a_proj`` ->
+  ``q_b_proj``, ``kv_a_proj_with_mqa`` -> ``kv_b_proj``), the first ``first_k_dense_replace``
+  layers dense, then routed experts + ``n_shared_experts`` shared experts and the router's
+  float32 ``e_score_correction_bias``. The multi-token-prediction layers
+  (``num_nextn_predict_layers``) are not part of the trained model here: inference engines
+  load them separately and RL trainers do not update them.
+
+Example::
+
+    cfg = load_config("qwen3-30b-a3b", num_hidden_layers=2, num_experts=8)
+    for p in param_specs(cfg): print(p.name, p.shape, p.dtype)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+
+# Override keys that are aliases across families: `num_experts` works for DeepSeek too.
+_ALIASES = {"DeepseekV3ForCausalLM": {"num_experts": "n_routed_experts"}}
+
+
+def available_models() -> list[str]:
+    """Names accepted by :func:`load_config` (the JSON file stems)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamSpec:
+    """One checkpoint tensor: Hugging Face name, global shape, dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "bfloat16"
+
+    @property
+    def nbytes(self) -> int:
+        from .types import itemsize, numel
+
+        return numel(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A model's published config (``hf``), its catalog ``name`` and the overrides applied.
+
+    Properties expose the fields the weight layout depends on, with the names of the HF
+    config. Raises ValueError on an unknown architecture.
+    """
+
+    name: str
+    hf: dict
+    overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"model {self.name!r}: unknown architecture {self.architecture!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+
+    def __getitem__(self, key):
+        return self.hf[key]
+
+    def get(self, key, default=None):
+        return self.hf.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf.get("architectures") or ["<missing>"]
+        return archs[0]
+
+    @property
+    def source(self) -> str:
+        return self.hf.get("_source", "<unknown>")
+
+    @property
+    def label(self) -> str:
+        """Catalog name plus overrides, e.g. ``qwen3-30b-a3b[num_hidden_layers=2]``."""
+        if not self.overrides:
+            return self.name
+        return self.name + "[" + ",".join(f"{k}={v}" for k, v in self.overrides.items()) + "]"
+
+    # shapes ---------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.hf["hidden_size"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf["num_hidden_layers"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf["vocab_size"]
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", False))
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf.get("num_key_value_heads", self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf.get("head_dim") or self.hidden_size // self.num_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture == "DeepseekV3ForCausalLM"
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for dense models)."""
+        return self.hf.get("num_experts") or self.hf.get("n_routed_experts") or 0
+
+    @property
+    def num_shared_experts(self) -> int:
+        return self.hf.get("n_shared_experts") or 0
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.hf.get("moe_intermediate_size", 0)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has routed experts (HF modeling code's rule)."""
+        if self.num_experts == 0:
+            return False
+        if self.architecture == "Qwen3MoeForCausalLM":
+            step = self.hf.get("decoder_sparse_step", 1)
+            return i not in self.hf.get("mlp_only_layers", []) and (i + 1) % step == 0
+        if self.architecture == "DeepseekV3ForCausalLM":
+            return i >= self.hf.get("first_k_dense_replace", 0) and i % self.hf.get("moe_layer_freq", 1) == 0
+        return False
+
+
+def load_config(name: str, **overrides) -> ModelConfig:
+    """Load catalog model ``name`` (see :func:`available_models`), with HF-config overrides.
+
+    ``num_experts`` is accepted for every MoE family (mapped to ``n_routed_experts`` for
+    DeepSeek-V3). Overrides must name keys of the config; the result is checked for the
+    architecture. Raises ValueError naming an unknown model, key or architecture.
+    """
+    path = CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"unknown model {name!r}; catalog: {', '.join(available_models())}")
+    hf = json.loads(path.read_text())
+    arch = (hf.get("architectures") or ["<missing>"])[0]
+    aliases = _ALIASES.get(arch, {})
+    for k, v in overrides.items():
+        key = aliases.get(k, k)
+        if key not in hf:
+            raise ValueError(f"model {name!r}: override {k!r} is not a field of its config")
+        hf[key] = v
+    if "num_experts_per_tok" in hf and hf.get("num_experts_per_tok", 0) > (hf.get("num_experts") or hf.get("n_routed_experts") or 0):
+        hf["num_experts_per_tok"] = hf.get("num_experts") or hf.get("n_routed_experts")
+    return ModelConfig(name=name, hf=hf, overrides=dict(overrides))
+
+
+def _attn_params(cfg: ModelConfig, p: str) -> list[ParamSpec]:
+    H = cfg.hidden_size
+    if cfg.is_mla:
+        nh = cfg.num_heads
+        qlr, kvlr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+        nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        out = []
+        if qlr:
+            out += [
+                ParamSpec(name=f"{p}.self_attn.q_a_proj.weight", shape=(qlr, H)),
+                ParamSpec(name=f"{p}.self_attn.q_a_layernorm.weight", shape=(qlr,)),
+                ParamSpec(name=f"{p}.self_attn.q_b_proj.weight", shape=(nh * (nope + rope), qlr)),
+            ]
+        else:
+            out += [ParamSpec(name=f"{p}.self_attn.q_proj.weight", shape=(nh * (nope + rope), H))]
+        out += [
+            ParamSpec(name=f"{p}.self_attn.kv_a_proj_with_mqa.weight", shape=(kvlr + rope, H)),
+            ParamSpec(name=f"{p}.self_attn.kv_a_layernorm.weight", shape=(kvlr,)),
+            ParamSpec(name=f"{p}.self_attn.kv_b_proj.weight", shape=(nh * (nope + vd), kvlr)),
+            ParamSpec(name=f"{p}.self_attn.o_proj.weight", shape=(H, nh * vd)),
+        ]
+        return out
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    return [
+        ParamSpec(name=f"{p}.self_attn.q_proj.weight", shape=(nh * hd, H)),
+        ParamSpec(name=f"{p}.self_attn.k_proj.weight", shape=(nkv * hd, H)),
+        ParamSpec(name=f"{p}.self_attn.v_proj.weight", shape=(nkv * hd, H)),
+        ParamSpec(name=f"{p}.self_attn.o_proj.weight", shape=(H, nh * hd)),
+        ParamSpec(name=f"{p}.self_attn.q_norm.weight", shape=(hd,)),
+        ParamSpec(name=f"{p}.self_attn.k_norm.weight", shape=(hd,)),
+    ]
+
+
+def _mlp(prefix: str, H: int, inter: int) -> list[ParamSpec]:
+    return [
+        ParamSpec(name=f"{prefix}.gate_proj.weight", shape=(inter, H)),
+        ParamSpec(name=f"{prefix}.up_proj.weight", shape=(inter, H)),
+        ParamSpec(name=f"{prefix}.down_proj.weight", shape=(H, inter)),
+    ]
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """The training side's parameters: Hugging Face checkpoint names, global shapes, dtypes,
+    in checkpoint order (embeddings, layers, final norm, lm_head). Tied embeddings produce no
+    ``lm_head.weight``. All BF16 except DeepSeek's router ``e_score_correction_bias`` (float32
+    in the published checkpoint)."""
+    H = cfg.hidden_size
+    out = [ParamSpec(name="model.embed_tokens.weight", shape=(cfg.vocab_size, H))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        out.append(ParamSpec(name=f"{p}.input_layernorm.weight", shape=(H,)))
+        out += _attn_params(cfg, p)
+        out.append(ParamSpec(name=f"{p}.post_attention_layernorm.weight", shape=(H,)))
+        if cfg.is_moe_layer(i):
+            E, mI = cfg.num_experts, cfg.moe_intermediate_size
+            out.append(ParamSpec(name=f"{p}.mlp.gate.weight", shape=(E, H)))
+            if cfg.is_mla:
+                out.append(ParamSpec(name=f"{p}.mlp.gate.e_score_correction_bias", shape=(E,), dtype="float32"))
+            for e in range(E):
+                out += _mlp(f"{p}.mlp.experts.{e}", H, mI)
+            if cfg.num_shared_experts:
+                out += _mlp(f"{p}.mlp.shared_experts", H, mI * cfg.num_shared_experts)
+        else:
+            out += _mlp(f"{p}.mlp", H, cfg["intermediate_size"])
+    out.append(ParamSpec(name="model.norm.weight", shape=(H,)))
+    if not cfg.tie_word_embeddings:
+        out.append(ParamSpec(name="lm_head.weight", shape=(cfg.vocab_size, H)))
+    return out
+
+
+def total_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the training-side checkpoint (sum over :func:`param_specs`)."""
+    return sum(p.nbytes for p in param_specs(cfg))

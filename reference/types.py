@@ -1,0 +1,299 @@
+"""Metadata types shared by every part of the transfer: plain frozen dataclasses, picklable.
+
+What a training rank holds (:class:`ParamMeta`), what an inference rank exposes
+(:class:`DestTensorMeta`, :class:`RegionDescriptor`), how the inference world is laid out
+(:class:`InferenceLayout`), and the *recipes* that say how destination bytes are made from
+source parameters (:class:`Piece`, :class:`Output`, :class:`Recipe`).
+
+Boxes
+-----
+A *box* is a tuple of ``(start, stop)`` pairs, one per dimension, in elements; it names the
+sub-tensor ``t[start0:stop0, start1:stop1, ...]``. Boxes are used for source slices, for the
+place of a piece inside a recipe's assembled tensor, and for the place of a recipe's output
+inside a destination tensor. An output box must be *flat-contiguous* in its destination tensor
+(all dimensions after the first one whose extent is > 1 are full), so that it is one byte range
+of the destination: one write per receiver.
+
+Dtypes travel as strings (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn"``) so metadata can
+be serialized without pickling torch objects; :func:`torch_dtype` and :func:`dtype_name`
+convert.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Box = tuple[tuple[int, int], ...]
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``. Raises ValueError naming an unknown dtype."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype given by name."""
+    return torch_dtype(dtype).itemsize
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    """The box covering a whole tensor of ``shape``."""
+    return tuple((0, s) for s in shape)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def box_to_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def box_flat_range(box: Box, shape: tuple[int, ...]) -> tuple[int, int]:
+    """Element range ``[start, stop)`` of a flat-contiguous ``box`` in a C-contiguous tensor of
+    ``shape``. Raises ValueError if the box is out of bounds or not one contiguous range."""
+    if len(box) != len(shape):
+        raise ValueError(f"box {box} has {len(box)} dims, tensor has shape {shape}")
+    for (a, b), s in zip(box, shape):
+        if not (0 <= a <= b <= s):
+            raise ValueError(f"box {box} out of bounds of shape {shape}")
+    if box_numel(box) == 0:
+        return (0, 0)
+    # first dim with extent > 1: everything after it must be full
+    d = 0
+    while d < len(box) - 1 and box[d][1] - box[d][0] == 1:
+        d += 1
+    for (a, b), s in zip(box[d + 1:], shape[d + 1:]):
+        if (a, b) != (0, s):
+            raise ValueError(f"box {box} is not flat-contiguous in shape {shape}")
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    start = sum(a * st for (a, _), st in zip(box, strides))
+    return (start, start + box_numel(box))
+
+
+# --------------------------------------------------------------------------------------------
+# training side
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamMeta:
+    """One training parameter as held by one training rank.
+
+    The name is the Hugging Face checkpoint name. ``mesh_ranks`` is the DeviceMesh's rank
+    tensor as nested tuples (global ranks of the training world), ``placements`` the DTensor
+    placements as strings (``"Shard(dim=0)"``, ``"Replicate()"``), and ``local_offset`` /
+    ``local_shape`` the part of the global tensor this rank stores (the shape may have a 0:
+    DTensor's uneven sharding leaves trailing shards empty).
+    """
+
+    name: str
+    """Hugging Face checkpoint name, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+    global_shape: tuple[int, ...]
+    dtype: str
+    """dtype name of the training copy, e.g. ``"bfloat16"`` (or ``"float32"`` for fp32 masters)."""
+    mesh_ranks: tuple
+    """Nested tuples of global training ranks, the DeviceMesh's ``mesh`` tensor as a list."""
+    mesh_dim_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...]
+    local_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    offloaded: bool = False
+    """True when the local shard lives in host memory and needs an H2D copy before use."""
+
+    @property
+    def mesh_flat(self) -> tuple[int, ...]:
+        """Every global rank of the mesh, flattened in mesh order."""
+        out: list[int] = []
+
+        def walk(x):
+            if isinstance(x, (tuple, list)):
+                for y in x:
+                    walk(y)
+            else:
+                out.append(int(x))
+
+        walk(self.mesh_ranks)
+        return tuple(out)
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.global_shape) * itemsize(self.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# inference side
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionDescriptor:
+    """A registered memory region as another process needs it to write there.
+
+    ``transport`` names the back end (``"cma"``, ``"verbs"``, ...); ``host`` the machine;
+    ``pid`` the owning process (CMA); ``addr`` / ``length`` the virtual address range in
+    bytes; ``key`` a per-registration token (the rkey for RDMA; for CMA a random 64-bit value
+    checked against the owner's registry so a descriptor from another run is refused);
+    ``extra`` back-end specific fields (QP info, GID, ...), as a tuple of (key, value) pairs.
+    """
+
+    transport: str
+    host: str
+    pid: int
+    addr: int
+    length: int
+    key: int
+    extra: tuple = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DestTensorMeta:
+    """One parameter tensor of an inference rank: vLLM name, shape, dtype, and its place in the
+    rank's registered region (byte ``offset`` from the region start, ``nbytes`` long)."""
+
+    rank: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InferenceLayout:
+    """How the inference world is laid out (vLLM terms).
+
+    ``tp`` ranks form one engine instance (tensor parallel); ``dp`` instances are full replicas
+    (each receives a full copy); ``ep`` True places MoE experts expert-parallel over the
+    instance's ``tp`` ranks (each rank holds ``E / tp`` whole experts, vLLM's linear placement:
+    global expert ``e`` on rank ``e // (E/tp)``, slot ``e % (E/tp)``) instead of TP-slicing every
+    expert. ``quant`` is ``None`` (serve the training dtype cast to ``dtype``) or ``"fp8"``
+    (DeepSeek-V3 block FP8: e4m3 weights plus float32 ``weight_scale_inv`` per 128x128 block for
+    linear layers). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
+    """
+
+    tp: int = 1
+    dp: int = 1
+    ep: bool = False
+    quant: Literal["fp8"] | None = None
+    dtype: str = "bfloat16"
+    """dtype of the non-quantized tensors on the inference side."""
+
+    def __post_init__(self):
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"InferenceLayout: tp={self.tp} and dp={self.dp} must be >= 1")
+        if self.quant not in (None, "fp8"):
+            raise ValueError(f"InferenceLayout: unknown quant {self.quant!r} (None or 'fp8')")
+        torch_dtype(self.dtype)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    def ranks_of_tp_rank(self, tp_rank: int) -> tuple[int, ...]:
+        """Inference ranks holding TP rank ``tp_rank`` of every replica."""
+        return tuple(d * self.tp + tp_rank for d in range(self.dp))
+
+    def describe(self) -> str:
+        s = f"TP{self.tp}"
+        if self.ep:
+            s += "+EP"
+        if self.dp > 1:
+            s += f"xDP{self.dp}"
+        if self.quant:
+            s += f"-{self.quant}"
+        return s
+
+
+# --------------------------------------------------------------------------------------------
+# recipes
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """``assembled[dst_box] = source[src_box]`` (cast to the recipe's assembled dtype).
+
+    ``source`` None means zero fill (e.g. vocab padding rows); then ``src_box`` is ``()``.
+    """
+
+    source: str | None
+    src_box: Box
+    dst_box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """One tensor a recipe's transform produces, and where it goes: destination tensor
+    ``tensor`` (vLLM name), at the flat-contiguous ``box`` of it, on every rank of the recipe."""
+
+    tensor: str
+    box: Box
+    dtype: str
+
+
+Transform = Literal["copy", "fp8_block"]
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """How one piece of destination memory is made.
+
+    The pieces assemble a tensor of ``shape`` and dtype ``assembled_dtype`` (every element
+    covered exactly once). The transform then makes the outputs:
+
+    - ``"copy"``: one output, the assembled tensor cast to the output dtype;
+    - ``"fp8_block"``: two outputs, the FP8 e4m3 weight (same shape) and its float32
+      ``weight_scale_inv`` of shape ``[..., ceil(N/128), ceil(K/128)]`` over the last two dims
+      (DeepSeek-V3 format), quantized from exactly the assembled BF16 tensor.
+
+    ``ranks`` are the inference ranks that receive identical bytes (TP-replicated tensors and
+    DP replicas are extra destinations of one recipe).
+    """
+
+    name: str
+    """Human-readable id for errors and logs, e.g. ``'model.layers.0.self_attn.qkv_proj.weight@tp1'``."""
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    assembled_dtype: str
+    pieces: tuple[Piece, ...]
+    transform: Transform
+    outputs: tuple[Output, ...]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Distinct source parameter names, in first-use order."""
+        seen: dict[str, None] = {}
+        for p in self.pieces:
+            if p.source is not None:
+                seen.setdefault(p.source, None)
+        return tuple(seen)
+
+    @property
+    def output_nbytes(self) -> int:
+        """Bytes written per receiving rank."""
+        return sum(box_numel(o.box) * itemsize(o.dtype) for o in self.outputs)
