@@ -1,0 +1,17 @@
+"""The receiving side: a minimal inference engine with vLLM's layouts and load_weights semantics
+(the oracle the reference transfer is verified against)."""
+from .engine import (
+    Engine,
+    dequantize_block_fp8,
+    engine_tensor_metas,
+    expected_from_checkpoint,
+    quantize_block_fp8,
+)
+
+__all__ = [
+    "Engine",
+    "dequantize_block_fp8",
+    "engine_tensor_metas",
+    "expected_from_checkpoint",
+    "quantize_block_fp8",
+]

@@ -1,0 +1,26 @@
+# Two commands on a fresh machine (see README):  make demo   |   make test
+# Both create .venv on first use. TORCH picks the torch requirement installed first: the CPU
+# 2.13.0 wheel by default (on this project's machines it installs from local disk, no CUDA
+# download). GPU users: `make TORCH=` to keep whatever `pip` resolves, or point PY at an
+# environment that already has torch: `make test PY=/path/to/python`.
+PY ?= .venv/bin/python
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test clean
+setup: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	@if [ -n "$(TORCH)" ]; then $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+demo: setup
+	$(PY) -m experiments run
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv *.egg-info .pytest_cache

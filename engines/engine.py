@@ -1,0 +1,536 @@
+"""A minimal inference engine: vLLM's parameter layouts and ``load_weights`` semantics.
+
+This is the receiving side of a weight transfer and the **independent oracle** the trainer-side
+recipes (``reference/mapping.py``) are verified against: after a transfer, every inference
+rank's arena bytes must equal what this engine's :meth:`Engine.load_weights` makes from the
+full checkpoint (:func:`expected_from_checkpoint`). It implements ``docs/LAYOUTS.md`` on its
+own, the way vLLM's weight loaders do (``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+``RowParallelLinear``, ``VocabParallelEmbedding``, ``FusedMoE``, block-FP8
+``process_weights_after_loading``); it shares no code with the reference beyond the metadata
+types, on purpose, so that a bug in one shows up as a byte mismatch instead of hiding.
+
+Example::
+
+    cfg = load_config("qwen3-0.6b", num_hidden_layers=2, vocab_size=1000)
+    eng = Engine(cfg, InferenceLayout(tp=2), rank=1)
+    eng.load_weights((name, ckpt[name]) for name in ckpt)   # full HF tensors
+    eng.process_weights_after_loading()                     # FP8 only; no-op otherwise
+    assert not eng.missing_after_load()
+    eng.arena            # one uint8 buffer holding every parameter, 16-byte aligned
+    eng.tensor_metas()   # [DestTensorMeta(rank, name, shape, dtype, offset, nbytes), ...]
+
+vLLM behaviour matched
+----------------------
+- names and module order of ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and
+  ``DeepseekV3ForCausalLM`` (``self_attn`` then ``mlp`` then the two layer norms, per layer;
+  ``lm_head`` last; MoE: router ``gate`` (+ float32 ``e_score_correction_bias``),
+  ``shared_experts``, ``experts``; FP8 scales after their weights, FusedMoE registers
+  ``w13_weight, w2_weight, w13_weight_scale_inv, w2_weight_scale_inv``);
+- stacked-parameter mapping (``q/k/v_proj`` -> ``qkv_proj`` shards ``"q"/"k"/"v"``;
+  ``gate/up_proj`` -> ``gate_up_proj`` shards 0/1; ``q_a_proj`` / ``kv_a_proj_with_mqa`` ->
+  ``fused_qkv_a_proj`` shards 0/1), expert mapping (``experts.{e}.gate/up/down_proj`` ->
+  ``w13_weight`` w1/w3 halves, ``w2_weight``; global -> local expert id; experts of other EP
+  ranks skipped);
+- TP slicing: column-parallel rows, row-parallel columns, GQA KV heads replicated on
+  ``T / nkv`` consecutive ranks when ``T > nkv``; vocab-parallel rows over
+  ``Vp = ceil(V/64)*64`` with padding rows explicitly zeroed on every load;
+- tied embeddings: no ``lm_head.weight`` tensor, a checkpoint ``lm_head.weight`` is skipped;
+  ``rotary_emb.inv_freq`` / ``cos_cached`` / ``sin_cached`` and DeepSeek's multi-token-
+  prediction layers (``model.layers.{L}`` for ``L >= num_hidden_layers``) are skipped like
+  vLLM (vLLM loads MTP in a separate draft model); every skip is recorded in
+  :attr:`Engine.skipped_names`;
+- FP8: the checkpoint arrives in BF16 and the engine re-quantizes after loading
+  (block 128x128, ``weight_scale_inv``), per expert slot for ``w13``/``w2``.
+
+Deliberate simplifications (documented in ``docs/LAYOUTS.md``)
+-------------------------------------------------------------
+- EP spans the ``T`` ranks of one instance (vLLM's EP group is ``dp * tp``); no EPLB /
+  redundant experts;
+- block-FP8 shards whose output size is not a multiple of 128 are accepted and zero-padded
+  (vLLM refuses some of these at TP > 1);
+- no biases, no pipeline parallelism, no pre-quantized FP8 checkpoints (a checkpoint
+  ``weight_scale_inv`` is refused: this engine makes its own scales);
+- the MLA without ``q_lora_rank`` variant (DeepSeek-V2-Lite style: ``q_proj`` column-parallel,
+  ``kv_a_proj_with_mqa`` replicated) follows vLLM although LAYOUTS.md does not list it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.catalog import ModelConfig
+from reference.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
+
+ALIGN = 16
+"""Byte alignment of every tensor's offset in the arena."""
+VOCAB_PAD = 64
+"""vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: vocab rows are padded to a multiple of this."""
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+# --------------------------------------------------------------------------------------------
+# block FP8 (the engine's own implementation; the arithmetic is fixed by docs/LAYOUTS.md)
+
+
+def quantize_block_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 block FP8 over the last two dims of ``x`` (``[..., N, K]``, any float dtype;
+    the oracle passes BF16). Returns ``(q, scale)``: ``q`` float8_e4m3fn ``[..., N, K]`` and
+    ``scale`` float32 ``[..., ceil(N/block), ceil(K/block)]`` with ``q * scale`` ~= ``x``.
+
+    Per block: ``scale = max(amax, 1e-12) / 448``, ``q = clamp(x / scale, -448, 448)`` (true
+    division), zero padding at the edges; an all-zero block gives scale ``1e-12/448`` and zeros.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"quantize_block_fp8 needs >= 2 dims, got shape {tuple(x.shape)}")
+    *lead, n, k = x.shape
+    nb, kb = math.ceil(n / block), math.ceil(k / block)
+    xf = x.to(torch.float32)
+    padded = torch.zeros(*lead, nb * block, kb * block, dtype=torch.float32, device=x.device)
+    padded[..., :n, :k] = xf
+    blocks = padded.reshape(*lead, nb, block, kb, block)
+    amax = blocks.abs().amax(dim=(-3, -1))                      # [..., nb, kb]
+    scale = torch.clamp(amax, min=1e-12) / FP8_MAX               # float32
+    q = torch.clamp(blocks / scale[..., :, None, :, None], -FP8_MAX, FP8_MAX)
+    q = q.to(torch.float8_e4m3fn).reshape(*lead, nb * block, kb * block)[..., :n, :k]
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """``q.float() * scale`` with each scale expanded over its ``block x block`` block."""
+    n, k = q.shape[-2:]
+    s = scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :n, :k]
+    return q.to(torch.float32) * s
+
+
+# --------------------------------------------------------------------------------------------
+# parameter descriptions
+
+
+@dataclass(slots=True)
+class _Param:
+    """One engine tensor: its vLLM name, local shape, dtype, how checkpoint tensors load into
+    it (``kind`` + ``info``) and which shards must be loaded for it to be complete."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    """replicated | vocab | column | row | merged | qkv | w13 | w2 | scale"""
+    info: dict = field(default_factory=dict)
+    shards: frozenset = frozenset({None})
+    """Shard keys a full load writes (``None`` for a plain tensor)."""
+    quantized: bool = False
+    """FP8 weight: loads go to a BF16 staging tensor, quantized after loading."""
+
+
+def _div(tensor: str, what: str, a: int, b: int) -> int:
+    if b <= 0 or a % b:
+        raise ValueError(f"{tensor}: {what}={a} is not divisible by tp={b}")
+    return a // b
+
+
+class _Builder:
+    """Builds one rank's ordered parameter list (vLLM module order)."""
+
+    def __init__(self, cfg: ModelConfig, layout: InferenceLayout, tp_rank: int):
+        self.cfg, self.layout, self.r, self.T = cfg, layout, tp_rank, layout.tp
+        self.fp8 = layout.quant == "fp8"
+        self.dt = layout.dtype
+        self.params: list[_Param] = []
+
+    # generic adders ---------------------------------------------------------------------------
+    def plain(self, name, shape, kind="replicated", dtype=None, **info):
+        self.params.append(_Param(name, tuple(shape), dtype or self.dt, kind, info))
+
+    def linear(self, name, shape, kind, shards=frozenset({None}), **info):
+        """A linear layer's ``weight`` (+ FP8 ``weight_scale_inv``)."""
+        n, k = shape
+        w = f"{name}.weight"
+        if self.fp8:
+            self.params.append(_Param(w, (n, k), "float8_e4m3fn", kind, info, frozenset(shards), True))
+            self.params.append(_Param(f"{name}.weight_scale_inv",
+                                      (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)),
+                                      "float32", "scale", {"weight": w}))
+        else:
+            self.params.append(_Param(w, (n, k), self.dt, kind, info, frozenset(shards)))
+
+    def mlp(self, p: str, inter: int):
+        """Dense (or shared-expert) MLP: MergedColumnParallel gate_up + RowParallel down."""
+        H = self.cfg.hidden_size
+        il = _div(f"{p}.gate_up_proj.weight", "intermediate_size", inter, self.T)
+        self.linear(f"{p}.gate_up_proj", (2 * il, H), "merged", {0, 1},
+                    sizes=(inter, inter), in_features=H)
+        self.linear(f"{p}.down_proj", (H, il), "row", full=(H, inter))
+
+    # architecture pieces -------------------------------------------------------------------
+    def qwen3_attn(self, p: str):
+        cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = f"{p}.qkv_proj.weight"
+        nhl = _div(qkv, "num_attention_heads", nh, T)
+        if T <= nkv:
+            kvr = _div(qkv, "num_key_value_heads", nkv, T)
+            replicas = 1
+        else:
+            if T % nkv:
+                raise ValueError(f"{qkv}: tp={T} > num_key_value_heads={nkv} and tp is not a "
+                                 f"multiple of it (KV heads cannot be replicated evenly)")
+            kvr, replicas = 1, T // nkv
+        self.linear(f"{p}.qkv_proj", ((nhl + 2 * kvr) * hd, H), "qkv", {"q", "k", "v"},
+                    nh=nh, nkv=nkv, hd=hd, nhl=nhl, kvr=kvr, replicas=replicas, in_features=H)
+        self.linear(f"{p}.o_proj", (H, nhl * hd), "row", full=(H, nh * hd))
+        self.plain(f"{p}.q_norm.weight", (hd,))
+        self.plain(f"{p}.k_norm.weight", (hd,))
+
+    def mla_attn(self, p: str):
+        cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
+        nh = cfg.num_heads
+        qlr, kvlr = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+        nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        qk = nope + rope
+        if qlr:
+            nhl = _div(f"{p}.q_b_proj.weight", "num_attention_heads", nh, T)
+            self.linear(f"{p}.fused_qkv_a_proj", (qlr + kvlr + rope, H), "merged_replicated",
+                        {0, 1}, sizes=(qlr, kvlr + rope), in_features=H)
+            self.plain(f"{p}.q_a_layernorm.weight", (qlr,))
+            self.linear(f"{p}.q_b_proj", (nhl * qk, qlr), "column", full=(nh * qk, qlr))
+        else:
+            nhl = _div(f"{p}.q_proj.weight", "num_attention_heads", nh, T)
+            self.linear(f"{p}.q_proj", (nhl * qk, H), "column", full=(nh * qk, H))
+            self.linear(f"{p}.kv_a_proj_with_mqa", (kvlr + rope, H), "replicated")
+        self.plain(f"{p}.kv_a_layernorm.weight", (kvlr,))
+        self.linear(f"{p}.kv_b_proj", (nhl * (nope + vd), kvlr), "column", full=(nh * (nope + vd), kvlr))
+        self.linear(f"{p}.o_proj", (H, nhl * vd), "row", full=(H, nh * vd))
+
+    def moe(self, p: str):
+        cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
+        E, mI, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_shared_experts
+        self.plain(f"{p}.gate.weight", (E, H))
+        if cfg.is_mla:
+            self.plain(f"{p}.gate.e_score_correction_bias", (E,), dtype="float32")
+        if S:
+            self.mlp(f"{p}.shared_experts", S * mI)
+        w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
+        if self.layout.ep:
+            el = _div(w13, "num_experts", E, T)
+            first, il = self.r * el, mI
+        else:
+            el, first = E, 0
+            il = _div(w13, "moe_intermediate_size", mI, T)
+        local = range(first, first + el)
+        info = dict(E=E, el=el, first=first, il=il, mI=mI, H=H, tp_slice=not self.layout.ep)
+        wdt = "float8_e4m3fn" if self.fp8 else self.dt
+        self.params.append(_Param(w13, (el, 2 * il, H), wdt, "w13", info,
+                                  frozenset((e, s) for e in local for s in ("w1", "w3")), self.fp8))
+        self.params.append(_Param(w2, (el, H, il), wdt, "w2", info,
+                                  frozenset((e, "w2") for e in local), self.fp8))
+        if self.fp8:
+            b = FP8_BLOCK
+            self.params.append(_Param(f"{w13}_scale_inv", (el, math.ceil(2 * il / b), math.ceil(H / b)),
+                                      "float32", "scale", {"weight": w13}))
+            self.params.append(_Param(f"{w2}_scale_inv", (el, math.ceil(H / b), math.ceil(il / b)),
+                                      "float32", "scale", {"weight": w2}))
+
+    def vocab(self, name: str):
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        vp = math.ceil(V / VOCAB_PAD) * VOCAB_PAD
+        vl = _div(name, "padded vocab_size", vp, self.T)
+        self.plain(name, (vl, H), "vocab", V=V, start=self.r * vl)
+
+    def build(self) -> list[_Param]:
+        cfg, H = self.cfg, self.cfg.hidden_size
+        self.vocab("model.embed_tokens.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            if cfg.is_mla:
+                self.mla_attn(f"{p}.self_attn")
+            else:
+                self.qwen3_attn(f"{p}.self_attn")
+            if cfg.is_moe_layer(i):
+                self.moe(f"{p}.mlp")
+            else:
+                self.mlp(f"{p}.mlp", cfg["intermediate_size"])
+            self.plain(f"{p}.input_layernorm.weight", (H,))
+            self.plain(f"{p}.post_attention_layernorm.weight", (H,))
+        self.plain("model.norm.weight", (H,))
+        if not cfg.tie_word_embeddings:
+            self.vocab("lm_head.weight")
+        return self.params
+
+
+def _plan(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[tuple[_Param, int, int]]:
+    """``(param, byte offset, nbytes)`` per tensor of ``rank``, in order, offsets 16-aligned."""
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} out of range for layout {layout.describe()} "
+                         f"({layout.world_size} ranks)")
+    out, off = [], 0
+    for p in _Builder(cfg, layout, rank % layout.tp).build():
+        off = -(-off // ALIGN) * ALIGN
+        nbytes = math.prod(p.shape) * torch_dtype(p.dtype).itemsize
+        out.append((p, off, nbytes))
+        off += nbytes
+    return out
+
+
+def engine_tensor_metas(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[DestTensorMeta]:
+    """What :meth:`Engine.tensor_metas` returns, computed without allocating the arena (for
+    planning at the scale of Kimi-K2, where one rank's arena is many GB)."""
+    return [DestTensorMeta(rank=rank, name=p.name, shape=p.shape, dtype=p.dtype, offset=o, nbytes=n)
+            for p, o, n in _plan(cfg, layout, rank)]
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED = {
+    # checkpoint suffix -> (engine suffix, shard id); MLA entries only apply with q_lora_rank
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", "q"),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", "k"),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", "v"),
+    "self_attn.q_a_proj.weight": ("self_attn.fused_qkv_a_proj.weight", 0),
+    "self_attn.kv_a_proj_with_mqa.weight": ("self_attn.fused_qkv_a_proj.weight", 1),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 0),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 1),
+}
+
+
+class Engine:
+    """One inference rank: its parameters (vLLM names and shapes, views into one zeroed
+    ``uint8`` arena) and vLLM's ``load_weights`` semantics. See the module docstring.
+
+    ``rank`` is the inference rank (replica ``rank // tp``, TP rank ``rank % tp``); replicas
+    hold identical bytes. ``device`` is where the arena lives (CPU by default).
+    Raises ValueError naming the tensor and sizes when the layout does not divide the model.
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: InferenceLayout, rank: int, device: str | torch.device = "cpu"):
+        self.cfg, self.layout, self.rank = cfg, layout, rank
+        self.tp_rank = rank % layout.tp
+        plan = _plan(cfg, layout, rank)
+        total = -(-(plan[-1][1] + plan[-1][2]) // ALIGN) * ALIGN if plan else 0
+        self.arena = torch.zeros(total, dtype=torch.uint8, device=device)
+        """Every parameter of this rank, back to back (16-byte aligned offsets)."""
+        self._specs: dict[str, _Param] = {}
+        self._params: dict[str, torch.Tensor] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}
+        for p, off, n in plan:
+            view = self.arena[off:off + n].view(torch_dtype(p.dtype)).view(p.shape)
+            self._specs[p.name], self._params[p.name], self._offsets[p.name] = p, view, (off, n)
+        self._written: dict[str, set] = {name: set() for name in self._specs}
+        """Shard keys written into each tensor (FP8 weights/scales: when quantized)."""
+        self._staging: dict[str, tuple[torch.Tensor, set]] = {}
+        """FP8 weight name -> (rank-local BF16 tensor, shard keys loaded this round)."""
+        self.loaded_names: set[str] = set()
+        """Engine tensors some checkpoint tensor has written (at least one shard)."""
+        self.skipped_names: list[str] = []
+        """Checkpoint names ignored on purpose (tied lm_head, rotary buffers, MTP layers,
+        experts of other EP ranks)."""
+
+    # ------------------------------------------------------------------------------ metadata
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """vLLM name -> tensor (a view into :attr:`arena`), in arena order."""
+        return dict(self._params)
+
+    def tensor_metas(self) -> list[DestTensorMeta]:
+        return [DestTensorMeta(rank=self.rank, name=n, shape=tuple(self._params[n].shape),
+                               dtype=dtype_name(self._params[n].dtype), offset=o, nbytes=nb)
+                for n, (o, nb) in self._offsets.items()]
+
+    def missing_after_load(self) -> list[str]:
+        """Engine tensors that are not completely written (some shard never loaded, or an FP8
+        weight not yet quantized by :meth:`process_weights_after_loading`), in arena order."""
+        out = []
+        for name, spec in self._specs.items():
+            if spec.kind == "scale":
+                if not self._written[name]:
+                    out.append(name)
+            elif not spec.shards <= self._written[name]:
+                out.append(name)
+        return out
+
+    # --------------------------------------------------------------------------- loading
+    def _route(self, name: str) -> list[tuple[str, object]]:
+        """Checkpoint name -> [(engine tensor, shard id)], [] when skipped. KeyError if unknown."""
+        cfg = self.cfg
+        if name.endswith(_SKIP_SUFFIXES):
+            return []
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return []  # vLLM: skip_prefixes=["lm_head."] when tied
+        m = _LAYER.match(name)
+        if m is None:
+            if self._direct(name):
+                return [(name, None)]
+            raise KeyError(f"unknown checkpoint tensor {name!r}: no engine parameter for it "
+                           f"({cfg.label}, {self.layout.describe()})")
+        layer, suffix = int(m.group(1)), m.group(2)
+        if cfg.is_mla and cfg.num_layers <= layer < cfg.num_layers + (cfg.get("num_nextn_predict_layers") or 0):
+            return []  # multi-token-prediction layer: loaded by a separate draft model in vLLM
+        pre = f"model.layers.{layer}."
+        em = _EXPERT.match(suffix)
+        if em is not None:
+            e, which = int(em.group(1)), em.group(2)
+            target = pre + ("mlp.experts.w2_weight" if which == "down" else "mlp.experts.w13_weight")
+            spec = self._specs.get(target)
+            if spec is None or e >= spec.info["E"]:
+                raise KeyError(f"unknown checkpoint tensor {name!r}: no such expert "
+                               f"({cfg.label}, {self.layout.describe()})")
+            if not spec.info["first"] <= e < spec.info["first"] + spec.info["el"]:
+                return []  # expert lives on another EP rank
+            return [(target, (e, {"gate": "w1", "up": "w3", "down": "w2"}[which]))]
+        if suffix in _STACKED:
+            target, shard = _STACKED[suffix]
+            if pre + target in self._specs:
+                return [(pre + target, shard)]
+        full = pre + suffix
+        if self._direct(full):
+            return [(full, None)]
+        raise KeyError(f"unknown checkpoint tensor {name!r}: no engine parameter for it "
+                       f"({cfg.label}, {self.layout.describe()})")
+
+    def _direct(self, name: str) -> bool:
+        """Whether engine tensor ``name`` loads from a checkpoint tensor of the same name (not
+        a fused tensor, which only loads through its shards, and not an FP8 scale)."""
+        spec = self._specs.get(name)
+        return spec is not None and spec.kind != "scale" and spec.shards == frozenset({None})
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load full checkpoint tensors by Hugging Face name (vLLM semantics; see module
+        docstring). Returns the engine tensors written. KeyError names an unknown checkpoint
+        tensor; ValueError names a tensor whose shape does not match the model."""
+        touched: set[str] = set()
+        for name, w in weights:
+            targets = self._route(name)
+            if not targets:
+                self.skipped_names.append(name)
+                continue
+            for target, shard in targets:
+                self._load_one(name, target, shard, w)
+                touched.add(target)
+        self.loaded_names |= touched
+        return touched
+
+    def _load_one(self, src_name: str, target: str, shard, w: torch.Tensor) -> None:
+        spec = self._specs[target]
+        if spec.quantized:
+            # BF16 staging, exactly the rank-local tensor that will be quantized
+            if target not in self._staging:
+                self._staging[target] = (torch.zeros(spec.shape, dtype=torch.bfloat16, device=self.arena.device), set())
+            dst, loaded = self._staging[target]
+            cast = torch.bfloat16
+        else:
+            dst, loaded = self._params[target], self._written[target]
+            cast = dst.dtype
+        for dst_idx, src_idx, src_shape in self._pieces(spec, shard, src_name):
+            if tuple(w.shape) != src_shape:
+                raise ValueError(f"{src_name}: checkpoint shape {tuple(w.shape)} != expected "
+                                 f"{src_shape} (for {target} of {self.cfg.label})")
+            if src_idx is None:  # zero fill
+                dst[dst_idx].zero_()
+                continue
+            dst[dst_idx].copy_(w[src_idx].to(device=dst.device, dtype=cast))
+        loaded.add(shard)
+
+    def _pieces(self, spec: _Param, shard, src: str):
+        """``(dst index, src index, expected full source shape)`` per copy for one shard of
+        ``spec`` (``src index`` None: zero ``dst[dst index]``). The weight-loader logic."""
+        r, T, info, shape = self.tp_rank, self.layout.tp, spec.info, spec.shape
+        k = spec.kind
+        if k == "replicated":
+            return [(..., ..., shape)]
+        if k == "vocab":
+            V, start, vl = info["V"], info["start"], shape[0]
+            stop = min(start + vl, V)
+            n = max(stop - start, 0)
+            out = [(slice(0, n), slice(start, start + n), (V, shape[1]))]
+            if n < vl:
+                out.append((slice(n, vl), None, (V, shape[1])))  # padding rows: zero
+            return out
+        if k == "column":
+            n = shape[0]
+            return [(..., slice(r * n, (r + 1) * n), info["full"])]
+        if k == "row":
+            c = shape[1]
+            return [(..., (slice(None), slice(r * c, (r + 1) * c)), info["full"])]
+        if k == "merged":  # MergedColumnParallelLinear: each shard TP-sliced, then stacked
+            sizes = info["sizes"]
+            local = [s // T for s in sizes]
+            off = sum(local[:shard])
+            n = local[shard]
+            return [(slice(off, off + n), slice(r * n, (r + 1) * n), (sizes[shard], info["in_features"]))]
+        if k == "merged_replicated":  # MergedReplicatedLinear (MLA fused_qkv_a_proj)
+            sizes = info["sizes"]
+            off = sum(sizes[:shard])
+            return [(slice(off, off + sizes[shard]), ..., (sizes[shard], info["in_features"]))]
+        if k == "qkv":  # QKVParallelLinear
+            hd, nhl, kvr = info["hd"], info["nhl"], info["kvr"]
+            if shard == "q":
+                n = nhl * hd
+                return [(slice(0, n), slice(r * n, (r + 1) * n), (info["nh"] * hd, info["in_features"]))]
+            n = kvr * hd
+            off = nhl * hd + (0 if shard == "k" else n)
+            head_block = r // info["replicas"]
+            return [(slice(off, off + n), slice(head_block * n, (head_block + 1) * n),
+                     (info["nkv"] * hd, info["in_features"]))]
+        if k in ("w13", "w2"):  # FusedMoE: global expert -> local slot, TP-slice unless EP
+            e, which = shard
+            j = e - info["first"]
+            il, mI, H = info["il"], info["mI"], info["H"]
+            tp_lo = r * il if info["tp_slice"] else 0
+            if which == "w2":
+                return [(j, (slice(None), slice(tp_lo, tp_lo + il)), (H, mI))]
+            off = 0 if which == "w1" else il
+            return [((j, slice(off, off + il)), slice(tp_lo, tp_lo + il), (mI, H))]
+        raise KeyError(f"{spec.name} ({k}) is not loadable from a checkpoint tensor ({src})")
+
+    def process_weights_after_loading(self) -> None:
+        """Quantize every staged FP8 tensor (block 128x128; per expert slot for ``w13``/``w2``)
+        into its float8 weight and float32 ``weight_scale_inv``, then free the staging.
+        ValueError names a staged tensor some shard of which was never loaded. FP8 tensors not
+        staged at all are left as they are (and reported by :meth:`missing_after_load`).
+        No-op for non-quantized layouts."""
+        incomplete = [f"{n} (missing shards {sorted(map(str, self._specs[n].shards - loaded))})"
+                      for n, (_, loaded) in self._staging.items() if not self._specs[n].shards <= loaded]
+        if incomplete:
+            raise ValueError("FP8 staging incomplete, refusing to quantize: " + "; ".join(incomplete))
+        scale_of = {s.info["weight"]: s.name for s in self._specs.values() if s.kind == "scale"}
+        for name, (bf16, loaded) in self._staging.items():
+            q, s = quantize_block_fp8(bf16)
+            sname = scale_of[name]
+            self._params[name].copy_(q)
+            self._params[sname].copy_(s)
+            self._written[name] |= loaded
+            self._written[sname].add(None)
+            self.loaded_names.add(sname)
+        self._staging.clear()
+
+    def staged_bf16(self) -> dict[str, torch.Tensor]:
+        """The BF16 tensors waiting for :meth:`process_weights_after_loading` (for tests)."""
+        return {n: t for n, (t, _) in self._staging.items()}
+
+
+def expected_from_checkpoint(cfg: ModelConfig, layout: InferenceLayout, rank: int,
+                             get_tensor: Callable[[str], torch.Tensor], names: Iterable[str],
+                             *, strict: bool = False) -> Engine:
+    """The oracle: a fresh :class:`Engine` for ``rank`` that loaded ``get_tensor(n)`` for every
+    name in ``names`` and ran :meth:`Engine.process_weights_after_loading`. Compare its
+    ``arena`` bytes with a transferred rank's. ``strict=True`` also raises ValueError naming
+    the engine tensors the names left incomplete."""
+    eng = Engine(cfg, layout, rank)
+    eng.load_weights((n, get_tensor(n)) for n in names)
+    eng.process_weights_after_loading()
+    if strict and (missing := eng.missing_after_load()):
+        raise ValueError(f"rank {rank}: checkpoint left {len(missing)} engine tensors incomplete: "
+                         + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
+    return eng

@@ -1,0 +1,72 @@
+"""Trial configuration: one method x one model x one world shape x one watermark."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reference.catalog import ModelConfig, load_config
+from reference.types import InferenceLayout
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialConfig:
+    """Everything a trial needs; every process gets a copy.
+
+    The default is the README's main job: Qwen3-0.6B (the real published architecture: 28
+    layers, GQA 16/8 heads, tied embeddings; 1.19 GB in BF16) from 2 FSDP2 training ranks
+    to one TP=2 inference instance, over cross-memory attach.
+    """
+
+    model: str = "qwen3-0.6b"
+    """Catalog name (``reference/configs/<model>.json``)."""
+    overrides: dict = field(default_factory=dict)
+    """HF-config overrides for a smaller variant, e.g. ``{"num_hidden_layers": 4}``."""
+    n_train: int = 2
+    """Training ranks (processes), one FSDP2 DeviceMesh over all of them."""
+    tp: int = 2
+    """Inference tensor-parallel size (ranks per engine instance)."""
+    dp: int = 1
+    """Inference replicas (engine instances, each receiving a full copy)."""
+    ep: bool = False
+    """Place MoE experts expert-parallel over each instance's TP ranks."""
+    quant: str | None = None
+    """``None`` or ``"fp8"`` (block FP8 e4m3 with ``weight_scale_inv``) on the inference side."""
+    train_dtype: str = "bfloat16"
+    """Training copy dtype: ``"bfloat16"`` or ``"float32"`` (fp32 masters, cast on the way)."""
+    method: str = "reference"
+    transport: str = "cma"
+    steps: int = 5
+    """Measured updates."""
+    warmup: int = 1
+    """Updates before the measured ones (verified, not timed)."""
+    seed: int = 0
+    max_chunk_bytes: int = 64 << 20
+    """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
+    timeout: float = 120.0
+    """Seconds a control-plane wait may take before the missing ranks are named."""
+    poison: bool = True
+    """Fill inference memory with 0xA5 before the first update (C11: a no-op cannot verify)."""
+    verify: bool = True
+
+    def __post_init__(self):
+        if self.n_train < 1:
+            raise ValueError(f"n_train={self.n_train}: need at least one training rank")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1, warmup >= 0")
+        if self.train_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
+        self.layout  # validates tp/dp/quant
+
+    @property
+    def layout(self) -> InferenceLayout:
+        return InferenceLayout(tp=self.tp, dp=self.dp, ep=self.ep, quant=self.quant)
+
+    @property
+    def n_infer(self) -> int:
+        return self.tp * self.dp
+
+    def model_config(self) -> ModelConfig:
+        return load_config(self.model, **self.overrides)
+
+    @property
+    def dtype_override(self) -> str | None:
+        return None if self.train_dtype == "bfloat16" else self.train_dtype

@@ -1,0 +1,74 @@
+"""Tables in the nccl-tests shape and tidy CSV rows.
+
+Table: ``#`` header lines with the environment and world shape, a column-name row and a units
+row, fixed-width rows (one per update), and a footer with the summary and correctness.
+Columns are defined in docs/PERFORMANCE.md. Only raw ``bytes`` and ``seconds`` are stored in
+the CSV; GB/s in the table is ``bytes / seconds / 1e9``.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import pandas as pd
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); numpy's default method."""
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def format_table(result) -> str:
+    cfg, env, rows = result.cfg, result.env, result.rows
+    mcfg = cfg.model_config()
+    lines = [
+        f"# weight-transfer trial: method={cfg.method} transport={cfg.transport}",
+        f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
+        f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
+        f"# training: {cfg.n_train} rank(s), FSDP2 Shard(0) on DeviceMesh({cfg.n_train},), {cfg.train_dtype}",
+        f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype})",
+        f"# plan: {result.schedule_summary}; computed once in {result.plan_seconds:.3f} s",
+        "#",
+        f"{'step':>6} {'bytes':>14} {'time':>10} {'algbw':>8} {'writes':>8} {'peak_tmp':>10} {'verified':>9}",
+        f"{'':>6} {'(B)':>14} {'(s)':>10} {'(GB/s)':>8} {'':>8} {'(MB)':>10} {'':>9}",
+    ]
+    for r in rows:
+        v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
+        note = "  (warmup)" if r["warmup"] else ""
+        lines.append(f"{r['step']:>6} {r['bytes']:>14} {r['seconds']:>10.4f} {r['bytes'] / r['seconds'] / 1e9:>8.3f} "
+                     f"{r['n_writes']:>8} {r['peak_temp_bytes'] / 1e6:>10.1f} {v:>9}{note}")
+    meas = [r for r in rows if not r["warmup"]]
+    secs = [r["seconds"] for r in meas]
+    n_ok = sum(1 for r in rows if r["verified"])
+    if meas:
+        med = statistics.median(secs)
+        lines += [
+            "#",
+            f"# measured updates: {len(meas)}; seconds p50 {med:.4f}  p99 {percentile(secs, 99):.4f}  "
+            f"min {min(secs):.4f}  max {max(secs):.4f}",
+            f"# bytes per update: {meas[0]['bytes']} ({meas[0]['bytes'] / 1e9:.3f} GB); algbw at p50: "
+            f"{meas[0]['bytes'] / med / 1e9:.3f} GB/s",
+        ]
+    if result.memcpy_gbps:
+        lines.append(f"# memcpy on this machine (same run, 1 thread, 256 MiB): {result.memcpy_gbps:.2f} GB/s")
+    lines.append(f"# verified bit-exact against the engine's load_weights: {n_ok}/{len(rows)} updates"
+                 + ("" if n_ok == len(rows) else "  <-- FAILED"))
+    for r in rows:
+        if r.get("verify_error"):
+            lines.append(f"#   step {r['step']}: {r['verify_error']}")
+    return "\n".join(lines)
+
+
+def append_csv(rows: list[dict], path: str | os.PathLike) -> Path:
+    """Append tidy rows to ``path`` (created with a header if absent; columns unioned)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows)
+    if path.exists() and path.stat().st_size > 0:
+        old = pd.read_csv(path)
+        df = pd.concat([old, df], ignore_index=True)
+    df.to_csv(path, index=False)
+    return path

@@ -1,0 +1,154 @@
+"""One trial, launched locally: controller in this process, every rank its own OS process.
+
+Flow (DESIGN.md "control plane"): start the TCPStore, spawn ``n_train`` training ranks and
+``n_infer`` inference ranks, collect their metadata, build the recipes and the static schedule
+once, hand each training rank its part, then per update: "load" (the optimizer-step stand-in),
+"go", wait for every completion, publish the version, wait for every inference rank's
+verification. One tidy row per update.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from reference import control
+from reference.mapping import build_recipes
+from reference.planner import Schedule, plan
+
+from .config import TrialConfig
+from .worker import inference_main, trainer_main
+
+
+@dataclass
+class TrialResult:
+    cfg: TrialConfig
+    rows: list[dict]
+    schedule_summary: str
+    plan_seconds: float
+    memcpy_gbps: float | None = None
+    env: dict = field(default_factory=dict)
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def environment() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(terse=True),
+        "git_sha": git_sha(),
+    }
+
+
+def measure_memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Best-of-``repeats`` single-thread torch copy bandwidth, GB/s (1e9 B/s)."""
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+class _Procs:
+    def __init__(self):
+        self.train: dict[int, mp.Process] = {}
+        self.infer: dict[int, mp.Process] = {}
+
+    @staticmethod
+    def _dead(ps: dict[int, mp.Process]) -> dict[int, str]:
+        return {r: f"process {p.pid} exited with code {p.exitcode}" for r, p in ps.items()
+                if p.exitcode is not None and p.exitcode != 0}
+
+    def dead_train(self):
+        return self._dead(self.train)
+
+    def dead_infer(self):
+        return self._dead(self.infer)
+
+    def all(self):
+        return list(self.train.values()) + list(self.infer.values())
+
+
+def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
+    """Run one trial locally; raises PlanError / ControlError with a one-line cause first."""
+    env = environment()
+    memcpy = measure_memcpy_gbps()
+    store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.timeout)
+    addr = ("127.0.0.1", store.port)
+    ctx = mp.get_context("spawn")
+    procs = _Procs()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for r in range(cfg.n_train):
+        procs.train[r] = ctx.Process(target=trainer_main, args=(cfg, r, addr), name=f"train{r}", daemon=True)
+    for i in range(cfg.n_infer):
+        procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr), name=f"infer{i}", daemon=True)
+    for p in procs.all():
+        p.start()
+    ctl = control.Controller(store, cfg.n_train, cfg.n_infer, timeout=cfg.timeout,
+                             liveness_train=procs.dead_train, liveness_infer=procs.dead_infer)
+    run_id = uuid.uuid4().hex[:12]
+    rows: list[dict] = []
+    try:
+        train_metas, infer = ctl.collect()
+        t0 = time.perf_counter()
+        mcfg = cfg.model_config()
+        recipes = build_recipes(mcfg, cfg.layout)
+        sched = plan(recipes, train_metas, {i: metas for i, (_, metas) in infer.items()},
+                     max_chunk_bytes=cfg.max_chunk_bytes)
+        plan_s = time.perf_counter() - t0
+        ctl.publish_plan(sched, {i: desc for i, (desc, _) in infer.items()})
+        for step in range(1, cfg.warmup + cfg.steps + 1):
+            ctl.load(step)
+            seconds, results = ctl.transfer(step)
+            ver = ctl.verified(step) if cfg.verify else {}
+            ok = all(v.get("ok") for v in ver.values()) if cfg.verify else None
+            stats = [res["stats"] for res in results.values()]
+            row = {
+                "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
+                "train_dtype": cfg.train_dtype, "n_train": cfg.n_train, "n_infer": cfg.n_infer,
+                "layout": cfg.layout.describe(), "watermark": None, "transport": cfg.transport, "step": step,
+                "warmup": step <= cfg.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
+                "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
+                "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
+            }
+            if cfg.verify and not ok:
+                bad = {i: v for i, v in ver.items() if not v.get("ok")}
+                row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')}"
+                                                for i, v in sorted(bad.items()))
+            rows.append(row)
+            if progress:
+                progress(row)
+        ctl.shutdown()
+    except BaseException as e:
+        ctl.shutdown(reason=f"controller: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        for p in procs.all():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        raise
+    for p in procs.all():
+        p.join(timeout=30)
+        if p.is_alive():
+            p.terminate()
+    return TrialResult(cfg, rows, sched.summary(), plan_s, memcpy, env)

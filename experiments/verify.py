@@ -1,0 +1,56 @@
+"""Independent, bit-exact verification of an inference rank after an update.
+
+The expected bytes come from the engine's *own* ``load_weights`` (the oracle: vLLM loader
+semantics, written separately from the trainer-side recipes) fed with the full synthetic
+checkpoint of that step. Every byte of every destination tensor is compared, including byte 0
+and each tensor's first and last byte; bytes of the region that belong to no tensor (alignment
+gaps) must be unchanged since registration (nothing wrote outside a tensor).
+"""
+from __future__ import annotations
+
+import torch
+
+from reference.catalog import ModelConfig, param_specs
+from reference.types import InferenceLayout
+from reference.weights import SyntheticCheckpoint
+
+
+def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
+                    dtype_override: str | None = None):
+    """A fresh engine loaded through ``load_weights`` with the full checkpoint of ``step``."""
+    from engines import expected_from_checkpoint
+
+    ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override)
+    return expected_from_checkpoint(mcfg, layout, rank, ckpt.__getitem__, ckpt.names())
+
+
+def compare_engines(live, expected, *, max_report: int = 5) -> dict:
+    """Compare every destination tensor of ``live`` with ``expected`` byte for byte.
+    Returns {"ok", "bytes_checked", "mismatches": [(name, n_bad_bytes, first_bad_offset)]}."""
+    lp, ep = live.named_parameters(), expected.named_parameters()
+    bad = []
+    checked = 0
+    if set(lp) != set(ep):
+        return {"ok": False, "bytes_checked": 0, "mismatches": [("<tensor set differs>", 0, 0)]}
+    for name, t in lp.items():
+        a = t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        b = ep[name].contiguous().view(-1).view(torch.uint8) if t.numel() else a
+        checked += a.numel()
+        if not torch.equal(a, b):
+            diff = (a != b).nonzero()
+            bad.append((name, int(diff.numel()), int(diff[0])))
+    return {"ok": not bad, "bytes_checked": checked, "mismatches": bad[:max_report], "n_mismatched_tensors": len(bad)}
+
+
+def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
+                  dtype_override: str | None = None, gaps=None) -> dict:
+    """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``."""
+    exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override)
+    res = compare_engines(engine, exp)
+    if gaps:
+        raw = engine.arena
+        touched = [(a, b) for a, b, before in gaps if bytes(raw[a:b].tolist()) != before]
+        if touched:
+            res["ok"] = False
+            res["gaps_written"] = touched[:5]
+    return res

@@ -1,0 +1,81 @@
+"""Reference FP8 block quantizer (DeepSeek-V3 ``weight_scale_inv`` format).
+
+DeepSeek-V3 / Kimi-K2 serve their linear weights as ``float8_e4m3fn`` with one float32 scale
+per 128x128 block of the ``[out_features, in_features]`` matrix, stored next to the weight as
+``<name>.weight_scale_inv`` of shape ``[ceil(N/128), ceil(K/128)]`` (the dequantized value is
+``q * weight_scale_inv``; edge blocks are zero padded). See the ``quantization_config`` of
+https://huggingface.co/deepseek-ai/DeepSeek-V3 (``"weight_block_size": [128, 128]``).
+
+The arithmetic follows ``docs/LAYOUTS.md`` bit for bit::
+
+    x     = tensor -> float32, zero padded to a multiple of 128 in the last two dims
+    amax  = max |x_b| over each 128x128 block b                   (float32)
+    scale = max(amax, 1e-12) / 448.0                             (float32)
+    q_b   = clamp(x_b / scale, -448, 448).to(float8_e4m3fn)      (true division)
+
+Leading dimensions are batched (an expert slab ``[El, N, K]`` gets a scale ``[El, nb, kb]``,
+each slot quantized on its own). Everything is vectorized over blocks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` value."""
+SCALE_EPS = 1e-12
+"""Floor of a block's amax, so an all-zero block gets a tiny positive scale instead of 0."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_shape(shape: tuple[int, ...], block: int = 128) -> tuple[int, ...]:
+    """Shape of ``weight_scale_inv`` for a weight of ``shape``: last two dims divided by
+    ``block``, rounded up; leading dims unchanged."""
+    if len(shape) < 2:
+        raise ValueError(f"fp8 block quantization needs >= 2 dims, got shape {tuple(shape)}")
+    return (*shape[:-2], _cdiv(shape[-2], block), _cdiv(shape[-1], block))
+
+
+def quantize_fp8_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` ``[..., N, K]`` to FP8 e4m3 with one float32 scale per ``block x block``
+    block of the last two dims.
+
+    Returns ``(q, scale)``: ``q`` of ``x``'s shape in ``torch.float8_e4m3fn`` (contiguous) and
+    ``scale`` ``[..., ceil(N/block), ceil(K/block)]`` float32, the DeepSeek-V3
+    ``weight_scale_inv``. ``x`` may be any floating dtype and need not be contiguous; callers
+    that serve BF16 pass the BF16 tensor (it is widened to float32 exactly).
+    """
+    if x.dim() < 2:
+        raise ValueError(f"quantize_fp8_block: need >= 2 dims, got shape {tuple(x.shape)}")
+    *lead, N, K = x.shape
+    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    xf = x.to(torch.float32)
+    if nb * block != N or kb * block != K:
+        xf = F.pad(xf, (0, kb * block - K, 0, nb * block - N))
+    xb = xf.reshape(*lead, nb, block, kb, block)
+    amax = xb.abs().amax(dim=(-3, -1))  # [..., nb, kb]
+    scale = torch.clamp_min(amax, SCALE_EPS) / FP8_MAX
+    q = torch.clamp(xb / scale[..., :, None, :, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(*lead, nb * block, kb * block)
+    if nb * block != N or kb * block != K:
+        q = q[..., :N, :K]
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_block(
+    q: torch.Tensor, scale: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_block`: ``q * weight_scale_inv`` broadcast over each
+    block, in ``dtype`` (float32 by default)."""
+    *lead, N, K = q.shape
+    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    if tuple(scale.shape) != (*lead, nb, kb):
+        raise ValueError(
+            f"dequantize_fp8_block: scale shape {tuple(scale.shape)} does not match weight "
+            f"{tuple(q.shape)} (expected {(*lead, nb, kb)})"
+        )
+    s = scale.to(torch.float32).repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return (q.to(torch.float32) * s[..., :N, :K]).to(dtype)

@@ -1,0 +1,175 @@
+"""The training side: a module built from the catalog, sharded with FSDP2 on a DeviceMesh, and
+the metadata each rank publishes.
+
+Two ways to place parameters, both giving DTensors:
+
+- :func:`build_fsdp_model` (default): an ``nn.Module`` tree whose parameter names are the
+  Hugging Face checkpoint names, built on the meta device, each decoder layer and then the root
+  wrapped with FSDP2 ``fully_shard`` (``Shard(0)`` on a 1-D mesh, or HSDP
+  ``(Replicate(), Shard(0))`` on a 2-D mesh), then materialized with ``to_empty`` so a rank
+  only ever allocates its own shards. This is what an FSDP2 trainer (torchtitan, verl, slime)
+  holds.
+- :func:`build_dtensor_params`: ``distribute_tensor``-style placement for layouts FSDP2 does
+  not produce (``[Shard(0), Shard(0)]`` on a 2x2 mesh, C12; expert sub-meshes), built from
+  local shards with ``DTensor.from_local`` so no rank materializes a full tensor.
+
+Shards follow DTensor's uneven rule (``torch.chunk``): chunk size ``ceil(d / n)``, trailing
+shards short or empty. :func:`shard_box` computes a rank's box for any placements and is
+tested against DTensor's own local shapes.
+
+Weights are the synthetic ones of :mod:`reference.weights`: :func:`load_step` rewrites every
+local shard in place for a training step (the stand-in for ``optimizer.step()``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .catalog import ModelConfig, ParamSpec, param_specs
+from .types import Box, ParamMeta, dtype_name
+from .weights import param_box
+
+
+_SHARD_RE = re.compile(r"(?:Shard\(dim=|S\()(\d+)\)")
+
+
+def shard_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+              placements: tuple) -> Box:
+    """Box of the global tensor held by the mesh coordinate ``coord`` under ``placements``
+    (DTensor semantics: mesh dims applied in order, ``Shard(d)`` chunks dim ``d`` of what the
+    previous mesh dims left, ``torch.chunk`` sizes, empty trailing chunks)."""
+    box = [[0, s] for s in global_shape]
+    for mdim, pl in enumerate(placements):
+        d = shard_dim(pl)
+        if d is not None:
+            lo, hi = box[d]
+            size = hi - lo
+            n = mesh_shape[mdim]
+            chunk = -(-size // n) if size else 0
+            a = min(lo + coord[mdim] * chunk, hi)
+            b = min(a + chunk, hi)
+            box[d] = [a, b]
+    return tuple((a, b) for a, b in box)
+
+
+def shard_dim(pl) -> int | None:
+    """Tensor dim a placement shards (``Shard(1)``, ``"Shard(dim=1)"``, ``"S(1)"``), else None."""
+    if isinstance(pl, Shard):
+        return pl.dim
+    if isinstance(pl, str):
+        m = _SHARD_RE.fullmatch(pl.strip())
+        return int(m.group(1)) if m else None
+    return None
+
+
+def _placement_strs(placements) -> tuple[str, ...]:
+    """Placements as ``repr`` strings (``"Shard(dim=0)"``, ``"Replicate()"``) for metadata."""
+    return tuple(repr(p) for p in placements)
+
+
+def meta_of(name: str, p: DTensor, *, offloaded: bool = False) -> ParamMeta:
+    """The :class:`ParamMeta` this rank publishes for DTensor parameter ``p``."""
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    box = shard_box(tuple(p.shape), tuple(mesh.mesh.shape), tuple(coord), tuple(p.placements))
+    local = p.to_local()
+    if tuple(local.shape) != tuple(b - a for a, b in box):
+        raise RuntimeError(f"[{name}] local shard shape {tuple(local.shape)} != computed box {box}")
+    return ParamMeta(
+        name=name,
+        global_shape=tuple(p.shape),
+        dtype=dtype_name(p.dtype),
+        mesh_ranks=tuple(map(tuple, mesh.mesh.tolist())) if mesh.ndim > 1 else tuple(mesh.mesh.tolist()),
+        mesh_dim_names=mesh.mesh_dim_names,
+        placements=_placement_strs(p.placements),
+        local_offset=tuple(a for a, _ in box),
+        local_shape=tuple(local.shape),
+        offloaded=offloaded,
+    )
+
+
+class _Holder(nn.Module):
+    """A bare module node; parameters are attached by dotted checkpoint name."""
+
+
+def _build_tree(specs: Iterable[ParamSpec], dtype_override: str | None) -> nn.Module:
+    root = _Holder()
+    for s in specs:
+        *path, leaf = s.name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, _Holder())
+            mod = getattr(mod, part)
+        dt = dtype_override if (dtype_override and s.dtype == "bfloat16") else s.dtype
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(s.shape, dtype=getattr(torch, dt), device="meta")))
+    return root
+
+
+def build_fsdp_model(cfg: ModelConfig, mesh: DeviceMesh, *, dtype_override: str | None = None) -> nn.Module:
+    """FSDP2-sharded module with the checkpoint's parameter names. Each decoder layer is its
+    own FSDP unit (``fully_shard(model.layers[i])``) and the root takes the rest, as trainers
+    do. Storage is allocated uninitialized on CPU; call :func:`load_step` to fill it.
+    ``dtype_override="float32"`` keeps fp32 master weights (C8)."""
+    from torch.distributed.fsdp import fully_shard
+
+    specs = param_specs(cfg)
+    with torch.device("meta"):
+        model = _build_tree(specs, dtype_override)
+    layers = model.model.layers
+    for i in range(cfg.num_layers):
+        fully_shard(getattr(layers, str(i)), mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    return model
+
+
+def build_dtensor_params(specs: Iterable[ParamSpec], mesh_for, *, dtype_override: str | None = None) -> dict[str, DTensor]:
+    """DTensor parameters placed by ``mesh_for(spec) -> (DeviceMesh, placements)``. Every rank
+    allocates only its own shard (``DTensor.from_local`` with the global shape and stride)."""
+    out: dict[str, DTensor] = {}
+    for s in specs:
+        mesh, placements = mesh_for(s)
+        coord = mesh.get_coordinate()
+        box = shard_box(s.shape, tuple(mesh.mesh.shape), tuple(coord), tuple(placements))
+        dt = dtype_override if (dtype_override and s.dtype == "bfloat16") else s.dtype
+        local = torch.empty(tuple(b - a for a, b in box), dtype=getattr(torch, dt))
+        stride = tuple(int(torch.tensor(s.shape[i + 1:]).prod()) if i + 1 < len(s.shape) else 1 for i in range(len(s.shape)))
+        out[s.name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(s.shape), stride=stride)
+    return out
+
+
+def named_dtensors(model_or_params) -> dict[str, DTensor]:
+    """``{checkpoint name: DTensor}`` from an FSDP module or a dict of DTensors."""
+    if isinstance(model_or_params, dict):
+        return dict(model_or_params)
+    return {n: p for n, p in model_or_params.named_parameters()}
+
+
+def load_step(params: dict[str, DTensor], *, step: int, seed: int) -> int:
+    """Overwrite every local shard with the synthetic weights of ``step`` (in place: the
+    memory a transfer reads is the memory the trainer updates). Returns bytes written."""
+    total = 0
+    for name, p in params.items():
+        mesh = p.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            continue
+        local = p.to_local()
+        if local.numel() == 0:
+            continue
+        box = shard_box(tuple(p.shape), tuple(mesh.mesh.shape), tuple(coord), tuple(p.placements))
+        param_box(name, tuple(p.shape), box, step=step, seed=seed, dtype=local.dtype, out=local)
+        total += local.nbytes
+    return total
+
+
+def collect_metas(params: dict[str, DTensor], *, offloaded: bool = False) -> list[ParamMeta]:
+    """Metadata this rank publishes once, in parameter order."""
+    return [meta_of(n, p, offloaded=offloaded) for n, p in params.items() if p.device_mesh.get_coordinate() is not None]

@@ -1,0 +1,161 @@
+"""Running a recipe: assemble its tensor from source parameters, transform it, split it.
+
+:func:`assemble` builds a :class:`~reference.types.Recipe`'s tensor (``recipe.shape``, dtype
+``recipe.assembled_dtype``) piece by piece; :func:`apply_transform` makes the outputs that are
+written to the inference ranks; :func:`recipe_outputs` does both. :func:`split_recipe` cuts a
+big recipe into row bands so the planner can spread one tensor over several senders.
+
+Piece semantics: ``assembled[dst_box] = source[src_box]``, cast to the assembled dtype with
+``copy_`` (round to nearest even, the same as ``.to(dtype)``). The source slice's shape equals
+the dst box's shape, except that the dst box may have extra *leading* dims of extent 1 (a 2-D
+expert matrix filling slot ``[j:j+1]`` of a ``[1, N, K]`` expert recipe). Sources may be
+non-contiguous views (transposed, sliced): values are read through their strides, never as
+flat memory (C9). A piece with ``source=None`` is zero fill.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from .quant import quantize_fp8_block
+from .types import Box, Piece, Recipe, torch_dtype
+
+__all__ = ["assemble", "apply_transform", "recipe_outputs", "split_recipe"]
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def assemble(
+    recipe: Recipe,
+    get_source: Callable[[str], torch.Tensor],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The recipe's assembled tensor: ``recipe.shape`` in ``recipe.assembled_dtype``.
+
+    ``get_source(name)`` returns the full (global) source tensor, on any device, contiguous or
+    not. ``out`` (optional) is filled in place and returned; it must have the recipe's shape
+    and dtype. Zero pieces fill 0.
+    """
+    dt = torch_dtype(recipe.assembled_dtype)
+    shape = tuple(recipe.shape)
+    if out is None:
+        dev = None
+        for p in recipe.pieces:
+            if p.source is not None:
+                dev = get_source(p.source).device
+                break
+        out = torch.empty(shape, dtype=dt, device=dev)
+    elif tuple(out.shape) != shape or out.dtype != dt:
+        raise ValueError(
+            f"assemble {recipe.name!r}: out is {tuple(out.shape)} {out.dtype}, need {shape} {dt}"
+        )
+    for p in recipe.pieces:
+        dst = out[_slices(p.dst_box)]
+        if p.source is None:
+            dst.zero_()
+            continue
+        src = get_source(p.source)[_slices(p.src_box)]
+        if src.dim() != dst.dim():
+            src = src.reshape(dst.shape)  # leading unit dims; values, not memory, are reshaped
+        dst.copy_(src)
+    return out
+
+
+def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors the recipe writes, one per ``recipe.outputs``, each contiguous.
+
+    ``"copy"``: the assembled tensor cast to the output dtype. ``"fp8_block"``: DeepSeek-V3
+    block quantization of the assembled BF16 tensor (weight, ``weight_scale_inv``).
+    """
+    if recipe.transform == "copy":
+        (o,) = recipe.outputs
+        return [assembled.to(torch_dtype(o.dtype)).contiguous()]
+    if recipe.transform == "fp8_block":
+        q, s = quantize_fp8_block(assembled)
+        return [q, s]
+    raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
+
+
+def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`assemble` then :func:`apply_transform`."""
+    return apply_transform(recipe, assemble(recipe, get_source))
+
+
+# --------------------------------------------------------------------------------------------
+# splitting
+
+
+def _clip_piece(p: Piece, d: int, a: int, b: int) -> Piece | None:
+    """The part of ``p`` inside rows ``[a, b)`` of assembled dim ``d``, re-based to ``a``."""
+    pa, pb = p.dst_box[d]
+    lo, hi = max(pa, a), min(pb, b)
+    if lo >= hi:
+        return None
+    dst = list(p.dst_box)
+    dst[d] = (lo - a, hi - a)
+    if p.source is None:
+        return Piece(None, (), tuple(dst))
+    k = len(p.dst_box) - len(p.src_box)  # extra leading unit dims of the dst box
+    src = list(p.src_box)
+    if d >= k:
+        sa, _ = src[d - k]
+        src[d - k] = (sa + lo - pa, sa + hi - pa)
+    return Piece(p.source, tuple(src), tuple(dst))
+
+
+def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
+    """Cut ``recipe`` into bands of at most ``max_rows`` along its first assembled dimension of
+    extent > 1 (so every output box stays flat-contiguous). Pieces are clipped and re-based;
+    names get a ``#rows a:b`` suffix. For ``"fp8_block"`` recipes cut along one of the two
+    quantized dims, bands are multiples of 128 (at least 128) so no block straddles two bands,
+    and the ``weight_scale_inv`` box is cut at ``a/128``; the outputs of the parts are then
+    byte-identical to the matching parts of the unsplit recipe's outputs. Returns
+    ``[recipe]`` when nothing needs cutting.
+    """
+    if max_rows < 1:
+        raise ValueError(f"split_recipe: max_rows must be >= 1, got {max_rows}")
+    shape = recipe.shape
+    nd = len(shape)
+    d = 0
+    while d < nd - 1 and shape[d] == 1:
+        d += 1
+    if nd == 0 or shape[d] <= 1:
+        return [recipe]
+    n = shape[d]
+    quant = recipe.transform == "fp8_block"
+    block_dim = quant and d >= nd - 2
+    step = max_rows
+    if block_dim:
+        step = max(128, (max_rows // 128) * 128)
+    if n <= step:
+        return [recipe]
+    parts = []
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        pieces = tuple(q for q in (_clip_piece(p, d, a, b) for p in recipe.pieces) if q is not None)
+        new_shape = tuple(shape[:d]) + (b - a,) + tuple(shape[d + 1:])
+        outs = []
+        for i, o in enumerate(recipe.outputs):
+            box = list(o.box)
+            o0 = box[d][0]
+            if quant and i == 1 and block_dim:
+                box[d] = (o0 + a // 128, o0 + -(-b // 128))
+            else:
+                box[d] = (o0 + a, o0 + b)
+            outs.append(replace(o, box=tuple(box)))
+        parts.append(
+            Recipe(
+                f"{recipe.name}#rows{a}:{b}",
+                recipe.ranks,
+                new_shape,
+                recipe.assembled_dtype,
+                pieces,
+                recipe.transform,
+                tuple(outs),
+            )
+        )
+    return parts

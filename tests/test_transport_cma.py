@@ -1,0 +1,397 @@
+"""Cross-memory-attach transport: real one-sided writes into a separate receiver process.
+
+The receiver (spawned) registers a 1 MiB uint8 buffer filled with POISON and a small bf16
+tensor, sends their descriptors back, then only answers "show me your bytes" requests: it runs
+no code for the writes themselves. The test process is the sender.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import multiprocessing as mp
+import os
+import random
+
+import pytest
+import torch
+
+from reference.transport import (
+    BoundsError,
+    PermissionDeniedError,
+    RemoteGoneError,
+    TransportError,
+    UnknownRegionError,
+    WriteOp,
+    make_transport,
+)
+from reference.transport import cma
+from reference.transport.cma import IOV_MAX, CmaTransport
+from reference.types import RegionDescriptor
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
+
+MIB = 1 << 20
+POISON = 0xA5
+BF16_N = 257  # odd element count: 514 bytes
+
+
+def _receiver(conn) -> None:
+    """Register buffers, publish descriptors, then serve byte dumps until told to exit."""
+    t = CmaTransport()
+    tensors = {
+        "buf": torch.full((MIB,), POISON, dtype=torch.uint8),
+        "bf16": torch.zeros(BF16_N, dtype=torch.bfloat16),
+    }
+    regions = {k: t.register(v) for k, v in tensors.items()}
+    conn.send({k: r.descriptor() for k, r in regions.items()})
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "bytes":
+            conn.send(tensors[args[0]].view(torch.uint8).numpy().tobytes())
+        elif cmd == "reset":
+            tensors["buf"].fill_(POISON)
+            tensors["bf16"].zero_()
+            conn.send(True)
+        elif cmd == "reregister":
+            t.deregister(regions[args[0]])
+            regions[args[0]] = t.register(tensors[args[0]])
+            conn.send(regions[args[0]].descriptor())
+        elif cmd == "exit":
+            conn.send(True)
+            return
+
+
+class Receiver:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(30):
+            raise RuntimeError("receiver did not start")
+        self.desc: dict[str, RegionDescriptor] = self.conn.recv()
+
+    def ask(self, *msg):
+        self.conn.send(msg)
+        return self.conn.recv()
+
+    def bytes(self, name: str = "buf") -> bytes:
+        return self.ask("bytes", name)
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.ask("exit")
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def rx():
+    r = Receiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def recv(rx):
+    rx.ask("reset")
+    return rx
+
+
+@pytest.fixture
+def tx(recv):
+    t = CmaTransport()
+    t.connect(list(recv.desc.values()))
+    yield t
+    t.close()
+
+
+def _pattern(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+# ---- registration, factory (no receiver needed) ---------------------------------------------
+
+
+def test_descriptor_fields():
+    t = CmaTransport()
+    x = torch.zeros(1000, dtype=torch.bfloat16)
+    d = t.register(x).descriptor()
+    assert d.transport == "cma" and d.pid == os.getpid()
+    assert d.addr == x.data_ptr() and d.length == 2000
+    assert 0 <= d.key < 2**64
+    import socket
+
+    assert d.host == socket.gethostname()
+    assert CmaTransport(host="node7").register(x).descriptor().host == "node7"
+    assert t.register(x).descriptor().key != d.key  # a fresh key per registration
+
+
+def test_register_refuses_bad_tensors():
+    t = CmaTransport()
+    with pytest.raises(ValueError, match="contiguous"):
+        t.register(torch.zeros(8, 8)[:, ::2])
+    with pytest.raises(ValueError, match="CPU tensor"):
+        t.register(torch.empty(8, device="meta"))
+    with pytest.raises(ValueError, match="zero-byte"):
+        t.register(torch.empty(0))
+
+
+def test_factory():
+    assert isinstance(make_transport("cma"), CmaTransport)
+    assert make_transport("cma", host="h").host == "h"
+    with pytest.raises(ValueError, match=r"unknown transport 'nope'.*\['cma'\]"):
+        make_transport("nope")
+
+
+def test_connect_refuses_foreign_descriptors():
+    t = CmaTransport(host="here")
+    good = dict(transport="cma", host="here", pid=os.getpid(), addr=4096, length=10, key=1)
+    with pytest.raises(ValueError, match="transport 'verbs'"):
+        t.connect([RegionDescriptor(**{**good, "transport": "verbs"})])
+    with pytest.raises(ValueError, match="host 'there'.*one host"):
+        t.connect([RegionDescriptor(**{**good, "host": "there"})])
+    with pytest.raises(ValueError, match="malformed"):
+        t.connect([RegionDescriptor(**{**good, "length": 0})])
+
+
+def test_write_to_self_and_zero_length_skipped(monkeypatch):
+    t = CmaTransport()
+    a, b = _pattern(100), torch.zeros(100, dtype=torch.uint8)
+    ra, rb = t.register(a), t.register(b)
+    t.connect([rb.descriptor()])
+    calls = []
+    real = cma._process_vm_writev
+    monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: calls.append(a) or real(*a))
+    h = t.write([WriteOp(ra, 0, rb.descriptor(), 0, 0), WriteOp(ra, 100, rb.descriptor(), 100, 0)])
+    assert h.done() and h.wait() == 0 and calls == []
+    assert t.write([WriteOp(ra, 10, rb.descriptor(), 20, 50)]).wait(timeout=0) == 50
+    assert torch.equal(b[20:70], a[10:60]) and not b[:20].any() and not b[70:].any()
+
+
+# ---- real writes into the receiver process -------------------------------------------------
+
+
+def test_write_whole_region_exact_bytes(recv, tx):
+    src = _pattern(MIB, seed=1)
+    bf = torch.randn(BF16_N).to(torch.bfloat16)
+    ls, lb = tx.register(src), tx.register(bf)
+    h = tx.write([
+        WriteOp(ls, 0, recv.desc["buf"], 0, MIB),
+        WriteOp(lb, 0, recv.desc["bf16"], 0, bf.nbytes),
+    ])
+    assert h.done() and h.wait() == MIB + BF16_N * 2
+    got = recv.bytes("buf")
+    assert got == src.numpy().tobytes()
+    assert got[0] == src[0].item() and got[-1] == src[-1].item()
+    assert recv.bytes("bf16") == bf.view(torch.uint8).numpy().tobytes()
+    # the sender can read it back with process_vm_readv too
+    assert tx.read(recv.desc["buf"], MIB - 3, 3) == src[-3:].numpy().tobytes()
+
+
+def test_edges_only_touch_their_bytes(recv, tx):
+    src = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    ls = tx.register(src)
+    d = recv.desc["buf"]
+    tx.write([WriteOp(ls, 0, d, 0, 1), WriteOp(ls, 1, d, MIB - 2, 2)]).wait()
+    got = recv.bytes()
+    assert got[0] == 1 and got[-2:] == bytes([2, 3])
+    assert got[1:-2] == bytes([POISON]) * (MIB - 3)
+
+
+def test_many_ops_over_iov_max(recv, tx, monkeypatch):
+    n_ops, sz = 3 * IOV_MAX + 7, 200  # 4 syscalls per receiver
+    src = _pattern(n_ops * sz, seed=2)
+    ls = tx.register(src)
+    d = recv.desc["buf"]
+    slots = list(range(MIB // sz))
+    random.Random(0).shuffle(slots)
+    ops = [WriteOp(ls, i * sz, d, slots[i] * sz, sz) for i in range(n_ops)]
+    counts = []
+    real = cma._process_vm_writev
+
+    def spy(pid, l, nl, r, nr):
+        counts.append(nl)
+        return real(pid, l, nl, r, nr)
+
+    monkeypatch.setattr(cma, "_process_vm_writev", spy)
+    assert tx.write(ops).wait() == n_ops * sz
+    assert counts == [IOV_MAX, IOV_MAX, IOV_MAX, 7]
+    expect = bytearray([POISON]) * MIB
+    s = src.numpy().tobytes()
+    for i in range(n_ops):
+        expect[slots[i] * sz:(slots[i] + 1) * sz] = s[i * sz:(i + 1) * sz]
+    assert recv.bytes() == bytes(expect)
+
+
+def test_batch_to_two_processes(recv, tx):
+    # one batch, two receiving pids: the receiver and this process itself
+    mine = torch.zeros(64, dtype=torch.uint8)
+    rm = tx.register(mine)
+    tx.connect([rm.descriptor()])
+    src = _pattern(128, seed=3)
+    ls = tx.register(src)
+    tx.write([WriteOp(ls, 0, recv.desc["buf"], 100, 64), WriteOp(ls, 64, rm.descriptor(), 0, 64)]).wait()
+    assert torch.equal(mine, src[64:])
+    assert recv.bytes()[100:164] == src[:64].numpy().tobytes()
+
+
+def _iov_list(addr: int, n: int) -> list[list[int]]:
+    flat = (ctypes.c_ulong * (2 * n)).from_address(addr)
+    return [[flat[2 * i], flat[2 * i + 1]] for i in range(n)]
+
+
+def _truncating(real, cut: int):
+    """A syscall wrapper that, on its first call, really copies only the first ``cut`` bytes
+    (as the kernel does on a partial write) and returns ``cut``."""
+    state = {"calls": []}
+
+    def fake(pid, l, nl, r, nr):
+        state["calls"].append((_iov_list(l, nl), _iov_list(r, nr)))
+        if len(state["calls"]) > 1:
+            return real(pid, l, nl, r, nr)
+        liov, riov = _iov_list(l, nl), _iov_list(r, nr)
+        left, k = cut, 0
+        while left > 0:  # truncate the iovec lists to `cut` bytes
+            take = min(left, liov[k][1])
+            liov[k][1] = riov[k][1] = take
+            left -= take
+            k += 1
+        la = (ctypes.c_ulong * (2 * k))(*[v for e in liov[:k] for v in e])
+        ra = (ctypes.c_ulong * (2 * k))(*[v for e in riov[:k] for v in e])
+        return real(pid, ctypes.addressof(la), k, ctypes.addressof(ra), k)
+
+    return fake, state
+
+
+def test_partial_write_resumes_mid_iovec(recv, tx, monkeypatch):
+    sz, n_ops = 1000, 10
+    src = _pattern(sz * n_ops, seed=4)
+    ls = tx.register(src)
+    d = recv.desc["buf"]
+    ops = [WriteOp(ls, i * sz, d, 5000 + 2 * i * sz, sz) for i in range(n_ops)]
+    fake, state = _truncating(cma._process_vm_writev, cut=3 * sz + 123)
+    monkeypatch.setattr(cma, "_process_vm_writev", fake)
+    assert tx.write(ops).wait() == sz * n_ops
+    first, second = state["calls"]
+    assert len(second[0]) == n_ops - 3  # resumed at op 3 ...
+    assert second[0][0] == [ls.addr + 3 * sz + 123, sz - 123]  # ... 123 bytes into it
+    assert second[1][0] == [d.addr + 5000 + 6 * sz + 123, sz - 123]
+    got = recv.bytes()
+    for i in range(n_ops):
+        o = 5000 + 2 * i * sz
+        assert got[o:o + sz] == src[i * sz:(i + 1) * sz].numpy().tobytes(), i
+        assert got[o + sz:o + 2 * sz] == bytes([POISON]) * sz
+
+
+def test_no_progress_raises(recv, tx, monkeypatch):
+    ls = tx.register(_pattern(10))
+    monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: 0)
+    with pytest.raises(TransportError, match="op 0 .*no progress"):
+        tx.write([WriteOp(ls, 0, recv.desc["buf"], 0, 10)])
+
+
+@pytest.mark.parametrize(
+    "lo,ro,n,what",
+    [
+        (0, MIB - 9, 10, "remote_offset 1048567 \\+ length 10 = 1048577 > remote region length 1048576"),
+        (1, 0, 16, "local_offset 1 \\+ length 16 = 17 > local region length 16"),
+        (-1, 0, 4, "local_offset -1 < 0"),
+        (0, -1, 4, "remote_offset -1 < 0"),
+        (0, 0, -4, "length -4 < 0"),
+    ],
+)
+def test_bounds_errors_issue_nothing(recv, tx, monkeypatch, lo, ro, n, what):
+    ls = tx.register(_pattern(16, seed=5))
+    d = recv.desc["buf"]
+    calls = []
+    monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: calls.append(a) or 0)
+    ops = [WriteOp(ls, 0, d, 0, 16), WriteOp(ls, 0, d, 100, 8), WriteOp(ls, lo, d, ro, n)]
+    with pytest.raises(BoundsError, match=what) as ei:
+        tx.write(ops)
+    msg = str(ei.value)
+    assert msg.startswith("op 2:") and f"pid {d.pid}" in msg and f"{d.addr:#x}" in msg
+    assert calls == []
+    assert recv.bytes() == bytes([POISON]) * MIB
+
+
+def test_unknown_and_stale_descriptors_refused(recv, monkeypatch):
+    t = CmaTransport()
+    ls = t.register(_pattern(16))
+    d = recv.desc["buf"]
+    calls = []
+    monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: calls.append(a) or 0)
+    t.connect([recv.desc["bf16"]])
+    with pytest.raises(UnknownRegionError, match="op 1: .*never connected"):
+        t.write([WriteOp(ls, 0, recv.desc["bf16"], 0, 4), WriteOp(ls, 0, d, 0, 4)])
+    t.connect([d])
+    forged = RegionDescriptor(**{**{f: getattr(d, f) for f in d.__slots__}, "key": d.key ^ 1})
+    with pytest.raises(UnknownRegionError, match="another run"):
+        t.write([WriteOp(ls, 0, forged, 0, 4)])
+    # the receiver re-registers: the new descriptor supersedes the old one
+    new = recv.ask("reregister", "buf")
+    recv.desc["buf"] = new  # for later tests
+    assert new.addr == d.addr and new.key != d.key
+    t.connect([new])
+    with pytest.raises(UnknownRegionError, match="op 1: .*key"):
+        t.write([WriteOp(ls, 0, new, 0, 4), WriteOp(ls, 0, d, 0, 4)])
+    assert calls == []
+    monkeypatch.undo()
+    assert t.write([WriteOp(ls, 0, new, 0, 4)]).wait() == 4
+    with pytest.raises(UnknownRegionError):
+        t.read(d, 0, 4)
+
+
+def test_deregistered_local_region_refused(recv, tx):
+    ls = tx.register(_pattern(16))
+    tx.deregister(ls)
+    assert ls.tensor is None
+    with pytest.raises(UnknownRegionError, match="op 0: local region .*not registered"):
+        tx.write([WriteOp(ls, 0, recv.desc["buf"], 0, 16)])
+    other = CmaTransport().register(_pattern(16))  # registered with another transport
+    with pytest.raises(UnknownRegionError, match="not registered"):
+        tx.write([WriteOp(other, 0, recv.desc["buf"], 0, 16)])
+    assert recv.bytes() == bytes([POISON]) * MIB
+
+
+def test_unmapped_remote_address_is_efault(recv, tx):
+    d = recv.desc["buf"]
+    bogus = RegionDescriptor(transport="cma", host=d.host, pid=d.pid, addr=4096, length=4096, key=7)
+    tx.connect([bogus])
+    ls = tx.register(_pattern(64))
+    with pytest.raises(TransportError, match=r"op 1 \(.*EFAULT.*16 of 48 bytes"):
+        tx.write([WriteOp(ls, 0, d, 0, 16), WriteOp(ls, 0, bogus, 0, 32)])
+    assert recv.bytes()[:16] == ls.tensor[:16].numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "err,cls,pattern",
+    [
+        (errno.EPERM, PermissionDeniedError, "ptrace_scope.*CAP_SYS_PTRACE.*seccomp"),
+        (errno.EACCES, PermissionDeniedError, "CAP_SYS_PTRACE"),
+        (errno.ESRCH, RemoteGoneError, "pid"),
+        (errno.EINVAL, TransportError, os.strerror(errno.EINVAL)),
+    ],
+)
+def test_errno_mapping(recv, tx, monkeypatch, err, cls, pattern):
+    def fail(*a):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(cma, "_process_vm_writev", fail)
+    ls = tx.register(_pattern(8))
+    with pytest.raises(cls, match=pattern) as ei:
+        tx.write([WriteOp(ls, 0, recv.desc["buf"], 0, 8)])
+    assert "op 0" in str(ei.value)
+
+
+def test_dead_receiver_is_remote_gone():
+    r = Receiver()
+    t = CmaTransport()
+    t.connect([r.desc["buf"]])
+    ls = t.register(_pattern(8))
+    assert t.write([WriteOp(ls, 0, r.desc["buf"], 0, 8)]).wait() == 8
+    r.proc.kill()
+    r.proc.join(10)
+    with pytest.raises(RemoteGoneError, match=f"pid {r.desc['buf'].pid} no longer exists"):
+        t.write([WriteOp(ls, 0, r.desc["buf"], 0, 8)])
