@@ -52,31 +52,36 @@ def get(store: dist.Store, key: str):
 
 
 def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: str,
-              liveness: Callable[[], dict[int, str]] | None = None, poll: float = 0.5) -> None:
+              liveness: Callable[[], dict[int, str]] | None = None, poll: float = 0.02) -> None:
     """Wait until every ``keys[rank]`` exists. Raises ControlError naming the ranks still
     missing after ``timeout`` seconds, or at once naming dead ranks (``liveness`` returns
-    ``{rank: reason}`` for ranks known dead), or the abort reason."""
+    ``{rank: reason}`` for ranks known dead), or the abort reason.
+
+    Polls with ``store.check`` (one round trip for all keys), sleeping from 0.1 ms up to
+    ``poll`` seconds between checks; TCPStore's own blocking ``wait`` cannot be interrupted
+    to look at liveness and logs a warning on every timed-out slice."""
     deadline = time.monotonic() + timeout
-    pending = dict(keys)
-    while pending:
-        left = deadline - time.monotonic()
-        step = min(poll, max(left, 0.001))
-        try:
-            store.wait(list(pending.values()), timedelta(seconds=step))
+    allkeys = list(keys.values())
+    nap = 1e-4
+    while True:
+        if store.check(allkeys):
             return
-        except Exception:  # noqa: BLE001 - TCPStore raises a generic error on timeout
-            pass
-        pending = {r: k for r, k in pending.items() if not store.check([k])}
-        if not pending:
-            return
-        if store.check(["abort"]):
-            raise ControlError(f"{what}: aborted: {store.get('abort').decode()}")
-        if liveness is not None:
-            dead = {r: why for r, why in liveness().items() if r in pending}
+        expired = time.monotonic() >= deadline
+        aborted = store.check(["abort"])
+        dead = {r: why for r, why in liveness().items() if r in keys} if liveness is not None else {}
+        if expired or aborted or dead:
+            pending = sorted(r for r, k in keys.items() if not store.check([k]))
+            if not pending:
+                return
+            if aborted:
+                raise ControlError(f"{what}: aborted: {store.get('abort').decode()}")
+            dead = {r: w for r, w in dead.items() if r in pending}
             if dead:
                 raise ControlError(f"{what}: rank(s) died: " + "; ".join(f"{r}: {w}" for r, w in sorted(dead.items())))
-        if time.monotonic() >= deadline:
-            raise ControlError(f"{what}: no answer within {timeout:.0f} s from rank(s) {sorted(pending)}")
+            if expired:
+                raise ControlError(f"{what}: no answer within {timeout:.0f} s from rank(s) {pending}")
+        time.sleep(nap)
+        nap = min(nap * 2, poll)
 
 
 class Controller:
@@ -116,7 +121,7 @@ class Controller:
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
         wait_keys(self.store, {r: f"step/{step}/done/{r}" for r in range(self.n_train)}, timeout=self.timeout,
-                  what=f"step {step} transfer", liveness=self.live_t, poll=0.05)
+                  what=f"step {step} transfer", liveness=self.live_t, poll=0.001)
         seconds = time.perf_counter() - t0
         results = {r: get(self.store, f"step/{step}/done/{r}") for r in range(self.n_train)}
         failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
@@ -154,20 +159,21 @@ class TrainerClient:
         """Block until the controller asks for ``step`` (returns "load") or shuts down."""
         key = f"step/{step}/load"
         deadline = time.monotonic() + self.timeout
+        nap = 1e-4
         while time.monotonic() < deadline:
-            try:
-                self.store.wait([key], timedelta(seconds=0.5))
+            if self.store.check([key]):
                 return "load"
-            except Exception:  # noqa: BLE001
-                if self.store.check(["shutdown"]):
-                    return "shutdown"
+            if self.store.check(["shutdown"]):
+                return "shutdown"
+            time.sleep(nap)
+            nap = min(2 * nap, 0.02)
         raise ControlError(f"[rank {self.rank}] no command for step {step} within {self.timeout:.0f} s")
 
     def ready(self, step: int) -> None:
         self.store.set(f"step/{step}/ready/{self.rank}", b"1")
 
     def wait_go(self, step: int) -> None:
-        wait_keys(self.store, {self.rank: f"step/{step}/go"}, timeout=self.timeout, what=f"go {step}", poll=0.05)
+        wait_keys(self.store, {self.rank: f"step/{step}/go"}, timeout=self.timeout, what=f"go {step}", poll=0.001)
 
     def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
         put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": stats})

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .mapping import PlanError, RecipeSet, fusion_groups, split_recipe, validate
+from .mapping import PlanError, RecipeSet, fusion_groups, validate
+from .transforms import split_recipe
 from .types import (DestTensorMeta, ParamMeta, Recipe, box_flat_range, box_numel, itemsize, numel)
 
 

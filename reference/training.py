@@ -145,6 +145,55 @@ def build_dtensor_params(specs: Iterable[ParamSpec], mesh_for, *, dtype_override
     return out
 
 
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights (``...mlp.experts.{e}...``); shared experts are not."""
+    return ".mlp.experts." in name
+
+
+def expert_id(name: str) -> int:
+    return int(name.split(".mlp.experts.", 1)[1].split(".", 1)[0])
+
+
+def two_group_mesh_for(mesh2d: DeviceMesh, columns: list[DeviceMesh]):
+    """Placement rule of the seed's two mesh groups on a 2-D ``(inter, intra)`` mesh of
+    ``nodes x gpus_per_node`` ranks:
+
+    - non-expert parameters: the whole 2-D mesh, ``(Replicate(), Shard(0))`` -- sharded over
+      the GPUs of a node, replicated across nodes (HSDP); ``full_tensor()`` gathers within a
+      node (NVLink on a cluster);
+    - routed expert ``e``: the column of intra-node rank ``e % gpus_per_node`` (one GPU per
+      node), ``(Shard(0),)`` -- expert-parallel inside a node, FSDP across nodes;
+      ``full_tensor()`` gathers across nodes (the RDMA fabric).
+
+    The columns are disjoint meshes, so expert tasks form one mesh group that runs in parallel
+    on every column; the non-expert tasks form the other. ``columns[j]`` is the 1-D mesh of
+    global ranks ``{n * gpus_per_node + j}``, created on every rank in the same order."""
+    g = mesh2d.mesh.shape[1]
+
+    def mesh_for(spec):
+        if is_expert_param(spec.name):
+            return columns[expert_id(spec.name) % g], (Shard(0),)
+        return mesh2d, (Replicate(), Shard(0))
+
+    return mesh_for
+
+
+def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, *,
+                           dtype_override: str | None = None) -> dict[str, DTensor]:
+    """DTensor parameters in the seed's two-mesh-group layout (see :func:`two_group_mesh_for`)
+    on ``nodes * gpus_per_node`` ranks (the default process group must have that size). A
+    rank holds only the experts of its column."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    mesh2d = init_device_mesh("cpu", (nodes, gpus_per_node), mesh_dim_names=("inter", "intra"))
+    columns = [DeviceMesh("cpu", [n * gpus_per_node + j for n in range(nodes)], mesh_dim_names=("inter",))
+               for j in range(gpus_per_node)]
+    mesh_for = two_group_mesh_for(mesh2d, columns)
+    me = torch.distributed.get_rank()
+    specs = [s for s in param_specs(cfg) if me in mesh_for(s)[0].mesh.flatten().tolist()]
+    return build_dtensor_params(specs, mesh_for, dtype_override=dtype_override)
+
+
 def named_dtensors(model_or_params) -> dict[str, DTensor]:
     """``{checkpoint name: DTensor}`` from an FSDP module or a dict of DTensors."""
     if isinstance(model_or_params, dict):
@@ -155,6 +204,13 @@ def named_dtensors(model_or_params) -> dict[str, DTensor]:
 def load_step(params: dict[str, DTensor], *, step: int, seed: int) -> int:
     """Overwrite every local shard with the synthetic weights of ``step`` (in place: the
     memory a transfer reads is the memory the trainer updates). Returns bytes written."""
+    total = 0
+    with torch.no_grad():
+        total = _load_step(params, step, seed)
+    return total
+
+
+def _load_step(params, step, seed) -> int:
     total = 0
     for name, p in params.items():
         mesh = p.device_mesh
