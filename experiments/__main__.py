@@ -38,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default="qwen3-0.6b", help="catalog model (reference/configs/*.json)")
     run.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                      help="HF-config override for a smaller variant (repeatable)")
-    run.add_argument("--n-train", type=int, default=2, help="training ranks (FSDP2 over one mesh)")
+    run.add_argument("--method", default="reference", help="reference | rank0_funnel | rpc")
+    run.add_argument("--n-train", type=int, default=2, help="training ranks")
+    run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default="fsdp",
+                     help="fsdp: FSDP2 on a 1-D mesh; two_group: non-experts within node, experts across "
+                          "nodes on --train-mesh; shard_shard: [Shard(0), Shard(0)] on --train-mesh")
+    run.add_argument("--train-mesh", default="", help="2-D training mesh for two_group / shard_shard, e.g. 2x2")
     run.add_argument("--tp", type=int, default=2, help="inference tensor-parallel size")
     run.add_argument("--dp", type=int, default=1, help="inference replicas (engine instances)")
     run.add_argument("--ep", action="store_true", help="expert parallel over each instance's TP ranks")
@@ -65,12 +70,17 @@ def main(argv=None) -> int:
     from .trial import run_trial
 
     try:
+        mesh = tuple(int(x) for x in args.train_mesh.lower().split("x")) if args.train_mesh else ()
         cfg = TrialConfig(model=args.model, overrides=dict(args.override), n_train=args.n_train, tp=args.tp,
+                          method=args.method, train_layout=args.train_layout, train_mesh=mesh,
                           dp=args.dp, ep=args.ep, quant=args.quant, train_dtype=args.train_dtype,
                           transport=args.transport, steps=args.steps, warmup=args.warmup, seed=args.seed,
                           max_chunk_bytes=int(args.max_chunk_mb * (1 << 20)), timeout=args.timeout,
                           verify=not args.no_verify)
         cfg.model_config()
+        from .methods import get_method
+
+        get_method(cfg.method)
         print(f"# starting: {cfg.n_train} training + {cfg.n_infer} inference processes ...", file=sys.stderr, flush=True)
         result = run_trial(cfg, progress=lambda r: print(
             f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}", file=sys.stderr, flush=True))

@@ -21,7 +21,15 @@ class TrialConfig:
     overrides: dict = field(default_factory=dict)
     """HF-config overrides for a smaller variant, e.g. ``{"num_hidden_layers": 4}``."""
     n_train: int = 2
-    """Training ranks (processes), one FSDP2 DeviceMesh over all of them."""
+    """Training ranks (processes)."""
+    train_layout: str = "fsdp"
+    """How training parameters are placed: ``"fsdp"`` (FSDP2 ``fully_shard`` per layer on a
+    1-D mesh of all ranks, ``Shard(0)``), ``"two_group"`` (the seed's two mesh groups on a
+    ``train_mesh = (nodes, gpus_per_node)`` 2-D mesh: non-expert parameters sharded within a
+    node, experts across nodes), ``"shard_shard"`` (``[Shard(0), Shard(0)]`` on a
+    ``train_mesh`` 2-D mesh, C12)."""
+    train_mesh: tuple[int, ...] = ()
+    """2-D mesh shape for ``two_group`` / ``shard_shard``; its product must be ``n_train``."""
     tp: int = 2
     """Inference tensor-parallel size (ranks per engine instance)."""
     dp: int = 1
@@ -55,6 +63,16 @@ class TrialConfig:
         if self.train_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
         self.layout  # validates tp/dp/quant
+        if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
+            raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
+        if self.train_layout != "fsdp":
+            if len(self.train_mesh) != 2 or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
+                raise ValueError(f"train_layout={self.train_layout!r} needs train_mesh=(a, b) with a*b = "
+                                 f"n_train={self.n_train}, got {self.train_mesh}")
+
+    def executor_options(self) -> dict:
+        """Keyword arguments for :class:`reference.executor.Executor`."""
+        return {}
 
     @property
     def layout(self) -> InferenceLayout:

@@ -21,6 +21,16 @@ def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def train_layout_text(cfg) -> str:
+    if cfg.train_layout == "fsdp":
+        return f"FSDP2 fully_shard, Shard(0) on DeviceMesh({cfg.n_train},)"
+    a, b = cfg.train_mesh
+    if cfg.train_layout == "two_group":
+        return (f"two mesh groups on a {a}x{b} mesh: non-experts (Replicate, Shard(0)) within a node, "
+                f"experts Shard(0) across nodes")
+    return f"[Shard(0), Shard(0)] on DeviceMesh({a}, {b})"
+
+
 def format_table(result) -> str:
     cfg, env, rows = result.cfg, result.env, result.rows
     mcfg = cfg.model_config()
@@ -28,7 +38,7 @@ def format_table(result) -> str:
         f"# weight-transfer trial: method={cfg.method} transport={cfg.transport}",
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
-        f"# training: {cfg.n_train} rank(s), FSDP2 Shard(0) on DeviceMesh({cfg.n_train},), {cfg.train_dtype}",
+        f"# training: {cfg.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train_dtype}",
         f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype})",
         f"# plan: {result.schedule_summary}; computed once in {result.plan_seconds:.3f} s",
         "#",

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from reference import control
-from reference.mapping import build_recipes
-from reference.planner import Schedule, plan
+from reference.method import ControllerContext
 
 from .config import TrialConfig
+from .methods import get_method
 from .worker import inference_main, trainer_main
 
 
@@ -112,17 +112,16 @@ def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
         train_metas, infer = ctl.collect()
         t0 = time.perf_counter()
         mcfg = cfg.model_config()
-        recipes = build_recipes(mcfg, cfg.layout)
-        sched = plan(recipes, train_metas, {i: metas for i, (_, metas) in infer.items()},
-                     max_chunk_bytes=cfg.max_chunk_bytes)
+        ctl_cls, _, infer_cls = get_method(cfg.method)
+        summary = ctl_cls().setup(ControllerContext(store=store, cfg=cfg, model_config=mcfg, layout=cfg.layout,
+                                                    train_metas=train_metas, infer_payloads=infer))
         plan_s = time.perf_counter() - t0
-        ctl.publish_plan(sched, {i: desc for i, (desc, _) in infer.items()})
         for step in range(1, cfg.warmup + cfg.steps + 1):
             ctl.load(step)
-            seconds, results = ctl.transfer(step)
+            seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
             ver = ctl.verified(step) if cfg.verify else {}
             ok = all(v.get("ok") for v in ver.values()) if cfg.verify else None
-            stats = [res["stats"] for res in results.values()]
+            stats = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
             row = {
                 "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
@@ -151,4 +150,4 @@ def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
         p.join(timeout=30)
         if p.is_alive():
             p.terminate()
-    return TrialResult(cfg, rows, sched.summary(), plan_s, memcpy, env)
+    return TrialResult(cfg, rows, summary, plan_s, memcpy, env)

@@ -15,9 +15,7 @@ import torch
 import torch.distributed as dist
 
 from reference import control
-from reference.executor import Executor
 from reference.training import build_fsdp_model, collect_metas, load_step, named_dtensors
-from reference.transport import make_transport
 
 from .config import TrialConfig
 
@@ -30,27 +28,47 @@ def _connect(addr: tuple[str, int], timeout: float) -> dist.TCPStore:
     return control.make_store(addr[0], addr[1], is_master=False, timeout=timeout)
 
 
+def build_training_params(cfg: TrialConfig, rank: int) -> dict:
+    """This rank's DTensor parameters in the trial's training layout (see TrialConfig)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from reference.catalog import param_specs
+    from reference.training import build_dtensor_params, build_two_group_params
+
+    mcfg = cfg.model_config()
+    if cfg.train_layout == "fsdp":
+        mesh = init_device_mesh("cpu", (cfg.n_train,), mesh_dim_names=("fsdp",))
+        return named_dtensors(build_fsdp_model(mcfg, mesh, dtype_override=cfg.dtype_override))
+    if cfg.train_layout == "two_group":
+        return build_two_group_params(mcfg, *cfg.train_mesh, dtype_override=cfg.dtype_override)
+    mesh = init_device_mesh("cpu", tuple(cfg.train_mesh), mesh_dim_names=("dp_outer", "dp_inner"))
+    return build_dtensor_params(param_specs(mcfg), lambda s: (mesh, (Shard(0), Shard(0))),
+                                dtype_override=cfg.dtype_override)
+
+
 def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
-    """Training rank ``rank``: FSDP2 shards, publish metadata, run the plan on every "go"."""
+    """Training rank ``rank``: build its shards, publish metadata, set up the method, then on
+    every step: make the step's weights ("load"), wait for "go", transfer, report."""
+    from reference.method import TrainerContext
+
+    from .methods import get_method
+
     torch.set_num_threads(1)
     tag = f"train {rank}"
     store = _connect(addr, cfg.timeout)
     client = control.TrainerClient(store, rank, timeout=max(cfg.timeout, 600.0))
     try:
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=cfg.n_train)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (cfg.n_train,), mesh_dim_names=("fsdp",))
-        model = build_fsdp_model(cfg.model_config(), mesh, dtype_override=cfg.dtype_override)
-        params = named_dtensors(model)
+        params = build_training_params(cfg, rank)
         client.publish_meta(collect_metas(params))
-        plan, descriptors = client.get_plan()
-        transport = make_transport(cfg.transport)
-        transport.connect(list(descriptors.values()))
-        ex = Executor(plan, params, transport, descriptors, group_barrier=dist.barrier)
-        log(tag, f"plan: {len(plan.tasks)} tasks, {plan.n_writes} writes, {plan.send_bytes / 1e9:.3f} GB to send")
+        _, trainer_cls, _ = get_method(cfg.method)
+        side = trainer_cls()
+        side.setup(TrainerContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, params=params, store=store,
+                                  cfg=cfg, model_config=cfg.model_config(), layout=cfg.layout,
+                                  log=lambda m: log(tag, m), group_barrier=dist.barrier))
     except Exception as e:  # noqa: BLE001
-        store.set("abort", f"training rank {rank} failed during setup: {e}".encode())
+        store.set("abort", f"training rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
         traceback.print_exc()
         raise
     step = 1
@@ -59,22 +77,26 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
         client.ready(step)
         client.wait_go(step)
         try:
-            stats = ex.run()
+            stats = side.transfer(step)
             client.done(step, ok=True, stats=stats)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
         step += 1
+    side.teardown()
     dist.destroy_process_group()
 
 
 def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
-    """Inference rank ``rank``: allocate the engine's parameters, register them once, publish
-    the descriptor, then do nothing per step except (as the harness) verify each published
+    """Inference rank ``rank``: allocate the engine's parameters, set up the method (the
+    reference registers the memory once and publishes the descriptor), then per step: nothing
+    for passive methods, ``receive`` for active ones; as the harness, verify each published
     version against the oracle."""
     torch.set_num_threads(1)
     from engines import Engine
+    from reference.method import InferenceContext
 
+    from .methods import get_method
     from .verify import verify_engine
 
     tag = f"infer {rank}"
@@ -85,16 +107,28 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
         engine = Engine(mcfg, cfg.layout, rank)
         if cfg.poison:
             engine.arena.fill_(0xA5)
-        transport = make_transport(cfg.transport)
-        region = transport.register(engine.arena)
-        client.publish_meta(region.descriptor(), engine.tensor_metas())
+        _, _, infer_cls = get_method(cfg.method)
+        side = infer_cls()
+        payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=engine,
+                                              store=store, cfg=cfg, model_config=mcfg, layout=cfg.layout,
+                                              log=lambda m: log(tag, m)))
+        client.publish_meta(*payload)
     except Exception as e:  # noqa: BLE001
-        store.set("abort", f"inference rank {rank} failed during setup: {e}".encode())
+        store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
         traceback.print_exc()
         raise
     gaps = engine_gap_snapshot(engine)
-    last = -1
+    last, step = -1, 1
     while True:
+        if side.active:
+            if not client.wait_go(step):
+                break
+            try:
+                client.done(step, ok=True, stats=side.receive(step))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
+            step += 1
         v = client.wait_version_after(last)
         if v is None:
             break
@@ -107,6 +141,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
         else:
             res = {"ok": None}
         client.report(v, res)
+    side.teardown()
 
 
 def engine_gap_snapshot(engine) -> list[tuple[int, int, bytes]]:

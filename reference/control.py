@@ -10,6 +10,7 @@ Keys (values are pickled Python objects unless noted)::
     step/{s}/ready/{r}      trainer r has them
     step/{s}/go             controller -> trainers: transfer now
     step/{s}/done/{r}       trainer r's result: {"ok": bool, "error": str, "stats": StepStats}
+    step/{s}/idone/{i}      inference rank i's result, for methods active on the inference side
     version                 last published step (ASCII int); -1 before the first
     step/{s}/verified/{i}   inference rank i's verification result (harness only)
     abort                   a reason; every waiting party stops
@@ -114,20 +115,28 @@ class Controller:
         wait_keys(self.store, {r: f"step/{step}/ready/{r}" for r in range(self.n_train)}, timeout=self.timeout,
                   what=f"step {step} weights", liveness=self.live_t)
 
-    def transfer(self, step: int) -> tuple[float, dict[int, dict]]:
-        """Send "go", wait for every trainer's completion, then publish ``version = step``.
-        Returns (seconds from go to the last completion, per-rank results). Raises
-        ControlError (version unchanged) if any rank failed, died or timed out."""
+    def transfer(self, step: int, *, inference_active: bool = False) -> tuple[float, dict[int, dict]]:
+        """Send "go", wait for every trainer's completion (and every inference rank's, for
+        methods active on the inference side), then publish ``version = step``. Returns
+        (seconds from go to the last completion, per-rank results; inference ranks keyed
+        ``("infer", i)``). Raises ControlError (version unchanged) if any rank failed, died or
+        timed out."""
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
         wait_keys(self.store, {r: f"step/{step}/done/{r}" for r in range(self.n_train)}, timeout=self.timeout,
                   what=f"step {step} transfer", liveness=self.live_t, poll=0.001)
+        if inference_active:
+            wait_keys(self.store, {i: f"step/{step}/idone/{i}" for i in range(self.n_infer)}, timeout=self.timeout,
+                      what=f"step {step} inference side", liveness=self.live_i, poll=0.001)
         seconds = time.perf_counter() - t0
         results = {r: get(self.store, f"step/{step}/done/{r}") for r in range(self.n_train)}
+        if inference_active:
+            results.update({("infer", i): get(self.store, f"step/{step}/idone/{i}") for i in range(self.n_infer)})
         failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
         if failed:
-            raise ControlError(f"step {step}: version not published; training rank(s) failed: "
-                               + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
+            raise ControlError(f"step {step}: version not published; rank(s) failed: "
+                               + "; ".join(f"{'inference ' + str(r[1]) if isinstance(r, tuple) else 'training ' + str(r)}: {e}"
+                                           for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
         self.store.set("version", str(step).encode())
         return seconds, results
 
@@ -190,6 +199,23 @@ class InferenceClient:
 
     def version(self) -> int:
         return int(self.store.get("version"))
+
+    def wait_go(self, step: int) -> bool:
+        """Active methods: block until "go" for ``step`` (True) or shutdown (False)."""
+        key = f"step/{step}/go"
+        deadline = time.monotonic() + self.timeout
+        nap = 1e-4
+        while time.monotonic() < deadline:
+            if self.store.check([key]):
+                return True
+            if self.store.check(["shutdown"]):
+                return False
+            time.sleep(nap)
+            nap = min(2 * nap, 0.001)
+        raise ControlError(f"[infer {self.rank}] no go for step {step} within {self.timeout:.0f} s")
+
+    def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
+        put(self.store, f"step/{step}/idone/{self.rank}", {"ok": ok, "error": error, "stats": stats})
 
     def wait_version_after(self, last: int, poll: float = 0.01) -> int | None:
         """Block until ``version`` > ``last``; None on shutdown."""

@@ -689,7 +689,7 @@ def _boxes_overlap(a: Box, b: Box) -> bool:
     return True
 
 
-def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[str]], used: set):
+def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[str]], used: set, extent: dict):
     name = r.name
     shape = r.shape
     ranks = r.ranks
@@ -760,7 +760,17 @@ def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[
                 f"source {src!r} has dtype {sdt}, which recipe {name!r} cannot cast to {adt} "
                 f"(only {', '.join(sorted(CASTABLE_FLOAT))} sources are cast as planned)",
             )
-        if not _in_bounds(pc.src_box, sshape):
+        sb = pc.src_box
+        ext = extent.get(src)
+        if ext is None:
+            extent[src] = [list(x) for x in sb]
+        elif len(ext) == len(sb):
+            for e, (a, b) in zip(ext, sb):
+                if a < e[0]:
+                    e[0] = a
+                if b > e[1]:
+                    e[1] = b
+        if not _in_bounds(sb, sshape):
             probs.add("shape", f"recipe {name!r}: slice {pc.src_box} of source {src!r} is outside its shape {sshape}")
         elif not _compatible(pc.src_box, dbox):
             probs.add("shape", f"recipe {name!r}: slice {pc.src_box} of {src!r} does not fit dst box {dbox}")
@@ -832,7 +842,8 @@ def validate(
     - an output whose dtype differs from the destination's, or whose box is outside the
       destination's shape or not one contiguous range; an output to a tensor the rank lacks;
     - a source the training side lacks ("training side lacks parameter X needed by ...", C3);
-    - a training tensor no recipe reads and not in ``recipeset.ignored`` (C2);
+    - a training tensor no recipe reads and not in ``recipeset.ignored`` (C2), or one whose
+      extent the recipes do not reach (e.g. a larger vocabulary than the model config's);
     - a piece slice outside its source, pieces not covering the assembled tensor exactly once;
     - a cast that is not planned (C8): sources must be bf16/fp16/fp32 (cast to the assembled
       dtype), and a float8 destination can only be produced by ``fp8_block``, never a copy.
@@ -847,11 +858,12 @@ def validate(
     srcs = {k: _src_meta(v) for k, v in sources.items()}
     missing: dict[str, list[str]] = {}
     used: set[str] = set()
+    extent: dict[str, list[list[int]]] = {}  # source -> bounding box of the slices read
 
     # 1. recipes on their own; outputs grouped by (tensor, rank set)
     groups: dict[tuple[str, tuple[int, ...]], list[tuple[Output, str, str]]] = defaultdict(list)
     for r in recipeset.recipes:
-        _check_recipe(r, srcs, probs, missing, used)
+        _check_recipe(r, srcs, probs, missing, used, extent)
         for o in r.outputs:
             groups[(o.tensor, r.ranks)].append((o, r.name, r.transform))
 
@@ -862,6 +874,16 @@ def validate(
     for s in srcs:
         if s not in used and s not in ignored:
             probs.add("unused-source", f"training parameter {s!r} is used by no recipe and not declared ignored")
+
+    for s, ext in extent.items():
+        sshape = srcs[s][0]
+        if len(ext) == len(sshape) and any(e != [0, n] for e, n in zip(ext, sshape)):
+            box = tuple(tuple(e) for e in ext)
+            probs.add(
+                "partly-used-source",
+                f"training parameter {s!r} has shape {sshape} but the recipes read only {box} of it "
+                f"(shape differs from the model config?)",
+            )
 
     # 2. each group against the destination tensor on each of its ranks
     per_dest: dict[tuple[int, str], list[int]] = defaultdict(list)  # -> group ids

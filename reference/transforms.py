@@ -59,8 +59,8 @@ def assemble(
             dst.zero_()
             continue
         src = get_source(p.source)[_slices(p.src_box)]
-        if src.dim() != dst.dim():
-            src = src.reshape(dst.shape)  # leading unit dims; values, not memory, are reshaped
+        if src.dim() < dst.dim():  # dst box has extra leading unit dims (expert slot)
+            src = src[(None,) * (dst.dim() - src.dim())]
         dst.copy_(src)
     return out
 

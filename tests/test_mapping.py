@@ -538,9 +538,29 @@ def test_piece_errors_and_many_problems_listed():
     assert len(lines) == 1 + 20 + 1 and lines[-1].strip().startswith("... and")
 
 
+def test_source_larger_than_config_is_refused():
+    cfg = qwen_dense()
+    lay = InferenceLayout(tp=2)
+    srcs = sources_of(cfg) | {"model.embed_tokens.weight": ((1100, 256), "bfloat16")}
+    with pytest.raises(PlanError, match=r"'model\.embed_tokens\.weight' has shape \(1100, 256\) but the recipes read only"):
+        validate(build_recipes(cfg, lay), srcs, md_dests(cfg, lay))
+
+
+def test_mla_without_q_lora_builds_exact_cover():
+    cfg = mla(q_lora_rank=None)
+    lay = InferenceLayout(tp=2, quant="fp8")
+    rs = build_recipes(cfg, lay)
+    validate(rs, sources_of(cfg), make_dest_metas(expected_dests(rs)))
+    d = expected_dest_shapes(cfg, lay, 1, recipeset=rs)
+    assert d["model.layers.0.self_attn.q_proj.weight"] == ((96, 256), "float8_e4m3fn")
+    assert d["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == ((48, 256), "float8_e4m3fn")
+
+
 def test_divisibility_errors_name_tensor():
-    with pytest.raises(PlanError, match="num_attention_heads = 4 is not divisible by tp = 3"):
+    with pytest.raises(PlanError, match="padded vocab .* = 1024 is not divisible by tp = 3"):
         build_recipes(qwen_dense(), InferenceLayout(tp=3))
+    with pytest.raises(PlanError, match="self_attn num_attention_heads = 4 is not divisible by tp = 3"):
+        build_recipes(qwen_dense(vocab_size=960), InferenceLayout(tp=3))
     with pytest.raises(PlanError, match="experts num_experts .* 16 is not divisible by tp = 32"):
         build_recipes(qwen_moe(num_attention_heads=32, num_key_value_heads=32), InferenceLayout(tp=32, ep=True))
 

@@ -1,0 +1,123 @@
+"""Synthetic metadata at full scale: what every rank would publish, computed without weights.
+
+Training side (:func:`train_metas`): ``nodes x gpus_per_node`` ranks holding the catalog
+model's parameters as DTensors, in one of two layouts:
+
+- ``"two_group"``: exactly :func:`reference.training.two_group_mesh_for` (the seed's two mesh
+  groups): non-expert parameters on the 2-D ``(inter, intra)`` mesh with placements
+  ``(Replicate(), Shard(0))`` (sharded over a node's GPUs, replicated across nodes), routed
+  expert ``e`` on the column mesh of intra-node rank ``e % gpus_per_node`` with ``(Shard(0),)``
+  (sharded across nodes). Each rank publishes the parameters whose mesh contains it, in
+  parameter order, with the box :func:`reference.training.shard_box` gives -- the same
+  :class:`~reference.types.ParamMeta` that :func:`reference.training.collect_metas` returns on
+  a real world (tests/test_simulation.py checks this on a 2x2 gloo world).
+- ``"expert_whole"``: non-expert parameters as above; every routed expert held whole by one
+  rank (a 1-rank mesh, ``(Shard(0),)``), the ``k``-th expert tensor triple (in checkpoint order)
+  on rank ``k mod world``. This is expert-parallel training storage: ``full_tensor()`` of an
+  expert moves no bytes. Not produced by :mod:`reference.training`; it exists to show what the
+  training layout costs (docs/SIMULATION.md).
+
+``offloaded=True`` marks every shard as living in host memory (``ParamMeta.offloaded``).
+
+Inference side (:func:`dest_metas`): :func:`engines.engine.engine_tensor_metas` for every
+inference rank. Ranks of different replicas hold the same tensors at the same offsets
+(``_plan`` depends on ``rank % tp`` only), so the metas are computed once per TP rank and
+copied with the rank changed. :func:`regions` fakes one :class:`~reference.types.RegionDescriptor`
+per inference rank with transport ``"sim"``.
+
+Tuples shared between ranks (shapes, meshes, placements) are the same objects, which keeps the
+Kimi-K2 training side (about 2.4 million ParamMeta on 256 ranks) near 1 GB.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from reference.catalog import ModelConfig, param_specs
+from reference.training import expert_id, is_expert_param, shard_box
+from reference.types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor
+
+SHARD0 = "Shard(dim=0)"
+REPLICATE = "Replicate()"
+TRAIN_LAYOUTS = ("two_group", "expert_whole")
+
+
+def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str = "two_group",
+                offloaded: bool = False, dtype: str | None = None) -> dict[int, list[ParamMeta]]:
+    """Per training rank (``n * gpus_per_node + j`` for node ``n``, GPU ``j``), the
+    :class:`ParamMeta` list it publishes, in parameter order (see module docstring).
+    ``dtype`` overrides the BF16 parameters' dtype (e.g. ``"float32"`` masters)."""
+    if layout not in TRAIN_LAYOUTS:
+        raise ValueError(f"unknown training layout {layout!r}; known: {', '.join(TRAIN_LAYOUTS)}")
+    g, world = gpus_per_node, nodes * gpus_per_node
+    mesh2d = tuple(tuple(n * g + j for j in range(g)) for n in range(nodes))
+    columns = [tuple(n * g + j for n in range(nodes)) for j in range(g)]
+    singles = [(r,) for r in range(world)]
+    pl2d, pl1d = (REPLICATE, SHARD0), (SHARD0,)
+    names2d, names1d = ("inter", "intra"), ("inter",)
+    out: dict[int, list[ParamMeta]] = {r: [] for r in range(world)}
+    k_expert = 0
+    last_expert: tuple[str, int] | None = None
+    for s in param_specs(cfg):
+        dt = dtype if (dtype and s.dtype == "bfloat16") else s.dtype
+        shape = s.shape
+        if is_expert_param(s.name):
+            if layout == "two_group":
+                mesh = columns[expert_id(s.name) % g]
+                coords = [((i,), r) for i, r in enumerate(mesh)]
+                mshape = (nodes,)
+            else:
+                key = (s.name.split(".mlp.experts.")[0], expert_id(s.name))
+                if last_expert is not None and key != last_expert:
+                    k_expert += 1
+                last_expert = key
+                mesh = singles[k_expert % world]
+                coords = [((0,), mesh[0])]
+                mshape = (1,)
+            pl, names = pl1d, names1d
+        else:
+            mesh, pl, names, mshape = mesh2d, pl2d, names2d, (nodes, g)
+            coords = [((n, j), n * g + j) for n in range(nodes) for j in range(g)]
+        boxes: dict[tuple, tuple] = {}
+        for coord, r in coords:
+            box = shard_box(shape, mshape, coord, pl)
+            got = boxes.get(box)
+            if got is None:
+                off = tuple(a for a, _ in box)
+                lsh = tuple(b - a for a, b in box)
+                got = boxes[box] = (off, lsh)
+            out[r].append(ParamMeta(name=s.name, global_shape=shape, dtype=dt, mesh_ranks=mesh,
+                                    mesh_dim_names=names, placements=pl, local_offset=got[0],
+                                    local_shape=got[1], offloaded=offloaded))
+    return out
+
+
+def dest_metas(cfg: ModelConfig, layout: InferenceLayout) -> dict[int, list[DestTensorMeta]]:
+    """Per inference rank, its tensors (:func:`engines.engine.engine_tensor_metas`), computed
+    once per TP rank and copied to the other replicas with the rank changed."""
+    from engines.engine import engine_tensor_metas
+
+    base = {t: engine_tensor_metas(cfg, layout, t) for t in range(layout.tp)}
+    out: dict[int, list[DestTensorMeta]] = {}
+    for r in range(layout.world_size):
+        t = r % layout.tp
+        out[r] = base[t] if r == t else [replace(m, rank=r) for m in base[t]]
+    return out
+
+
+def region_bytes(metas: list[DestTensorMeta]) -> int:
+    """Bytes of one inference rank's registered region (end of its last tensor)."""
+    return max((m.offset + m.nbytes for m in metas), default=0)
+
+
+def regions(dests: dict[int, list[DestTensorMeta]], gpus_per_node: int = 8) -> dict[int, RegionDescriptor]:
+    """One fake region per inference rank (transport ``"sim"``; host ``infer-node<n>``)."""
+    return {r: RegionDescriptor(transport="sim", host=f"infer-node{r // gpus_per_node}", pid=0, addr=0,
+                                length=region_bytes(ms), key=r) for r, ms in dests.items()}
+
+
+def local_bytes(metas: list[ParamMeta]) -> int:
+    """Bytes a training rank stores (its shards)."""
+    from reference.types import itemsize
+
+    return sum(math.prod(m.local_shape) * itemsize(m.dtype) for m in metas)

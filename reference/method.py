@@ -1,0 +1,169 @@
+"""The method interface every weight-transfer method implements, and the reference method.
+
+A *method* has three sides, one per kind of process of a trial:
+
+- :class:`ControllerSide` runs once in the controller after metadata is collected
+  (``setup``: e.g. compute and publish the static schedule);
+- :class:`TrainerSide` runs in each training rank: ``setup`` once (after its parameters
+  exist), ``transfer(step)`` on every "go" (weights of ``step`` are already in the
+  parameters), ``teardown``;
+- :class:`InferenceSide` runs in each inference rank: ``setup`` once (after its engine
+  exists; returns the payload published as ``meta/infer/{rank}``), ``receive(step)`` on every
+  "go" if the method is ``active`` on the inference side (the baselines: the inference rank
+  takes part in the update and runs ``load_weights``), ``teardown``.
+
+The trial runner, the timing and the verification do not know which method runs: an update
+is complete when every training rank (and, for active methods, every inference rank) reported
+done; only then is the version published. The reference is passive on the inference side:
+``setup`` registers the engine's memory once and publishes the descriptor; nothing runs there
+per step.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .types import InferenceLayout
+
+
+@dataclass(kw_only=True)
+class TrainerContext:
+    """What a training rank hands its method. ``params``: checkpoint name -> DTensor (this
+    rank's shards); ``store``: the control-plane TCPStore; ``cfg``: the trial config."""
+
+    rank: int
+    n_train: int
+    n_infer: int
+    params: dict
+    store: Any
+    cfg: Any
+    model_config: Any
+    layout: InferenceLayout
+    log: Callable[[str], None] = print
+    group_barrier: Callable[[], None] | None = None
+
+
+@dataclass(kw_only=True)
+class InferenceContext:
+    """What an inference rank hands its method: its engine (parameters in vLLM layout)."""
+
+    rank: int
+    n_train: int
+    n_infer: int
+    engine: Any
+    store: Any
+    cfg: Any
+    model_config: Any
+    layout: InferenceLayout
+    log: Callable[[str], None] = print
+
+
+@dataclass(kw_only=True)
+class ControllerContext:
+    """What the controller hands its method once metadata is in."""
+
+    store: Any
+    cfg: Any
+    model_config: Any
+    layout: InferenceLayout
+    train_metas: dict
+    infer_payloads: dict
+    extra: dict = field(default_factory=dict)
+
+
+class ControllerSide(abc.ABC):
+    @abc.abstractmethod
+    def setup(self, ctx: ControllerContext) -> str:
+        """Once, before the first update. Returns a one-line plan summary for the table."""
+
+
+class TrainerSide(abc.ABC):
+    @abc.abstractmethod
+    def setup(self, ctx: TrainerContext) -> None: ...
+
+    @abc.abstractmethod
+    def transfer(self, step: int):
+        """Move the weights of ``step``; return a StepStats-like object (bytes_sent, n_writes,
+        peak_temp_bytes, seconds, records)."""
+
+    def teardown(self) -> None:
+        pass
+
+
+class InferenceSide(abc.ABC):
+    active: bool = False
+    """True when the inference rank takes part in each update (``receive``)."""
+
+    @abc.abstractmethod
+    def setup(self, ctx: InferenceContext) -> Any:
+        """Once; return the payload the controller receives for this rank."""
+
+    def receive(self, step: int) -> dict:
+        """Active methods: take part in update ``step``; return stats (e.g. bytes received)."""
+        return {}
+
+    def teardown(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# the reference: one-sided writes, static schedule
+
+
+class ReferenceController(ControllerSide):
+    """Builds the recipes, computes the schedule once, hands each training rank its part."""
+
+    def setup(self, ctx: ControllerContext) -> str:
+        from . import control
+        from .mapping import build_recipes
+        from .planner import plan
+
+        recipes = build_recipes(ctx.model_config, ctx.layout)
+        sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
+                     max_chunk_bytes=ctx.cfg.max_chunk_bytes)
+        descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
+        for r, rp in sched.rank_plans.items():
+            control.put(ctx.store, f"plan/{r}", (rp, descriptors))
+        ctx.extra["schedule"] = sched
+        return sched.summary()
+
+
+class ReferenceTrainer(TrainerSide):
+    """Runs this rank's :class:`~reference.planner.RankPlan` with the executor."""
+
+    def setup(self, ctx: TrainerContext) -> None:
+        from . import control
+        from .executor import Executor
+        from .transport import make_transport
+
+        client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.cfg.timeout, 600.0))
+        plan, descriptors = client.get_plan()
+        self.transport = make_transport(ctx.cfg.transport)
+        self.transport.connect(list(descriptors.values()))
+        self.executor = Executor(plan, ctx.params, self.transport, descriptors, group_barrier=ctx.group_barrier,
+                                 **getattr(ctx.cfg, "executor_options", lambda: {})())
+        ctx.log(f"plan: {len(plan.tasks)} tasks, {plan.n_writes} writes, {plan.send_bytes / 1e9:.3f} GB to send")
+
+    def transfer(self, step: int):
+        return self.executor.run()
+
+    def teardown(self) -> None:
+        self.transport.close()
+
+
+class ReferenceInference(InferenceSide):
+    """Registers the engine's parameter memory once and publishes (descriptor, tensor metas).
+    Passive: nothing runs here per step."""
+
+    active = False
+
+    def setup(self, ctx: InferenceContext):
+        from .transport import make_transport
+
+        self.transport = make_transport(ctx.cfg.transport)
+        self.region = self.transport.register(ctx.engine.arena)
+        return (self.region.descriptor(), ctx.engine.tensor_metas())
+
+    def teardown(self) -> None:
+        self.transport.close()
