@@ -37,7 +37,7 @@ def test_version_published_only_when_every_rank_completed(store):
     assert inf.version() == -1
     # rank 1 fails: the version must not move
     threading.Timer(0.05, lambda: (t0.done(1, ok=True), t1.done(1, ok=False, error="BoundsError: x"))).start()
-    with pytest.raises(control.ControlError, match="rank 1: BoundsError"):
+    with pytest.raises(control.ControlError, match="training 1: BoundsError"):
         ctl.transfer(1)
     assert inf.version() == -1
     # rank 1 silent: timeout names it, version unchanged
