@@ -54,6 +54,22 @@ class TrialConfig:
     poison: bool = True
     """Fill inference memory with 0xA5 before the first update (C11: a no-op cannot verify)."""
     verify: bool = True
+    pipeline: bool = True
+    """Run the executor's stages concurrently (stage threads with FIFO queues); ``False``
+    runs every stage of a task before the next task starts (stage-serialized)."""
+    watermark: int | None = None
+    """Bytes of temporaries (gathered sources + outputs) the tasks in flight on one training
+    rank may hold; ``None`` = unbounded. A task larger than this runs alone."""
+    offload: bool = False
+    """Training shards live in host memory (pinned on CUDA hosts) and are copied to the device
+    buffer in the executor's ``h2d`` stage; metadata says ``offloaded=True``."""
+    trace_dir: str | None = None
+    """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
+    merges them into ``step{N}.json`` per update."""
+    drop_params: tuple[str, ...] = ()
+    """Fault injection: checkpoint names the training side does not hold (C3 tests)."""
+    extra_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Fault injection: (name, shape) BF16 parameters the training side holds on top."""
 
     def __post_init__(self):
         if self.n_train < 1:
@@ -63,6 +79,8 @@ class TrialConfig:
         if self.train_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
         self.layout  # validates tp/dp/quant
+        if self.watermark is not None and self.watermark < 0:
+            raise ValueError(f"watermark={self.watermark}: bytes >= 0, or None for unbounded")
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
         if self.train_layout != "fsdp":
@@ -70,9 +88,18 @@ class TrialConfig:
                 raise ValueError(f"train_layout={self.train_layout!r} needs train_mesh=(a, b) with a*b = "
                                  f"n_train={self.n_train}, got {self.train_mesh}")
 
+    def train_specs(self) -> list:
+        """The training side's parameters: the catalog's, less ``drop_params``, plus
+        ``extra_params``."""
+        from reference.catalog import ParamSpec, param_specs
+
+        specs = [s for s in param_specs(self.model_config()) if s.name not in set(self.drop_params)]
+        return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.extra_params]
+
     def executor_options(self) -> dict:
         """Keyword arguments for :class:`reference.executor.Executor`."""
-        return {}
+        return {"pipeline": self.pipeline, "watermark": self.watermark, "offload": self.offload,
+                "trace_dir": self.trace_dir}
 
     @property
     def layout(self) -> InferenceLayout:

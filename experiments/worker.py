@@ -39,11 +39,11 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
     mcfg = cfg.model_config()
     if cfg.train_layout == "fsdp":
         mesh = init_device_mesh("cpu", (cfg.n_train,), mesh_dim_names=("fsdp",))
-        return named_dtensors(build_fsdp_model(mcfg, mesh, dtype_override=cfg.dtype_override))
+        return named_dtensors(build_fsdp_model(mcfg, mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs()))
     if cfg.train_layout == "two_group":
-        return build_two_group_params(mcfg, *cfg.train_mesh, dtype_override=cfg.dtype_override)
+        return build_two_group_params(mcfg, *cfg.train_mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs())
     mesh = init_device_mesh("cpu", tuple(cfg.train_mesh), mesh_dim_names=("dp_outer", "dp_inner"))
-    return build_dtensor_params(param_specs(mcfg), lambda s: (mesh, (Shard(0), Shard(0))),
+    return build_dtensor_params(cfg.train_specs(), lambda s: (mesh, (Shard(0), Shard(0))),
                                 dtype_override=cfg.dtype_override)
 
 
@@ -61,7 +61,11 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
     try:
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=cfg.n_train)
         params = build_training_params(cfg, rank)
-        client.publish_meta(collect_metas(params))
+        if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
+            from reference.training import offload_to_host
+
+            params = offload_to_host(params)
+        client.publish_meta(collect_metas(params, offloaded=cfg.offload))
         _, trainer_cls, _ = get_method(cfg.method)
         side = trainer_cls()
         side.setup(TrainerContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, params=params, store=store,

@@ -112,19 +112,21 @@ def _build_tree(specs: Iterable[ParamSpec], dtype_override: str | None) -> nn.Mo
     return root
 
 
-def build_fsdp_model(cfg: ModelConfig, mesh: DeviceMesh, *, dtype_override: str | None = None) -> nn.Module:
+def build_fsdp_model(cfg: ModelConfig, mesh: DeviceMesh, *, dtype_override: str | None = None,
+                     specs: list[ParamSpec] | None = None) -> nn.Module:
     """FSDP2-sharded module with the checkpoint's parameter names. Each decoder layer is its
     own FSDP unit (``fully_shard(model.layers[i])``) and the root takes the rest, as trainers
     do. Storage is allocated uninitialized on CPU; call :func:`load_step` to fill it.
     ``dtype_override="float32"`` keeps fp32 master weights (C8)."""
     from torch.distributed.fsdp import fully_shard
 
-    specs = param_specs(cfg)
+    specs = param_specs(cfg) if specs is None else specs
     with torch.device("meta"):
         model = _build_tree(specs, dtype_override)
     layers = model.model.layers
     for i in range(cfg.num_layers):
-        fully_shard(getattr(layers, str(i)), mesh=mesh, reshard_after_forward=True)
+        if hasattr(layers, str(i)):
+            fully_shard(getattr(layers, str(i)), mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     return model
@@ -179,7 +181,7 @@ def two_group_mesh_for(mesh2d: DeviceMesh, columns: list[DeviceMesh]):
 
 
 def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, *,
-                           dtype_override: str | None = None) -> dict[str, DTensor]:
+                           dtype_override: str | None = None, specs: list[ParamSpec] | None = None) -> dict[str, DTensor]:
     """DTensor parameters in the seed's two-mesh-group layout (see :func:`two_group_mesh_for`)
     on ``nodes * gpus_per_node`` ranks (the default process group must have that size). A
     rank holds only the experts of its column."""
@@ -190,7 +192,7 @@ def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, *,
                for j in range(gpus_per_node)]
     mesh_for = two_group_mesh_for(mesh2d, columns)
     me = torch.distributed.get_rank()
-    specs = [s for s in param_specs(cfg) if me in mesh_for(s)[0].mesh.flatten().tolist()]
+    specs = [s for s in (param_specs(cfg) if specs is None else specs) if me in mesh_for(s)[0].mesh.flatten().tolist()]
     return build_dtensor_params(specs, mesh_for, dtype_override=dtype_override)
 
 
@@ -212,12 +214,13 @@ def load_step(params: dict[str, DTensor], *, step: int, seed: int) -> int:
 
 def _load_step(params, step, seed) -> int:
     total = 0
+    host = getattr(params, "host", None) or {}  # offloaded: the trainer updates the host copies
     for name, p in params.items():
         mesh = p.device_mesh
         coord = mesh.get_coordinate()
         if coord is None:
             continue
-        local = p.to_local()
+        local = host.get(name, p.to_local())
         if local.numel() == 0:
             continue
         box = shard_box(tuple(p.shape), tuple(mesh.mesh.shape), tuple(coord), tuple(p.placements))
@@ -227,5 +230,43 @@ def _load_step(params, step, seed) -> int:
 
 
 def collect_metas(params: dict[str, DTensor], *, offloaded: bool = False) -> list[ParamMeta]:
-    """Metadata this rank publishes once, in parameter order."""
+    """Metadata this rank publishes once, in parameter order (``offloaded`` is set for
+    :class:`OffloadedParams` whatever the argument says)."""
+    offloaded = offloaded or bool(getattr(params, "host", None))
     return [meta_of(n, p, offloaded=offloaded) for n, p in params.items() if p.device_mesh.get_coordinate() is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# host offload
+
+
+class OffloadedParams(dict):
+    """``{checkpoint name: DTensor}`` whose shards live in host memory between updates.
+
+    ``host[name]`` is the host copy of this rank's local shard (pinned when CUDA is available):
+    what the trainer updates (:func:`load_step` writes it) -- the state of a trainer with CPU
+    offload (FSDP2 ``CPUOffloadPolicy``, optimizer offload). The DTensor's own local tensor is
+    the device buffer that ``full_tensor()`` reads; the executor's ``h2d`` stage copies host ->
+    device buffer for each task's sources before its prepare. On a CPU run both live in host
+    memory, but the copy is still real: skipping it would send the previous step's weights.
+    """
+
+    def __init__(self, params: dict[str, DTensor], host: dict[str, torch.Tensor]):
+        super().__init__(params)
+        self.host = host
+
+
+def offload_to_host(params: dict[str, DTensor]) -> OffloadedParams:
+    """Give every local shard a host copy (pinned when CUDA is available), initialised from the
+    shard; returns the params with ``host`` attached (see :class:`OffloadedParams`)."""
+    pin = torch.cuda.is_available()
+    host: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.device_mesh.get_coordinate() is None:
+                continue
+            local = p.to_local()
+            h = torch.empty(tuple(local.shape), dtype=local.dtype, device="cpu", pin_memory=pin)
+            h.copy_(local)
+            host[name] = h
+    return OffloadedParams(params, host)

@@ -1,0 +1,156 @@
+"""The static schedule: every destination byte written exactly once, senders inside the
+owning mesh, balanced, deterministic; refusals name the tensors (C3, C12)."""
+from collections import defaultdict
+
+import pytest
+
+from engines.engine import engine_tensor_metas
+from reference.catalog import load_config, param_specs
+from reference.mapping import PlanError, build_recipes
+from reference.planner import mesh_groups, plan
+from reference.training import shard_box
+from reference.types import InferenceLayout, ParamMeta
+
+SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate_size=512,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+MOE = dict(num_hidden_layers=2, num_experts=16, hidden_size=256, moe_intermediate_size=128,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000)
+
+
+def fsdp_metas(cfg, n, *, placements=("Shard(dim=0)",), mesh_shape=None, drop=(), extra=()):
+    """What n FSDP ranks publish (mesh of all ranks), computed with shard_box."""
+    mesh_shape = mesh_shape or (n,)
+    specs = [s for s in param_specs(cfg) if s.name not in drop] + list(extra)
+    ranks = list(range(n))
+    mesh = tuple(ranks) if len(mesh_shape) == 1 else tuple(tuple(ranks[i * mesh_shape[1]:(i + 1) * mesh_shape[1]])
+                                                           for i in range(mesh_shape[0]))
+    out = {}
+    for r in ranks:
+        coord = (r,) if len(mesh_shape) == 1 else (r // mesh_shape[1], r % mesh_shape[1])
+        ms = []
+        for s in specs:
+            box = shard_box(s.shape, mesh_shape, coord, placements)
+            ms.append(ParamMeta(name=s.name, global_shape=s.shape, dtype=s.dtype, mesh_ranks=mesh,
+                                placements=placements, local_offset=tuple(a for a, _ in box),
+                                local_shape=tuple(b - a for a, b in box)))
+        out[r] = ms
+    return out
+
+
+def dest_metas(cfg, layout):
+    return {i: engine_tensor_metas(cfg, layout, i) for i in range(layout.world_size)}
+
+
+def check_exact_cover(sched, dests):
+    """Every byte of every destination tensor written exactly once."""
+    writes = defaultdict(list)
+    for rp in sched.rank_plans.values():
+        for t in rp.tasks:
+            assert rp.rank in t.mesh
+            for a in t.assignments:
+                for w in a.writes:
+                    writes[w.dst_rank].append((w.remote_offset, w.remote_offset + w.length))
+    for rank, metas in dests.items():
+        iv = sorted(writes[rank])
+        spans = sorted((m.offset, m.offset + m.nbytes) for m in metas if m.nbytes)
+        # merge adjacent writes; must equal the tensors' spans exactly, no overlap
+        merged = []
+        for a, b in iv:
+            assert not merged or a >= merged[-1][1], f"rank {rank}: overlapping writes at {a}"
+            if merged and a == merged[-1][1]:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        covered = sum(b - a for a, b in iv)
+        assert covered == sum(b - a for a, b in spans), rank
+        for a, b in iv:  # every write inside one tensor
+            assert any(s <= a and b <= e for s, e in spans), (rank, a, b)
+
+
+@pytest.mark.parametrize("layout", [InferenceLayout(tp=1), InferenceLayout(tp=2), InferenceLayout(tp=4),
+                                    InferenceLayout(tp=2, dp=2), InferenceLayout(tp=2, quant="fp8")])
+def test_dense_plan_covers_every_byte_once(layout):
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    dests = dest_metas(cfg, layout)
+    sched = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 3), dests)
+    check_exact_cover(sched, dests)
+    assert sched.total_bytes == sum(m.nbytes for ms in dests.values() for m in ms)
+
+
+def test_moe_ep_fp8_plan_and_small_chunks():
+    cfg = load_config("qwen3-30b-a3b", **MOE)
+    layout = InferenceLayout(tp=4, ep=True, quant="fp8")
+    dests = dest_metas(cfg, layout)
+    sched = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 2), dests, max_chunk_bytes=8 << 10)
+    check_exact_cover(sched, dests)
+
+
+def test_c12_uneven_30_ranks_and_2d_mesh():
+    cfg = load_config("qwen3-0.6b", **{**SMALL, "hidden_size": 4096, "intermediate_size": 128,
+                                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+                                       "num_hidden_layers": 1, "vocab_size": 64})
+    layout = InferenceLayout(tp=2)
+    dests = dest_metas(cfg, layout)
+    metas = fsdp_metas(cfg, 30)
+    # dim 4096 over 30 ranks: 29 x 137 + 123; a 64-row tensor leaves ranks 22.. empty
+    norm = [m for m in metas[29] if m.name == "model.norm.weight"][0]
+    assert norm.local_shape == (123,)
+    assert [m for m in metas[29] if m.name == "model.layers.0.self_attn.q_norm.weight"][0].local_shape == (0,)
+    sched = plan(build_recipes(cfg, layout), metas, dests)
+    check_exact_cover(sched, dests)
+    senders = {r for r, p in sched.rank_plans.items() if p.send_bytes}
+    assert len(senders) > 10  # writes spread over the mesh, not funneled
+    m2 = fsdp_metas(cfg, 4, placements=("Shard(dim=0)", "Shard(dim=0)"), mesh_shape=(2, 2))
+    check_exact_cover(plan(build_recipes(cfg, layout), m2, dests), dests)
+
+
+def test_balanced_and_deterministic():
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2, dp=2)
+    dests = dest_metas(cfg, layout)
+    a = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 4), dests, max_chunk_bytes=64 << 10)
+    b = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 4), dests, max_chunk_bytes=64 << 10)
+    assert a.rank_plans == b.rank_plans
+    biggest = max(asg.nbytes for p in a.rank_plans.values() for t in p.tasks for asg in t.assignments)
+    s = a.send_bytes
+    assert max(s.values()) - min(s.values()) <= biggest
+
+
+def test_task_order_identical_on_every_rank_of_a_mesh():
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    sched = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 3), dest_metas(cfg, layout))
+    orders = {r: [(t.id, t.sources) for t in p.tasks] for r, p in sched.rank_plans.items()}
+    assert orders[0] == orders[1] == orders[2]
+
+
+def test_c3_missing_training_parameter_refused_naming_it():
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    missing = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(PlanError, match=missing.replace(".", r"\.")):
+        plan(build_recipes(cfg, layout), fsdp_metas(cfg, 2, drop=(missing,)), dest_metas(cfg, layout))
+
+
+def test_c2_extra_training_parameter_refused_naming_it():
+    from reference.catalog import ParamSpec
+
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    extra = ParamSpec(name="model.layers.0.mlp.bias_adapter.weight", shape=(8, 8))
+    with pytest.raises(PlanError, match="bias_adapter"):
+        plan(build_recipes(cfg, layout), fsdp_metas(cfg, 2, extra=(extra,)), dest_metas(cfg, layout))
+
+
+def test_inconsistent_training_metadata_named():
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    metas = fsdp_metas(cfg, 2)
+    metas[1] = [m for m in metas[1] if m.name != "model.norm.weight"]
+    with pytest.raises(PlanError, match=r"model\.norm\.weight: mesh ranks \[1\] did not publish it"):
+        plan(build_recipes(cfg, layout), metas, dest_metas(cfg, layout))
+
+
+def test_mesh_groups_disjoint_meshes_share_a_group():
+    g = mesh_groups([(0, 1, 2, 3), (0, 2), (1, 3), (0, 1, 2, 3)])
+    assert g == {(0, 1, 2, 3): 0, (0, 2): 1, (1, 3): 1}
