@@ -119,7 +119,8 @@ class ReferenceController(ControllerSide):
         from .mapping import build_recipes
         from .planner import plan
 
-        recipes = build_recipes(ctx.model_config, ctx.layout)
+        sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
+        recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
         sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
                      max_chunk_bytes=ctx.cfg.max_chunk_bytes)
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
