@@ -1,8 +1,17 @@
 """Data plane: the :class:`Transport` interface and its back ends.
 
 ``make_transport("cma")`` builds a back end by name; see :mod:`.base` for the interface and
-the safety rules every back end enforces, and :mod:`.cma` for cross-memory attach (one-sided
-``process_vm_writev`` writes between processes of one host).
+the safety rules every back end enforces. Back ends (docs/TRANSPORTS.md has install notes):
+
+- ``cma``: cross-memory attach (:mod:`.cma`), one-sided ``process_vm_writev`` between
+  processes of one host, CPU memory; no dependency.
+- ``nixl``: NVIDIA NIXL agents over UCX (:mod:`.nixl`): CMA/TCP on one box, RDMA on clusters.
+- ``verbs``: pyverbs RC queue pairs with RDMA WRITE (:mod:`.verbs`); needs an RDMA device.
+- ``cuda_ipc``: CUDA IPC handles, device-to-device copies between GPUs of one host
+  (:mod:`.cuda_ipc`).
+
+The modules import their optional libraries only when a transport is built, so
+``make_transport`` raises an ImportError that says what to install when one is missing.
 """
 from __future__ import annotations
 
@@ -18,15 +27,24 @@ from .base import (
     WriteOp,
 )
 from .cma import CmaRegion, CmaTransport
+from .cuda_ipc import CudaIpcTransport
+from .nixl import NixlTransport
+from .verbs import VerbsTransport
 
-TRANSPORTS: dict[str, type[Transport]] = {"cma": CmaTransport}
+TRANSPORTS: dict[str, type[Transport]] = {
+    "cma": CmaTransport,
+    "nixl": NixlTransport,
+    "verbs": VerbsTransport,
+    "cuda_ipc": CudaIpcTransport,
+}
 """Back ends known to :func:`make_transport`, by name."""
 
 
 def make_transport(name: str, **kw) -> Transport:
     """Build the back end called ``name`` with keyword arguments ``kw``
     (``make_transport("cma", host=None)``). Raises ValueError naming an unknown transport
-    and listing the known ones."""
+    and listing the known ones, and ImportError saying what to install when the back end's
+    library is missing (``nixl``: NIXL; ``verbs``: pyverbs; ``cuda_ipc``: a CUDA torch)."""
     try:
         cls = TRANSPORTS[name]
     except KeyError:
@@ -38,6 +56,9 @@ __all__ = [
     "BoundsError",
     "CmaRegion",
     "CmaTransport",
+    "CudaIpcTransport",
+    "NixlTransport",
+    "VerbsTransport",
     "PermissionDeniedError",
     "Region",
     "RemoteGoneError",

@@ -1,0 +1,742 @@
+"""pyverbs back end: RDMA WRITE over RC queue pairs (the cluster data plane).
+
+What it is
+----------
+rdma-core's Python bindings (``pyverbs``) drive the NIC directly: open the device, allocate a
+protection domain (PD), register memory regions (MR: host memory with ``ibv_reg_mr``; GPU
+memory through a dma-buf file descriptor, ``ibv_reg_dmabuf_mr``, or through ``nvidia_peermem``
+when the plain registration of a device pointer is accepted), create one reliable-connected
+queue pair (RC QP) per (sender NIC, receiver NIC) pair, and post ``IBV_WR_RDMA_WRITE`` work
+requests that land in the receiver's memory without its CPU.
+
+Connection set-up (the only thing the receiver does)
+----------------------------------------------------
+An RC QP needs both ends: each side creates a QP and learns the other's QP number, LID/GID
+and starting PSN (:class:`ConnInfo`, JSON-serializable). The receiver's transport therefore
+runs a small *connection listener* thread (TCP, address in the descriptor's ``extra["cm"]``):
+a sender connects once per receiver process, sends its :class:`ConnInfo` per rail, the
+listener creates matching QPs, moves them INIT -> RTR -> RTS and answers with its own
+:class:`ConnInfo`. After that the receiver's CPU is not involved; the listener only serves new
+senders. The descriptor carries everything else: address, length, ``key`` (the rkey on the
+first NIC), ``extra["rkeys"]`` (rkey per NIC), ``extra["run"]`` (a random token per transport:
+a descriptor from another run is refused at connect time when the handshake answers another
+token, and at write time when its key differs from the connected one).
+
+Several NICs per node
+---------------------
+``nics=["mlx5_0", "mlx5_1"]`` (or ``WT_RDMA_NICS=mlx5_0,mlx5_1``) selects devices; ``None``
+takes every device found. An unknown name raises ValueError listing the available devices, or
+saying none exist. Memory is registered on every selected NIC; rails pair local NIC ``i`` with
+remote NIC ``i mod n_remote``. ``stripe="write"`` spreads the writes of a batch round-robin
+over the rails (by bytes, :func:`assign_rails`), ``stripe="region"`` sends every write to one
+remote region over the same rail (chosen by the region's address), which keeps per-region
+ordering.
+
+Posting policy
+--------------
+Ops longer than ``max_msg`` (default 1 GiB; the port's ``max_msg_sz`` is usually 2 GiB) are
+split (:func:`chunk_ops`). Work requests are posted as linked chains of at most ``max_chain``
+(one ``ibv_post_send`` per chain); every ``signal_every``-th work request of a QP and the last
+one of a batch are signaled (:func:`plan_signals`); an RC QP completes in order, so one signaled
+completion retires every unsignaled request before it. The sender polls the completion queue
+whenever a QP's send queue would overflow and in :meth:`VerbsWriteHandle.wait`. A completion
+with an error status raises :class:`TransportError` with the status name
+(:func:`wc_status_name`, e.g. ``IBV_WC_REM_ACCESS_ERR``: the receiver deregistered the region
+or the rkey is stale) and the op it belongs to.
+
+Checks before any post
+----------------------
+Same rules as every back end (:mod:`.base`): local region registered, remote descriptor
+connected with the same key and length, offsets/lengths inside both regions; nothing of a batch
+is posted when one op fails them.
+
+Install (see docs/TRANSPORTS.md)
+--------------------------------
+Debian/Ubuntu: ``apt-get install python3-pyverbs`` (built for the system python; import it from
+a venv of the same minor version by adding ``/usr/lib/python3/dist-packages`` to ``sys.path``,
+which :func:`load_pyverbs` does as a fallback). PyPI: the ``pyverbs==56.0rc1`` manylinux wheel
+(bundles libibverbs); the ``59.0`` sdist builds all of rdma-core and needs its build
+dependencies (cmake, libnl-3-dev, libnl-route-3-dev, cython, ...).
+
+Usage::
+
+    # receiver (inference rank), once; keep `t` alive (its listener serves new senders)
+    t = VerbsTransport(nics=["mlx5_0"]); region = t.register(params); publish(region.descriptor())
+    # sender (training rank)
+    t = VerbsTransport(nics=["mlx5_1"]); src = t.register(staging); t.connect(descriptors)
+    t.write([WriteOp(src, 0, descriptors[0], 0, n)]).wait()
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..types import RegionDescriptor
+from .base import BoundsError, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp
+
+__all__ = [
+    "ConnInfo", "VerbsTransport", "VerbsRegion", "VerbsWriteHandle", "WC_STATUS_NAMES",
+    "assign_rails", "check_ops", "chunk_ops", "list_nics", "load_pyverbs", "plan_chains",
+    "plan_signals", "select_nics", "validate_descriptor", "wc_status_name", "INSTALL_HINT",
+]
+
+INSTALL_HINT = (
+    "the 'verbs' transport needs rdma-core's Python bindings (pyverbs): apt-get install "
+    "python3-pyverbs (system python 3, importable from a venv of the same minor version), or "
+    "pip install pyverbs==56.0rc1 (manylinux wheel); see docs/TRANSPORTS.md"
+)
+
+# ---------------------------------------------------------------------------------------------
+# pure parts (no device, no pyverbs): unit-tested everywhere
+
+WC_STATUS_NAMES: dict[int, str] = {
+    0: "IBV_WC_SUCCESS", 1: "IBV_WC_LOC_LEN_ERR", 2: "IBV_WC_LOC_QP_OP_ERR",
+    3: "IBV_WC_LOC_EEC_OP_ERR", 4: "IBV_WC_LOC_PROT_ERR", 5: "IBV_WC_WR_FLUSH_ERR",
+    6: "IBV_WC_MW_BIND_ERR", 7: "IBV_WC_BAD_RESP_ERR", 8: "IBV_WC_LOC_ACCESS_ERR",
+    9: "IBV_WC_REM_INV_REQ_ERR", 10: "IBV_WC_REM_ACCESS_ERR", 11: "IBV_WC_REM_OP_ERR",
+    12: "IBV_WC_RETRY_EXC_ERR", 13: "IBV_WC_RNR_RETRY_EXC_ERR", 14: "IBV_WC_LOC_RDD_VIOL_ERR",
+    15: "IBV_WC_REM_INV_RD_REQ_ERR", 16: "IBV_WC_REM_ABORT_ERR", 17: "IBV_WC_INV_EECN_ERR",
+    18: "IBV_WC_INV_EEC_STATE_ERR", 19: "IBV_WC_FATAL_ERR", 20: "IBV_WC_RESP_TIMEOUT_ERR",
+    21: "IBV_WC_GENERAL_ERR", 22: "IBV_WC_TM_ERR", 23: "IBV_WC_TM_RNDV_INCOMPLETE",
+}
+"""``enum ibv_wc_status`` (libibverbs ``verbs.h``), value -> name."""
+
+_WC_HINTS = {
+    10: "the remote region is not registered with this rkey (deregistered, stale descriptor, or out of bounds)",
+    12: "the receiver did not acknowledge (gone, link down, or wrong LID/GID/QP number)",
+    5: "the QP went to the error state after an earlier failure",
+    4: "the local buffer is not covered by its MR (deregistered?)",
+}
+
+
+def wc_status_name(status: int) -> str:
+    """``10 -> "IBV_WC_REM_ACCESS_ERR"``; unknown values give ``"IBV_WC_<status>"``."""
+    return WC_STATUS_NAMES.get(int(status), f"IBV_WC_{int(status)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnInfo:
+    """What one end of an RC QP tells the other: enough for ``INIT -> RTR -> RTS``."""
+
+    nic: str
+    """Device name (``mlx5_0``)."""
+    port: int
+    lid: int
+    """Port LID (InfiniBand; 0 on RoCE)."""
+    gid: str
+    """Port GID as 32 hex digits (RoCE and routed InfiniBand need it)."""
+    gid_index: int
+    qpn: int
+    """QP number (24 bits)."""
+    psn: int
+    """Starting packet sequence number (24 bits)."""
+    mtu: int
+    """Active MTU as the ``ibv_mtu`` enum value (1..5 = 256..4096 bytes)."""
+
+    def __post_init__(self):
+        if not self.nic:
+            raise ValueError("ConnInfo: empty nic name")
+        if not (0 < self.qpn < 1 << 24):
+            raise ValueError(f"ConnInfo: qpn {self.qpn} is not a 24-bit QP number")
+        if not (0 <= self.psn < 1 << 24):
+            raise ValueError(f"ConnInfo: psn {self.psn} is not 24-bit")
+        if not (0 <= self.lid < 1 << 16):
+            raise ValueError(f"ConnInfo: lid {self.lid} is not 16-bit")
+        if len(self.gid) != 32 or any(c not in "0123456789abcdef" for c in self.gid):
+            raise ValueError(f"ConnInfo: gid {self.gid!r} is not 32 lowercase hex digits")
+        if self.mtu not in (1, 2, 3, 4, 5):
+            raise ValueError(f"ConnInfo: mtu enum {self.mtu} not in 1..5")
+        if not (1 <= self.port <= 255) or not (0 <= self.gid_index < 256):
+            raise ValueError(f"ConnInfo: port {self.port} / gid_index {self.gid_index} out of range")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "ConnInfo":
+        d = json.loads(s)
+        want = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
+        if set(d) != want:
+            raise ValueError(f"ConnInfo: fields {sorted(d)} != {sorted(want)}")
+        return cls(**d)
+
+    @property
+    def gid_colon(self) -> str:
+        """The GID in pyverbs' ``fe80:0000:...`` form."""
+        return ":".join(self.gid[i:i + 4] for i in range(0, 32, 4))
+
+
+def select_nics(requested: Sequence[str] | str | None, available: Sequence[str]) -> list[str]:
+    """Resolve an explicit NIC selection against the devices found. ``None`` (or ``""``) means
+    all. Raises ValueError naming unknown NICs and listing the available ones, or saying that
+    no RDMA device exists."""
+    if isinstance(requested, str):
+        requested = [x for x in requested.split(",") if x.strip()]
+    avail = list(available)
+    if not avail:
+        asked = f" (asked for {list(requested)})" if requested else ""
+        raise ValueError(
+            f"no RDMA device found{asked}: /sys/class/infiniband is empty or absent and libibverbs lists "
+            "no device; the verbs transport needs an InfiniBand/RoCE NIC (or a soft-RoCE rxe device)"
+        )
+    if not requested:
+        return avail
+    req = [r.strip() for r in requested]
+    unknown = [r for r in req if r not in avail]
+    if unknown:
+        raise ValueError(f"unknown RDMA NIC(s) {unknown}; available: {avail}")
+    if len(set(req)) != len(req):
+        raise ValueError(f"NIC selection {req} names a device twice")
+    return req
+
+
+def list_nics() -> list[str]:
+    """RDMA device names: from pyverbs when it imports, else from /sys/class/infiniband."""
+    try:
+        d = load_pyverbs()
+        try:
+            return sorted(x.name.decode() if isinstance(x.name, bytes) else x.name for x in d.device.get_device_list())
+        except Exception:  # noqa: BLE001  (pyverbs raises when the list is empty)
+            return []
+    except ImportError:
+        try:
+            return sorted(os.listdir("/sys/class/infiniband"))
+        except OSError:
+            return []
+
+
+def validate_descriptor(d: RegionDescriptor) -> dict:
+    """Check a verbs descriptor's fields; returns ``extra`` as a dict. ValueError otherwise."""
+    if not isinstance(d, RegionDescriptor):
+        raise ValueError(f"expected RegionDescriptor, got {type(d).__name__}")
+    if d.transport != "verbs":
+        raise ValueError(f"descriptor {_name(d)} is for transport {d.transport!r}, not 'verbs'")
+    if d.addr <= 0 or d.length <= 0:
+        raise ValueError(f"malformed descriptor {d}")
+    if not (0 <= d.key < 1 << 32):
+        raise ValueError(f"descriptor {_name(d)}: key {d.key} is not a 32-bit rkey")
+    try:
+        x = dict(d.extra)
+    except (TypeError, ValueError):
+        raise ValueError(f"descriptor {_name(d)}: extra is not a tuple of (key, value) pairs") from None
+    for k in ("run", "cm", "rkeys"):
+        if k not in x:
+            raise ValueError(f"descriptor {_name(d)} lacks extra[{k!r}]")
+    rkeys = x["rkeys"]
+    if not rkeys or any(len(p) != 2 or not (0 <= int(p[1]) < 1 << 32) for p in rkeys):
+        raise ValueError(f"descriptor {_name(d)}: extra['rkeys'] must be ((nic, rkey), ...), got {rkeys!r}")
+    if int(rkeys[0][1]) != d.key:
+        raise ValueError(f"descriptor {_name(d)}: key {d.key:#x} != rkey of first NIC {int(rkeys[0][1]):#x}")
+    host, _, port = str(x["cm"]).rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"descriptor {_name(d)}: extra['cm'] {x['cm']!r} is not host:port")
+    return x
+
+
+def check_ops(ops: Sequence[WriteOp], local: dict, remote: dict) -> list[tuple[int, int, int, int]]:
+    """Validate every op before anything is posted. ``local``: ``id(region) -> region`` of
+    registered regions; ``remote``: ``(cm, addr) -> descriptor`` connected. Returns
+    ``[(op index, local addr, remote addr, length)]`` for the non-empty ops. Raises
+    :class:`UnknownRegionError` / :class:`BoundsError` naming the op."""
+    out = []
+    for i, op in enumerate(ops):
+        loc = op.local
+        if local.get(id(loc)) is not loc:
+            raise UnknownRegionError(
+                f"op {i}: local region {loc!r} is not registered with this transport "
+                "(deregistered, or registered elsewhere); nothing of the batch was issued"
+            )
+        rd = op.remote
+        cm = dict(rd.extra).get("cm") if isinstance(rd.extra, tuple) else None
+        c = remote.get((cm, rd.addr))
+        if c is None or c.key != rd.key or c.length != rd.length or c.extra != rd.extra:
+            if c is None:
+                why = "was never connected (call connect() with the receiver's descriptors first)"
+            elif c.key != rd.key or c.extra != rd.extra:
+                why = (f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
+                       "(a descriptor from another run or a re-registration)")
+            else:
+                why = f"has length {rd.length} but the connected one has length {c.length}"
+            raise UnknownRegionError(f"op {i}: remote region {_name(rd)} {why}; nothing of the batch was issued")
+        lo, ro, n = op.local_offset, op.remote_offset, op.length
+        if lo < 0 or ro < 0 or n < 0 or lo + n > loc.length or ro + n > c.length:
+            raise BoundsError(
+                f"op {i}: out of bounds: local_offset {lo}, remote_offset {ro}, length {n} against local "
+                f"region length {loc.length} and remote region {_name(c)}; nothing of the batch was issued"
+            )
+        if n:
+            out.append((i, loc.addr + lo, c.addr + ro, n))
+    return out
+
+
+def chunk_ops(items: Iterable[tuple[int, int, int, int]], max_msg: int) -> list[tuple[int, int, int, int]]:
+    """Split ``(op, local addr, remote addr, length)`` items longer than ``max_msg`` bytes into
+    consecutive pieces of at most ``max_msg``."""
+    if max_msg <= 0:
+        raise ValueError(f"max_msg {max_msg} must be > 0")
+    out = []
+    for i, la, ra, n in items:
+        off = 0
+        while off < n:
+            k = min(max_msg, n - off)
+            out.append((i, la + off, ra + off, k))
+            off += k
+    return out
+
+
+def assign_rails(items: Sequence[tuple[int, int, int, int]], n_rails: int, stripe: str = "write",
+                 remote_of=None) -> list[list[int]]:
+    """Indices of ``items`` per rail. ``"write"``: each item goes to the rail with the fewest
+    bytes so far (ties to the lower rail), balancing bytes; ``"region"``: every item of one remote
+    region goes to rail ``hash(region) % n_rails`` (``remote_of(index) -> region id``, default the
+    op index), keeping per-region ordering."""
+    if n_rails < 1:
+        raise ValueError("n_rails must be >= 1")
+    rails: list[list[int]] = [[] for _ in range(n_rails)]
+    if stripe == "write":
+        load = [0] * n_rails
+        for k, it in enumerate(items):
+            r = min(range(n_rails), key=load.__getitem__)
+            rails[r].append(k)
+            load[r] += it[3]
+    elif stripe == "region":
+        for k, it in enumerate(items):
+            key = remote_of(k) if remote_of is not None else it[0]
+            rails[(key // 4096 if key > 1 << 20 else key) % n_rails].append(k)
+    else:
+        raise ValueError(f"stripe {stripe!r}: 'write' or 'region'")
+    return rails
+
+
+def plan_signals(n: int, signal_every: int, already: int = 0) -> list[bool]:
+    """Which of ``n`` work requests are signaled: every ``signal_every``-th counting from
+    ``already`` requests posted earlier on the QP since its last signaled one, and the last."""
+    if signal_every < 1:
+        raise ValueError("signal_every must be >= 1")
+    sig = [((already + k + 1) % signal_every) == 0 for k in range(n)]
+    if n:
+        sig[-1] = True
+    return sig
+
+
+def plan_chains(n: int, max_chain: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of linked work-request chains of at most ``max_chain``."""
+    if max_chain < 1:
+        raise ValueError("max_chain must be >= 1")
+    return [(s, min(s + max_chain, n)) for s in range(0, n, max_chain)]
+
+
+def _name(d: RegionDescriptor) -> str:
+    return f"(host {d.host}, pid {d.pid}, addr {d.addr:#x}, length {d.length})"
+
+
+# ---------------------------------------------------------------------------------------------
+# handshake wire format: 4-byte big-endian length + JSON
+
+
+def _send_msg(sock: socket.socket, obj) -> None:
+    b = json.dumps(obj).encode()
+    sock.sendall(struct.pack(">I", len(b)) + b)
+
+
+def _recv_msg(sock: socket.socket):
+    hdr = _recv_exact(sock, 4)
+    (n,) = struct.unpack(">I", hdr)
+    if n > 1 << 20:
+        raise TransportError(f"handshake message of {n} bytes refused")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        b = sock.recv(n - len(buf))
+        if not b:
+            raise TransportError("handshake peer closed the connection")
+        buf += b
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------
+# device part
+
+_PV = None
+
+
+def load_pyverbs():
+    """Import pyverbs (``device``, ``pd``, ``mr``, ``cq``, ``qp``, ``wr``, ``addr``, ``enums``
+    as attributes of the returned namespace). Falls back to the distro's
+    ``/usr/lib/python3/dist-packages`` when the running python's minor version matches.
+    Raises ImportError with :data:`INSTALL_HINT`."""
+    global _PV
+    if _PV is not None:
+        return _PV
+    import importlib
+    import types
+
+    def _imp():
+        ns = types.SimpleNamespace()
+        for m in ("device", "pd", "mr", "cq", "qp", "wr", "addr", "enums"):
+            setattr(ns, m, importlib.import_module(f"pyverbs.{m}"))
+        return ns
+
+    try:
+        _PV = _imp()
+    except ImportError as first:
+        dist = "/usr/lib/python3/dist-packages"
+        if os.path.isdir(os.path.join(dist, "pyverbs")) and dist not in sys.path:
+            sys.path.append(dist)
+            try:
+                _PV = _imp()
+            except ImportError as e:
+                raise ImportError(f"{INSTALL_HINT} ({dist}/pyverbs exists but does not import: {e})") from e
+        else:
+            raise ImportError(f"{INSTALL_HINT} ({first})") from first
+    return _PV
+
+
+class _Nic:
+    """One opened device: context, PD, CQ, port attributes."""
+
+    def __init__(self, pv, name: str, port: int, gid_index: int | None, cq_depth: int):
+        self.name, self.port = name, port
+        self.ctx = pv.device.Context(name=name)
+        self.pd = pv.pd.PD(self.ctx)
+        self.cq = pv.cq.CQ(self.ctx, cq_depth)
+        pa = self.ctx.query_port(port)
+        self.lid = pa.lid
+        self.mtu = pa.active_mtu
+        self.gid_index = gid_index if gid_index is not None else (0 if pa.lid else _pick_roce_gid(self.ctx, port))
+        self.gid = str(self.ctx.query_gid(port, self.gid_index)).replace(":", "").lower()
+        self.max_msg = getattr(pa, "max_msg_sz", 1 << 31)
+
+
+def _pick_roce_gid(ctx, port: int) -> int:
+    """RoCE: prefer a RoCE v2 IPv4-mapped GID (``::ffff:a.b.c.d``), else index 0."""
+    try:
+        for idx in range(16):
+            g = str(ctx.query_gid(port, idx)).replace(":", "").lower()
+            if g.startswith("00000000000000000000ffff"):
+                return idx
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+class VerbsRegion(Region):
+    __slots__ = ("_tensor", "_desc", "mrs")
+
+    def __init__(self, tensor, desc: RegionDescriptor, mrs: list):
+        self._tensor, self._desc, self.mrs = tensor, desc, mrs
+
+    @property
+    def addr(self) -> int:
+        return self._desc.addr
+
+    @property
+    def length(self) -> int:
+        return self._desc.length
+
+    def descriptor(self) -> RegionDescriptor:
+        return self._desc
+
+    def __repr__(self) -> str:
+        live = "" if self._tensor is not None else ", deregistered"
+        return f"VerbsRegion(addr={self.addr:#x}, length={self.length}{live})"
+
+
+class _Rail:
+    """One RC QP from a local NIC to a remote NIC, with its send-queue accounting."""
+
+    def __init__(self, nic: _Nic, qp, remote: ConnInfo, depth: int):
+        self.nic, self.qp, self.remote, self.depth = nic, qp, remote, depth
+        self.outstanding = 0  # posted, not yet retired by a signaled completion
+        self.since_signal = 0
+        self.signaled: dict[int, int] = {}  # wr_id -> WRs it retires
+
+
+class VerbsWriteHandle(WriteHandle):
+    def __init__(self, transport: "VerbsTransport", rails: list[_Rail], nbytes: int, ops):
+        self._t, self._rails, self.nbytes, self._ops = transport, rails, nbytes, ops
+
+    def done(self) -> bool:
+        self._t._poll(self._ops, block=False)
+        return all(r.outstanding == 0 for r in self._rails)
+
+    def wait(self, timeout: float | None = None) -> int:
+        t0 = time.monotonic()
+        while any(r.outstanding for r in self._rails):
+            self._t._poll(self._ops, block=False)
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"RDMA WRITE batch not complete after {timeout} s")
+        return self.nbytes
+
+
+class VerbsTransport(Transport):
+    """One process's RDMA endpoint over the selected NICs (see the module docstring)."""
+
+    name = "verbs"
+
+    def __init__(self, host: str | None = None, *, nics: Sequence[str] | str | None = None, port: int = 1,
+                 gid_index: int | None = None, listen: tuple[str, int] = ("0.0.0.0", 0),
+                 advertise: str | None = None, sq_depth: int = 1024, signal_every: int = 64,
+                 max_chain: int = 32, max_msg: int = 1 << 30, stripe: str = "write"):
+        if signal_every > sq_depth or max_chain > sq_depth:
+            raise ValueError(f"signal_every {signal_every} and max_chain {max_chain} must be <= sq_depth {sq_depth}")
+        if stripe not in ("write", "region"):
+            raise ValueError(f"stripe {stripe!r}: 'write' or 'region'")
+        self.pv = load_pyverbs()
+        if nics is None:
+            nics = os.environ.get("WT_RDMA_NICS") or None
+        names = select_nics(nics, list_nics())
+        self.host = host if host is not None else socket.gethostname()
+        self.pid = os.getpid()
+        self.run = secrets.token_hex(8)
+        self.sq_depth, self.signal_every, self.max_chain, self.stripe = sq_depth, signal_every, max_chain, stripe
+        self.nics = [_Nic(self.pv, n, port, gid_index, cq_depth=4 * sq_depth) for n in names]
+        self.max_msg = min([max_msg] + [n.max_msg for n in self.nics])
+        self._local: dict[int, VerbsRegion] = {}
+        self._remote: dict[tuple[str, int], RegionDescriptor] = {}
+        self._peers: dict[str, list[_Rail]] = {}  # cm endpoint -> rails
+        self._accepted: list = []  # receiver side: QPs created for senders (kept alive)
+        self._wr_seq = 0
+        self._lock = threading.Lock()
+        self._srv = socket.create_server(listen)
+        adv = advertise or (self.host if listen[0] in ("0.0.0.0", "") else listen[0])
+        self.cm = f"{adv}:{self._srv.getsockname()[1]}"
+        self._stop = False
+        threading.Thread(target=self._serve, name="verbs-cm", daemon=True).start()
+
+    # ---- QP plumbing ------------------------------------------------------------------------
+
+    def _access(self) -> int:
+        e = self.pv.enums
+        return e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+
+    def _new_qp(self, nic: _Nic):
+        pv = self.pv
+        cap = pv.qp.QPCap(max_send_wr=self.sq_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = pv.qp.QPInitAttr(qp_type=pv.enums.IBV_QPT_RC, scq=nic.cq, rcq=nic.cq, cap=cap, sq_sig_all=0)
+        qp = pv.qp.QP(nic.pd, init)
+        psn = secrets.randbits(24)
+        info = ConnInfo(nic=nic.name, port=nic.port, lid=nic.lid, gid=nic.gid, gid_index=nic.gid_index,
+                        qpn=qp.qp_num, psn=psn, mtu=int(nic.mtu))
+        return qp, info
+
+    def _bring_up(self, nic: _Nic, qp, mine: ConnInfo, peer: ConnInfo) -> None:
+        pv = self.pv
+        a = pv.qp.QPAttr(port_num=nic.port)
+        a.qp_access_flags = self._access()
+        qp.to_init(a)
+        a = pv.qp.QPAttr(port_num=nic.port)
+        a.path_mtu = min(mine.mtu, peer.mtu)
+        a.dest_qp_num = peer.qpn
+        a.rq_psn = peer.psn
+        a.max_dest_rd_atomic = 1
+        a.min_rnr_timer = 12
+        gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(peer.gid_colon), sgid_index=mine.gid_index)
+        a.ah_attr = pv.addr.AHAttr(dlid=peer.lid, port_num=nic.port, is_global=1 if (peer.gid.strip("0")) else 0, grh=gr)
+        qp.to_rtr(a)
+        a.sq_psn = mine.psn
+        a.timeout, a.retry_cnt, a.rnr_retry, a.max_rd_atomic = 14, 7, 7, 1
+        qp.to_rts(a)
+
+    def _serve(self) -> None:
+        """Receiver side: answer each sender's handshake (one TCP connection per sender)."""
+        while not self._stop:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            try:
+                with conn:
+                    msg = _recv_msg(conn)
+                    reply = {"run": self.run, "qps": [], "error": None}
+                    if msg.get("want_run") not in (None, self.run):
+                        reply["error"] = f"run token {msg.get('want_run')} is not this transport's ({self.run})"
+                    else:
+                        for k, js in enumerate(msg["qps"]):
+                            peer = ConnInfo.from_json(js)
+                            nic = self.nics[k % len(self.nics)]
+                            qp, mine = self._new_qp(nic)
+                            self._bring_up(nic, qp, mine, peer)
+                            self._accepted.append(qp)
+                            reply["qps"].append(mine.to_json())
+                    _send_msg(conn, reply)
+            except Exception as ex:  # noqa: BLE001  (one bad sender must not stop the listener)
+                print(f"[verbs cm {self.cm}] handshake failed: {type(ex).__name__}: {ex}", file=sys.stderr, flush=True)
+
+    def _handshake(self, cm: str, run: str) -> list[_Rail]:
+        host, _, port = cm.rpartition(":")
+        pending = [(nic, *self._new_qp(nic)) for nic in self.nics]
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            _send_msg(s, {"want_run": run, "qps": [info.to_json() for _, _, info in pending]})
+            reply = _recv_msg(s)
+        if reply.get("error"):
+            raise UnknownRegionError(f"connect: receiver at {cm} refused: {reply['error']} (a descriptor from another run)")
+        rails = []
+        for (nic, qp, mine), js in zip(pending, reply["qps"]):
+            peer = ConnInfo.from_json(js)
+            self._bring_up(nic, qp, mine, peer)
+            rails.append(_Rail(nic, qp, peer, self.sq_depth))
+        return rails
+
+    # ---- Transport API ----------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor) -> VerbsRegion:
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+            raise ValueError("register: expected a contiguous torch.Tensor")
+        n = tensor.numel() * tensor.element_size()
+        if n == 0:
+            raise ValueError("register: cannot register a zero-byte tensor")
+        addr = tensor.data_ptr()
+        mrs = []
+        for nic in self.nics:
+            if tensor.device.type == "cpu":
+                mr = self.pv.mr.MR(nic.pd, n, self._access(), address=addr)
+            elif tensor.device.type == "cuda":
+                mr = _gpu_mr(self.pv, nic.pd, tensor, n, self._access())
+            else:
+                raise ValueError(f"register: unsupported device {tensor.device}")
+            mrs.append(mr)
+        rkeys = tuple((nic.name, int(mr.rkey)) for nic, mr in zip(self.nics, mrs))
+        desc = RegionDescriptor(transport="verbs", host=self.host, pid=self.pid, addr=addr, length=n,
+                                key=rkeys[0][1], extra=(("run", self.run), ("cm", self.cm), ("rkeys", rkeys)))
+        r = VerbsRegion(tensor, desc, mrs)
+        self._local[id(r)] = r
+        return r
+
+    def deregister(self, region: Region) -> None:
+        if self._local.pop(id(region), None) is not None:
+            for mr in region.mrs:  # type: ignore[attr-defined]
+                mr.close()
+            region._tensor = None  # type: ignore[attr-defined]
+
+    def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
+        xs = [validate_descriptor(d) for d in descriptors]
+        for d, x in zip(descriptors, xs):
+            if x["cm"] not in self._peers:
+                self._peers[x["cm"]] = self._handshake(x["cm"], x["run"])
+            self._remote[(x["cm"], d.addr)] = d
+
+    def write(self, ops: Sequence[WriteOp]) -> VerbsWriteHandle:
+        items = chunk_ops(check_ops(ops, self._local, self._remote), self.max_msg)
+        # group by receiver, then stripe over that receiver's rails
+        by_peer: dict[str, list[int]] = {}
+        for k, (i, _, _, _) in enumerate(items):
+            by_peer.setdefault(dict(ops[i].remote.extra)["cm"], []).append(k)
+        used: list[_Rail] = []
+        total = sum(it[3] for it in items)
+        for cm, ks in by_peer.items():
+            rails = self._peers[cm]
+            sub = [items[k] for k in ks]
+            parts = assign_rails(sub, len(rails), self.stripe, remote_of=lambda j: ops[sub[j][0]].remote.addr)
+            for rail, idx in zip(rails, parts):
+                if idx:
+                    self._post(rail, [sub[j] for j in idx], ops)
+                    used.append(rail)
+        return VerbsWriteHandle(self, used, total, ops)
+
+    def _post(self, rail: _Rail, items, ops) -> None:
+        pv, e = self.pv, self.pv.enums
+        rk_of = {}
+        sig = plan_signals(len(items), self.signal_every, rail.since_signal)
+        for s, t in plan_chains(len(items), self.max_chain):
+            while rail.outstanding + (t - s) > rail.depth:
+                self._poll(ops, block=True)
+            head = prev = None
+            for k in range(s, t):
+                i, la, ra, n = items[k]
+                op = ops[i]
+                loc_mr = op.local.mrs[self.nics.index(rail.nic)]
+                if id(op.remote) not in rk_of:
+                    rk_of[id(op.remote)] = dict(dict(op.remote.extra)["rkeys"]).get(rail.remote.nic)
+                rkey = rk_of[id(op.remote)]
+                self._wr_seq += 1
+                flags = e.IBV_SEND_SIGNALED if sig[k] else 0
+                wr = pv.wr.SendWR(wr_id=self._wr_seq, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
+                                  sg=[pv.wr.SGE(la, n, loc_mr.lkey)], send_flags=flags)
+                wr.set_wr_rdma(rkey, ra)
+                rail.since_signal += 1
+                if sig[k]:
+                    rail.signaled[self._wr_seq] = (rail.since_signal, i)
+                    rail.since_signal = 0
+                if prev is None:
+                    head = wr
+                else:
+                    prev.next_wr = wr
+                prev = wr
+            rail.qp.post_send(head)
+            rail.outstanding += t - s
+
+    def _poll(self, ops, block: bool) -> None:
+        for nic in self.nics:
+            while True:
+                npolled, wcs = nic.cq.poll(num_entries=64)
+                if npolled <= 0:
+                    break
+                for wc in wcs[:npolled]:
+                    rail = next((r for rails in self._peers.values() for r in rails if wc.wr_id in r.signaled), None)
+                    retired, i = rail.signaled.pop(wc.wr_id) if rail else (0, None)
+                    if rail:
+                        rail.outstanding -= retired
+                    if wc.status != 0:
+                        name = wc_status_name(wc.status)
+                        hint = _WC_HINTS.get(int(wc.status), "")
+                        raise TransportError(
+                            f"RDMA WRITE failed: {name} (status {wc.status}, vendor_err {wc.vendor_err}) on the "
+                            f"signaled WR of op {i} via {nic.name}"
+                            + (f": {hint}" if hint else "")
+                        )
+
+    def close(self) -> None:
+        self._stop = True
+        try:
+            self._srv.close()
+        except OSError:
+            pass
+        for r in list(self._local.values()):
+            self.deregister(r)
+        for rails in self._peers.values():
+            for r in rails:
+                r.qp.close()
+        for qp in self._accepted:
+            qp.close()
+        self._peers.clear()
+        self._remote.clear()
+
+
+def _gpu_mr(pv, pd, tensor: torch.Tensor, n: int, access: int):
+    """Register CUDA memory: dma-buf (``cuMemGetHandleForAddressRange`` through cuda-python,
+    then ``ibv_reg_dmabuf_mr``) where available, else a plain ``ibv_reg_mr`` of the device
+    pointer (works with the ``nvidia_peermem`` kernel module).
+
+    Not verified on hardware (no RDMA NIC nor GPU where this was written); the descriptor
+    advertises the tensor's virtual address, which is the MR's iova only if the provider maps
+    the dma-buf MR at that address; check on the first GPU cluster run."""
+    try:
+        from cuda.bindings import driver as cu  # cuda-python >= 12.6
+    except ImportError:
+        cu = None
+    if cu is not None:
+        addr = tensor.data_ptr()
+        page = 1 << 16
+        base = addr & ~(page - 1)
+        err, fd = cu.cuMemGetHandleForAddressRange(
+            base, ((addr + n - base + page - 1) // page) * page,
+            cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
+        if int(err) == 0:
+            import pyverbs.mr as pmr
+
+            return pmr.DmaBufMR(pd, n, access, dmabuf=int(fd), offset=addr - base)
+    return pv.mr.MR(pd, n, access, address=tensor.data_ptr())
