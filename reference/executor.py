@@ -1,21 +1,57 @@
-"""Runs one training rank's part of the schedule for one step.
+"""Runs one training rank's part of the schedule for one step: tasks flowing through stages.
 
-Stages, named the same in README, code and logs:
+Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
 
-- ``h2d``: copy an offloaded (host) shard to the device buffer (only when offloaded);
-- ``prepare``: ``full_tensor()`` of each source (collective over the source's DeviceMesh, same
-  order on every rank), then each assigned recipe's fusion / slicing / cast / FP8 quantization
-  into contiguous output buffers;
-- ``write``: register the outputs, post every one-sided write of the task as one batch,
-  wait for completion;
-- ``release``: drop the temporaries.
+- ``h2d``: copy the task's offloaded source shards from host memory (pinned on CUDA hosts)
+  into the device buffers ``full_tensor()`` reads (only when the parameters are offloaded,
+  see :func:`reference.training.offload_to_host`);
+- ``prepare``: ``full_tensor()`` of each source (a collective over the source's DeviceMesh),
+  then each assigned recipe's fusion / slicing / cast / FP8 quantization into contiguous
+  output buffers;
+- ``write``: register the outputs, post every one-sided write of the task as one batch, wait
+  for completion, deregister;
+- ``release``: drop the task's temporaries (gathered sources and outputs) and return its
+  temporary bytes to the watermark.
 
-This module runs the stages in sequence per task (``mode="serial"``); the pipelined executor
-(stage queues, watermark) builds on the same task functions. Every task records its stage
-start/end times (``time.perf_counter`` seconds) for timelines.
+Pipelined execution (the default, ``pipeline=True``): one thread per stage, each with a FIFO
+queue. Tasks enter the first stage in plan order; when a stage finishes the task at the head
+of its queue, the task moves to the tail of the next stage's queue, so stages of different
+tasks overlap (the prepare of task k+1 runs while task k is being written). On a CUDA device
+the h2d thread copies on a side stream and records an event that prepare's stream waits on;
+prepare records an event the write stage synchronizes before posting (guarded: CPU runs do
+plain copies). ``pipeline=False`` runs every stage of a task before the next task starts
+(stage-serialized, the baseline the pipeline is measured against).
+
+Invariants:
+
+- *Collective order.* A single prepare thread per rank runs ``full_tensor()`` for tasks in
+  plan order, and every rank of a mesh has the same tasks of that mesh in the same order, so
+  collectives on one process group are issued from one thread, in one order, on every rank.
+- *Watermark.* A task enters its first stage (h2d if offloaded, else prepare) only while the
+  temporary bytes of tasks in flight plus its own ``temp_bytes`` stay within ``watermark``
+  bytes; a task larger than the watermark is admitted when nothing else is in flight (it runs
+  alone, never deadlocks). ``watermark=None`` is unbounded. In flight = from the start of the
+  first stage to the end of release. :class:`StepStats` reports the peak of the planned
+  temporary bytes in flight (computed from the recorded timestamps, independent of the gate)
+  and the peak of bytes the tasks actually allocated (gathered sources + outputs; on CUDA also
+  the allocator's own peak).
+- *Mesh groups.* Tasks come grouped by mesh group (disjoint meshes of one group run in
+  parallel). After this rank's last ``full_tensor()`` of group g, the prepare thread issues an
+  asynchronous barrier over all training ranks (``group_barrier(async_op=True)``, Gloo's
+  ``dist.barrier``); the first prepare of any later group waits on that handle. Every rank
+  issues exactly ``n_groups - 1`` barriers per step, in the same order, including ranks with
+  no task in a group (they issue it when they pass the group). ``n_groups`` is agreed once at
+  construction (an all-reduce MAX over the barrier's world) unless given.
+
+Every task records its stage start/end times (``time.perf_counter`` seconds); :class:`StepStats`
+carries the matching wall-clock origin so ranks line up. With ``trace_dir`` each update is
+saved as a Chrome trace per rank (:mod:`reference.timeline`).
 """
 from __future__ import annotations
 
+import inspect
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,16 +64,45 @@ from .transforms import recipe_outputs
 from .transport.base import Transport, WriteOp
 from .types import RegionDescriptor
 
+STAGES = ("h2d", "prepare", "write", "release")
+"""Stage names in pipeline order."""
+
 
 @dataclass
 class TaskRecord:
-    """Stage timestamps of one task on one rank (perf_counter seconds)."""
+    """Stage timestamps of one task on one rank (``time.perf_counter`` seconds)."""
 
     task: int
     group: int
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     temp_bytes: int = 0
+    """Planned temporary bytes (:attr:`reference.planner.Task.temp_bytes`)."""
     send_bytes: int = 0
+    alloc_bytes: int = 0
+    """Bytes of tensors this task actually allocated (gathered sources and outputs)."""
+    h2d_bytes: int = 0
+    label: str = ""
+    gate_wait: float = 0.0
+    """Seconds the task waited at the watermark gate before its first stage."""
+
+    @property
+    def start(self) -> float:
+        return min(a for a, _ in self.stages.values())
+
+    @property
+    def end(self) -> float:
+        return max(b for _, b in self.stages.values())
+
+
+@dataclass
+class BarrierRecord:
+    """One mesh-group barrier on this rank: issued after group ``group``'s last
+    ``full_tensor()``; ``waited`` is the (start, end) of the wait before the next group's first
+    prepare (None if no later task of this rank needed it; then it was waited at step end)."""
+
+    group: int
+    issued: float
+    waited: tuple[float, float] | None = None
 
 
 @dataclass
@@ -49,14 +114,51 @@ class StepStats:
     n_writes: int = 0
     seconds: float = 0.0
     peak_temp_bytes: int = 0
+    """Peak of planned temporary bytes of tasks in flight (first stage start .. release end)."""
+    peak_alloc_bytes: int = 0
+    """Peak of bytes actually allocated by tasks in flight (prepare end .. release end)."""
+    peak_device_bytes: int | None = None
+    """CUDA only: ``max_memory_allocated`` above the level at step start."""
+    watermark: int | None = None
+    pipelined: bool = True
+    offloaded: bool = False
+    step: int = 0
+    t_start: float = 0.0
+    """``perf_counter`` at the start of the update; stage times are on the same clock."""
+    wall_start: float = 0.0
+    """``time.time()`` at ``t_start``: converts stage times to wall clock (:meth:`wall`)."""
     records: list[TaskRecord] = field(default_factory=list)
+    barriers: list[BarrierRecord] = field(default_factory=list)
+
+    def wall(self, t: float) -> float:
+        """Wall-clock seconds of a ``perf_counter`` time ``t`` of this rank."""
+        return self.wall_start + (t - self.t_start)
 
     def stage_busy(self) -> dict[str, float]:
+        """Seconds each stage was busy (sum over tasks)."""
         out: dict[str, float] = {}
         for r in self.records:
             for s, (a, b) in r.stages.items():
                 out[s] = out.get(s, 0.0) + (b - a)
         return out
+
+
+def peak_in_flight(intervals) -> int:
+    """Peak of the sum of ``nbytes`` over ``(start, end, nbytes)`` intervals (an interval that
+    ends at the instant another starts does not overlap it)."""
+    ev = []
+    for a, b, n in intervals:
+        ev.append((a, 1, n))
+        ev.append((b, 0, -n))
+    cur = peak = 0
+    for _, _, d in sorted(ev):
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+# --------------------------------------------------------------------------------------------
+# the task functions (usable alone; the executor's stages call them)
 
 
 def gather_sources(task: Task, params: dict[str, DTensor]) -> dict[str, torch.Tensor]:
@@ -97,39 +199,371 @@ def write_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Tran
     return n, len(ops)
 
 
+def _unique_nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# the watermark gate
+
+
+class MemoryGate:
+    """Admits tasks (in the order they ask) while the temporary bytes in flight plus the
+    task's own stay within ``watermark``; a task larger than the watermark is admitted once
+    nothing is in flight. ``watermark=None``: always admit."""
+
+    def __init__(self, watermark: int | None):
+        if watermark is not None and watermark < 0:
+            raise ValueError(f"watermark={watermark}: must be >= 0 bytes or None")
+        self.watermark = watermark
+        self.in_flight = 0
+        self.n_in_flight = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def admits(self, nbytes: int) -> bool:
+        return self.watermark is None or self.n_in_flight == 0 or self.in_flight + nbytes <= self.watermark
+
+    def acquire(self, nbytes: int, abort: threading.Event | None = None) -> float:
+        """Block until the task may enter; returns seconds waited. Raises RuntimeError if
+        ``abort`` is set while waiting (another stage failed)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while not self.admits(nbytes):
+                if abort is not None and abort.is_set():
+                    raise RuntimeError("aborted while waiting at the watermark gate")
+                self._cond.wait(0.05)
+            self.in_flight += nbytes
+            self.n_in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        return time.perf_counter() - t0
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_flight -= nbytes
+            self.n_in_flight -= 1
+            self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------------------------
+# the executor
+
+
+class _Work:
+    """A task on its way through the stages."""
+
+    __slots__ = ("task", "rec", "index", "full", "outputs", "h2d_event", "ready_event", "admitted")
+
+    def __init__(self, task: Task, index: int):
+        self.task, self.index = task, index
+        label = task.sources[0] if task.sources else f"task {task.id}"
+        if len(task.sources) > 1:
+            label += f" +{len(task.sources) - 1}"
+        self.rec = TaskRecord(task.id, task.group, temp_bytes=task.temp_bytes, send_bytes=task.send_bytes, label=label)
+        self.full = self.outputs = self.h2d_event = self.ready_event = None
+        self.admitted = False
+
+
+_STOP = object()
+
+
 class Executor:
-    """Executes a :class:`RankPlan` (see module docstring). ``params`` maps checkpoint names to
-    this rank's DTensors; ``remote`` maps inference rank -> its region descriptor (already
-    connected on ``transport``)."""
+    """Executes a :class:`RankPlan` once per :meth:`run` (see module docstring).
+
+    ``params`` maps checkpoint names to this rank's DTensors (an
+    :class:`reference.training.OffloadedParams` when the shards live in host memory: its
+    ``host`` dict holds the host copies the trainer updates); ``remote`` maps inference rank
+    -> its region descriptor (already connected on ``transport``). ``group_barrier`` is called
+    as ``group_barrier(async_op=True)`` between mesh groups (e.g. ``dist.barrier`` of the
+    training world; a callable without ``async_op`` is called synchronously).
+
+    Options: ``pipeline`` (stage threads vs stage-serialized), ``watermark`` (bytes of
+    temporaries in flight, None = unbounded), ``offload`` (require host-offloaded params; the
+    h2d stage runs whenever ``params`` carries host copies), ``trace_dir`` (save each update's
+    timeline as ``step{NNNN}.rank{r}.json``), ``n_groups`` (mesh groups of the whole schedule;
+    agreed by all-reduce if omitted and a process group is up)."""
 
     def __init__(self, plan: RankPlan, params: dict[str, DTensor], transport: Transport,
-                 remote: dict[int, RegionDescriptor], *, group_barrier=None, write_timeout: float | None = 60.0):
+                 remote: dict[int, RegionDescriptor], *, group_barrier=None, write_timeout: float | None = 60.0,
+                 pipeline: bool = True, watermark: int | None = None, offload: bool = False,
+                 trace_dir: str | None = None, n_groups: int | None = None, log=None):
         self.plan, self.params, self.transport, self.remote = plan, params, transport, remote
         self.group_barrier = group_barrier
         self.write_timeout = write_timeout
+        self.pipeline = pipeline
+        if watermark is not None and watermark < 0:
+            raise ValueError(f"watermark={watermark}: must be >= 0 bytes or None")
+        self.watermark = watermark
+        self.trace_dir = trace_dir
+        self.log = log
+        self.host: dict[str, torch.Tensor] = dict(getattr(params, "host", None) or {})
+        if offload and not self.host:
+            raise ValueError("offload=True but the parameters carry no host copies "
+                             "(build them with reference.training.offload_to_host)")
+        self.offloaded = bool(self.host)
+        groups = [t.group for t in plan.tasks]
+        if groups != sorted(groups):
+            raise ValueError(f"rank {plan.rank}: tasks are not ordered by mesh group: {groups}")
+        self.n_groups = self._agree_n_groups(n_groups)
+        self._last_of_group = {t.group: i for i, t in enumerate(plan.tasks)}
+        self.device = self._device()
+        self.cuda = self.device.type == "cuda"
+        self._h2d_stream = torch.cuda.Stream(device=self.device) if (self.cuda and self.offloaded) else None
+        self._barrier_async = self._accepts_async(group_barrier)
+        self._runs = 0
 
-    def run(self) -> StepStats:
-        st = StepStats(rank=self.plan.rank)
-        t_start = time.perf_counter()
-        cur_group = None
-        for task in self.plan.tasks:
-            if cur_group is not None and task.group != cur_group and self.group_barrier is not None:
-                self.group_barrier()
-            cur_group = task.group
-            rec = TaskRecord(task.id, task.group, temp_bytes=task.temp_bytes, send_bytes=task.send_bytes)
+    # -- setup helpers
+
+    def _agree_n_groups(self, n_groups: int | None) -> int:
+        local = max((t.group for t in self.plan.tasks), default=-1) + 1
+        if n_groups is not None:
+            if n_groups < local:
+                raise ValueError(f"n_groups={n_groups} but rank {self.plan.rank} has a task in group {local - 1}")
+            return n_groups
+        if self.group_barrier is not None and dist.is_available() and dist.is_initialized():
+            t = torch.tensor([local], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return int(t.item())
+        return local
+
+    def _device(self) -> torch.device:
+        for p in self.params.values():
+            return (p.to_local() if isinstance(p, DTensor) else p).device
+        return torch.device("cpu")
+
+    @staticmethod
+    def _accepts_async(fn) -> bool:
+        if fn is None:
+            return False
+        try:
+            return "async_op" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def _say(self, msg: str) -> None:
+        if self.log is not None:
+            self.log(f"[rank {self.plan.rank}] {msg}")
+
+    # -- barriers (called from the prepare stage only)
+
+    def _issue_barriers_through(self, group: int, st: StepStats) -> None:
+        """Issue the barriers after every group up to and including ``group`` not issued yet
+        (never after the last group)."""
+        while self._next_barrier <= min(group, self.n_groups - 2):
+            g = self._next_barrier
+            t = time.perf_counter()
+            handle = None
+            if self.group_barrier is not None:
+                if self._barrier_async:
+                    handle = self.group_barrier(async_op=True)
+                else:
+                    self.group_barrier()
+            self._handles.append((handle, BarrierRecord(g, t)))
+            self._next_barrier += 1
+
+    def _wait_barriers_before(self, group: int, st: StepStats) -> None:
+        """Before the first prepare of ``group``: the barriers after groups < ``group`` are
+        issued (for groups this rank had no task in, now) and complete."""
+        self._issue_barriers_through(group - 1, st)
+        while self._handles and self._handles[0][1].group < group:
+            handle, rec = self._handles.pop(0)
             t0 = time.perf_counter()
+            if handle is not None:
+                handle.wait()
+            rec.waited = (t0, time.perf_counter())
+            st.barriers.append(rec)
+
+    def _finish_barriers(self, st: StepStats) -> None:
+        self._wait_barriers_before(self.n_groups, st)
+
+    # -- stages
+
+    def _admit(self, w: _Work, abort: threading.Event | None) -> None:
+        w.rec.gate_wait = self._gate.acquire(w.task.temp_bytes, abort)
+        w.admitted = True
+
+    def _h2d(self, w: _Work, abort=None) -> None:
+        self._admit(w, abort)
+        t0 = time.perf_counter()
+        n = 0
+        copies = []
+        for name in w.task.sources:
+            host = self.host.get(name)
+            p = self.params.get(name)
+            if host is None or p is None:
+                continue
+            dev = p.to_local() if isinstance(p, DTensor) else p
+            copies.append((dev, host))
+            n += host.nbytes
+        if self._h2d_stream is not None:
+            with torch.no_grad(), torch.cuda.stream(self._h2d_stream):
+                for dev, host in copies:
+                    dev.copy_(host, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._h2d_stream)
+            ev.synchronize()  # the h2d thread has nothing else to do; keeps its timeline honest
+            w.h2d_event = ev
+        else:
+            with torch.no_grad():
+                for dev, host in copies:
+                    dev.copy_(host)
+        w.rec.h2d_bytes = n
+        w.rec.stages["h2d"] = (t0, time.perf_counter())
+
+    def _prepare(self, w: _Work, st: StepStats, abort=None) -> None:
+        if not w.admitted:
+            self._admit(w, abort)
+        task = w.task
+        self._wait_barriers_before(task.group, st)
+        t0 = time.perf_counter()
+        if w.h2d_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(w.h2d_event)
+        with torch.no_grad():
             full = gather_sources(task, self.params)
+            if self._last_of_group.get(task.group) == w.index:
+                self._issue_barriers_through(task.group, st)
             outs = prepare_outputs(task, full)
-            t1 = time.perf_counter()
-            rec.stages["prepare"] = (t0, t1)
-            n, k = write_outputs(task, outs, self.transport, self.remote, self.write_timeout)
-            t2 = time.perf_counter()
-            rec.stages["write"] = (t1, t2)
-            del full, outs
-            rec.stages["release"] = (t2, time.perf_counter())
-            st.bytes_sent += n
-            st.n_writes += k
-            st.peak_temp_bytes = max(st.peak_temp_bytes, task.temp_bytes)
-            st.records.append(rec)
-        st.seconds = time.perf_counter() - t_start
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            w.ready_event = ev
+        gathered = [t for n, t in full.items() if isinstance(self.params.get(n), DTensor)]
+        w.rec.alloc_bytes = _unique_nbytes(gathered + [o for os_ in outs for o in os_])
+        w.full, w.outputs = full, outs
+        t1 = time.perf_counter()
+        w.rec.stages["prepare"] = (t0, t1)
+        with self._lock:
+            self._alloc_now += w.rec.alloc_bytes
+            self._alloc_peak = max(self._alloc_peak, self._alloc_now)
+
+    def _write(self, w: _Work, st: StepStats, abort=None) -> None:
+        if w.ready_event is not None:
+            w.ready_event.synchronize()
+        t0 = time.perf_counter()
+        n, k = write_outputs(w.task, w.outputs, self.transport, self.remote, self.write_timeout)
+        st.bytes_sent += n
+        st.n_writes += k
+        w.rec.stages["write"] = (t0, time.perf_counter())
+
+    def _release(self, w: _Work, st: StepStats, abort=None) -> None:
+        t0 = time.perf_counter()
+        w.full = w.outputs = w.h2d_event = w.ready_event = None
+        with self._lock:
+            self._alloc_now -= w.rec.alloc_bytes
+        w.rec.stages["release"] = (t0, time.perf_counter())  # before the gate opens: intervals stay disjoint
+        self._gate.release(w.task.temp_bytes)
+        w.admitted = False
+
+    # -- running
+
+    def _stage_fns(self, st: StepStats):
+        fns = []
+        if self.offloaded:
+            fns.append(("h2d", lambda w, ab: self._h2d(w, ab)))
+        fns += [("prepare", lambda w, ab: self._prepare(w, st, ab)),
+                ("write", lambda w, ab: self._write(w, st, ab)),
+                ("release", lambda w, ab: self._release(w, st, ab))]
+        return fns
+
+    def run(self, step: int | None = None) -> StepStats:
+        """One update: every task of the plan through every stage. Returns this rank's
+        :class:`StepStats`; raises the first stage error (naming stage and task)."""
+        self._runs += 1
+        step = self._runs if step is None else step
+        st = StepStats(rank=self.plan.rank, watermark=self.watermark, pipelined=self.pipeline,
+                       offloaded=self.offloaded, step=step)
+        self._gate = MemoryGate(self.watermark)
+        self._lock = threading.Lock()
+        self._alloc_now = self._alloc_peak = 0
+        self._next_barrier = 0
+        self._handles: list = []
+        works = [_Work(t, i) for i, t in enumerate(self.plan.tasks)]
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        st.t_start, st.wall_start = time.perf_counter(), time.time()
+        fns = self._stage_fns(st)
+        if self.pipeline:
+            self._run_pipelined(works, fns, st)
+        else:
+            for w in works:
+                for name, fn in fns:
+                    try:
+                        fn(w, None)
+                    except Exception as e:
+                        raise RuntimeError(f"rank {self.plan.rank}: stage {name} of task {w.task.id} "
+                                           f"({w.rec.label}) failed: {type(e).__name__}: {e}") from e
+            self._finish_barriers(st)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            st.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) - base
+        st.seconds = time.perf_counter() - st.t_start
+        st.records = [w.rec for w in works]
+        st.peak_temp_bytes = peak_in_flight((r.start, r.end, r.temp_bytes) for r in st.records if r.stages)
+        st.peak_alloc_bytes = self._alloc_peak
+        if self.trace_dir:
+            from .timeline import save_rank_trace
+
+            save_rank_trace(self.trace_dir, st)
         return st
+
+    def _run_pipelined(self, works: list[_Work], fns, st: StepStats) -> None:
+        queues = [queue.SimpleQueue() for _ in fns]
+        abort = threading.Event()
+        errors: list[tuple[str, int, str, BaseException]] = []
+
+        def loop(i: int) -> None:
+            name, fn = fns[i]
+            q_in = queues[i]
+            q_out = queues[i + 1] if i + 1 < len(fns) else None
+            while True:
+                w = q_in.get()
+                if w is _STOP:
+                    if name == "prepare" and not abort.is_set():
+                        try:
+                            self._finish_barriers(st)
+                        except BaseException as e:  # noqa: BLE001
+                            errors.append((name, -1, "barrier", e))
+                            abort.set()
+                    if q_out is not None:
+                        q_out.put(_STOP)
+                    return
+                if abort.is_set():
+                    if w.admitted:  # keep the gate consistent for the waiting first stage
+                        self._gate.release(w.task.temp_bytes)
+                        w.admitted = False
+                    continue
+                try:
+                    fn(w, abort)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append((name, w.task.id, w.rec.label, e))
+                    abort.set()
+                    if w.admitted:
+                        self._gate.release(w.task.temp_bytes)
+                        w.admitted = False
+                    continue
+                if q_out is not None:
+                    q_out.put(w)
+
+        threads = [threading.Thread(target=loop, args=(i,), name=f"rank{self.plan.rank}-{fns[i][0]}", daemon=True)
+                   for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        for w in works:
+            queues[0].put(w)
+        queues[0].put(_STOP)
+        for t in threads:
+            t.join()
+        if errors:
+            name, tid, label, e = errors[0]
+            raise RuntimeError(f"rank {self.plan.rank}: stage {name} of task {tid} ({label}) failed: "
+                               f"{type(e).__name__}: {e}") from e
