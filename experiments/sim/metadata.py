@@ -42,6 +42,22 @@ REPLICATE = "Replicate()"
 TRAIN_LAYOUTS = ("two_group", "expert_whole")
 
 
+_new = object.__new__
+_F = {f: ParamMeta.__dict__[f].__set__ for f in ParamMeta.__slots__}
+_S_NAME, _S_SHAPE, _S_DT, _S_MESH, _S_NAMES, _S_PL, _S_OFF, _S_LSH, _S_OFFL = (
+    _F["name"], _F["global_shape"], _F["dtype"], _F["mesh_ranks"], _F["mesh_dim_names"], _F["placements"],
+    _F["local_offset"], _F["local_shape"], _F["offloaded"])
+
+
+def _meta(name, shape, dt, mesh, names, pl, off, lsh, offloaded) -> ParamMeta:
+    """``ParamMeta(...)`` without the frozen dataclass's per-field ``object.__setattr__`` calls
+    (3x faster; 2.4 million of them for Kimi-K2). Equal to the constructed one (tested)."""
+    o = _new(ParamMeta)
+    _S_NAME(o, name); _S_SHAPE(o, shape); _S_DT(o, dt); _S_MESH(o, mesh); _S_NAMES(o, names)  # noqa: E702
+    _S_PL(o, pl); _S_OFF(o, off); _S_LSH(o, lsh); _S_OFFL(o, offloaded)  # noqa: E702
+    return o
+
+
 def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str = "two_group",
                 offloaded: bool = False, dtype: str | None = None) -> dict[int, list[ParamMeta]]:
     """Per training rank (``n * gpus_per_node + j`` for node ``n``, GPU ``j``), the
@@ -56,6 +72,7 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     pl2d, pl1d = (REPLICATE, SHARD0), (SHARD0,)
     names2d, names1d = ("inter", "intra"), ("inter",)
     out: dict[int, list[ParamMeta]] = {r: [] for r in range(world)}
+    box_cache: dict[tuple, tuple] = {}
     k_expert = 0
     last_expert: tuple[str, int] | None = None
     for s in param_specs(cfg):
@@ -78,17 +95,13 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
         else:
             mesh, pl, names, mshape = mesh2d, pl2d, names2d, (nodes, g)
             coords = [((n, j), n * g + j) for n in range(nodes) for j in range(g)]
-        boxes: dict[tuple, tuple] = {}
         for coord, r in coords:
-            box = shard_box(shape, mshape, coord, pl)
-            got = boxes.get(box)
+            key = (shape, mshape, coord, pl)
+            got = box_cache.get(key)
             if got is None:
-                off = tuple(a for a, _ in box)
-                lsh = tuple(b - a for a, b in box)
-                got = boxes[box] = (off, lsh)
-            out[r].append(ParamMeta(name=s.name, global_shape=shape, dtype=dt, mesh_ranks=mesh,
-                                    mesh_dim_names=names, placements=pl, local_offset=got[0],
-                                    local_shape=got[1], offloaded=offloaded))
+                box = shard_box(shape, mshape, coord, pl)
+                got = box_cache[key] = (tuple(a for a, _ in box), tuple(b - a for a, b in box))
+            out[r].append(_meta(s.name, shape, dt, mesh, names, pl, got[0], got[1], offloaded))
     return out
 
 

@@ -1,0 +1,492 @@
+"""The stage-level cost model: executes a :class:`~reference.planner.Schedule` on paper.
+
+Semantics are the executor's (reference/executor.py, DESIGN.md "Pipeline"):
+
+- every training rank runs its tasks in plan order through four FIFO stages, each one task
+  at a time: ``h2d`` (host-to-device copy of the rank's shards of the task's sources, only when
+  offloaded) -> ``prepare`` (``full_tensor()`` of each source, a collective over the source's
+  DeviceMesh that starts when every rank of the mesh has reached it; then this rank's fusion
+  and quantization) -> ``write`` (post every one-sided write of the task, wait for all
+  completions) -> ``release``;
+- the watermark: a task is admitted (its first stage may start) only while the rank's
+  temporary bytes in flight (admitted, not yet released) plus its ``temp_bytes`` stay under
+  the watermark; a task larger than the watermark is admitted only when nothing else is in
+  flight, so it runs alone and never deadlocks;
+- mesh groups are separated by a barrier: no ``prepare`` of group ``g+1`` starts before
+  every rank of group ``g`` has finished its last ``prepare`` of ``g`` plus one barrier time
+  (the barrier is issued asynchronously after the group's last ``full_tensor()``, so writes
+  of group ``g`` overlap it).
+
+Costs (every figure a named field of :class:`~experiments.sim.hardware.Hardware`):
+
+- ``h2d``: the rank's shard bytes / ``pcie_gbs``;
+- ``full_tensor()``: a ring all-gather of ``S`` bytes over the ``n`` ranks that hold shards
+  of it: ``(n-1)/n * S / bw + (n-1) * collective_step_us``, over NVLink when those ranks
+  share a node, else over the RDMA fabric, where it occupies the ranks' NICs (writes and
+  all-gathers on one NIC are serialized);
+- fusion + quantization: memory bound, ``(3 * assembled + output bytes) / hbm_gbs`` plus
+  two kernel launches per recipe;
+- ``write``: the sender's NIC posts the task's writes in order, grouped per receiver:
+  ``n * rdma_msg_us + bytes / nic_gbps``; every receiving NIC is a FIFO server at
+  ``nic_gbps`` in order of posting, so a write completes when both ends are done, plus
+  ``rdma_latency_us``. Both ends of every link are capacity-limited, bytes are conserved.
+
+Why a direct event loop (a heap of timestamped events, no simulation library): the model has
+exactly four event kinds (stage ready, collective complete, write done, release), the order
+of processing is the order of time with ties broken by a sequence number, so the result is
+deterministic and the loop is a page of code anyone can check against the executor.
+
+:func:`floors` gives the physical floor next to every prediction: bytes through the busiest
+NIC (send or receive, fabric all-gathers included), PCIe link and NVLink link divided by the
+line rate. :func:`rank0_funnel`, :func:`nccl_broadcast_funnel`, :func:`rpc_update_weight`
+and :func:`ckpt_engine_broadcast` are the baselines, on the same hardware figures.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from reference.planner import Schedule
+from reference.types import ParamMeta, itemsize, numel
+
+from .hardware import Hardware
+
+STAGES = ("h2d", "prepare", "write", "release")
+
+
+@dataclass
+class SimResult:
+    """One predicted update. Seconds unless said otherwise."""
+
+    method: str
+    seconds: float
+    """Predicted update time: "go" to the last release."""
+    stage_busy: dict[str, float]
+    """Per stage, the busiest rank's total time in it (nccl-tests style: per-rank maxima)."""
+    floors: dict[str, float]
+    """``nic`` / ``pcie`` / ``nvlink``: busiest link's bytes / its line rate."""
+    bytes: int
+    """Bytes written into inference memory, all ranks."""
+    n_writes: int = 0
+    peak_temp_bytes: int = 0
+    """Largest temporary bytes one rank held at once."""
+    events: list[tuple] = field(default_factory=list)
+    """With ``record=True``: ``(rank, task, stage, start, end)`` per stage run."""
+    link_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes through the busiest NIC / PCIe / NVLink link (the floors' numerators)."""
+
+    @property
+    def floor_seconds(self) -> float:
+        return max(self.floors.values()) if self.floors else 0.0
+
+
+# ------------------------------------------------------------------------------ sources
+
+
+def _mesh_array(mesh_ranks) -> list:
+    return [list(x) if isinstance(x, (tuple, list)) else x for x in mesh_ranks]
+
+
+def gather_group(meta: ParamMeta) -> tuple[int, ...]:
+    """Ranks whose shards one ``full_tensor()`` of ``meta`` assembles: the mesh positions that
+    differ only along the sharded mesh dims, taken at index 0 of the replicated dims."""
+    mr = meta.mesh_ranks
+    nd = 1 if not mr or not isinstance(mr[0], (tuple, list)) else 2
+    sharded = [i for i, p in enumerate(meta.placements) if p.startswith("Shard")]
+    if nd == 1:
+        return tuple(mr) if sharded else (mr[0],)
+    rows, cols = len(mr), len(mr[0])
+    if sharded == [0, 1]:
+        return tuple(r for row in mr for r in row)
+    if sharded == [1]:
+        return tuple(mr[0])
+    if sharded == [0]:
+        return tuple(mr[i][0] for i in range(rows))
+    return (mr[0][0],)
+
+
+@dataclass(frozen=True, slots=True)
+class _Src:
+    nbytes: int
+    n: int
+    fabric: bool
+    offloaded: bool
+
+
+def source_info(first: dict[str, ParamMeta], hw: Hardware) -> dict[str, _Src]:
+    """Per source: bytes, shards per ``full_tensor()``, whether the gather crosses nodes."""
+    cache: dict[tuple, tuple[int, bool]] = {}
+    out = {}
+    for name, m in first.items():
+        key = (m.mesh_ranks, m.placements)
+        got = cache.get(key)
+        if got is None:
+            grp = gather_group(m)
+            got = cache[key] = (len(grp), len({r // hw.gpus_per_node for r in grp}) > 1)
+        out[name] = _Src(numel(m.global_shape) * itemsize(m.dtype), got[0], got[1], m.offloaded)
+    return out
+
+
+def first_metas(train_metas: dict[int, list[ParamMeta]]) -> dict[str, ParamMeta]:
+    """One ParamMeta per parameter name (the first rank's)."""
+    out: dict[str, ParamMeta] = {}
+    for r in sorted(train_metas):
+        for m in train_metas[r]:
+            if m.name not in out:
+                out[m.name] = m
+    return out
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
+    """Per global task id: (all-gather seconds, fabric?, per-rank fabric / nvlink bytes);
+    per (rank, position): h2d s, compute s, [(dst, bytes, n_writes)]."""
+    ag: dict[int, tuple[float, bool, int, int]] = {}
+    per_rank: dict[int, list[tuple]] = {}
+    step = hw.collective_step_us * 1e-6
+    hbm = hw.hbm_gbs * 1e9
+    for r, rp in sched.rank_plans.items():
+        lst = []
+        for t in rp.tasks:
+            if t.id not in ag:
+                sec, fab, nvl, fb = 0.0, False, 0, 0
+                for s in t.sources:
+                    si = src[s]
+                    if si.n > 1:
+                        moved = si.nbytes * (si.n - 1) // si.n
+                        bw = hw.nic_Bps if si.fabric else hw.nvlink_gbs * 1e9
+                        sec += moved / bw + (si.n - 1) * step
+                        if si.fabric:
+                            fab, fb = True, fb + moved
+                        else:
+                            nvl += moved
+                ag[t.id] = (sec, fab, fb, nvl)
+            h2d_bytes = sum(src[s].nbytes // src[s].n for s in t.sources if src[s].offloaded)
+            comp = 0.0
+            per_dst: dict[int, list[int]] = {}
+            for a in t.assignments:
+                rec = a.recipe
+                asm = numel(rec.shape) * itemsize(rec.assembled_dtype)
+                comp += (3 * asm + rec.output_nbytes) / hbm + 2 * hw.kernel_us * 1e-6
+                for w in a.writes:
+                    x = per_dst.get(w.dst_rank)
+                    if x is None:
+                        per_dst[w.dst_rank] = [w.length, 1]
+                    else:
+                        x[0] += w.length
+                        x[1] += 1
+            lst.append((t.id, t.group, t.temp_bytes, h2d_bytes, comp,
+                        tuple((d, b, n) for d, (b, n) in per_dst.items()), t.mesh))
+        per_rank[r] = lst
+    return ag, per_rank
+
+
+def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str, ParamMeta], hw: Hardware, *,
+             watermark: int | None = None, record: bool = False, method: str = "reference") -> SimResult:
+    """Predict one update of ``sched`` (see module docstring). ``train_metas`` is what the
+    training ranks published (or one ParamMeta per name); ``watermark`` bounds a rank's
+    temporary bytes (None: unbounded). Deterministic."""
+    first = train_metas if (train_metas and isinstance(next(iter(train_metas)), str)) else first_metas(train_metas)
+    src = source_info(first, hw)
+    ag, per_rank = _task_costs(sched, src, hw)
+    wm = math.inf if watermark is None else watermark
+    nic = hw.nic_Bps
+    msg, lat, rel_s = hw.rdma_msg_us * 1e-6, hw.rdma_latency_us * 1e-6, hw.release_us * 1e-6
+    pcie = hw.pcie_gbs * 1e9
+
+    ranks = sorted(per_rank)
+    n_tasks = {r: len(per_rank[r]) for r in ranks}
+    # per-rank state
+    adm = dict.fromkeys(ranks, 0)          # next task to admit
+    prep = dict.fromkeys(ranks, 0)         # next task to arrive at prepare
+    prep_busy = dict.fromkeys(ranks, False)
+    prepped = dict.fromkeys(ranks, 0)      # tasks whose prepare is done
+    wr = dict.fromkeys(ranks, 0)           # next task to write
+    writing = dict.fromkeys(ranks, False)
+    released = dict.fromkeys(ranks, 0)
+    h2d_free = dict.fromkeys(ranks, 0.0)
+    rel_free = dict.fromkeys(ranks, 0.0)
+    h2d_end: dict[int, list[float]] = {r: [] for r in ranks}
+    inflight = dict.fromkeys(ranks, 0)
+    peak = 0
+    tx_free: dict[int, float] = {}
+    rx_free: dict[int, float] = {}
+    busy = {r: dict.fromkeys(STAGES, 0.0) for r in ranks}
+    events: list[tuple] = []
+    # collectives
+    arrived: dict[int, int] = {}
+    arrive_t: dict[int, float] = {}
+    pos_of: dict[tuple[int, int], int] = {}
+    for r in ranks:
+        for i, t in enumerate(per_rank[r]):
+            pos_of[(r, t[0])] = i
+    # barriers: group -> ranks still to finish their last prepare of it
+    groups = sorted({t[1] for r in ranks for t in per_rank[r]})
+    last_of: dict[int, dict[int, int]] = {r: {} for r in ranks}
+    remaining = dict.fromkeys(groups, 0)
+    for r in ranks:
+        for i, t in enumerate(per_rank[r]):
+            last_of[r][t[1]] = i
+        for g in last_of[r]:
+            remaining[g] += 1
+    released_at: dict[int, float] = {}     # barrier after group g
+    gate = {g: [h for h in groups if h < g] for g in groups}
+
+    heap: list = []
+    seq = 0
+
+    def push(t, kind, a, b=0):
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, kind, a, b))
+
+    def _arrive(r, now):
+        tasks = per_rank[r]
+        i = prep[r]
+        if i >= adm[r] or prep_busy[r]:
+            return
+        tid, g = tasks[i][0], tasks[i][1]
+        for h in gate[g]:
+            if h not in released_at:
+                return  # the barrier event kicks every rank
+        ready = max(h2d_end[r][i], max((released_at[h] for h in gate[g]), default=0.0))
+        if ready > now:
+            push(ready, 0, r)
+            return
+        prep_busy[r] = True
+        prep[r] += 1
+        arrived[tid] = arrived.get(tid, 0) + 1
+        arrive_t[tid] = max(arrive_t.get(tid, 0.0), now)
+        mesh = tasks[i][6]
+        if arrived[tid] == len(mesh):
+            sec, fab, _, _ = ag[tid]
+            start = arrive_t[tid]
+            if fab:
+                start = max([start] + [tx_free.get(q, 0.0) for q in mesh])
+            end = start + sec
+            if fab:
+                for q in mesh:
+                    tx_free[q] = end
+            for q in mesh:
+                k = pos_of[(q, tid)]
+                comp = per_rank[q][k][4]
+                busy[q]["prepare"] += end + comp - start
+                if record:
+                    events.append((q, tid, "prepare", start, end + comp))
+                push(end + comp, 1, q, k)
+
+    def kick(r, now):
+        nonlocal peak
+        tasks = per_rank[r]
+        # 1. admission (watermark) + h2d
+        while adm[r] < n_tasks[r]:
+            tb = tasks[adm[r]][2]
+            if inflight[r] and inflight[r] + tb > wm:
+                break
+            inflight[r] += tb
+            peak = max(peak, inflight[r])
+            h = tasks[adm[r]][3] / pcie
+            s = max(now, h2d_free[r])
+            h2d_free[r] = s + h
+            h2d_end[r].append(s + h)
+            if h:
+                busy[r]["h2d"] += h
+                if record:
+                    events.append((r, tasks[adm[r]][0], "h2d", s, s + h))
+            adm[r] += 1
+        # 2. arrive at the next prepare (collective)
+        _arrive(r, now)
+        # 3. write stage
+        j = wr[r]
+        if j < prepped[r] and not writing[r]:
+            writing[r] = True
+            wr[r] += 1
+            ws = tasks[j][5]
+            if not ws:
+                push(now, 2, r, j)
+                return
+            cur = max(now, tx_free.get(r, 0.0))
+            done = cur
+            for d, b, n in ws:
+                x = b / nic
+                cur += n * msg + x
+                rs = max(cur - x, rx_free.get(d, 0.0))
+                rx_free[d] = rs + x
+                if rx_free[d] > done:
+                    done = rx_free[d]
+            tx_free[r] = cur
+            end = max(cur, done) + lat
+            busy[r]["write"] += end - now
+            if record:
+                events.append((r, tasks[j][0], "write", now, end))
+            push(end, 2, r, j)
+
+    for r in ranks:
+        kick(r, 0.0)
+    t_end = 0.0
+    while heap:
+        now, _, kind, r, i = heapq.heappop(heap)
+        if kind == 1:  # prepare done
+            prep_busy[r] = False
+            prepped[r] += 1
+            g = per_rank[r][i][1]
+            if last_of[r][g] == i:
+                remaining[g] -= 1
+                if remaining[g] == 0:
+                    push(now + hw.barrier_us * 1e-6, 3, g)
+        elif kind == 2:  # write done -> release (FIFO: after the previous release)
+            writing[r] = False
+            rs0 = max(now, rel_free[r])
+            rel_free[r] = rs0 + rel_s
+            busy[r]["release"] += rel_s
+            if record:
+                events.append((r, per_rank[r][i][0], "release", rs0, rs0 + rel_s))
+            push(rs0 + rel_s, 4, r, i)
+        elif kind == 3:  # barrier after group r released
+            released_at[r] = now
+            for q in ranks:
+                kick(q, now)
+            continue
+        elif kind == 4:  # released
+            inflight[r] -= per_rank[r][i][2]
+            released[r] += 1
+            t_end = max(t_end, now)
+        kick(r, now)
+    stuck = [r for r in ranks if released[r] != n_tasks[r]]
+    if stuck:
+        raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug)")
+
+    fl, lb = floors(sched, per_rank, ag, hw)
+    return SimResult(method=method, seconds=t_end,
+                     stage_busy={s: max((busy[r][s] for r in ranks), default=0.0) for s in STAGES},
+                     floors=fl, link_bytes=lb, bytes=sched.total_bytes, n_writes=sched.n_writes,
+                     peak_temp_bytes=peak, events=events)
+
+
+def floors(sched: Schedule, per_rank, ag, hw: Hardware) -> tuple[dict[str, float], dict[str, int]]:
+    """Busiest NIC (send or receive; writes plus fabric all-gathers), PCIe and NVLink link:
+    bytes and bytes / line rate."""
+    tx: dict[int, int] = {}
+    rx_train: dict[int, int] = {}
+    pcie: dict[int, int] = {}
+    nvl: dict[int, int] = {}
+    for r, lst in per_rank.items():
+        for tid, _, _, h2d, _, ws, _ in lst:
+            _, _, fb, nv = ag[tid]
+            tx[r] = tx.get(r, 0) + fb + sum(b for _, b, _ in ws)
+            rx_train[r] = rx_train.get(r, 0) + fb
+            pcie[r] = pcie.get(r, 0) + h2d
+            nvl[r] = nvl.get(r, 0) + nv
+    nic_b = max([0, *tx.values(), *rx_train.values(), *sched.recv_bytes.values()])
+    lb = {"nic": nic_b, "pcie": max(pcie.values(), default=0), "nvlink": max(nvl.values(), default=0)}
+    return ({"nic": nic_b / hw.nic_line_Bps, "pcie": lb["pcie"] / (hw.pcie_gbs * 1e9),
+             "nvlink": lb["nvlink"] / (hw.nvlink_gbs * 1e9)}, lb)
+
+
+# ------------------------------------------------------------------------------ baselines
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One checkpoint tensor as the baselines see it: bytes in the training dtype, the
+    ``full_tensor()`` it needs on training rank 0 (seconds, computed like the reference's),
+    and whether rank 0 must then fetch it from another GPU of its node over NVLink."""
+
+    name: str
+    nbytes: int
+    gather_s: float
+    forward: bool
+
+
+def baseline_tensors(first: dict[str, ParamMeta], hw: Hardware) -> list[Tensor]:
+    src = source_info(first, hw)
+    out = []
+    step = hw.collective_step_us * 1e-6
+    for name, m in first.items():
+        si = src[name]
+        sec = 0.0
+        if si.n > 1:
+            bw = hw.nic_Bps if si.fabric else hw.nvlink_gbs * 1e9
+            sec = si.nbytes * (si.n - 1) / si.n / bw + (si.n - 1) * step
+        fwd = 0 not in m.mesh_flat
+        if fwd:
+            sec += si.nbytes / (hw.nvlink_gbs * 1e9)
+        out.append(Tensor(name, si.nbytes, sec, fwd))
+    return out
+
+
+def _result(method, stages: dict[str, float], floor_bytes: int, link_Bps: float, nbytes: int, n_writes: int) -> SimResult:
+    return SimResult(method=method, seconds=sum(stages.values()), stage_busy=stages,
+                     floors={"nic": floor_bytes / link_Bps}, link_bytes={"nic": floor_bytes},
+                     bytes=nbytes, n_writes=n_writes)
+
+
+def rank0_funnel(tensors: list[Tensor], hw: Hardware, n_infer: int, recv_bytes: int) -> SimResult:
+    """The seed's rank-0 funnel, one tensor at a time (no overlap): ``gather`` on training rank
+    0 (the tensor's ``full_tensor()``, plus an NVLink hop when rank 0 is not in its mesh),
+    ``send`` over rank 0's one NIC to inference rank 0 (training dtype), ``broadcast`` from
+    inference rank 0 to the others (pipelined NCCL ring: bytes / NIC + a call), then
+    ``load_weights`` on every worker in parallel (a Python call + the tensor through HBM).
+    Floor: every byte through training rank 0's NIC."""
+    st = dict.fromkeys(("gather", "send", "broadcast", "load_weights"), 0.0)
+    msg, lat = hw.rdma_msg_us * 1e-6, hw.rdma_latency_us * 1e-6
+    for t in tensors:
+        st["gather"] += t.gather_s
+        st["send"] += t.nbytes / hw.nic_Bps + msg + lat
+        if n_infer > 1:
+            st["broadcast"] += t.nbytes / hw.nic_Bps + hw.nccl_call_us * 1e-6
+        st["load_weights"] += hw.python_call_us * 1e-6 + t.nbytes / (hw.hbm_gbs * 1e9)
+    total = sum(t.nbytes for t in tensors)
+    return _result("rank0_funnel", st, total, hw.nic_line_Bps, recv_bytes, len(tensors))
+
+
+def nccl_broadcast_funnel(tensors: list[Tensor], hw: Hardware, n_infer: int, recv_bytes: int) -> SimResult:
+    """SGLang's ``update_weights_from_distributed``: per tensor, ``gather`` on training rank 0,
+    one NCCL ``broadcast`` from it to every inference rank (pipelined ring: bytes / NIC + a
+    call), ``load_weights`` on every worker. Floor: every byte through rank 0's NIC."""
+    st = dict.fromkeys(("gather", "broadcast", "load_weights"), 0.0)
+    for t in tensors:
+        st["gather"] += t.gather_s
+        st["broadcast"] += t.nbytes / hw.nic_Bps + hw.nccl_call_us * 1e-6
+        st["load_weights"] += hw.python_call_us * 1e-6 + t.nbytes / (hw.hbm_gbs * 1e9)
+    total = sum(t.nbytes for t in tensors)
+    return _result("nccl_broadcast_funnel", st, total, hw.nic_line_Bps, recv_bytes, len(tensors))
+
+
+def rpc_update_weight(tensors: list[Tensor], hw: Hardware, n_infer: int, recv_bytes: int) -> SimResult:
+    """Per-tensor RPC ``update_weight()``: ``gather`` on training rank 0, then one RPC per
+    inference worker carrying the tensor (issued concurrently: one ``rpc_us`` round trip, but
+    every copy leaves through rank 0's NIC), then ``load_weights`` on every worker. Floor:
+    ``n_infer`` copies of every byte through rank 0's NIC."""
+    st = dict.fromkeys(("gather", "rpc", "load_weights"), 0.0)
+    for t in tensors:
+        st["gather"] += t.gather_s
+        st["rpc"] += hw.rpc_us * 1e-6 + n_infer * t.nbytes / hw.nic_Bps
+        st["load_weights"] += hw.python_call_us * 1e-6 + t.nbytes / (hw.hbm_gbs * 1e9)
+    total = sum(t.nbytes for t in tensors) * n_infer
+    return _result("rpc_update_weight", st, total, hw.nic_line_Bps, recv_bytes, len(tensors) * n_infer)
+
+
+def ckpt_engine_broadcast(model_bytes: int, n_tensors: int, n_ranks: int, hw: Hardware, *,
+                          bucket_bytes: int = 2 << 30) -> SimResult:
+    """checkpoint-engine's broadcast update: the serving checkpoint (``model_bytes``, e.g. FP8
+    with scales) sits in pinned host memory spread over the ``n_ranks`` GPUs; bucket by bucket
+    its owner copies it to the GPU (``h2d``), NCCL broadcasts it to every GPU (every node
+    receives the whole model over its ``nics_per_node`` NICs), and every worker runs
+    ``load_weights`` over every tensor of the bucket. The three stages pipeline over buckets
+    (``bucket_bytes``: assumption, 2 GiB). Floor: the whole model into one node over its NICs."""
+    B = max(1, math.ceil(model_bytes / bucket_bytes))
+    b = model_bytes / B
+    node_in = hw.nics_per_node * hw.nic_Bps
+    per = {"h2d": b / (hw.pcie_gbs * 1e9),
+           "broadcast": b / node_in + hw.nccl_call_us * 1e-6,
+           "load_weights": n_tensors / B * hw.python_call_us * 1e-6 + b / (hw.hbm_gbs * 1e9)}
+    seconds = sum(per.values()) + (B - 1) * max(per.values())
+    st = {k: v * B for k, v in per.items()}
+    return SimResult(method="ckpt_engine_broadcast", seconds=seconds, stage_busy=st,
+                     floors={"nic": model_bytes / (hw.nics_per_node * hw.nic_line_Bps)},
+                     link_bytes={"nic": model_bytes // hw.nics_per_node}, bytes=model_bytes * n_ranks,
+                     n_writes=B)

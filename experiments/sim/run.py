@@ -1,0 +1,224 @@
+"""``python -m experiments simulate <config>``: synthesize metadata, run the real planner, run
+the cost model for each method, print an nccl-tests style table, append rows to
+results/simulated.csv (``simulated=True``).
+
+Examples::
+
+    python -m experiments simulate --list
+    python -m experiments simulate kimi_k2_256xh100_to_128xh100_fp8
+    python -m experiments simulate qwen3_235b_128_to_32 --no-csv
+    python -m experiments simulate kimi_k2_256xh100_to_128xh100_fp8 --bench-planner   # time + peak RSS
+"""
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reference.catalog import load_config, param_specs, total_bytes
+from reference.mapping import build_recipes
+from reference.planner import plan
+
+from . import metadata, model
+from .configs import CONFIGS, SimConfig, get_config
+
+DEFAULT_CSV = Path(__file__).resolve().parents[2] / "results" / "simulated.csv"
+
+
+@dataclass
+class SimRun:
+    cfg: SimConfig
+    results: list[model.SimResult]
+    plan_summary: str = ""
+    plan_seconds: float = 0.0
+    plan_cpu_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    sim_seconds: float = 0.0
+    max_rss_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build(cfg: SimConfig):
+    """(model config, train metas, dest metas, recipes) for ``cfg``."""
+    mcfg = load_config(cfg.model, **cfg.overrides)
+    tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
+                              offloaded=cfg.offloaded)
+    dm = metadata.dest_metas(mcfg, cfg.layout)
+    rs = build_recipes(mcfg, cfg.layout)
+    return mcfg, tm, dm, rs
+
+
+def run(cfg: SimConfig, *, log=print) -> SimRun:
+    """Everything ``simulate`` does except printing and CSV."""
+    t0 = time.perf_counter()
+    mcfg = load_config(cfg.model, **cfg.overrides)
+    out = SimRun(cfg, [])
+    hw = cfg.hardware
+    if "reference" in cfg.methods or any(m in cfg.methods for m in ("rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight")):
+        log(f"# synthesizing metadata: {cfg.n_train} training ranks, {cfg.n_infer} inference ranks ...")
+        _, tm, dm, rs = build(cfg)
+        first = model.first_metas(tm)
+        out.setup_seconds = time.perf_counter() - t0
+        recv_total = None
+        if "reference" in cfg.methods:
+            log(f"# planning {len(rs)} recipes ...")
+            gc.collect()
+            c0, w0 = time.process_time(), time.perf_counter()
+            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes)
+            out.plan_seconds, out.plan_cpu_seconds = time.perf_counter() - w0, time.process_time() - c0
+            out.plan_summary = sched.summary()
+            recv_total = sched.total_bytes
+            log(f"# simulating {sched.n_writes} writes ...")
+            s0 = time.perf_counter()
+            res = model.simulate(sched, first, hw, watermark=cfg.watermark)
+            out.sim_seconds = time.perf_counter() - s0
+            out.results.append(res)
+            del sched
+        tensors = model.baseline_tensors(first, hw)
+        if recv_total is None:
+            recv_total = sum(m.nbytes for ms in dm.values() for m in ms)
+        for m, fn in (("rank0_funnel", model.rank0_funnel), ("nccl_broadcast_funnel", model.nccl_broadcast_funnel),
+                      ("rpc_update_weight", model.rpc_update_weight)):
+            if m in cfg.methods:
+                out.results.append(fn(tensors, hw, cfg.n_infer, recv_total))
+        del tm, dm, rs, first
+    if "ckpt_engine_broadcast" in cfg.methods:
+        per_inst = [metadata.region_bytes(ms) for ms in
+                    (__import__("engines.engine", fromlist=["x"]).engine_tensor_metas(mcfg, cfg.layout, t)
+                     for t in range(cfg.layout.tp))]
+        n_tensors = len(param_specs(mcfg)) * (2 if cfg.layout.quant else 1)
+        out.results.append(model.ckpt_engine_broadcast(sum(per_inst), n_tensors, cfg.n_infer, hw))
+    out.max_rss_bytes = _maxrss()
+    return out
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def format_table(sr: SimRun) -> str:
+    cfg, hw = sr.cfg, sr.cfg.hardware
+    mcfg = load_config(cfg.model, **cfg.overrides)
+    L = [
+        f"# at-scale simulation: {cfg.name}   (SIMULATED: cost model of docs/SIMULATION.md, not a measurement)",
+        f"# model: {mcfg.label} ({mcfg.architecture}; {total_bytes(mcfg) / 1e9:.1f} GB in bf16; source {mcfg.source})",
+        f"# training: {cfg.n_train} GPUs = {cfg.train_nodes} nodes x {hw.gpus_per_node}, FSDP2 layout {cfg.train_layout}"
+        f"{', offloaded to host' if cfg.offloaded else ''}",
+        f"# inference: {cfg.n_infer} GPUs, {cfg.layout.describe()} ({cfg.layout.dp} instance(s) x TP{cfg.layout.tp})",
+        f"# hardware: {hw.name}; NIC {hw.nic_gbps:g} Gb/s achieved ({hw.nic_line_gbps:g} line), PCIe {hw.pcie_gbs:g} GB/s, "
+        f"NVLink {hw.nvlink_gbs:g} GB/s, HBM {hw.hbm_gbs:g} GB/s; watermark "
+        f"{'none' if cfg.watermark is None else f'{cfg.watermark / 2**30:g} GiB'}",
+    ]
+    if sr.plan_summary:
+        L.append(f"# plan: {sr.plan_summary}")
+        L.append(f"# planner: {sr.plan_seconds:.1f} s wall, {sr.plan_cpu_seconds:.1f} s CPU; metadata {sr.setup_seconds:.1f} s; "
+                 f"cost model {sr.sim_seconds:.1f} s; peak RSS of this process {sr.max_rss_bytes / 2**30:.2f} GiB")
+    L += ["#",
+          f"{'method':>22} {'bytes':>10} {'time':>9} {'floor':>9} {'pred/':>6} {'bound':>7} {'published':>10} {'pred/':>6}",
+          f"{'':>22} {'(GB)':>10} {'(s)':>9} {'(s)':>9} {'floor':>6} {'':>7} {'(s)':>10} {'publ.':>6}"]
+    for r in sr.results:
+        pub = cfg.anchors.get(r.method)
+        bound = max(r.floors, key=r.floors.get) if r.floors else "-"
+        ps = f"{pub[0]:>10.1f} {r.seconds / pub[0]:>6.2f}" if pub else f"{'-':>10} {'-':>6}"
+        L.append(f"{r.method:>22} {r.bytes / 1e9:>10.1f} {r.seconds:>9.3f} {r.floor_seconds:>9.3f} "
+                 f"{r.seconds / r.floor_seconds if r.floor_seconds else float('nan'):>6.2f} {bound:>7} {ps}")
+    L.append("#")
+    L.append("# per-stage busy time (s; busiest rank for the reference, sums over tensors for baselines):")
+    for r in sr.results:
+        L.append(f"#   {r.method:>22}: " + "  ".join(f"{k} {v:.3f}" for k, v in r.stage_busy.items()))
+    L.append("# floors (s; busiest link's bytes / line rate): " + "; ".join(
+        f"{r.method}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.floors.items()) for r in sr.results))
+    for r in sr.results:
+        if r.method == "reference":
+            L.append(f"# reference: {r.n_writes} writes, peak temporary {r.peak_temp_bytes / 2**30:.2f} GiB per rank")
+    for m, (sec, src) in cfg.anchors.items():
+        L.append(f"# published {m}: {sec} s -- {src}")
+    L.append("# correctness: not applicable (simulated); the planner's schedule is validated (every destination byte once)")
+    return "\n".join(L)
+
+
+def rows(sr: SimRun) -> list[dict]:
+    """Tidy rows, docs/PERFORMANCE.md columns plus the simulation's."""
+    from experiments.trial import git_sha
+
+    cfg = sr.cfg
+    mcfg = load_config(cfg.model, **cfg.overrides)
+    run_id = uuid.uuid4().hex[:12]
+    out = []
+    for r in sr.results:
+        row = {"run_id": run_id, "git_sha": git_sha(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": "simulated",
+               "method": r.method, "model": mcfg.label, "dtype": cfg.layout.quant or cfg.layout.dtype,
+               "train_dtype": "bfloat16", "n_train": cfg.n_train, "n_infer": cfg.n_infer, "layout": cfg.layout.describe(),
+               "watermark": cfg.watermark, "transport": "sim", "step": 1, "warmup": False, "bytes": r.bytes,
+               "seconds": r.seconds, "verified": None, "peak_temp_bytes": r.peak_temp_bytes or None,
+               "n_writes": r.n_writes, "plan_seconds": sr.plan_seconds if r.method == "reference" else None,
+               "simulated": True, "config": cfg.name, "train_layout": cfg.train_layout, "offloaded": cfg.offloaded,
+               "hardware": cfg.hardware.name, "floor_seconds": r.floor_seconds,
+               "published_seconds": cfg.anchors.get(r.method, (None,))[0]}
+        for k in ("nic", "pcie", "nvlink"):
+            row[f"floor_{k}_seconds"] = r.floors.get(k)
+        for k, v in r.stage_busy.items():
+            row[f"busy_{k}_seconds"] = v
+        out.append(row)
+    return out
+
+
+def bench_planner(name: str) -> dict:
+    """Plan ``name`` in a fresh subprocess; wall / CPU seconds of ``plan()`` alone and the
+    subprocess's peak RSS (metadata included) and the part added while planning."""
+    code = (
+        "import gc, json, resource, time\n"
+        "from experiments.sim.configs import get_config\n"
+        "from experiments.sim.run import build\n"
+        "from reference.planner import plan\n"
+        f"cfg = get_config({name!r})\n"
+        "mcfg, tm, dm, rs = build(cfg); gc.collect()\n"
+        "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "c0, w0 = time.process_time(), time.perf_counter()\n"
+        "s = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes)\n"
+        "w, c = time.perf_counter() - w0, time.process_time() - c0\n"
+        "rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "print(json.dumps(dict(wall_s=w, cpu_s=c, rss_before=rss0, rss_peak=rss1, n_writes=s.n_writes,"
+        " n_tasks=s.n_tasks, n_sources=len({m.name for ms in tm.values() for m in ms}), recipes=len(rs))))\n")
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-2000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(args) -> int:
+    if args.list or not args.config:
+        print("# simulation configs (python -m experiments simulate <name>):")
+        for n, f in CONFIGS.items():
+            print(f"  {n:<48} {(f.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+    try:
+        cfg = get_config(args.config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.bench_planner:
+        b = bench_planner(cfg.name)
+        print(f"# planner benchmark ({cfg.name}, fresh subprocess): {b['n_sources']} source tensors, {b['recipes']} recipes, "
+              f"{b['n_tasks']} tasks, {b['n_writes']} writes")
+        print(f"# plan(): {b['wall_s']:.2f} s wall, {b['cpu_s']:.2f} s CPU; peak RSS {b['rss_peak'] / 2**30:.2f} GiB "
+              f"(metadata alone {b['rss_before'] / 2**30:.2f} GiB, planning added {(b['rss_peak'] - b['rss_before']) / 2**30:.2f} GiB)")
+        return 0
+    sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_table(sr))
+    if not args.no_csv:
+        from experiments.report import append_csv
+
+        path = append_csv(rows(sr), args.csv)
+        print(f"# rows appended to {path} (simulated=True)")
+    return 0

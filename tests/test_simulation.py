@@ -1,0 +1,202 @@
+"""At-scale simulation (experiments/sim): the cost model against hand computation, the
+simulated executor's watermark and barrier semantics, and the synthesized metadata against what
+a real 2x2 gloo training world publishes."""
+import os
+import socket
+
+import pytest
+import torch.multiprocessing as tmp
+
+from reference.catalog import load_config
+from reference.mapping import RecipeSet, build_recipes
+from reference.planner import plan
+from reference.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
+
+from experiments.sim import metadata, model
+from experiments.sim.configs import SimConfig, get_config
+from experiments.sim.hardware import Hardware
+
+SMALL = dict(num_hidden_layers=1, num_experts=4, hidden_size=64, moe_intermediate_size=32,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100)
+
+
+def _one_write_world(rows=1024, cols=64):
+    meta = ParamMeta(name="w", global_shape=(rows, cols), dtype="bfloat16", mesh_ranks=(0,), mesh_dim_names=("x",),
+                     placements=("Shard(dim=0)",), local_offset=(0, 0), local_shape=(rows, cols))
+    box = ((0, rows), (0, cols))
+    rec = Recipe("w@0", (0,), (rows, cols), "bfloat16", (Piece("w", box, box),), "copy", (Output("w", box, "bfloat16"),))
+    dest = DestTensorMeta(rank=0, name="w", shape=(rows, cols), dtype="bfloat16", offset=0, nbytes=rows * cols * 2)
+    return RecipeSet([rec]), {0: [meta]}, {0: [dest]}
+
+
+def test_trivial_plan_equals_hand_computed_time():
+    rs, tm, dm = _one_write_world()
+    sched = plan(rs, tm, dm)
+    assert sched.n_tasks == 1 and sched.n_writes == 1
+    hw = Hardware()
+    res = model.simulate(sched, tm, hw)
+    b = 1024 * 64 * 2
+    prepare = (3 * b + b) / (hw.hbm_gbs * 1e9) + 2 * hw.kernel_us * 1e-6   # no all-gather: one shard
+    write = hw.rdma_msg_us * 1e-6 + b / (hw.nic_gbps * 1e9 / 8) + hw.rdma_latency_us * 1e-6
+    assert res.seconds == pytest.approx(prepare + write + hw.release_us * 1e-6, rel=1e-12)
+    assert res.stage_busy["write"] == pytest.approx(write, rel=1e-12)
+    assert res.floors["nic"] == pytest.approx(b / (hw.nic_line_gbps * 1e9 / 8))
+    assert res.seconds > res.floor_seconds
+
+
+def _small_sched(nodes=2, g=2, layout=InferenceLayout(tp=2, dp=2, quant="fp8"), **ov):
+    cfg = load_config("qwen3-30b-a3b", **(ov or dict(num_hidden_layers=2, num_experts=8)))
+    tm = metadata.train_metas(cfg, nodes, g)
+    dm = metadata.dest_metas(cfg, layout)
+    return plan(build_recipes(cfg, layout), tm, dm), tm
+
+
+def _spans(res):
+    out = {}
+    for r, tid, st, a, b in res.events:
+        out.setdefault(r, {}).setdefault(tid, {})[st] = (a, b)
+    return out
+
+
+def test_watermark_bounds_temporary_bytes_and_stage_order():
+    sched, tm = _small_sched()
+    hw = Hardware(gpus_per_node=2, nics_per_node=2)
+    free = model.simulate(sched, tm, hw, watermark=None, record=True)
+    temps = [t.temp_bytes for p in sched.rank_plans.values() for t in p.tasks]
+    wm = sorted(temps)[len(temps) // 2]          # half the tasks are larger than the watermark
+    bounded = model.simulate(sched, tm, hw, watermark=wm, record=True)
+    assert free.peak_temp_bytes > max(wm, max(temps))            # unbounded: tasks overlap
+    assert bounded.peak_temp_bytes <= max(wm, max(temps))        # bounded, big tasks alone
+    one = model.simulate(sched, tm, hw, watermark=1, record=True)  # every task alone
+    assert one.peak_temp_bytes == max(temps)
+    # per rank: tasks in plan order through prepare -> write -> release, one at a time per stage
+    for res in (free, bounded, one):
+        for r, tasks in _spans(res).items():
+            order = [t.id for t in sched.rank_plans[r].tasks]
+            prev = {}
+            for tid in order:
+                st = tasks[tid]
+                assert st["prepare"][1] <= st["write"][0] + 1e-12 <= st["release"][0] + 2e-12
+                for s in ("prepare", "write", "release"):
+                    assert st[s][0] >= prev.get(s, 0.0) - 1e-12
+                    prev[s] = st[s][1]
+    # watermark=1: a task is admitted only after the previous one is released
+    for r, tasks in _spans(one).items():
+        order = [t.id for t in sched.rank_plans[r].tasks]
+        for a, b in zip(order, order[1:]):
+            assert tasks[b]["prepare"][0] >= tasks[a]["release"][1] - 1e-12
+
+
+def test_mesh_group_barrier_order():
+    sched, tm = _small_sched()
+    assert sched.n_groups == 2
+    hw = Hardware(gpus_per_node=2, nics_per_node=2, barrier_us=5000.0)
+    res = model.simulate(sched, tm, hw, record=True)
+    group = {t.id: t.group for p in sched.rank_plans.values() for t in p.tasks}
+    prep = [(group[tid], a, b) for _, tid, st, a, b in res.events if st == "prepare"]
+    end0 = max(b for g, _, b in prep if g == 0)
+    start1 = min(a for g, a, _ in prep if g == 1)
+    assert start1 >= end0 + hw.barrier_us * 1e-6 - 1e-12
+    # collectives: every rank of a task's mesh starts its prepare at the same time
+    starts = {}
+    for _, tid, st, a, _ in res.events:
+        if st == "prepare":
+            starts.setdefault(tid, set()).add(a)
+    assert all(len(s) == 1 for s in starts.values())
+
+
+def test_floor_counts_fabric_all_gathers_and_receivers():
+    sched, tm = _small_sched()
+    hw = Hardware(gpus_per_node=2, nics_per_node=2)
+    res = model.simulate(sched, tm, hw)
+    assert res.link_bytes["nic"] >= max(sched.recv_bytes.values())
+    assert res.seconds >= res.floor_seconds
+    whole = metadata.train_metas(load_config("qwen3-30b-a3b", num_hidden_layers=2, num_experts=8), 2, 2,
+                                 layout="expert_whole")
+    lay = InferenceLayout(tp=2, dp=2, quant="fp8")
+    cfg = load_config("qwen3-30b-a3b", num_hidden_layers=2, num_experts=8)
+    s2 = plan(build_recipes(cfg, lay), whole, metadata.dest_metas(cfg, lay))
+    r2 = model.simulate(s2, whole, hw)
+    assert r2.stage_busy["prepare"] < res.stage_busy["prepare"]   # experts no longer gathered over the fabric
+
+
+def test_dest_metas_equal_engine_for_every_rank():
+    from engines.engine import engine_tensor_metas
+
+    cfg = load_config("qwen3-30b-a3b", **SMALL)
+    for lay in (InferenceLayout(tp=2, dp=3, quant="fp8"), InferenceLayout(tp=2, dp=2, ep=True)):
+        dm = metadata.dest_metas(cfg, lay)
+        assert all(dm[r] == engine_tensor_metas(cfg, lay, r) for r in range(lay.world_size))
+        regs = metadata.regions(dm, 8)
+        assert all(d.transport == "sim" and d.length == metadata.region_bytes(dm[r]) for r, d in regs.items())
+
+
+def test_baselines_and_cli_tiny(tmp_path):
+    from experiments.__main__ import main
+
+    csv = tmp_path / "sim.csv"
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv)]) == 0
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    assert set(df.method) == {"reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"}
+    assert df.simulated.all() and (df.seconds >= df.floor_seconds).all()
+    for c in ("method", "model", "n_train", "n_infer", "layout", "bytes", "seconds", "floor_seconds", "busy_write_seconds"):
+        assert c in df.columns
+    ref = df[df.method == "reference"].seconds.item()
+    assert ref < df[df.method == "rank0_funnel"].seconds.item() < df[df.method == "rpc_update_weight"].seconds.item()
+    with pytest.raises(ValueError):
+        get_config("nope")
+    with pytest.raises(ValueError):
+        SimConfig(name="x", model="kimi-k2", methods=("teleport",))
+
+
+# ----------------------------------------------------------------------- real 2x2 world
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_rank(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from reference.training import build_two_group_params, collect_metas
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = load_config("qwen3-30b-a3b", **SMALL)
+        params = build_two_group_params(cfg, 2, 2)
+        q.put((rank, collect_metas(params, offloaded=rank % 2 == 1)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_synthesized_metadata_equals_real_2x2_world():
+    ctx = tmp.get_context("fork")  # torch is imported already: forking skips 4 imports
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_world_rank, args=(r, 4, port, q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=100) for _ in range(4))
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    cfg = load_config("qwen3-30b-a3b", **SMALL)
+    for off in (False, True):
+        syn = metadata.train_metas(cfg, 2, 2, offloaded=off)
+        for r in range(4):
+            if (r % 2 == 1) == off:
+                assert syn[r] == got[r], r
+    # and the planner accepts it
+    lay = InferenceLayout(tp=2, dp=2, quant="fp8")
+    plan(build_recipes(cfg, lay), metadata.train_metas(cfg, 2, 2), metadata.dest_metas(cfg, lay))
