@@ -324,6 +324,8 @@ class Executor:
 
     def _agree_n_groups(self, n_groups: int | None) -> int:
         local = max((t.group for t in self.plan.tasks), default=-1) + 1
+        if n_groups is None:
+            n_groups = getattr(self.plan, "n_groups", None)
         if n_groups is not None:
             if n_groups < local:
                 raise ValueError(f"n_groups={n_groups} but rank {self.plan.rank} has a task in group {local - 1}")

@@ -85,6 +85,9 @@ class RankPlan:
     tasks: tuple[Task, ...]
     groups: tuple[int, ...]
     """Mesh groups this rank takes part in, in execution order."""
+    n_groups: int | None = None
+    """Mesh groups of the whole schedule: every rank issues ``n_groups - 1`` barriers, also
+    ranks with no task in some group. None when unknown (the executor then agrees on it)."""
 
     @property
     def send_bytes(self) -> int:
@@ -358,5 +361,6 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
             out_bytes = sum(rec_bytes[ri] for ri in ris)
             per_rank[r].append(Task(tid, g_, srcs_t, mesh_t, assigns, src_bytes, src_bytes + out_bytes))
 
-    rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted({t.group for t in ts}))) for r, ts in per_rank.items()}
+    n_groups = len(set(gid.values()))
+    rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted({t.group for t in ts})), n_groups) for r, ts in per_rank.items()}
     return Schedule(rank_plans, dict(send), dict(recv), len(task_defs), len(set(gid.values())))
