@@ -1,0 +1,188 @@
+"""What the two baselines share: the ordered parameter list, the rank-0 gather loop, buckets,
+statistics, and the byte counts that make them comparable with the reference.
+
+Byte definitions (docs/PERFORMANCE.md):
+
+- ``bytes`` (the row's column, reported by training rank 0 as :attr:`BaselineStats.bytes_sent`):
+  bytes that land in inference memory per update, summed over inference ranks -- the sum of
+  every engine tensor's ``nbytes`` on every inference rank. That is exactly what the
+  reference's schedule writes, so ``bytes / seconds`` compares like with like.
+- ``wire_bytes``: payload bytes the method moved from the training job to the inference job
+  and inside it (each inference rank's received bytes, summed): for both baselines the full
+  checkpoint in the training dtype once per inference rank, plus, when a parameter's mesh does
+  not contain training rank 0, the point-to-point hop that brings it there.
+
+Collective order. ``full_tensor()`` is a collective over the parameter's DeviceMesh, so every
+training rank walks the same global parameter list (:func:`param_entries`, published once by
+the controller) in the same order; ranks not in a parameter's mesh skip it. When training rank
+0 is not in the mesh (expert columns of the ``two_group`` layout), the mesh's lowest rank
+sends the gathered tensor to rank 0 over the training world's default (Gloo) group, the way
+frameworks funnel expert-parallel parameters through their EP rank 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from reference import control
+from reference.types import torch_dtype
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+"""Funnel bucket size (bytes): tensors are packed into flat buffers of at most this size, the
+default of OpenRLHF / verl style bucketed broadcasts. ``cfg.bucket_bytes`` overrides it when
+the trial config has that field."""
+BUCKET_ALIGN = 16
+"""Byte alignment of each tensor inside a bucket (any dtype view of the slice is aligned)."""
+DEFAULT_RPC_TIMEOUT = 60.0
+"""Seconds one RPC may wait for every worker's reply (capped at half the control-plane
+timeout so that the error reaches the controller first). ``cfg.rpc_timeout`` overrides it."""
+
+KEY_PARAMS = "baselines/params"
+KEY_DEST_BYTES = "baselines/dest_bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamEntry:
+    """One training parameter as the baselines walk them: global shape, training dtype, and the
+    lowest global rank of its mesh (``lead``: the rank that hands it to training rank 0)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    lead: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch_dtype(self.dtype).itemsize
+
+
+@dataclass
+class BaselineStats:
+    """One training rank's part of one update (the fields the trial reads from any method's
+    stats: ``bytes_sent``, ``n_writes``, ``peak_temp_bytes``, ``seconds``, ``records``).
+
+    ``bytes_sent`` is the *landed* byte count (see module docstring; only training rank 0
+    reports it, the other ranks report 0 so the trial's sum is the landed bytes once);
+    ``wire_bytes`` what moved; ``n_writes`` the number of messages (broadcast buckets or RPCs)."""
+
+    rank: int
+    bytes_sent: int = 0
+    wire_bytes: int = 0
+    n_writes: int = 0
+    seconds: float = 0.0
+    peak_temp_bytes: int = 0
+    records: list = field(default_factory=list)
+
+    def stage_busy(self) -> dict[str, float]:
+        return {}
+
+
+def bucket_bytes(cfg) -> int:
+    return int(getattr(cfg, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES)
+
+
+def rpc_timeout(cfg) -> float:
+    t = getattr(cfg, "rpc_timeout", None)
+    if t:
+        return float(t)
+    return max(1.0, min(DEFAULT_RPC_TIMEOUT, float(cfg.timeout) / 2))
+
+
+def param_entries(train_metas: dict[int, list]) -> list[ParamEntry]:
+    """The global parameter list in a deterministic order: training rank 0's parameters in its
+    order, then those rank 0 does not hold, in the order of the lowest rank holding them."""
+    out: dict[str, ParamEntry] = {}
+    for r in sorted(train_metas):
+        for m in train_metas[r]:
+            if m.name not in out:
+                out[m.name] = ParamEntry(m.name, tuple(m.global_shape), m.dtype, min(m.mesh_flat))
+    return list(out.values())
+
+
+def dest_bytes(infer_payloads: dict[int, tuple]) -> int:
+    """Bytes of every engine tensor on every inference rank (what lands per update)."""
+    return sum(m.nbytes for _, metas in infer_payloads.values() for m in metas)
+
+
+def publish_common(ctx) -> tuple[list[ParamEntry], int]:
+    """Controller side, once: the ordered parameter list and the landed byte count."""
+    entries = param_entries(ctx.train_metas)
+    landed = dest_bytes(ctx.infer_payloads)
+    control.put(ctx.store, KEY_PARAMS, entries)
+    control.put(ctx.store, KEY_DEST_BYTES, landed)
+    return entries, landed
+
+
+def read_common(store, timeout: float) -> tuple[list[ParamEntry], int]:
+    control.wait_keys(store, {0: KEY_PARAMS, 1: KEY_DEST_BYTES}, timeout=timeout, what="baseline parameter list")
+    return control.get(store, KEY_PARAMS), control.get(store, KEY_DEST_BYTES)
+
+
+def gather_to_rank0(params: dict, entries: list[ParamEntry], rank: int):
+    """Walk ``entries`` in order on every training rank: ``full_tensor()`` where this rank is in
+    the parameter's mesh (a collective), forward to rank 0 if rank 0 is not in it. Yields
+    ``(entry, full tensor)`` on rank 0 and ``(entry, None)`` elsewhere; the caller must consume
+    the whole generator on every rank (the collectives of later entries depend on it)."""
+    from torch.distributed.tensor import DTensor
+
+    for e in entries:
+        p = params.get(e.name)
+        full = None
+        if p is not None and (not isinstance(p, DTensor) or p.device_mesh.get_coordinate() is not None):
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            if rank == 0:
+                full = t
+            elif rank == e.lead and e.lead != 0:
+                dist.send(t.contiguous(), dst=0)
+            del t
+        elif rank == 0:
+            full = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+            dist.recv(full, src=e.lead)
+        yield e, full
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy when already contiguous)."""
+    t = t.contiguous()
+    return t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def from_bytes(buf: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`as_bytes` (a view, no copy)."""
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    return buf.view(torch_dtype(dtype)).view(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketItem:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+def plan_buckets(entries: list[ParamEntry], limit: int) -> list[list[BucketItem]]:
+    """Greedy, in order: pack tensors into buckets of at most ``limit`` bytes (offsets
+    ``BUCKET_ALIGN``-aligned); a tensor larger than ``limit`` gets a bucket of its own."""
+    buckets: list[list[BucketItem]] = []
+    cur: list[BucketItem] = []
+    off = 0
+    for e in entries:
+        start = -(-off // BUCKET_ALIGN) * BUCKET_ALIGN
+        if cur and start + e.nbytes > limit:
+            buckets.append(cur)
+            cur, start = [], 0
+        cur.append(BucketItem(e.name, e.shape, e.dtype, start, e.nbytes))
+        off = start + e.nbytes
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def bucket_size(bucket: list[BucketItem]) -> int:
+    return max((it.offset + it.nbytes for it in bucket), default=0)

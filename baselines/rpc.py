@@ -1,0 +1,299 @@
+"""Baseline 2: per-tensor RPC ``update_weight()`` (vLLM's ``collective_rpc("update_weight",
+args=(name, dtype, shape))`` driven by OpenRLHF / TRL / verl's simple path; SGLang's
+``update_weights_from_tensor``), with the data carried in the RPC itself.
+
+Setup, once: each inference worker binds a ZeroMQ ``REP`` socket on ``127.0.0.1`` (a random
+port) and publishes its endpoint in its setup payload; the controller hands training rank 0
+the endpoints, which connects one ``DEALER`` socket per worker.
+
+Per update, on "go", for every parameter in order:
+
+1. every training rank calls ``full_tensor()``; only training rank 0 keeps the result
+   (:func:`baselines.common.gather_to_rank0`);
+2. training rank 0 calls ``update_weight`` on *every* worker: one request per worker,
+   ``[header, data]`` with header ``{op: "load", name, dtype, shape, id}`` and the tensor's
+   bytes (sent zero-copy), then waits for every reply with a deadline (``zmq.Poller``);
+3. the worker rebuilds the tensor from the message, calls its engine's ``load_weights`` and
+   replies ``{ok, id}`` -- or ``{ok: False, error}`` naming itself and the tensor.
+
+After the last tensor an explicit ``finish`` RPC makes every worker run
+``process_weights_after_loading`` (FP8 re-quantization); the worker then reports done and the
+controller publishes the version.
+
+Errors. A worker-side exception comes back as an error reply; a worker that does not answer
+within the RPC timeout (dead or hung) is reported by index and endpoint. Either way training
+rank 0 stops sending, tells every worker to ``abort`` the update (best effort), keeps taking
+part in the remaining ``full_tensor()`` collectives so the other training ranks are not left
+hanging, and raises :class:`RpcError`; the controller then refuses to publish the version.
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+import warnings
+
+import torch
+import zmq
+
+from reference import control
+from reference.method import ControllerSide, InferenceSide, TrainerSide
+from reference.types import torch_dtype
+
+from .common import BaselineStats, as_bytes, gather_to_rank0, publish_common, read_common, rpc_timeout
+
+KEY_ENDPOINTS = "baselines/rpc/endpoints"
+
+
+class RpcError(RuntimeError):
+    """An ``update_weight`` RPC failed: an error reply, or no reply in time. The message names
+    the worker (index and endpoint) and the tensor."""
+
+
+class RpcServer:
+    """An inference worker's end: a ``REP`` socket bound on ``host`` (random port)."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+
+    def recv(self, timeout: float, should_stop=None, slice_s: float = 0.5):
+        """Next request as ``(header dict, data frame or None)``. Raises TimeoutError after
+        ``timeout`` seconds, or RuntimeError when ``should_stop()`` returns a reason."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no update_weight request within {timeout:.0f} s")
+            if self.sock.poll(min(left, slice_s) * 1000, zmq.POLLIN):
+                frames = self.sock.recv_multipart(copy=False)
+                header = pickle.loads(frames[0].bytes)
+                return header, (frames[1] if len(frames) > 1 else None)
+            if should_stop is not None and (why := should_stop()):
+                raise RuntimeError(why)
+
+    def reply(self, obj: dict) -> None:
+        self.sock.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RpcClient:
+    """Training rank 0's end: one ``DEALER`` per worker, ``call`` = the same request to every
+    worker, wait for all replies (``collective_rpc``)."""
+
+    def __init__(self, endpoints: dict[int, str], timeout: float):
+        self.ctx = zmq.Context.instance()
+        self.endpoints = dict(sorted(endpoints.items()))
+        self.timeout = timeout
+        self.socks = {}
+        self.poller = zmq.Poller()
+        for i, ep in self.endpoints.items():
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            self.socks[i] = s
+            self.poller.register(s, zmq.POLLIN)
+        self._ids = itertools.count(1)
+
+    def _what(self, header: dict) -> str:
+        op = header.get("op")
+        return f"update_weight({header['name']!r})" if op == "load" else f"{op} RPC"
+
+    def call(self, header: dict, data=None, *, timeout: float | None = None) -> dict[int, dict]:
+        """Send ``[header, data]`` to every worker, wait for every reply. Returns ``{worker:
+        reply}``; raises :class:`RpcError` naming the workers that replied with an error or did
+        not reply within ``timeout`` seconds."""
+        timeout = self.timeout if timeout is None else timeout
+        rid = next(self._ids)
+        header = dict(header, id=rid)
+        hb = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        what = self._what(header)
+        frames = [b"", hb] + ([data] if data is not None else [])
+        for i, s in self.socks.items():
+            try:
+                s.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                raise RpcError(f"{what}: cannot queue the request for inference worker {i} at {self.endpoints[i]} "
+                               f"(send buffer full: worker not consuming)") from None
+        pending, replies = set(self.socks), {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RpcError(f"{what}: no reply from inference worker(s) "
+                               + ", ".join(f"{i} at {self.endpoints[i]}" for i in sorted(pending))
+                               + f" within {timeout:.1f} s (worker dead or hung)")
+            ready = dict(self.poller.poll(left * 1000))
+            for i in sorted(pending):
+                if self.socks[i] not in ready:
+                    continue
+                while True:
+                    try:
+                        fr = self.socks[i].recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    rep = pickle.loads(fr[-1])
+                    if rep.get("id") == rid:  # replies to earlier, timed-out calls are dropped
+                        replies[i] = rep
+                        pending.discard(i)
+                        break
+        bad = {i: r for i, r in replies.items() if not r.get("ok")}
+        if bad:
+            raise RpcError(f"{what}: " + "; ".join(f"inference worker {i} at {self.endpoints[i]} replied with an error: "
+                                                   f"{r.get('error')}" for i, r in sorted(bad.items())))
+        return replies
+
+    def abort(self, reason: str, timeout: float = 2.0) -> None:
+        """Best effort: tell every worker to drop this update (ignores workers that are gone)."""
+        try:
+            self.call({"op": "abort", "reason": reason}, timeout=timeout)
+        except RpcError:
+            pass
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(linger=0)
+
+
+class RpcController(ControllerSide):
+    """Publishes the ordered parameter list, the landed byte count and the workers' endpoints."""
+
+    def setup(self, ctx) -> str:
+        entries, landed = publish_common(ctx)
+        endpoints = {i: desc["endpoint"] for i, (desc, _) in ctx.infer_payloads.items()}
+        control.put(ctx.store, KEY_ENDPOINTS, endpoints)
+        n = len(endpoints)
+        wire = sum(e.nbytes for e in entries) * n
+        return (f"rpc update_weight: {len(entries)} tensors x {n} worker(s) = {len(entries) * n} RPCs + finish over "
+                f"ZeroMQ; {landed / 1e9:.3f} GB lands, {wire / 1e9:.3f} GB on the wire; "
+                f"timeout {rpc_timeout(ctx.cfg):.0f} s per RPC")
+
+
+class RpcTrainer(TrainerSide):
+    """Every rank gathers; rank 0 issues one ``update_weight`` RPC per tensor to every worker."""
+
+    def setup(self, ctx) -> None:
+        self.ctx, self.rank = ctx, ctx.rank
+        self.client = None
+        self.entries = None
+        if self.rank == 0:
+            control.wait_keys(ctx.store, {0: KEY_ENDPOINTS}, timeout=max(ctx.cfg.timeout, 600.0), what="rpc endpoints")
+            eps = control.get(ctx.store, KEY_ENDPOINTS)
+            self.client = RpcClient(eps, timeout=rpc_timeout(ctx.cfg))
+            ctx.log(f"rpc: connected to {len(eps)} worker(s): {', '.join(eps.values())}")
+
+    def transfer(self, step: int) -> BaselineStats:
+        t0 = time.perf_counter()
+        if self.entries is None:
+            self.entries, self.landed = read_common(self.ctx.store, timeout=self.ctx.cfg.timeout)
+        st = BaselineStats(rank=self.rank)
+        error = None
+        for e, full in gather_to_rank0(self.ctx.params, self.entries, self.rank):
+            st.peak_temp_bytes = max(st.peak_temp_bytes, e.nbytes)
+            if self.rank != 0 or error is not None:
+                continue  # still take part in every full_tensor() collective
+            data = as_bytes(full)
+            try:
+                self.client.call({"op": "load", "name": e.name, "dtype": e.dtype, "shape": tuple(full.shape)},
+                                 memoryview(data.numpy()) if data.numel() else b"")
+            except RpcError as x:
+                error = x
+                continue
+            st.n_writes += len(self.client.socks)
+            st.wire_bytes += e.nbytes * len(self.client.socks)
+        if self.rank == 0:
+            if error is None:
+                try:
+                    self.client.call({"op": "finish", "step": step})
+                    st.n_writes += len(self.client.socks)
+                except RpcError as x:
+                    error = x
+            if error is not None:
+                self.client.abort(str(error))
+                raise error
+            st.wire_bytes += sum(e.nbytes for e in self.entries if e.lead != 0)
+            st.bytes_sent = self.landed
+        st.seconds = time.perf_counter() - t0
+        return st
+
+    def teardown(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def tensor_from_frame(frame, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor an ``update_weight`` request carries (a view of the message, no copy)."""
+    dt = torch_dtype(dtype)
+    if frame is None or len(frame.buffer) == 0:
+        return torch.empty(shape, dtype=dt)
+    with warnings.catch_warnings():  # the message buffer is read-only; load_weights only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+    return flat.view(dt).view(shape)
+
+
+class RpcInference(InferenceSide):
+    """Serves ``update_weight`` / ``finish`` / ``abort`` requests during each update."""
+
+    active = True
+
+    def setup(self, ctx):
+        self.ctx, self.engine = ctx, ctx.engine
+        self.server = RpcServer()
+        self.wait_timeout = max(float(ctx.cfg.timeout), 60.0)
+        ctx.log(f"rpc: serving update_weight at {self.server.endpoint}")
+        return ({"method": "rpc", "endpoint": self.server.endpoint, "worker": f"infer {ctx.rank}"},
+                ctx.engine.tensor_metas())
+
+    def _stop_reason(self):
+        store = self.ctx.store
+        if store.check(["abort"]):
+            return f"infer {self.ctx.rank}: trial aborted: {store.get('abort').decode()}"
+        if store.check(["shutdown"]):
+            return f"infer {self.ctx.rank}: trial shut down during an update"
+        return None
+
+    def receive(self, step: int) -> dict:
+        me = f"infer {self.ctx.rank}"
+        n_tensors, nbytes, first_error = 0, 0, None
+        while True:
+            header, frame = self.server.recv(self.wait_timeout, should_stop=self._stop_reason)
+            op, rid = header.get("op"), header.get("id")
+            if op == "load":
+                name = header["name"]
+                try:
+                    t = tensor_from_frame(frame, header["dtype"], tuple(header["shape"]))
+                    self.engine.load_weights([(name, t)])
+                    n_tensors += 1
+                    nbytes += t.nbytes
+                    self.server.reply({"ok": True, "id": rid})
+                except Exception as e:  # noqa: BLE001
+                    msg = f"{me}: load_weights({name!r}) failed: {type(e).__name__}: {e}"
+                    first_error = first_error or msg
+                    self.server.reply({"ok": False, "id": rid, "error": msg})
+            elif op == "finish":
+                try:
+                    if header.get("step") != step:
+                        raise RuntimeError(f"finish for step {header.get('step')}, this update is step {step}")
+                    if first_error:
+                        raise RuntimeError(f"earlier error: {first_error}")
+                    self.engine.process_weights_after_loading()
+                except Exception as e:  # noqa: BLE001
+                    msg = f"{me}: finish failed: {type(e).__name__}: {e}"
+                    self.server.reply({"ok": False, "id": rid, "error": msg})
+                    raise RuntimeError(msg) from e
+                self.server.reply({"ok": True, "id": rid})
+                return {"tensors": n_tensors, "bytes_received": nbytes}
+            elif op == "abort":
+                self.server.reply({"ok": True, "id": rid})
+                raise RuntimeError(f"{me}: update {step} aborted by training rank 0: {header.get('reason')}")
+            else:
+                self.server.reply({"ok": False, "id": rid, "error": f"{me}: unknown op {op!r}"})
+
+    def teardown(self) -> None:
+        self.server.close()

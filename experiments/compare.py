@@ -1,0 +1,125 @@
+"""The reference and the baselines side by side: one invocation, one model, one world.
+
+``python -m experiments run --method all [options]`` runs :data:`COMPARE_METHODS` one after
+another with the same :class:`~experiments.config.TrialConfig` (only ``method`` differs), each
+a full trial (fresh processes, warmup, timed updates, every update verified bit-exact), and
+prints one nccl-tests style table with a row per method; every update's tidy row is appended
+to the results CSV. Column definitions: docs/PERFORMANCE.md ("Comparison table").
+
+Example::
+
+    python -m experiments run --method all --override num_hidden_layers=2 --steps 3
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+
+from .report import append_csv, percentile, train_layout_text
+
+COMPARE_METHODS = ("reference", "rank0_funnel", "rpc")
+
+
+def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[str, object]]:
+    """Run one trial per method (``cfg`` with ``method`` replaced). Returns ``[(method, result)]``
+    where result is a TrialResult, or the exception that stopped that method's trial (the
+    others still run)."""
+    from reference.control import ControlError
+    from reference.mapping import PlanError
+
+    from .trial import run_trial
+
+    out = []
+    for m in methods:
+        mcfg = dataclasses.replace(cfg, method=m)
+        if progress:
+            progress(f"# {m}: starting {cfg.n_train} training + {cfg.n_infer} inference processes ...")
+        try:
+            res = run_trial(mcfg, progress=(lambda r, m=m: progress(
+                f"# {m} step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}")) if progress else None)
+        except (ValueError, PlanError, ControlError, RuntimeError) as e:
+            res = e
+        out.append((m, res))
+    return out
+
+
+def _summary(res) -> dict:
+    meas = [r for r in res.rows if not r["warmup"]] or res.rows
+    secs = [r["seconds"] for r in meas]
+    p50 = statistics.median(secs)
+    return {
+        "bytes": meas[0]["bytes"], "wire": meas[0].get("wire_bytes", meas[0]["bytes"]), "p50": p50,
+        "p99": percentile(secs, 99), "gbps": meas[0]["bytes"] / p50 / 1e9, "n": len(meas),
+        "ok": sum(1 for r in res.rows if r["verified"]), "all": len(res.rows),
+        "peak": max(r["peak_temp_bytes"] for r in res.rows),
+    }
+
+
+def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
+    """One table, a row per method (see module docstring)."""
+    first = next((r for _, r in runs if not isinstance(r, BaseException)), None)
+    env = first.env if first is not None else {}
+    mcfg = cfg.model_config()
+    lines = [
+        f"# weight-transfer comparison: {' vs '.join(m for m, _ in runs)} (same model, same worlds, one invocation)",
+        f"# host: {env.get('host', '?')}  cpus: {env.get('cpus', '?')}  torch: {env.get('torch', '?')}  "
+        f"python: {env.get('python', '?')}  git: {env.get('git_sha', '?')}",
+        f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
+        f"# training: {cfg.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train_dtype}",
+        f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype}); "
+        f"reference transport: {cfg.transport}",
+        f"# updates per method: {cfg.warmup} warmup + {cfg.steps} measured, every one verified",
+    ]
+    for m, r in runs:
+        lines.append(f"# plan[{m}]: " + (r.schedule_summary if not isinstance(r, BaseException) else "-"))
+    lines += [
+        "#",
+        f"{'method':>14} {'bytes':>13} {'wire_bytes':>13} {'p50':>9} {'p99':>9} {'algbw':>8} {'x_ref':>8} "
+        f"{'peak_tmp':>9} {'verified':>9}",
+        f"{'':>14} {'(B)':>13} {'(B)':>13} {'(s)':>9} {'(s)':>9} {'(GB/s)':>8} {'(slower)':>8} {'(MB)':>9} {'':>9}",
+    ]
+    sums = {m: _summary(r) for m, r in runs if not isinstance(r, BaseException)}
+    ref = sums.get("reference")
+    for m, r in runs:
+        if isinstance(r, BaseException):
+            msg = str(r).splitlines()[0] if str(r) else type(r).__name__
+            lines.append(f"{m:>14} FAILED: {type(r).__name__}: {msg}")
+            continue
+        s = sums[m]
+        x = f"{s['p50'] / ref['p50']:8.2f}" if ref else f"{'-':>8}"
+        lines.append(f"{m:>14} {s['bytes']:>13} {s['wire']:>13} {s['p50']:>9.4f} {s['p99']:>9.4f} {s['gbps']:>8.3f} "
+                     f"{x} {s['peak'] / 1e6:>9.1f} {str(s['ok']) + '/' + str(s['all']):>9}")
+    lines += [
+        "#",
+        "# bytes: landed in inference memory per update (sum over inference ranks of the engine's tensor bytes,",
+        "#        the same quantity for every method); wire_bytes: what the method moved between and inside the jobs",
+        "# x_ref = method p50 / reference p50: how many times slower than the reference (reference = 1.00)",
+    ]
+    if ref:
+        for m, s in sums.items():
+            if m != "reference":
+                lines.append(f"# {m} p50 / reference p50 = {s['p50']:.4f} s / {ref['p50']:.4f} s = "
+                             f"{s['p50'] / ref['p50']:.2f} (p99: {s['p99'] / ref['p99']:.2f}); > 1: the reference is faster")
+    if first is not None and first.memcpy_gbps:
+        lines.append(f"# memcpy on this machine (1 thread, 256 MiB): {first.memcpy_gbps:.2f} GB/s")
+    n_ok = sum(s["ok"] for s in sums.values())
+    n_all = sum(s["all"] for s in sums.values())
+    failed = [m for m, r in runs if isinstance(r, BaseException)]
+    good = n_ok == n_all and not failed
+    lines.append(f"# verified bit-exact against the engine's load_weights: {n_ok}/{n_all} updates over "
+                 f"{len(sums)} method(s)" + ("" if good else "  <-- FAILED" + (f" ({', '.join(failed)} did not run)" if failed else "")))
+    return "\n".join(lines)
+
+
+def run_all(cfg, *, results_path, methods=COMPARE_METHODS) -> int:
+    """The ``--method all`` command: run, print the table, append every row. Exit status 0
+    only if every method ran and every update verified."""
+    runs = run_compare(cfg, methods, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_comparison(cfg, runs))
+    rows = [row for _, r in runs if not isinstance(r, BaseException) for row in r.rows]
+    if rows:
+        print(f"# rows appended to {append_csv(rows, results_path)}")
+    ok = all(not isinstance(r, BaseException) and all(row["verified"] in (True, None) for row in r.rows)
+             for _, r in runs)
+    return 0 if ok else 1
