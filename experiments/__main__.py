@@ -6,6 +6,11 @@ Examples::
     python -m experiments run --model qwen3-30b-a3b --override num_hidden_layers=2 \\
         --override num_experts=16 --tp 2 --ep --quant fp8 --steps 3
     python -m experiments run --n-train 4 --tp 2 --dp 2 --train-dtype float32
+    python -m experiments run --method all --override num_hidden_layers=2 --steps 3   # reference vs baselines
+    python -m experiments run --watermark-mb 64 --offload --trace results/runs/trace   # pipeline options
+    python -m experiments run --serial                         # stage-serialized executor
+    python -m experiments sweep --list                         # named sweeps (docs/SWEEPS.md)
+    python -m experiments sweep qwen3_cpu_small --cluster local
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written.
@@ -35,33 +40,116 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one trial: controller + training world + inference world, verified")
-    run.add_argument("--model", default="qwen3-0.6b", help="catalog model (reference/configs/*.json)")
+    # Every option defaults to None = "as in the base config": the main job's embedded default
+    # (experiments.config.main_job_default) without --model, TrialConfig's defaults with it.
+    run.add_argument("--model", default=None,
+                     help="catalog model (reference/configs/*.json); default: the main job's (see README)")
     run.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                      help="HF-config override for a smaller variant (repeatable)")
-    run.add_argument("--method", default="reference", help="reference | rank0_funnel | rpc")
-    run.add_argument("--n-train", type=int, default=2, help="training ranks")
-    run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default="fsdp",
+    run.add_argument("--method", default=None, help="reference | rank0_funnel | rpc | all (the three side by side, one table)")
+    run.add_argument("--n-train", type=int, default=None, help="training ranks")
+    run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default=None,
                      help="fsdp: FSDP2 on a 1-D mesh; two_group: non-experts within node, experts across "
                           "nodes on --train-mesh; shard_shard: [Shard(0), Shard(0)] on --train-mesh")
-    run.add_argument("--train-mesh", default="", help="2-D training mesh for two_group / shard_shard, e.g. 2x2")
-    run.add_argument("--tp", type=int, default=2, help="inference tensor-parallel size")
-    run.add_argument("--dp", type=int, default=1, help="inference replicas (engine instances)")
-    run.add_argument("--ep", action="store_true", help="expert parallel over each instance's TP ranks")
-    run.add_argument("--quant", choices=["fp8"], default=None, help="serve block-FP8 e4m3 on the inference side")
-    run.add_argument("--train-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    run.add_argument("--transport", default="cma")
-    run.add_argument("--steps", type=int, default=5, help="measured updates")
-    run.add_argument("--warmup", type=int, default=1, help="updates before the measured ones")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--max-chunk-mb", type=float, default=64.0, help="split recipe outputs above this (MB)")
-    run.add_argument("--timeout", type=float, default=120.0, help="control-plane wait limit (s)")
+    run.add_argument("--train-mesh", default=None, help="2-D training mesh for two_group / shard_shard, e.g. 2x2")
+    run.add_argument("--tp", type=int, default=None, help="inference tensor-parallel size")
+    run.add_argument("--dp", type=int, default=None, help="inference replicas (engine instances)")
+    run.add_argument("--ep", action="store_true", default=None, help="expert parallel over each instance's TP ranks")
+    run.add_argument("--quant", choices=["fp8", "none"], default=None,
+                     help="fp8: serve block-FP8 e4m3 + weight_scale_inv; none: serve BF16")
+    run.add_argument("--train-dtype", choices=["bfloat16", "float32"], default=None)
+    run.add_argument("--transport", default=None, help="cma | nixl | verbs | cuda_ipc (docs/TRANSPORTS.md)")
+    run.add_argument("--steps", type=int, default=None, help="measured updates")
+    run.add_argument("--warmup", type=int, default=None, help="updates before the measured ones")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--max-chunk-mb", type=float, default=None, help="split recipe outputs above this (MB)")
+    run.add_argument("--timeout", type=float, default=None, help="control-plane wait limit (s)")
     run.add_argument("--no-verify", action="store_true", help="skip verification (not for results you report)")
+    run.add_argument("--serial", action="store_true",
+                     help="stage-serialized executor (every stage of a task before the next); default pipelined")
+    run.add_argument("--watermark-mb", type=float, default=None,
+                     help="bound temporary memory in flight per training rank (MiB); default unbounded")
+    run.add_argument("--offload", action="store_true",
+                     help="training shards live in host memory; the executor's h2d stage copies them in")
+    run.add_argument("--trace", default=None, metavar="DIR",
+                     help="save each update's timeline as a Chrome trace DIR/step{N}.json (Perfetto)")
     run.add_argument("--results", default=str(DEFAULT_RESULTS), help="CSV to append tidy rows to")
+    sim = sub.add_parser("simulate", help="at-scale prediction: real planner on synthesized metadata + cost model "
+                                          "(docs/SIMULATION.md)")
+    sim.add_argument("config", nargs="?", help="named simulation config (see --list)")
+    sim.add_argument("--list", action="store_true", help="list the simulation configs")
+    sim.add_argument("--no-csv", action="store_true", help="do not append rows to the CSV")
+    sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
+    sim.add_argument("--bench-planner", action="store_true", help="time plan() and its peak RSS in a subprocess")
+    sw = sub.add_parser("sweep", help="run a named sweep with submitit: one job per trial, its tasks the ranks "
+                                      "(docs/SWEEPS.md)")
+    sw.add_argument("name", nargs="?", help="sweep or named config (see --list)")
+    sw.add_argument("--list", action="store_true", help="list the sweeps and named configs")
+    sw.add_argument("--cluster", choices=["local", "slurm", "debug"], default="local",
+                    help="local: processes on this machine; slurm: sbatch; debug: in-process, one task")
+    sw.add_argument("--nodes", type=int, default=1, help="nodes per trial job")
+    sw.add_argument("--tasks-per-node", type=int, default=None,
+                    help="default: the trial's 1 + n_train + n_infer tasks over --nodes")
+    sw.add_argument("--gpus-per-node", type=int, default=0)
+    sw.add_argument("--cpus-per-task", type=int, default=None)
+    sw.add_argument("--partition", default=None, help="SLURM partition")
+    sw.add_argument("--time", type=int, default=30, help="time limit per trial job (minutes)")
+    sw.add_argument("--parallel", type=int, default=1, help="trial jobs in flight at once")
+    sw.add_argument("--single-task", action="store_true", help="one task per trial that spawns its ranks locally")
+    sw.add_argument("--slurm-extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra sbatch option, e.g. account=rl (repeatable)")
+    sw.add_argument("--folder", default=str(DEFAULT_RESULTS.parent / "jobs"), help="submitit job folder (logs)")
+    sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent), help="rows -> DIR/<sweep>.csv")
+    sw.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     return ap
+
+
+def config_from_args(args):
+    """The TrialConfig a ``run`` command line means: the main job's default
+    (:func:`experiments.config.main_job_default`) when ``--model`` is not given (``--override``
+    then adds to its overrides), else ``TrialConfig(model=...)``; every given option replaces
+    the base's value."""
+    import dataclasses
+
+    from .config import TrialConfig, main_job_default
+
+    base = main_job_default() if args.model is None else TrialConfig(model=args.model)
+    ch: dict = {}
+    if args.override:
+        ch["overrides"] = {**(base.overrides if args.model is None else {}), **dict(args.override)}
+    for field in ("method", "n_train", "train_layout", "tp", "dp", "ep", "train_dtype", "transport", "steps",
+                  "warmup", "seed", "timeout"):
+        if getattr(args, field) is not None:
+            ch[field] = getattr(args, field)
+    if args.train_mesh is not None:
+        ch["train_mesh"] = tuple(int(x) for x in args.train_mesh.lower().split("x")) if args.train_mesh else ()
+    if args.quant is not None:
+        ch["quant"] = None if args.quant == "none" else args.quant
+    if args.max_chunk_mb is not None:
+        ch["max_chunk_bytes"] = int(args.max_chunk_mb * (1 << 20))
+    if args.no_verify:
+        ch["verify"] = False
+    if args.serial:
+        ch["pipeline"] = False
+    if args.watermark_mb is not None:
+        ch["watermark"] = int(args.watermark_mb * (1 << 20))
+    if args.offload:
+        ch["offload"] = True
+    if args.trace:
+        ch["trace_dir"] = args.trace
+    return dataclasses.replace(base, **ch) if ch else base
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "simulate":
+        from .sim.run import main as simulate_main
+
+        return simulate_main(args)
+    if args.cmd == "sweep":
+        from .sweep import main as sweep_main
+
+        return sweep_main(args)
     from reference.control import ControlError
     from reference.mapping import PlanError
 
@@ -70,14 +158,12 @@ def main(argv=None) -> int:
     from .trial import run_trial
 
     try:
-        mesh = tuple(int(x) for x in args.train_mesh.lower().split("x")) if args.train_mesh else ()
-        cfg = TrialConfig(model=args.model, overrides=dict(args.override), n_train=args.n_train, tp=args.tp,
-                          method=args.method, train_layout=args.train_layout, train_mesh=mesh,
-                          dp=args.dp, ep=args.ep, quant=args.quant, train_dtype=args.train_dtype,
-                          transport=args.transport, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                          max_chunk_bytes=int(args.max_chunk_mb * (1 << 20)), timeout=args.timeout,
-                          verify=not args.no_verify)
+        cfg = config_from_args(args)
         cfg.model_config()
+        if cfg.method == "all":  # reference and baselines side by side (experiments/compare.py)
+            from .compare import run_all
+
+            return run_all(cfg, results_path=args.results)
         from .methods import get_method
 
         get_method(cfg.method)
@@ -92,6 +178,13 @@ def main(argv=None) -> int:
         return 2
     print(format_table(result))
     path = append_csv(result.rows, args.results)
+    if args.trace:
+        from reference.timeline import merge_step_traces
+
+        merged = merge_step_traces(args.trace, remove_parts=True)
+        if merged:
+            print(f"# timelines (Chrome trace, one per update): {merged[0].parent}/step*.json; "
+                  f"draw one with: python -m analysis.timeline {merged[-1]} -o timeline.png")
     print(f"# rows appended to {path}")
     return 0 if all(r["verified"] in (True, None) for r in result.rows) else 1
 
