@@ -90,7 +90,9 @@ class _Procs:
 
 
 def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
-    """Run one trial locally; raises PlanError / ControlError with a one-line cause first."""
+    """Run one trial locally; raises PlanError / ControlError with a one-line cause first.
+
+    = spawn every rank as a local OS process + :func:`run_controller` in this process."""
     env = environment()
     memcpy = measure_memcpy_gbps()
     store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.timeout)
@@ -104,8 +106,32 @@ def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
         procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr), name=f"infer{i}", daemon=True)
     for p in procs.all():
         p.start()
+    try:
+        result = run_controller(cfg, store, procs.dead_train, procs.dead_infer, progress=progress, env=env,
+                                memcpy_gbps=memcpy)
+    except BaseException:
+        for p in procs.all():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        raise
+    for p in procs.all():
+        p.join(timeout=30)
+        if p.is_alive():
+            p.terminate()
+    return result
+
+
+def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=None, *, progress=None,
+                   env: dict | None = None, memcpy_gbps: float | None = None) -> TrialResult:
+    """The controller's part of a trial, on its own: whoever started the ranks (this module's
+    :func:`run_trial`, a submitit job's tasks, SLURM) hands over the master ``store`` they
+    connect to. Collects metadata, plans once, drives warmup + measured updates, returns
+    the tidy rows. ``liveness_*`` return ``{rank: reason}`` for ranks known dead (None: rely
+    on the abort key and ``cfg.timeout``). Shuts the ranks down on success and on error."""
+    env = env if env is not None else environment()
     ctl = control.Controller(store, cfg.n_train, cfg.n_infer, timeout=cfg.timeout,
-                             liveness_train=procs.dead_train, liveness_infer=procs.dead_infer)
+                             liveness_train=liveness_train, liveness_infer=liveness_infer)
     run_id = uuid.uuid4().hex[:12]
     rows: list[dict] = []
     try:
@@ -126,9 +152,11 @@ def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
                 "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
                 "train_dtype": cfg.train_dtype, "n_train": cfg.n_train, "n_infer": cfg.n_infer,
-                "layout": cfg.layout.describe(), "watermark": None, "transport": cfg.transport, "step": step,
+                "layout": cfg.layout.describe(), "watermark": cfg.watermark, "transport": cfg.transport, "step": step,
                 "warmup": step <= cfg.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
+                "peak_alloc_bytes": max(getattr(s, "peak_alloc_bytes", 0) for s in stats),
+                "wire_bytes": sum(getattr(s, "wire_bytes", s.bytes_sent) for s in stats),
                 "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
             }
             if cfg.verify and not ok:
@@ -141,13 +169,58 @@ def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
         ctl.shutdown()
     except BaseException as e:
         ctl.shutdown(reason=f"controller: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        for p in procs.all():
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
         raise
-    for p in procs.all():
-        p.join(timeout=30)
-        if p.is_alive():
-            p.terminate()
-    return TrialResult(cfg, rows, summary, plan_s, memcpy, env)
+    return TrialResult(cfg, rows, summary, plan_s, memcpy_gbps, env)
+
+
+def world_size(cfg: TrialConfig) -> int:
+    """Tasks of one trial run as a job: the controller + every training and inference rank."""
+    return 1 + cfg.n_train + cfg.n_infer
+
+
+def task_role(cfg: TrialConfig, global_rank: int) -> tuple[str, int]:
+    """``("controller", 0)``, ``("train", r)`` or ``("infer", i)`` for task ``global_rank`` of
+    a trial job: task 0 is the controller, tasks ``1..n_train`` the training ranks, then the
+    inference ranks."""
+    if global_rank == 0:
+        return "controller", 0
+    if 1 <= global_rank <= cfg.n_train:
+        return "train", global_rank - 1
+    if global_rank < world_size(cfg):
+        return "infer", global_rank - 1 - cfg.n_train
+    raise ValueError(f"task {global_rank}: a trial with n_train={cfg.n_train}, n_infer={cfg.n_infer} "
+                     f"has {world_size(cfg)} tasks (controller + ranks)")
+
+
+def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: int, *, publish=None,
+             progress=None) -> TrialResult | None:
+    """One task of a trial run as a job (submitit local executor, SLURM): see :func:`task_role`.
+
+    The controller hosts the TCPStore on ``(store_host, store_port)`` (``0``: a free port;
+    ``publish(host, port)`` is then called so the other tasks can find it) and returns the
+    TrialResult; the ranks connect to it and return None. No process handles exist across
+    tasks, so a dead rank is seen through the abort key its setup writes, or ``cfg.timeout``."""
+    role, rank = task_role(cfg, global_rank)
+    if role == "controller":
+        env = environment()
+        memcpy = measure_memcpy_gbps()
+        store = control.make_store(store_host, store_port, is_master=True, timeout=cfg.timeout)
+        if publish is not None:
+            publish(store_host, store.port)
+        try:
+            return run_controller(cfg, store, progress=progress, env=env, memcpy_gbps=memcpy)
+        finally:  # the store lives in this task: keep it up until every rank has let go of it
+            try:
+                control.wait_keys(store, {g: f"task_exit/{g}" for g in range(1, world_size(cfg))},
+                                  timeout=min(cfg.timeout, 60.0), what="ranks exiting")
+            except control.ControlError:
+                pass
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port))
+    finally:
+        try:
+            control.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")
+        except Exception:  # noqa: BLE001  (the controller is gone already)
+            pass
+    return None

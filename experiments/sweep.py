@@ -1,0 +1,398 @@
+"""Sweeps with submitit: one trial = one job whose tasks are the trial's ranks.
+
+    python -m experiments sweep --list
+    python -m experiments sweep qwen3_cpu_small --cluster local            # this box
+    python -m experiments sweep qwen3_8b_h100_world --cluster slurm --partition gpu \\
+        --nodes 2 --tasks-per-node 9 --gpus-per-node 8 --time 30           # a cluster
+    python -m experiments sweep ci_cpu_regression --cluster debug          # in-process (tests, pdb)
+
+A trial job has ``1 + n_train + n_infer`` tasks (:func:`experiments.trial.task_role`): task 0
+is the controller, which hosts the TCPStore on its node on a free port and publishes
+``host:port`` in ``<folder>/<job id>/store.json`` (the job folder is shared by every task:
+submitit itself needs that); tasks ``1..n_train`` are the training ranks, then the inference
+ranks, each connecting to that address; when ``nodes x tasks_per_node`` rounds the task count
+up (17 tasks on 2 nodes x 9), the surplus tasks exit at once. The same function runs under the local executor and
+under SLURM; submitit's ``JobEnvironment`` gives the global rank, the task count and the nodes.
+A job with a single task (the debug executor, or ``--single-task``) runs the whole trial in it
+with :func:`experiments.trial.run_trial` (ranks spawned as local processes).
+
+Results: every trial's rows, plus ``trial_key`` (hash of the config), ``sweep``, ``job_id``,
+``cluster`` and the executor options, are appended to ``results/<sweep>.csv``. A rerun skips
+trials whose key is already there. A failed trial prints its log path and the sweep goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import TrialConfig
+from .configs import Sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "results"
+JOBS_DIR = ROOT / "results" / "runs" / "jobs"
+"""submitit job folders (pickles, logs, store addresses); git-ignored."""
+
+KEY_EXCLUDE = ("timeout", "trace_dir")
+"""Config fields that do not change what a trial measures, left out of its key."""
+
+
+def trial_key(cfg: TrialConfig) -> str:
+    """12 hex digits identifying what a trial measures: a hash of its config (all fields but
+    :data:`KEY_EXCLUDE`, canonical JSON). Stored in the ``trial_key`` column."""
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in KEY_EXCLUDE}
+    blob = json.dumps(d, sort_keys=True, default=list)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def describe(cfg: TrialConfig) -> str:
+    """One short line naming a trial: method, model, world, options."""
+    ov = ",".join(f"{k}={v}" for k, v in cfg.overrides.items())
+    extra = "" if cfg.watermark is None else f" wm={cfg.watermark >> 20}MiB"
+    return f"{cfg.method} {cfg.model}[{ov}] {cfg.n_train}->{cfg.layout.describe()}{extra}"
+
+
+def done_keys(csv: Path) -> set[str]:
+    """Trial keys already present in a results CSV."""
+    if not csv.exists() or csv.stat().st_size == 0:
+        return set()
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    return set(df["trial_key"].dropna().astype(str)) if "trial_key" in df else set()
+
+
+# ---------------------------------------------------------------- inside a job
+
+
+def task_env(cfg: TrialConfig, job_env) -> dict:
+    """What task ``job_env.global_rank`` of a trial job is: role and rank (controller, training
+    or inference), the job's shape and nodes. ``job_env`` is submitit's JobEnvironment (or
+    anything with its attributes). Raises ValueError if the job has the wrong task count."""
+    from .trial import task_role, world_size
+
+    n = job_env.num_tasks
+    if n != 1 and n < world_size(cfg):
+        raise ValueError(f"job {job_env.job_id} has {n} tasks; this trial needs 1 (local spawn) or at least "
+                         f"{world_size(cfg)} (controller + {cfg.n_train} training + {cfg.n_infer} inference)")
+    if n == 1:
+        role, rank = "trial", 0
+    elif job_env.global_rank >= world_size(cfg):  # nodes x tasks_per_node rounded the task count up
+        role, rank = "idle", 0
+    else:
+        role, rank = task_role(cfg, job_env.global_rank)
+    return {"job_id": str(job_env.job_id), "global_rank": job_env.global_rank, "num_tasks": n,
+            "role": role, "rank": rank, "node": job_env.node, "num_nodes": job_env.num_nodes,
+            "local_rank": job_env.local_rank, "hostnames": list(job_env.hostnames),
+            "hostname": job_env.hostname}
+
+
+def store_file(folder: str | Path, job_id: str) -> Path:
+    """Where task 0 publishes the store address: ``<folder>/<job id>/store.json``, beside the
+    job's own submitit files."""
+    return Path(folder) / str(job_id) / "store.json"
+
+
+def publish_store(path: Path, host: str, port: int) -> None:
+    """Atomically write the controller's store address for the job's other tasks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"host": host, "port": port}))
+    tmp.replace(path)
+
+
+def read_store(path: Path, timeout: float, poll: float = 0.1) -> tuple[str, int]:
+    """Wait (up to ``timeout`` s) for the controller to publish its store address."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if path.exists():
+            d = json.loads(path.read_text())
+            return d["host"], int(d["port"])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no store address in {path} after {timeout:.0f} s: did task 0 (controller) start?")
+        time.sleep(poll)
+
+
+def trial_job(cfg: TrialConfig, folder: str):
+    """The function every task of a trial job runs (pickled by submitit). Task 0 returns the
+    TrialResult, the others None."""
+    import submitit
+
+    from .trial import run_task, run_trial
+
+    te = task_env(cfg, submitit.JobEnvironment())
+    print(f"[task {te['global_rank']}] {te['role']} {te['rank']} on {te['hostname']} "
+          f"(job {te['job_id']}, {te['num_tasks']} tasks on {te['num_nodes']} node(s))", file=sys.stderr, flush=True)
+    if te["role"] == "trial":
+        return run_trial(cfg)
+    if te["role"] == "idle":
+        return None
+    path = store_file(folder, te["job_id"])
+    if te["role"] == "controller":
+        host = "127.0.0.1" if te["num_nodes"] == 1 else socket.gethostname()
+        return run_task(cfg, 0, host, 0, publish=lambda h, p: publish_store(path, h, p))
+    host, port = read_store(path, timeout=max(cfg.timeout, 300.0))
+    return run_task(cfg, te["global_rank"], host, port)
+
+
+def _debug_trial_job(cfg: TrialConfig, folder: str):
+    """Debug executor: exceptions are returned, not raised (submitit's DebugJob would open pdb)."""
+    try:
+        return trial_job(cfg, folder)
+    except Exception as e:  # noqa: BLE001
+        return _Failure(f"{type(e).__name__}: {e}", traceback.format_exc())
+
+
+@dataclass
+class _Failure:
+    error: str
+    traceback: str
+
+
+# ---------------------------------------------------------------- submitting
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchOptions:
+    """How each trial job is placed (``python -m experiments sweep`` options)."""
+
+    cluster: str = "local"
+    """``local`` (processes on this machine), ``slurm``, or ``debug`` (in-process, one task)."""
+    folder: Path = JOBS_DIR
+    """submitit folder: job pickles, logs (``%j_%t_log.out/err``), store addresses."""
+    nodes: int = 1
+    """Nodes per trial job."""
+    tasks_per_node: int | None = None
+    """Tasks per node; default: the trial's ``1 + n_train + n_infer`` over ``nodes``."""
+    gpus_per_node: int = 0
+    """GPUs per node (SLURM ``--gpus-per-node``)."""
+    cpus_per_task: int | None = None
+    """CPUs per task (SLURM ``--cpus-per-task``)."""
+    partition: str | None = None
+    """SLURM partition."""
+    time_min: int = 30
+    """Time limit per trial job (minutes)."""
+    parallel: int = 1
+    """Trial jobs in flight at once (1 on a small box; more on a cluster)."""
+    single_task: bool = False
+    """Run each trial as one task that spawns its ranks locally (like the debug executor)."""
+    slurm_extra: dict = field(default_factory=dict)
+    """Extra sbatch options, e.g. ``{"account": "rl", "qos": "high"}``."""
+
+    def __post_init__(self):
+        if self.cluster not in ("local", "slurm", "debug"):
+            raise ValueError(f"cluster={self.cluster!r}: local, slurm or debug")
+        if self.cluster == "local" and self.nodes != 1:
+            raise ValueError("the local executor runs on one node: --nodes 1")
+        if self.nodes < 1 or self.parallel < 1:
+            raise ValueError("nodes and parallel must be >= 1")
+
+
+def executor_parameters(cfg: TrialConfig, opt: LaunchOptions) -> dict:
+    """submitit AutoExecutor parameters for ``cfg``'s job (generic names; ``slurm_*`` ones only
+    for SLURM). Raises ValueError if the tasks do not fit ``nodes x tasks_per_node`` exactly."""
+    from .trial import world_size
+
+    n = 1 if (opt.single_task or opt.cluster == "debug") else world_size(cfg)
+    tpn = opt.tasks_per_node or -(-n // opt.nodes)
+    if n > 1 and not (opt.nodes * tpn >= n > (opt.nodes - 1) * tpn):
+        raise ValueError(f"trial needs {n} tasks (controller + {cfg.n_train} training + {cfg.n_infer} inference); "
+                         f"--nodes {opt.nodes} x --tasks-per-node {tpn} = {opt.nodes * tpn} "
+                         f"(surplus tasks idle, but every node must run one of the trial's tasks)")
+    p = {"name": f"wt-{cfg.method}-{trial_key(cfg)}", "timeout_min": opt.time_min, "nodes": opt.nodes,
+         "tasks_per_node": tpn}
+    if opt.gpus_per_node:
+        p["gpus_per_node"] = opt.gpus_per_node
+    if opt.cpus_per_task:
+        p["cpus_per_task"] = opt.cpus_per_task
+    if opt.cluster == "slurm":
+        if opt.partition:
+            p["slurm_partition"] = opt.partition
+        if opt.slurm_extra:
+            p["slurm_additional_parameters"] = dict(opt.slurm_extra)
+    return p
+
+
+def make_executor(cfg: TrialConfig, opt: LaunchOptions):
+    """A submitit AutoExecutor for ``cfg``'s job (its parameters set)."""
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=str(opt.folder / "%j"), cluster=opt.cluster)
+    ex.update_parameters(**executor_parameters(cfg, opt))
+    return ex
+
+
+@dataclass
+class TrialOutcome:
+    cfg: TrialConfig
+    key: str
+    job_id: str = ""
+    rows: list = field(default_factory=list)
+    error: str = ""
+    log: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(r.get("verified") in (True, None) for r in self.rows)
+
+
+@dataclass
+class SweepSummary:
+    sweep: str
+    csv: Path
+    total: int
+    skipped: int = 0
+    outcomes: list[TrialOutcome] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[TrialOutcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+def _collect(job, cfg, key, opt, sweep_name, t0) -> TrialOutcome:
+    out = TrialOutcome(cfg=cfg, key=key, job_id=str(job.job_id), seconds=time.monotonic() - t0)
+    try:
+        out.log = str(job.paths.stderr)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        res = job.results()[0]
+    except Exception as e:  # noqa: BLE001  (FailedJobError carries the task's traceback)
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        out.error = lines[-1] if lines else type(e).__name__
+        return out
+    if isinstance(res, _Failure):
+        out.error = res.error.splitlines()[0] if res.error else "failed"
+        return out
+    if res is None:
+        out.error = "task 0 returned no result"
+        return out
+    extra = {"trial_key": key, "sweep": sweep_name, "job_id": out.job_id, "cluster": opt.cluster,
+             "train_layout": cfg.train_layout, "pipeline": cfg.pipeline, "offload": cfg.offload,
+             "memcpy_gbps": res.memcpy_gbps}
+    out.rows = [{**row, **extra} for row in res.rows]
+    if not all(r.get("verified") in (True, None) for r in out.rows):
+        out.error = "verification failed: " + "; ".join(r.get("verify_error", "") for r in out.rows
+                                                        if r.get("verified") is False)[:200]
+    return out
+
+
+def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Path = RESULTS_DIR,
+              progress: bool = True, console=None, poll: float = 0.5) -> SweepSummary:
+    """Run every trial of ``sweep`` not yet in ``results_dir/<sweep>.csv``, ``opt.parallel`` jobs
+    at a time, with a rich progress bar (trials done / failed, elapsed). Rows are appended as
+    each trial finishes, so an interrupted sweep keeps what it measured."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .report import append_csv
+
+    opt = opt or LaunchOptions()
+    console = console or Console(stderr=True)
+    csv = Path(results_dir) / f"{sweep.name}.csv"
+    have = done_keys(csv)
+    pending, seen = [], set()
+    for cfg in sweep.trials:
+        k = trial_key(cfg)
+        if k not in have and k not in seen:
+            pending.append((cfg, k))
+        seen.add(k)
+    summary = SweepSummary(sweep=sweep.name, csv=csv, total=len(seen), skipped=len(seen) - len(pending))
+    for cfg, _ in pending:  # refuse a bad placement before anything runs
+        executor_parameters(cfg, opt)
+    fn = _debug_trial_job if opt.cluster == "debug" else trial_job
+    if opt.cluster in ("local", "slurm"):  # tasks import this project (sbatch exports the environment)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    t_start = time.monotonic()
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("done [green]{task.fields[done]}[/] failed [red]{task.fields[failed]}[/] "
+                          "skipped {task.fields[skipped]}"), TimeElapsedColumn(), TextColumn("{task.fields[now]}")]
+    with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
+        tid = bar.add_task(sweep.name, total=summary.total, completed=summary.skipped, done=0, failed=0,
+                           skipped=summary.skipped, now="")
+        running: list = []
+        while pending or running:
+            while pending and len(running) < opt.parallel:
+                cfg, k = pending.pop(0)
+                bar.update(tid, now=describe(cfg))
+                job = make_executor(cfg, opt).submit(fn, cfg, str(opt.folder))
+                running.append((job, cfg, k, time.monotonic()))
+            still = []
+            for job, cfg, k, t0 in running:
+                if not job.done():
+                    still.append((job, cfg, k, t0))
+                    continue
+                out = _collect(job, cfg, k, opt, sweep.name, t0)
+                summary.outcomes.append(out)
+                if out.rows:
+                    append_csv(out.rows, csv)
+                if out.ok:
+                    bar.console.print(f"[green]ok[/]     {describe(cfg)}  ({out.seconds:.0f} s, job {out.job_id})")
+                else:
+                    bar.console.print(f"[red]FAILED[/] {describe(cfg)}: {out.error}\n       log: {out.log}")
+                bar.update(tid, advance=1, done=sum(o.ok for o in summary.outcomes),
+                           failed=len(summary.failed))
+            running = still
+            if running:
+                time.sleep(poll)
+        bar.update(tid, now="")
+    summary.seconds = time.monotonic() - t_start
+    return summary
+
+
+def format_summary(s: SweepSummary) -> str:
+    ok = len(s.outcomes) - len(s.failed)
+    lines = [f"# sweep {s.sweep}: {s.total} trials: {ok} ran ok, {len(s.failed)} failed, {s.skipped} skipped "
+             f"(already in {s.csv}); {s.seconds:.0f} s"]
+    for o in s.failed:
+        lines.append(f"#   FAILED {describe(o.cfg)} [{o.key}]: {o.error}; log: {o.log}")
+    return "\n".join(lines)
+
+
+def list_text() -> str:
+    from .configs import CONFIGS, SWEEPS
+
+    lines = ["# sweeps (python -m experiments sweep NAME)", f"{'name':<28} {'trials':>6}  description"]
+    for name, f in SWEEPS.items():
+        sw = f()
+        lines.append(f"{name:<28} {len(sw):>6}  {sw.description}")
+    lines += ["#", "# single-trial configs (also accepted as NAME)"]
+    for name, f in CONFIGS.items():
+        lines.append(f"{name:<28} {1:>6}  {f.__doc__.strip().splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """``python -m experiments sweep`` (arguments parsed in experiments/__main__.py)."""
+    from .configs import get_sweep
+
+    if args.list or not args.name:
+        print(list_text())
+        return 0
+    try:
+        sweep = get_sweep(args.name)
+        extra = dict(kv.split("=", 1) for kv in args.slurm_extra)
+        opt = LaunchOptions(cluster=args.cluster, folder=Path(args.folder), nodes=args.nodes,
+                            tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+                            cpus_per_task=args.cpus_per_task, partition=args.partition, time_min=args.time,
+                            parallel=args.parallel, single_task=args.single_task, slurm_extra=extra)
+        for cfg in sweep.trials:
+            executor_parameters(cfg, opt)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"# sweep {sweep.name}: {len(sweep)} trials on cluster={opt.cluster}; rows -> "
+          f"{Path(args.results_dir) / (sweep.name + '.csv')}; job logs in {opt.folder}", file=sys.stderr)
+    summary = run_sweep(sweep, opt, results_dir=Path(args.results_dir), progress=not args.no_progress)
+    print(format_summary(summary))
+    return 0 if not summary.failed else 1
