@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-chunk-mb", type=float, default=None, help="split recipe outputs above this (MB)")
     run.add_argument("--timeout", type=float, default=None, help="control-plane wait limit (s)")
     run.add_argument("--no-verify", action="store_true", help="skip verification (not for results you report)")
+    run.add_argument("--gather-all", action="store_true",
+                     help="full_tensor() every source, also for plain copies (default: copies are written "
+                          "from the ranks' own shards)")
     run.add_argument("--serial", action="store_true",
                      help="stage-serialized executor (every stage of a task before the next); default pipelined")
     run.add_argument("--watermark-mb", type=float, default=None,
@@ -129,6 +132,8 @@ def config_from_args(args):
         ch["max_chunk_bytes"] = int(args.max_chunk_mb * (1 << 20))
     if args.no_verify:
         ch["verify"] = False
+    if args.gather_all:
+        ch["local_writes"] = False
     if args.serial:
         ch["pipeline"] = False
     if args.watermark_mb is not None:

@@ -47,6 +47,10 @@ class TrialConfig:
     warmup: int = 1
     """Updates before the measured ones (verified, not timed)."""
     seed: int = 0
+    local_writes: bool = True
+    """Copy recipes (no fusion across shards, no quantization) are cut at shard boundaries and
+    written by the ranks that already hold the rows, from ``to_local()``, with no
+    ``full_tensor()``; False gathers every task's sources first (the published design)."""
     max_chunk_bytes: int = 64 << 20
     """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
     timeout: float = 120.0

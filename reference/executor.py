@@ -162,11 +162,15 @@ def peak_in_flight(intervals) -> int:
 
 
 def gather_sources(task: Task, params: dict[str, DTensor]) -> dict[str, torch.Tensor]:
-    """``full_tensor()`` of every source of ``task``, in the task's order (collective)."""
+    """``full_tensor()`` of every source of ``task``, in the task's order (collective); the
+    rank's own shard (``to_local()``, no communication) of every local source."""
     out = {}
     for name in task.sources:
         p = params[name]
         out[name] = p.full_tensor() if isinstance(p, DTensor) else p
+    for name in getattr(task, "local_sources", ()):
+        p = params[name]
+        out[name] = p.to_local() if isinstance(p, DTensor) else p
     return out
 
 
@@ -397,7 +401,7 @@ class Executor:
         t0 = time.perf_counter()
         n = 0
         copies = []
-        for name in w.task.sources:
+        for name in w.task.sources + getattr(w.task, "local_sources", ()):
             host = self.host.get(name)
             p = self.params.get(name)
             if host is None or p is None:
@@ -437,7 +441,7 @@ class Executor:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             w.ready_event = ev
-        gathered = [t for n, t in full.items() if isinstance(self.params.get(n), DTensor)]
+        gathered = [full[n] for n in task.sources if isinstance(self.params.get(n), DTensor)]
         w.rec.alloc_bytes = _unique_nbytes(gathered + [o for os_ in outs for o in os_])
         w.full, w.outputs = full, outs
         t1 = time.perf_counter()

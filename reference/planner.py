@@ -28,8 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .mapping import PlanError, RecipeSet, fusion_groups, validate
-from .transforms import split_recipe
-from .types import (DestTensorMeta, ParamMeta, Recipe, box_flat_range, box_numel, itemsize, numel)
+from .transforms import split_dim, split_recipe, split_recipe_bands
+from .types import (DestTensorMeta, ParamMeta, Piece, Recipe, box_flat_range, box_numel, itemsize, numel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,9 @@ class Task:
     assignments: tuple[Assignment, ...]
     source_bytes: int
     temp_bytes: int
+    local_sources: tuple[str, ...] = ()
+    """A *local* task (no ``sources``): its recipes read only this rank's own shards
+    (``to_local()``, piece boxes already in local coordinates); no collective, no gather."""
 
     @property
     def send_bytes(self) -> int:
@@ -223,8 +226,104 @@ def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[Recipe]:
     return split_recipe(recipe, max_rows)
 
 
+_ROW_PLACEMENTS = frozenset({"Shard(dim=0)", "Replicate()"})
+
+
+def _owners(train_metas: dict[int, list[ParamMeta]], sources: dict[str, ParamMeta]) -> dict[str, list[tuple[int, int, int]]]:
+    """name -> [(first row, end row, rank)] of the non-empty shards, for parameters whose
+    placements only cut dim 0 (``Shard(0)`` / ``Replicate``: a shard is a row range)."""
+    ok = {n for n, m in sources.items() if set(m.placements) <= _ROW_PLACEMENTS and m.global_shape}
+    out: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for r, ms in train_metas.items():
+        for m in ms:
+            if m.name in ok and m.local_shape and m.local_shape[0] > 0 and all(m.local_shape):
+                a = m.local_offset[0]
+                out[m.name].append((a, a + m.local_shape[0], r))
+    return out
+
+
+def _localize(group: list[Recipe], owners, mesh: tuple[int, ...]):
+    """Cut the copy recipes of a fusion group at shard boundaries so every band reads rows
+    that one rank already holds. Returns [(band recipe, candidate senders)] or None when the
+    group needs the gather (a transform other than copy, a placement that cuts columns, or a
+    band whose pieces no single rank holds)."""
+    out = []
+    for rec in group:
+        if rec.transform != "copy":
+            return None
+        d = split_dim(rec)
+        n = rec.shape[d] if rec.shape else 1
+        cuts = {0, n}
+        for p in rec.pieces:
+            if p.source is None:
+                continue
+            k = len(p.dst_box) - len(p.src_box)
+            if p.source not in owners or k < 0 or d - k != 0:
+                return None
+            (sa, sb), (da, db) = p.src_box[0], p.dst_box[d]
+            if sb - sa != db - da:
+                return None
+            cuts.update((da, db))
+            cuts.update(da + x - sa for oa, ob, _ in owners[p.source] for x in (oa, ob) if sa < x < sb)
+        cuts = sorted(c for c in cuts if 0 <= c <= n)
+        bands = list(zip(cuts, cuts[1:]))
+        parts = split_recipe_bands(rec, bands) if len(bands) > 1 else [rec]
+        for part in parts:
+            cand = set(mesh)
+            for p in part.pieces:
+                if p.source is None:
+                    continue
+                sa, sb = p.src_box[0]
+                cand &= {r for oa, ob, r in owners[p.source] if oa <= sa and sb <= ob}
+            if not cand:
+                return None
+            out.append((part, tuple(sorted(cand))))
+    return out
+
+
+def _rebase(rec: Recipe, offsets: dict[str, int]) -> Recipe:
+    """``rec`` with every piece's source rows shifted into the sender's local shard."""
+    pieces = tuple(p if p.source is None else
+                   Piece(p.source, ((p.src_box[0][0] - offsets[p.source], p.src_box[0][1] - offsets[p.source]),)
+                         + tuple(p.src_box[1:]), p.dst_box) for p in rec.pieces)
+    return Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, pieces, rec.transform, rec.outputs)
+
+
+def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off, n_slots) -> None:
+    """Assign a local task's writes: each (band, receiver) to the least-loaded rank among those
+    holding the band's rows (ties: fewest bytes to that receiver, lowest rank); recipes are
+    rebased into the sender's local coordinates."""
+    mine: dict[int, dict[int, list[WriteSpec]]] = defaultdict(dict)
+    items = sorted((-rec.output_nbytes, ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    for negb, ri, dst in items:
+        nbytes = -negb
+        pl = pair.get(dst)
+        if pl is None:
+            pl = pair[dst] = [0] * n_slots
+        sender = min(cands[ri], key=lambda r: (send[r], pl[r], r))
+        send[sender] += nbytes
+        pl[sender] += nbytes
+        recv[dst] += nbytes
+        ws = mine[sender].setdefault(ri, [])
+        rec = recs[ri]
+        for oi, out in enumerate(rec.outputs):
+            d = by_rank[dst][out.tensor]
+            isz = itemsize(out.dtype)
+            fa, fb = box_flat_range(out.box, d.shape)
+            ws.append(_write_spec(oi, dst, d.offset + fa * isz, (fb - fa) * isz))
+    for r in sorted(mine):
+        assigns = []
+        for ri in sorted(mine[r]):
+            rec = recs[ri]
+            offs = {p.source: local_off[(p.source, r)] for p in rec.pieces if p.source is not None}
+            assigns.append(Assignment(_rebase(rec, offs), tuple(mine[r][ri])))
+        used = tuple(dict.fromkeys(p.source for a in assigns for p in a.recipe.pieces if p.source is not None))
+        out_bytes = sum(a.recipe.output_nbytes for a in assigns)
+        per_rank[r].append(Task(tid, group, (), tuple(mesh), tuple(assigns), 0, out_bytes, used))
+
+
 def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-         *, max_chunk_bytes: int = 64 << 20) -> Schedule:
+         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True) -> Schedule:
     """Compute the static schedule (see module docstring).
 
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
@@ -236,14 +335,14 @@ def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas
     was = gc.isenabled()
     gc.disable()
     try:
-        return _plan(recipes, train_metas, dest_metas, max_chunk_bytes=max_chunk_bytes)
+        return _plan(recipes, train_metas, dest_metas, max_chunk_bytes=max_chunk_bytes, local_writes=local_writes)
     finally:
         if was:
             gc.enable()
 
 
 def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-         *, max_chunk_bytes: int = 64 << 20) -> Schedule:
+          *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True) -> Schedule:
     """Compute the static schedule (see module docstring).
 
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
@@ -255,6 +354,9 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
 
     groups = fusion_groups(recipes.recipes)
     order = {n: i for i, n in enumerate(sources)}
+    owners = _owners(train_metas, sources) if local_writes else {}
+    local_off = {(m.name, r): m.local_offset[0] for r, ms in train_metas.items() for m in ms
+                 if m.name in owners and m.local_offset}
     flat_of: dict[tuple, tuple[int, ...]] = {}
 
     def mesh_flat(name: str) -> tuple[int, ...]:
@@ -271,13 +373,18 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
         if len(meshes) > 1:
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
-        task_defs.append((srcs, mesh, [c for r in g for c in _split_big(r, max_chunk_bytes)]))
+        loc = _localize(g, owners, mesh) if local_writes and srcs else None
+        if loc is None:
+            task_defs.append((srcs, mesh, [c for r in g for c in _split_big(r, max_chunk_bytes)], None))
+        else:
+            parts = [(c, cand) for r, cand in loc for c in _split_big(r, max_chunk_bytes)]
+            task_defs.append((srcs, mesh, [c for c, _ in parts], [cand for _, cand in parts]))
 
-    gid = mesh_groups([m for _, m, _ in task_defs])
+    gid = mesh_groups([t[1] for t in task_defs])
     task_defs.sort(key=lambda t: (gid[t[1]], order[t[0][0]] if t[0] else -1))
 
     send = defaultdict(int, {r: 0 for r in train_metas})
-    n_slots = 1 + max([r for r in train_metas] + [r for _, m, _ in task_defs for r in m], default=0)
+    n_slots = 1 + max([r for r in train_metas] + [r for t in task_defs for r in t[1]], default=0)
     pair: dict[int, list[int]] = {}
     """dst -> bytes each training rank sends to it (a list indexed by training rank)"""
     by_rank: dict[int, dict[str, DestTensorMeta]] = defaultdict(dict)
@@ -286,7 +393,10 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
     recv = defaultdict(int, {r: 0 for r in dest_metas})
     per_rank: dict[int, list[Task]] = {r: [] for r in train_metas}
     isz_of: dict[str, int] = {}
-    for tid, (srcs, mesh, recs) in enumerate(task_defs):
+    for tid, (srcs, mesh, recs, cands) in enumerate(task_defs):
+        if cands is not None:
+            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off, n_slots)
+            continue
         src_bytes = sum(numel(sources[s].global_shape) * itemsize(sources[s].dtype) for s in srcs)
         mine: dict[int, dict[int, list[WriteSpec]]] = {r: {} for r in mesh}
         items = []

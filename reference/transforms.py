@@ -14,6 +14,8 @@ flat memory (C9). A piece with ``source=None`` is zero fill.
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -42,6 +44,14 @@ def assemble(
     """
     dt = torch_dtype(recipe.assembled_dtype)
     shape = tuple(recipe.shape)
+    if out is None and len(recipe.pieces) == 1 and recipe.pieces[0].source is not None:
+        # zero copy: the recipe is one contiguous slice of one source in the right dtype (a row
+        # band of an embedding, a norm): hand out the view, the write reads the source directly
+        p = recipe.pieces[0]
+        if p.dst_box == tuple((0, n) for n in shape):
+            v = get_source(p.source)[_slices(p.src_box)]
+            if v.dtype == dt and v.is_contiguous() and v.numel() == math.prod(shape):
+                return v.view(shape)
     if out is None:
         dev = None
         for p in recipe.pieces:
@@ -133,9 +143,30 @@ def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
         step = max(128, (max_rows // 128) * 128)
     if n <= step:
         return [recipe]
+    return split_recipe_bands(recipe, [(a, min(n, a + step)) for a in range(0, n, step)])
+
+
+def split_dim(recipe: Recipe) -> int:
+    """The assembled dimension recipes are cut along: the first one of extent > 1."""
+    d = 0
+    while d < len(recipe.shape) - 1 and recipe.shape[d] == 1:
+        d += 1
+    return d
+
+
+def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Recipe]:
+    """Cut ``recipe`` into the given row bands ``[a, b)`` of :func:`split_dim` (they must tile
+    it; for ``"fp8_block"`` along a quantized dim, every cut a multiple of 128). Pieces are
+    clipped and re-based, output boxes shifted; names get a ``#rows a:b`` suffix."""
+    shape = recipe.shape
+    nd = len(shape)
+    d = split_dim(recipe)
+    quant = recipe.transform == "fp8_block"
+    block_dim = quant and d >= nd - 2
     parts = []
-    for a in range(0, n, step):
-        b = min(n, a + step)
+    for a, b in bands:
+        if block_dim and (a % 128 or (b % 128 and b != shape[d])):
+            raise ValueError(f"split {recipe.name!r}: band {a}:{b} cuts a 128x128 quantization block")
         pieces = tuple(q for q in (_clip_piece(p, d, a, b) for p in recipe.pieces) if q is not None)
         new_shape = tuple(shape[:d]) + (b - a,) + tuple(shape[d + 1:])
         outs = []

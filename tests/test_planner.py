@@ -154,3 +154,45 @@ def test_inconsistent_training_metadata_named():
 def test_mesh_groups_disjoint_meshes_share_a_group():
     g = mesh_groups([(0, 1, 2, 3), (0, 2), (1, 3), (0, 1, 2, 3)])
     assert g == {(0, 1, 2, 3): 0, (0, 2): 1, (1, 3): 1}
+
+
+def test_local_writes_read_only_own_rows():
+    """Copy recipes are cut at shard boundaries and sent by a rank that holds the rows, with no
+    gather; quantized recipes keep the gather."""
+    cfg = load_config("qwen3-0.6b", **{**SMALL, "vocab_size": 1001})
+    for layout in (InferenceLayout(tp=2), InferenceLayout(tp=2, quant="fp8")):
+        dests = dest_metas(cfg, layout)
+        metas = fsdp_metas(cfg, 3)
+        sched = plan(build_recipes(cfg, layout), metas, dests)
+        check_exact_cover(sched, dests)
+        shape = {m.name: m.local_shape for m in metas[0]}
+        n_local = 0
+        for r, rp in sched.rank_plans.items():
+            own = {m.name: m.local_shape for m in metas[r]}
+            for t in rp.tasks:
+                if t.local_sources:
+                    n_local += 1
+                    assert t.sources == () and t.source_bytes == 0
+                    for a in t.assignments:
+                        assert a.recipe.transform == "copy"
+                        for p in a.recipe.pieces:
+                            if p.source is not None:  # local coordinates inside this rank's shard
+                                assert 0 <= p.src_box[0][0] < p.src_box[0][1] <= own[p.source][0]
+                else:
+                    assert all(a.recipe.transform == "fp8_block" for a in t.assignments) or layout.quant is None
+        assert n_local > 0
+        if layout.quant is None:  # everything is a copy: no task gathers
+            assert all(not t.sources for rp in sched.rank_plans.values() for t in rp.tasks)
+    gathered = plan(build_recipes(cfg, InferenceLayout(tp=2)), fsdp_metas(cfg, 3), dest_metas(cfg, InferenceLayout(tp=2)),
+                    local_writes=False)
+    assert all(t.sources and not t.local_sources for rp in gathered.rank_plans.values() for t in rp.tasks)
+
+
+def test_local_writes_with_replicated_rows_hsdp():
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    dests = dest_metas(cfg, layout)
+    metas = fsdp_metas(cfg, 4, placements=("Replicate()", "Shard(dim=0)"), mesh_shape=(2, 2))
+    sched = plan(build_recipes(cfg, layout), metas, dests)
+    check_exact_cover(sched, dests)
+    assert sum(1 for p in sched.rank_plans.values() if p.send_bytes) == 4  # replicas share the sending

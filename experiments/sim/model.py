@@ -164,7 +164,7 @@ def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
                         else:
                             nvl += moved
                 ag[t.id] = (sec, fab, fb, nvl)
-            h2d_bytes = sum(src[s].nbytes // src[s].n for s in t.sources if src[s].offloaded)
+            h2d_bytes = sum(src[s].nbytes // src[s].n for s in t.sources + t.local_sources if src[s].offloaded)
             comp = 0.0
             per_dst: dict[int, list[int]] = {}
             for a in t.assignments:
