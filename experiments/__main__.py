@@ -172,6 +172,9 @@ def main(argv=None) -> int:
         from .methods import get_method
 
         get_method(cfg.method)
+        from .trial import preflight
+
+        preflight(cfg)
         print(f"# starting: {cfg.n_train} training + {cfg.n_infer} inference processes ...", file=sys.stderr, flush=True)
         result = run_trial(cfg, progress=lambda r: print(
             f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}", file=sys.stderr, flush=True))

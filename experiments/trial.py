@@ -89,10 +89,27 @@ class _Procs:
         return list(self.train.values()) + list(self.infer.values())
 
 
+def preflight(cfg: TrialConfig) -> None:
+    """Refuse a world that cannot work before any process starts: the model config loads, the
+    method exists, and the inference layout divides every tensor (the recipes and the engine's
+    own layout are both built, without allocating weights). Raises ValueError / PlanError with
+    a one-line cause naming the tensor and sizes."""
+    from engines.engine import engine_tensor_metas
+    from reference.mapping import build_recipes
+
+    mcfg = cfg.model_config()
+    get_method(cfg.method)
+    build_recipes(mcfg, cfg.layout)
+    for rank in range(min(cfg.n_infer, cfg.tp)):
+        engine_tensor_metas(mcfg, cfg.layout, rank)
+
+
 def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
     """Run one trial locally; raises PlanError / ControlError with a one-line cause first.
 
-    = spawn every rank as a local OS process + :func:`run_controller` in this process."""
+    = :func:`preflight`, then spawn every rank as a local OS process + :func:`run_controller`
+    in this process."""
+    preflight(cfg)
     env = environment()
     memcpy = measure_memcpy_gbps()
     store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.timeout)
