@@ -51,6 +51,9 @@ class TrialConfig:
     """Copy recipes (no fusion across shards, no quantization) are cut at shard boundaries and
     written by the ranks that already hold the rows, from ``to_local()``, with no
     ``full_tensor()``; False gathers every task's sources first (the published design)."""
+    local_min_bytes: int = 1 << 20
+    """Local writes only cut a recipe at shard boundaries when each band is at least this many
+    bytes (smaller tensors, e.g. norms, are gathered: fewer, larger writes)."""
     max_chunk_bytes: int = 64 << 20
     """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
     timeout: float = 120.0

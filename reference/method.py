@@ -122,7 +122,8 @@ class ReferenceController(ControllerSide):
         sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
         recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
         sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
-                     max_chunk_bytes=ctx.cfg.max_chunk_bytes, local_writes=getattr(ctx.cfg, "local_writes", True))
+                     max_chunk_bytes=ctx.cfg.max_chunk_bytes, local_writes=getattr(ctx.cfg, "local_writes", True),
+                     local_min_bytes=getattr(ctx.cfg, "local_min_bytes", 1 << 20))
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
         for r, rp in sched.rank_plans.items():
             control.put(ctx.store, f"plan/{r}", (rp, descriptors))

@@ -242,11 +242,12 @@ def _owners(train_metas: dict[int, list[ParamMeta]], sources: dict[str, ParamMet
     return out
 
 
-def _localize(group: list[Recipe], owners, mesh: tuple[int, ...]):
+def _localize(group: list[Recipe], owners, mesh: tuple[int, ...], min_band_bytes: int = 0):
     """Cut the copy recipes of a fusion group at shard boundaries so every band reads rows
     that one rank already holds. Returns [(band recipe, candidate senders)] or None when the
-    group needs the gather (a transform other than copy, a placement that cuts columns, or a
-    band whose pieces no single rank holds)."""
+    group needs the gather (a transform other than copy, a placement that cuts columns, a
+    band whose pieces no single rank holds, or bands smaller than ``min_band_bytes``: a norm cut
+    into 8 writes of 2 KB per receiver costs more in per-message overhead than gathering it)."""
     out = []
     for rec in group:
         if rec.transform != "copy":
@@ -267,6 +268,8 @@ def _localize(group: list[Recipe], owners, mesh: tuple[int, ...]):
             cuts.update(da + x - sa for oa, ob, _ in owners[p.source] for x in (oa, ob) if sa < x < sb)
         cuts = sorted(c for c in cuts if 0 <= c <= n)
         bands = list(zip(cuts, cuts[1:]))
+        if len(bands) > 1 and rec.output_nbytes < min_band_bytes * len(bands):
+            return None
         parts = split_recipe_bands(rec, bands) if len(bands) > 1 else [rec]
         for part in parts:
             cand = set(mesh)
@@ -323,7 +326,7 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
 
 
 def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True) -> Schedule:
+         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 1 << 20) -> Schedule:
     """Compute the static schedule (see module docstring).
 
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
@@ -335,14 +338,15 @@ def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas
     was = gc.isenabled()
     gc.disable()
     try:
-        return _plan(recipes, train_metas, dest_metas, max_chunk_bytes=max_chunk_bytes, local_writes=local_writes)
+        return _plan(recipes, train_metas, dest_metas, max_chunk_bytes=max_chunk_bytes, local_writes=local_writes,
+                     local_min_bytes=local_min_bytes)
     finally:
         if was:
             gc.enable()
 
 
 def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-          *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True) -> Schedule:
+          *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 1 << 20) -> Schedule:
     """Compute the static schedule (see module docstring).
 
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
@@ -373,7 +377,7 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
         if len(meshes) > 1:
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
-        loc = _localize(g, owners, mesh) if local_writes and srcs else None
+        loc = _localize(g, owners, mesh, local_min_bytes) if local_writes and srcs else None
         if loc is None:
             task_defs.append((srcs, mesh, [c for r in g for c in _split_big(r, max_chunk_bytes)], None))
         else:

@@ -88,5 +88,6 @@ def test_gather_all_and_local_writes_agree():
     """The published design (full_tensor() of every source) and local writes (copies sent from
     the ranks' own shards) both land bit-exact, uneven shards included."""
     for local in (False, True):
-        res = run_trial(small(n_train=3, local_writes=local, steps=1, overrides={**SMALL, "vocab_size": 1001}))
+        res = run_trial(small(n_train=3, local_writes=local, local_min_bytes=0, steps=1,
+                              overrides={**SMALL, "vocab_size": 1001}))
         assert_all_verified(res, 1)

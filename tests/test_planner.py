@@ -163,7 +163,7 @@ def test_local_writes_read_only_own_rows():
     for layout in (InferenceLayout(tp=2), InferenceLayout(tp=2, quant="fp8")):
         dests = dest_metas(cfg, layout)
         metas = fsdp_metas(cfg, 3)
-        sched = plan(build_recipes(cfg, layout), metas, dests)
+        sched = plan(build_recipes(cfg, layout), metas, dests, local_min_bytes=0)
         check_exact_cover(sched, dests)
         shape = {m.name: m.local_shape for m in metas[0]}
         n_local = 0
@@ -193,6 +193,14 @@ def test_local_writes_with_replicated_rows_hsdp():
     layout = InferenceLayout(tp=2)
     dests = dest_metas(cfg, layout)
     metas = fsdp_metas(cfg, 4, placements=("Replicate()", "Shard(dim=0)"), mesh_shape=(2, 2))
-    sched = plan(build_recipes(cfg, layout), metas, dests)
+    sched = plan(build_recipes(cfg, layout), metas, dests, local_min_bytes=0)
     check_exact_cover(sched, dests)
     assert sum(1 for p in sched.rank_plans.values() if p.send_bytes) == 4  # replicas share the sending
+
+
+def test_small_tensors_are_gathered_not_cut_into_tiny_writes():
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    sched = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 3), dest_metas(cfg, layout))  # 1 MiB floor
+    norm_tasks = [t for rp in sched.rank_plans.values() for t in rp.tasks if "model.norm.weight" in t.sources]
+    assert norm_tasks and all(not t.local_sources for t in norm_tasks)
