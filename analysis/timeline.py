@@ -87,8 +87,8 @@ def plot_timeline(paths, out, *, title: str | None = None) -> Path:
     ax.grid(axis="x", color="#dddddd", lw=0.5)
     handles = [plt.Rectangle((0, 0), 1, 1, color=STAGE_COLORS[s]) for s in ROW_ORDER
                if any(st == s for _, st, _ in rows)]
-    ax.legend(handles, [s for s in ROW_ORDER if any(st == s for _, st, _ in rows)], loc="lower right",
-              fontsize=7, ncol=6, frameon=False, bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
+    ax.legend(handles, [s for s in ROW_ORDER if any(st == s for _, st, _ in rows)], loc="upper right",
+              fontsize=7, ncol=6, frameon=False, bbox_to_anchor=(1.0, -0.09), borderaxespad=0.2)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,8 @@ def _mb(x):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench_pipeline", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--model", default=None, help="catalog model; default: the main job's (FP8 MoE, see README)")
+    ap.add_argument("--quant", choices=["fp8", "none"], default=None)
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--n-train", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
@@ -129,6 +130,13 @@ def main(argv=None) -> int:
             overrides[k] = v
     base = dict(model=args.model, overrides=overrides, n_train=args.n_train, tp=args.tp, steps=args.steps,
                 warmup=args.warmup)
+    if args.model is None:  # the main job's default, with the given overrides on top
+        from .config import main_job_default
+
+        d = main_job_default()
+        base.update(model=d.model, overrides={**d.overrides, **overrides}, quant=d.quant)
+    if args.quant is not None:
+        base["quant"] = None if args.quant == "none" else args.quant
     trace_root = Path(tempfile.mkdtemp(prefix="pipeline_bench_", dir=ROOT / "results" / "runs"
                                        if (ROOT / "results" / "runs").exists() else None))
     t_all = time.perf_counter()
@@ -146,12 +154,12 @@ def main(argv=None) -> int:
 
     from reference.catalog import load_config
 
-    mcfg = load_config(args.model, **overrides)
+    mcfg = load_config(base["model"], **base["overrides"])
     first = rows[0]
     hdr = [
         "# pipeline benchmark: reference executor (stage threads, FIFO queues, watermark gate)",
         f"# host: {first['host']}  git: {first['git_sha']}  model: {mcfg.label}  "
-        f"training: {args.n_train} FSDP2 ranks  inference: TP={args.tp}  transport: cma",
+        f"training: {args.n_train} FSDP2 ranks  inference: TP={args.tp} {base.get('quant') or 'bf16'}  transport: cma",
         f"# bytes per update: {first['bytes']} ({first['bytes'] / 1e9:.3f} GB); {args.steps} measured update(s) per "
         f"trial after {args.warmup} warmup; times are p50 over measured updates",
         "#",
