@@ -229,17 +229,25 @@ def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[Recipe]:
 _ROW_PLACEMENTS = frozenset({"Shard(dim=0)", "Replicate()"})
 
 
-def _owners(train_metas: dict[int, list[ParamMeta]], sources: dict[str, ParamMeta]) -> dict[str, list[tuple[int, int, int]]]:
-    """name -> [(first row, end row, rank)] of the non-empty shards, for parameters whose
-    placements only cut dim 0 (``Shard(0)`` / ``Replicate``: a shard is a row range)."""
-    ok = {n for n, m in sources.items() if set(m.placements) <= _ROW_PLACEMENTS and m.global_shape}
-    out: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+def _owners(train_metas: dict[int, list[ParamMeta]], sources: dict[str, ParamMeta], names: set[str]):
+    """For the parameters in ``names`` whose placements only cut dim 0 (``Shard(0)`` /
+    ``Replicate``: a shard is a row range): name -> [(first row, end row, rank)] of the
+    non-empty shards, and (name, rank) -> first row of that rank's shard. One pass over the
+    metadata, touching only those names (at Kimi-K2 scale: 2.4M records, a few hundred names)."""
+    ok = {n for n in names if n in sources and set(sources[n].placements) <= _ROW_PLACEMENTS
+          and sources[n].global_shape}
+    owners: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    offsets: dict[tuple[str, int], int] = {}
+    if not ok:
+        return owners, offsets
     for r, ms in train_metas.items():
         for m in ms:
-            if m.name in ok and m.local_shape and m.local_shape[0] > 0 and all(m.local_shape):
+            if m.name in ok:
                 a = m.local_offset[0]
-                out[m.name].append((a, a + m.local_shape[0], r))
-    return out
+                offsets[(m.name, r)] = a
+                if m.local_shape[0] > 0 and all(m.local_shape):
+                    owners[m.name].append((a, a + m.local_shape[0], r))
+    return owners, offsets
 
 
 def _localize(group: list[Recipe], owners, mesh: tuple[int, ...], min_band_bytes: int = 0):
@@ -358,9 +366,9 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
 
     groups = fusion_groups(recipes.recipes)
     order = {n: i for i, n in enumerate(sources)}
-    owners = _owners(train_metas, sources) if local_writes else {}
-    local_off = {(m.name, r): m.local_offset[0] for r, ms in train_metas.items() for m in ms
-                 if m.name in owners and m.local_offset}
+    copy_sources = {p.source for r in recipes.recipes if r.transform == "copy" for p in r.pieces
+                    if p.source is not None} if local_writes else set()
+    owners, local_off = _owners(train_metas, sources, copy_sources)
     flat_of: dict[tuple, tuple[int, ...]] = {}
 
     def mesh_flat(name: str) -> tuple[int, ...]:
