@@ -168,7 +168,7 @@ def gather_sources(task: Task, params: dict[str, DTensor]) -> dict[str, torch.Te
     for name in task.sources:
         p = params[name]
         out[name] = p.full_tensor() if isinstance(p, DTensor) else p
-    for name in getattr(task, "local_sources", ()):
+    for name in task.local_sources:
         p = params[name]
         out[name] = p.to_local() if isinstance(p, DTensor) else p
     return out
@@ -329,7 +329,7 @@ class Executor:
     def _agree_n_groups(self, n_groups: int | None) -> int:
         local = max((t.group for t in self.plan.tasks), default=-1) + 1
         if n_groups is None:
-            n_groups = getattr(self.plan, "n_groups", None)
+            n_groups = self.plan.n_groups
         if n_groups is not None:
             if n_groups < local:
                 raise ValueError(f"n_groups={n_groups} but rank {self.plan.rank} has a task in group {local - 1}")
@@ -401,7 +401,7 @@ class Executor:
         t0 = time.perf_counter()
         n = 0
         copies = []
-        for name in w.task.sources + getattr(w.task, "local_sources", ()):
+        for name in w.task.sources + w.task.local_sources:
             host = self.host.get(name)
             p = self.params.get(name)
             if host is None or p is None:

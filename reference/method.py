@@ -122,8 +122,8 @@ class ReferenceController(ControllerSide):
         sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
         recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
         sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
-                     max_chunk_bytes=ctx.cfg.max_chunk_bytes, local_writes=getattr(ctx.cfg, "local_writes", True),
-                     local_min_bytes=getattr(ctx.cfg, "local_min_bytes", 1 << 20))
+                     max_chunk_bytes=ctx.cfg.max_chunk_bytes, local_writes=ctx.cfg.local_writes,
+                     local_min_bytes=ctx.cfg.local_min_bytes)
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
         for r, rp in sched.rank_plans.items():
             control.put(ctx.store, f"plan/{r}", (rp, descriptors))
@@ -144,7 +144,7 @@ class ReferenceTrainer(TrainerSide):
         self.transport = make_transport(ctx.cfg.transport)
         self.transport.connect(list(descriptors.values()))
         self.executor = Executor(plan, ctx.params, self.transport, descriptors, group_barrier=ctx.group_barrier,
-                                 **getattr(ctx.cfg, "executor_options", lambda: {})())
+                                 **ctx.cfg.executor_options())
         ctx.log(f"plan: {len(plan.tasks)} tasks, {plan.n_writes} writes, {plan.send_bytes / 1e9:.3f} GB to send")
 
     def transfer(self, step: int):

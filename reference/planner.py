@@ -212,11 +212,7 @@ def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[Recipe]:
     per_rank = recipe.output_nbytes
     if per_rank <= max_chunk_bytes or len(recipe.shape) == 0:
         return [recipe]
-    # first dim with extent > 1 is the one split_recipe cuts
-    d = 0
-    while d < len(recipe.shape) - 1 and recipe.shape[d] == 1:
-        d += 1
-    rows = recipe.shape[d]
+    rows = recipe.shape[split_dim(recipe)]
     row_bytes = max(1, per_rank // max(rows, 1))
     max_rows = max(1, max_chunk_bytes // row_bytes)
     if recipe.transform == "fp8_block":

@@ -145,6 +145,21 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
+def make_veth_pair(ns_a: str, ns_b: str, dev_a: str, dev_b: str, ip_a: str, ip_b: str) -> None:
+    """Two namespaces joined by a veth pair, ``ip_a/24`` on ``dev_a`` in ``ns_a`` and
+    ``ip_b/24`` on ``dev_b`` in ``ns_b``, links and loopback up (the TCPStore and Gloo of a
+    namespace connect to themselves over ``lo``)."""
+    sh("ip", "netns", "add", ns_a)
+    sh("ip", "netns", "add", ns_b)
+    sh("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b)
+    sh("ip", "link", "set", dev_a, "netns", ns_a)
+    sh("ip", "link", "set", dev_b, "netns", ns_b)
+    for ns, dev, ip in ((ns_a, dev_a, ip_a), (ns_b, dev_b, ip_b)):
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+
 def netns_supported() -> tuple[bool, str]:
     """Whether this process may create network namespaces (creates and deletes a probe)."""
     if os.geteuid() != 0:
@@ -198,15 +213,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, lambda *x: (cleanup(), sys.exit(1)))
     try:
-        sh("ip", "netns", "add", ns_t)
-        sh("ip", "netns", "add", ns_i)
-        sh("ip", "link", "add", dev_t, "type", "veth", "peer", "name", dev_i)
-        sh("ip", "link", "set", dev_t, "netns", ns_t)
-        sh("ip", "link", "set", dev_i, "netns", ns_i)
-        for ns, dev, ip in ((ns_t, dev_t, TRAIN_IP), (ns_i, dev_i, INFER_IP)):
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        make_veth_pair(ns_t, ns_i, dev_t, dev_i, TRAIN_IP, INFER_IP)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         base = [sys.executable, os.path.abspath(__file__), "--mib", str(a.mib), "--ops", str(a.ops),
                 "--seed", str(a.seed)]

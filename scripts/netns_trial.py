@@ -229,15 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     t_start = time.perf_counter()
     try:
-        sh("ip", "netns", "add", ns_t)
-        sh("ip", "netns", "add", ns_i)
-        sh("ip", "link", "add", dev_t, "type", "veth", "peer", "name", dev_i)
-        sh("ip", "link", "set", dev_t, "netns", ns_t)
-        sh("ip", "link", "set", dev_i, "netns", ns_i)
-        for ns, dev, ip in ((ns_t, dev_t, TRAIN_IP), (ns_i, dev_i, INFER_IP)):
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        demo.make_veth_pair(ns_t, ns_i, dev_t, dev_i, TRAIN_IP, INFER_IP)
 
         cfg_path, res_path = os.path.join(tmp, "cfg.pkl"), os.path.join(tmp, "result.pkl")
         with open(cfg_path, "wb") as f:
