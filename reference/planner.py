@@ -21,21 +21,29 @@ naming the tensors or ranks.
 from __future__ import annotations
 
 import gc
-import heapq
+from heapq import heapify, heappop, heappush
 import math
+from array import array
 from bisect import insort
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
+from itertools import filterfalse, repeat
+from operator import attrgetter, eq
+
+import numpy as np
 
 from .mapping import PlanError, RecipeSet, fusion_groups, validate
 from .transforms import split_dim, split_recipe, split_recipe_bands
 from .types import (DestTensorMeta, ParamMeta, Piece, Recipe, box_flat_range, box_numel, itemsize, numel)
 
 
-@dataclass(frozen=True, slots=True)
-class WriteSpec:
+class WriteSpec(NamedTuple):
     """One one-sided write: output ``output`` of the recipe (all its bytes) to inference rank
-    ``dst_rank`` at byte ``remote_offset`` of that rank's region, ``length`` bytes."""
+    ``dst_rank`` at byte ``remote_offset`` of that rank's region, ``length`` bytes.
+
+    A named tuple rather than a frozen dataclass: the planner makes about a million per plan
+    at Kimi-K2 scale, and a tuple is built in one C call."""
 
     output: int
     dst_rank: int
@@ -127,66 +135,155 @@ class Schedule:
                 f"busiest receiver {max(r.values(), default=0) / 1e9:.3f} GB")
 
 
-_WS_NEW = object.__new__
-_WS_SET = tuple(WriteSpec.__dict__[f].__set__ for f in ("output", "dst_rank", "remote_offset", "length"))
+_NEW = object.__new__
+_TUPLE_NEW = tuple.__new__
+_A_SET = tuple(Assignment.__dict__[f].__set__ for f in Assignment.__slots__)
+_T_SET = tuple(Task.__dict__[f].__set__ for f in Task.__slots__)
+# The planner makes about half a million of each at Kimi-K2 scale; a frozen dataclass's
+# __init__ goes through object.__setattr__ per field, these set the slots directly and make
+# objects equal to the constructed ones (tests/test_planner.py checks it).
 
 
 def _write_spec(output: int, dst_rank: int, remote_offset: int, length: int) -> WriteSpec:
-    """``WriteSpec(...)`` without the frozen dataclass's ``object.__setattr__`` per field (the
-    planner makes millions at Kimi-K2 scale); equal to the constructed one."""
-    w = _WS_NEW(WriteSpec)
-    a, b, c, d = _WS_SET
-    a(w, output); b(w, dst_rank); c(w, remote_offset); d(w, length)  # noqa: E702
-    return w
+    """``WriteSpec(output, dst_rank, remote_offset, length)``, in one C call."""
+    return _TUPLE_NEW(WriteSpec, (output, dst_rank, remote_offset, length))
 
 
-def _consistent_sources(train_metas: dict[int, list[ParamMeta]]) -> dict[str, ParamMeta]:
-    """One ParamMeta per name; every rank of its mesh must have published it, identically.
+def _assignment(recipe: Recipe, writes: tuple[WriteSpec, ...]) -> Assignment:
+    """``Assignment(recipe, writes)``, fast."""
+    a = _NEW(Assignment)
+    _A_SET[0](a, recipe)
+    _A_SET[1](a, writes)
+    return a
 
-    Linear in the metas (2.4 million for Kimi-K2 on 256 ranks): identical tuples are compared
-    by identity first, and per-placements / per-mesh facts are computed once."""
+
+def _task(id, group, sources, mesh, assignments, source_bytes, temp_bytes, local_sources) -> Task:
+    """``Task(...)`` with every field positional, fast."""
+    t = _NEW(Task)
+    a, b, c, d, e, f, g, h = _T_SET
+    a(t, id)
+    b(t, group)
+    c(t, sources)
+    d(t, mesh)
+    e(t, assignments)
+    f(t, source_bytes)
+    g(t, temp_bytes)
+    h(t, local_sources)
+    return t
+
+
+_NAME, _MESH, _LSHAPE = attrgetter("name"), attrgetter("mesh_ranks"), attrgetter("local_shape")
+_RECORD = attrgetter("name", "global_shape", "dtype", "placements", "mesh_ranks")
+"""What every rank of a parameter's mesh must publish identically (``local_*`` differ per rank)."""
+
+
+@dataclass(slots=True)
+class _NameSequence:
+    """The metadata layout shared by training ranks that publish the same names in the same
+    order (at Kimi-K2 scale 256 ranks, 8 sequences: one per expert column)."""
+
+    metas: list[ParamMeta]
+    """the first rank's list with this sequence"""
+    position: dict[str, int]
+    """name -> position in the list"""
+    ref: list[ParamMeta]
+    """per position, the name's first publisher's meta (what every rank must agree with)"""
+    index: np.ndarray
+    """per position, the name's index in the order of first appearance (int64)"""
+    meshes: dict[int, ParamMeta]
+    """id(mesh object) -> a ref meta with it, for the distinct meshes of ``ref``"""
+
+
+def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
+    """Check the training metadata and index it. Returns ``(first, views)``: one ParamMeta per
+    name (in order of first appearance: ranks ascending, each rank's order) and, per rank,
+    ``(name -> position, its metas)``.
+
+    Every rank of a parameter's mesh must have published it, identically (global shape, dtype,
+    mesh, placements), no rank outside the mesh may publish it, no rank twice, and the shards of
+    a sharded parameter must hold its elements. Raises PlanError naming parameters and ranks.
+
+    At Kimi-K2 scale this reads 2.4 million records (256 ranks). On this project's 2-core VM a
+    lookup in a 70k-entry dict costs about as much as reading ten records in order, so records
+    are compared in order, in C: ranks that publish the same names in the same order share one
+    :class:`_NameSequence`, whose names are looked up once; a rank is checked with one pass of
+    ``all(map(operator.eq, ...))`` over (name, shape, dtype, placements, mesh) tuples against
+    the first publishers' (tuple equality tries identity first, so shared objects cost nothing;
+    an unpickled rank list holds its own copies, compared by value). The shard sizes are summed
+    per name with numpy. Records are visited one by one in Python only to name them in an
+    error."""
     first: dict[str, ParamMeta] = {}
-    seen: dict[str, set[int]] = {}
-    boxes: dict[str, int] = defaultdict(int)
-    sharded: dict[tuple, bool] = {}
+    index: dict[str, int] = {}
+    views: dict[int, tuple[dict[str, int], list[ParamMeta]]] = {}
+    seqs: dict[tuple, list[_NameSequence]] = {}
     problems: list[str] = []
-    prod = math.prod
+    flat_of: dict[int, frozenset] = {}  # id(mesh object) -> its ranks (the objects stay alive meanwhile)
+    idx_parts, numel_parts = [], []
     for rank in sorted(train_metas):
-        for m in train_metas[rank]:
-            name = m.name
-            f = first.get(name)
-            if f is None:
-                first[name] = f = m
-                seen[name] = {rank}
-            else:
-                seen[name].add(rank)
-                if f is not m and not (
-                        (f.global_shape is m.global_shape or f.global_shape == m.global_shape) and f.dtype == m.dtype
-                        and (f.mesh_ranks is m.mesh_ranks or f.mesh_ranks == m.mesh_ranks)
-                        and (f.placements is m.placements or f.placements == m.placements)):
+        ms = train_metas[rank]
+        n = len(ms)
+        key = (n, *(ms[i].name for i in range(0, n, max(1, n // 16))))
+        seq, agree = None, False
+        for cand in seqs.get(key, ()):
+            agree = all(map(eq, map(_RECORD, ms), map(_RECORD, cand.ref)))
+            if agree or list(map(_NAME, ms)) == list(map(_NAME, cand.metas)):
+                seq = cand
+                break
+        if seq is None:
+            names = list(map(_NAME, ms))
+            position = dict(zip(names, range(n)))
+            if len(position) != n:
+                dup = sorted(x for x, c in Counter(names).items() if c > 1)
+                problems.append(f"rank {rank} publishes {', '.join(dup[:5])} more than once")
+            for x in filterfalse(first.__contains__, position):
+                first[x] = ms[position[x]]
+                index[x] = len(index)
+            ref = list(map(first.__getitem__, names))
+            seq = _NameSequence(ms, position, ref, np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=n),
+                                dict(zip(map(id, map(_MESH, ref)), ref)))
+            seqs.setdefault(key, []).append(seq)
+            agree = all(map(eq, map(_RECORD, ms), map(_RECORD, ref)))
+        ref = seq.ref
+        if not agree:
+            for m, f in zip(ms, ref):
+                if _RECORD(m) != _RECORD(f):
                     problems.append(f"{m.name}: rank {rank} publishes shape {m.global_shape} {m.dtype} mesh {m.mesh_ranks} "
                                     f"{m.placements}, other ranks {f.global_shape} {f.dtype} mesh {f.mesh_ranks} {f.placements}")
-            pl = m.placements
-            sh = sharded.get(pl)
-            if sh is None:
-                sh = sharded[pl] = all(p.startswith("Shard") for p in pl)
-            if sh:
-                boxes[name] += prod(m.local_shape)
-    flat: dict[tuple, frozenset] = {}
-    for name, f in first.items():
-        mf = flat.get(f.mesh_ranks)
-        if mf is None:
-            mf = flat[f.mesh_ranks] = frozenset(f.mesh_flat)
-        s = seen[name]
-        if len(s) < len(mf) or not mf <= s:
-            missing = sorted(mf - s)
-            if missing:
-                problems.append(f"{name}: mesh ranks {missing} did not publish it")
-        if sharded[f.placements] and boxes[name] != numel(f.global_shape):
-            problems.append(f"{name}: shards hold {boxes[name]} elements, the tensor has {numel(f.global_shape)}")
+        for k, f in seq.meshes.items():
+            mf = flat_of.get(k)
+            if mf is None:
+                mf = flat_of[k] = frozenset(f.mesh_flat)
+            if rank not in mf:
+                names = [m.name for m, g in zip(ms, ref) if id(g.mesh_ranks) == k]
+                problems.append(f"rank {rank} publishes {', '.join(names[:5])} but is not in its mesh {sorted(mf)}")
+        views[rank] = (seq.position, ms)
+        idx_parts.append(seq.index)
+        numel_parts.append(np.fromiter(map(math.prod, map(_LSHAPE, ms)), dtype=np.int64, count=n))
+    # Every mesh rank published it: rank r published exactly the names whose mesh holds r (each
+    # name it published has such a mesh, checked above) iff it published as many (no duplicates).
+    n_with: Counter = Counter(id(f.mesh_ranks) for f in first.values())
+    missing: dict[str, list[int]] = defaultdict(list)
+    for rank in sorted({r for k in n_with for r in flat_of[k]} | set(views)):
+        pos = views[rank][0] if rank in views else {}
+        if len(pos) < sum(c for k, c in n_with.items() if rank in flat_of[k]):
+            for x, f in first.items():
+                if x not in pos and rank in flat_of[id(f.mesh_ranks)]:
+                    missing[x].append(rank)
+    for x, ranks in missing.items():
+        problems.append(f"{x}: mesh ranks {ranks} did not publish it")
+    held = np.zeros(len(index), dtype=np.int64)
+    if idx_parts:
+        np.add.at(held, np.concatenate(idx_parts), np.concatenate(numel_parts))
+    sharded: dict[tuple, bool] = {}
+    for i, f in enumerate(first.values()):
+        sh = sharded.get(f.placements)
+        if sh is None:
+            sh = sharded[f.placements] = all(p.startswith("Shard") for p in f.placements)
+        if sh and held[i] != numel(f.global_shape):
+            problems.append(f"{f.name}: shards hold {int(held[i])} elements, the tensor has {numel(f.global_shape)}")
     if problems:
         raise PlanError(f"training metadata inconsistent ({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:20]))
-    return first
+    return first, views
 
 
 def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
@@ -225,24 +322,25 @@ def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[Recipe]:
 _ROW_PLACEMENTS = frozenset({"Shard(dim=0)", "Replicate()"})
 
 
-def _owners(train_metas: dict[int, list[ParamMeta]], sources: dict[str, ParamMeta], names: set[str]):
+def _owners(views: dict[int, tuple[dict[str, int], list[ParamMeta]]], sources: dict[str, ParamMeta], names: set[str]):
     """For the parameters in ``names`` whose placements only cut dim 0 (``Shard(0)`` /
     ``Replicate``: a shard is a row range): name -> [(first row, end row, rank)] of the
-    non-empty shards, and (name, rank) -> first row of that rank's shard. One pass over the
-    metadata, touching only those names (at Kimi-K2 scale: 2.4M records, a few hundred names)."""
-    ok = {n for n in names if n in sources and set(sources[n].placements) <= _ROW_PLACEMENTS
-          and sources[n].global_shape}
+    non-empty shards, and (name, rank) -> first row of that rank's shard. ``views``: per rank,
+    (name -> position, metas) from :func:`_consistent_sources`; only those names are looked up
+    (at Kimi-K2 scale a few hundred names on 256 ranks, not 2.4 million records)."""
+    ok = [n for n in sources if n in names and set(sources[n].placements) <= _ROW_PLACEMENTS
+          and sources[n].global_shape]
     owners: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     offsets: dict[tuple[str, int], int] = {}
-    if not ok:
-        return owners, offsets
-    for r, ms in train_metas.items():
-        for m in ms:
-            if m.name in ok:
+    for r, (pos, ms) in views.items():
+        for n in ok:
+            i = pos.get(n)
+            if i is not None:
+                m = ms[i]
                 a = m.local_offset[0]
-                offsets[(m.name, r)] = a
+                offsets[(n, r)] = a
                 if m.local_shape[0] > 0 and all(m.local_shape):
-                    owners[m.name].append((a, a + m.local_shape[0], r))
+                    owners[n].append((a, a + m.local_shape[0], r))
     return owners, offsets
 
 
@@ -304,9 +402,7 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
     items = sorted((-rec.output_nbytes, ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
     for negb, ri, dst in items:
         nbytes = -negb
-        pl = pair.get(dst)
-        if pl is None:
-            pl = pair[dst] = [0] * n_slots
+        pl = pair[dst]
         sender = min(cands[ri], key=lambda r: (send[r], pl[r], r))
         send[sender] += nbytes
         pl[sender] += nbytes
@@ -356,7 +452,7 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
     its tensors in its region. ``max_chunk_bytes`` bounds one recipe output before it is split
     into row bands spread over senders. Raises PlanError naming tensors or ranks."""
-    sources = _consistent_sources(train_metas)
+    sources, views = _consistent_sources(train_metas)
     dests = {(m.rank, m.name): m for ms in dest_metas.values() for m in ms}
     validate(recipes, {n: (m.global_shape, m.dtype) for n, m in sources.items()}, dests)
 
@@ -364,7 +460,7 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
     order = {n: i for i, n in enumerate(sources)}
     copy_sources = {p.source for r in recipes.recipes if r.transform == "copy" for p in r.pieces
                     if p.source is not None} if local_writes else set()
-    owners, local_off = _owners(train_metas, sources, copy_sources)
+    owners, local_off = _owners(views, sources, copy_sources)
     flat_of: dict[tuple, tuple[int, ...]] = {}
 
     def mesh_flat(name: str) -> tuple[int, ...]:
@@ -393,91 +489,109 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
 
     send = defaultdict(int, {r: 0 for r in train_metas})
     n_slots = 1 + max([r for r in train_metas] + [r for t in task_defs for r in t[1]], default=0)
-    pair: dict[int, list[int]] = {}
-    """dst -> bytes each training rank sends to it (a list indexed by training rank)"""
+    pair: dict[int, array] = {d: array("q", bytes(8 * n_slots)) for d in dest_metas}
+    """dst -> bytes each training rank sends to it, indexed by training rank (int64 arrays: the
+    sender choice reads ~20 per write, and inline values stay in cache where list items, ints
+    allocated all over the heap, do not -- 1.5x faster on the Kimi-K2 plan)"""
     by_rank: dict[int, dict[str, DestTensorMeta]] = defaultdict(dict)
     for (rk, nm), d in dests.items():
         by_rank[rk][nm] = d
     recv = defaultdict(int, {r: 0 for r in dest_metas})
     per_rank: dict[int, list[Task]] = {r: [] for r in train_metas}
     isz_of: dict[str, int] = {}
+    mesh_state_of: dict = {0: None}
+    """mesh -> (buckets, levels) of the sender choice below; key 0: the group they belong to"""
     for tid, (srcs, mesh, recs, cands) in enumerate(task_defs):
         if cands is not None:
             _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off, n_slots)
+            mesh_state_of.pop(mesh, None)  # its ranks' loads changed outside the buckets
             continue
         src_bytes = sum(numel(sources[s].global_shape) * itemsize(sources[s].dtype) for s in srcs)
-        mine: dict[int, dict[int, list[WriteSpec]]] = {r: {} for r in mesh}
-        items = []
+        mine: dict[int, dict[int, list[WriteSpec]]] = {}
         rec_bytes = [rec.output_nbytes for rec in recs]
-        for ri, rec in enumerate(recs):
-            nb = rec_bytes[ri]
-            for dst in rec.ranks:
-                items.append((-nb, ri, dst))
+        items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
         items.sort()
         # The sender of each write is argmin over the mesh of (send[r], pair[r, dst], r), as
         # `min(mesh, key=...)` would pick it, found in buckets of ranks by bytes sent (a heap
         # of the distinct byte counts, each bucket sorted by rank): the least-loaded bucket's
         # first rank wins unless it already sends to dst, then the bucket is compared on pair.
-        buckets: dict[int, list[int]] = {}
-        for r in sorted(mesh):
-            buckets.setdefault(send[r], []).append(r)
-        levels = list(buckets)
-        heapq.heapify(levels)
-        flat_cache: dict[tuple[int, int], tuple] = {}
+        # Kept per mesh across its tasks (a task changes only its own ranks' loads, and the
+        # meshes of one group are disjoint); rebuilt after a task on an overlapping mesh.
+        if mesh_state_of[0] != gid[mesh]:
+            mesh_state_of.clear()
+            mesh_state_of[0] = gid[mesh]
+        state = mesh_state_of.get(mesh)
+        if state is None:
+            buckets: dict[int, list[int]] = {}
+            for r in sorted(mesh):
+                buckets.setdefault(send[r], []).append(r)
+            levels = list(buckets)
+            heapify(levels)
+            mesh_state_of[mesh] = (buckets, levels)
+        else:
+            buckets, levels = state
+        # per recipe: for each output (its tensor, the destination shape the flat range was
+        # computed for, byte offset in the tensor, byte length); replicas share shapes
+        out_cache: list = [None] * len(recs)
         for negb, ri, dst in items:
-            nbytes = -negb
-            pl = pair.get(dst)
-            if pl is None:
-                pl = pair[dst] = [0] * n_slots
+            pl = pair[dst]
             s0 = levels[0]
             bk = buckets[s0]
             if len(bk) == 1 or not pl[bk[0]]:
                 sender = bk.pop(0)
             else:
-                ps = list(map(pl.__getitem__, bk))
-                sender = bk.pop(ps.index(min(ps)))
+                sender = min(bk, key=pl.__getitem__)  # first minimum: lowest rank among ties
+                bk.remove(sender)
             if not bk:
                 del buckets[s0]
-                heapq.heappop(levels)
-            s1 = s0 + nbytes
+                heappop(levels)
+            s1 = s0 - negb
             nb_ = buckets.get(s1)
             if nb_ is None:
                 buckets[s1] = [sender]
-                heapq.heappush(levels, s1)
+                heappush(levels, s1)
             else:
                 insort(nb_, sender)
             send[sender] = s1
-            pl[sender] += nbytes
-            recv[dst] += nbytes
-            rec = recs[ri]
-            ws = mine[sender].get(ri)
-            if ws is None:
-                ws = mine[sender][ri] = []
+            pl[sender] -= negb
+            recv[dst] -= negb
+            m_s = mine.get(sender)
+            if m_s is None:
+                ws = []
+                mine[sender] = {ri: ws}
+            else:
+                ws = m_s.get(ri)
+                if ws is None:
+                    ws = m_s[ri] = []
             dr = by_rank[dst]
-            for oi, out in enumerate(rec.outputs):
-                d = dr[out.tensor]
-                c = flat_cache.get((ri, oi))
-                if c is None or (c[0] is not d.shape and c[0] != d.shape):
-                    isz = isz_of.get(out.dtype)
+            oc = out_cache[ri]
+            if oc is None:
+                oc = out_cache[ri] = [[o.tensor, None, 0, 0, o] for o in recs[ri].outputs]
+            for oi, c in enumerate(oc):
+                d = dr[c[0]]
+                if c[1] is not d.shape and c[1] != d.shape:
+                    o = c[4]
+                    isz = isz_of.get(o.dtype)
                     if isz is None:
-                        isz = isz_of[out.dtype] = itemsize(out.dtype)
-                    fa, fb = box_flat_range(out.box, d.shape)
-                    c = flat_cache[(ri, oi)] = (d.shape, fa * isz, (fb - fa) * isz)
-                ws.append(_write_spec(oi, dst, d.offset + c[1], c[2]))
+                        isz = isz_of[o.dtype] = itemsize(o.dtype)
+                    fa, fb = box_flat_range(o.box, d.shape)
+                    c[1], c[2], c[3] = d.shape, fa * isz, (fb - fa) * isz
+                ws.append(_TUPLE_NEW(WriteSpec, (oi, dst, d.offset + c[2], c[3])))
         g_ = gid[mesh]
         srcs_t, mesh_t = tuple(srcs), tuple(mesh)
-        idle = None  # ranks with nothing to send share one Task (it is frozen)
-        for r in mesh:
-            m_r = mine[r]
-            if not m_r:
-                if idle is None:
-                    idle = Task(tid, g_, srcs_t, mesh_t, (), src_bytes, src_bytes)
-                per_rank[r].append(idle)
-                continue
-            ris = sorted(m_r)
-            assigns = tuple(Assignment(recs[ri], tuple(m_r[ri])) for ri in ris)
-            out_bytes = sum(rec_bytes[ri] for ri in ris)
-            per_rank[r].append(Task(tid, g_, srcs_t, mesh_t, assigns, src_bytes, src_bytes + out_bytes))
+        for r, m_r in mine.items():
+            if len(m_r) == 1:
+                for ri, ws in m_r.items():
+                    assigns = (_assignment(recs[ri], tuple(ws)),)
+                    out_bytes = rec_bytes[ri]
+            else:
+                ris = sorted(m_r)
+                assigns = tuple([_assignment(recs[ri], tuple(m_r[ri])) for ri in ris])
+                out_bytes = sum([rec_bytes[ri] for ri in ris])
+            per_rank[r].append(_task(tid, g_, srcs_t, mesh_t, assigns, src_bytes, src_bytes + out_bytes, ()))
+        if len(mine) < len(mesh):  # ranks with nothing to send share one Task (it is frozen); appended in C
+            idle = _task(tid, g_, srcs_t, mesh_t, (), src_bytes, src_bytes, ())
+            deque(map(list.append, map(per_rank.__getitem__, filterfalse(mine.__contains__, mesh)), repeat(idle)), maxlen=0)
 
     n_groups = len(set(gid.values()))
     rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted({t.group for t in ts})), n_groups) for r, ts in per_rank.items()}

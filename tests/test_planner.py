@@ -1,5 +1,6 @@
 """The static schedule: every destination byte written exactly once, senders inside the
 owning mesh, balanced, deterministic; refusals name the tensors (C3, C12)."""
+import re
 from collections import defaultdict
 
 import pytest
@@ -204,3 +205,78 @@ def test_small_tensors_are_gathered_not_cut_into_tiny_writes():
     sched = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 3), dest_metas(cfg, layout))  # 1 MiB floor
     norm_tasks = [t for rp in sched.rank_plans.values() for t in rp.tasks if "model.norm.weight" in t.sources]
     assert norm_tasks and all(not t.local_sources for t in norm_tasks)
+
+
+def _planned(metas, cfg, layout):
+    return plan(build_recipes(cfg, layout), metas, dest_metas(cfg, layout))
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "mesh", "placements", "duplicate", "outside", "shards"])
+def test_every_metadata_inconsistency_is_named(case):
+    """Each check of the training metadata fires on one bad record among many ranks that
+    agree, and names the parameter (or rank): the checks compare whole rank lists at once."""
+    from dataclasses import replace
+
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    metas = fsdp_metas(cfg, 4)
+    name = "model.layers.1.mlp.down_proj.weight"
+    i = next(k for k, m in enumerate(metas[2]) if m.name == name)
+    m = metas[2][i]
+    want = re.escape(name)
+    if case == "shape":
+        metas[2][i] = replace(m, global_shape=(m.global_shape[0] + 4, m.global_shape[1]))
+    elif case == "dtype":
+        metas[2][i] = replace(m, dtype="float32")
+    elif case == "mesh":
+        metas[2][i] = replace(m, mesh_ranks=(0, 1, 2, 5))
+    elif case == "placements":
+        metas[2][i] = replace(m, placements=("Replicate()",))
+    elif case == "duplicate":
+        metas[2].append(m)
+        want = rf"rank 2 publishes {re.escape(name)} more than once"
+    elif case == "outside":
+        metas[7] = [replace(m, local_shape=(0, m.local_shape[1]))]
+        want = rf"rank 7 publishes {re.escape(name)} but is not in its mesh"
+    elif case == "shards":
+        metas[2][i] = replace(m, local_shape=(m.local_shape[0] - 1, m.local_shape[1]))
+        want = rf"{re.escape(name)}: shards hold"
+    with pytest.raises(PlanError, match=want):
+        _planned(metas, cfg, layout)
+
+
+def test_metadata_as_the_controller_receives_it_plans_identically():
+    """Rank lists that went through pickle (as reference.control.put/get move them) hold their
+    own copies of every shape and mesh; the checks then compare values, and the schedule is the
+    same as on shared objects."""
+    import pickle
+
+    cfg = load_config("qwen3-30b-a3b", **MOE)
+    layout = InferenceLayout(tp=2, ep=True, quant="fp8")
+    metas = fsdp_metas(cfg, 4, placements=("Replicate()", "Shard(dim=0)"), mesh_shape=(2, 2))
+    received = {r: pickle.loads(pickle.dumps(ms)) for r, ms in metas.items()}
+    assert received[1][0].mesh_ranks is not received[2][0].mesh_ranks
+    a, b = _planned(metas, cfg, layout), _planned(received, cfg, layout)
+    assert a.rank_plans == b.rank_plans and a.send_bytes == b.send_bytes and a.recv_bytes == b.recv_bytes
+    received[3][5] = replace_shape(received[3][5])
+    with pytest.raises(PlanError, match=re.escape(received[3][5].name)):
+        _planned(received, cfg, layout)
+
+
+def replace_shape(m):
+    from dataclasses import replace
+
+    return replace(m, global_shape=tuple(x + 1 for x in m.global_shape))
+
+
+def test_fast_constructors_equal_the_dataclass_ones():
+    from reference.planner import Assignment, Task, WriteSpec, _assignment, _task, _write_spec
+
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    rec = build_recipes(cfg, InferenceLayout(tp=1)).recipes[0]
+    w = _write_spec(1, 2, 3, 4)
+    assert w == WriteSpec(1, 2, 3, 4) and type(w) is WriteSpec and w.length == 4
+    a = _assignment(rec, (w,))
+    assert a == Assignment(rec, (w,)) and a.nbytes == 4
+    t = _task(7, 1, ("x",), (0, 1), (a,), 10, 14, ())
+    assert t == Task(7, 1, ("x",), (0, 1), (a,), 10, 14) and t.send_bytes == 4

@@ -71,37 +71,55 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     singles = [(r,) for r in range(world)]
     pl2d, pl1d = (REPLICATE, SHARD0), (SHARD0,)
     names2d, names1d = ("inter", "intra"), ("inter",)
-    out: dict[int, list[ParamMeta]] = {r: [] for r in range(world)}
-    box_cache: dict[tuple, tuple] = {}
+    # Pass 1, per parameter: its mesh and which ranks hold it. Pass 2, per rank: its records in
+    # parameter order, allocated one rank after the other -- as the controller holds them after
+    # unpickling each rank's list, rather than interleaved across ranks (which makes every
+    # per-rank scan a cache miss per record).
+    info = []
+    held_by: dict[int, list[int]] = {}  # rank -> parameter indices; ranks of one column share
+    shared_lists: dict[object, list[int]] = {}
     k_expert = 0
     last_expert: tuple[str, int] | None = None
-    for s in param_specs(cfg):
+    for i, s in enumerate(param_specs(cfg)):
         dt = dtype if (dtype and s.dtype == "bfloat16") else s.dtype
-        shape = s.shape
         if is_expert_param(s.name):
             if layout == "two_group":
-                mesh = columns[expert_id(s.name) % g]
-                coords = [((i,), r) for i, r in enumerate(mesh)]
-                mshape = (nodes,)
+                j = expert_id(s.name) % g
+                info.append((s.name, s.shape, dt, columns[j], names1d, pl1d, (nodes,), 1))
+                shared_lists.setdefault(("col", j), []).append(i)
             else:
                 key = (s.name.split(".mlp.experts.")[0], expert_id(s.name))
                 if last_expert is not None and key != last_expert:
                     k_expert += 1
                 last_expert = key
-                mesh = singles[k_expert % world]
-                coords = [((0,), mesh[0])]
-                mshape = (1,)
-            pl, names = pl1d, names1d
+                r = k_expert % world
+                info.append((s.name, s.shape, dt, singles[r], names1d, pl1d, (1,), 0))
+                shared_lists.setdefault(("rank", r), []).append(i)
         else:
-            mesh, pl, names, mshape = mesh2d, pl2d, names2d, (nodes, g)
-            coords = [((n, j), n * g + j) for n in range(nodes) for j in range(g)]
-        for coord, r in coords:
+            info.append((s.name, s.shape, dt, mesh2d, names2d, pl2d, (nodes, g), 2))
+            shared_lists.setdefault("all", []).append(i)
+    everyone = shared_lists.get("all", [])
+    merged: dict[object, list[int]] = {}
+    for r in range(world):
+        key = ("col", r % g) if layout == "two_group" else ("rank", r)
+        if key not in merged:
+            merged[key] = sorted(everyone + shared_lists.get(key, []))
+        held_by[r] = merged[key]
+    out: dict[int, list[ParamMeta]] = {}
+    box_cache: dict[tuple, tuple] = {}
+    for r in range(world):
+        out[r] = lst = []
+        n, j = divmod(r, g)
+        coord_of = {2: (n, j), 1: (n,), 0: (0,)}
+        for i in held_by[r]:
+            name, shape, dt, mesh, names, pl, mshape, kind = info[i]
+            coord = coord_of[kind]
             key = (shape, mshape, coord, pl)
             got = box_cache.get(key)
             if got is None:
                 box = shard_box(shape, mshape, coord, pl)
                 got = box_cache[key] = (tuple(a for a, _ in box), tuple(b - a for a, b in box))
-            out[r].append(_meta(s.name, shape, dt, mesh, names, pl, got[0], got[1], offloaded))
+            lst.append(_meta(name, shape, dt, mesh, names, pl, got[0], got[1], offloaded))
     return out
 
 
