@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--list", action="store_true", help="list the simulation configs")
     sim.add_argument("--no-csv", action="store_true", help="do not append rows to the CSV")
     sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
-    sim.add_argument("--bench-planner", action="store_true", help="time plan() and its peak RSS in a subprocess")
+    sim.add_argument("--bench-planner", action="store_true",
+                     help="time plan() and its peak RSS, each run in a fresh subprocess")
+    sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")
+    sim.add_argument("--received", action="store_true",
+                     help="--bench-planner on metadata pickled per rank, as the controller receives it")
     sw = sub.add_parser("sweep", help="run a named sweep with submitit: one job per trial, its tasks the ranks "
                                       "(docs/SWEEPS.md)")
     sw.add_argument("name", nargs="?", help="sweep or named config (see --list)")

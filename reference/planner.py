@@ -29,7 +29,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 from itertools import filterfalse, repeat
-from operator import attrgetter, eq
+from operator import attrgetter, eq, itemgetter
 
 import numpy as np
 
@@ -173,7 +173,9 @@ def _task(id, group, sources, mesh, assignments, source_bytes, temp_bytes, local
 
 
 _NAME, _MESH, _LSHAPE = attrgetter("name"), attrgetter("mesh_ranks"), attrgetter("local_shape")
+_DEST_LAYOUT = attrgetter("name", "offset", "shape", "dtype")
 _RECORD = attrgetter("name", "global_shape", "dtype", "placements", "mesh_ranks")
+_RECORD4 = attrgetter("name", "global_shape", "dtype", "placements")
 """What every rank of a parameter's mesh must publish identically (``local_*`` differ per rank)."""
 
 
@@ -192,6 +194,43 @@ class _NameSequence:
     """per position, the name's index in the order of first appearance (int64)"""
     meshes: dict[int, ParamMeta]
     """id(mesh object) -> a ref meta with it, for the distinct meshes of ``ref``"""
+    records: list[tuple] = field(default_factory=list)
+    """per position, ``_RECORD(ref[i])``: (name, shape, dtype, placements, mesh)"""
+    records4: list[tuple] = field(default_factory=list)
+    """the same without the mesh"""
+    mesh_reps: list[tuple[int, tuple]] = field(default_factory=list)
+    """(id, mesh) of one object per distinct mesh value in ``ref``"""
+    mesh_at: list[int] = field(default_factory=list)
+    """per position, the id in ``mesh_reps`` of ref's mesh value"""
+
+    def __post_init__(self):
+        self.records = list(map(_RECORD, self.ref))
+        self.records4 = list(map(_RECORD4, self.ref))
+        meshes = list(map(_MESH, self.ref))
+        rep_of: dict[int, int] = {}
+        for k, m in dict(zip(map(id, meshes), meshes)).items():
+            rep_of[k] = next((rk for rk, rm in self.mesh_reps if rm == m), k)
+            if rep_of[k] == k:
+                self.mesh_reps.append((k, m))
+        self.mesh_at = list(map(rep_of.__getitem__, map(id, meshes)))
+
+    def agrees(self, ms: list[ParamMeta]) -> bool:
+        """Whether every record of ``ms`` equals the first publisher's in name, global shape,
+        dtype, placements and mesh. ``ms`` built in this process shares the mesh objects: one
+        pass of tuple equality (identity first). An unpickled rank list holds its own copy of
+        each mesh (one per distinct mesh, pickle's memo): its few distinct mesh objects are
+        compared by value once, then positions by id -- comparing a 256-rank mesh per record
+        would cost more than everything else."""
+        if len(ms) != len(self.ref):
+            return False
+        if not ms or ms[0].mesh_ranks is self.ref[0].mesh_ranks:
+            return all(map(eq, map(_RECORD, ms), self.records))
+        if not all(map(eq, map(_RECORD4, ms), self.records4)):
+            return False
+        meshes = list(map(_MESH, ms))
+        mids = list(map(id, meshes))
+        canon = {k: next((rk for rk, rm in self.mesh_reps if rm == m), -1) for k, m in dict(zip(mids, meshes)).items()}
+        return list(map(canon.__getitem__, mids)) == self.mesh_at
 
 
 def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
@@ -225,7 +264,7 @@ def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
         key = (n, *(ms[i].name for i in range(0, n, max(1, n // 16))))
         seq, agree = None, False
         for cand in seqs.get(key, ()):
-            agree = all(map(eq, map(_RECORD, ms), map(_RECORD, cand.ref)))
+            agree = cand.agrees(ms)
             if agree or list(map(_NAME, ms)) == list(map(_NAME, cand.metas)):
                 seq = cand
                 break
@@ -242,7 +281,7 @@ def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
             seq = _NameSequence(ms, position, ref, np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=n),
                                 dict(zip(map(id, map(_MESH, ref)), ref)))
             seqs.setdefault(key, []).append(seq)
-            agree = all(map(eq, map(_RECORD, ms), map(_RECORD, ref)))
+            agree = seq.agrees(ms)
         ref = seq.ref
         if not agree:
             for m, f in zip(ms, ref):
@@ -305,18 +344,20 @@ def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
     return out
 
 
-def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[Recipe]:
+def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
+    """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
+    rank (FP8 bands in whole 128-row quantization blocks), each with its output bytes."""
     per_rank = recipe.output_nbytes
     if per_rank <= max_chunk_bytes or len(recipe.shape) == 0:
-        return [recipe]
+        return [(recipe, per_rank)]
     rows = recipe.shape[split_dim(recipe)]
     row_bytes = max(1, per_rank // max(rows, 1))
     max_rows = max(1, max_chunk_bytes // row_bytes)
     if recipe.transform == "fp8_block":
         max_rows = max(128, (max_rows // 128) * 128)
     if max_rows >= rows:
-        return [recipe]
-    return split_recipe(recipe, max_rows)
+        return [(recipe, per_rank)]
+    return [(r, r.output_nbytes) for r in split_recipe(recipe, max_rows)]
 
 
 _ROW_PLACEMENTS = frozenset({"Shard(dim=0)", "Replicate()"})
@@ -332,15 +373,17 @@ def _owners(views: dict[int, tuple[dict[str, int], list[ParamMeta]]], sources: d
           and sources[n].global_shape]
     owners: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     offsets: dict[tuple[str, int], int] = {}
+    present: dict[int, list[tuple[str, int]]] = {}  # id(position dict) -> [(name, position)] (shared per sequence)
     for r, (pos, ms) in views.items():
-        for n in ok:
-            i = pos.get(n)
-            if i is not None:
-                m = ms[i]
-                a = m.local_offset[0]
-                offsets[(n, r)] = a
-                if m.local_shape[0] > 0 and all(m.local_shape):
-                    owners[n].append((a, a + m.local_shape[0], r))
+        at = present.get(id(pos))
+        if at is None:
+            at = present[id(pos)] = [(n, pos[n]) for n in ok if n in pos]
+        for n, i in at:
+            m = ms[i]
+            a = m.local_offset[0]
+            offsets[(n, r)] = a
+            if m.local_shape[0] > 0 and all(m.local_shape):
+                owners[n].append((a, a + m.local_shape[0], r))
     return owners, offsets
 
 
@@ -392,6 +435,29 @@ def _rebase(rec: Recipe, offsets: dict[str, int]) -> Recipe:
                    Piece(p.source, ((p.src_box[0][0] - offsets[p.source], p.src_box[0][1] - offsets[p.source]),)
                          + tuple(p.src_box[1:]), p.dst_box) for p in rec.pieces)
     return Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, pieces, rec.transform, rec.outputs)
+
+
+def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
+    """Inference rank -> layout id; ranks with the same tensors at the same offsets (DP
+    replicas, ranks of one TP position) share an id."""
+    ids: dict[tuple, int] = {}
+    return {r: ids.setdefault(tuple(map(_DEST_LAYOUT, ms)), len(ids)) for r, ms in dest_metas.items()}
+
+
+def _spans(rec: Recipe, dst_tensors: dict[str, DestTensorMeta], cache: dict) -> tuple[tuple[int, int, int], ...]:
+    """(output index, byte offset in the destination rank's region, byte length) of each of
+    ``rec``'s outputs on a rank whose tensors are ``dst_tensors``."""
+    out = []
+    for oi, o in enumerate(rec.outputs):
+        d = dst_tensors[o.tensor]
+        key = (o.box, d.shape, o.dtype)
+        got = cache.get(key)
+        if got is None:
+            isz = itemsize(o.dtype)
+            fa, fb = box_flat_range(o.box, d.shape)
+            got = cache[key] = (fa * isz, (fb - fa) * isz)
+        out.append((oi, d.offset + got[0], got[1]))
+    return tuple(out)
 
 
 def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off, n_slots) -> None:
@@ -479,16 +545,17 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
         loc = _localize(g, owners, mesh, local_min_bytes) if local_writes and srcs else None
         if loc is None:
-            task_defs.append((srcs, mesh, [c for r in g for c in _split_big(r, max_chunk_bytes)], None))
+            parts = [c for r in g for c in _split_big(r, max_chunk_bytes)]
+            task_defs.append((srcs, mesh, [c for c, _ in parts], None, [nb for _, nb in parts]))
         else:
-            parts = [(c, cand) for r, cand in loc for c in _split_big(r, max_chunk_bytes)]
-            task_defs.append((srcs, mesh, [c for c, _ in parts], [cand for _, cand in parts]))
+            parts = [(c, nb, cand) for r, cand in loc for c, nb in _split_big(r, max_chunk_bytes)]
+            task_defs.append((srcs, mesh, [c for c, _, _ in parts], [cand for _, _, cand in parts], None))
 
     gid = mesh_groups([t[1] for t in task_defs])
     task_defs.sort(key=lambda t: (gid[t[1]], order[t[0][0]] if t[0] else -1))
 
     send = defaultdict(int, {r: 0 for r in train_metas})
-    n_slots = 1 + max([r for r in train_metas] + [r for t in task_defs for r in t[1]], default=0)
+    n_slots = 1 + max([*train_metas, *(r for m in {t[1] for t in task_defs} for r in m)], default=0)
     pair: dict[int, array] = {d: array("q", bytes(8 * n_slots)) for d in dest_metas}
     """dst -> bytes each training rank sends to it, indexed by training rank (int64 arrays: the
     sender choice reads ~20 per write, and inline values stay in cache where list items, ints
@@ -498,17 +565,23 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
         by_rank[rk][nm] = d
     recv = defaultdict(int, {r: 0 for r in dest_metas})
     per_rank: dict[int, list[Task]] = {r: [] for r in train_metas}
-    isz_of: dict[str, int] = {}
+    layout_of = _layout_ids(dest_metas)
+    span_cache: dict = {}
     mesh_state_of: dict = {0: None}
     """mesh -> (buckets, levels) of the sender choice below; key 0: the group they belong to"""
-    for tid, (srcs, mesh, recs, cands) in enumerate(task_defs):
+    src_nbytes: dict[str, int] = {}
+    for tid, (srcs, mesh, recs, cands, rec_bytes) in enumerate(task_defs):
         if cands is not None:
             _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off, n_slots)
             mesh_state_of.pop(mesh, None)  # its ranks' loads changed outside the buckets
             continue
-        src_bytes = sum(numel(sources[s].global_shape) * itemsize(sources[s].dtype) for s in srcs)
-        mine: dict[int, dict[int, list[WriteSpec]]] = {}
-        rec_bytes = [rec.output_nbytes for rec in recs]
+        src_bytes = 0
+        for s in srcs:
+            b = src_nbytes.get(s)
+            if b is None:
+                b = src_nbytes[s] = sources[s].nbytes
+            src_bytes += b
+        mine: dict[int, list] = {}
         items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
         items.sort()
         # The sender of each write is argmin over the mesh of (send[r], pair[r, dst], r), as
@@ -530,9 +603,9 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
             mesh_state_of[mesh] = (buckets, levels)
         else:
             buckets, levels = state
-        # per recipe: for each output (its tensor, the destination shape the flat range was
-        # computed for, byte offset in the tensor, byte length); replicas share shapes
-        out_cache: list = [None] * len(recs)
+        # per recipe, its writes' (output, offset, length) for the layout last written to
+        # (a recipe's destinations are mostly DP replicas, which share one layout)
+        last_lid, spans = [-1] * len(recs), [()] * len(recs)
         for negb, ri, dst in items:
             pl = pair[dst]
             s0 = levels[0]
@@ -540,8 +613,9 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
             if len(bk) == 1 or not pl[bk[0]]:
                 sender = bk.pop(0)
             else:
-                sender = min(bk, key=pl.__getitem__)  # first minimum: lowest rank among ties
-                bk.remove(sender)
+                ps = itemgetter(*bk)(pl)  # one C call for the ~20 loads
+                i = ps.index(min(ps))  # first minimum: lowest rank among ties
+                sender = bk.pop(i)
             if not bk:
                 del buckets[s0]
                 heappop(levels)
@@ -555,40 +629,53 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
             send[sender] = s1
             pl[sender] -= negb
             recv[dst] -= negb
-            m_s = mine.get(sender)
-            if m_s is None:
-                ws = []
-                mine[sender] = {ri: ws}
+            lid = layout_of[dst]
+            if lid != last_lid[ri]:  # (output, byte offset in dst's region, bytes) per output
+                last_lid[ri] = lid
+                spans[ri] = _spans(recs[ri], by_rank[dst], span_cache)
+            sp = spans[ri]
+            if len(sp) == 1:
+                (o0, f0, l0), = sp
+                wt = (_TUPLE_NEW(WriteSpec, (o0, dst, f0, l0)),)
+            elif len(sp) == 2:  # FP8: weight and weight_scale_inv
+                (o0, f0, l0), (o1, f1, l1) = sp
+                wt = (_TUPLE_NEW(WriteSpec, (o0, dst, f0, l0)), _TUPLE_NEW(WriteSpec, (o1, dst, f1, l1)))
             else:
-                ws = m_s.get(ri)
-                if ws is None:
-                    ws = m_s[ri] = []
-            dr = by_rank[dst]
-            oc = out_cache[ri]
-            if oc is None:
-                oc = out_cache[ri] = [[o.tensor, None, 0, 0, o] for o in recs[ri].outputs]
-            for oi, c in enumerate(oc):
-                d = dr[c[0]]
-                if c[1] is not d.shape and c[1] != d.shape:
-                    o = c[4]
-                    isz = isz_of.get(o.dtype)
-                    if isz is None:
-                        isz = isz_of[o.dtype] = itemsize(o.dtype)
-                    fa, fb = box_flat_range(o.box, d.shape)
-                    c[1], c[2], c[3] = d.shape, fa * isz, (fb - fa) * isz
-                ws.append(_TUPLE_NEW(WriteSpec, (oi, dst, d.offset + c[2], c[3])))
+                wt = tuple([_TUPLE_NEW(WriteSpec, (oi, dst, off, ln)) for oi, off, ln in sp])
+            got = mine.get(sender)
+            if got is None:
+                mine[sender] = [ri, wt]  # recipe, its writes, recipe, its writes, ...
+            else:
+                got += (ri, wt)
         g_ = gid[mesh]
         srcs_t, mesh_t = tuple(srcs), tuple(mesh)
-        for r, m_r in mine.items():
-            if len(m_r) == 1:
-                for ri, ws in m_r.items():
-                    assigns = (_assignment(recs[ri], tuple(ws)),)
-                    out_bytes = rec_bytes[ri]
+        a0, a1 = _A_SET
+        t0, t1, t2, t3, t4, t5, t6, t7 = _T_SET
+        for r, got in mine.items():
+            if len(got) == 2:  # the common case: one write set per sending rank and task
+                ri = got[0]
+                a = _NEW(Assignment)
+                a0(a, recs[ri])
+                a1(a, got[1])
+                assigns = (a,)
+                out_bytes = rec_bytes[ri]
             else:
-                ris = sorted(m_r)
-                assigns = tuple([_assignment(recs[ri], tuple(m_r[ri])) for ri in ris])
+                by_ri: dict[int, list[WriteSpec]] = {}
+                for k in range(0, len(got), 2):
+                    by_ri.setdefault(got[k], []).extend(got[k + 1])
+                ris = sorted(by_ri)
+                assigns = tuple([_assignment(recs[ri], tuple(by_ri[ri])) for ri in ris])
                 out_bytes = sum([rec_bytes[ri] for ri in ris])
-            per_rank[r].append(_task(tid, g_, srcs_t, mesh_t, assigns, src_bytes, src_bytes + out_bytes, ()))
+            t = _NEW(Task)  # = Task(tid, g_, srcs_t, mesh_t, assigns, src_bytes, src_bytes + out_bytes, ())
+            t0(t, tid)
+            t1(t, g_)
+            t2(t, srcs_t)
+            t3(t, mesh_t)
+            t4(t, assigns)
+            t5(t, src_bytes)
+            t6(t, src_bytes + out_bytes)
+            t7(t, ())
+            per_rank[r].append(t)
         if len(mine) < len(mesh):  # ranks with nothing to send share one Task (it is frozen); appended in C
             idle = _task(tid, g_, srcs_t, mesh_t, (), src_bytes, src_bytes, ())
             deque(map(list.append, map(per_rank.__getitem__, filterfalse(mine.__contains__, mesh)), repeat(idle)), maxlen=0)

@@ -258,15 +258,13 @@ def test_metadata_as_the_controller_receives_it_plans_identically():
     assert received[1][0].mesh_ranks is not received[2][0].mesh_ranks
     a, b = _planned(metas, cfg, layout), _planned(received, cfg, layout)
     assert a.rank_plans == b.rank_plans and a.send_bytes == b.send_bytes and a.recv_bytes == b.recv_bytes
-    received[3][5] = replace_shape(received[3][5])
-    with pytest.raises(PlanError, match=re.escape(received[3][5].name)):
-        _planned(received, cfg, layout)
-
-
-def replace_shape(m):
     from dataclasses import replace
 
-    return replace(m, global_shape=tuple(x + 1 for x in m.global_shape))
+    for bad in (dict(global_shape=(7, 7)), dict(mesh_ranks=((0, 1), (3, 2)))):
+        wrong = {r: list(ms) for r, ms in received.items()}
+        wrong[3][5] = replace(wrong[3][5], **bad)
+        with pytest.raises(PlanError, match=re.escape(wrong[3][5].name) + ": rank 3 publishes"):
+            _planned(wrong, cfg, layout)
 
 
 def test_fast_constructors_equal_the_dataclass_ones():

@@ -151,6 +151,43 @@ def test_baselines_and_cli_tiny(tmp_path):
         SimConfig(name="x", model="kimi-k2", methods=("teleport",))
 
 
+def test_planner_benchmark_tiny(capsys):
+    """--bench-planner plans in fresh subprocesses, on synthesized and on pickled (as
+    received) metadata, and reports min / median / max."""
+    from experiments.__main__ import main
+
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 fresh subprocess(es)" in out and "plan() wall s: min" in out and "peak RSS" in out
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "1", "--received"]) == 0
+    assert "as the controller receives it" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["two_group", "expert_whole"])
+def test_synthesized_metadata_rank_lists(layout):
+    """Built rank by rank (as the controller holds them after unpickling each rank's list):
+    each rank lists, in parameter order, every non-expert parameter and exactly its experts."""
+    from experiments.sim import metadata
+    from reference.catalog import param_specs
+    from reference.training import expert_id, is_expert_param
+
+    cfg = load_config("qwen3-30b-a3b", **SMALL)
+    tm = metadata.train_metas(cfg, 2, 2, layout=layout)
+    order = [s.name for s in param_specs(cfg)]
+    dense = [n for n in order if not is_expert_param(n)]
+    held: dict[str, list[int]] = {}
+    for r, ms in tm.items():
+        names = [m.name for m in ms]
+        assert names == sorted(names, key=order.index)
+        assert [n for n in names if not is_expert_param(n)] == dense
+        for m in ms:
+            held.setdefault(m.name, []).append(r)
+            if is_expert_param(m.name):
+                assert r in m.mesh_flat and (layout == "expert_whole" or expert_id(m.name) % 2 == r % 2)
+    experts = [n for n in order if is_expert_param(n)]
+    assert all(len(held[n]) == (2 if layout == "two_group" else 1) for n in experts)
+
+
 # ----------------------------------------------------------------------- real 2x2 world
 
 
