@@ -538,7 +538,7 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
 
     task_defs = []
     for g in groups:
-        srcs = sorted({s for r in g for s in r.sources}, key=lambda n: order[n])
+        srcs = sorted({pc.source for r in g for pc in r.pieces if pc.source is not None}, key=order.__getitem__)
         meshes = {mesh_flat(s) for s in srcs}
         if len(meshes) > 1:
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
@@ -582,7 +582,11 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
                 b = src_nbytes[s] = sources[s].nbytes
             src_bytes += b
         mine: dict[int, list] = {}
-        items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
+        if len(recs) == 1:  # (one recipe: already in order when its ranks are)
+            nb = -rec_bytes[0]
+            items = [(nb, 0, dst) for dst in recs[0].ranks]
+        else:
+            items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
         items.sort()
         # The sender of each write is argmin over the mesh of (send[r], pair[r, dst], r), as
         # `min(mesh, key=...)` would pick it, found in buckets of ranks by bytes sent (a heap
