@@ -172,7 +172,7 @@ def _task(id, group, sources, mesh, assignments, source_bytes, temp_bytes, local
     return t
 
 
-_NAME, _MESH, _LSHAPE = attrgetter("name"), attrgetter("mesh_ranks"), attrgetter("local_shape")
+_NAME, _MESH, _LSHAPE, _GROUP = attrgetter("name"), attrgetter("mesh_ranks"), attrgetter("local_shape"), attrgetter("group")
 _DEST_LAYOUT = attrgetter("name", "offset", "shape", "dtype")
 _RECORD = attrgetter("name", "global_shape", "dtype", "placements", "mesh_ranks")
 _RECORD4 = attrgetter("name", "global_shape", "dtype", "placements")
@@ -685,5 +685,5 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
             deque(map(list.append, map(per_rank.__getitem__, filterfalse(mine.__contains__, mesh)), repeat(idle)), maxlen=0)
 
     n_groups = len(set(gid.values()))
-    rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted({t.group for t in ts})), n_groups) for r, ts in per_rank.items()}
+    rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted(set(map(_GROUP, ts)))), n_groups) for r, ts in per_rank.items()}
     return Schedule(rank_plans, dict(send), dict(recv), len(task_defs), len(set(gid.values())))
