@@ -97,6 +97,14 @@ def _world(row) -> str:
     return f"{int(row['n_train'])}->{row['layout']}"
 
 
+def _save(plt, fig, path) -> Path:
+    """Lay out, write (110 dpi) and close ``fig``; the path written."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_latency_vs_size(s: pd.DataFrame, path, *, title_note: str = "") -> Path | None:
     """p50 update time vs bytes per update, per method, in the most common world (training
     ranks, inference layout) with an unbounded watermark. Needs >= 2 sizes."""
@@ -126,10 +134,7 @@ def plot_latency_vs_size(s: pd.DataFrame, path, *, title_note: str = "") -> Path
     ax.set_title(f"Update latency vs model size, {world}{title_note}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_bandwidth_vs_ranks(s: pd.DataFrame, path, *, title_note: str = "") -> Path | None:
@@ -162,10 +167,7 @@ def plot_bandwidth_vs_ranks(s: pd.DataFrame, path, *, title_note: str = "") -> P
     ax.set_title(f"Bandwidth vs rank counts, {model}{title_note}")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_watermark(s: pd.DataFrame, path, *, title_note: str = "") -> Path | None:
@@ -194,10 +196,7 @@ def plot_watermark(s: pd.DataFrame, path, *, title_note: str = "") -> Path | Non
         a.grid(True, alpha=0.3)
         a.set_ylim(bottom=0)
     fig.suptitle(f"Watermark vs update time and temporary memory (reference)\n{world}{title_note}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def _fmt_wm(w) -> str:

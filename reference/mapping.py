@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import gc
-import math
 import re
 from contextlib import contextmanager
 from collections import Counter, defaultdict
@@ -656,15 +655,21 @@ def _in_bounds(box: Box, shape: tuple[int, ...]) -> bool:
     return True
 
 
-def _bshape(box: Box) -> tuple[int, ...]:
-    return tuple([b - a for a, b in box])
-
-
-def _box_numel(box: Box) -> int:
+def _numel_inside(box: Box, shape: tuple[int, ...]) -> int:
+    """Elements of ``box``, or -1 when it is not inside ``shape`` (:func:`_in_bounds` and the
+    element count in one pass: every piece of 51k recipes at Kimi-K2 scale)."""
+    if len(box) != len(shape):
+        return -1
     n = 1
-    for a, b in box:
+    for (a, b), s in zip(box, shape):
+        if not (0 <= a <= b <= s):
+            return -1
         n *= b - a
     return n
+
+
+def _bshape(box: Box) -> tuple[int, ...]:
+    return tuple([b - a for a, b in box])
 
 
 def _compatible(src_box: Box, dst_box: Box) -> bool:
@@ -737,19 +742,9 @@ def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[
         total *= x
     covered = 0
     pieces = r.pieces
-    nd = len(shape)
     for pc in pieces:
         dbox = pc.dst_box
-        # _in_bounds and _box_numel in one pass (51k recipes at Kimi-K2 scale)
-        k = 1
-        if len(dbox) == nd:
-            for (a, b), s in zip(dbox, shape):
-                if not (0 <= a <= b <= s):
-                    k = -1
-                    break
-                k *= b - a
-        else:
-            k = -1
+        k = _numel_inside(dbox, shape)
         if k < 0:
             probs.add("shape", f"recipe {name!r}: piece of {pc.source!r} dst box {dbox} outside assembled shape {shape}")
             continue
@@ -795,31 +790,6 @@ def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[
                 probs.add("cover", f"recipe {name!r}: pieces of {pieces[i].source!r} and {pieces[j].source!r} overlap in the assembled tensor")
     if not overlap and covered != total:
         probs.add("cover", f"recipe {name!r}: pieces cover {covered} of {total} elements of the assembled shape {shape}")
-
-
-def _flat_range(box: Box, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
-    """:func:`~reference.types.box_flat_range` with precomputed strides (hot path); falls back
-    to it for the error message."""
-    if len(box) == len(shape):
-        start = 0
-        n = 1
-        d = -1  # first dim with extent > 1
-        ok = True
-        for i, ((a, b), s) in enumerate(zip(box, shape)):
-            if not (0 <= a <= b <= s):
-                ok = False
-                break
-            e = b - a
-            if d >= 0 and (a, b) != (0, s):
-                ok = False
-                break
-            if d < 0 and e != 1:
-                d = i
-            start += a * strides[i]
-            n *= e
-        if ok:
-            return (start, start + n) if n else (0, 0)
-    return box_flat_range(box, shape)
 
 
 def _check_cover(iv: list[tuple[int, int, str]], n: int, where: str, probs: _Problems):
@@ -910,14 +880,13 @@ def validate(
             metas.setdefault((tuple(d.shape), d.dtype), []).append(rank)
         for (dshape, ddt), rks in metas.items():
             iv = []
-            strides = tuple(math.prod(dshape[i + 1:]) for i in range(len(dshape)))
             for o, rname, tr in outs:
                 if o.dtype != ddt:
                     hint = " (a float8 destination needs fp8_block)" if ddt.startswith("float8") and tr == "copy" else ""
                     probs.add("dtype", f"{rname!r} writes {o.dtype} into {tensor!r} ({ddt}) on ranks {rks}{hint}")
                     continue
                 try:
-                    a, b = _flat_range(o.box, dshape, strides)
+                    a, b = box_flat_range(o.box, dshape)
                 except ValueError as e:
                     probs.add("shape", f"{rname!r} output to {tensor!r} {dshape} on ranks {rks}: {e}")
                     continue

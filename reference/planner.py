@@ -35,7 +35,7 @@ import numpy as np
 
 from .mapping import PlanError, RecipeSet, fusion_groups, validate
 from .transforms import split_dim, split_recipe, split_recipe_bands
-from .types import (DestTensorMeta, ParamMeta, Piece, Recipe, box_flat_range, box_numel, itemsize, numel)
+from .types import (DestTensorMeta, ParamMeta, Piece, Recipe, box_flat_range, itemsize, numel)
 
 
 class WriteSpec(NamedTuple):
@@ -192,8 +192,8 @@ class _NameSequence:
     """per position, the name's first publisher's meta (what every rank must agree with)"""
     index: np.ndarray
     """per position, the name's index in the order of first appearance (int64)"""
-    meshes: dict[int, ParamMeta]
-    """id(mesh object) -> a ref meta with it, for the distinct meshes of ``ref``"""
+    meshes: dict[int, ParamMeta] = field(default_factory=dict)
+    """id(mesh object) -> a ref meta with it, for the distinct mesh objects of ``ref``"""
     records: list[tuple] = field(default_factory=list)
     """per position, ``_RECORD(ref[i])``: (name, shape, dtype, placements, mesh)"""
     records4: list[tuple] = field(default_factory=list)
@@ -207,6 +207,7 @@ class _NameSequence:
         self.records = list(map(_RECORD, self.ref))
         self.records4 = list(map(_RECORD4, self.ref))
         meshes = list(map(_MESH, self.ref))
+        self.meshes = dict(zip(map(id, meshes), self.ref))
         rep_of: dict[int, int] = {}
         for k, m in dict(zip(map(id, meshes), meshes)).items():
             rep_of[k] = next((rk for rk, rm in self.mesh_reps if rm == m), k)
@@ -278,8 +279,7 @@ def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
                 first[x] = ms[position[x]]
                 index[x] = len(index)
             ref = list(map(first.__getitem__, names))
-            seq = _NameSequence(ms, position, ref, np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=n),
-                                dict(zip(map(id, map(_MESH, ref)), ref)))
+            seq = _NameSequence(ms, position, ref, np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=n))
             seqs.setdefault(key, []).append(seq)
             agree = seq.agrees(ms)
         ref = seq.ref
@@ -444,19 +444,15 @@ def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
     return {r: ids.setdefault(tuple(map(_DEST_LAYOUT, ms)), len(ids)) for r, ms in dest_metas.items()}
 
 
-def _spans(rec: Recipe, dst_tensors: dict[str, DestTensorMeta], cache: dict) -> tuple[tuple[int, int, int], ...]:
+def _spans(rec: Recipe, dst_tensors: dict[str, DestTensorMeta]) -> tuple[tuple[int, int, int], ...]:
     """(output index, byte offset in the destination rank's region, byte length) of each of
     ``rec``'s outputs on a rank whose tensors are ``dst_tensors``."""
     out = []
     for oi, o in enumerate(rec.outputs):
         d = dst_tensors[o.tensor]
-        key = (o.box, d.shape, o.dtype)
-        got = cache.get(key)
-        if got is None:
-            isz = itemsize(o.dtype)
-            fa, fb = box_flat_range(o.box, d.shape)
-            got = cache[key] = (fa * isz, (fb - fa) * isz)
-        out.append((oi, d.offset + got[0], got[1]))
+        isz = itemsize(o.dtype)
+        fa, fb = box_flat_range(o.box, d.shape)
+        out.append((oi, d.offset + fa * isz, (fb - fa) * isz))
     return tuple(out)
 
 
@@ -473,13 +469,7 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
         send[sender] += nbytes
         pl[sender] += nbytes
         recv[dst] += nbytes
-        ws = mine[sender].setdefault(ri, [])
-        rec = recs[ri]
-        for oi, out in enumerate(rec.outputs):
-            d = by_rank[dst][out.tensor]
-            isz = itemsize(out.dtype)
-            fa, fb = box_flat_range(out.box, d.shape)
-            ws.append(_write_spec(oi, dst, d.offset + fa * isz, (fb - fa) * isz))
+        mine[sender].setdefault(ri, []).extend(_write_spec(oi, dst, off, ln) for oi, off, ln in _spans(recs[ri], by_rank[dst]))
     for r in sorted(mine):
         assigns = []
         for ri in sorted(mine[r]):
@@ -566,14 +556,14 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
     recv = defaultdict(int, {r: 0 for r in dest_metas})
     per_rank: dict[int, list[Task]] = {r: [] for r in train_metas}
     layout_of = _layout_ids(dest_metas)
-    span_cache: dict = {}
-    mesh_state_of: dict = {0: None}
-    """mesh -> (buckets, levels) of the sender choice below; key 0: the group they belong to"""
+    mesh_state: dict[tuple, tuple] = {}
+    """mesh -> (buckets, levels) of the sender choice below, for meshes of group ``state_group``"""
+    state_group = None
     src_nbytes: dict[str, int] = {}
     for tid, (srcs, mesh, recs, cands, rec_bytes) in enumerate(task_defs):
         if cands is not None:
             _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off, n_slots)
-            mesh_state_of.pop(mesh, None)  # its ranks' loads changed outside the buckets
+            mesh_state.pop(mesh, None)  # its ranks' loads changed outside the buckets
             continue
         src_bytes = 0
         for s in srcs:
@@ -582,11 +572,7 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
                 b = src_nbytes[s] = sources[s].nbytes
             src_bytes += b
         mine: dict[int, list] = {}
-        if len(recs) == 1:  # (one recipe: already in order when its ranks are)
-            nb = -rec_bytes[0]
-            items = [(nb, 0, dst) for dst in recs[0].ranks]
-        else:
-            items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
+        items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
         items.sort()
         # The sender of each write is argmin over the mesh of (send[r], pair[r, dst], r), as
         # `min(mesh, key=...)` would pick it, found in buckets of ranks by bytes sent (a heap
@@ -594,17 +580,17 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
         # first rank wins unless it already sends to dst, then the bucket is compared on pair.
         # Kept per mesh across its tasks (a task changes only its own ranks' loads, and the
         # meshes of one group are disjoint); rebuilt after a task on an overlapping mesh.
-        if mesh_state_of[0] != gid[mesh]:
-            mesh_state_of.clear()
-            mesh_state_of[0] = gid[mesh]
-        state = mesh_state_of.get(mesh)
+        if state_group != gid[mesh]:
+            mesh_state.clear()
+            state_group = gid[mesh]
+        state = mesh_state.get(mesh)
         if state is None:
             buckets: dict[int, list[int]] = {}
             for r in sorted(mesh):
                 buckets.setdefault(send[r], []).append(r)
             levels = list(buckets)
             heapify(levels)
-            mesh_state_of[mesh] = (buckets, levels)
+            mesh_state[mesh] = (buckets, levels)
         else:
             buckets, levels = state
         # per recipe, its writes' (output, offset, length) for the layout last written to
@@ -636,7 +622,7 @@ def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_meta
             lid = layout_of[dst]
             if lid != last_lid[ri]:  # (output, byte offset in dst's region, bytes) per output
                 last_lid[ri] = lid
-                spans[ri] = _spans(recs[ri], by_rank[dst], span_cache)
+                spans[ri] = _spans(recs[ri], by_rank[dst])
             sp = spans[ri]
             if len(sp) == 1:
                 (o0, f0, l0), = sp

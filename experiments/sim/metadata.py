@@ -76,8 +76,7 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     # unpickling each rank's list, rather than interleaved across ranks (which makes every
     # per-rank scan a cache miss per record).
     info = []
-    held_by: dict[int, list[int]] = {}  # rank -> parameter indices; ranks of one column share
-    shared_lists: dict[object, list[int]] = {}
+    shared_lists: dict[object, list[int]] = {}  # "all" / ("col", j) / ("rank", r) -> parameter indices
     k_expert = 0
     last_expert: tuple[str, int] | None = None
     for i, s in enumerate(param_specs(cfg)):
@@ -99,19 +98,17 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
             info.append((s.name, s.shape, dt, mesh2d, names2d, pl2d, (nodes, g), 2))
             shared_lists.setdefault("all", []).append(i)
     everyone = shared_lists.get("all", [])
-    merged: dict[object, list[int]] = {}
-    for r in range(world):
-        key = ("col", r % g) if layout == "two_group" else ("rank", r)
-        if key not in merged:
-            merged[key] = sorted(everyone + shared_lists.get(key, []))
-        held_by[r] = merged[key]
+    held: dict[object, list[int]] = {}  # ranks of one column hold the same parameters
     out: dict[int, list[ParamMeta]] = {}
     box_cache: dict[tuple, tuple] = {}
     for r in range(world):
         out[r] = lst = []
         n, j = divmod(r, g)
         coord_of = {2: (n, j), 1: (n,), 0: (0,)}
-        for i in held_by[r]:
+        key = ("col", j) if layout == "two_group" else ("rank", r)
+        if key not in held:
+            held[key] = sorted(everyone + shared_lists.get(key, []))
+        for i in held[key]:
             name, shape, dt, mesh, names, pl, mshape, kind = info[i]
             coord = coord_of[kind]
             key = (shape, mshape, coord, pl)
