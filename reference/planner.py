@@ -21,15 +21,22 @@ naming the tensors or ranks.
 from __future__ import annotations
 
 import gc
-from heapq import heapify, heappop, heappush
 import math
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import warnings
 from array import array
 from bisect import insort
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from functools import partial
+from heapq import heapify, heappop, heappush
 from itertools import filterfalse, repeat
 from operator import attrgetter, eq, itemgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -184,10 +191,12 @@ class _NameSequence:
     """The metadata layout shared by training ranks that publish the same names in the same
     order (at Kimi-K2 scale 256 ranks, 8 sequences: one per expert column)."""
 
-    metas: list[ParamMeta]
-    """the first rank's list with this sequence"""
+    rank: int
+    """the first rank publishing this sequence"""
+    names: list[str]
+    """the names, in the ranks' order"""
     position: dict[str, int]
-    """name -> position in the list"""
+    """name -> position in the list (the last one, should a rank publish a name twice)"""
     ref: list[ParamMeta]
     """per position, the name's first publisher's meta (what every rank must agree with)"""
     index: np.ndarray
@@ -195,7 +204,8 @@ class _NameSequence:
     meshes: dict[int, ParamMeta] = field(default_factory=dict)
     """id(mesh object) -> a ref meta with it, for the distinct mesh objects of ``ref``"""
     records: list[tuple] = field(default_factory=list)
-    """per position, ``_RECORD(ref[i])``: (name, shape, dtype, placements, mesh)"""
+    """per position, ``_RECORD(ref[i])``: (name, shape, dtype, placements, mesh); filled by
+    :meth:`prepare` (the checks' part, which may run in another process)"""
     records4: list[tuple] = field(default_factory=list)
     """the same without the mesh"""
     mesh_reps: list[tuple[int, tuple]] = field(default_factory=list)
@@ -203,7 +213,10 @@ class _NameSequence:
     mesh_at: list[int] = field(default_factory=list)
     """per position, the id in ``mesh_reps`` of ref's mesh value"""
 
-    def __post_init__(self):
+    def prepare(self) -> None:
+        """Derive what :meth:`agrees` compares against (once per sequence)."""
+        if self.records or not self.ref:
+            return
         self.records = list(map(_RECORD, self.ref))
         self.records4 = list(map(_RECORD4, self.ref))
         meshes = list(map(_MESH, self.ref))
@@ -222,6 +235,7 @@ class _NameSequence:
         each mesh (one per distinct mesh, pickle's memo): its few distinct mesh objects are
         compared by value once, then positions by id -- comparing a 256-rank mesh per record
         would cost more than everything else."""
+        self.prepare()
         if len(ms) != len(self.ref):
             return False
         if not ms or ms[0].mesh_ranks is self.ref[0].mesh_ranks:
@@ -234,56 +248,86 @@ class _NameSequence:
         return list(map(canon.__getitem__, mids)) == self.mesh_at
 
 
-def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
-    """Check the training metadata and index it. Returns ``(first, views)``: one ParamMeta per
-    name (in order of first appearance: ranks ascending, each rank's order) and, per rank,
-    ``(name -> position, its metas)``.
+class _SourceIndex(NamedTuple):
+    """The training metadata indexed by name (:func:`_index_sources`)."""
 
-    Every rank of a parameter's mesh must have published it, identically (global shape, dtype,
-    mesh, placements), no rank outside the mesh may publish it, no rank twice, and the shards of
-    a sharded parameter must hold its elements. Raises PlanError naming parameters and ranks.
+    first: dict[str, ParamMeta]
+    """one ParamMeta per name, in order of first appearance (ranks ascending, each rank's order)"""
+    views: dict[int, tuple[dict[str, int], list[ParamMeta]]]
+    """per rank, (name -> position, its metas)"""
+    seq_of: dict[int, _NameSequence]
+    """per rank, its name sequence"""
 
-    At Kimi-K2 scale this reads 2.4 million records (256 ranks). On this project's 2-core VM a
-    lookup in a 70k-entry dict costs about as much as reading ten records in order, so records
-    are compared in order, in C: ranks that publish the same names in the same order share one
-    :class:`_NameSequence`, whose names are looked up once; a rank is checked with one pass of
-    ``all(map(operator.eq, ...))`` over (name, shape, dtype, placements, mesh) tuples against
-    the first publishers' (tuple equality tries identity first, so shared objects cost nothing;
-    an unpickled rank list holds its own copies, compared by value). The shard sizes are summed
-    per name with numpy. Records are visited one by one in Python only to name them in an
-    error."""
+
+def _index_sources(train_metas: dict[int, list[ParamMeta]], *, exact: bool = True) -> _SourceIndex:
+    """Index the training metadata by name without checking it (:func:`_check_sources` does).
+
+    At Kimi-K2 scale 256 ranks publish 2.4 million records. On this project's 2-core VM a
+    lookup in a 70k-entry dict costs about as much as reading ten records in order, so ranks
+    that publish the same names in the same order share one :class:`_NameSequence` whose
+    names are looked up once. ``exact``: a rank joins a sequence when all its names equal the
+    sequence's (one C pass per rank, 0.6 s at Kimi-K2 scale); otherwise when its length and 17
+    names sampled evenly do, and :func:`_same_names` must confirm it before the index is
+    trusted (the forked checks do, on the other core)."""
     first: dict[str, ParamMeta] = {}
     index: dict[str, int] = {}
     views: dict[int, tuple[dict[str, int], list[ParamMeta]]] = {}
+    seq_of: dict[int, _NameSequence] = {}
     seqs: dict[tuple, list[_NameSequence]] = {}
-    problems: list[str] = []
-    flat_of: dict[int, frozenset] = {}  # id(mesh object) -> its ranks (the objects stay alive meanwhile)
-    idx_parts, numel_parts = [], []
     for rank in sorted(train_metas):
         ms = train_metas[rank]
         n = len(ms)
         key = (n, *(ms[i].name for i in range(0, n, max(1, n // 16))))
-        seq, agree = None, False
-        for cand in seqs.get(key, ()):
-            agree = cand.agrees(ms)
-            if agree or list(map(_NAME, ms)) == list(map(_NAME, cand.metas)):
-                seq = cand
-                break
+        if exact:
+            names = list(map(_NAME, ms))
+            seq = next((c for c in seqs.get(key, ()) if c.names == names), None)
+        else:
+            seq = next(iter(seqs.get(key, ())), None)
         if seq is None:
             names = list(map(_NAME, ms))
             position = dict(zip(names, range(n)))
-            if len(position) != n:
-                dup = sorted(x for x, c in Counter(names).items() if c > 1)
-                problems.append(f"rank {rank} publishes {', '.join(dup[:5])} more than once")
             for x in filterfalse(first.__contains__, position):
                 first[x] = ms[position[x]]
                 index[x] = len(index)
-            ref = list(map(first.__getitem__, names))
-            seq = _NameSequence(ms, position, ref, np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=n))
+            seq = _NameSequence(rank, names, position, list(map(first.__getitem__, names)),
+                                np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=n))
             seqs.setdefault(key, []).append(seq)
-            agree = seq.agrees(ms)
+        views[rank] = (seq.position, ms)
+        seq_of[rank] = seq
+    return _SourceIndex(first, views, seq_of)
+
+
+def _same_names(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex) -> bool:
+    """Whether every rank publishes exactly its sequence's names, in order (what
+    ``_index_sources(exact=True)`` makes sure of)."""
+    return all(list(map(_NAME, ms)) == ix.seq_of[r].names for r, ms in train_metas.items())
+
+
+def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex) -> None:
+    """Check the training metadata indexed in ``ix``: every rank of a parameter's mesh must have
+    published it, identically (global shape, dtype, mesh, placements), no rank outside the mesh
+    may publish it, no rank twice, and the shards of a sharded parameter must hold its
+    elements. Raises PlanError naming parameters and ranks.
+
+    Every record is read: a rank is checked with one pass of ``all(map(operator.eq, ...))``
+    over (name, shape, dtype, placements, mesh) tuples against its sequence's first
+    publishers' (tuple equality tries identity first, so shared objects cost nothing; an
+    unpickled rank list holds its own copies, compared by value). The shard sizes are summed
+    per name with numpy. Records are visited one by one in Python only to name them in an
+    error."""
+    first, views, seq_of = ix
+    problems: list[str] = []
+    for seq in {id(s): s for s in seq_of.values()}.values():
+        if len(seq.position) != len(seq.names):
+            dup = sorted(x for x, c in Counter(seq.names).items() if c > 1)
+            problems.append(f"rank {seq.rank} publishes {', '.join(dup[:5])} more than once")
+    flat_of: dict[int, frozenset] = {}  # id(mesh object) -> its ranks (the objects stay alive meanwhile)
+    idx_parts, numel_parts = [], []
+    for rank in sorted(train_metas):
+        ms = train_metas[rank]
+        seq = seq_of[rank]
         ref = seq.ref
-        if not agree:
+        if not seq.agrees(ms):
             for m, f in zip(ms, ref):
                 if _RECORD(m) != _RECORD(f):
                     problems.append(f"{m.name}: rank {rank} publishes shape {m.global_shape} {m.dtype} mesh {m.mesh_ranks} "
@@ -295,9 +339,8 @@ def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
             if rank not in mf:
                 names = [m.name for m, g in zip(ms, ref) if id(g.mesh_ranks) == k]
                 problems.append(f"rank {rank} publishes {', '.join(names[:5])} but is not in its mesh {sorted(mf)}")
-        views[rank] = (seq.position, ms)
         idx_parts.append(seq.index)
-        numel_parts.append(np.fromiter(map(math.prod, map(_LSHAPE, ms)), dtype=np.int64, count=n))
+        numel_parts.append(np.fromiter(map(math.prod, map(_LSHAPE, ms)), dtype=np.int64, count=len(ms)))
     # Every mesh rank published it: rank r published exactly the names whose mesh holds r (each
     # name it published has such a mesh, checked above) iff it published as many (no duplicates).
     n_with: Counter = Counter(id(f.mesh_ranks) for f in first.values())
@@ -310,7 +353,7 @@ def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
                     missing[x].append(rank)
     for x, ranks in missing.items():
         problems.append(f"{x}: mesh ranks {ranks} did not publish it")
-    held = np.zeros(len(index), dtype=np.int64)
+    held = np.zeros(len(first), dtype=np.int64)
     if idx_parts:
         np.add.at(held, np.concatenate(idx_parts), np.concatenate(numel_parts))
     sharded: dict[tuple, bool] = {}
@@ -322,7 +365,6 @@ def _consistent_sources(train_metas: dict[int, list[ParamMeta]]):
             problems.append(f"{f.name}: shards hold {int(held[i])} elements, the tensor has {numel(f.global_shape)}")
     if problems:
         raise PlanError(f"training metadata inconsistent ({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:20]))
-    return first, views
 
 
 def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
@@ -367,7 +409,7 @@ def _owners(views: dict[int, tuple[dict[str, int], list[ParamMeta]]], sources: d
     """For the parameters in ``names`` whose placements only cut dim 0 (``Shard(0)`` /
     ``Replicate``: a shard is a row range): name -> [(first row, end row, rank)] of the
     non-empty shards, and (name, rank) -> first row of that rank's shard. ``views``: per rank,
-    (name -> position, metas) from :func:`_consistent_sources`; only those names are looked up
+    (name -> position, metas) from :func:`_index_sources`; only those names are looked up
     (at Kimi-K2 scale a few hundred names on 256 ranks, not 2.4 million records)."""
     ok = [n for n in sources if n in names and set(sources[n].placements) <= _ROW_PLACEMENTS
           and sources[n].global_shape]
@@ -481,36 +523,172 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
         per_rank[r].append(Task(tid, group, (), tuple(mesh), tuple(assigns), 0, out_bytes, used))
 
 
+PARALLEL_CHECKS_MIN_RECORDS = 200_000
+"""``plan(parallel_checks=None)`` checks in a forked child process from this many training
+records on (all ranks together; Kimi-K2 256 -> 128 publishes 2.4 million). Below it forking
+costs more than it saves, and small worlds (tests, the demo) keep the plain sequential path."""
+
+
+_CHECKS_WAIT_S = 60.0
+""":meth:`_ForkedChecks.join` waits this long plus 4x the time the child has had before it
+gives up on the child and checks in-process (the checks take ~4 s at Kimi-K2 scale)."""
+
+
+class _IndexUnconfirmed(Exception):
+    """A rank's names differ from those of the sequence its sampled names matched (raised by
+    the forked checks; :func:`plan` then indexes exactly and plans again)."""
+
+
+def _run_checks(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex,
+                dests: dict[tuple[int, str], DestTensorMeta], *, confirm_index: bool = False) -> None:
+    """Every check :func:`plan` makes before it returns a schedule; raises PlanError.
+    ``confirm_index``: first check that ``ix`` (made with ``exact=False``) holds, else raise
+    :class:`_IndexUnconfirmed`."""
+    if confirm_index and not _same_names(train_metas, ix):
+        raise _IndexUnconfirmed
+    _check_sources(train_metas, ix)
+    validate(recipes, {n: (m.global_shape, m.dtype) for n, m in ix.first.items()}, dests)
+
+
+def _checks_child(fn, conn) -> None:
+    """In the forked child: run ``fn`` and send ("ok", None), ("plan-error", message),
+    ("unconfirmed", None) or ("crash", traceback)."""
+    try:
+        fn()
+        conn.send(("ok", None))
+    except PlanError as e:
+        conn.send(("plan-error", str(e)))
+    except _IndexUnconfirmed:
+        conn.send(("unconfirmed", None))
+    except BaseException:  # noqa: BLE001 -- anything else: the parent checks in-process
+        conn.send(("crash", traceback.format_exc(limit=8)))
+    finally:
+        conn.close()
+
+
+class _ForkedChecks:
+    """``fn()`` (the plan's checks) run in a forked child process while the caller builds the
+    schedule on the other core; :meth:`join` waits for it and raises its PlanError here.
+
+    ``multiprocessing``'s fork context does the process handling (it flushes stdio before the
+    fork and leaves the child with ``os._exit``); fork, not spawn, because the child reads the
+    caller's metadata copy-on-write where spawn would pickle 2.4 million records across. The
+    child runs pure Python and numpy only (no torch, no collective, no store), so other threads
+    of a controller (TCPStore, Gloo) are not touched. Should the child crash, die, or not answer
+    within :data:`_CHECKS_WAIT_S` plus 4x the time it has had, the checks run again in this process: a schedule
+    is never returned unchecked."""
+
+    def __init__(self, fn):
+        ctx = multiprocessing.get_context("fork")
+        self._fn = fn
+        self._t0 = time.perf_counter()
+        self._conn, child_end = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_checks_child, args=(fn, child_end), name="plan-checks", daemon=True)
+        try:
+            self._proc.start()
+        finally:
+            child_end.close()
+
+    def join(self) -> None:
+        """Wait for the child; raise its PlanError (or :class:`_IndexUnconfirmed`), or run
+        ``fn`` here if it gave no answer."""
+        if self._proc is None:
+            return
+        wait = _CHECKS_WAIT_S + 4 * (time.perf_counter() - self._t0)
+        try:
+            kind, msg = self._conn.recv() if self._conn.poll(wait) else ("timeout", f"no answer within {wait:.0f} s")
+        except (EOFError, OSError) as e:
+            kind, msg = "died", repr(e)
+        self.close()
+        if kind == "plan-error":
+            raise PlanError(msg)
+        if kind == "unconfirmed":
+            raise _IndexUnconfirmed
+        if kind != "ok":
+            warnings.warn(f"plan(): the checks' child process failed ({kind}: {msg}); checking in this process",
+                          RuntimeWarning, stacklevel=3)
+            self._fn()
+
+    def close(self) -> None:
+        """Stop the child if it still runs and reap it (idempotent)."""
+        if self._proc is None:
+            return
+        self._conn.close()
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
+        self._proc.close()
+        self._proc = None
+
+
+def _fork_checks_by_default(train_metas: dict[int, list[ParamMeta]]) -> bool:
+    """Large metadata, Linux, a second CPU to run on, and a process allowed to have children."""
+    if sys.platform != "linux" or multiprocessing.current_process().daemon:
+        return False
+    if len(os.sched_getaffinity(0)) < 2:
+        return False
+    return sum(map(len, train_metas.values())) >= PARALLEL_CHECKS_MIN_RECORDS
+
+
 def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 1 << 20) -> Schedule:
+         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 1 << 20,
+         parallel_checks: bool | None = None) -> Schedule:
     """Compute the static schedule (see module docstring).
 
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
     its tensors in its region. ``max_chunk_bytes`` bounds one recipe output before it is split
-    into row bands spread over senders. Raises PlanError naming tensors or ranks.
+    into row bands spread over senders. Raises PlanError naming tensors or ranks; no schedule
+    is returned unless every check passed.
+
+    ``parallel_checks``: run the checks (training metadata consistency, :func:`validate`; about
+    40% of the time at Kimi-K2 scale) in a forked child process while this one builds the
+    schedule, see :class:`_ForkedChecks`. ``None`` (default): when the metadata has at least
+    :data:`PARALLEL_CHECKS_MIN_RECORDS` records, on Linux with two or more usable CPUs. When
+    the schedule's construction fails too, the checks' error is raised (it names the cause).
+    The schedule is the same either way.
 
     The cyclic GC is paused meanwhile: the schedule is millions of small acyclic objects at
     Kimi-K2 scale, and each full collection would rescan all of them and the metadata."""
     was = gc.isenabled()
     gc.disable()
     try:
-        return _plan(recipes, train_metas, dest_metas, max_chunk_bytes=max_chunk_bytes, local_writes=local_writes,
-                     local_min_bytes=local_min_bytes)
+        kw = dict(max_chunk_bytes=max_chunk_bytes, local_writes=local_writes, local_min_bytes=local_min_bytes)
+        dests = {(m.rank, m.name): m for ms in dest_metas.values() for m in ms}
+        if parallel_checks is None:
+            parallel_checks = _fork_checks_by_default(train_metas)
+        if parallel_checks:
+            ix = _index_sources(train_metas, exact=False)
+            try:
+                forked = _ForkedChecks(partial(_run_checks, recipes, train_metas, ix, dests, confirm_index=True))
+            except OSError as e:  # cannot fork (memory, process limit): check here
+                warnings.warn(f"plan(): cannot fork the checks ({e}); checking in this process", RuntimeWarning, stacklevel=2)
+            else:
+                try:
+                    try:
+                        sched = _schedule(recipes, train_metas, dest_metas, ix, dests, **kw)
+                    except Exception:
+                        forked.join()  # bad input usually breaks the construction too: raise what the checks found
+                        raise
+                    forked.join()
+                    return sched
+                except _IndexUnconfirmed:
+                    pass  # a rank publishes other names than its sampled twin: index exactly, plan again
+                finally:
+                    forked.close()
+        ix = _index_sources(train_metas)
+        _run_checks(recipes, train_metas, ix, dests)
+        return _schedule(recipes, train_metas, dest_metas, ix, dests, **kw)
     finally:
         if was:
             gc.enable()
 
 
-def _plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-          *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 1 << 20) -> Schedule:
-    """Compute the static schedule (see module docstring).
-
-    ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
-    its tensors in its region. ``max_chunk_bytes`` bounds one recipe output before it is split
-    into row bands spread over senders. Raises PlanError naming tensors or ranks."""
-    sources, views = _consistent_sources(train_metas)
-    dests = {(m.rank, m.name): m for ms in dest_metas.values() for m in ms}
-    validate(recipes, {n: (m.global_shape, m.dtype) for n, m in sources.items()}, dests)
+def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
+              ix: _SourceIndex, dests: dict[tuple[int, str], DestTensorMeta], *, max_chunk_bytes: int,
+              local_writes: bool, local_min_bytes: int) -> Schedule:
+    """Build the schedule (steps 2-4 of the module docstring) from checked, or concurrently
+    checked, inputs: on inputs the checks would refuse it may raise anything."""
+    sources, views = ix.first, ix.views
 
     groups = fusion_groups(recipes.recipes)
     order = {n: i for i, n in enumerate(sources)}

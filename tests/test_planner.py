@@ -207,14 +207,16 @@ def test_small_tensors_are_gathered_not_cut_into_tiny_writes():
     assert norm_tasks and all(not t.local_sources for t in norm_tasks)
 
 
-def _planned(metas, cfg, layout):
-    return plan(build_recipes(cfg, layout), metas, dest_metas(cfg, layout))
+def _planned(metas, cfg, layout, **kw):
+    return plan(build_recipes(cfg, layout), metas, dest_metas(cfg, layout), **kw)
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["in-process", "forked-checks"])
 @pytest.mark.parametrize("case", ["shape", "dtype", "mesh", "placements", "duplicate", "outside", "shards"])
-def test_every_metadata_inconsistency_is_named(case):
+def test_every_metadata_inconsistency_is_named(case, parallel):
     """Each check of the training metadata fires on one bad record among many ranks that
-    agree, and names the parameter (or rank): the checks compare whole rank lists at once."""
+    agree, and names the parameter (or rank): the checks compare whole rank lists at once.
+    With ``parallel_checks`` the checks run in a forked child and its error is raised here."""
     from dataclasses import replace
 
     cfg = load_config("qwen3-0.6b", **SMALL)
@@ -242,7 +244,7 @@ def test_every_metadata_inconsistency_is_named(case):
         metas[2][i] = replace(m, local_shape=(m.local_shape[0] - 1, m.local_shape[1]))
         want = rf"{re.escape(name)}: shards hold"
     with pytest.raises(PlanError, match=want):
-        _planned(metas, cfg, layout)
+        _planned(metas, cfg, layout, parallel_checks=parallel)
 
 
 def test_metadata_as_the_controller_receives_it_plans_identically():
@@ -278,3 +280,115 @@ def test_fast_constructors_equal_the_dataclass_ones():
     assert a == Assignment(rec, (w,)) and a.nbytes == 4
     t = _task(7, 1, ("x",), (0, 1), (a,), 10, 14, ())
     assert t == Task(7, 1, ("x",), (0, 1), (a,), 10, 14) and t.send_bytes == 4
+
+
+def _same_schedule(a, b):
+    return (a.rank_plans == b.rank_plans and a.send_bytes == b.send_bytes and a.recv_bytes == b.recv_bytes
+            and a.n_tasks == b.n_tasks and a.n_groups == b.n_groups)
+
+
+def _moe_world(n=4):
+    cfg = load_config("qwen3-30b-a3b", **MOE)
+    layout = InferenceLayout(tp=2, ep=True, quant="fp8")
+    return cfg, layout, fsdp_metas(cfg, n, placements=("Replicate()", "Shard(dim=0)"), mesh_shape=(2, 2))
+
+
+def test_forked_checks_give_the_same_schedule():
+    """plan(parallel_checks=True) checks in a forked child while it builds the schedule; the
+    schedule is the one the in-process path makes, on shared and on unpickled metadata."""
+    import pickle
+
+    cfg, layout, metas = _moe_world()
+    a = _planned(metas, cfg, layout, parallel_checks=False)
+    assert _same_schedule(a, _planned(metas, cfg, layout, parallel_checks=True))
+    received = {r: pickle.loads(pickle.dumps(ms)) for r, ms in metas.items()}
+    assert _same_schedule(a, _planned(received, cfg, layout, parallel_checks=True))
+
+
+@pytest.mark.parametrize("bad", ["missing-source", "unused-source", "unknown-dest"])
+def test_forked_checks_raise_the_validation_errors(bad):
+    """Recipe validation runs in the child too: its PlanError reaches the caller unchanged, also
+    when the schedule's construction fails on the same bad input first."""
+    from reference.catalog import ParamSpec
+
+    cfg = load_config("qwen3-0.6b", **SMALL)
+    layout = InferenceLayout(tp=2)
+    rs, dests = build_recipes(cfg, layout), dest_metas(cfg, layout)
+    if bad == "missing-source":
+        metas, want = fsdp_metas(cfg, 3, drop=("model.layers.1.self_attn.k_proj.weight",)), r"lacks parameter .*k_proj"
+    elif bad == "unused-source":
+        metas, want = fsdp_metas(cfg, 3, extra=(ParamSpec(name="model.extra.weight", shape=(8, 8)),)), r"model\.extra\.weight"
+    else:
+        metas = fsdp_metas(cfg, 3)
+        dests = {r: [m for m in ms if m.name != "model.norm.weight"] for r, ms in dests.items()}
+        want = r"writes 'model\.norm\.weight' on rank 0, which that rank does not have"
+    msgs = []
+    for parallel in (False, True):
+        with pytest.raises(PlanError, match=want) as e:
+            plan(rs, metas, dests, parallel_checks=parallel)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1]
+
+
+def test_forked_checks_confirm_the_sampled_name_index():
+    """With forked checks, ranks are grouped by their length and 17 sampled names; a rank that
+    publishes the same names in another order at unsampled positions is caught by the child and
+    the plan is redone with the exact index: same schedule as the in-process path."""
+    cfg, layout, metas = _moe_world()
+    ms = metas[3]
+    n = len(ms)
+    step = n // 16
+    assert step >= 2, "the test needs unsampled positions"
+    i = 1 + step  # positions 1 + step and 2 + step are between two sampled positions
+    ms[i], ms[i + 1] = ms[i + 1], ms[i]
+    from reference.planner import _index_sources, _same_names
+
+    assert not _same_names(metas, _index_sources(metas, exact=False))
+    assert _same_names(metas, _index_sources(metas))
+    assert _same_schedule(_planned(metas, cfg, layout, parallel_checks=False),
+                          _planned(metas, cfg, layout, parallel_checks=True))
+
+
+@pytest.mark.parametrize("how", ["crash", "exit", "hang"])
+def test_forked_checks_that_fail_rerun_in_process(how, monkeypatch):
+    """A checks' child that raises something other than PlanError, dies without an answer, or
+    hangs (killed after the wait) is not trusted: the checks run again in this process, with a
+    RuntimeWarning, and the schedule is returned only after they pass -- or their error raised."""
+    import os
+    import time
+
+    import reference.planner as P
+
+    cfg, layout, metas = _moe_world()
+    parent = os.getpid()
+    real = P._check_sources
+
+    def flaky(*a, **k):
+        if os.getpid() != parent:
+            if how == "crash":
+                raise RuntimeError("boom")
+            if how == "exit":
+                os._exit(3)
+            time.sleep(120)
+        return real(*a, **k)
+
+    monkeypatch.setattr(P, "_check_sources", flaky)
+    monkeypatch.setattr(P, "_CHECKS_WAIT_S", 0.5)
+    want = {"crash": "crash: Traceback", "exit": "died", "hang": "timeout"}[how]
+    with pytest.warns(RuntimeWarning, match=f"checks' child process failed \\({want}"):
+        sched = _planned(metas, cfg, layout, parallel_checks=True)
+    assert _same_schedule(sched, _planned(metas, cfg, layout, parallel_checks=False))
+    metas[2] = [m for m in metas[2] if m.name != "model.norm.weight"]
+    with pytest.warns(RuntimeWarning), pytest.raises(PlanError, match=r"model\.norm\.weight: mesh ranks \[2\]"):
+        _planned(metas, cfg, layout, parallel_checks=True)
+
+
+def test_forked_checks_by_default_only_for_large_metadata(monkeypatch):
+    import os
+
+    import reference.planner as P
+
+    _, _, metas = _moe_world()
+    assert not P._fork_checks_by_default(metas)  # a few hundred records: in-process
+    monkeypatch.setattr(P, "PARALLEL_CHECKS_MIN_RECORDS", 1)
+    assert P._fork_checks_by_default(metas) == (len(os.sched_getaffinity(0)) > 1)
