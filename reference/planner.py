@@ -267,8 +267,8 @@ def _index_sources(train_metas: dict[int, list[ParamMeta]], *, exact: bool = Tru
     that publish the same names in the same order share one :class:`_NameSequence` whose
     names are looked up once. ``exact``: a rank joins a sequence when all its names equal the
     sequence's (one C pass per rank, 0.6 s at Kimi-K2 scale); otherwise when its length and 17
-    names sampled evenly do, and :func:`_same_names` must confirm it before the index is
-    trusted (the forked checks do, on the other core)."""
+    names sampled evenly do, and ``_check_sources(confirm_index=True)`` must confirm it before
+    the index is trusted (the forked checks do, on the other core)."""
     first: dict[str, ParamMeta] = {}
     index: dict[str, int] = {}
     views: dict[int, tuple[dict[str, int], list[ParamMeta]]] = {}
@@ -297,13 +297,7 @@ def _index_sources(train_metas: dict[int, list[ParamMeta]], *, exact: bool = Tru
     return _SourceIndex(first, views, seq_of)
 
 
-def _same_names(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex) -> bool:
-    """Whether every rank publishes exactly its sequence's names, in order (what
-    ``_index_sources(exact=True)`` makes sure of)."""
-    return all(list(map(_NAME, ms)) == ix.seq_of[r].names for r, ms in train_metas.items())
-
-
-def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex) -> None:
+def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex, *, confirm_index: bool = False) -> None:
     """Check the training metadata indexed in ``ix``: every rank of a parameter's mesh must have
     published it, identically (global shape, dtype, mesh, placements), no rank outside the mesh
     may publish it, no rank twice, and the shards of a sharded parameter must hold its
@@ -314,7 +308,11 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex) ->
     publishers' (tuple equality tries identity first, so shared objects cost nothing; an
     unpickled rank list holds its own copies, compared by value). The shard sizes are summed
     per name with numpy. Records are visited one by one in Python only to name them in an
-    error."""
+    error.
+
+    ``confirm_index``: ``ix`` was made with ``exact=False``; a rank whose names differ from its
+    sequence's raises :class:`_IndexUnconfirmed` (the record comparison covers the names, so
+    agreeing ranks cost nothing more)."""
     first, views, seq_of = ix
     problems: list[str] = []
     for seq in {id(s): s for s in seq_of.values()}.values():
@@ -328,6 +326,8 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex) ->
         seq = seq_of[rank]
         ref = seq.ref
         if not seq.agrees(ms):
+            if confirm_index and list(map(_NAME, ms)) != seq.names:
+                raise _IndexUnconfirmed(f"rank {rank}")
             for m, f in zip(ms, ref):
                 if _RECORD(m) != _RECORD(f):
                     problems.append(f"{m.name}: rank {rank} publishes shape {m.global_shape} {m.dtype} mesh {m.mesh_ranks} "
@@ -542,11 +542,9 @@ class _IndexUnconfirmed(Exception):
 def _run_checks(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex,
                 dests: dict[tuple[int, str], DestTensorMeta], *, confirm_index: bool = False) -> None:
     """Every check :func:`plan` makes before it returns a schedule; raises PlanError.
-    ``confirm_index``: first check that ``ix`` (made with ``exact=False``) holds, else raise
-    :class:`_IndexUnconfirmed`."""
-    if confirm_index and not _same_names(train_metas, ix):
-        raise _IndexUnconfirmed
-    _check_sources(train_metas, ix)
+    ``confirm_index``: ``ix`` was made with ``exact=False``; raise :class:`_IndexUnconfirmed`
+    if it does not hold."""
+    _check_sources(train_metas, ix, confirm_index=confirm_index)
     validate(recipes, {n: (m.global_shape, m.dtype) for n, m in ix.first.items()}, dests)
 
 
@@ -656,8 +654,8 @@ def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas
         dests = {(m.rank, m.name): m for ms in dest_metas.values() for m in ms}
         if parallel_checks is None:
             parallel_checks = _fork_checks_by_default(train_metas)
+        ix = _index_sources(train_metas, exact=False)  # confirmed by the checks
         if parallel_checks:
-            ix = _index_sources(train_metas, exact=False)
             try:
                 forked = _ForkedChecks(partial(_run_checks, recipes, train_metas, ix, dests, confirm_index=True))
             except OSError as e:  # cannot fork (memory, process limit): check here
@@ -672,11 +670,17 @@ def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas
                     forked.join()
                     return sched
                 except _IndexUnconfirmed:
-                    pass  # a rank publishes other names than its sampled twin: index exactly, plan again
+                    ix = None  # a rank publishes other names than its sampled twin: index exactly, plan again
                 finally:
                     forked.close()
-        ix = _index_sources(train_metas)
-        _run_checks(recipes, train_metas, ix, dests)
+        if ix is not None:
+            try:
+                _run_checks(recipes, train_metas, ix, dests, confirm_index=True)
+            except _IndexUnconfirmed:
+                ix = None
+        if ix is None:
+            ix = _index_sources(train_metas)
+            _run_checks(recipes, train_metas, ix, dests)
         return _schedule(recipes, train_metas, dest_metas, ix, dests, **kw)
     finally:
         if was:

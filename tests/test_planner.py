@@ -331,22 +331,25 @@ def test_forked_checks_raise_the_validation_errors(bad):
 
 
 def test_forked_checks_confirm_the_sampled_name_index():
-    """With forked checks, ranks are grouped by their length and 17 sampled names; a rank that
-    publishes the same names in another order at unsampled positions is caught by the child and
-    the plan is redone with the exact index: same schedule as the in-process path."""
+    """Ranks are first grouped by their length and 17 sampled names; a rank that publishes the
+    same names in another order at unsampled positions is caught by the checks (in-process or
+    in the forked child) and the plan is redone with the exact index."""
     cfg, layout, metas = _moe_world()
+    plain = _planned(metas, cfg, layout, parallel_checks=False)
+    metas = {r: list(ms) for r, ms in metas.items()}
     ms = metas[3]
     n = len(ms)
     step = n // 16
     assert step >= 2, "the test needs unsampled positions"
     i = 1 + step  # positions 1 + step and 2 + step are between two sampled positions
     ms[i], ms[i + 1] = ms[i + 1], ms[i]
-    from reference.planner import _index_sources, _same_names
+    from reference.planner import _IndexUnconfirmed, _check_sources, _index_sources
 
-    assert not _same_names(metas, _index_sources(metas, exact=False))
-    assert _same_names(metas, _index_sources(metas))
-    assert _same_schedule(_planned(metas, cfg, layout, parallel_checks=False),
-                          _planned(metas, cfg, layout, parallel_checks=True))
+    with pytest.raises(_IndexUnconfirmed, match="rank 3"):
+        _check_sources(metas, _index_sources(metas, exact=False), confirm_index=True)
+    _check_sources(metas, _index_sources(metas))
+    for parallel in (False, True):  # rank 0 publishes first: the same schedule as without the swap
+        assert _same_schedule(plain, _planned(metas, cfg, layout, parallel_checks=parallel))
 
 
 @pytest.mark.parametrize("how", ["crash", "exit", "hang"])
