@@ -5,7 +5,8 @@
 1. checks the training side is consistent (every rank agrees on a parameter's global shape,
    dtype, mesh and placements; the shards of each parameter tile it) and validates the recipes
    against both sides (:func:`reference.mapping.validate`: every destination byte covered once,
-   missing / unused / mismatched tensors named) -- all before any byte moves;
+   missing / unused / mismatched tensors named) -- all before any byte moves, and before a
+   schedule is returned (at Kimi-K2 scale in a forked child process while steps 2-4 run);
 2. turns each fusion group (recipes sharing sources, e.g. q/k/v -> every TP rank's
    ``qkv_proj``) into a :class:`Task`; every rank of the sources' DeviceMesh runs the task's
    ``full_tensor()`` calls in the same order, so any of them can make any output;
@@ -266,8 +267,8 @@ def _index_sources(train_metas: dict[int, list[ParamMeta]], *, exact: bool = Tru
     lookup in a 70k-entry dict costs about as much as reading ten records in order, so ranks
     that publish the same names in the same order share one :class:`_NameSequence` whose
     names are looked up once. ``exact``: a rank joins a sequence when all its names equal the
-    sequence's (one C pass per rank, 0.6 s at Kimi-K2 scale); otherwise when its length and 17
-    names sampled evenly do, and ``_check_sources(confirm_index=True)`` must confirm it before
+    sequence's (one C pass per rank, 0.6 s at Kimi-K2 scale); otherwise when its length and
+    every ``n // 16``-th name do, and ``_check_sources(confirm_index=True)`` must confirm it before
     the index is trusted (the forked checks do, on the other core)."""
     first: dict[str, ParamMeta] = {}
     index: dict[str, int] = {}
@@ -536,7 +537,7 @@ gives up on the child and checks in-process (the checks take ~4 s at Kimi-K2 sca
 
 class _IndexUnconfirmed(Exception):
     """A rank's names differ from those of the sequence its sampled names matched (raised by
-    the forked checks; :func:`plan` then indexes exactly and plans again)."""
+    the checks, in-process or forked; :func:`plan` then indexes exactly and checks again)."""
 
 
 def _run_checks(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex,
@@ -572,9 +573,10 @@ class _ForkedChecks:
     fork and leaves the child with ``os._exit``); fork, not spawn, because the child reads the
     caller's metadata copy-on-write where spawn would pickle 2.4 million records across. The
     child runs pure Python and numpy only (no torch, no collective, no store), so other threads
-    of a controller (TCPStore, Gloo) are not touched. Should the child crash, die, or not answer
-    within :data:`_CHECKS_WAIT_S` plus 4x the time it has had, the checks run again in this process: a schedule
-    is never returned unchecked."""
+    of a controller (TCPStore, Gloo) are not touched -- as torch's own DataLoader forks its
+    workers from processes that hold such threads. Should the child crash, die, or not answer
+    within :data:`_CHECKS_WAIT_S` plus 4x the time it has had, the checks run again in this
+    process: a schedule is never returned unchecked."""
 
     def __init__(self, fn):
         ctx = multiprocessing.get_context("fork")
