@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")
     sim.add_argument("--received", action="store_true",
                      help="--bench-planner on metadata pickled per rank, as the controller receives it")
+    sim.add_argument("--checks", choices=("auto", "forked", "in-process"), default="auto",
+                     help="--bench-planner: plan(parallel_checks=None / True / False); auto forks the checks "
+                          "at Kimi-K2 scale")
     sw = sub.add_parser("sweep", help="run a named sweep with submitit: one job per trial, its tasks the ranks "
                                       "(docs/SWEEPS.md)")
     sw.add_argument("name", nargs="?", help="sweep or named config (see --list)")

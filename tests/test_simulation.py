@@ -153,14 +153,19 @@ def test_baselines_and_cli_tiny(tmp_path):
 
 def test_planner_benchmark_tiny(capsys):
     """--bench-planner plans in fresh subprocesses, on synthesized and on pickled (as
-    received) metadata, and reports min / median / max."""
+    received) metadata, checks in-process or forked, and reports min / median / max (and the
+    checks' child's peak RSS when there is one)."""
     from experiments.__main__ import main
 
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 fresh subprocess(es)" in out and "plan() wall s: min" in out and "peak RSS" in out
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "1", "--received"]) == 0
-    assert "as the controller receives it" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "as the controller receives it" in out and "checks' child process" not in out  # tiny: in-process
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "1", "--checks", "forked"]) == 0
+    out = capsys.readouterr().out
+    assert "checks forked" in out and "checks' child process" in out
 
 
 @pytest.mark.parametrize("layout", ["two_group", "expert_whole"])

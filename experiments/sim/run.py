@@ -180,13 +180,18 @@ def rows(sr: SimRun) -> list[dict]:
     return out
 
 
-def bench_planner(name: str, *, received: bool = False) -> dict:
+_CHECKS = {"auto": None, "forked": True, "in-process": False}
+"""``--checks`` -> ``plan(parallel_checks=...)``"""
+
+
+def bench_planner(name: str, *, received: bool = False, checks: str = "auto") -> dict:
     """Plan ``name`` in a fresh subprocess (so the first-call cost -- fresh memory pages --
     is counted, as in a controller that plans once); wall / CPU seconds of ``plan()`` alone,
     the subprocess's peak RSS (metadata included) and the part added while planning, and the
     peak RSS of the checks' child process if ``plan()`` forked one (it counts the pages it
     shares copy-on-write with the planner too, so the sum of the two overstates the total).
-    CPU seconds include the child's.
+    CPU seconds include the child's. ``checks``: ``"auto"``, ``"forked"`` or ``"in-process"``
+    (``plan(parallel_checks=None / True / False)``), to compare the two on the same day.
 
     ``received=True`` first passes every rank's list through pickle, as
     :func:`reference.control.put` / ``get`` deliver it to the controller: each rank then holds
@@ -203,7 +208,7 @@ def bench_planner(name: str, *, received: bool = False) -> dict:
         "gc.collect()\n"
         "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "c0, w0 = _cpu_seconds(), time.perf_counter()\n"
-        "s = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes)\n"
+        f"s = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, parallel_checks={_CHECKS[checks]!r})\n"
         "w, c = time.perf_counter() - w0, _cpu_seconds() - c0\n"
         "rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "rss_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
@@ -216,7 +221,7 @@ def bench_planner(name: str, *, received: bool = False) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def format_bench(name: str, runs: list[dict], *, received: bool = False) -> str:
+def format_bench(name: str, runs: list[dict], *, received: bool = False, checks: str = "auto") -> str:
     """The planner benchmark's lines: sizes, then min / median / max over the runs (each a
     fresh subprocess; this project's VMs are shared and the same run varies by +-30%)."""
     b = runs[0]
@@ -229,7 +234,7 @@ def format_bench(name: str, runs: list[dict], *, received: bool = False) -> str:
               f"(an upper bound: the child shares the planner's pages copy-on-write)") if child else ""
     how = "metadata pickled per rank, as the controller receives it" if received else "synthesized metadata"
     return "\n".join([
-        f"# planner benchmark ({name}, {how}; {len(runs)} fresh subprocess(es)): {b['n_sources']} source tensors, "
+        f"# planner benchmark ({name}, {how}, checks {checks}; {len(runs)} fresh subprocess(es)): {b['n_sources']} source tensors, "
         f"{b['recipes']} recipes, {b['n_tasks']} tasks, {b['n_writes']} writes",
         f"# plan() wall s: min {wall[0]:.2f}, median {statistics.median(wall):.2f}, max {wall[-1]:.2f}; "
         f"CPU s (checks' child included): min {cpu[0]:.2f}, median {statistics.median(cpu):.2f}, max {cpu[-1]:.2f}",
@@ -250,8 +255,8 @@ def main(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.bench_planner:
-        runs = [bench_planner(cfg.name, received=args.received) for _ in range(max(1, args.repeat))]
-        print(format_bench(cfg.name, runs, received=args.received))
+        runs = [bench_planner(cfg.name, received=args.received, checks=args.checks) for _ in range(max(1, args.repeat))]
+        print(format_bench(cfg.name, runs, received=args.received, checks=args.checks))
         return 0
     sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(sr))
