@@ -234,7 +234,8 @@ def format_bench(name: str, runs: list[dict], *, received: bool = False, checks:
               f"(an upper bound: the child shares the planner's pages copy-on-write)") if child else ""
     how = "metadata pickled per rank, as the controller receives it" if received else "synthesized metadata"
     return "\n".join([
-        f"# planner benchmark ({name}, {how}, checks {checks}; {len(runs)} fresh subprocess(es)): {b['n_sources']} source tensors, "
+        f"# planner benchmark ({name}: training layout {get_config(name).train_layout}, {how}, checks {checks}; "
+        f"{len(runs)} fresh subprocess(es)): {b['n_sources']} source tensors, "
         f"{b['recipes']} recipes, {b['n_tasks']} tasks, {b['n_writes']} writes",
         f"# plan() wall s: min {wall[0]:.2f}, median {statistics.median(wall):.2f}, max {wall[-1]:.2f}; "
         f"CPU s (checks' child included): min {cpu[0]:.2f}, median {statistics.median(cpu):.2f}, max {cpu[-1]:.2f}",
