@@ -279,13 +279,11 @@ def _index_sources(train_metas: dict[int, list[ParamMeta]], *, exact: bool = Tru
         ms = train_metas[rank]
         n = len(ms)
         key = (n, *(ms[i].name for i in range(0, n, max(1, n // 16))))
-        if exact:
-            names = list(map(_NAME, ms))
-            seq = next((c for c in seqs.get(key, ()) if c.names == names), None)
-        else:
-            seq = next(iter(seqs.get(key, ())), None)
+        names = list(map(_NAME, ms)) if exact else None
+        seq = next((c for c in seqs.get(key, ()) if names is None or c.names == names), None)
         if seq is None:
-            names = list(map(_NAME, ms))
+            if names is None:
+                names = list(map(_NAME, ms))
             position = dict(zip(names, range(n)))
             for x in filterfalse(first.__contains__, position):
                 first[x] = ms[position[x]]
