@@ -75,14 +75,13 @@ import socket
 import struct
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 import torch
 
 from ..types import RegionDescriptor
-from .base import BoundsError, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp
+from .base import Batch, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp, check_batch, describe_remote
 
 __all__ = [
     "ConnInfo", "VerbsTransport", "VerbsRegion", "VerbsWriteHandle", "WC_STATUS_NAMES",
@@ -220,63 +219,44 @@ def validate_descriptor(d: RegionDescriptor) -> dict:
     if not isinstance(d, RegionDescriptor):
         raise ValueError(f"expected RegionDescriptor, got {type(d).__name__}")
     if d.transport != "verbs":
-        raise ValueError(f"descriptor {_name(d)} is for transport {d.transport!r}, not 'verbs'")
+        raise ValueError(f"descriptor {describe_remote(d)} is for transport {d.transport!r}, not 'verbs'")
     if d.addr <= 0 or d.length <= 0:
         raise ValueError(f"malformed descriptor {d}")
     if not (0 <= d.key < 1 << 32):
-        raise ValueError(f"descriptor {_name(d)}: key {d.key} is not a 32-bit rkey")
+        raise ValueError(f"descriptor {describe_remote(d)}: key {d.key} is not a 32-bit rkey")
     try:
         x = dict(d.extra)
     except (TypeError, ValueError):
-        raise ValueError(f"descriptor {_name(d)}: extra is not a tuple of (key, value) pairs") from None
+        raise ValueError(f"descriptor {describe_remote(d)}: extra is not a tuple of (key, value) pairs") from None
     for k in ("run", "cm", "rkeys"):
         if k not in x:
-            raise ValueError(f"descriptor {_name(d)} lacks extra[{k!r}]")
+            raise ValueError(f"descriptor {describe_remote(d)} lacks extra[{k!r}]")
     rkeys = x["rkeys"]
     if not rkeys or any(len(p) != 2 or not (0 <= int(p[1]) < 1 << 32) for p in rkeys):
-        raise ValueError(f"descriptor {_name(d)}: extra['rkeys'] must be ((nic, rkey), ...), got {rkeys!r}")
+        raise ValueError(f"descriptor {describe_remote(d)}: extra['rkeys'] must be ((nic, rkey), ...), got {rkeys!r}")
     if int(rkeys[0][1]) != d.key:
-        raise ValueError(f"descriptor {_name(d)}: key {d.key:#x} != rkey of first NIC {int(rkeys[0][1]):#x}")
+        raise ValueError(f"descriptor {describe_remote(d)}: key {d.key:#x} != rkey of first NIC {int(rkeys[0][1]):#x}")
     host, _, port = str(x["cm"]).rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"descriptor {_name(d)}: extra['cm'] {x['cm']!r} is not host:port")
+        raise ValueError(f"descriptor {describe_remote(d)}: extra['cm'] {x['cm']!r} is not host:port")
     return x
 
 
 def check_ops(ops: Sequence[WriteOp], local: dict, remote: dict) -> list[tuple[int, int, int, int]]:
-    """Validate every op before anything is posted. ``local``: ``id(region) -> region`` of
-    registered regions; ``remote``: ``(cm, addr) -> descriptor`` connected. Returns
-    ``[(op index, local addr, remote addr, length)]`` for the non-empty ops. Raises
-    :class:`UnknownRegionError` / :class:`BoundsError` naming the op."""
-    out = []
-    for i, op in enumerate(ops):
-        loc = op.local
-        if local.get(id(loc)) is not loc:
-            raise UnknownRegionError(
-                f"op {i}: local region {loc!r} is not registered with this transport "
-                "(deregistered, or registered elsewhere); nothing of the batch was issued"
-            )
-        rd = op.remote
-        cm = dict(rd.extra).get("cm") if isinstance(rd.extra, tuple) else None
-        c = remote.get((cm, rd.addr))
-        if c is None or c.key != rd.key or c.length != rd.length or c.extra != rd.extra:
-            if c is None:
-                why = "was never connected (call connect() with the receiver's descriptors first)"
-            elif c.key != rd.key or c.extra != rd.extra:
-                why = (f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
-                       "(a descriptor from another run or a re-registration)")
-            else:
-                why = f"has length {rd.length} but the connected one has length {c.length}"
-            raise UnknownRegionError(f"op {i}: remote region {_name(rd)} {why}; nothing of the batch was issued")
-        lo, ro, n = op.local_offset, op.remote_offset, op.length
-        if lo < 0 or ro < 0 or n < 0 or lo + n > loc.length or ro + n > c.length:
-            raise BoundsError(
-                f"op {i}: out of bounds: local_offset {lo}, remote_offset {ro}, length {n} against local "
-                f"region length {loc.length} and remote region {_name(c)}; nothing of the batch was issued"
-            )
-        if n:
-            out.append((i, loc.addr + lo, c.addr + ro, n))
+    """The contract's op checks (:func:`~reference.transport.base.check_batch`) with verbs'
+    lookup key. ``local``: ``id(region) -> region`` of registered regions; ``remote``:
+    ``(cm, addr) -> descriptor`` connected. Returns ``[(op index, local addr, remote addr,
+    length)]`` for the non-empty ops, in op order. Raises :class:`UnknownRegionError` /
+    :class:`BoundsError` naming the op."""
+    batch = check_batch(ops, local, remote, _remote_key, lambda loc, c, k: k[0])
+    out = [it for g in batch.groups.values() for it in zip(g.idx, g.laddr, g.raddr, g.lens)]
+    out.sort()
     return out
+
+
+def _remote_key(d: RegionDescriptor) -> tuple:
+    """``(cm endpoint, addr)``: the receiver's connection listener names its transport."""
+    return (dict(d.extra).get("cm") if isinstance(d.extra, tuple) else None, d.addr)
 
 
 def chunk_ops(items: Iterable[tuple[int, int, int, int]], max_msg: int) -> list[tuple[int, int, int, int]]:
@@ -334,10 +314,6 @@ def plan_chains(n: int, max_chain: int) -> list[tuple[int, int]]:
     if max_chain < 1:
         raise ValueError("max_chain must be >= 1")
     return [(s, min(s + max_chain, n)) for s in range(0, n, max_chain)]
-
-
-def _name(d: RegionDescriptor) -> str:
-    return f"(host {d.host}, pid {d.pid}, addr {d.addr:#x}, length {d.length})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,26 +409,9 @@ def _pick_roce_gid(ctx, port: int) -> int:
     return 0
 
 
-class VerbsRegion(Region):
-    __slots__ = ("_tensor", "_desc", "mrs")
-
-    def __init__(self, tensor, desc: RegionDescriptor, mrs: list):
-        self._tensor, self._desc, self.mrs = tensor, desc, mrs
-
-    @property
-    def addr(self) -> int:
-        return self._desc.addr
-
-    @property
-    def length(self) -> int:
-        return self._desc.length
-
-    def descriptor(self) -> RegionDescriptor:
-        return self._desc
-
-    def __repr__(self) -> str:
-        live = "" if self._tensor is not None else ", deregistered"
-        return f"VerbsRegion(addr={self.addr:#x}, length={self.length}{live})"
+VerbsRegion = Region
+"""The region type (:class:`~reference.transport.base.Region`; ``native`` is the list of MRs,
+one per selected NIC). Name kept for imports."""
 
 
 class _Rail:
@@ -473,13 +432,8 @@ class VerbsWriteHandle(WriteHandle):
         self._t._poll(self._ops, block=False)
         return all(r.outstanding == 0 for r in self._rails)
 
-    def wait(self, timeout: float | None = None) -> int:
-        t0 = time.monotonic()
-        while any(r.outstanding for r in self._rails):
-            self._t._poll(self._ops, block=False)
-            if timeout is not None and time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"RDMA WRITE batch not complete after {timeout} s")
-        return self.nbytes
+    def _timeout_message(self, timeout: float) -> str:
+        return f"RDMA WRITE batch not complete after {timeout} s"
 
 
 class VerbsTransport(Transport):
@@ -499,14 +453,11 @@ class VerbsTransport(Transport):
         if nics is None:
             nics = os.environ.get("WT_RDMA_NICS") or None
         names = select_nics(nics, list_nics())
-        self.host = host if host is not None else socket.gethostname()
-        self.pid = os.getpid()
+        super().__init__(host)
         self.run = secrets.token_hex(8)
         self.sq_depth, self.signal_every, self.max_chain, self.stripe = sq_depth, signal_every, max_chain, stripe
         self.nics = [_Nic(self.pv, n, port, gid_index, cq_depth=4 * sq_depth) for n in names]
         self.max_msg = min([max_msg] + [n.max_msg for n in self.nics])
-        self._local: dict[int, VerbsRegion] = {}
-        self._remote: dict[tuple[str, int], RegionDescriptor] = {}
         self._peers: dict[str, list[_Rail]] = {}  # cm endpoint -> rails
         self._accepted: list = []  # receiver side: QPs created for senders (kept alive)
         self._wr_seq = 0
@@ -591,63 +542,62 @@ class VerbsTransport(Transport):
             rails.append(_Rail(nic, qp, peer, self.sq_depth))
         return rails
 
-    # ---- Transport API ----------------------------------------------------------------------
+    # ---- hooks of the contract ----------------------------------------------------------------
 
-    def register(self, tensor: torch.Tensor) -> VerbsRegion:
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-            raise ValueError("register: expected a contiguous torch.Tensor")
-        n = tensor.numel() * tensor.element_size()
-        if n == 0:
-            raise ValueError("register: cannot register a zero-byte tensor")
-        addr = tensor.data_ptr()
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"register: unsupported device {tensor.device} (CPU or CUDA memory)")
+
+    def _register(self, region: Region) -> list:
+        """One MR per selected NIC (host memory: ``ibv_reg_mr``; GPU memory: :func:`_gpu_mr`)."""
+        t, n = region.tensor, region.length
         mrs = []
         for nic in self.nics:
-            if tensor.device.type == "cpu":
-                mr = self.pv.mr.MR(nic.pd, n, self._access(), address=addr)
-            elif tensor.device.type == "cuda":
-                mr = _gpu_mr(self.pv, nic.pd, tensor, n, self._access())
+            if t.device.type == "cpu":
+                mrs.append(self.pv.mr.MR(nic.pd, n, self._access(), address=region.addr))
             else:
-                raise ValueError(f"register: unsupported device {tensor.device}")
-            mrs.append(mr)
-        rkeys = tuple((nic.name, int(mr.rkey)) for nic, mr in zip(self.nics, mrs))
-        desc = RegionDescriptor(transport="verbs", host=self.host, pid=self.pid, addr=addr, length=n,
-                                key=rkeys[0][1], extra=(("run", self.run), ("cm", self.cm), ("rkeys", rkeys)))
-        r = VerbsRegion(tensor, desc, mrs)
-        self._local[id(r)] = r
-        return r
+                mrs.append(_gpu_mr(self.pv, nic.pd, t, n, self._access()))
+        return mrs
 
-    def deregister(self, region: Region) -> None:
-        if self._local.pop(id(region), None) is not None:
-            for mr in region.mrs:  # type: ignore[attr-defined]
-                mr.close()
-            region._tensor = None  # type: ignore[attr-defined]
+    def _deregister(self, region: Region) -> None:
+        for mr in region.native:
+            mr.close()
 
-    def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
-        xs = [validate_descriptor(d) for d in descriptors]
-        for d, x in zip(descriptors, xs):
-            if x["cm"] not in self._peers:
-                self._peers[x["cm"]] = self._handshake(x["cm"], x["run"])
-            self._remote[(x["cm"], d.addr)] = d
+    def _describe(self, region: Region) -> RegionDescriptor:
+        rkeys = tuple((nic.name, int(mr.rkey)) for nic, mr in zip(self.nics, region.native))
+        return self._descriptor(region, key=rkeys[0][1], extra=(("run", self.run), ("cm", self.cm), ("rkeys", rkeys)))
 
-    def write(self, ops: Sequence[WriteOp]) -> VerbsWriteHandle:
-        items = chunk_ops(check_ops(ops, self._local, self._remote), self.max_msg)
-        # group by receiver, then stripe over that receiver's rails
-        by_peer: dict[str, list[int]] = {}
-        for k, (i, _, _, _) in enumerate(items):
-            by_peer.setdefault(dict(ops[i].remote.extra)["cm"], []).append(k)
+    def _check_descriptor(self, d: RegionDescriptor) -> None:
+        validate_descriptor(d)
+
+    def _connect(self, d: RegionDescriptor):
+        x = dict(d.extra)
+        if x["cm"] not in self._peers:
+            self._peers[x["cm"]] = self._handshake(x["cm"], x["run"])
+        return (x["cm"], d.addr)
+
+    def _remote_key(self, d: RegionDescriptor):
+        return _remote_key(d)
+
+    def _group_key(self, loc: Region, remote: RegionDescriptor, key):
+        """Per receiver (its connection listener): striped over that receiver's rails."""
+        return key[0]
+
+    def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> VerbsWriteHandle:
+        """Split ops longer than ``max_msg``, stripe each receiver's ops over its rails and post
+        them as linked chains (see the module docstring)."""
         used: list[_Rail] = []
-        total = sum(it[3] for it in items)
-        for cm, ks in by_peer.items():
+        for cm, g in batch.groups.items():
             rails = self._peers[cm]
-            sub = [items[k] for k in ks]
+            sub = chunk_ops(zip(g.idx, g.laddr, g.raddr, g.lens), self.max_msg)
             parts = assign_rails(sub, len(rails), self.stripe, remote_of=lambda j: ops[sub[j][0]].remote.addr)
             for rail, idx in zip(rails, parts):
                 if idx:
-                    self._post(rail, [sub[j] for j in idx], ops)
+                    self._post_rail(rail, [sub[j] for j in idx], ops)
                     used.append(rail)
-        return VerbsWriteHandle(self, used, total, ops)
+        return VerbsWriteHandle(self, used, batch.nbytes, ops)
 
-    def _post(self, rail: _Rail, items, ops) -> None:
+    def _post_rail(self, rail: _Rail, items, ops) -> None:
         pv, e = self.pv, self.pv.enums
         rk_of = {}
         sig = plan_signals(len(items), self.signal_every, rail.since_signal)
@@ -658,7 +608,7 @@ class VerbsTransport(Transport):
             for k in range(s, t):
                 i, la, ra, n = items[k]
                 op = ops[i]
-                loc_mr = op.local.mrs[self.nics.index(rail.nic)]
+                loc_mr = op.local.native[self.nics.index(rail.nic)]
                 if id(op.remote) not in rk_of:
                     rk_of[id(op.remote)] = dict(dict(op.remote.extra)["rkeys"]).get(rail.remote.nic)
                 rkey = rk_of[id(op.remote)]
@@ -705,15 +655,15 @@ class VerbsTransport(Transport):
             self._srv.close()
         except OSError:
             pass
-        for r in list(self._local.values()):
-            self.deregister(r)
+        super().close()
+
+    def _disconnect(self) -> None:
         for rails in self._peers.values():
             for r in rails:
                 r.qp.close()
         for qp in self._accepted:
             qp.close()
         self._peers.clear()
-        self._remote.clear()
 
 
 def _gpu_mr(pv, pd, tensor: torch.Tensor, n: int, access: int):
