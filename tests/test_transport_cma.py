@@ -1,4 +1,5 @@
-"""Cross-memory-attach transport: real one-sided writes into a separate receiver process.
+"""Cross-memory-attach transport: what is specific to CMA (the contract every transport shares,
+bounds, stale descriptors, deregistered regions, bit-exact writes, is tests/test_transport_conformance.py).
 
 The receiver (spawned) registers a 1 MiB uint8 buffer filled with POISON and a small bf16
 tensor, sends their descriptors back, then only answers "show me your bytes" requests: it runs
@@ -52,10 +53,6 @@ def _receiver(conn) -> None:
             tensors["buf"].fill_(POISON)
             tensors["bf16"].zero_()
             conn.send(True)
-        elif cmd == "reregister":
-            t.deregister(regions[args[0]])
-            regions[args[0]] = t.register(tensors[args[0]])
-            conn.send(regions[args[0]].descriptor())
         elif cmd == "exit":
             conn.send(True)
             return
@@ -128,21 +125,14 @@ def test_descriptor_fields():
     assert t.register(x).descriptor().key != d.key  # a fresh key per registration
 
 
-def test_register_refuses_bad_tensors():
-    t = CmaTransport()
-    with pytest.raises(ValueError, match="contiguous"):
-        t.register(torch.zeros(8, 8)[:, ::2])
-    with pytest.raises(ValueError, match="CPU tensor"):
-        t.register(torch.empty(8, device="meta"))
-    with pytest.raises(ValueError, match="zero-byte"):
-        t.register(torch.empty(0))
+def test_register_refuses_non_cpu_tensors():
+    with pytest.raises(ValueError, match="CPU tensor.*CUDA IPC or verbs"):
+        CmaTransport().register(torch.empty(8, device="meta"))
 
 
 def test_factory():
     assert isinstance(make_transport("cma"), CmaTransport)
     assert make_transport("cma", host="h").host == "h"
-    with pytest.raises(ValueError, match=r"unknown transport 'nope'.*'cma'"):
-        make_transport("nope")
 
 
 def test_connect_refuses_foreign_descriptors():
@@ -153,7 +143,7 @@ def test_connect_refuses_foreign_descriptors():
     with pytest.raises(ValueError, match="host 'there'.*one host"):
         t.connect([RegionDescriptor(**{**good, "host": "there"})])
     with pytest.raises(ValueError, match="malformed"):
-        t.connect([RegionDescriptor(**{**good, "length": 0})])
+        t.connect([RegionDescriptor(**{**good, "pid": 0})])
 
 
 def test_write_to_self_and_zero_length_skipped(monkeypatch):
@@ -173,31 +163,18 @@ def test_write_to_self_and_zero_length_skipped(monkeypatch):
 # ---- real writes into the receiver process -------------------------------------------------
 
 
-def test_write_whole_region_exact_bytes(recv, tx):
+def test_read_back_with_process_vm_readv(recv, tx):
     src = _pattern(MIB, seed=1)
-    bf = torch.randn(BF16_N).to(torch.bfloat16)
-    ls, lb = tx.register(src), tx.register(bf)
-    h = tx.write([
-        WriteOp(ls, 0, recv.desc["buf"], 0, MIB),
-        WriteOp(lb, 0, recv.desc["bf16"], 0, bf.nbytes),
-    ])
-    assert h.done() and h.wait() == MIB + BF16_N * 2
-    got = recv.bytes("buf")
-    assert got == src.numpy().tobytes()
-    assert got[0] == src[0].item() and got[-1] == src[-1].item()
-    assert recv.bytes("bf16") == bf.view(torch.uint8).numpy().tobytes()
-    # the sender can read it back with process_vm_readv too
-    assert tx.read(recv.desc["buf"], MIB - 3, 3) == src[-3:].numpy().tobytes()
-
-
-def test_edges_only_touch_their_bytes(recv, tx):
-    src = torch.tensor([1, 2, 3], dtype=torch.uint8)
     ls = tx.register(src)
     d = recv.desc["buf"]
-    tx.write([WriteOp(ls, 0, d, 0, 1), WriteOp(ls, 1, d, MIB - 2, 2)]).wait()
-    got = recv.bytes()
-    assert got[0] == 1 and got[-2:] == bytes([2, 3])
-    assert got[1:-2] == bytes([POISON]) * (MIB - 3)
+    assert tx.write([WriteOp(ls, 0, d, 0, MIB)]).wait() == MIB
+    assert tx.read(d, MIB - 3, 3) == src[-3:].numpy().tobytes()
+    assert tx.read(d) == recv.bytes() == src.numpy().tobytes()
+    with pytest.raises(BoundsError, match="read: offset 10 \\+ length 1048576 outside"):
+        tx.read(d, 10, MIB)
+    forged = RegionDescriptor(**{**{f: getattr(d, f) for f in d.__slots__}, "key": d.key ^ 1})
+    with pytest.raises(UnknownRegionError, match="read: .*another run"):
+        tx.read(forged, 0, 4)
 
 
 def test_many_ops_over_iov_max(recv, tx, monkeypatch):
@@ -290,69 +267,6 @@ def test_no_progress_raises(recv, tx, monkeypatch):
     monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: 0)
     with pytest.raises(TransportError, match="op 0 .*no progress"):
         tx.write([WriteOp(ls, 0, recv.desc["buf"], 0, 10)])
-
-
-@pytest.mark.parametrize(
-    "lo,ro,n,what",
-    [
-        (0, MIB - 9, 10, "remote_offset 1048567 \\+ length 10 = 1048577 > remote region length 1048576"),
-        (1, 0, 16, "local_offset 1 \\+ length 16 = 17 > local region length 16"),
-        (-1, 0, 4, "local_offset -1 < 0"),
-        (0, -1, 4, "remote_offset -1 < 0"),
-        (0, 0, -4, "length -4 < 0"),
-    ],
-)
-def test_bounds_errors_issue_nothing(recv, tx, monkeypatch, lo, ro, n, what):
-    ls = tx.register(_pattern(16, seed=5))
-    d = recv.desc["buf"]
-    calls = []
-    monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: calls.append(a) or 0)
-    ops = [WriteOp(ls, 0, d, 0, 16), WriteOp(ls, 0, d, 100, 8), WriteOp(ls, lo, d, ro, n)]
-    with pytest.raises(BoundsError, match=what) as ei:
-        tx.write(ops)
-    msg = str(ei.value)
-    assert msg.startswith("op 2:") and f"pid {d.pid}" in msg and f"{d.addr:#x}" in msg
-    assert calls == []
-    assert recv.bytes() == bytes([POISON]) * MIB
-
-
-def test_unknown_and_stale_descriptors_refused(recv, monkeypatch):
-    t = CmaTransport()
-    ls = t.register(_pattern(16))
-    d = recv.desc["buf"]
-    calls = []
-    monkeypatch.setattr(cma, "_process_vm_writev", lambda *a: calls.append(a) or 0)
-    t.connect([recv.desc["bf16"]])
-    with pytest.raises(UnknownRegionError, match="op 1: .*never connected"):
-        t.write([WriteOp(ls, 0, recv.desc["bf16"], 0, 4), WriteOp(ls, 0, d, 0, 4)])
-    t.connect([d])
-    forged = RegionDescriptor(**{**{f: getattr(d, f) for f in d.__slots__}, "key": d.key ^ 1})
-    with pytest.raises(UnknownRegionError, match="another run"):
-        t.write([WriteOp(ls, 0, forged, 0, 4)])
-    # the receiver re-registers: the new descriptor supersedes the old one
-    new = recv.ask("reregister", "buf")
-    recv.desc["buf"] = new  # for later tests
-    assert new.addr == d.addr and new.key != d.key
-    t.connect([new])
-    with pytest.raises(UnknownRegionError, match="op 1: .*key"):
-        t.write([WriteOp(ls, 0, new, 0, 4), WriteOp(ls, 0, d, 0, 4)])
-    assert calls == []
-    monkeypatch.undo()
-    assert t.write([WriteOp(ls, 0, new, 0, 4)]).wait() == 4
-    with pytest.raises(UnknownRegionError):
-        t.read(d, 0, 4)
-
-
-def test_deregistered_local_region_refused(recv, tx):
-    ls = tx.register(_pattern(16))
-    tx.deregister(ls)
-    assert ls.tensor is None
-    with pytest.raises(UnknownRegionError, match="op 0: local region .*not registered"):
-        tx.write([WriteOp(ls, 0, recv.desc["buf"], 0, 16)])
-    other = CmaTransport().register(_pattern(16))  # registered with another transport
-    with pytest.raises(UnknownRegionError, match="not registered"):
-        tx.write([WriteOp(other, 0, recv.desc["buf"], 0, 16)])
-    assert recv.bytes() == bytes([POISON]) * MIB
 
 
 def test_unmapped_remote_address_is_efault(recv, tx):

@@ -1,7 +1,8 @@
 """Data plane: the :class:`Transport` interface and its back ends.
 
-``make_transport("cma")`` builds a back end by name; see :mod:`.base` for the interface and
-the safety rules every back end enforces. Back ends (docs/TRANSPORTS.md has install notes):
+``make_transport("cma")`` builds a back end by name; see :mod:`.base` for the contract: the
+one region type, and the op checks every back end runs (written once there); a back end only
+posts and waits. Back ends (docs/TRANSPORTS.md has install notes):
 
 - ``cma``: cross-memory attach (:mod:`.cma`), one-sided ``process_vm_writev`` between
   processes of one host, CPU memory; no dependency.
@@ -16,7 +17,9 @@ The modules import their optional libraries only when a transport is built, so
 from __future__ import annotations
 
 from .base import (
+    Batch,
     BoundsError,
+    CompletedWrite,
     PermissionDeniedError,
     Region,
     RemoteGoneError,
@@ -25,6 +28,7 @@ from .base import (
     UnknownRegionError,
     WriteHandle,
     WriteOp,
+    check_batch,
 )
 from .cma import CmaRegion, CmaTransport
 from .cuda_ipc import CudaIpcTransport
@@ -53,7 +57,9 @@ def make_transport(name: str, **kw) -> Transport:
 
 
 __all__ = [
+    "Batch",
     "BoundsError",
+    "CompletedWrite",
     "CmaRegion",
     "CmaTransport",
     "CudaIpcTransport",
@@ -68,5 +74,6 @@ __all__ = [
     "UnknownRegionError",
     "WriteHandle",
     "WriteOp",
+    "check_batch",
     "make_transport",
 ]

@@ -1,31 +1,58 @@
-"""The data-plane interface: register -> descriptor -> write -> completion.
+"""The data-plane contract: register -> descriptor -> connect -> write -> completion.
 
-Every back end (cross-memory attach, pyverbs RDMA WRITE, CUDA IPC, NIXL) implements
-:class:`Transport`. The receiving side only calls :meth:`Transport.register` once and publishes
-``region.descriptor()``; it runs no code per step. The sending side calls
-:meth:`Transport.connect` with the descriptors it got from the control plane (once), then posts
-batches of :class:`WriteOp` with :meth:`Transport.write` and waits on the returned
-:class:`WriteHandle`.
+Every back end (cross-memory attach, pyverbs RDMA WRITE, CUDA IPC, NIXL) is a
+:class:`Transport`. The shape follows pplx-garden's fabric-lib: the receiving side calls
+:meth:`Transport.register` once and publishes ``region.descriptor()``; it runs no code per step.
+The sending side calls :meth:`Transport.connect` with the descriptors it got from the control
+plane (once), then posts batches of :class:`WriteOp` with :meth:`Transport.write` and waits on
+the returned :class:`WriteHandle`.
 
-Safety rules every back end enforces *before any byte of a batch is issued*:
+What lives here, written once for every back end
+------------------------------------------------
+- :class:`Region`, the one region type (a registered tensor, its address and length in bytes,
+  the back end's native handle, and its descriptor);
+- the tensor checks of :meth:`Transport.register` (a contiguous tensor of >= 1 byte; the back
+  end adds its device check), the descriptor checks of :meth:`Transport.connect` (type,
+  transport name, address and length > 0; the back end adds its own), the bookkeeping of
+  registered and connected regions, :meth:`Transport.deregister` and :meth:`Transport.close`;
+- the op checks of :meth:`Transport.write` (:func:`check_batch`), which run *before any byte of
+  a batch is issued*:
 
-- the remote descriptor was connected (same ``key``; a descriptor from another run, or one the
-  receiver deregistered, is refused);
-- ``remote_offset + length`` lies inside the remote region, ``local_offset + length`` inside the
-  local region, offsets and lengths are >= 0;
-- the local region is still registered.
+  - the local region is registered with this transport (not deregistered, not another
+    transport's) -> :class:`UnknownRegionError`;
+  - the remote descriptor was connected and equals the connected one (same key, length and
+    back-end fields; a descriptor from another run, or one the receiver re-registered, is
+    refused) -> :class:`UnknownRegionError`;
+  - offsets and lengths are >= 0, ``local_offset + length`` lies inside the local region and
+    ``remote_offset + length`` inside the remote one -> :class:`BoundsError`.
 
-Violations raise :class:`TransportError` (or a subclass) naming the op, the region and the bounds.
+  One bad op refuses the whole batch: nothing of it is posted. Zero-length ops are skipped.
+
+What a back end implements (the hooks, all prefixed ``_``): ``_check_device`` (which tensors it
+registers), ``_register`` / ``_deregister`` (native registration), ``_describe`` (the
+descriptor's key and ``extra``), ``_check_descriptor`` / ``_connect`` / ``_disconnect``
+(opening remote regions), ``_remote_key`` (how a descriptor is looked up), ``_group_key`` (how
+the checked ops are batched) and ``_post`` (issue one checked :class:`Batch`, return its
+:class:`WriteHandle`). Posting and waiting are the only back-end-specific parts of a write.
 """
 from __future__ import annotations
 
 import abc
+import os
+import socket
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 from ..types import RegionDescriptor
+
+__all__ = [
+    "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError",
+    "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
+    "describe_remote",
+]
 
 
 class TransportError(RuntimeError):
@@ -62,53 +89,345 @@ class WriteOp:
     length: int
 
 
-class Region(abc.ABC):
-    """A registered local memory range (the memory region, MR)."""
+class Region:
+    """A registered local memory range (the memory region, MR): the tensor (referenced while
+    registered, so its memory is not freed), its address and length in bytes, the back end's
+    native handle (``native``: NIXL's registration list, the verbs MRs, ...) and the descriptor
+    another process needs to write here (built on first :meth:`descriptor` call).
+
+    Built by :meth:`Transport.register` only. ``tensor`` is None once deregistered."""
+
+    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner")
+
+    def __init__(self, owner: "Transport", tensor: torch.Tensor):
+        self._owner = owner
+        self._tensor: torch.Tensor | None = tensor
+        self.addr: int = tensor.data_ptr()
+        """Start address (bytes, in the owner's address space or device)."""
+        self.length: int = tensor.nbytes
+        """Length in bytes (>= 1)."""
+        self.native = None
+        self._desc: RegionDescriptor | None = None
 
     @property
-    @abc.abstractmethod
-    def addr(self) -> int: ...
+    def tensor(self) -> torch.Tensor | None:
+        """The registered tensor (None once deregistered)."""
+        return self._tensor
 
-    @property
-    @abc.abstractmethod
-    def length(self) -> int: ...
-
-    @abc.abstractmethod
     def descriptor(self) -> RegionDescriptor:
-        """Serializable descriptor another process needs to write here."""
+        """Serializable descriptor another process needs to write here. Raises
+        :class:`TransportError` when the region was deregistered before a descriptor was built."""
+        if self._desc is None:
+            if self._tensor is None:
+                raise TransportError(f"descriptor: {self!r} was deregistered")
+            self._desc = self._owner._describe(self)
+        return self._desc
+
+    def __repr__(self) -> str:
+        live = "" if self._tensor is not None else ", deregistered"
+        return f"Region({self._owner.name}, addr={self.addr:#x}, length={self.length}{live})"
 
 
 class WriteHandle(abc.ABC):
-    """Completion of one posted batch."""
+    """Completion of one posted batch. A back end implements :meth:`done` (poll once) and may
+    refine the waiting through ``_idle`` (between polls), ``_raise_failure`` (after the last
+    poll) and ``_timeout_message``."""
+
+    nbytes: int = 0
+    """Bytes of the batch."""
 
     @abc.abstractmethod
+    def done(self) -> bool:
+        """Poll once; True when no write of the batch is in flight any more."""
+
     def wait(self, timeout: float | None = None) -> int:
         """Block until every write of the batch completed; return bytes written. Raises
         :class:`TransportError` on failure or ``TimeoutError`` after ``timeout`` seconds."""
+        t0 = time.monotonic()
+        while not self.done():
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(self._timeout_message(timeout))
+            self._idle()
+        self._raise_failure()
+        return self.nbytes
 
-    @abc.abstractmethod
-    def done(self) -> bool: ...
+    def _idle(self) -> None:
+        """Between two polls of :meth:`wait` (default: poll again at once)."""
+
+    def _raise_failure(self) -> None:
+        """Raise :class:`TransportError` when a write of the finished batch failed."""
+
+    def _timeout_message(self, timeout: float) -> str:
+        return f"{type(self).__name__}: batch not complete after {timeout} s"
+
+
+class CompletedWrite(WriteHandle):
+    """A batch that was complete when :meth:`Transport.write` returned (CMA is synchronous; an
+    all-empty batch moves nothing). ``wait`` returns ``nbytes`` at once."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.nbytes
+
+    def done(self) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# the op checks (one place for every back end)
+
+
+class Group:
+    """Checked, non-empty ops of a batch that share a back end's group key (a receiving pid, a
+    NIXL (agent, memory types), a verbs peer, ...): parallel lists of op index, local address,
+    remote address and length (bytes). ``local`` / ``remote`` are the first op's local region and
+    connected descriptor (what the key was computed from)."""
+
+    __slots__ = ("local", "remote", "idx", "laddr", "raddr", "lens")
+
+    def __init__(self, local: Region, remote: RegionDescriptor):
+        self.local, self.remote = local, remote
+        self.idx: list[int] = []
+        self.laddr: list[int] = []
+        self.raddr: list[int] = []
+        self.lens: list[int] = []
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch that passed every check: its groups, in first-seen order, and its total bytes."""
+
+    groups: dict[Hashable, Group]
+    nbytes: int
+
+
+def describe_remote(d: RegionDescriptor) -> str:
+    """``(host h, pid p, addr 0x..., length n)`` (plus ``agent`` for NIXL descriptors)."""
+    agent = ""
+    if isinstance(d.extra, tuple):
+        for kv in d.extra:
+            if isinstance(kv, tuple) and len(kv) == 2 and kv[0] == "agent":
+                agent = f"agent {kv[1]}, "
+    return f"({agent}host {d.host}, pid {d.pid}, addr {d.addr:#x}, length {d.length})"
+
+
+def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
+                remote_key: Callable[[RegionDescriptor], Hashable],
+                group_key: Callable[[Region, RegionDescriptor, Hashable], Hashable]) -> Batch:
+    """Check every op of a batch (the rules in the module docstring) and group the non-empty
+    ones. ``local``: ``id(region) -> region`` registered here; ``remote``:
+    ``remote_key(descriptor) -> descriptor`` connected here. Raises :class:`UnknownRegionError` /
+    :class:`BoundsError` naming the op index, the regions and the bounds; then nothing of the
+    batch may be issued. Regions and descriptors repeated across consecutive ops are looked up
+    once (cost per op ~1 us in CPython)."""
+    groups: dict[Hashable, Group] = {}
+    total = 0
+    last_loc = last_rd = None
+    llen = laddr = rlen = raddr = 0
+    c = None
+    add_i = add_l = add_r = add_n = None
+    for i, op in enumerate(ops):
+        loc = op.local
+        if loc is not last_loc:
+            if local.get(id(loc)) is not loc:
+                raise UnknownRegionError(
+                    f"op {i}: local region {loc!r} is not registered with this transport "
+                    "(deregistered, or registered elsewhere); nothing of the batch was issued"
+                )
+            last_loc, llen, laddr = loc, loc.length, loc.addr
+            last_rd = None  # the group may depend on the local region
+        rd = op.remote
+        if rd is not last_rd:
+            k = remote_key(rd)
+            c = remote.get(k)
+            if c is None or (c is not rd and c != rd):
+                raise UnknownRegionError(_unknown_msg(i, rd, c))
+            last_rd, rlen, raddr = rd, c.length, c.addr
+            gk = group_key(loc, c, k)
+            g = groups.get(gk)
+            if g is None:
+                g = groups[gk] = Group(loc, c)
+            add_i, add_l, add_r, add_n = g.idx.append, g.laddr.append, g.raddr.append, g.lens.append
+        lo, ro, n = op.local_offset, op.remote_offset, op.length
+        if lo < 0 or ro < 0 or n < 0 or lo + n > llen or ro + n > rlen:
+            raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n))
+        if n:
+            add_i(i)
+            add_l(laddr + lo)
+            add_r(raddr + ro)
+            add_n(n)
+            total += n
+    if any(not g.lens for g in groups.values()):  # groups of zero-length ops only
+        groups = {k: g for k, g in groups.items() if g.lens}
+    return Batch(groups, total)
+
+
+def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:
+    where = f"op {i}" if isinstance(i, int) else str(i)
+    if c is None:
+        why = ("was never connected (a descriptor of another process or run; call connect() with the "
+               "receiver's descriptors first)")
+    elif c.key != rd.key or c.extra != rd.extra:
+        why = (f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
+               "(a descriptor from another run or a re-registration)")
+    elif c.length != rd.length:
+        why = f"has length {rd.length} but the connected one has length {c.length}"
+    else:
+        why = f"differs from the connected one {c}"
+    return f"{where}: remote region {describe_remote(rd)} {why}; nothing of the batch was issued"
+
+
+def _bounds_msg(i: int, loc: Region, c: RegionDescriptor, lo: int, ro: int, n: int) -> str:
+    parts = []
+    if lo < 0:
+        parts.append(f"local_offset {lo} < 0")
+    if ro < 0:
+        parts.append(f"remote_offset {ro} < 0")
+    if n < 0:
+        parts.append(f"length {n} < 0")
+    if lo + n > loc.length:
+        parts.append(f"local_offset {lo} + length {n} = {lo + n} > local region length {loc.length} "
+                     f"(addr {loc.addr:#x})")
+    if ro + n > c.length:
+        parts.append(f"remote_offset {ro} + length {n} = {ro + n} > remote region length {c.length} "
+                     f"(pid {c.pid}, addr {c.addr:#x})")
+    return (f"op {i}: out of bounds: {'; '.join(parts)} [local {loc!r}, remote {describe_remote(c)}, "
+            f"local_offset {lo}, remote_offset {ro}, length {n}]; nothing of the batch was issued")
+
+
+# ---------------------------------------------------------------------------------------------
+# the transport
 
 
 class Transport(abc.ABC):
-    """One process's endpoint of a data plane."""
+    """One process's endpoint of a data plane. ``host`` defaults to ``socket.gethostname()``.
+
+    Not thread-safe: one writer thread per transport."""
 
     name: str = "?"
 
-    @abc.abstractmethod
+    def __init__(self, host: str | None = None):
+        self.host = host if host is not None else socket.gethostname()
+        self.pid = os.getpid()
+        self._local: dict[int, Region] = {}  # id(region) -> region
+        self._remote: dict[Hashable, RegionDescriptor] = {}  # _remote_key(desc) -> desc
+
+    # ---- registration -----------------------------------------------------------------------
+
     def register(self, tensor: torch.Tensor) -> Region:
-        """Register a contiguous tensor's memory; the tensor must outlive the region."""
+        """Register a contiguous tensor of >= 1 byte on a device this back end handles; the
+        tensor must outlive the region (the region references it) and keep its storage.
+        ValueError naming the shape, stride or device otherwise."""
+        who = f"{type(self).__name__}.register"
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{who} needs a torch.Tensor, got {type(tensor).__name__}")
+        self._check_device(tensor)
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"{who} needs a contiguous tensor (shape {tuple(tensor.shape)}, stride {tensor.stride()}); "
+                "register the base buffer or .contiguous() it"
+            )
+        if tensor.nbytes == 0:
+            raise ValueError(
+                f"{who} refuses a zero-byte tensor (shape {tuple(tensor.shape)}): a region must be at "
+                "least one byte; skip empty shards"
+            )
+        region = Region(self, tensor)
+        region.native = self._register(region)
+        self._local[id(region)] = region
+        return region
 
-    @abc.abstractmethod
-    def deregister(self, region: Region) -> None: ...
+    def deregister(self, region: Region) -> None:
+        """Forget a local region (and release its native registration); later writes from it
+        raise :class:`UnknownRegionError`. Idempotent."""
+        if self._local.pop(id(region), None) is not None:
+            try:
+                self._deregister(region)
+            finally:
+                region._tensor = None
 
-    @abc.abstractmethod
     def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
-        """Accept remote regions as write targets (once, from the control plane)."""
-
-    @abc.abstractmethod
-    def write(self, ops: Sequence[WriteOp]) -> WriteHandle:
-        """Check every op (see module docstring), then post them all; return the completion."""
+        """Accept remote regions as write targets (once, from the control plane). Every
+        descriptor is checked before any is accepted: ValueError for another transport or a
+        malformed descriptor (and the back end's own checks). Connecting a descriptor for a
+        region already connected with another key replaces it (the newer registration wins)."""
+        for d in descriptors:
+            if not isinstance(d, RegionDescriptor):
+                raise ValueError(f"connect: expected RegionDescriptor, got {type(d).__name__}")
+            if d.transport != self.name:
+                raise ValueError(
+                    f"connect: descriptor {describe_remote(d)} is for transport {d.transport!r}, not {self.name!r}"
+                )
+            self._check_descriptor(d)
+            if d.addr <= 0 or d.length <= 0:
+                raise ValueError(f"connect: malformed descriptor {d}")
+        for d in descriptors:
+            self._remote[self._connect(d)] = d
 
     def close(self) -> None:
         """Release every registration and connection."""
+        for r in list(self._local.values()):
+            self.deregister(r)
+        self._disconnect()
+        self._remote.clear()
+
+    # ---- data path --------------------------------------------------------------------------
+
+    def check(self, ops: Sequence[WriteOp]) -> Batch:
+        """The checks of :meth:`write` alone (:func:`check_batch` over this transport's regions)."""
+        return check_batch(ops, self._local, self._remote, self._remote_key, self._group_key)
+
+    def write(self, ops: Sequence[WriteOp]) -> WriteHandle:
+        """Check every op (see the module docstring), then post them all; return the completion.
+        Raises :class:`UnknownRegionError` / :class:`BoundsError` with nothing of the batch
+        issued, or the back end's :class:`TransportError` when posting fails."""
+        batch = self.check(ops)
+        if not batch.groups:
+            return CompletedWrite(0)
+        return self._post(batch, ops)
+
+    # ---- back-end hooks ---------------------------------------------------------------------
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        """Raise ValueError when this back end cannot register memory on ``tensor.device``."""
+
+    def _register(self, region: Region):
+        """Register ``region`` natively; return the handle kept in ``region.native``."""
+        return None
+
+    def _deregister(self, region: Region) -> None:
+        """Release ``region.native``."""
+
+    @abc.abstractmethod
+    def _describe(self, region: Region) -> RegionDescriptor:
+        """The descriptor of ``region`` (use :meth:`_descriptor`)."""
+
+    def _descriptor(self, region: Region, key: int, extra: tuple = ()) -> RegionDescriptor:
+        return RegionDescriptor(transport=self.name, host=self.host, pid=self.pid, addr=region.addr,
+                                length=region.length, key=key, extra=extra)
+
+    def _check_descriptor(self, d: RegionDescriptor) -> None:
+        """Back-end checks of a descriptor at connect time (ValueError)."""
+
+    def _connect(self, d: RegionDescriptor) -> Hashable:
+        """Open ``d`` natively (load metadata, open a handle, handshake); return its lookup key."""
+        return self._remote_key(d)
+
+    def _disconnect(self) -> None:
+        """Close every native connection (called by :meth:`close`)."""
+
+    def _remote_key(self, d: RegionDescriptor) -> Hashable:
+        """How a descriptor is looked up among the connected ones (default ``(pid, addr)``)."""
+        return (d.pid, d.addr)
+
+    def _group_key(self, loc: Region, remote: RegionDescriptor, key: Hashable) -> Hashable:
+        """Ops with one group key are posted together (default: per receiving pid)."""
+        return remote.pid
+
+    @abc.abstractmethod
+    def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> WriteHandle:
+        """Issue every write of a checked, non-empty batch; return its completion."""

@@ -84,7 +84,6 @@ import ctypes.util
 import errno as _errno
 import os
 import secrets
-import socket
 from array import array
 from typing import Sequence
 
@@ -92,15 +91,18 @@ import torch
 
 from ..types import RegionDescriptor
 from .base import (
+    Batch,
     BoundsError,
+    CompletedWrite,
     PermissionDeniedError,
     Region,
     RemoteGoneError,
     Transport,
     TransportError,
     UnknownRegionError,
-    WriteHandle,
     WriteOp,
+    _unknown_msg,
+    describe_remote,
 )
 
 __all__ = ["CmaTransport", "CmaRegion", "CmaWriteHandle", "IOV_MAX"]
@@ -167,58 +169,12 @@ def _iov(bases: list[int], lens: list[int]) -> array:
 
 
 # --------------------------------------------------------------------------------------------
-# regions and handles
-
-
-class CmaRegion(Region):
-    """A registered contiguous CPU tensor. Holds a reference to the tensor while registered."""
-
-    __slots__ = ("_tensor", "_addr", "_length", "_desc")
-
-    def __init__(self, tensor: torch.Tensor, desc: RegionDescriptor):
-        self._tensor = tensor
-        self._addr = desc.addr
-        self._length = desc.length
-        self._desc = desc
-
-    @property
-    def addr(self) -> int:
-        return self._addr
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        """The registered tensor (None once deregistered)."""
-        return self._tensor
-
-    def descriptor(self) -> RegionDescriptor:
-        return self._desc
-
-    def __repr__(self) -> str:
-        live = "" if self._tensor is not None else ", deregistered"
-        return f"CmaRegion(addr={self._addr:#x}, length={self._length}{live})"
-
-
-class CmaWriteHandle(WriteHandle):
-    """Completion of a CMA batch; CMA is synchronous, so it is complete on creation."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.nbytes
-
-    def done(self) -> bool:
-        return True
-
-
-# --------------------------------------------------------------------------------------------
 # transport
+
+CmaRegion = Region
+"""The region type (:class:`~reference.transport.base.Region`; this name is kept for imports)."""
+CmaWriteHandle = CompletedWrite
+"""CMA is synchronous: a batch is complete when :meth:`CmaTransport.write` returns."""
 
 _PTRACE_HINT = (
     "CMA needs ptrace access to the receiver: run sender and receiver as the same uid with "
@@ -230,140 +186,60 @@ _PTRACE_HINT = (
 
 class CmaTransport(Transport):
     """One process's CMA endpoint. ``host`` defaults to ``socket.gethostname()``; descriptors
-    are only accepted from the same host."""
+    are only accepted from the same host. Registration, connection and the op checks are the
+    contract's (:mod:`.base`); this class adds the CPU-only device check, the same-host check
+    and the posting (:meth:`_post`)."""
 
     name = "cma"
 
-    def __init__(self, host: str | None = None):
-        self.host = host if host is not None else socket.gethostname()
-        self.pid = os.getpid()
-        self._local: dict[int, CmaRegion] = {}  # id(region) -> region
-        self._remote: dict[tuple[int, int], RegionDescriptor] = {}  # (pid, addr) -> desc
+    # ---- hooks of the contract ----------------------------------------------------------------
 
-    # ---- registration -----------------------------------------------------------------------
-
-    def register(self, tensor: torch.Tensor) -> CmaRegion:
-        """Register a contiguous CPU tensor of >= 1 byte; ValueError otherwise."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"CmaTransport.register needs a torch.Tensor, got {type(tensor).__name__}")
+    def _check_device(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu":
             raise ValueError(
                 f"CmaTransport.register needs a CPU tensor, got device {tensor.device} "
                 "(CMA copies between process address spaces; use the CUDA IPC or verbs transport for GPU memory)"
             )
-        if not tensor.is_contiguous():
+
+    def _describe(self, region: Region) -> RegionDescriptor:
+        return self._descriptor(region, key=secrets.randbits(64))
+
+    def _check_descriptor(self, d: RegionDescriptor) -> None:
+        if d.host != self.host:
             raise ValueError(
-                f"CmaTransport.register needs a contiguous tensor (shape {tuple(tensor.shape)}, "
-                f"stride {tensor.stride()}); register the base buffer or .contiguous() it"
+                f"connect: descriptor {describe_remote(d)} is on host {d.host!r}, this is {self.host!r}; "
+                "CMA only writes between processes of one host"
             )
-        if tensor.nbytes == 0:
-            raise ValueError(
-                f"CmaTransport.register refuses a zero-byte tensor (shape {tuple(tensor.shape)}): "
-                "a region must be at least one byte; skip empty shards"
-            )
-        desc = RegionDescriptor(
-            transport="cma",
-            host=self.host,
-            pid=self.pid,
-            addr=tensor.data_ptr(),
-            length=tensor.nbytes,
-            key=secrets.randbits(64),
-        )
-        region = CmaRegion(tensor, desc)
-        self._local[id(region)] = region
-        return region
+        if d.pid <= 0:
+            raise ValueError(f"connect: malformed descriptor {d}")
 
-    def deregister(self, region: Region) -> None:
-        """Forget a local region; later writes from it raise UnknownRegionError. Idempotent."""
-        if self._local.pop(id(region), None) is not None:
-            region._tensor = None  # type: ignore[attr-defined]
-
-    def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
-        """Accept remote regions as write targets. All are checked before any is accepted:
-        ValueError for another transport, another host, or a malformed descriptor."""
-        for d in descriptors:
-            if not isinstance(d, RegionDescriptor):
-                raise ValueError(f"connect: expected RegionDescriptor, got {type(d).__name__}")
-            if d.transport != "cma":
-                raise ValueError(f"connect: descriptor {_name(d)} is for transport {d.transport!r}, not 'cma'")
-            if d.host != self.host:
-                raise ValueError(
-                    f"connect: descriptor {_name(d)} is on host {d.host!r}, this is {self.host!r}; "
-                    "CMA only writes between processes of one host"
-                )
-            if d.pid <= 0 or d.addr <= 0 or d.length <= 0:
-                raise ValueError(f"connect: malformed descriptor {d}")
-        for d in descriptors:
-            self._remote[(d.pid, d.addr)] = d
-
-    def close(self) -> None:
-        for r in list(self._local.values()):
-            self.deregister(r)
-        self._remote.clear()
-
-    # ---- data path --------------------------------------------------------------------------
-
-    def write(self, ops: Sequence[WriteOp]) -> CmaWriteHandle:
-        """Validate every op, then copy them all (grouped per remote pid, <= IOV_MAX iovecs per
-        syscall, resuming partial copies). Returns a completed handle with the bytes written."""
-        local = self._local
-        remote = self._remote
-        # pid -> ([local addrs], [remote addrs], [lengths], [op indices])
-        groups: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
-        total = 0
-        # ops of a batch mostly share their region objects: validate each one once
-        last_loc = last_rd = None
-        llen = laddr = rlen = raddr = 0
-        g = None
-        for i, op in enumerate(ops):
-            loc = op.local
-            if loc is not last_loc:
-                if local.get(id(loc)) is not loc:
-                    raise UnknownRegionError(
-                        f"op {i}: local region {loc!r} is not registered with this transport "
-                        "(deregistered, or registered elsewhere); nothing of the batch was issued"
-                    )
-                last_loc, llen, laddr = loc, loc._length, loc._addr
-            rd = op.remote
-            if rd is not last_rd:
-                c = remote.get((rd.pid, rd.addr))
-                if c is None or c.key != rd.key or c.length != rd.length:
-                    raise UnknownRegionError(_unknown_msg(i, rd, c))
-                last_rd, rlen, raddr = rd, c.length, c.addr
-                g = groups.get(rd.pid)
-                if g is None:
-                    g = groups[rd.pid] = ([], [], [], [])
-            lo, ro, n = op.local_offset, op.remote_offset, op.length
-            if lo < 0 or ro < 0 or n < 0 or lo + n > llen or ro + n > rlen:
-                raise BoundsError(_bounds_msg(i, loc, remote[(rd.pid, rd.addr)], lo, ro, n))
-            if n:
-                g[0].append(laddr + lo)
-                g[1].append(raddr + ro)
-                g[2].append(n)
-                g[3].append(i)
-                total += n
-
-        done = 0
-        for pid, (las, ras, lens, idxs) in groups.items():
+    def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> CompletedWrite:
+        """Copy every group (one per receiving pid) with <= IOV_MAX iovecs per syscall,
+        resuming partial copies. Returns a completed handle with the bytes written."""
+        done, total = 0, batch.nbytes
+        for pid, g in batch.groups.items():
+            las, ras, lens, idxs = g.laddr, g.raddr, g.lens, g.idx
             for s in range(0, len(lens), IOV_MAX):
                 e = s + IOV_MAX
                 done = self._send(
                     _process_vm_writev, pid, las[s:e], ras[s:e], lens[s:e], idxs[s:e], done, total, ops
                 )
-        return CmaWriteHandle(done)
+        return CompletedWrite(done)
+
+    # ---- verification ---------------------------------------------------------------------------
 
     def read(self, remote: RegionDescriptor, offset: int = 0, length: int | None = None) -> bytes:
         """Copy ``length`` bytes (default: to the end) of a connected remote region at
         ``offset`` into a new ``bytes`` with ``process_vm_readv``. Same checks as write.
         For tests and verification, not the hot path."""
-        c = self._remote.get((remote.pid, remote.addr))
-        if c is None or c.key != remote.key or c.length != remote.length:
-            raise UnknownRegionError(_unknown_msg(None, remote, c))
+        c = self._remote.get(self._remote_key(remote))
+        if c is None or (c is not remote and c != remote):
+            raise UnknownRegionError(_unknown_msg("read", remote, c))
         if length is None:
             length = c.length - offset
         if offset < 0 or length < 0 or offset + length > c.length:
             raise BoundsError(
-                f"read: offset {offset} + length {length} outside remote region {_name(c)} "
+                f"read: offset {offset} + length {length} outside remote region {describe_remote(c)} "
                 f"[0, {c.length})"
             )
         if length == 0:
@@ -420,56 +296,13 @@ class CmaTransport(Transport):
 # messages
 
 
-def _name(d: RegionDescriptor) -> str:
-    return f"(pid {d.pid}, addr {d.addr:#x}, length {d.length})"
-
-
 def _opname(i: int, ops) -> str:
     if ops is None:
         return "read"
     op = ops[i]
     return (
-        f"op {i} (local_offset {op.local_offset}, remote {_name(op.remote)}, "
+        f"op {i} (local_offset {op.local_offset}, remote {describe_remote(op.remote)}, "
         f"remote_offset {op.remote_offset}, length {op.length})"
-    )
-
-
-def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:
-    where = f"op {i}" if i is not None else "read"
-    if c is None:
-        why = "was never connected (call connect() with the receiver's descriptors first)"
-    elif c.key != rd.key:
-        why = (
-            f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
-            "(a descriptor from another run or a re-registration)"
-        )
-    else:
-        why = f"has length {rd.length} but the connected one has length {c.length}"
-    return f"{where}: remote region {_name(rd)} {why}; nothing of the batch was issued"
-
-
-def _bounds_msg(i: int, loc: CmaRegion, c: RegionDescriptor, lo: int, ro: int, n: int) -> str:
-    parts = []
-    if lo < 0:
-        parts.append(f"local_offset {lo} < 0")
-    if ro < 0:
-        parts.append(f"remote_offset {ro} < 0")
-    if n < 0:
-        parts.append(f"length {n} < 0")
-    if lo + n > loc.length:
-        parts.append(
-            f"local_offset {lo} + length {n} = {lo + n} > local region length {loc.length} "
-            f"(addr {loc.addr:#x})"
-        )
-    if ro + n > c.length:
-        parts.append(
-            f"remote_offset {ro} + length {n} = {ro + n} > remote region length {c.length} "
-            f"(pid {c.pid}, addr {c.addr:#x})"
-        )
-    return (
-        f"op {i}: out of bounds: {'; '.join(parts)} [local (addr {loc.addr:#x}, length {loc.length}), "
-        f"remote {_name(c)}, local_offset {lo}, remote_offset {ro}, length {n}]; "
-        "nothing of the batch was issued"
     )
 
 

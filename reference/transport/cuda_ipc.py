@@ -33,16 +33,14 @@ Requirements: a CUDA build of torch, GPUs of one host, same user, no container i
 """
 from __future__ import annotations
 
-import os
 import secrets
-import socket
 import time
 from typing import Sequence
 
 import torch
 
 from ..types import RegionDescriptor
-from .base import BoundsError, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp
+from .base import Batch, Region, Transport, TransportError, WriteHandle, WriteOp, describe_remote
 
 __all__ = ["CudaIpcTransport", "CudaIpcRegion", "CudaIpcWriteHandle", "INSTALL_HINT", "cuda_available"]
 
@@ -57,30 +55,8 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class CudaIpcRegion(Region):
-    __slots__ = ("_tensor", "_desc")
-
-    def __init__(self, tensor: torch.Tensor, desc: RegionDescriptor):
-        self._tensor, self._desc = tensor, desc
-
-    @property
-    def addr(self) -> int:
-        return self._desc.addr
-
-    @property
-    def length(self) -> int:
-        return self._desc.length
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self._tensor
-
-    def descriptor(self) -> RegionDescriptor:
-        return self._desc
-
-    def __repr__(self) -> str:
-        live = "" if self._tensor is not None else ", deregistered"
-        return f"CudaIpcRegion(addr={self.addr:#x}, length={self.length}{live})"
+CudaIpcRegion = Region
+"""The region type (:class:`~reference.transport.base.Region`). Name kept for imports."""
 
 
 class CudaIpcWriteHandle(WriteHandle):
@@ -91,17 +67,15 @@ class CudaIpcWriteHandle(WriteHandle):
         return self._event is None or self._event.query()
 
     def wait(self, timeout: float | None = None) -> int:
-        if self._event is None:
-            return self.nbytes
-        if timeout is None:
+        if timeout is None and self._event is not None:
             self._event.synchronize()
-            return self.nbytes
-        t0 = time.monotonic()
-        while not self._event.query():
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"CUDA IPC copies not complete after {timeout} s")
-            time.sleep(1e-4)
-        return self.nbytes
+        return super().wait(timeout)
+
+    def _idle(self) -> None:
+        time.sleep(1e-4)
+
+    def _timeout_message(self, timeout: float) -> str:
+        return f"CUDA IPC copies not complete after {timeout} s"
 
 
 class CudaIpcTransport(Transport):
@@ -113,96 +87,64 @@ class CudaIpcTransport(Transport):
     def __init__(self, host: str | None = None, *, stream: "torch.cuda.Stream | None" = None):
         if not cuda_available():
             raise ImportError(INSTALL_HINT)
-        self.host = host if host is not None else socket.gethostname()
-        self.pid = os.getpid()
+        super().__init__(host)
         self.stream = stream or torch.cuda.Stream()
-        self._local: dict[int, CudaIpcRegion] = {}
-        self._remote: dict[tuple[int, int], tuple[RegionDescriptor, torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # remote key -> mapped uint8 view
 
-    def register(self, tensor: torch.Tensor) -> CudaIpcRegion:
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-            raise ValueError("register: expected a contiguous torch.Tensor")
-        n = tensor.numel() * tensor.element_size()
-        if n == 0:
-            raise ValueError("register: cannot register a zero-byte tensor")
+    # ---- hooks of the contract ----------------------------------------------------------------
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"register: CUDA or CPU tensors only, got {tensor.device}")
+
+    def _describe(self, region: Region) -> RegionDescriptor:
+        tensor = region.tensor
         extra: tuple = ()
         if tensor.device.type == "cuda":
-            st = tensor.untyped_storage()
-            share = st._share_cuda_()
+            share = tensor.untyped_storage()._share_cuda_()
             dev = tensor.device.index
             extra = (("dev", dev), ("handle", tuple(share)),
                      ("offset", tensor.storage_offset() * tensor.element_size()),
                      ("uuid", str(torch.cuda.get_device_properties(dev).uuid)))
-        elif tensor.device.type != "cpu":
-            raise ValueError(f"register: CUDA or CPU tensors only, got {tensor.device}")
-        desc = RegionDescriptor(transport="cuda_ipc", host=self.host, pid=self.pid, addr=tensor.data_ptr(),
-                                length=n, key=secrets.randbits(64), extra=extra)
-        r = CudaIpcRegion(tensor, desc)
-        self._local[id(r)] = r
-        return r
+        return self._descriptor(region, key=secrets.randbits(64), extra=extra)
 
-    def deregister(self, region: Region) -> None:
-        if self._local.pop(id(region), None) is not None:
-            region._tensor = None  # type: ignore[attr-defined]
+    def _check_descriptor(self, d: RegionDescriptor) -> None:
+        if d.host != self.host:
+            raise ValueError(f"connect: descriptor on host {d.host!r}, this is {self.host!r}; CUDA IPC is one host only")
+        if "handle" not in dict(d.extra):
+            raise ValueError(f"connect: descriptor {describe_remote(d)} has no CUDA IPC handle (a CPU region?)")
 
-    def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
-        """Open every descriptor's IPC handle (once). ValueError for another transport, another
-        host, a CPU-only descriptor or a malformed one; TransportError when CUDA refuses."""
-        for d in descriptors:
-            if not isinstance(d, RegionDescriptor) or d.transport != "cuda_ipc":
-                raise ValueError(f"connect: not a cuda_ipc descriptor: {d!r}")
-            if d.host != self.host:
-                raise ValueError(f"connect: descriptor on host {d.host!r}, this is {self.host!r}; CUDA IPC is one host only")
-            x = dict(d.extra)
-            if "handle" not in x or d.length <= 0:
-                raise ValueError(f"connect: descriptor {_name(d)} has no CUDA IPC handle (a CPU region?)")
-        for d in descriptors:
-            x = dict(d.extra)
-            try:
-                st = torch.UntypedStorage._new_shared_cuda(*x["handle"])
-            except Exception as e:  # noqa: BLE001
-                raise TransportError(f"connect: cudaIpcOpenMemHandle failed for {_name(d)}: {e}") from e
-            view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{x['dev']}")
-            view.set_(st, x["offset"], (d.length,))
-            self._remote[(d.pid, d.addr)] = (d, view)
+    def _connect(self, d: RegionDescriptor):
+        """Open the descriptor's IPC handle (``cudaIpcOpenMemHandle``); TransportError when CUDA
+        refuses."""
+        x = dict(d.extra)
+        try:
+            st = torch.UntypedStorage._new_shared_cuda(*x["handle"])
+        except Exception as e:  # noqa: BLE001
+            raise TransportError(f"connect: cudaIpcOpenMemHandle failed for {describe_remote(d)}: {e}") from e
+        view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{x['dev']}")
+        view.set_(st, x["offset"], (d.length,))
+        k = self._remote_key(d)
+        self._views[k] = view
+        return k
 
-    def write(self, ops: Sequence[WriteOp]) -> CudaIpcWriteHandle:
-        plan = []
-        total = 0
-        for i, op in enumerate(ops):
-            loc = op.local
-            if self._local.get(id(loc)) is not loc:
-                raise UnknownRegionError(f"op {i}: local region {loc!r} is not registered with this transport "
-                                         "(deregistered, or registered elsewhere); nothing of the batch was issued")
-            rd = op.remote
-            got = self._remote.get((rd.pid, rd.addr))
-            if got is None or got[0].key != rd.key or got[0].length != rd.length:
-                why = ("was never connected" if got is None else
-                       f"has key {rd.key:#x} but the connected registration has key {got[0].key:#x} "
-                       "(a descriptor from another run or a re-registration)")
-                raise UnknownRegionError(f"op {i}: remote region {_name(rd)} {why}; nothing of the batch was issued")
-            lo, ro, n = op.local_offset, op.remote_offset, op.length
-            if lo < 0 or ro < 0 or n < 0 or lo + n > loc.length or ro + n > rd.length:
-                raise BoundsError(f"op {i}: out of bounds: local_offset {lo}, remote_offset {ro}, length {n} against "
-                                  f"local length {loc.length} and remote {_name(rd)}; nothing of the batch was issued")
-            if n:
-                plan.append((loc, lo, got[1], ro, n))
-                total += n
-        if not plan:
-            return CudaIpcWriteHandle(None, 0)
+    def _disconnect(self) -> None:
+        self._views.clear()
+
+    def _group_key(self, loc: Region, remote: RegionDescriptor, key):
+        """Per (local region, remote region): each group is copies from one tensor into one view."""
+        return (id(loc), key)
+
+    def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> CudaIpcWriteHandle:
+        """Enqueue every copy on ``stream`` and record an event; the handle waits on it."""
         with torch.cuda.stream(self.stream):
-            for loc, lo, dst, ro, n in plan:
-                src = loc._tensor.view(-1).view(torch.uint8)[lo:lo + n]
-                dst[ro:ro + n].copy_(src, non_blocking=True)
+            for (_, key), g in batch.groups.items():
+                src_all = g.local.tensor.view(-1).view(torch.uint8)
+                dst_all = self._views[key]
+                lbase, rbase = g.local.addr, g.remote.addr
+                for la, ra, n in zip(g.laddr, g.raddr, g.lens):
+                    lo, ro = la - lbase, ra - rbase
+                    dst_all[ro:ro + n].copy_(src_all[lo:lo + n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
-        return CudaIpcWriteHandle(ev, total)
-
-    def close(self) -> None:
-        for r in list(self._local.values()):
-            self.deregister(r)
-        self._remote.clear()
-
-
-def _name(d: RegionDescriptor) -> str:
-    return f"(host {d.host}, pid {d.pid}, addr {d.addr:#x}, length {d.length})"
+        return CudaIpcWriteHandle(ev, batch.nbytes)

@@ -23,14 +23,15 @@ How it maps onto :class:`~reference.transport.base.Transport`
   (``TrainerClient.get_plan`` / the TCPStore) carries it like any other descriptor.
 - :meth:`NixlTransport.connect` loads every descriptor's metadata blob into the local agent
   (``add_remote_agent``; partial blobs of one agent accumulate) and remembers the descriptor.
-- :meth:`NixlTransport.write` validates every op first (local region registered here, remote
-  descriptor connected with the same key and length, offsets and lengths inside both regions:
-  the same rules and messages as CMA), then builds one NIXL transfer request per
-  (remote agent, local memory type, remote memory type) from ``N x 3`` descriptor arrays,
-  *creates all requests before posting any* (so a request NIXL refuses leaves nothing of the
-  batch issued), posts them, and returns a handle. :meth:`NixlWriteHandle.wait` polls
-  ``check_xfer_state`` (which also progresses the sender's UCX worker) until every request is
-  ``DONE``; a request in ``ERR`` raises :class:`TransportError` naming the remote agent and the
+- :meth:`NixlTransport.write` runs the contract's op checks (:func:`~.base.check_batch`: local
+  region registered here, remote descriptor connected and equal, offsets and lengths inside both
+  regions; the same rules and messages for every back end), then builds one NIXL transfer
+  request per (remote agent, local memory type and device, remote memory type and device) from
+  ``N x 3`` descriptor arrays, *creates all requests before posting any* (so a request NIXL
+  refuses leaves nothing of the batch issued), posts them, and returns a handle.
+  :meth:`NixlWriteHandle.wait` polls ``check_xfer_state`` (which also progresses the sender's
+  UCX worker) until every request is ``DONE``; a request in ``ERR`` raises
+  :class:`TransportError` naming the remote agent and the
   number of ops; the handles are released either way.
 
 The receiver's progress thread (must run)
@@ -79,16 +80,14 @@ from __future__ import annotations
 import importlib
 import os
 import secrets
-import socket
 import threading
-import time
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..types import RegionDescriptor
-from .base import BoundsError, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp
+from .base import Batch, Region, Transport, TransportError, WriteHandle, WriteOp, describe_remote
 
 __all__ = ["NixlTransport", "NixlRegion", "NixlWriteHandle", "load_nixl", "INSTALL_HINT", "descriptor_extra"]
 
@@ -131,37 +130,9 @@ def _mem_of(t: torch.Tensor) -> tuple[str, int]:
     raise ValueError(f"register: NIXL registers CPU or CUDA tensors, got device {t.device}")
 
 
-class NixlRegion(Region):
-    """A registered tensor (holds a reference while registered) and its NIXL registration."""
-
-    __slots__ = ("_tensor", "_desc", "_reg", "mem", "dev", "_addr", "_length", "_owner")
-
-    def __init__(self, tensor: torch.Tensor, desc, reg, mem: str, dev: int, addr: int, length: int, owner):
-        self._tensor, self._desc, self._reg, self.mem, self.dev = tensor, desc, reg, mem, dev
-        self._addr, self._length, self._owner = addr, length, owner
-
-    @property
-    def addr(self) -> int:
-        return self._addr
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self._tensor
-
-    def descriptor(self) -> RegionDescriptor:
-        if self._desc is None:
-            if self._tensor is None:
-                raise TransportError(f"descriptor: {self!r} was deregistered")
-            self._desc = self._owner._describe(self)
-        return self._desc
-
-    def __repr__(self) -> str:
-        live = "" if self._tensor is not None else ", deregistered"
-        return f"NixlRegion({self.mem}:{self.dev}, addr={self.addr:#x}, length={self.length}{live})"
+NixlRegion = Region
+"""The region type (:class:`~reference.transport.base.Region`; ``native`` is
+``(NIXL registration list, memory type "DRAM"/"VRAM", device id)``). Name kept for imports."""
 
 
 class NixlWriteHandle(WriteHandle):
@@ -206,21 +177,14 @@ class NixlWriteHandle(WriteHandle):
             self._poll()
         return not self._pending
 
-    def wait(self, timeout: float | None = None) -> int:
-        t0 = time.monotonic()
-        while True:
-            if self._pending and self._error is None:
-                self._poll()
-            if self._error is not None:
-                raise TransportError(self._error)
-            if not self._pending:
-                return self.nbytes
-            if timeout is not None and time.monotonic() - t0 > timeout:
-                names = sorted({self._reqs[i][0] for i in self._pending})
-                raise TimeoutError(
-                    f"NIXL write not complete after {timeout} s ({len(self._pending)} requests pending, "
-                    f"to agents {names}); is the receiver's progress thread running?"
-                )
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise TransportError(self._error)
+
+    def _timeout_message(self, timeout: float) -> str:
+        names = sorted({self._reqs[i][0] for i in self._pending})
+        return (f"NIXL write not complete after {timeout} s ({len(self._pending)} requests pending, "
+                f"to agents {names}); is the receiver's progress thread running?")
 
 
 def _rdma_devices() -> list[str]:
@@ -285,8 +249,7 @@ class NixlTransport(Transport):
         if "UCX_MODULES" not in os.environ and not _rdma_devices():
             # no RDMA NIC: keep UCX from loading its InfiniBand modules (see _rdma_devices)
             os.environ["UCX_MODULES"] = "^ib"
-        self.host = host if host is not None else socket.gethostname()
-        self.pid = os.getpid()
+        super().__init__(host)
         self.agent_name = agent_name or f"wt-{self.host}-{self.pid}-{secrets.token_hex(4)}"
         cfg = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
         try:
@@ -303,142 +266,92 @@ class NixlTransport(Transport):
                 f"NIXL agent {self.agent_name}: backends {missing} not available; "
                 f"plugins found: {self.agent.get_plugin_list()}"
             )
-        self._local: dict[int, NixlRegion] = {}
-        self._remote: dict[tuple[str, int], RegionDescriptor] = {}  # (agent, addr) -> desc
         self._agents: set[str] = set()
 
-    # ---- registration -----------------------------------------------------------------------
+    # ---- hooks of the contract ----------------------------------------------------------------
 
-    def register(self, tensor: torch.Tensor) -> NixlRegion:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"register: expected a torch.Tensor, got {type(tensor).__name__}")
-        mem, dev = _mem_of(tensor)
-        if not tensor.is_contiguous():
-            raise ValueError("register: tensor must be contiguous")
-        n = tensor.numel() * tensor.element_size()
-        if n == 0:
-            raise ValueError("register: cannot register a zero-byte tensor")
-        addr = tensor.data_ptr()
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        _mem_of(tensor)
+
+    def _register(self, region: Region):
+        mem, dev = _mem_of(region.tensor)
+        addr, n = region.addr, region.length
         try:
             reg = self.agent.register_memory([(addr, n, dev, "")], mem)
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"register: NIXL could not register {mem}:{dev} {addr:#x}+{n}: {e}") from e
-        region = NixlRegion(tensor, None, reg, mem, dev, addr, n, self)
-        self._local[id(region)] = region
-        return region
+        return (reg, mem, dev)
 
-    def _describe(self, region: "NixlRegion") -> RegionDescriptor:
+    def _deregister(self, region: Region) -> None:
+        self.agent.deregister_memory(region.native[0])
+
+    def _describe(self, region: Region) -> RegionDescriptor:
         """The region's descriptor, with this agent's partial metadata for it (built on first
         use: a sender's per-task staging registrations never need it)."""
+        reg, mem, dev = region.native
         try:
-            md = self.agent.get_partial_agent_metadata(region._reg, True)
+            md = self.agent.get_partial_agent_metadata(reg, True)
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"descriptor: NIXL could not export metadata of {region!r}: {e}") from e
-        return RegionDescriptor(
-            transport="nixl", host=self.host, pid=self.pid, addr=region.addr, length=region.length,
-            key=secrets.randbits(64),
-            extra=(("agent", self.agent_name), ("mem", region.mem), ("dev", region.dev), ("md", bytes(md))),
-        )
+        return self._descriptor(region, key=secrets.randbits(64),
+                                extra=(("agent", self.agent_name), ("mem", mem), ("dev", dev), ("md", bytes(md))))
 
-    def deregister(self, region: Region) -> None:
-        if self._local.pop(id(region), None) is not None:
-            try:
-                self.agent.deregister_memory(region._reg)  # type: ignore[attr-defined]
-            finally:
-                region._tensor = None  # type: ignore[attr-defined]
+    def _check_descriptor(self, d: RegionDescriptor) -> None:
+        x = descriptor_extra(d)
+        missing = [k for k in ("agent", "mem", "dev", "md") if k not in x]
+        if missing or not isinstance(x.get("md"), (bytes, bytearray)):
+            raise ValueError(f"connect: descriptor {describe_remote(d)} lacks NIXL fields {missing or ['md (bytes)']}")
+        if x["mem"] not in ("DRAM", "VRAM"):
+            raise ValueError(f"connect: descriptor {describe_remote(d)} has memory type {x['mem']!r}")
 
-    def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
-        """Load every descriptor's agent metadata. All are checked before any is loaded:
-        ValueError for another transport or a malformed descriptor; TransportError when NIXL
-        refuses a metadata blob."""
-        for d in descriptors:
-            if not isinstance(d, RegionDescriptor):
-                raise ValueError(f"connect: expected RegionDescriptor, got {type(d).__name__}")
-            if d.transport != "nixl":
-                raise ValueError(f"connect: descriptor {_name(d)} is for transport {d.transport!r}, not 'nixl'")
-            x = descriptor_extra(d)
-            missing = [k for k in ("agent", "mem", "dev", "md") if k not in x]
-            if missing or not isinstance(x.get("md"), (bytes, bytearray)):
-                raise ValueError(f"connect: descriptor {_name(d)} lacks NIXL fields {missing or ['md (bytes)']}")
-            if x["mem"] not in ("DRAM", "VRAM"):
-                raise ValueError(f"connect: descriptor {_name(d)} has memory type {x['mem']!r}")
-            if d.addr <= 0 or d.length <= 0:
-                raise ValueError(f"connect: malformed descriptor {d}")
-        for d in descriptors:
-            x = descriptor_extra(d)
-            try:
-                got = self.agent.add_remote_agent(bytes(x["md"]))
-            except Exception as e:  # noqa: BLE001
-                raise TransportError(f"connect: NIXL refused the metadata of {_name(d)}: {e}") from e
-            got = got.decode() if isinstance(got, bytes) else str(got)
-            if got != x["agent"]:
-                raise ValueError(f"connect: descriptor {_name(d)} names agent {x['agent']!r} but its metadata is agent {got!r}")
-            self._agents.add(got)
-            self._remote[(got, d.addr)] = d
+    def _connect(self, d: RegionDescriptor):
+        """Load the descriptor's agent metadata (``add_remote_agent``; partial blobs of one agent
+        accumulate). TransportError when NIXL refuses it."""
+        x = descriptor_extra(d)
+        try:
+            got = self.agent.add_remote_agent(bytes(x["md"]))
+        except Exception as e:  # noqa: BLE001
+            raise TransportError(f"connect: NIXL refused the metadata of {describe_remote(d)}: {e}") from e
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got != x["agent"]:
+            raise ValueError(f"connect: descriptor {describe_remote(d)} names agent {x['agent']!r} "
+                             f"but its metadata is agent {got!r}")
+        self._agents.add(got)
+        return (got, d.addr)
 
-    def close(self) -> None:
-        for r in list(self._local.values()):
-            self.deregister(r)
+    def _disconnect(self) -> None:
         for a in list(self._agents):
             try:
                 self.agent.remove_remote_agent(a)
             except Exception:  # noqa: BLE001
                 pass
         self._agents.clear()
-        self._remote.clear()
 
-    # ---- data path --------------------------------------------------------------------------
+    def _remote_key(self, d: RegionDescriptor):
+        """``(agent name, addr)``: a descriptor of another agent was never connected."""
+        return (dict(d.extra).get("agent") if isinstance(d.extra, tuple) else None, d.addr)
 
-    def write(self, ops: Sequence[WriteOp]) -> NixlWriteHandle:
-        """Validate every op, create one NIXL WRITE request per (remote agent, memory types),
-        then post them all. Returns the handle; :meth:`NixlWriteHandle.wait` completes it."""
-        groups: dict[tuple[str, str, str], tuple[list, list, list]] = {}
-        total = 0
-        last_loc = last_rd = None
-        g = None
-        rinfo = None
-        for i, op in enumerate(ops):
-            loc = op.local
-            if loc is not last_loc:
-                if self._local.get(id(loc)) is not loc:
-                    raise UnknownRegionError(
-                        f"op {i}: local region {loc!r} is not registered with this transport "
-                        "(deregistered, or registered elsewhere); nothing of the batch was issued"
-                    )
-                last_loc = loc
-                last_rd = None  # the group depends on the local memory type too
-            rd = op.remote
-            if rd is not last_rd:
-                x = dict(rd.extra)
-                agent = x.get("agent")
-                c = self._remote.get((agent, rd.addr))
-                if c is None or c.key != rd.key or c.length != rd.length:
-                    raise UnknownRegionError(_unknown_msg(i, rd, c))
-                last_rd = rd
-                cx = dict(c.extra)
-                rinfo = (c, cx["dev"])
-                gk = (agent, loc.mem, cx["mem"])
-                g = groups.get(gk)
-                if g is None:
-                    g = groups[gk] = ([], [], [])
-            c, rdev = rinfo
-            lo, ro, n = op.local_offset, op.remote_offset, op.length
-            if lo < 0 or ro < 0 or n < 0 or lo + n > loc.length or ro + n > c.length:
-                raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n))
-            if n:
-                g[0].append((loc.addr + lo, n, loc.dev))
-                g[1].append((c.addr + ro, n, rdev))
-                g[2].append(i)
-                total += n
+    def _group_key(self, loc: Region, remote: RegionDescriptor, key):
+        """One NIXL request per (remote agent, local memory type and device, remote memory type
+        and device)."""
+        _, lmem, ldev = loc.native
+        x = dict(remote.extra)
+        return (key[0], lmem, ldev, x["mem"], x["dev"])
 
-        # create every request first: a refusal leaves nothing of the batch issued
+    def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> NixlWriteHandle:
+        """Create one NIXL WRITE request per group, *all before posting any* (a request NIXL
+        refuses leaves nothing of the batch issued), then post them all. Returns the handle;
+        :meth:`NixlWriteHandle.wait` completes it."""
         reqs = []
+        agent = None
         try:
-            for (agent, lmem, rmem), (la, ra, idx) in groups.items():
-                ld = self.agent.get_xfer_descs(np.asarray(la, dtype=np.uint64), lmem)
-                rdl = self.agent.get_xfer_descs(np.asarray(ra, dtype=np.uint64), rmem)
+            for (agent, lmem, ldev, rmem, rdev), g in batch.groups.items():
+                la = np.asarray([(a, n, ldev) for a, n in zip(g.laddr, g.lens)], dtype=np.uint64)
+                ra = np.asarray([(a, n, rdev) for a, n in zip(g.raddr, g.lens)], dtype=np.uint64)
+                ld = self.agent.get_xfer_descs(la, lmem)
+                rdl = self.agent.get_xfer_descs(ra, rmem)
                 h = self.agent.initialize_xfer("WRITE", ld, rdl, agent)
-                reqs.append((agent, h, len(idx), sum(x[1] for x in la)))
+                reqs.append((agent, h, len(g.idx), sum(g.lens)))
         except Exception as e:  # noqa: BLE001
             for _, h, _, _ in reqs:
                 self.agent.release_xfer_handle(h)
@@ -458,41 +371,4 @@ class NixlTransport(Transport):
                     f"NIXL could not post the WRITE of {nops} ops ({nb} bytes) to agent {agent}; "
                     f"{k} of {len(reqs)} requests of the batch had been posted"
                 )
-        return NixlWriteHandle(self.agent, reqs, total)
-
-
-# --------------------------------------------------------------------------------------------
-# messages
-
-
-def _name(d: RegionDescriptor) -> str:
-    agent = dict(d.extra).get("agent", "?") if isinstance(d.extra, tuple) else "?"
-    return f"(agent {agent}, addr {d.addr:#x}, length {d.length})"
-
-
-def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:
-    if c is None:
-        why = ("was never connected (a descriptor of another agent or run; call connect() with the "
-               "receiver's descriptors first)")
-    elif c.key != rd.key:
-        why = (f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
-               "(a descriptor from another run or a re-registration)")
-    else:
-        why = f"has length {rd.length} but the connected one has length {c.length}"
-    return f"op {i}: remote region {_name(rd)} {why}; nothing of the batch was issued"
-
-
-def _bounds_msg(i: int, loc: NixlRegion, c: RegionDescriptor, lo: int, ro: int, n: int) -> str:
-    parts = []
-    if lo < 0:
-        parts.append(f"local_offset {lo} < 0")
-    if ro < 0:
-        parts.append(f"remote_offset {ro} < 0")
-    if n < 0:
-        parts.append(f"length {n} < 0")
-    if lo + n > loc.length:
-        parts.append(f"local_offset {lo} + length {n} = {lo + n} > local region length {loc.length}")
-    if ro + n > c.length:
-        parts.append(f"remote_offset {ro} + length {n} = {ro + n} > remote region length {c.length}")
-    return (f"op {i}: out of bounds: {'; '.join(parts)} [local {loc!r}, remote {_name(c)}]; "
-            "nothing of the batch was issued")
+        return NixlWriteHandle(self.agent, reqs, batch.nbytes)

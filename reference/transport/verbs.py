@@ -68,21 +68,33 @@ Usage::
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
-import struct
 import sys
 import threading
-import time
-from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
 from ..types import RegionDescriptor
-from .base import BoundsError, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp
+from .base import Batch, Region, Transport, TransportError, UnknownRegionError, WriteHandle, WriteOp
+from .verbs_plan import (  # the pure parts (re-exported)
+    _WC_HINTS,
+    WC_STATUS_NAMES,
+    ConnInfo,
+    _recv_msg,
+    _remote_key,
+    _send_msg,
+    assign_rails,
+    check_ops,
+    chunk_ops,
+    plan_chains,
+    plan_signals,
+    select_nics,
+    validate_descriptor,
+    wc_status_name,
+)
 
 __all__ = [
     "ConnInfo", "VerbsTransport", "VerbsRegion", "VerbsWriteHandle", "WC_STATUS_NAMES",
@@ -95,109 +107,6 @@ INSTALL_HINT = (
     "python3-pyverbs (system python 3, importable from a venv of the same minor version), or "
     "pip install pyverbs==56.0rc1 (manylinux wheel); see docs/TRANSPORTS.md"
 )
-
-# ---------------------------------------------------------------------------------------------
-# pure parts (no device, no pyverbs): unit-tested everywhere
-
-WC_STATUS_NAMES: dict[int, str] = {
-    0: "IBV_WC_SUCCESS", 1: "IBV_WC_LOC_LEN_ERR", 2: "IBV_WC_LOC_QP_OP_ERR",
-    3: "IBV_WC_LOC_EEC_OP_ERR", 4: "IBV_WC_LOC_PROT_ERR", 5: "IBV_WC_WR_FLUSH_ERR",
-    6: "IBV_WC_MW_BIND_ERR", 7: "IBV_WC_BAD_RESP_ERR", 8: "IBV_WC_LOC_ACCESS_ERR",
-    9: "IBV_WC_REM_INV_REQ_ERR", 10: "IBV_WC_REM_ACCESS_ERR", 11: "IBV_WC_REM_OP_ERR",
-    12: "IBV_WC_RETRY_EXC_ERR", 13: "IBV_WC_RNR_RETRY_EXC_ERR", 14: "IBV_WC_LOC_RDD_VIOL_ERR",
-    15: "IBV_WC_REM_INV_RD_REQ_ERR", 16: "IBV_WC_REM_ABORT_ERR", 17: "IBV_WC_INV_EECN_ERR",
-    18: "IBV_WC_INV_EEC_STATE_ERR", 19: "IBV_WC_FATAL_ERR", 20: "IBV_WC_RESP_TIMEOUT_ERR",
-    21: "IBV_WC_GENERAL_ERR", 22: "IBV_WC_TM_ERR", 23: "IBV_WC_TM_RNDV_INCOMPLETE",
-}
-"""``enum ibv_wc_status`` (libibverbs ``verbs.h``), value -> name."""
-
-_WC_HINTS = {
-    10: "the remote region is not registered with this rkey (deregistered, stale descriptor, or out of bounds)",
-    12: "the receiver did not acknowledge (gone, link down, or wrong LID/GID/QP number)",
-    5: "the QP went to the error state after an earlier failure",
-    4: "the local buffer is not covered by its MR (deregistered?)",
-}
-
-
-def wc_status_name(status: int) -> str:
-    """``10 -> "IBV_WC_REM_ACCESS_ERR"``; unknown values give ``"IBV_WC_<status>"``."""
-    return WC_STATUS_NAMES.get(int(status), f"IBV_WC_{int(status)}")
-
-
-@dataclass(frozen=True, slots=True)
-class ConnInfo:
-    """What one end of an RC QP tells the other: enough for ``INIT -> RTR -> RTS``."""
-
-    nic: str
-    """Device name (``mlx5_0``)."""
-    port: int
-    lid: int
-    """Port LID (InfiniBand; 0 on RoCE)."""
-    gid: str
-    """Port GID as 32 hex digits (RoCE and routed InfiniBand need it)."""
-    gid_index: int
-    qpn: int
-    """QP number (24 bits)."""
-    psn: int
-    """Starting packet sequence number (24 bits)."""
-    mtu: int
-    """Active MTU as the ``ibv_mtu`` enum value (1..5 = 256..4096 bytes)."""
-
-    def __post_init__(self):
-        if not self.nic:
-            raise ValueError("ConnInfo: empty nic name")
-        if not (0 < self.qpn < 1 << 24):
-            raise ValueError(f"ConnInfo: qpn {self.qpn} is not a 24-bit QP number")
-        if not (0 <= self.psn < 1 << 24):
-            raise ValueError(f"ConnInfo: psn {self.psn} is not 24-bit")
-        if not (0 <= self.lid < 1 << 16):
-            raise ValueError(f"ConnInfo: lid {self.lid} is not 16-bit")
-        if len(self.gid) != 32 or any(c not in "0123456789abcdef" for c in self.gid):
-            raise ValueError(f"ConnInfo: gid {self.gid!r} is not 32 lowercase hex digits")
-        if self.mtu not in (1, 2, 3, 4, 5):
-            raise ValueError(f"ConnInfo: mtu enum {self.mtu} not in 1..5")
-        if not (1 <= self.port <= 255) or not (0 <= self.gid_index < 256):
-            raise ValueError(f"ConnInfo: port {self.port} / gid_index {self.gid_index} out of range")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, s: str | bytes) -> "ConnInfo":
-        d = json.loads(s)
-        want = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
-        if set(d) != want:
-            raise ValueError(f"ConnInfo: fields {sorted(d)} != {sorted(want)}")
-        return cls(**d)
-
-    @property
-    def gid_colon(self) -> str:
-        """The GID in pyverbs' ``fe80:0000:...`` form."""
-        return ":".join(self.gid[i:i + 4] for i in range(0, 32, 4))
-
-
-def select_nics(requested: Sequence[str] | str | None, available: Sequence[str]) -> list[str]:
-    """Resolve an explicit NIC selection against the devices found. ``None`` (or ``""``) means
-    all. Raises ValueError naming unknown NICs and listing the available ones, or saying that
-    no RDMA device exists."""
-    if isinstance(requested, str):
-        requested = [x for x in requested.split(",") if x.strip()]
-    avail = list(available)
-    if not avail:
-        asked = f" (asked for {list(requested)})" if requested else ""
-        raise ValueError(
-            f"no RDMA device found{asked}: /sys/class/infiniband is empty or absent and libibverbs lists "
-            "no device; the verbs transport needs an InfiniBand/RoCE NIC (or a soft-RoCE rxe device)"
-        )
-    if not requested:
-        return avail
-    req = [r.strip() for r in requested]
-    unknown = [r for r in req if r not in avail]
-    if unknown:
-        raise ValueError(f"unknown RDMA NIC(s) {unknown}; available: {avail}")
-    if len(set(req)) != len(req):
-        raise ValueError(f"NIC selection {req} names a device twice")
-    return req
 
 
 def list_nics() -> list[str]:
@@ -213,158 +122,6 @@ def list_nics() -> list[str]:
             return sorted(os.listdir("/sys/class/infiniband"))
         except OSError:
             return []
-
-
-def validate_descriptor(d: RegionDescriptor) -> dict:
-    """Check a verbs descriptor's fields; returns ``extra`` as a dict. ValueError otherwise."""
-    if not isinstance(d, RegionDescriptor):
-        raise ValueError(f"expected RegionDescriptor, got {type(d).__name__}")
-    if d.transport != "verbs":
-        raise ValueError(f"descriptor {_name(d)} is for transport {d.transport!r}, not 'verbs'")
-    if d.addr <= 0 or d.length <= 0:
-        raise ValueError(f"malformed descriptor {d}")
-    if not (0 <= d.key < 1 << 32):
-        raise ValueError(f"descriptor {_name(d)}: key {d.key} is not a 32-bit rkey")
-    try:
-        x = dict(d.extra)
-    except (TypeError, ValueError):
-        raise ValueError(f"descriptor {_name(d)}: extra is not a tuple of (key, value) pairs") from None
-    for k in ("run", "cm", "rkeys"):
-        if k not in x:
-            raise ValueError(f"descriptor {_name(d)} lacks extra[{k!r}]")
-    rkeys = x["rkeys"]
-    if not rkeys or any(len(p) != 2 or not (0 <= int(p[1]) < 1 << 32) for p in rkeys):
-        raise ValueError(f"descriptor {_name(d)}: extra['rkeys'] must be ((nic, rkey), ...), got {rkeys!r}")
-    if int(rkeys[0][1]) != d.key:
-        raise ValueError(f"descriptor {_name(d)}: key {d.key:#x} != rkey of first NIC {int(rkeys[0][1]):#x}")
-    host, _, port = str(x["cm"]).rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"descriptor {_name(d)}: extra['cm'] {x['cm']!r} is not host:port")
-    return x
-
-
-def check_ops(ops: Sequence[WriteOp], local: dict, remote: dict) -> list[tuple[int, int, int, int]]:
-    """Validate every op before anything is posted. ``local``: ``id(region) -> region`` of
-    registered regions; ``remote``: ``(cm, addr) -> descriptor`` connected. Returns
-    ``[(op index, local addr, remote addr, length)]`` for the non-empty ops. Raises
-    :class:`UnknownRegionError` / :class:`BoundsError` naming the op."""
-    out = []
-    for i, op in enumerate(ops):
-        loc = op.local
-        if local.get(id(loc)) is not loc:
-            raise UnknownRegionError(
-                f"op {i}: local region {loc!r} is not registered with this transport "
-                "(deregistered, or registered elsewhere); nothing of the batch was issued"
-            )
-        rd = op.remote
-        cm = dict(rd.extra).get("cm") if isinstance(rd.extra, tuple) else None
-        c = remote.get((cm, rd.addr))
-        if c is None or c.key != rd.key or c.length != rd.length or c.extra != rd.extra:
-            if c is None:
-                why = "was never connected (call connect() with the receiver's descriptors first)"
-            elif c.key != rd.key or c.extra != rd.extra:
-                why = (f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
-                       "(a descriptor from another run or a re-registration)")
-            else:
-                why = f"has length {rd.length} but the connected one has length {c.length}"
-            raise UnknownRegionError(f"op {i}: remote region {_name(rd)} {why}; nothing of the batch was issued")
-        lo, ro, n = op.local_offset, op.remote_offset, op.length
-        if lo < 0 or ro < 0 or n < 0 or lo + n > loc.length or ro + n > c.length:
-            raise BoundsError(
-                f"op {i}: out of bounds: local_offset {lo}, remote_offset {ro}, length {n} against local "
-                f"region length {loc.length} and remote region {_name(c)}; nothing of the batch was issued"
-            )
-        if n:
-            out.append((i, loc.addr + lo, c.addr + ro, n))
-    return out
-
-
-def chunk_ops(items: Iterable[tuple[int, int, int, int]], max_msg: int) -> list[tuple[int, int, int, int]]:
-    """Split ``(op, local addr, remote addr, length)`` items longer than ``max_msg`` bytes into
-    consecutive pieces of at most ``max_msg``."""
-    if max_msg <= 0:
-        raise ValueError(f"max_msg {max_msg} must be > 0")
-    out = []
-    for i, la, ra, n in items:
-        off = 0
-        while off < n:
-            k = min(max_msg, n - off)
-            out.append((i, la + off, ra + off, k))
-            off += k
-    return out
-
-
-def assign_rails(items: Sequence[tuple[int, int, int, int]], n_rails: int, stripe: str = "write",
-                 remote_of=None) -> list[list[int]]:
-    """Indices of ``items`` per rail. ``"write"``: each item goes to the rail with the fewest
-    bytes so far (ties to the lower rail), balancing bytes; ``"region"``: every item of one remote
-    region goes to rail ``hash(region) % n_rails`` (``remote_of(index) -> region id``, default the
-    op index), keeping per-region ordering."""
-    if n_rails < 1:
-        raise ValueError("n_rails must be >= 1")
-    rails: list[list[int]] = [[] for _ in range(n_rails)]
-    if stripe == "write":
-        load = [0] * n_rails
-        for k, it in enumerate(items):
-            r = min(range(n_rails), key=load.__getitem__)
-            rails[r].append(k)
-            load[r] += it[3]
-    elif stripe == "region":
-        for k, it in enumerate(items):
-            key = remote_of(k) if remote_of is not None else it[0]
-            rails[(key // 4096 if key > 1 << 20 else key) % n_rails].append(k)
-    else:
-        raise ValueError(f"stripe {stripe!r}: 'write' or 'region'")
-    return rails
-
-
-def plan_signals(n: int, signal_every: int, already: int = 0) -> list[bool]:
-    """Which of ``n`` work requests are signaled: every ``signal_every``-th counting from
-    ``already`` requests posted earlier on the QP since its last signaled one, and the last."""
-    if signal_every < 1:
-        raise ValueError("signal_every must be >= 1")
-    sig = [((already + k + 1) % signal_every) == 0 for k in range(n)]
-    if n:
-        sig[-1] = True
-    return sig
-
-
-def plan_chains(n: int, max_chain: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` ranges of linked work-request chains of at most ``max_chain``."""
-    if max_chain < 1:
-        raise ValueError("max_chain must be >= 1")
-    return [(s, min(s + max_chain, n)) for s in range(0, n, max_chain)]
-
-
-def _name(d: RegionDescriptor) -> str:
-    return f"(host {d.host}, pid {d.pid}, addr {d.addr:#x}, length {d.length})"
-
-
-# ---------------------------------------------------------------------------------------------
-# handshake wire format: 4-byte big-endian length + JSON
-
-
-def _send_msg(sock: socket.socket, obj) -> None:
-    b = json.dumps(obj).encode()
-    sock.sendall(struct.pack(">I", len(b)) + b)
-
-
-def _recv_msg(sock: socket.socket):
-    hdr = _recv_exact(sock, 4)
-    (n,) = struct.unpack(">I", hdr)
-    if n > 1 << 20:
-        raise TransportError(f"handshake message of {n} bytes refused")
-    return json.loads(_recv_exact(sock, n))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        b = sock.recv(n - len(buf))
-        if not b:
-            raise TransportError("handshake peer closed the connection")
-        buf += b
-    return buf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,26 +190,9 @@ def _pick_roce_gid(ctx, port: int) -> int:
     return 0
 
 
-class VerbsRegion(Region):
-    __slots__ = ("_tensor", "_desc", "mrs")
-
-    def __init__(self, tensor, desc: RegionDescriptor, mrs: list):
-        self._tensor, self._desc, self.mrs = tensor, desc, mrs
-
-    @property
-    def addr(self) -> int:
-        return self._desc.addr
-
-    @property
-    def length(self) -> int:
-        return self._desc.length
-
-    def descriptor(self) -> RegionDescriptor:
-        return self._desc
-
-    def __repr__(self) -> str:
-        live = "" if self._tensor is not None else ", deregistered"
-        return f"VerbsRegion(addr={self.addr:#x}, length={self.length}{live})"
+VerbsRegion = Region
+"""The region type (:class:`~reference.transport.base.Region`; ``native`` is the list of MRs,
+one per selected NIC). Name kept for imports."""
 
 
 class _Rail:
@@ -473,13 +213,8 @@ class VerbsWriteHandle(WriteHandle):
         self._t._poll(self._ops, block=False)
         return all(r.outstanding == 0 for r in self._rails)
 
-    def wait(self, timeout: float | None = None) -> int:
-        t0 = time.monotonic()
-        while any(r.outstanding for r in self._rails):
-            self._t._poll(self._ops, block=False)
-            if timeout is not None and time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"RDMA WRITE batch not complete after {timeout} s")
-        return self.nbytes
+    def _timeout_message(self, timeout: float) -> str:
+        return f"RDMA WRITE batch not complete after {timeout} s"
 
 
 class VerbsTransport(Transport):
@@ -499,14 +234,11 @@ class VerbsTransport(Transport):
         if nics is None:
             nics = os.environ.get("WT_RDMA_NICS") or None
         names = select_nics(nics, list_nics())
-        self.host = host if host is not None else socket.gethostname()
-        self.pid = os.getpid()
+        super().__init__(host)
         self.run = secrets.token_hex(8)
         self.sq_depth, self.signal_every, self.max_chain, self.stripe = sq_depth, signal_every, max_chain, stripe
         self.nics = [_Nic(self.pv, n, port, gid_index, cq_depth=4 * sq_depth) for n in names]
         self.max_msg = min([max_msg] + [n.max_msg for n in self.nics])
-        self._local: dict[int, VerbsRegion] = {}
-        self._remote: dict[tuple[str, int], RegionDescriptor] = {}
         self._peers: dict[str, list[_Rail]] = {}  # cm endpoint -> rails
         self._accepted: list = []  # receiver side: QPs created for senders (kept alive)
         self._wr_seq = 0
@@ -591,63 +323,62 @@ class VerbsTransport(Transport):
             rails.append(_Rail(nic, qp, peer, self.sq_depth))
         return rails
 
-    # ---- Transport API ----------------------------------------------------------------------
+    # ---- hooks of the contract ----------------------------------------------------------------
 
-    def register(self, tensor: torch.Tensor) -> VerbsRegion:
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-            raise ValueError("register: expected a contiguous torch.Tensor")
-        n = tensor.numel() * tensor.element_size()
-        if n == 0:
-            raise ValueError("register: cannot register a zero-byte tensor")
-        addr = tensor.data_ptr()
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"register: unsupported device {tensor.device} (CPU or CUDA memory)")
+
+    def _register(self, region: Region) -> list:
+        """One MR per selected NIC (host memory: ``ibv_reg_mr``; GPU memory: :func:`_gpu_mr`)."""
+        t, n = region.tensor, region.length
         mrs = []
         for nic in self.nics:
-            if tensor.device.type == "cpu":
-                mr = self.pv.mr.MR(nic.pd, n, self._access(), address=addr)
-            elif tensor.device.type == "cuda":
-                mr = _gpu_mr(self.pv, nic.pd, tensor, n, self._access())
+            if t.device.type == "cpu":
+                mrs.append(self.pv.mr.MR(nic.pd, n, self._access(), address=region.addr))
             else:
-                raise ValueError(f"register: unsupported device {tensor.device}")
-            mrs.append(mr)
-        rkeys = tuple((nic.name, int(mr.rkey)) for nic, mr in zip(self.nics, mrs))
-        desc = RegionDescriptor(transport="verbs", host=self.host, pid=self.pid, addr=addr, length=n,
-                                key=rkeys[0][1], extra=(("run", self.run), ("cm", self.cm), ("rkeys", rkeys)))
-        r = VerbsRegion(tensor, desc, mrs)
-        self._local[id(r)] = r
-        return r
+                mrs.append(_gpu_mr(self.pv, nic.pd, t, n, self._access()))
+        return mrs
 
-    def deregister(self, region: Region) -> None:
-        if self._local.pop(id(region), None) is not None:
-            for mr in region.mrs:  # type: ignore[attr-defined]
-                mr.close()
-            region._tensor = None  # type: ignore[attr-defined]
+    def _deregister(self, region: Region) -> None:
+        for mr in region.native:
+            mr.close()
 
-    def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
-        xs = [validate_descriptor(d) for d in descriptors]
-        for d, x in zip(descriptors, xs):
-            if x["cm"] not in self._peers:
-                self._peers[x["cm"]] = self._handshake(x["cm"], x["run"])
-            self._remote[(x["cm"], d.addr)] = d
+    def _describe(self, region: Region) -> RegionDescriptor:
+        rkeys = tuple((nic.name, int(mr.rkey)) for nic, mr in zip(self.nics, region.native))
+        return self._descriptor(region, key=rkeys[0][1], extra=(("run", self.run), ("cm", self.cm), ("rkeys", rkeys)))
 
-    def write(self, ops: Sequence[WriteOp]) -> VerbsWriteHandle:
-        items = chunk_ops(check_ops(ops, self._local, self._remote), self.max_msg)
-        # group by receiver, then stripe over that receiver's rails
-        by_peer: dict[str, list[int]] = {}
-        for k, (i, _, _, _) in enumerate(items):
-            by_peer.setdefault(dict(ops[i].remote.extra)["cm"], []).append(k)
+    def _check_descriptor(self, d: RegionDescriptor) -> None:
+        validate_descriptor(d)
+
+    def _connect(self, d: RegionDescriptor):
+        x = dict(d.extra)
+        if x["cm"] not in self._peers:
+            self._peers[x["cm"]] = self._handshake(x["cm"], x["run"])
+        return (x["cm"], d.addr)
+
+    def _remote_key(self, d: RegionDescriptor):
+        return _remote_key(d)
+
+    def _group_key(self, loc: Region, remote: RegionDescriptor, key):
+        """Per receiver (its connection listener): striped over that receiver's rails."""
+        return key[0]
+
+    def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> VerbsWriteHandle:
+        """Split ops longer than ``max_msg``, stripe each receiver's ops over its rails and post
+        them as linked chains (see the module docstring)."""
         used: list[_Rail] = []
-        total = sum(it[3] for it in items)
-        for cm, ks in by_peer.items():
+        for cm, g in batch.groups.items():
             rails = self._peers[cm]
-            sub = [items[k] for k in ks]
+            sub = chunk_ops(zip(g.idx, g.laddr, g.raddr, g.lens), self.max_msg)
             parts = assign_rails(sub, len(rails), self.stripe, remote_of=lambda j: ops[sub[j][0]].remote.addr)
             for rail, idx in zip(rails, parts):
                 if idx:
-                    self._post(rail, [sub[j] for j in idx], ops)
+                    self._post_rail(rail, [sub[j] for j in idx], ops)
                     used.append(rail)
-        return VerbsWriteHandle(self, used, total, ops)
+        return VerbsWriteHandle(self, used, batch.nbytes, ops)
 
-    def _post(self, rail: _Rail, items, ops) -> None:
+    def _post_rail(self, rail: _Rail, items, ops) -> None:
         pv, e = self.pv, self.pv.enums
         rk_of = {}
         sig = plan_signals(len(items), self.signal_every, rail.since_signal)
@@ -658,7 +389,7 @@ class VerbsTransport(Transport):
             for k in range(s, t):
                 i, la, ra, n = items[k]
                 op = ops[i]
-                loc_mr = op.local.mrs[self.nics.index(rail.nic)]
+                loc_mr = op.local.native[self.nics.index(rail.nic)]
                 if id(op.remote) not in rk_of:
                     rk_of[id(op.remote)] = dict(dict(op.remote.extra)["rkeys"]).get(rail.remote.nic)
                 rkey = rk_of[id(op.remote)]
@@ -705,15 +436,15 @@ class VerbsTransport(Transport):
             self._srv.close()
         except OSError:
             pass
-        for r in list(self._local.values()):
-            self.deregister(r)
+        super().close()
+
+    def _disconnect(self) -> None:
         for rails in self._peers.values():
             for r in rails:
                 r.qp.close()
         for qp in self._accepted:
             qp.close()
         self._peers.clear()
-        self._remote.clear()
 
 
 def _gpu_mr(pv, pd, tensor: torch.Tensor, n: int, access: int):

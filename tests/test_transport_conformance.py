@@ -1,0 +1,361 @@
+"""One conformance suite for every transport present (the contract of reference/transport/base.py).
+
+Each test runs once per back end: ``cma`` always; ``nixl``, ``verbs`` and ``cuda_ipc`` are
+skipped, with the reason, where their library or hardware is absent. A spawned receiver process
+builds the same transport, registers a 1 MiB uint8 buffer filled with POISON and a bf16 tensor
+(on the GPU for ``cuda_ipc``), publishes their descriptors and then only answers "show me your
+bytes" (and, for the stale-descriptor test, "re-register"): it runs no code for the writes. The
+test process is the sender. "Nothing of the batch was issued" is checked twice: the back end's
+posting hook (``_post``) is never called, and the receiver's bytes are unchanged.
+
+Transport-specific behaviour (CMA's iovec batching, partial copies and errno mapping; NIXL's
+metadata and TCP path; verbs' pure planning functions) stays in tests/test_transport_<name>.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+
+import pytest
+import torch
+
+from reference.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+MIB = 1 << 20
+POISON = 0xA5
+BF16_N = 257  # odd element count: 514 bytes
+
+
+# ---- which transports are present ------------------------------------------------------------
+
+
+def _nixl_missing() -> str | None:
+    try:
+        from reference.transport.nixl import load_nixl
+
+        load_nixl()
+    except ImportError as e:
+        return f"NIXL not installed ({e})"
+    return None
+
+
+def _verbs_missing() -> str | None:
+    from reference.transport import verbs
+
+    try:
+        verbs.load_pyverbs()
+    except ImportError as e:
+        return f"pyverbs not installed ({e})"
+    if not verbs.list_nics():
+        return "no RDMA device (/sys/class/infiniband absent or empty; libibverbs lists none)"
+    return None
+
+
+def _cuda_missing() -> str | None:
+    return None if torch.cuda.is_available() else "needs a CUDA GPU and a CUDA build of torch"
+
+
+def _kwargs(name: str) -> dict:
+    if name == "verbs":
+        from reference.transport import verbs
+
+        return {"nics": verbs.list_nics()[:1], "listen": ("127.0.0.1", 0)}
+    return {}
+
+
+def _device(name: str) -> str:
+    return "cuda" if name == "cuda_ipc" else "cpu"
+
+
+def _param(name: str, missing, *marks):
+    why = missing() if missing else None
+    return pytest.param(name, id=name, marks=[*marks, *([pytest.mark.skip(reason=why)] if why else [])])
+
+
+TRANSPORTS = [
+    _param("cma", None),
+    _param("nixl", _nixl_missing),
+    _param("verbs", _verbs_missing, pytest.mark.rdma),
+    _param("cuda_ipc", _cuda_missing, pytest.mark.gpu),
+]
+
+
+# ---- the receiver process ----------------------------------------------------------------------
+
+
+def _receiver(conn, name: str, kw: dict) -> None:
+    """Register buffers, publish descriptors, then serve byte dumps until told to exit."""
+    t = make_transport(name, **kw)
+    dev = _device(name)
+    tensors = {
+        "buf": torch.full((MIB,), POISON, dtype=torch.uint8, device=dev),
+        "bf16": torch.zeros(BF16_N, dtype=torch.bfloat16, device=dev),
+    }
+    regions = {k: t.register(v) for k, v in tensors.items()}
+    conn.send({k: r.descriptor() for k, r in regions.items()})
+    while True:
+        cmd, *args = conn.recv()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        if cmd == "bytes":
+            conn.send(tensors[args[0]].view(torch.uint8).cpu().numpy().tobytes())
+        elif cmd == "reset":
+            tensors["buf"].fill_(POISON)
+            tensors["bf16"].zero_()
+            conn.send(True)
+        elif cmd == "reregister":
+            t.deregister(regions[args[0]])
+            regions[args[0]] = t.register(tensors[args[0]])
+            conn.send(regions[args[0]].descriptor())
+        elif cmd == "exit":
+            t.close()
+            conn.send(True)
+            return
+
+
+class Receiver:
+    def __init__(self, name: str):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver, args=(child, name, _kwargs(name)), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            raise RuntimeError(f"{name} receiver did not start")
+        self.desc = self.conn.recv()
+
+    def ask(self, *msg):
+        self.conn.send(msg)
+        return self.conn.recv()
+
+    def bytes(self, name: str = "buf") -> bytes:
+        return self.ask("bytes", name)
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                self.ask("exit")
+            except (EOFError, BrokenPipeError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def rx(name):
+    r = Receiver(name)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def sender(name):
+    t = make_transport(name, **_kwargs(name))
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def tx(rx, sender):
+    """The sender, connected to the receiver's current descriptors; the receiver's memory reset
+    to POISON; regions the test registers are deregistered after it."""
+    rx.ask("reset")
+    sender.connect(list(rx.desc.values()))
+    before = set(sender._local)
+    yield sender
+    for k in set(sender._local) - before:
+        sender.deregister(sender._local[k])
+
+
+@pytest.fixture
+def no_post(tx, monkeypatch):
+    """Fail the test if the back end's posting hook is called."""
+    calls = []
+    monkeypatch.setattr(tx, "_post", lambda *a: calls.append(a) or pytest.fail("a refused batch was posted"))
+    return calls
+
+
+def _pattern(n: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _src(tx, n: int, seed: int = 0):
+    t = _pattern(n, seed, _device(tx.name))
+    return t, tx.register(t)
+
+
+def _wait(h) -> int:
+    return h.wait(30)
+
+
+# ---- registration and connection ------------------------------------------------------------------
+
+
+def test_register_and_descriptor(tx):
+    x = torch.zeros(1000, dtype=torch.bfloat16, device=_device(tx.name))
+    r = tx.register(x)
+    d = r.descriptor()
+    assert (d.transport, d.addr, d.length, d.pid) == (tx.name, x.data_ptr(), 2000, os.getpid())
+    assert d.host == tx.host and r.tensor is x and (r.addr, r.length) == (d.addr, 2000)
+    assert tx.register(x).descriptor().key != d.key or tx.name == "verbs"  # verbs: the rkey is the NIC's
+    assert pickle.loads(pickle.dumps(d)) == d  # travels through the control plane as is
+    tx.deregister(r)
+    assert r.tensor is None
+    tx.deregister(r)  # idempotent
+
+
+def test_register_refuses_bad_tensors(tx):
+    dev = _device(tx.name)
+    with pytest.raises(ValueError, match="contiguous"):
+        tx.register(torch.zeros(8, 8, device=dev)[:, ::2])
+    with pytest.raises(ValueError, match="zero-byte"):
+        tx.register(torch.empty(0, device=dev))
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        tx.register(bytearray(8))
+    with pytest.raises(ValueError):
+        tx.register(torch.empty(8, device="meta"))
+
+
+def test_connect_refuses_foreign_and_malformed_descriptors(tx, rx):
+    d = rx.desc["buf"]
+    other = "cma" if tx.name != "cma" else "verbs"
+    with pytest.raises(ValueError, match=f"not '{tx.name}'"):
+        tx.connect([dataclasses.replace(d, transport=other)])
+    with pytest.raises(ValueError, match="malformed"):
+        tx.connect([dataclasses.replace(d, length=0)])
+    with pytest.raises(ValueError, match="RegionDescriptor"):
+        tx.connect([("not", "a", "descriptor")])
+
+
+def test_factory_refuses_unknown_name():
+    with pytest.raises(ValueError, match=r"unknown transport 'nope'.*'cma'"):
+        make_transport("nope")
+
+
+# ---- writes ------------------------------------------------------------------------------------
+
+
+def test_write_whole_regions_bit_exact(tx, rx):
+    src, ls = _src(tx, MIB, seed=1)
+    bf = torch.randn(BF16_N).to(torch.bfloat16).to(_device(tx.name))
+    lb = tx.register(bf)
+    h = tx.write([WriteOp(ls, 0, rx.desc["buf"], 0, MIB), WriteOp(lb, 0, rx.desc["bf16"], 0, 2 * BF16_N)])
+    assert _wait(h) == MIB + 2 * BF16_N and h.done()
+    assert rx.bytes() == src.cpu().numpy().tobytes()
+    assert rx.bytes("bf16") == bf.view(torch.uint8).cpu().numpy().tobytes()
+
+
+def test_edges_and_offsets_touch_only_their_bytes(tx, rx):
+    src, ls = _src(tx, MIB, seed=2)
+    d = rx.desc["buf"]
+    ops = [WriteOp(ls, 0, d, 0, 1), WriteOp(ls, 1, d, MIB - 2, 2), WriteOp(ls, 10_000, d, 500_000, 123_457),
+           WriteOp(ls, 0, d, 9000, 0)]
+    assert _wait(tx.write(ops)) == 1 + 2 + 123_457
+    want = bytearray([POISON]) * MIB
+    s = src.cpu().numpy().tobytes()
+    want[0:1] = s[0:1]
+    want[MIB - 2:] = s[1:3]
+    want[500_000:623_457] = s[10_000:133_457]
+    assert rx.bytes() == bytes(want)
+
+
+def test_many_small_ops_one_batch(tx, rx):
+    src, ls = _src(tx, MIB, seed=3)
+    d = rx.desc["buf"]
+    k = 512
+    ops = [WriteOp(ls, i * 2048, d, (k - 1 - i) * 2048, 2048) for i in range(k)]  # reversed blocks
+    assert _wait(tx.write(ops)) == MIB
+    got = torch.frombuffer(bytearray(rx.bytes()), dtype=torch.uint8).view(k, 2048)
+    assert torch.equal(got, src.cpu().view(k, 2048).flip(0))
+
+
+def test_zero_length_ops_post_nothing(tx, rx, no_post):
+    _, ls = _src(tx, 100)
+    d = rx.desc["buf"]
+    h = tx.write([WriteOp(ls, 0, d, 0, 0), WriteOp(ls, 100, d, MIB, 0)])
+    assert h.done() and h.wait() == 0 and no_post == []
+    assert _wait(tx.write([])) == 0
+
+
+# ---- refusals: nothing of the batch issued --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lo,ro,n,what",
+    [
+        (0, MIB - 9, 10, "remote_offset 1048567 \\+ length 10 = 1048577 > remote region length 1048576"),
+        (1, 0, 16, "local_offset 1 \\+ length 16 = 17 > local region length 16"),
+        (-1, 0, 4, "local_offset -1 < 0"),
+        (0, -1, 4, "remote_offset -1 < 0"),
+        (0, 0, -4, "length -4 < 0"),
+    ],
+)
+def test_bounds_refused_before_any_write(tx, rx, no_post, lo, ro, n, what):
+    _, ls = _src(tx, 16, seed=5)
+    d = rx.desc["buf"]
+    ops = [WriteOp(ls, 0, d, 0, 16), WriteOp(ls, 0, d, 100, 8), WriteOp(ls, lo, d, ro, n)]
+    with pytest.raises(BoundsError, match=what) as ei:
+        tx.write(ops)
+    msg = str(ei.value)
+    assert msg.startswith("op 2:") and f"pid {d.pid}" in msg and f"{d.addr:#x}" in msg
+    assert msg.endswith("nothing of the batch was issued")
+    assert no_post == [] and rx.bytes() == bytes([POISON]) * MIB
+
+
+def test_unknown_and_forged_descriptors_refused(tx, rx, no_post):
+    _, ls = _src(tx, 16)
+    d = rx.desc["buf"]
+    never = dataclasses.replace(d, addr=d.addr + 4096, length=d.length - 4096)
+    with pytest.raises(UnknownRegionError, match="op 1: .*never connected"):
+        tx.write([WriteOp(ls, 0, d, 0, 4), WriteOp(ls, 0, never, 0, 4)])
+    forged = dataclasses.replace(d, key=d.key ^ 1)
+    with pytest.raises(UnknownRegionError, match="op 0: .*another run"):
+        tx.write([WriteOp(ls, 0, forged, 0, 4)])
+    shorter = dataclasses.replace(d, length=d.length - 1)
+    with pytest.raises(UnknownRegionError, match="length"):
+        tx.write([WriteOp(ls, 0, shorter, 0, 4)])
+    assert no_post == [] and rx.bytes() == bytes([POISON]) * MIB
+
+
+def test_reregistered_remote_region_supersedes_the_old_descriptor(tx, rx):
+    old = rx.desc["bf16"]
+    new = rx.ask("reregister", "bf16")
+    rx.desc["bf16"] = new  # for later tests
+    assert new.addr == old.addr and new != old
+    tx.connect([new])
+    ones = torch.ones(BF16_N, dtype=torch.bfloat16, device=_device(tx.name))
+    loc = tx.register(ones)
+    with pytest.raises(UnknownRegionError, match="op 1: .*key"):
+        tx.write([WriteOp(loc, 0, new, 0, 2), WriteOp(loc, 0, old, 0, 2)])
+    assert rx.bytes("bf16") == bytes(2 * BF16_N)
+    assert _wait(tx.write([WriteOp(loc, 0, new, 0, 2 * BF16_N)])) == 2 * BF16_N
+    assert rx.bytes("bf16") == ones.view(torch.uint8).cpu().numpy().tobytes()
+
+
+def test_deregistered_or_foreign_local_region_refused(tx, rx, no_post):
+    _, ls = _src(tx, 16)
+    tx.deregister(ls)
+    assert ls.tensor is None
+    with pytest.raises(UnknownRegionError, match="op 0: local region .*not registered"):
+        tx.write([WriteOp(ls, 0, rx.desc["buf"], 0, 16)])
+    other = make_transport(tx.name, **_kwargs(tx.name))
+    try:
+        foreign = other.register(_pattern(16, device=_device(tx.name)))
+        with pytest.raises(UnknownRegionError, match="not registered"):
+            tx.write([WriteOp(foreign, 0, rx.desc["buf"], 0, 16)])
+    finally:
+        other.close()
+    with pytest.raises(TransportError, match="deregistered"):
+        ls.descriptor()
+    assert no_post == [] and rx.bytes() == bytes([POISON]) * MIB
