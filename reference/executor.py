@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .planner import RankPlan, Task
+from .types import RankPlan, Task
 from .transforms import recipe_outputs
 from .transport.base import Transport, WriteOp
 from .types import RegionDescriptor
@@ -76,7 +76,7 @@ class TaskRecord:
     group: int
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     temp_bytes: int = 0
-    """Planned temporary bytes (:attr:`reference.planner.Task.temp_bytes`)."""
+    """Planned temporary bytes (:attr:`reference.types.Task.temp_bytes`)."""
     send_bytes: int = 0
     alloc_bytes: int = 0
     """Bytes of tensors this task actually allocated (gathered sources and outputs)."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reference.catalog import load_config, param_specs
-from reference.mapping import (
+from reference.plan import (
     PlanError,
     RecipeSet,
     build_recipes,
