@@ -42,8 +42,8 @@ class SlowExecutor(Executor):
         time.sleep(self.delays.get("prepare", 0))
         w.rec.stages["prepare"] = (a, time.perf_counter())
 
-    def _write(self, w, st, abort=None):
-        super()._write(w, st, abort)
+    def _write(self, w, st):
+        super()._write(w, st)
         a, _ = w.rec.stages["write"]
         time.sleep(self.delays.get("write", 0))
         w.rec.stages["write"] = (a, time.perf_counter())
