@@ -296,8 +296,8 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
         items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
         items.sort()
         # The sender of each write is _least_loaded(mesh, send, pair[dst]): argmin over the mesh
-        # of (send[r], pair[r, dst], r), as `min(mesh, key=...)` would pick it, found in buckets of ranks by bytes sent (a heap
-        # of the distinct byte counts, each bucket sorted by rank): the least-loaded bucket's
+        # of (send[r], pair[r, dst], r), found in buckets of ranks by bytes sent (a heap of the
+        # distinct byte counts, each bucket sorted by rank): the least-loaded bucket's
         # first rank wins unless it already sends to dst, then the bucket is compared on pair.
         # Kept per mesh across its tasks (a task changes only its own ranks' loads, and the
         # meshes of one group are disjoint); rebuilt after a task on an overlapping mesh.
