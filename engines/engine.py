@@ -1,7 +1,7 @@
 """A minimal inference engine: vLLM's parameter layouts and ``load_weights`` semantics.
 
 This is the receiving side of a weight transfer and the **independent oracle** the trainer-side
-recipes (``reference/mapping.py``) are verified against: after a transfer, every inference
+recipes (``reference/plan/recipes.py``) are verified against: after a transfer, every inference
 rank's arena bytes must equal what this engine's :meth:`Engine.load_weights` makes from the
 full checkpoint (:func:`expected_from_checkpoint`). It implements ``docs/LAYOUTS.md`` on its
 own, the way vLLM's weight loaders do (``QKVParallelLinear``, ``MergedColumnParallelLinear``,

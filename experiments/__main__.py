@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
         return sweep_main(args)
     from reference.control import ControlError
-    from reference.mapping import PlanError
+    from reference.types import PlanError
 
     from .config import TrialConfig
     from .report import append_csv, format_table

@@ -26,7 +26,7 @@ def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[st
     where result is a TrialResult, or the exception that stopped that method's trial (the
     others still run)."""
     from reference.control import ControlError
-    from reference.mapping import PlanError
+    from reference.types import PlanError
 
     from .trial import run_trial
 

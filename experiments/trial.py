@@ -95,7 +95,7 @@ def preflight(cfg: TrialConfig) -> None:
     own layout are both built, without allocating weights). Raises ValueError / PlanError with
     a one-line cause naming the tensor and sizes."""
     from engines.engine import engine_tensor_metas
-    from reference.mapping import build_recipes
+    from reference.plan import build_recipes
 
     mcfg = cfg.model_config()
     get_method(cfg.method)

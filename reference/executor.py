@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .planner import RankPlan, Task
+from .types import RankPlan, Task
 from .transforms import recipe_outputs
 from .transport.base import Transport, WriteOp
 from .types import RegionDescriptor
@@ -76,7 +76,7 @@ class TaskRecord:
     group: int
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     temp_bytes: int = 0
-    """Planned temporary bytes (:attr:`reference.planner.Task.temp_bytes`)."""
+    """Planned temporary bytes (:attr:`reference.types.Task.temp_bytes`)."""
     send_bytes: int = 0
     alloc_bytes: int = 0
     """Bytes of tensors this task actually allocated (gathered sources and outputs)."""
@@ -360,7 +360,7 @@ class Executor:
 
     # -- barriers (called from the prepare stage only)
 
-    def _issue_barriers_through(self, group: int, st: StepStats) -> None:
+    def _issue_barriers_through(self, group: int) -> None:
         """Issue the barriers after every group up to and including ``group`` not issued yet
         (never after the last group)."""
         while self._next_barrier <= min(group, self.n_groups - 2):
@@ -378,7 +378,7 @@ class Executor:
     def _wait_barriers_before(self, group: int, st: StepStats) -> None:
         """Before the first prepare of ``group``: the barriers after groups < ``group`` are
         issued (for groups this rank had no task in, now) and complete."""
-        self._issue_barriers_through(group - 1, st)
+        self._issue_barriers_through(group - 1)
         while self._handles and self._handles[0][1].group < group:
             handle, rec = self._handles.pop(0)
             t0 = time.perf_counter()
@@ -435,7 +435,7 @@ class Executor:
         with torch.no_grad():
             full = gather_sources(task, self.params)
             if self._last_of_group.get(task.group) == w.index:
-                self._issue_barriers_through(task.group, st)
+                self._issue_barriers_through(task.group)
             outs = prepare_outputs(task, full)
         if self.cuda:
             ev = torch.cuda.Event()
@@ -450,7 +450,7 @@ class Executor:
             self._alloc_now += w.rec.alloc_bytes
             self._alloc_peak = max(self._alloc_peak, self._alloc_now)
 
-    def _write(self, w: _Work, st: StepStats, abort=None) -> None:
+    def _write(self, w: _Work, st: StepStats) -> None:
         if w.ready_event is not None:
             w.ready_event.synchronize()
         t0 = time.perf_counter()
@@ -459,7 +459,7 @@ class Executor:
         st.n_writes += k
         w.rec.stages["write"] = (t0, time.perf_counter())
 
-    def _release(self, w: _Work, st: StepStats, abort=None) -> None:
+    def _release(self, w: _Work) -> None:
         t0 = time.perf_counter()
         w.full = w.outputs = w.h2d_event = w.ready_event = None
         with self._lock:
@@ -475,8 +475,8 @@ class Executor:
         if self.offloaded:
             fns.append(("h2d", lambda w, ab: self._h2d(w, ab)))
         fns += [("prepare", lambda w, ab: self._prepare(w, st, ab)),
-                ("write", lambda w, ab: self._write(w, st, ab)),
-                ("release", lambda w, ab: self._release(w, st, ab))]
+                ("write", lambda w, ab: self._write(w, st)),
+                ("release", lambda w, ab: self._release(w))]
         return fns
 
     def run(self, step: int | None = None) -> StepStats:

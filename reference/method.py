@@ -116,8 +116,7 @@ class ReferenceController(ControllerSide):
 
     def setup(self, ctx: ControllerContext) -> str:
         from . import control
-        from .mapping import build_recipes
-        from .planner import plan
+        from .plan import build_recipes, plan
 
         sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
         recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
@@ -132,7 +131,7 @@ class ReferenceController(ControllerSide):
 
 
 class ReferenceTrainer(TrainerSide):
-    """Runs this rank's :class:`~reference.planner.RankPlan` with the executor."""
+    """Runs this rank's :class:`~reference.types.RankPlan` with the executor."""
 
     def setup(self, ctx: TrainerContext) -> None:
         from . import control

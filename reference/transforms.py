@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from .quant import quantize_fp8_block
+from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block
 from .types import Box, Piece, Recipe, torch_dtype
 
 __all__ = ["assemble", "apply_transform", "recipe_outputs", "split_recipe"]
@@ -140,7 +140,7 @@ def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
     block_dim = quant and d >= nd - 2
     step = max_rows
     if block_dim:
-        step = max(128, (max_rows // 128) * 128)
+        step = max(QUANT_BLOCK, (max_rows // QUANT_BLOCK) * QUANT_BLOCK)
     if n <= step:
         return [recipe]
     return split_recipe_bands(recipe, [(a, min(n, a + step)) for a in range(0, n, step)])
@@ -165,7 +165,7 @@ def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Rec
     block_dim = quant and d >= nd - 2
     parts = []
     for a, b in bands:
-        if block_dim and (a % 128 or (b % 128 and b != shape[d])):
+        if block_dim and (a % QUANT_BLOCK or (b % QUANT_BLOCK and b != shape[d])):
             raise ValueError(f"split {recipe.name!r}: band {a}:{b} cuts a 128x128 quantization block")
         pieces = tuple(q for q in (_clip_piece(p, d, a, b) for p in recipe.pieces) if q is not None)
         new_shape = tuple(shape[:d]) + (b - a,) + tuple(shape[d + 1:])
@@ -174,7 +174,7 @@ def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Rec
             box = list(o.box)
             o0 = box[d][0]
             if quant and i == 1 and block_dim:
-                box[d] = (o0 + a // 128, o0 + -(-b // 128))
+                box[d] = (o0 + a // QUANT_BLOCK, o0 + cdiv(b, QUANT_BLOCK))
             else:
                 box[d] = (o0 + a, o0 + b)
             outs.append(replace(o, box=tuple(box)))

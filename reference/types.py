@@ -3,7 +3,10 @@
 What a training rank holds (:class:`ParamMeta`), what an inference rank exposes
 (:class:`DestTensorMeta`, :class:`RegionDescriptor`), how the inference world is laid out
 (:class:`InferenceLayout`), and the *recipes* that say how destination bytes are made from
-source parameters (:class:`Piece`, :class:`Output`, :class:`Recipe`).
+source parameters (:class:`Piece`, :class:`Output`, :class:`Recipe`); and the plan made of
+them (:class:`Schedule` of :class:`RankPlan` of :class:`Task` of :class:`Assignment` of
+:class:`WriteSpec`, built by :func:`reference.plan.plan`, run by :mod:`reference.executor`),
+and :class:`PlanError`, the error of a plan that cannot be executed correctly.
 
 Boxes
 -----
@@ -21,8 +24,8 @@ convert.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -310,3 +313,109 @@ class Recipe:
     def output_nbytes(self) -> int:
         """Bytes written per receiving rank."""
         return sum(box_numel(o.box) * itemsize(o.dtype) for o in self.outputs)
+
+
+# --------------------------------------------------------------------------------------------
+# the plan (what :func:`reference.plan.plan` returns; what the executor runs)
+
+
+class PlanError(ValueError):
+    """A weight plan that cannot be executed correctly. The message names the tensors: its first
+    line is a one-line summary, then one line per problem (the first 20)."""
+
+
+class WriteSpec(NamedTuple):
+    """One one-sided write: output ``output`` of the recipe (all its bytes) to inference rank
+    ``dst_rank`` at byte ``remote_offset`` of that rank's region, ``length`` bytes.
+
+    A named tuple rather than a frozen dataclass: the planner makes about a million per plan
+    at Kimi-K2 scale, and a tuple is built in one C call."""
+
+    output: int
+    dst_rank: int
+    remote_offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A recipe this rank prepares, and the writes it posts from the outputs."""
+
+    recipe: Recipe
+    writes: tuple[WriteSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.length for w in self.writes)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One fusion group as one training rank runs it.
+
+    ``sources`` are gathered with ``full_tensor()`` in this order by every rank of ``mesh``
+    (including ranks with nothing to send: the all-gather is collective). ``temp_bytes`` is
+    what the task holds on this rank between prepare and release (gathered sources plus its
+    outputs), the quantity the executor's watermark bounds."""
+
+    id: int
+    group: int
+    sources: tuple[str, ...]
+    mesh: tuple[int, ...]
+    assignments: tuple[Assignment, ...]
+    source_bytes: int
+    temp_bytes: int
+    local_sources: tuple[str, ...] = ()
+    """A *local* task (no ``sources``): its recipes read only this rank's own shards
+    (``to_local()``, piece boxes already in local coordinates); no collective, no gather."""
+
+    @property
+    def send_bytes(self) -> int:
+        return sum(a.nbytes for a in self.assignments)
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """Everything one training rank executes per step, in order."""
+
+    rank: int
+    tasks: tuple[Task, ...]
+    groups: tuple[int, ...]
+    """Mesh groups this rank takes part in, in execution order."""
+    n_groups: int | None = None
+    """Mesh groups of the whole schedule: every rank issues ``n_groups - 1`` barriers, also
+    ranks with no task in some group. None when unknown (the executor then agrees on it)."""
+
+    @property
+    def send_bytes(self) -> int:
+        return sum(t.send_bytes for t in self.tasks)
+
+    @property
+    def n_writes(self) -> int:
+        return sum(len(a.writes) for t in self.tasks for a in t.assignments)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The whole plan: one :class:`RankPlan` per training rank plus totals."""
+
+    rank_plans: dict[int, RankPlan]
+    send_bytes: dict[int, int]
+    recv_bytes: dict[int, int]
+    n_tasks: int
+    n_groups: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes written into inference memory per update (all ranks, replicas included)."""
+        return sum(self.recv_bytes.values())
+
+    @property
+    def n_writes(self) -> int:
+        return sum(p.n_writes for p in self.rank_plans.values())
+
+    def summary(self) -> str:
+        s, r = self.send_bytes, self.recv_bytes
+        return (f"{self.n_tasks} tasks in {self.n_groups} mesh group(s), {self.n_writes} writes, "
+                f"{self.total_bytes / 1e9:.3f} GB; busiest sender {max(s.values(), default=0) / 1e9:.3f} GB, "
+                f"busiest receiver {max(r.values(), default=0) / 1e9:.3f} GB")

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
 
     from experiments.__main__ import config_from_args
-    from reference.mapping import PlanError
+    from reference.types import PlanError
 
     try:
         if args.transport not in (None, "nixl"):

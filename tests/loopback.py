@@ -8,8 +8,7 @@ processes. Fast enough to run every layout case of shared/CASES.md on its own in
 """
 from engines import Engine, expected_from_checkpoint
 from reference.executor import Executor
-from reference.mapping import build_recipes
-from reference.planner import plan
+from reference.plan import build_recipes, plan
 from reference.transport import make_transport
 from reference.types import ParamMeta, dtype_name
 

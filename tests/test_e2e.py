@@ -7,7 +7,7 @@ import pytest
 from experiments.config import TrialConfig
 from experiments.trial import run_trial
 from reference.control import ControlError
-from reference.mapping import PlanError
+from reference.types import PlanError
 
 pytestmark = pytest.mark.multiproc
 

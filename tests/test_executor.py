@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reference.executor import Executor, MemoryGate, StepStats, peak_in_flight
-from reference.planner import RankPlan, Task
+from reference.types import RankPlan, Task
 from reference.timeline import load_trace, task_stages
 from reference.training import OffloadedParams
 
@@ -42,8 +42,8 @@ class SlowExecutor(Executor):
         time.sleep(self.delays.get("prepare", 0))
         w.rec.stages["prepare"] = (a, time.perf_counter())
 
-    def _write(self, w, st, abort=None):
-        super()._write(w, st, abort)
+    def _write(self, w, st):
+        super()._write(w, st)
         a, _ = w.rec.stages["write"]
         time.sleep(self.delays.get("write", 0))
         w.rec.stages["write"] = (a, time.perf_counter())
@@ -253,7 +253,7 @@ class FailingTransport:
 
 
 def test_stage_error_names_stage_and_task_and_does_not_hang():
-    from reference.planner import Assignment, WriteSpec
+    from reference.types import Assignment, WriteSpec
     from reference.types import Recipe
 
     t = fake_tasks([10, 10, 10])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from reference.catalog import load_config, param_specs
-from reference.mapping import PlanError
+from reference.types import PlanError
 from reference.types import InferenceLayout
 from reference.weights import SyntheticCheckpoint
 

@@ -1,7 +1,7 @@
 """Trainer-side weight mapping (recipes), its plan-time validation, and the transforms.
 
 The expected destination tensors are transcribed from docs/LAYOUTS.md by hand below
-(:func:`layouts_md_shapes`), independently of reference/mapping.py; contents are checked with
+(:func:`layouts_md_shapes`), independently of reference/plan/recipes.py; contents are checked with
 naive slicing written here. Case ids (C2..C9) refer to /work/shared/CASES.md.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reference.catalog import load_config, param_specs
-from reference.mapping import (
+from reference.plan import (
     PlanError,
     RecipeSet,
     build_recipes,

@@ -7,8 +7,8 @@ import pytest
 
 from engines.engine import engine_tensor_metas
 from reference.catalog import load_config, param_specs
-from reference.mapping import PlanError, build_recipes
-from reference.planner import mesh_groups, plan
+from reference.plan import build_recipes, mesh_groups, plan
+from reference.types import PlanError
 from reference.training import shard_box
 from reference.types import InferenceLayout, ParamMeta
 
@@ -270,7 +270,8 @@ def test_metadata_as_the_controller_receives_it_plans_identically():
 
 
 def test_fast_constructors_equal_the_dataclass_ones():
-    from reference.planner import Assignment, Task, WriteSpec, _assignment, _task, _write_spec
+    from reference.plan.fast import _assignment, _task, _write_spec
+    from reference.types import Assignment, Task, WriteSpec
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     rec = build_recipes(cfg, InferenceLayout(tp=1)).recipes[0]
@@ -343,7 +344,7 @@ def test_forked_checks_confirm_the_sampled_name_index():
     assert step >= 2, "the test needs unsampled positions"
     i = 1 + step  # positions 1 + step and 2 + step are between two sampled positions
     ms[i], ms[i + 1] = ms[i + 1], ms[i]
-    from reference.planner import _IndexUnconfirmed, _check_sources, _index_sources
+    from reference.plan.checks import _IndexUnconfirmed, _check_sources, _index_sources
 
     with pytest.raises(_IndexUnconfirmed, match="rank 3"):
         _check_sources(metas, _index_sources(metas, exact=False), confirm_index=True)
@@ -360,7 +361,7 @@ def test_forked_checks_that_fail_rerun_in_process(how, monkeypatch):
     import os
     import time
 
-    import reference.planner as P
+    import reference.plan.checks as P
 
     cfg, layout, metas = _moe_world()
     parent = os.getpid()
@@ -389,7 +390,7 @@ def test_forked_checks_that_fail_rerun_in_process(how, monkeypatch):
 def test_forked_checks_by_default_only_for_large_metadata(monkeypatch):
     import os
 
-    import reference.planner as P
+    import reference.plan.checks as P
 
     _, _, metas = _moe_world()
     assert not P._fork_checks_by_default(metas)  # a few hundred records: in-process

@@ -8,8 +8,7 @@ import pytest
 import torch.multiprocessing as tmp
 
 from reference.catalog import load_config
-from reference.mapping import RecipeSet, build_recipes
-from reference.planner import plan
+from reference.plan import RecipeSet, build_recipes, plan
 from reference.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
 
 from experiments.sim import metadata, model

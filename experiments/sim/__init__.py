@@ -2,7 +2,7 @@
 
 - :mod:`.metadata`: what every training / inference rank would publish, without allocating;
 - :mod:`.hardware`: every hardware figure as a named, sourced parameter;
-- :mod:`.model`: the discrete-event execution of a :class:`~reference.planner.Schedule`, the
+- :mod:`.model`: the discrete-event execution of a :class:`~reference.types.Schedule`, the
   physical floor, and the baselines (rank-0 funnel, per-tensor RPC, full broadcast);
 - :mod:`.configs`: named configurations (``kimi_k2_256xh100_to_128xh100_fp8`` ...);
 - :mod:`.run`: ``python -m experiments simulate <config>``: plan, simulate, table, CSV.

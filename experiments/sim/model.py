@@ -1,4 +1,4 @@
-"""The stage-level cost model: executes a :class:`~reference.planner.Schedule` on paper.
+"""The stage-level cost model: executes a :class:`~reference.types.Schedule` on paper.
 
 Semantics are the executor's (reference/executor.py, DESIGN.md "Pipeline"):
 
@@ -47,7 +47,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from reference.planner import Schedule
+from reference.types import Schedule
 from reference.types import ParamMeta, itemsize, numel
 
 from .hardware import Hardware

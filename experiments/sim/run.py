@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reference.catalog import load_config, param_specs, total_bytes
-from reference.mapping import build_recipes
-from reference.planner import plan
+from reference.plan import build_recipes, plan
 
 from . import metadata, model
 from .configs import CONFIGS, SimConfig, get_config
@@ -51,7 +50,7 @@ def _maxrss() -> int:
 
 def _cpu_seconds() -> float:
     """CPU seconds of this process and its reaped children (``plan()`` may check in a forked
-    child: :data:`reference.planner.PARALLEL_CHECKS_MIN_RECORDS`)."""
+    child: :data:`reference.plan.checks.PARALLEL_CHECKS_MIN_RECORDS`)."""
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + ch.ru_utime + ch.ru_stime
 
@@ -200,7 +199,7 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto") ->
         "import gc, json, pickle, resource, time\n"
         "from experiments.sim.configs import get_config\n"
         "from experiments.sim.run import _cpu_seconds, build\n"
-        "from reference.planner import plan\n"
+        "from reference.plan import plan\n"
         f"cfg = get_config({name!r})\n"
         "mcfg, tm, dm, rs = build(cfg)\n"
         f"if {received!r}:\n"

@@ -1,0 +1,56 @@
+"""Fast constructors of the plan's record types, for the schedule's inner loop.
+
+At Kimi-K2 scale the schedule holds about 880k :class:`~reference.types.WriteSpec`, 500k
+:class:`~reference.types.Assignment` and 500k :class:`~reference.types.Task`. A frozen
+dataclass's ``__init__`` goes through ``object.__setattr__`` once per field; these constructors
+allocate with ``object.__new__`` and set the slots through their descriptors directly (and a
+named tuple through ``tuple.__new__``, one C call), making objects equal to the constructed
+ones (``tests/test_planner.py::test_fast_constructors_equal_the_dataclass_ones`` checks it).
+Nothing else in the planner builds these types by hand.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from ..types import Assignment, Recipe, Task, WriteSpec
+
+__all__ = ["new_write", "_write_spec", "_assignment", "_task"]
+
+new_write = partial(tuple.__new__, WriteSpec)
+"""``new_write((output, dst_rank, remote_offset, length))`` -> that :class:`WriteSpec`, in C."""
+
+_NEW = object.__new__
+_A_SET = tuple(Assignment.__dict__[f].__set__ for f in Assignment.__slots__)
+_T_SET = tuple(Task.__dict__[f].__set__ for f in Task.__slots__)
+assert Assignment.__slots__ == ("recipe", "writes")
+assert Task.__slots__ == ("id", "group", "sources", "mesh", "assignments", "source_bytes", "temp_bytes",
+                          "local_sources"), "reference.types.Task changed: update _task"
+
+
+def _write_spec(output: int, dst_rank: int, remote_offset: int, length: int) -> WriteSpec:
+    """``WriteSpec(output, dst_rank, remote_offset, length)``, in one C call."""
+    return new_write((output, dst_rank, remote_offset, length))
+
+
+def _assignment(recipe: Recipe, writes: tuple[WriteSpec, ...], _a0=_A_SET[0], _a1=_A_SET[1]) -> Assignment:
+    """``Assignment(recipe, writes)``, fast."""
+    a = _NEW(Assignment)
+    _a0(a, recipe)
+    _a1(a, writes)
+    return a
+
+
+def _task(id, group, sources, mesh, assignments, source_bytes, temp_bytes, local_sources, _set=_T_SET) -> Task:
+    """``Task(id, group, sources, mesh, assignments, source_bytes, temp_bytes, local_sources)``
+    with every field positional, fast."""
+    t = _NEW(Task)
+    a, b, c, d, e, f, g, h = _set
+    a(t, id)
+    b(t, group)
+    c(t, sources)
+    d(t, mesh)
+    e(t, assignments)
+    f(t, source_bytes)
+    g(t, temp_bytes)
+    h(t, local_sources)
+    return t

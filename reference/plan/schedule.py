@@ -1,0 +1,382 @@
+"""The schedule: who sends which bytes to whom, and in what order (steps 2-4 of
+:mod:`reference.plan`), from inputs :mod:`reference.plan.checks` passes (or is checking
+concurrently: on inputs the checks would refuse it may raise anything).
+
+1. each fusion group (recipes sharing sources, e.g. q/k/v -> every TP rank's ``qkv_proj``)
+   becomes a :class:`_TaskDef`: its sources, its DeviceMesh, its recipes cut into row bands of
+   at most ``max_chunk_bytes`` (:func:`_split_big`); a group of copies whose rows the senders
+   already hold is cut at shard boundaries instead (:func:`_localize`, a *local* task: no
+   gather);
+2. task definitions are ordered by mesh group (disjoint meshes run in parallel, groups are
+   separated by a barrier; :func:`mesh_groups`), then checkpoint order;
+3. every (recipe, receiving rank) write goes to one sender by one policy,
+   :func:`_least_loaded`; each sending rank gets one :class:`~reference.types.Task` per task
+   definition (ranks of the mesh with nothing to send share one, the all-gather is collective).
+
+The record types are built with :mod:`reference.plan.fast` (about a million at Kimi-K2 scale).
+"""
+from __future__ import annotations
+
+from array import array
+from bisect import insort
+from collections import defaultdict, deque
+from heapq import heapify, heappop, heappush
+from itertools import filterfalse, repeat
+from operator import attrgetter, itemgetter
+from typing import NamedTuple
+
+from ..quant import QUANT_BLOCK
+from ..transforms import split_dim, split_recipe, split_recipe_bands
+from ..types import (Assignment, DestTensorMeta, ParamMeta, Piece, PlanError, RankPlan, Recipe, Schedule, Task,
+                     WriteSpec, box_flat_range, itemsize)
+from .fast import _assignment, _task, new_write
+from .recipes import RecipeSet, fusion_groups
+from .sources import _SourceIndex
+
+_GROUP = attrgetter("group")
+_DEST_LAYOUT = attrgetter("name", "offset", "shape", "dtype")
+
+
+class _TaskDef(NamedTuple):
+    """One fusion group as the schedule will run it, before senders are chosen."""
+
+    sources: list[str]
+    """its sources, in checkpoint order (gathered with ``full_tensor()``; empty for a zero recipe)"""
+    mesh: tuple[int, ...]
+    """the sources' DeviceMesh, flattened (every rank of it runs the task)"""
+    recipes: list[Recipe]
+    """its recipes, cut into row bands"""
+    candidates: list[tuple[int, ...]] | None
+    """a local task: per recipe, the ranks holding all its rows (else None: gathered)"""
+    out_bytes: list[int] | None
+    """a gathered task: per recipe, its output bytes per receiving rank (else None)"""
+
+
+def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """Group distinct meshes so that meshes in one group are pairwise disjoint (they run in
+    parallel); first-fit in order of appearance."""
+    groups: list[set[int]] = []
+    out: dict[tuple[int, ...], int] = {}
+    for m in meshes:
+        if m in out:
+            continue
+        for gi, used in enumerate(groups):
+            if used.isdisjoint(m):
+                used.update(m)
+                out[m] = gi
+                break
+        else:
+            groups.append(set(m))
+            out[m] = len(groups) - 1
+    return out
+
+
+def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
+    """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
+    rank (FP8 bands in whole :data:`~reference.quant.QUANT_BLOCK`-row quantization blocks), each with its output bytes."""
+    per_rank = recipe.output_nbytes
+    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0:
+        return [(recipe, per_rank)]
+    rows = recipe.shape[split_dim(recipe)]
+    row_bytes = max(1, per_rank // max(rows, 1))
+    max_rows = max(1, max_chunk_bytes // row_bytes)
+    if recipe.transform == "fp8_block":
+        max_rows = max(QUANT_BLOCK, (max_rows // QUANT_BLOCK) * QUANT_BLOCK)
+    if max_rows >= rows:
+        return [(recipe, per_rank)]
+    return [(r, r.output_nbytes) for r in split_recipe(recipe, max_rows)]
+
+
+_ROW_PLACEMENTS = frozenset({"Shard(dim=0)", "Replicate()"})
+
+
+def _owners(views: dict[int, tuple[dict[str, int], list[ParamMeta]]], sources: dict[str, ParamMeta], names: set[str]):
+    """For the parameters in ``names`` whose placements only cut dim 0 (``Shard(0)`` /
+    ``Replicate``: a shard is a row range): name -> [(first row, end row, rank)] of the
+    non-empty shards, and (name, rank) -> first row of that rank's shard. ``views``: per rank,
+    (name -> position, metas) from :func:`_index_sources`; only those names are looked up
+    (at Kimi-K2 scale a few hundred names on 256 ranks, not 2.4 million records)."""
+    ok = [n for n in sources if n in names and set(sources[n].placements) <= _ROW_PLACEMENTS
+          and sources[n].global_shape]
+    owners: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    offsets: dict[tuple[str, int], int] = {}
+    present: dict[int, list[tuple[str, int]]] = {}  # id(position dict) -> [(name, position)] (shared per sequence)
+    for r, (pos, ms) in views.items():
+        at = present.get(id(pos))
+        if at is None:
+            at = present[id(pos)] = [(n, pos[n]) for n in ok if n in pos]
+        for n, i in at:
+            m = ms[i]
+            a = m.local_offset[0]
+            offsets[(n, r)] = a
+            if m.local_shape[0] > 0 and all(m.local_shape):
+                owners[n].append((a, a + m.local_shape[0], r))
+    return owners, offsets
+
+
+def _localize(group: list[Recipe], owners, mesh: tuple[int, ...], min_band_bytes: int = 0):
+    """Cut the copy recipes of a fusion group at shard boundaries so every band reads rows
+    that one rank already holds. Returns [(band recipe, candidate senders)] or None when the
+    group needs the gather (a transform other than copy, a placement that cuts columns, a
+    band whose pieces no single rank holds, or bands smaller than ``min_band_bytes``: a norm cut
+    into 8 writes of 2 KB per receiver costs more in per-message overhead than gathering it)."""
+    out = []
+    for rec in group:
+        if rec.transform != "copy":
+            return None
+        d = split_dim(rec)
+        n = rec.shape[d] if rec.shape else 1
+        cuts = {0, n}
+        for p in rec.pieces:
+            if p.source is None:
+                continue
+            k = len(p.dst_box) - len(p.src_box)
+            if p.source not in owners or k < 0 or d - k != 0:
+                return None
+            (sa, sb), (da, db) = p.src_box[0], p.dst_box[d]
+            if sb - sa != db - da:
+                return None
+            cuts.update((da, db))
+            cuts.update(da + x - sa for oa, ob, _ in owners[p.source] for x in (oa, ob) if sa < x < sb)
+        cuts = sorted(c for c in cuts if 0 <= c <= n)
+        bands = list(zip(cuts, cuts[1:]))
+        if len(bands) > 1 and rec.output_nbytes < min_band_bytes * len(bands):
+            return None
+        parts = split_recipe_bands(rec, bands) if len(bands) > 1 else [rec]
+        for part in parts:
+            cand = set(mesh)
+            for p in part.pieces:
+                if p.source is None:
+                    continue
+                sa, sb = p.src_box[0]
+                cand &= {r for oa, ob, r in owners[p.source] if oa <= sa and sb <= ob}
+            if not cand:
+                return None
+            out.append((part, tuple(sorted(cand))))
+    return out
+
+
+def _rebase(rec: Recipe, offsets: dict[str, int]) -> Recipe:
+    """``rec`` with every piece's source rows shifted into the sender's local shard."""
+    pieces = tuple(p if p.source is None else
+                   Piece(p.source, ((p.src_box[0][0] - offsets[p.source], p.src_box[0][1] - offsets[p.source]),)
+                         + tuple(p.src_box[1:]), p.dst_box) for p in rec.pieces)
+    return Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, pieces, rec.transform, rec.outputs)
+
+
+def _spans_to(rec: Recipe, dst_tensors: dict[str, DestTensorMeta], dst: int) -> list[tuple[int, int, int, int]]:
+    """The fields of ``rec``'s writes to rank ``dst``: (output, dst, byte offset, bytes) each."""
+    return [(oi, dst, off, ln) for oi, off, ln in _spans(rec, dst_tensors)]
+
+
+def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
+    """Inference rank -> layout id; ranks with the same tensors at the same offsets (DP
+    replicas, ranks of one TP position) share an id."""
+    ids: dict[tuple, int] = {}
+    return {r: ids.setdefault(tuple(map(_DEST_LAYOUT, ms)), len(ids)) for r, ms in dest_metas.items()}
+
+
+def _spans(rec: Recipe, dst_tensors: dict[str, DestTensorMeta]) -> tuple[tuple[int, int, int], ...]:
+    """(output index, byte offset in the destination rank's region, byte length) of each of
+    ``rec``'s outputs on a rank whose tensors are ``dst_tensors``."""
+    out = []
+    for oi, o in enumerate(rec.outputs):
+        d = dst_tensors[o.tensor]
+        isz = itemsize(o.dtype)
+        fa, fb = box_flat_range(o.box, d.shape)
+        out.append((oi, d.offset + fa * isz, (fb - fa) * isz))
+    return tuple(out)
+
+
+def _least_loaded(cands, send, pl) -> int:
+    """THE sender policy: among ``cands``, the rank that sends the fewest bytes so far
+    (``send[r]``), ties to the one that sends least to this receiver (``pl[r]``), then the lowest
+    rank. The busiest NIC sets the time, so every write goes to the least-busy candidate.
+
+    Local tasks call it directly (their candidates differ per band: the ranks holding its rows).
+    A gathered task's writes can go to any rank of the mesh; :func:`_schedule` finds the same
+    argmin over the mesh with buckets of ranks by bytes sent, kept across the tasks of a mesh
+    (``min`` over 256 ranks per write would cost about half the plan at Kimi-K2 scale)."""
+    return min(cands, key=lambda r: (send[r], pl[r], r))
+
+
+def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off) -> None:
+    """Assign a local task's writes: each (band, receiver), largest first, to
+    :func:`_least_loaded` of the ranks holding the band's rows; recipes are rebased into the
+    sender's local coordinates. Updates ``send``, ``pair``, ``recv`` and appends one
+    :class:`Task` per sending rank to ``per_rank``."""
+    mine: dict[int, dict[int, list[WriteSpec]]] = defaultdict(dict)
+    items = sorted((-rec.output_nbytes, ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    for negb, ri, dst in items:
+        nbytes = -negb
+        pl = pair[dst]
+        sender = _least_loaded(cands[ri], send, pl)
+        send[sender] += nbytes
+        pl[sender] += nbytes
+        recv[dst] += nbytes
+        mine[sender].setdefault(ri, []).extend(map(new_write, _spans_to(recs[ri], by_rank[dst], dst)))
+    for r in sorted(mine):
+        assigns = []
+        for ri in sorted(mine[r]):
+            rec = recs[ri]
+            offs = {p.source: local_off[(p.source, r)] for p in rec.pieces if p.source is not None}
+            assigns.append(Assignment(_rebase(rec, offs), tuple(mine[r][ri])))
+        used = tuple(dict.fromkeys(p.source for a in assigns for p in a.recipe.pieces if p.source is not None))
+        out_bytes = sum(a.recipe.output_nbytes for a in assigns)
+        per_rank[r].append(Task(tid, group, (), tuple(mesh), tuple(assigns), 0, out_bytes, used))
+
+
+def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
+              ix: _SourceIndex, dests: dict[tuple[int, str], DestTensorMeta], *, max_chunk_bytes: int,
+              local_writes: bool, local_min_bytes: int) -> Schedule:
+    """Build the schedule (steps 2-4 of the module docstring) from checked, or concurrently
+    checked, inputs: on inputs the checks would refuse it may raise anything."""
+    sources, views = ix.first, ix.views
+
+    groups = fusion_groups(recipes.recipes)
+    order = {n: i for i, n in enumerate(sources)}
+    copy_sources = {p.source for r in recipes.recipes if r.transform == "copy" for p in r.pieces
+                    if p.source is not None} if local_writes else set()
+    owners, local_off = _owners(views, sources, copy_sources)
+    flat_of: dict[tuple, tuple[int, ...]] = {}
+
+    def mesh_flat(name: str) -> tuple[int, ...]:
+        m = sources[name].mesh_ranks
+        f = flat_of.get(m)
+        if f is None:
+            f = flat_of[m] = sources[name].mesh_flat
+        return f
+
+    task_defs = []
+    for g in groups:
+        srcs = sorted({pc.source for r in g for pc in r.pieces if pc.source is not None}, key=order.__getitem__)
+        meshes = {mesh_flat(s) for s in srcs}
+        if len(meshes) > 1:
+            raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
+        mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
+        loc = _localize(g, owners, mesh, local_min_bytes) if local_writes and srcs else None
+        if loc is None:
+            parts = [c for r in g for c in _split_big(r, max_chunk_bytes)]
+            task_defs.append(_TaskDef(srcs, mesh, [c for c, _ in parts], None, [nb for _, nb in parts]))
+        else:
+            parts = [(c, nb, cand) for r, cand in loc for c, nb in _split_big(r, max_chunk_bytes)]
+            task_defs.append(_TaskDef(srcs, mesh, [c for c, _, _ in parts], [cand for _, _, cand in parts], None))
+
+    gid = mesh_groups([t.mesh for t in task_defs])
+    task_defs.sort(key=lambda t: (gid[t.mesh], order[t.sources[0]] if t.sources else -1))
+
+    send = defaultdict(int, {r: 0 for r in train_metas})
+    n_slots = 1 + max([*train_metas, *(r for m in {t.mesh for t in task_defs} for r in m)], default=0)
+    pair: dict[int, array] = {d: array("q", bytes(8 * n_slots)) for d in dest_metas}
+    """dst -> bytes each training rank sends to it, indexed by training rank (int64 arrays: the
+    sender choice reads ~20 per write, and inline values stay in cache where list items, ints
+    allocated all over the heap, do not -- 1.5x faster on the Kimi-K2 plan)"""
+    by_rank: dict[int, dict[str, DestTensorMeta]] = defaultdict(dict)
+    for (rk, nm), d in dests.items():
+        by_rank[rk][nm] = d
+    recv = defaultdict(int, {r: 0 for r in dest_metas})
+    per_rank: dict[int, list[Task]] = {r: [] for r in train_metas}
+    layout_of = _layout_ids(dest_metas)
+    mesh_state: dict[tuple, tuple] = {}
+    """mesh -> (buckets, levels) of the sender choice below, for meshes of group ``state_group``"""
+    state_group = None
+    src_nbytes: dict[str, int] = {}
+    for tid, (srcs, mesh, recs, cands, rec_bytes) in enumerate(task_defs):
+        if cands is not None:
+            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off)
+            mesh_state.pop(mesh, None)  # its ranks' loads changed outside the buckets
+            continue
+        src_bytes = 0
+        for s in srcs:
+            b = src_nbytes.get(s)
+            if b is None:
+                b = src_nbytes[s] = sources[s].nbytes
+            src_bytes += b
+        mine: dict[int, list] = {}
+        items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
+        items.sort()
+        # The sender of each write is _least_loaded(mesh, send, pair[dst]): argmin over the mesh
+        # of (send[r], pair[r, dst], r), found in buckets of ranks by bytes sent (a heap of the
+        # distinct byte counts, each bucket sorted by rank): the least-loaded bucket's
+        # first rank wins unless it already sends to dst, then the bucket is compared on pair.
+        # Kept per mesh across its tasks (a task changes only its own ranks' loads, and the
+        # meshes of one group are disjoint); rebuilt after a task on an overlapping mesh.
+        if state_group != gid[mesh]:
+            mesh_state.clear()
+            state_group = gid[mesh]
+        state = mesh_state.get(mesh)
+        if state is None:
+            buckets: dict[int, list[int]] = {}
+            for r in sorted(mesh):
+                buckets.setdefault(send[r], []).append(r)
+            levels = list(buckets)
+            heapify(levels)
+            mesh_state[mesh] = (buckets, levels)
+        else:
+            buckets, levels = state
+        # per recipe, its writes' (output, offset, length) for the layout last written to
+        # (a recipe's destinations are mostly DP replicas, which share one layout)
+        last_lid, spans = [-1] * len(recs), [()] * len(recs)
+        for negb, ri, dst in items:
+            pl = pair[dst]
+            s0 = levels[0]
+            bk = buckets[s0]
+            if len(bk) == 1 or not pl[bk[0]]:
+                sender = bk.pop(0)
+            else:
+                ps = itemgetter(*bk)(pl)  # one C call for the ~20 loads
+                i = ps.index(min(ps))  # first minimum: lowest rank among ties
+                sender = bk.pop(i)
+            if not bk:
+                del buckets[s0]
+                heappop(levels)
+            s1 = s0 - negb
+            nb_ = buckets.get(s1)
+            if nb_ is None:
+                buckets[s1] = [sender]
+                heappush(levels, s1)
+            else:
+                insort(nb_, sender)
+            send[sender] = s1
+            pl[sender] -= negb
+            recv[dst] -= negb
+            lid = layout_of[dst]
+            if lid != last_lid[ri]:  # (output, byte offset in dst's region, bytes) per output
+                last_lid[ri] = lid
+                spans[ri] = _spans(recs[ri], by_rank[dst])
+            sp = spans[ri]
+            if len(sp) == 1:
+                (o0, f0, l0), = sp
+                wt = (new_write((o0, dst, f0, l0)),)
+            elif len(sp) == 2:  # FP8: weight and weight_scale_inv
+                (o0, f0, l0), (o1, f1, l1) = sp
+                wt = (new_write((o0, dst, f0, l0)), new_write((o1, dst, f1, l1)))
+            else:
+                wt = tuple([new_write((oi, dst, off, ln)) for oi, off, ln in sp])
+            got = mine.get(sender)
+            if got is None:
+                mine[sender] = [ri, wt]  # recipe, its writes, recipe, its writes, ...
+            else:
+                got += (ri, wt)
+        g_ = gid[mesh]
+        srcs_t, mesh_t = tuple(srcs), tuple(mesh)
+        for r, got in mine.items():
+            if len(got) == 2:  # the common case: one write set per sending rank and task
+                ri = got[0]
+                assigns = (_assignment(recs[ri], got[1]),)
+                out_bytes = rec_bytes[ri]
+            else:
+                by_ri: dict[int, list[WriteSpec]] = {}
+                for k in range(0, len(got), 2):
+                    by_ri.setdefault(got[k], []).extend(got[k + 1])
+                ris = sorted(by_ri)
+                assigns = tuple([_assignment(recs[ri], tuple(by_ri[ri])) for ri in ris])
+                out_bytes = sum([rec_bytes[ri] for ri in ris])
+            per_rank[r].append(_task(tid, g_, srcs_t, mesh_t, assigns, src_bytes, src_bytes + out_bytes, ()))
+        if len(mine) < len(mesh):  # ranks with nothing to send share one Task (it is frozen); appended in C
+            idle = _task(tid, g_, srcs_t, mesh_t, (), src_bytes, src_bytes, ())
+            deque(map(list.append, map(per_rank.__getitem__, filterfalse(mine.__contains__, mesh)), repeat(idle)), maxlen=0)
+
+    n_groups = len(set(gid.values()))
+    rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted(set(map(_GROUP, ts)))), n_groups) for r, ts in per_rank.items()}
+    return Schedule(rank_plans, dict(send), dict(recv), len(task_defs), n_groups)
