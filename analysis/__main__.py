@@ -5,7 +5,7 @@
     python -m analysis --timeline results/timeline.json  # (re)draw one update's pipeline
 
 Without ``--timeline``, an existing ``timeline.png`` in the output directory (the one
-experiments/bench_pipeline.py draws) is kept and linked; otherwise ``results/timeline.json``
+experiments/bench/pipeline.py draws) is kept and linked; otherwise ``results/timeline.json``
 is drawn if present.
 
 Reads CSV (and Chrome-trace JSON for the timeline) only; never imports the transfer code.
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         if p:
             wrote.append(p)
     tl = Path(args.timeline) if args.timeline else RESULTS / "timeline.json"
-    if not args.timeline and (out / "timeline.png").exists():  # drawn by experiments/bench_pipeline.py: keep it
+    if not args.timeline and (out / "timeline.png").exists():  # drawn by experiments/bench/pipeline.py: keep it
         print(f"# timeline.png: kept {out / 'timeline.png'} (redraw with --timeline TRACE.json)")
         wrote.append(out / "timeline.png")
     elif tl.exists():

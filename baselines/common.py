@@ -30,16 +30,10 @@ import torch.distributed as dist
 from reference import control
 from reference.types import torch_dtype
 
-DEFAULT_BUCKET_BYTES = 512 << 20
-"""Funnel bucket size (bytes): tensors are packed into flat buffers of at most this size, the
-default of OpenRLHF / verl style bucketed broadcasts. ``cfg.bucket_bytes`` overrides it when
-the trial config has that field."""
+from .options import DEFAULT_BUCKET_BYTES, DEFAULT_RPC_TIMEOUT, BaselineOptions
+
 BUCKET_ALIGN = 16
 """Byte alignment of each tensor inside a bucket (any dtype view of the slice is aligned)."""
-DEFAULT_RPC_TIMEOUT = 60.0
-"""Seconds one RPC may wait for every worker's reply (capped at half the control-plane
-timeout so that the error reaches the controller first). ``cfg.rpc_timeout`` overrides it."""
-
 KEY_PARAMS = "baselines/params"
 KEY_DEST_BYTES = "baselines/dest_bytes"
 
@@ -61,8 +55,8 @@ class ParamEntry:
 
 @dataclass
 class BaselineStats:
-    """One training rank's part of one update (the fields the trial reads from any method's
-    stats: ``bytes_sent``, ``n_writes``, ``peak_temp_bytes``, ``seconds``, ``records``).
+    """One training rank's part of one update (implements :class:`reference.method.UpdateStats`,
+    the stats protocol the trial reads from any method).
 
     ``bytes_sent`` is the *landed* byte count (see module docstring; only training rank 0
     reports it, the other ranks report 0 so the trial's sum is the landed bytes once);
@@ -74,21 +68,25 @@ class BaselineStats:
     n_writes: int = 0
     seconds: float = 0.0
     peak_temp_bytes: int = 0
+    peak_alloc_bytes: int = 0
+    """Not measured by the baselines (0)."""
     records: list = field(default_factory=list)
 
     def stage_busy(self) -> dict[str, float]:
         return {}
 
 
-def bucket_bytes(cfg) -> int:
-    return int(getattr(cfg, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES)
+def bucket_bytes(options: BaselineOptions | None) -> int:
+    """The funnel's bucket size (bytes): ``options.bucket_bytes``, or the default."""
+    return int(options.bucket_bytes) if options is not None else DEFAULT_BUCKET_BYTES
 
 
-def rpc_timeout(cfg) -> float:
-    t = getattr(cfg, "rpc_timeout", None)
-    if t:
-        return float(t)
-    return max(1.0, min(DEFAULT_RPC_TIMEOUT, float(cfg.timeout) / 2))
+def rpc_timeout(options: BaselineOptions | None, control_timeout: float) -> float:
+    """Seconds one RPC may wait: ``options.rpc_timeout`` if set, else
+    min(:data:`DEFAULT_RPC_TIMEOUT`, ``control_timeout`` / 2), at least 1 s."""
+    if options is not None and options.rpc_timeout:
+        return float(options.rpc_timeout)
+    return max(1.0, min(DEFAULT_RPC_TIMEOUT, float(control_timeout) / 2))
 
 
 def param_entries(train_metas: dict[int, list]) -> list[ParamEntry]:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments run [options]``.
+"""Command line: ``python -m experiments {run,simulate,sweep,bench-quant,bench-pipeline,bench-transports}``.
 
 Examples::
 
@@ -11,6 +11,10 @@ Examples::
     python -m experiments run --serial                         # stage-serialized executor
     python -m experiments sweep --list                         # named sweeps (docs/SWEEPS.md)
     python -m experiments sweep qwen3_cpu_small --cluster local
+    python -m experiments run --method rank0_funnel --bucket-bytes 67108864   # baselines' options
+    python -m experiments bench-quant --repeats 3                # benchmarks (experiments/bench/)
+    python -m experiments bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
+    python -m experiments bench-transports --mib 64 --transports memcpy,cma
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written.
@@ -36,7 +40,15 @@ def _override(s: str) -> tuple[str, object]:
     return k, val
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The one CLI: ``run``, ``simulate``, ``sweep`` and the benchmarks (``bench-*``, their
+    options generated from their config dataclasses by :mod:`experiments.cli`). A benchmark's
+    module (torch, pandas) is imported only when ``argv`` (default ``sys.argv[1:]``) selects it."""
+    from baselines.options import BaselineOptions
+
+    from .bench import BENCHMARKS
+    from .cli import add_dataclass_options
+
     ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one trial: controller + training world + inference world, verified")
@@ -77,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--trace", default=None, metavar="DIR",
                      help="save each update's timeline as a Chrome trace DIR/step{N}.json (Perfetto)")
     run.add_argument("--results", default=str(DEFAULT_RESULTS), help="CSV to append tidy rows to")
+    add_dataclass_options(run.add_argument_group("baselines (--method rank0_funnel | rpc | all)"), BaselineOptions,
+                          dest_prefix="baseline.")
     sim = sub.add_parser("simulate", help="at-scale prediction: real planner on synthesized metadata + cost model "
                                           "(docs/SIMULATION.md)")
     sim.add_argument("config", nargs="?", help="named simulation config (see --list)")
@@ -111,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--folder", default=str(DEFAULT_RESULTS.parent / "jobs"), help="submitit job folder (logs)")
     sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent), help="rows -> DIR/<sweep>.csv")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, cls_name, help_) in BENCHMARKS.items():
+        b = sub.add_parser(name, help=help_, description=f"{help_} ({module}; options: {cls_name})")
+        if name == chosen:
+            import importlib
+
+            cls = getattr(importlib.import_module(module), cls_name)
+            add_dataclass_options(b, cls)
+            b.set_defaults(bench=(module, cls))
     return ap
 
 
@@ -149,19 +173,64 @@ def config_from_args(args):
         ch["offload"] = True
     if args.trace:
         ch["trace_dir"] = args.trace
+    from baselines.options import BaselineOptions
+
+    from .cli import dataclass_from_args
+
+    if any(getattr(args, "baseline." + f.name, None) is not None for f in dataclasses.fields(BaselineOptions)):
+        ch["baseline"] = dataclass_from_args(BaselineOptions, args, dest_prefix="baseline.")
     return dataclasses.replace(base, **ch) if ch else base
 
 
+def sweep_main(args) -> int:
+    """``python -m experiments sweep``: list, or run a named sweep / config with submitit."""
+    from pathlib import Path
+
+    from .configs import get_sweep, list_text
+    from .sweep import LaunchOptions, executor_parameters, format_summary, run_sweep
+
+    if args.list or not args.name:
+        print(list_text())
+        return 0
+    try:
+        sweep = get_sweep(args.name)
+        extra = dict(kv.split("=", 1) for kv in args.slurm_extra)
+        opt = LaunchOptions(cluster=args.cluster, folder=Path(args.folder), nodes=args.nodes,
+                            tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+                            cpus_per_task=args.cpus_per_task, partition=args.partition, time_min=args.time,
+                            parallel=args.parallel, single_task=args.single_task, slurm_extra=extra)
+        for cfg in sweep.trials:
+            executor_parameters(cfg, opt)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"# sweep {sweep.name}: {len(sweep)} trials on cluster={opt.cluster}; rows -> "
+          f"{Path(args.results_dir) / (sweep.name + '.csv')}; job logs in {opt.folder}", file=sys.stderr)
+    summary = run_sweep(sweep, opt, results_dir=Path(args.results_dir), progress=not args.no_progress)
+    print(format_summary(summary))
+    return 0 if not summary.failed else 1
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     if args.cmd == "simulate":
         from .sim.run import main as simulate_main
 
         return simulate_main(args)
     if args.cmd == "sweep":
-        from .sweep import main as sweep_main
-
         return sweep_main(args)
+    if args.cmd.startswith("bench-"):
+        import importlib
+
+        from .cli import dataclass_from_args
+
+        module, cls = args.bench
+        try:
+            bcfg = dataclass_from_args(cls, args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return importlib.import_module(module).main(bcfg)
     from reference.control import ControlError
     from reference.types import PlanError
 

@@ -1,19 +1,38 @@
-"""Trial configuration: one method x one model x one world shape x one watermark."""
+"""Trial configuration: one method x one model x one world shape x one set of transfer options;
+and :class:`Sweep`, a named list of trials, with :func:`trial_key`, what identifies a trial.
+
+``experiments/configs.py`` (named configs and sweeps) and ``experiments/sweep.py`` (launching
+them with submitit) both import this module and not each other.
+"""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 
+from baselines.options import BaselineOptions
 from reference.catalog import ModelConfig, load_config
+from reference.options import TransferOptions
 from reference.types import InferenceLayout
 
 
 @dataclass(kw_only=True, slots=True)
-class TrialConfig:
+class TrialConfig(TransferOptions):
     """Everything a trial needs; every process gets a copy.
 
-    The default is the README's main job: Qwen3-0.6B (the real published architecture: 28
-    layers, GQA 16/8 heads, tied embeddings; 1.19 GB in BF16) from 2 FSDP2 training ranks
-    to one TP=2 inference instance, over cross-memory attach.
+    A :class:`reference.options.TransferOptions` (its fields -- ``transport``, ``timeout``,
+    ``max_chunk_bytes``, ``local_writes``, ``local_min_bytes``, ``pipeline``, ``watermark``,
+    ``offload``, ``trace_dir`` -- are set flat, ``TrialConfig(watermark=...)``, as on the command
+    line) plus the model, the two worlds, the method, and the baselines' options
+    (``baseline``). The methods receive only :attr:`transfer` (a plain TransferOptions) and
+    ``baseline``, never the trial config.
+
+    The defaults describe a Qwen3-0.6B trial (the real published architecture: 28 layers, GQA
+    16/8 heads, tied embeddings; 1.19 GB in BF16) from 2 FSDP2 training ranks to one TP=2
+    BF16 inference instance, over cross-memory attach. The README's main job (``python -m
+    experiments run`` without ``--model``) is :func:`main_job_default`: Qwen3-30B-A3B's
+    architecture cut to 2 layers and 32 experts, served block-FP8 by one TP=2 instance.
     """
 
     model: str = "qwen3-0.6b"
@@ -41,44 +60,26 @@ class TrialConfig:
     train_dtype: str = "bfloat16"
     """Training copy dtype: ``"bfloat16"`` or ``"float32"`` (fp32 masters, cast on the way)."""
     method: str = "reference"
-    transport: str = "cma"
+    """``reference``, ``rank0_funnel``, ``rpc`` (experiments/methods.py), or ``module:``."""
     steps: int = 5
     """Measured updates."""
     warmup: int = 1
     """Updates before the measured ones (verified, not timed)."""
     seed: int = 0
-    local_writes: bool = True
-    """Copy recipes (no fusion across shards, no quantization) are cut at shard boundaries and
-    written by the ranks that already hold the rows, from ``to_local()``, with no
-    ``full_tensor()``; False gathers every task's sources first (the published design)."""
-    local_min_bytes: int = 1 << 20
-    """Local writes only cut a recipe at shard boundaries when each band is at least this many
-    bytes (smaller tensors, e.g. norms, are gathered: fewer, larger writes)."""
-    max_chunk_bytes: int = 64 << 20
-    """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
-    timeout: float = 120.0
-    """Seconds a control-plane wait may take before the missing ranks are named."""
+    """Seed of the synthetic weights of every step."""
     poison: bool = True
     """Fill inference memory with 0xA5 before the first update (C11: a no-op cannot verify)."""
     verify: bool = True
-    pipeline: bool = True
-    """Run the executor's stages concurrently (stage threads with FIFO queues); ``False``
-    runs every stage of a task before the next task starts (stage-serialized)."""
-    watermark: int | None = None
-    """Bytes of temporaries (gathered sources + outputs) the tasks in flight on one training
-    rank may hold; ``None`` = unbounded. A task larger than this runs alone."""
-    offload: bool = False
-    """Training shards live in host memory (pinned on CUDA hosts) and are copied to the device
-    buffer in the executor's ``h2d`` stage; metadata says ``offloaded=True``."""
-    trace_dir: str | None = None
-    """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
-    merges them into ``step{N}.json`` per update."""
+    """Compare every inference rank with the engine's own load_weights after every update."""
+    baseline: BaselineOptions = field(default_factory=BaselineOptions)
+    """Options of the baselines (``rank0_funnel``, ``rpc``): bucket size, RPC timeout."""
     drop_params: tuple[str, ...] = ()
     """Fault injection: checkpoint names the training side does not hold (C3 tests)."""
     extra_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Fault injection: (name, shape) BF16 parameters the training side holds on top."""
 
     def __post_init__(self):
+        TransferOptions.check(self)
         if self.n_train < 1:
             raise ValueError(f"n_train={self.n_train}: need at least one training rank")
         if self.steps < 1 or self.warmup < 0:
@@ -86,8 +87,6 @@ class TrialConfig:
         if self.train_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
         self.layout  # validates tp/dp/quant
-        if self.watermark is not None and self.watermark < 0:
-            raise ValueError(f"watermark={self.watermark}: bytes >= 0, or None for unbounded")
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
         if self.train_layout != "fsdp":
@@ -103,10 +102,10 @@ class TrialConfig:
         specs = [s for s in param_specs(self.model_config()) if s.name not in set(self.drop_params)]
         return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.extra_params]
 
-    def executor_options(self) -> dict:
-        """Keyword arguments for :class:`reference.executor.Executor`."""
-        return {"pipeline": self.pipeline, "watermark": self.watermark, "offload": self.offload,
-                "trace_dir": self.trace_dir}
+    @property
+    def transfer(self) -> TransferOptions:
+        """The transfer options alone (a plain :class:`TransferOptions`): what the methods get."""
+        return self.transfer_options()
 
     @property
     def layout(self) -> InferenceLayout:
@@ -134,3 +133,42 @@ def main_job_default() -> TrialConfig:
     return TrialConfig(model="qwen3-30b-a3b", overrides={"num_hidden_layers": 2, "num_experts": 32},
                        n_train=2, tp=2, quant="fp8", steps=4, warmup=1)
 
+
+
+KEY_EXCLUDE = ("timeout", "trace_dir")
+"""Config fields that do not change what a trial measures, left out of its key."""
+
+
+def trial_key(cfg: TrialConfig) -> str:
+    """12 hex digits identifying what a trial measures: a hash of its config (all fields but
+    :data:`KEY_EXCLUDE`, canonical JSON). The baselines' options enter the key only where
+    they differ from their defaults, so keys of rows recorded before they existed still
+    match. Stored in the sweeps' ``trial_key`` column."""
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+         if f.name not in KEY_EXCLUDE and f.name != "baseline"}
+    default = BaselineOptions()
+    for f in dataclasses.fields(BaselineOptions):
+        if getattr(cfg.baseline, f.name) != getattr(default, f.name):
+            d[f"baseline.{f.name}"] = getattr(cfg.baseline, f.name)
+    blob = json.dumps(d, sort_keys=True, default=list)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+@dataclass(kw_only=True, slots=True)
+class Sweep:
+    """A named list of trials run by ``python -m experiments sweep NAME``; every trial appends
+    its rows to ``results/<name>.csv``."""
+
+    name: str
+    """Sweep name: the function's name; also the results file's stem."""
+    description: str = ""
+    """One line: what the sweep varies and why."""
+    trials: list[TrialConfig] = field(default_factory=list)
+    """The trials, run in this order; duplicates (same trial key) run once."""
+
+    def __post_init__(self):
+        if not self.trials:
+            raise ValueError(f"sweep {self.name!r} has no trials")
+
+    def __len__(self) -> int:
+        return len(self.trials)

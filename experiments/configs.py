@@ -13,35 +13,14 @@ a smaller vocabulary) so one trial takes seconds, not minutes.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Callable
 
-from .config import TrialConfig
+from .config import Sweep, TrialConfig, trial_key
 
 METHODS = ("reference", "rank0_funnel", "rpc")
 """Every transfer method a sweep can compare (experiments/methods.py)."""
 
 MiB = 1 << 20
-
-
-@dataclass(kw_only=True, slots=True)
-class Sweep:
-    """A named list of trials run by ``python -m experiments sweep NAME``; every trial appends
-    its rows to ``results/<name>.csv``."""
-
-    name: str
-    """Sweep name: the function's name; also the results file's stem."""
-    description: str = ""
-    """One line: what the sweep varies and why."""
-    trials: list[TrialConfig] = field(default_factory=list)
-    """The trials, run in this order; duplicates (same trial key) run once."""
-
-    def __post_init__(self):
-        if not self.trials:
-            raise ValueError(f"sweep {self.name!r} has no trials")
-
-    def __len__(self) -> int:
-        return len(self.trials)
 
 
 def _small_qwen3(layers: int = 4, **kw) -> TrialConfig:
@@ -100,8 +79,6 @@ CONFIGS: dict[str, Callable[[], TrialConfig]] = {f.__name__: f for f in (
 
 
 def _dedup(trials: list[TrialConfig]) -> list[TrialConfig]:
-    from .sweep import trial_key
-
     seen, out = set(), []
     for t in trials:
         k = trial_key(t)
@@ -184,3 +161,16 @@ def get_sweep(name: str) -> Sweep:
     if name in CONFIGS:
         return Sweep(name=name, description=CONFIGS[name].__doc__.strip().splitlines()[0], trials=[CONFIGS[name]()])
     raise ValueError(f"unknown sweep {name!r}; sweeps: {', '.join(SWEEPS)}; configs: {', '.join(CONFIGS)}")
+
+
+def list_text() -> str:
+    """The ``sweep --list`` table: every sweep (trial count, description), then every named
+    config."""
+    lines = ["# sweeps (python -m experiments sweep NAME)", f"{'name':<28} {'trials':>6}  description"]
+    for name, f in SWEEPS.items():
+        sw = f()
+        lines.append(f"{name:<28} {len(sw):>6}  {sw.description}")
+    lines += ["#", "# single-trial configs (also accepted as NAME)"]
+    for name, f in CONFIGS.items():
+        lines.append(f"{name:<28} {1:>6}  {f.__doc__.strip().splitlines()[0]}")
+    return "\n".join(lines)

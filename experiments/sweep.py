@@ -16,14 +16,16 @@ under SLURM; submitit's ``JobEnvironment`` gives the global rank, the task count
 A job with a single task (the debug executor, or ``--single-task``) runs the whole trial in it
 with :func:`experiments.trial.run_trial` (ranks spawned as local processes).
 
+Named configs and sweeps are in ``experiments/configs.py``; this module runs any
+:class:`~experiments.config.Sweep` and does not import them (the CLI, ``experiments/__main__.py``,
+looks names up there).
+
 Results: every trial's rows, plus ``trial_key`` (hash of the config), ``sweep``, ``job_id``,
 ``cluster`` and the executor options, are appended to ``results/<sweep>.csv``. A rerun skips
 trials whose key is already there. A failed trial prints its log path and the sweep goes on.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 import socket
@@ -33,25 +35,12 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import TrialConfig
-from .configs import Sweep
+from .config import KEY_EXCLUDE, Sweep, TrialConfig, trial_key  # noqa: F401  (re-exported)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "results"
 JOBS_DIR = ROOT / "results" / "runs" / "jobs"
 """submitit job folders (pickles, logs, store addresses); git-ignored."""
-
-KEY_EXCLUDE = ("timeout", "trace_dir")
-"""Config fields that do not change what a trial measures, left out of its key."""
-
-
-def trial_key(cfg: TrialConfig) -> str:
-    """12 hex digits identifying what a trial measures: a hash of its config (all fields but
-    :data:`KEY_EXCLUDE`, canonical JSON). Stored in the ``trial_key`` column."""
-    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in KEY_EXCLUDE}
-    blob = json.dumps(d, sort_keys=True, default=list)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
 
 def describe(cfg: TrialConfig) -> str:
     """One short line naming a trial: method, model, world, options."""
@@ -291,7 +280,9 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
               progress: bool = True, console=None, poll: float = 0.5) -> SweepSummary:
     """Run every trial of ``sweep`` not yet in ``results_dir/<sweep>.csv``, ``opt.parallel`` jobs
     at a time, with a rich progress bar (trials done / failed, elapsed). Rows are appended as
-    each trial finishes, so an interrupted sweep keeps what it measured."""
+    each trial finishes, so an interrupted sweep keeps what it measured. Completion is waited
+    for with ``submitit.helpers.as_completed`` (checked every ``poll`` seconds)."""
+    import submitit.helpers
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -320,31 +311,25 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
     with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
         tid = bar.add_task(sweep.name, total=summary.total, completed=summary.skipped, done=0, failed=0,
                            skipped=summary.skipped, now="")
-        running: list = []
+        running: list = []  # (job, cfg, key, t0), at most opt.parallel
         while pending or running:
             while pending and len(running) < opt.parallel:
                 cfg, k = pending.pop(0)
                 bar.update(tid, now=describe(cfg))
                 job = make_executor(cfg, opt).submit(fn, cfg, str(opt.folder))
                 running.append((job, cfg, k, time.monotonic()))
-            still = []
-            for job, cfg, k, t0 in running:
-                if not job.done():
-                    still.append((job, cfg, k, t0))
-                    continue
-                out = _collect(job, cfg, k, opt, sweep.name, t0)
-                summary.outcomes.append(out)
-                if out.rows:
-                    append_csv(out.rows, csv)
-                if out.ok:
-                    bar.console.print(f"[green]ok[/]     {describe(cfg)}  ({out.seconds:.0f} s, job {out.job_id})")
-                else:
-                    bar.console.print(f"[red]FAILED[/] {describe(cfg)}: {out.error}\n       log: {out.log}")
-                bar.update(tid, advance=1, done=sum(o.ok for o in summary.outcomes),
-                           failed=len(summary.failed))
-            running = still
-            if running:
-                time.sleep(poll)
+            done = next(submitit.helpers.as_completed([r[0] for r in running], poll_frequency=poll))
+            i = next(i for i, r in enumerate(running) if r[0] is done)
+            job, cfg, k, t0 = running.pop(i)
+            out = _collect(job, cfg, k, opt, sweep.name, t0)
+            summary.outcomes.append(out)
+            if out.rows:
+                append_csv(out.rows, csv)
+            if out.ok:
+                bar.console.print(f"[green]ok[/]     {describe(cfg)}  ({out.seconds:.0f} s, job {out.job_id})")
+            else:
+                bar.console.print(f"[red]FAILED[/] {describe(cfg)}: {out.error}\n       log: {out.log}")
+            bar.update(tid, advance=1, done=sum(o.ok for o in summary.outcomes), failed=len(summary.failed))
         bar.update(tid, now="")
     summary.seconds = time.monotonic() - t_start
     return summary
@@ -357,42 +342,3 @@ def format_summary(s: SweepSummary) -> str:
     for o in s.failed:
         lines.append(f"#   FAILED {describe(o.cfg)} [{o.key}]: {o.error}; log: {o.log}")
     return "\n".join(lines)
-
-
-def list_text() -> str:
-    from .configs import CONFIGS, SWEEPS
-
-    lines = ["# sweeps (python -m experiments sweep NAME)", f"{'name':<28} {'trials':>6}  description"]
-    for name, f in SWEEPS.items():
-        sw = f()
-        lines.append(f"{name:<28} {len(sw):>6}  {sw.description}")
-    lines += ["#", "# single-trial configs (also accepted as NAME)"]
-    for name, f in CONFIGS.items():
-        lines.append(f"{name:<28} {1:>6}  {f.__doc__.strip().splitlines()[0]}")
-    return "\n".join(lines)
-
-
-def main(args) -> int:
-    """``python -m experiments sweep`` (arguments parsed in experiments/__main__.py)."""
-    from .configs import get_sweep
-
-    if args.list or not args.name:
-        print(list_text())
-        return 0
-    try:
-        sweep = get_sweep(args.name)
-        extra = dict(kv.split("=", 1) for kv in args.slurm_extra)
-        opt = LaunchOptions(cluster=args.cluster, folder=Path(args.folder), nodes=args.nodes,
-                            tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
-                            cpus_per_task=args.cpus_per_task, partition=args.partition, time_min=args.time,
-                            parallel=args.parallel, single_task=args.single_task, slurm_extra=extra)
-        for cfg in sweep.trials:
-            executor_parameters(cfg, opt)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"# sweep {sweep.name}: {len(sweep)} trials on cluster={opt.cluster}; rows -> "
-          f"{Path(args.results_dir) / (sweep.name + '.csv')}; job logs in {opt.folder}", file=sys.stderr)
-    summary = run_sweep(sweep, opt, results_dir=Path(args.results_dir), progress=not args.no_progress)
-    print(format_summary(summary))
-    return 0 if not summary.failed else 1

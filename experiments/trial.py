@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import platform
-import socket
-import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-
-import torch
+from dataclasses import dataclass, field
 
 from reference import control
-from reference.method import ControllerContext
+from reference.method import ControllerContext, UpdateStats
 
 from .config import TrialConfig
+from .env import environment, git_sha, measure_memcpy_gbps  # noqa: F401  (git_sha: re-exported)
 from .methods import get_method
 from .worker import inference_main, trainer_main
 
@@ -35,38 +31,6 @@ class TrialResult:
     plan_seconds: float
     memcpy_gbps: float | None = None
     env: dict = field(default_factory=dict)
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def environment() -> dict:
-    return {
-        "host": socket.gethostname(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(terse=True),
-        "git_sha": git_sha(),
-    }
-
-
-def measure_memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Best-of-``repeats`` single-thread torch copy bandwidth, GB/s (1e9 B/s)."""
-    a = torch.ones(nbytes, dtype=torch.uint8)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 class _Procs:
@@ -156,7 +120,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         t0 = time.perf_counter()
         mcfg = cfg.model_config()
         ctl_cls, _, infer_cls = get_method(cfg.method)
-        summary = ctl_cls().setup(ControllerContext(store=store, cfg=cfg, model_config=mcfg, layout=cfg.layout,
+        summary = ctl_cls().setup(ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline,
+                                                    model_config=mcfg, layout=cfg.layout,
                                                     train_metas=train_metas, infer_payloads=infer))
         plan_s = time.perf_counter() - t0
         for step in range(1, cfg.warmup + cfg.steps + 1):
@@ -164,7 +129,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
             ver = ctl.verified(step) if cfg.verify else {}
             ok = all(v.get("ok") for v in ver.values()) if cfg.verify else None
-            stats = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
+            stats: list[UpdateStats] = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
             row = {
                 "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
@@ -172,8 +137,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "layout": cfg.layout.describe(), "watermark": cfg.watermark, "transport": cfg.transport, "step": step,
                 "warmup": step <= cfg.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
-                "peak_alloc_bytes": max(getattr(s, "peak_alloc_bytes", 0) for s in stats),
-                "wire_bytes": sum(getattr(s, "wire_bytes", s.bytes_sent) for s in stats),
+                "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
+                "wire_bytes": sum(s.wire_bytes for s in stats),
                 "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
             }
             if cfg.verify and not ok:

@@ -69,7 +69,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
         _, trainer_cls, _ = get_method(cfg.method)
         side = trainer_cls()
         side.setup(TrainerContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, params=params, store=store,
-                                  cfg=cfg, model_config=cfg.model_config(), layout=cfg.layout,
+                                  transfer=cfg.transfer, method_options=cfg.baseline, model_config=cfg.model_config(), layout=cfg.layout,
                                   log=lambda m: log(tag, m), group_barrier=dist.barrier))
     except Exception as e:  # noqa: BLE001
         store.set("abort", f"training rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
@@ -114,7 +114,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
         _, _, infer_cls = get_method(cfg.method)
         side = infer_cls()
         payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=engine,
-                                              store=store, cfg=cfg, model_config=mcfg, layout=cfg.layout,
+                                              store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg, layout=cfg.layout,
                                               log=lambda m: log(tag, m)))
         client.publish_meta(*payload)
     except Exception as e:  # noqa: BLE001

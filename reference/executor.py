@@ -107,7 +107,7 @@ class BarrierRecord:
 
 @dataclass
 class StepStats:
-    """What one rank did in one update."""
+    """What one rank did in one update (implements :class:`reference.method.UpdateStats`)."""
 
     rank: int
     bytes_sent: int = 0
@@ -129,6 +129,11 @@ class StepStats:
     """``time.time()`` at ``t_start``: converts stage times to wall clock (:meth:`wall`)."""
     records: list[TaskRecord] = field(default_factory=list)
     barriers: list[BarrierRecord] = field(default_factory=list)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Payload bytes moved: one-sided writes move exactly what lands (``bytes_sent``)."""
+        return self.bytes_sent
 
     def wall(self, t: float) -> float:
         """Wall-clock seconds of a ``perf_counter`` time ``t`` of this rank."""

@@ -22,22 +22,56 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
+from .options import TransferOptions
 from .types import InferenceLayout
+
+
+@runtime_checkable
+class UpdateStats(Protocol):
+    """What a trainer side's :meth:`TrainerSide.transfer` returns for one update, whatever the
+    method: the trial's rows and the report read only these. Implemented by
+    :class:`reference.executor.StepStats` and ``baselines.common.BaselineStats``.
+
+    Byte counts are bytes, ``seconds`` wall seconds of this rank's part of the update."""
+
+    rank: int
+    """Training rank."""
+    bytes_sent: int
+    """Bytes that landed in inference memory from this rank (the row's ``bytes`` is the sum)."""
+    wire_bytes: int
+    """Payload bytes this rank's part moved over the wire (= ``bytes_sent`` for one-sided writes)."""
+    n_writes: int
+    """Writes (one-sided writes, broadcast buckets or RPCs) issued."""
+    seconds: float
+    """Wall seconds of this rank's part of the update."""
+    peak_temp_bytes: int
+    """Peak planned temporary bytes (gathered sources, outputs, buckets) in flight."""
+    peak_alloc_bytes: int
+    """Peak bytes actually allocated by tasks in flight (0 where the method does not measure it)."""
+    records: list
+    """Per-task records (timelines); may be empty."""
+
+    def stage_busy(self) -> dict[str, float]:
+        """Seconds each stage was busy (empty for methods without stages)."""
+        ...
 
 
 @dataclass(kw_only=True)
 class TrainerContext:
     """What a training rank hands its method. ``params``: checkpoint name -> DTensor (this
-    rank's shards); ``store``: the control-plane TCPStore; ``cfg``: the trial config."""
+    rank's shards); ``store``: the control-plane TCPStore; ``transfer``: the transfer options;
+    ``method_options``: the method's own options object, if it has one (the baselines'
+    ``baselines.options.BaselineOptions``; None for the reference)."""
 
     rank: int
     n_train: int
     n_infer: int
     params: dict
     store: Any
-    cfg: Any
+    transfer: TransferOptions
+    method_options: Any = None
     model_config: Any
     layout: InferenceLayout
     log: Callable[[str], None] = print
@@ -53,7 +87,8 @@ class InferenceContext:
     n_infer: int
     engine: Any
     store: Any
-    cfg: Any
+    transfer: TransferOptions
+    method_options: Any = None
     model_config: Any
     layout: InferenceLayout
     log: Callable[[str], None] = print
@@ -64,7 +99,8 @@ class ControllerContext:
     """What the controller hands its method once metadata is in."""
 
     store: Any
-    cfg: Any
+    transfer: TransferOptions
+    method_options: Any = None
     model_config: Any
     layout: InferenceLayout
     train_metas: dict
@@ -83,9 +119,8 @@ class TrainerSide(abc.ABC):
     def setup(self, ctx: TrainerContext) -> None: ...
 
     @abc.abstractmethod
-    def transfer(self, step: int):
-        """Move the weights of ``step``; return a StepStats-like object (bytes_sent, n_writes,
-        peak_temp_bytes, seconds, records)."""
+    def transfer(self, step: int) -> UpdateStats:
+        """Move the weights of ``step``; return this rank's :class:`UpdateStats`."""
 
     def teardown(self) -> None:
         pass
@@ -121,8 +156,8 @@ class ReferenceController(ControllerSide):
         sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
         recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
         sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
-                     max_chunk_bytes=ctx.cfg.max_chunk_bytes, local_writes=ctx.cfg.local_writes,
-                     local_min_bytes=ctx.cfg.local_min_bytes)
+                     max_chunk_bytes=ctx.transfer.max_chunk_bytes, local_writes=ctx.transfer.local_writes,
+                     local_min_bytes=ctx.transfer.local_min_bytes)
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
         for r, rp in sched.rank_plans.items():
             control.put(ctx.store, f"plan/{r}", (rp, descriptors))
@@ -138,12 +173,12 @@ class ReferenceTrainer(TrainerSide):
         from .executor import Executor
         from .transport import make_transport
 
-        client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.cfg.timeout, 600.0))
+        client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.transfer.timeout, 600.0))
         plan, descriptors = client.get_plan()
-        self.transport = make_transport(ctx.cfg.transport)
+        self.transport = make_transport(ctx.transfer.transport)
         self.transport.connect(list(descriptors.values()))
         self.executor = Executor(plan, ctx.params, self.transport, descriptors, group_barrier=ctx.group_barrier,
-                                 **ctx.cfg.executor_options())
+                                 **ctx.transfer.executor_options())
         ctx.log(f"plan: {len(plan.tasks)} tasks, {plan.n_writes} writes, {plan.send_bytes / 1e9:.3f} GB to send")
 
     def transfer(self, step: int):
@@ -162,7 +197,7 @@ class ReferenceInference(InferenceSide):
     def setup(self, ctx: InferenceContext):
         from .transport import make_transport
 
-        self.transport = make_transport(ctx.cfg.transport)
+        self.transport = make_transport(ctx.transfer.transport)
         self.region = self.transport.register(ctx.engine.arena)
         return (self.region.descriptor(), ctx.engine.tensor_metas())
 

@@ -18,6 +18,7 @@ import torch
 
 from baselines.common import BaselineStats, bucket_size, param_entries, plan_buckets, read_common
 from baselines.funnel import FunnelController, FunnelInference, FunnelTrainer
+from baselines.options import BaselineOptions
 from baselines.rpc import RpcClient, RpcController, RpcError, RpcInference, RpcTrainer
 from engines import engine_tensor_metas
 from experiments.config import TrialConfig
@@ -58,7 +59,7 @@ class NoopRpcTrainer(RpcTrainer):
 
     def transfer(self, step):
         if self.entries is None:
-            _, self.landed = read_common(self.ctx.store, timeout=self.ctx.cfg.timeout)
+            _, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.timeout)
             self.entries = []
         return super().transfer(step)
 
@@ -121,10 +122,15 @@ def check_verified_rows(cfg, rows, method):
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class SmallBuckets(TrialConfig):
-    """The trial config with the funnel's bucket size field (``baselines.common.bucket_bytes``
-    reads it): 64 KiB, so one update has many buckets, packed ones and single-tensor ones."""
+    """The trial config with a 64 KiB funnel bucket (``baseline.bucket_bytes``, which the funnel
+    reads; ``bucket_bytes`` repeats it for the assertions), so one update has many buckets,
+    packed ones and single-tensor ones."""
 
     bucket_bytes: int = 64 << 10
+
+    def __post_init__(self):
+        TrialConfig.__post_init__(self)
+        self.baseline = BaselineOptions(bucket_bytes=self.bucket_bytes)
 
 
 def test_funnel_c1_c10_c11_consecutive_versions_bit_exact():
@@ -254,7 +260,7 @@ class _RecordingEngine:
 
 def _worker(rank: int, conn) -> None:
     eng = _RecordingEngine()
-    ctx = SimpleNamespace(rank=rank, engine=eng, store=_FakeStore(), cfg=SimpleNamespace(timeout=30.0),
+    ctx = SimpleNamespace(rank=rank, engine=eng, store=_FakeStore(), transfer=SimpleNamespace(timeout=30.0),
                           log=lambda m: None)
     side = RpcInference()
     desc, _ = side.setup(ctx)

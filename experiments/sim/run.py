@@ -155,7 +155,7 @@ def format_table(sr: SimRun) -> str:
 
 def rows(sr: SimRun) -> list[dict]:
     """Tidy rows, docs/PERFORMANCE.md columns plus the simulation's."""
-    from experiments.trial import git_sha
+    from experiments.env import git_sha
 
     cfg = sr.cfg
     mcfg = load_config(cfg.model, **cfg.overrides)

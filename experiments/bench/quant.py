@@ -1,6 +1,6 @@
 """Benchmark: FP8 block quantization throughput beside memcpy, in one run.
 
-    python -m experiments.bench_quant [--repeats 5] [--device cpu|cuda] [--out results/quant_bench.csv]
+    python -m experiments bench-quant [--repeats 5] [--device cpu|cuda] [--out results/quant_bench.csv]
 
 Shapes: a 4096x4096 linear weight, and Kimi-K2's expert shapes (``moe_intermediate_size``
 2048, ``hidden_size`` 7168, from reference/configs/kimi-k2.json): the fused ``w13`` slab of one
@@ -12,8 +12,8 @@ own loader quantizer (the oracle); their outputs are checked byte-identical. Bes
 """
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -59,17 +59,30 @@ def run(repeats: int = 5, device: str = "cpu", threads: int = 1) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+@dataclass(kw_only=True, slots=True)
+class QuantBenchConfig:
+    """Options of ``python -m experiments bench-quant``."""
+
+    repeats: int = 5
+    """Timed runs per shape and implementation; the best is reported."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    threads: int = 1
+    """torch intra-op threads."""
+    out: str = "results/quant_bench.csv"
+    """CSV the rows are written to (overwritten)."""
+
+    def __post_init__(self):
+        if self.repeats < 1 or self.threads < 1:
+            raise ValueError(f"repeats={self.repeats}, threads={self.threads}: both >= 1")
+
+
+def main(a: QuantBenchConfig) -> int:
+    """Run the benchmark, print the table, write ``a.out``; 0 if both quantizers agree."""
     import platform
 
     import pandas as pd
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/quant_bench.csv")
-    a = ap.parse_args(argv)
     rows = run(a.repeats, a.device, a.threads)
     print(f"# FP8 block quantization (128x128, e4m3, weight_scale_inv) vs memcpy, best of {a.repeats}")
     print(f"# host: {platform.node()}  torch {torch.__version__}  device {a.device}  threads {a.threads}")
@@ -85,7 +98,3 @@ def main(argv=None) -> int:
     pd.DataFrame(rows).to_csv(a.out, index=False)
     print(f"# rows written to {a.out}")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

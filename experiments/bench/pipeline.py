@@ -16,12 +16,11 @@ Prints nccl-tests-style tables, writes ``results/pipeline_bench.csv`` (one row p
 measured update; raw seconds and bytes) and ``results/timeline.png`` (the Gantt chart of the
 last pipelined update; its Chrome trace next to it as ``results/timeline.json``).
 
-    python -m experiments.bench_pipeline                       # Qwen3-0.6B, 2 train ranks, TP=2
-    python -m experiments.bench_pipeline --steps 2 --watermarks-mb 256,64,0 --offload
+    python -m experiments bench-pipeline                       # the main job's model, 2 train ranks, TP=2
+    python -m experiments bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import subprocess
@@ -32,10 +31,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from .config import TrialConfig
-from .trial import run_trial
+from dataclasses import dataclass
 
-ROOT = Path(__file__).resolve().parent.parent
+from ..config import TrialConfig
+from ..trial import run_trial
+
+ROOT = Path(__file__).resolve().parent.parent.parent
 STAGE_NAMES = ("h2d", "prepare", "write", "release")
 
 
@@ -103,22 +104,43 @@ def _mb(x):
     return "-" if x is None else f"{x / 1e6:.1f}"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_pipeline", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="catalog model; default: the main job's (FP8 MoE, see README)")
-    ap.add_argument("--quant", choices=["fp8", "none"], default=None)
-    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--n-train", type=int, default=2)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=2, help="measured updates per trial")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--watermarks-mb", default="256,64,0",
-                    help="watermark sweep (MiB, comma-separated; the unbounded run is always included)")
-    ap.add_argument("--offload", action="store_true", help="also measure pipelined with host-offloaded shards")
-    ap.add_argument("--out", default=str(ROOT / "results" / "pipeline_bench.csv"))
-    ap.add_argument("--png", default=str(ROOT / "results" / "timeline.png"))
-    args = ap.parse_args(argv)
+@dataclass(kw_only=True, slots=True)
+class PipelineBenchConfig:
+    """Options of ``python -m experiments bench-pipeline``."""
 
+    model: str | None = None
+    """Catalog model; default: the main job's (Qwen3-30B-A3B architecture, FP8, see README)."""
+    quant: str | None = None
+    """``fp8`` or ``none``; default: the model's base config (the main job: fp8)."""
+    override: tuple[str, ...] = ()
+    """HF-config overrides ``KEY=VALUE``, comma-separated (on top of the main job's)."""
+    n_train: int = 2
+    """Training ranks."""
+    tp: int = 2
+    """Inference tensor-parallel size."""
+    steps: int = 2
+    """Measured updates per trial."""
+    warmup: int = 1
+    """Updates before the measured ones, per trial."""
+    watermarks_mb: tuple[float, ...] = (256, 64, 0)
+    """Watermark sweep (MiB, comma-separated; the unbounded run is always included)."""
+    offload: bool = False
+    """Also measure pipelined with host-offloaded shards."""
+    out: str = str(ROOT / "results" / "pipeline_bench.csv")
+    """CSV of one row per trial and measured update (overwritten)."""
+    png: str = str(ROOT / "results" / "timeline.png")
+    """Gantt chart of the last pipelined update (its Chrome trace beside it, ``.json``)."""
+
+    def __post_init__(self):
+        if self.quant not in (None, "fp8", "none"):
+            raise ValueError(f"quant={self.quant!r}: fp8 or none")
+        for kv in self.override:
+            if "=" not in kv:
+                raise ValueError(f"override {kv!r}: wants KEY=VALUE")
+
+
+def main(args: PipelineBenchConfig) -> int:
+    """Run the trials, print the tables, write ``args.out`` and ``args.png``."""
     import ast
 
     overrides = {}
@@ -131,7 +153,7 @@ def main(argv=None) -> int:
     base = dict(model=args.model, overrides=overrides, n_train=args.n_train, tp=args.tp, steps=args.steps,
                 warmup=args.warmup)
     if args.model is None:  # the main job's default, with the given overrides on top
-        from .config import main_job_default
+        from ..config import main_job_default
 
         d = main_job_default()
         base.update(model=d.model, overrides={**d.overrides, **overrides}, quant=d.quant)
@@ -145,7 +167,7 @@ def main(argv=None) -> int:
     plan = [("pipelined", dict(pipeline=True)), ("serialized", dict(pipeline=False))]
     if args.offload:
         plan.append(("pipelined+offload", dict(pipeline=True, offload=True)))
-    wms = [int(float(x) * (1 << 20)) for x in args.watermarks_mb.split(",") if x.strip()]
+    wms = [int(float(x) * (1 << 20)) for x in args.watermarks_mb]
     plan += [(f"watermark={w}", dict(pipeline=True, watermark=w)) for w in wms]
     for label, kw in plan:
         r, merged = run_one(label, {**base, **kw}, trace_root)
@@ -221,6 +243,3 @@ def main(argv=None) -> int:
     print(f"# timeline: {args.png}" + (f" (Chrome trace: {trace})" if trace.exists() else ""))
     return 0 if n_ok == len(rows) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

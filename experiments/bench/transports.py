@@ -1,7 +1,7 @@
 """Compare the data planes available on this machine, beside memcpy, in one run.
 
-    .venv/bin/python -m experiments.bench_transports                # all that work here
-    .venv/bin/python -m experiments.bench_transports --mib 64 --repeats 2 --transports cma
+    .venv/bin/python -m experiments bench-transports                # all that work here
+    .venv/bin/python -m experiments bench-transports --mib 64 --repeats 2 --transports cma
 
 Cases: ``large`` (one op of ``--mib`` MiB) and the default model's tensors (``qwen3-0.6b``:
 one write per checkpoint tensor, BF16, into one packed receiver arena, as a trial's engine
@@ -18,7 +18,6 @@ seconds; GB/s = bytes / seconds / 1e9, see docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime as dt
 import hashlib
@@ -26,15 +25,16 @@ import multiprocessing as mp
 import os
 import platform
 import socket
-import subprocess
-import sys
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from reference.catalog import load_config, param_specs
 from reference.transport import WriteOp, make_transport
+
+from ..env import git_sha
 
 POISON = 0xA5
 ALL = ("memcpy", "cma", "nixl", "nixl-tcp")
@@ -140,26 +140,35 @@ def bench_transport(name, ops, src, nbytes, repeats):
             pr.kill()
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip() or "?"
-    except OSError:
-        return "?"
+@dataclass(kw_only=True, slots=True)
+class TransportBenchConfig:
+    """Options of ``python -m experiments bench-transports``."""
+
+    mib: int = 256
+    """Size of the ``large`` case (MiB)."""
+    model: str = "qwen3-0.6b"
+    """Catalog model whose checkpoint tensors make the per-tensor case."""
+    repeats: int = 3
+    """Timed batches per row (after one warm-up); best and median reported."""
+    transports: tuple[str, ...] = ALL
+    """Rows to run, comma-separated: memcpy, cma, nixl, nixl-tcp."""
+    csv: str = "results/transports.csv"
+    """CSV the rows are written to (overwritten); empty: none."""
+
+    def __post_init__(self):
+        bad = [t for t in self.transports if t not in ALL]
+        if bad:
+            raise ValueError(f"transports {bad}: known {', '.join(ALL)}")
+        if self.mib < 1 or self.repeats < 1:
+            raise ValueError(f"mib={self.mib}, repeats={self.repeats}: both >= 1")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="transport bandwidth, nccl-tests style")
-    ap.add_argument("--mib", type=int, default=256, help="size of the 'large' case")
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--transports", default=",".join(ALL))
-    ap.add_argument("--csv", default="results/transports.csv")
-    a = ap.parse_args(argv)
+def main(a: TransportBenchConfig) -> int:
+    """Run every row, print the table, write ``a.csv``; 0 if every row ran and verified."""
     torch.set_num_threads(1)
-    names = [x for x in a.transports.split(",") if x]
+    names = list(a.transports)
     cs = cases(a.mib, a.model)
-    run_id, sha, stamp, host = uuid.uuid4().hex[:8], _git_sha(), dt.datetime.now().isoformat(timespec="seconds"), socket.gethostname()
+    run_id, sha, stamp, host = uuid.uuid4().hex[:8], git_sha(), dt.datetime.now().isoformat(timespec="seconds"), socket.gethostname()
     try:
         from importlib.metadata import version
 
@@ -216,6 +225,3 @@ def main(argv=None) -> int:
         print(f"# results: {a.csv} ({len(rows)} rows)")
     return 0 if allok and rows else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

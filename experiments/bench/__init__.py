@@ -1,0 +1,18 @@
+"""Benchmarks (not tests): each prints an nccl-tests-style table and writes a results CSV.
+Subcommands of the one CLI, their options generated from each module's config dataclass
+(:mod:`experiments.cli`):
+
+    python -m experiments bench-quant        # FP8 block quantization vs memcpy   (bench/quant.py)
+    python -m experiments bench-pipeline     # pipelined vs serialized, watermark (bench/pipeline.py)
+    python -m experiments bench-transports   # transports vs memcpy               (bench/transports.py)
+"""
+from __future__ import annotations
+
+BENCHMARKS: dict[str, tuple[str, str, str]] = {
+    "bench-quant": ("experiments.bench.quant", "QuantBenchConfig", "FP8 block quantization throughput beside memcpy"),
+    "bench-pipeline": ("experiments.bench.pipeline", "PipelineBenchConfig",
+                       "pipelined vs stage-serialized executor, overlap efficiency, watermark sweep (real trials)"),
+    "bench-transports": ("experiments.bench.transports", "TransportBenchConfig",
+                         "one-sided write bandwidth of each transport beside memcpy"),
+}
+"""Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""

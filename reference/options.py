@@ -1,0 +1,71 @@
+"""The options of one weight transfer: what the reference method reads, and all it reads.
+
+:class:`TransferOptions` is the typed seam between the reference method and whatever drives it
+(the trial harness in ``experiments/``, a training framework): chunk size, local writes, the
+transport, the control-plane timeout and the executor's options (pipeline, watermark, offload,
+trace). The harness's ``experiments.config.TrialConfig`` extends it with the trial's model and
+world; the method contexts (:mod:`reference.method`) carry a plain ``TransferOptions``.
+
+Config dataclass in torchtitan's style: ``kw_only``, ``slots``, one docstring per field,
+checks in ``__post_init__`` (ValueError naming the field and the value).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferOptions:
+    """How the reference moves weights (bytes, seconds). Every field has a default; the
+    defaults are the README's main job."""
+
+    transport: str = "cma"
+    """Data-plane back end (``reference.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs``
+    or ``cuda_ipc`` (docs/TRANSPORTS.md)."""
+    timeout: float = 120.0
+    """Seconds a control-plane wait may take before the missing ranks are named."""
+    max_chunk_bytes: int = 64 << 20
+    """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
+    local_writes: bool = True
+    """Copy recipes (no fusion across shards, no quantization) are cut at shard boundaries and
+    written by the ranks that already hold the rows, from ``to_local()``, with no
+    ``full_tensor()``; False gathers every task's sources first (the published design)."""
+    local_min_bytes: int = 1 << 20
+    """Local writes only cut a recipe at shard boundaries when each band is at least this many
+    bytes (smaller tensors, e.g. norms, are gathered: fewer, larger writes)."""
+    pipeline: bool = True
+    """Run the executor's stages concurrently (stage threads with FIFO queues); ``False``
+    runs every stage of a task before the next task starts (stage-serialized)."""
+    watermark: int | None = None
+    """Bytes of temporaries (gathered sources + outputs) the tasks in flight on one training
+    rank may hold; ``None`` = unbounded. A task larger than this runs alone."""
+    offload: bool = False
+    """Training shards live in host memory (pinned on CUDA hosts) and are copied to the device
+    buffer in the executor's ``h2d`` stage; metadata says ``offloaded=True``."""
+    trace_dir: str | None = None
+    """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
+    merges them into ``step{N}.json`` per update."""
+
+    def __post_init__(self):
+        TransferOptions.check(self)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field out of range (called by ``__post_init__``;
+        subclasses call it from theirs)."""
+        if self.max_chunk_bytes < 1:
+            raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes}: bytes >= 1")
+        if self.local_min_bytes < 0:
+            raise ValueError(f"local_min_bytes={self.local_min_bytes}: bytes >= 0")
+        if self.watermark is not None and self.watermark < 0:
+            raise ValueError(f"watermark={self.watermark}: bytes >= 0, or None for unbounded")
+
+    def transfer_options(self) -> TransferOptions:
+        """A plain :class:`TransferOptions` with this object's values (a subclass such as the
+        harness's TrialConfig hands only these to the method)."""
+        return TransferOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TransferOptions)})
+
+    def executor_options(self) -> dict:
+        """Keyword arguments for :class:`reference.executor.Executor`."""
+        return {"pipeline": self.pipeline, "watermark": self.watermark, "offload": self.offload,
+                "trace_dir": self.trace_dir}

@@ -1,0 +1,173 @@
+"""The typed seam and the one CLI: config dataclasses -> argparse options, the baselines'
+options settable from the command line and reaching the methods, one stats protocol, and the
+import graph of experiments/ (no cycle between named configs and the sweep launcher; the
+simulation does not import the trial runner)."""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from baselines.common import BaselineStats, bucket_bytes, rpc_timeout
+from baselines.options import DEFAULT_BUCKET_BYTES, BaselineOptions
+from experiments.cli import add_dataclass_options, dataclass_from_args, field_docs
+from experiments.config import TrialConfig, trial_key
+from reference.executor import StepStats
+from reference.method import UpdateStats
+from reference.options import TransferOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(kw_only=True, slots=True)
+class _Opts:
+    """A config dataclass of every supported field type."""
+
+    size: int = 4
+    """Bytes per thing."""
+    rate: float | None = None
+    """Things per second; None: as fast as possible."""
+    name: str = "x"
+    """What it is called (100% documented)."""
+    fast: bool = False
+    """Go fast."""
+    sizes: tuple[int, ...] = (1, 2)
+    """Several sizes, comma-separated."""
+    undocumented: int = 0
+
+    def __post_init__(self):
+        if self.size < 0:
+            raise ValueError(f"size={self.size}: >= 0")
+
+
+def _parse(cls, argv, **kw):
+    ap = argparse.ArgumentParser()
+    add_dataclass_options(ap, cls, **kw)
+    return ap, ap.parse_args(argv)
+
+
+def test_field_docs_reads_each_fields_docstring_including_inherited_ones():
+    docs = field_docs(_Opts)
+    assert docs["size"] == "Bytes per thing."
+    assert docs["rate"] == "Things per second; None: as fast as possible."
+    assert "undocumented" not in docs
+    # TrialConfig inherits TransferOptions' fields: their docstrings come from the base class
+    tdocs = field_docs(TrialConfig)
+    assert tdocs["watermark"].startswith("Bytes of temporaries") and tdocs["tp"].startswith("Inference tensor-parallel")
+
+
+def test_dataclass_options_parse_every_type_and_keep_defaults_when_not_given():
+    ap, ns = _parse(_Opts, [])
+    assert dataclass_from_args(_Opts, ns) == _Opts()
+    _, ns = _parse(_Opts, ["--size", "7", "--rate", "2.5", "--name", "y", "--fast", "--sizes", "3,4,5"])
+    assert dataclass_from_args(_Opts, ns) == _Opts(size=7, rate=2.5, name="y", fast=True, sizes=(3, 4, 5))
+    _, ns = _parse(_Opts, ["--no-fast"])
+    assert dataclass_from_args(_Opts, ns).fast is False
+    help_ = ap.format_help()
+    assert "--size SIZE" in help_ and "Bytes per thing. (default: 4)" in help_
+    assert "(100% documented)" in help_ and "(default: 1,2)" in help_
+
+
+def test_dataclass_options_refuse_bad_values_with_argparse_or_post_init():
+    ap = argparse.ArgumentParser()
+    add_dataclass_options(ap, _Opts, exclude=("name",))
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--size", "abc"])
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--sizes", "1,x"])
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--name", "z"])  # excluded
+    with pytest.raises(ValueError, match="size=-1"):
+        dataclass_from_args(_Opts, ap.parse_args(["--size", "-1"]))
+
+
+def test_baseline_options_are_settable_from_the_cli():
+    from experiments.__main__ import build_parser, config_from_args
+
+    argv = ["run", "--method", "rank0_funnel", "--bucket-bytes", "1048576", "--rpc-timeout", "7.5"]
+    cfg = config_from_args(build_parser(argv).parse_args(argv))
+    assert cfg.baseline == BaselineOptions(bucket_bytes=1 << 20, rpc_timeout=7.5)
+    assert bucket_bytes(cfg.baseline) == 1 << 20 and rpc_timeout(cfg.baseline, cfg.timeout) == 7.5
+    argv = ["run", "--method", "rpc"]
+    cfg = config_from_args(build_parser(argv).parse_args(argv))
+    assert cfg.baseline == BaselineOptions()
+    assert bucket_bytes(cfg.baseline) == DEFAULT_BUCKET_BYTES
+    assert rpc_timeout(cfg.baseline, 30.0) == 15.0 and rpc_timeout(None, 600.0) == 60.0
+
+
+def test_baseline_options_change_the_trial_key_only_when_set():
+    a = TrialConfig(method="rank0_funnel")
+    assert trial_key(a) == trial_key(dataclasses.replace(a, baseline=BaselineOptions()))
+    assert trial_key(a) != trial_key(dataclasses.replace(a, baseline=BaselineOptions(bucket_bytes=1 << 20)))
+    with pytest.raises(ValueError, match="bucket_bytes=0"):
+        BaselineOptions(bucket_bytes=0)
+
+
+def test_the_funnel_reads_its_bucket_size_from_the_method_options(monkeypatch):
+    from types import SimpleNamespace
+
+    from baselines import funnel
+    from baselines.common import ParamEntry
+
+    entries = [ParamEntry(f"p{i}", (1024,), "bfloat16", 0) for i in range(8)]  # 2 KiB each
+    monkeypatch.setattr(funnel, "publish_common", lambda ctx: (entries, 16 << 10))  # no store needed
+    ctx = SimpleNamespace(method_options=BaselineOptions(bucket_bytes=4096), infer_payloads={0: None})
+    assert "in 4 bucket(s)" in funnel.FunnelController().setup(ctx)
+    ctx.method_options = BaselineOptions()
+    assert "in 1 bucket(s)" in funnel.FunnelController().setup(ctx)
+
+
+def test_trial_config_hands_the_methods_plain_transfer_options():
+    cfg = TrialConfig(watermark=1 << 20, pipeline=False, transport="cma", timeout=30.0, max_chunk_bytes=4096)
+    t = cfg.transfer
+    assert type(t) is TransferOptions
+    assert (t.watermark, t.pipeline, t.timeout, t.max_chunk_bytes) == (1 << 20, False, 30.0, 4096)
+    assert t.executor_options() == cfg.executor_options() == {"pipeline": False, "watermark": 1 << 20,
+                                                              "offload": False, "trace_dir": None}
+    with pytest.raises(ValueError, match="max_chunk_bytes=0"):
+        TrialConfig(max_chunk_bytes=0)
+    with pytest.raises(ValueError, match="watermark=-1"):
+        TransferOptions(watermark=-1)
+
+
+def test_reference_and_baseline_stats_share_one_protocol():
+    s, b = StepStats(rank=0, bytes_sent=10), BaselineStats(rank=1, bytes_sent=10, wire_bytes=30)
+    assert isinstance(s, UpdateStats) and isinstance(b, UpdateStats)
+    assert (s.wire_bytes, b.wire_bytes, s.peak_alloc_bytes, b.peak_alloc_bytes) == (10, 30, 0, 0)
+    assert not isinstance(object(), UpdateStats)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules a source file imports (absolute names; relative ones resolved)."""
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+            mod = (base + "." + node.module if node.module else base) if node.level else node.module
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+def test_import_graph_has_no_cycle_between_configs_and_sweep_nor_sim_to_trial():
+    exp = ROOT / "experiments"
+    configs, sweep = _imports(exp / "configs.py"), _imports(exp / "sweep.py")
+    assert not any(m.startswith("experiments.sweep") for m in configs)
+    assert not any(m.startswith("experiments.configs") for m in sweep)
+    for f in (exp / "sim").glob("*.py"):
+        assert not any(m.startswith("experiments.trial") for m in _imports(f)), f
+    for f in (ROOT / "reference").rglob("*.py"):
+        bad = [m for m in _imports(f) if m.split(".")[0] in ("engines", "baselines", "experiments", "analysis")]
+        assert not bad, (f, bad)
+
+
+def test_reference_methods_read_no_trial_config():
+    src = (ROOT / "reference" / "method.py").read_text()
+    assert "ctx.cfg" not in src and "cfg: Any" not in src
