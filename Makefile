@@ -7,7 +7,7 @@ PY ?= .venv/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint clean
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
@@ -21,6 +21,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf .venv *.egg-info .pytest_cache
