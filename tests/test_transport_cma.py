@@ -443,3 +443,28 @@ def test_C17_epoch_table_unit():
     assert tab.await_senders(0.05, alive=lambda pid: False) == []
     lw[3, 1] = 8  # left the batch
     assert tab.await_senders(5) == []
+
+
+# ---- guard bytes (issue 15, 8) ------------------------------------------------------------------
+
+
+def test_guard_bytes_just_outside_a_region():
+    from reference.transport.guard import Guard
+
+    backing = torch.full((4096 + 128,), 0x77, dtype=torch.uint8)
+    arena = backing[64:64 + 4096]  # the registered region; 64 guard bytes each side
+    t = CmaTransport()
+    r = t.register(arena)
+    t.connect([r.descriptor()])
+    g = Guard(r, 64)
+    assert g.covered == 128
+    src = t.register(_pattern(4096, seed=12))
+    t.write([WriteOp(src, 0, r.descriptor(), 0, 1), WriteOp(src, 1, r.descriptor(), 4095, 1)]).wait()
+    assert g.check("after update") == 128  # edges written, guards intact
+    backing[63] = 1  # a stray byte just before ...
+    backing[64 + 4096 + 2] = 2  # ... and one 3 bytes after
+    with pytest.raises(TransportError, match=r"after update: 2 byte\(s\) just outside .*-1: 0x77 -> 0x01, 4098: 0x77 -> 0x02"):
+        g.check("after update")
+    with pytest.raises(ValueError, match="> 0"):
+        Guard(r, 0)
+    t.close()

@@ -27,6 +27,14 @@ What lives here, written once for every back end
     ``remote_offset + length`` inside the remote one -> :class:`BoundsError`.
 
   One bad op refuses the whole batch: nothing of it is posted. Zero-length ops are skipped.
+- the epoch check (:meth:`Transport.check_epochs`, field case C17): every descriptor carries
+  its registration's epoch; its owner publishes the epoch while the region is registered and
+  revokes it in ``deregister``; before each batch the owner's *published* epoch of every remote
+  region is read (the back end's ``_published_epochs``: CMA and CUDA IPC with
+  ``process_vm_readv``, NIXL with a READ; verbs leaves it to the NIC, which refuses the rkey of
+  a closed MR) and a region whose epoch differs is refused -> :class:`StaleRegionError`, before
+  any byte moves. ``deregister`` releases memory only after every sender holding a lease there
+  left the batch it was in (:mod:`.lease`: the protocol and its race window).
 
 What a back end implements (the hooks, all prefixed ``_``): ``_check_device`` (which tensors it
 registers), ``_register`` / ``_deregister`` (native registration), ``_describe`` (the
@@ -51,7 +59,7 @@ from ..types import RegionDescriptor
 __all__ = [
     "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError",
     "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
-    "describe_remote",
+    "describe_remote", "LeaseTimeoutError", "StaleRegionError",
 ]
 
 
