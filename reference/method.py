@@ -137,12 +137,11 @@ class ReferenceTrainer(TrainerSide):
     def setup(self, ctx: TrainerContext) -> None:
         from . import control
         from .executor import Executor
-        from .transport import lease, make_transport
+        from .transport import make_transport
 
         client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.cfg.timeout, 600.0))
         plan, descriptors = client.get_plan()
         self.transport = make_transport(ctx.cfg.transport)
-        lease.attach(self.transport, ctx.store)  # receivers' deregister waits for our batch in flight (C17)
         self.transport.connect(list(descriptors.values()))
         self.executor = Executor(plan, ctx.params, self.transport, descriptors, group_barrier=ctx.group_barrier,
                                  **ctx.cfg.executor_options())
