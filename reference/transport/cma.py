@@ -31,6 +31,12 @@ Semantics
   so the key is checked against what the sender connected: a descriptor from another run (same
   pid and address, different key) is refused. Connecting a descriptor for a ``(pid, addr)``
   already connected with another key replaces it (the newer registration wins).
+- Regions have a lifetime (C17, :mod:`.lease`): before each batch the receiver's published
+  epoch of every remote region is read from the receiver's own memory (one
+  ``process_vm_readv`` per receiving process) and a region it deregistered or re-registered
+  is refused, whatever this sender had connected. With :func:`.lease.attach` (a TCPStore) the
+  sender also holds a lease at each receiver (two more small ``process_vm_writev`` per batch),
+  so a receiver's ``deregister`` waits for a batch in flight before releasing the memory.
 - Not thread-safe: one writer thread per transport.
 
 Requirements

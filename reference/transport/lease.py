@@ -10,7 +10,7 @@ buffer at a reused address). The key was checked only against what the *sender* 
 The protocol
 ------------
 - **Epoch table.** Every transport that publishes descriptors owns an :class:`EpochTable`: a
-  small int64 array in its own CPU memory (12.3 KiB). Publishing a region (its first
+  small int64 array in its own CPU memory (12 KiB: 1,537 int64 words). Publishing a region (its first
   ``descriptor()``) takes a slot and writes a fresh epoch there (a random 62-bit base + a
   counter: unique across runs, increasing within one); the descriptor carries the epoch
   (``RegionDescriptor.epoch``) and ``extra["epochs"] = (table address, slot, table id)``.
