@@ -175,7 +175,10 @@ class RegionDescriptor:
     ``pid`` the owning process (CMA); ``addr`` / ``length`` the virtual address range in
     bytes; ``key`` a per-registration token (the rkey for RDMA; for CMA a random 64-bit value
     checked against the owner's registry so a descriptor from another run is refused);
-    ``extra`` back-end specific fields (QP info, GID, ...), as a tuple of (key, value) pairs.
+    ``extra`` back-end specific fields (QP info, GID, ...), as a tuple of (key, value) pairs;
+    ``epoch`` the registration's epoch: the owner publishes it while the region is registered
+    and revokes it (0) when deregistering, and every write checks it against the owner's
+    published value first (reference/transport/base.py). 0: a descriptor without an epoch.
     """
 
     transport: str
@@ -185,6 +188,7 @@ class RegionDescriptor:
     length: int
     key: int
     extra: tuple = ()
+    epoch: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,10 +8,12 @@ no code for the writes themselves. The test process is the sender.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import multiprocessing as mp
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -271,7 +273,8 @@ def test_no_progress_raises(recv, tx, monkeypatch):
 
 def test_unmapped_remote_address_is_efault(recv, tx):
     d = recv.desc["buf"]
-    bogus = RegionDescriptor(transport="cma", host=d.host, pid=d.pid, addr=4096, length=4096, key=7)
+    # the receiver's real epoch (the check passes), an address it never mapped
+    bogus = dataclasses.replace(d, addr=4096, length=4096, key=7)
     tx.connect([bogus])
     ls = tx.register(_pattern(64))
     with pytest.raises(TransportError, match=r"op 1 \(.*EFAULT.*16 of 48 bytes"):
@@ -309,3 +312,164 @@ def test_dead_receiver_is_remote_gone():
     r.proc.join(10)
     with pytest.raises(RemoteGoneError, match=f"pid {r.desc['buf'].pid} no longer exists"):
         t.write([WriteOp(ls, 0, r.desc["buf"], 0, 8)])
+
+
+# ---- C17: regions with a lifetime (epochs, revocation, leases) -------------------------------
+# The generic C17 cases (write after deregister, reused address, fresh sender with an old
+# descriptor) run over every transport in test_transport_conformance.py; these are CMA's own:
+# the check reads the receiver's memory, and the lease makes deregister wait for a batch in flight.
+
+from test_transport_conformance import C17_BYTES  # noqa: E402
+from test_transport_conformance import Receiver as GenericReceiver  # noqa: E402
+
+from reference.transport import StaleRegionError, lease  # noqa: E402
+from reference.transport.lease import LEASE_SLOTS, REGION_SLOTS, EpochTable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def c17rx():
+    r = GenericReceiver("cma")
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def store():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_C17_connect_refuses_a_descriptor_without_epoch(c17rx):
+    d = c17rx.desc["buf"]
+    with pytest.raises(ValueError, match="carries no epoch"):
+        CmaTransport().connect([dataclasses.replace(d, epoch=0)])
+
+
+def test_C17_epoch_checked_against_the_receivers_memory_not_the_senders_bookkeeping(c17rx):
+    d = c17rx.ask("c17_new")
+    t = CmaTransport()
+    t.connect([d])
+    ls = t.register(_pattern(16))
+    assert c17rx.ask("c17_dereg") >= 0
+    assert t._remote[(d.pid, d.addr)] == d  # the sender's own bookkeeping still accepts it
+    with pytest.raises(StaleRegionError, match=r"op 0: .*has epoch .*owner publishes 0: the receiver deregistered it"):
+        t.write([WriteOp(ls, 0, d, 0, 16)])
+    with pytest.raises(StaleRegionError, match="read: "):
+        t.read(d, 0, 4)
+    # right key, address and length, another epoch: refused by the receiver's table too
+    d2 = c17rx.ask("c17_new")
+    forged = dataclasses.replace(d2, epoch=d2.epoch + 1)
+    t.connect([forged])
+    with pytest.raises(StaleRegionError, match=f"publishes {d2.epoch:#x}"):
+        t.write([WriteOp(ls, 0, forged, 0, 16)])
+    assert c17rx.bytes("c17") == bytes([POISON]) * C17_BYTES
+    t.close()
+
+
+def _blocked_writer(monkeypatch, t, ops):
+    """Start ``t.write(ops)`` in a thread whose data copy blocks until ``release`` is set."""
+    import threading
+
+    entered, release, out = threading.Event(), threading.Event(), []
+    real = cma._process_vm_writev
+
+    def slow(*a):
+        entered.set()
+        release.wait(30)
+        return real(*a)
+
+    monkeypatch.setattr(cma, "_process_vm_writev", slow)
+    th = threading.Thread(target=lambda: out.append(t.write(ops).wait()), daemon=True)
+    th.start()
+    assert entered.wait(10)
+    return release, th, out
+
+
+def test_C17_deregister_waits_for_a_sender_inside_a_batch(c17rx, store, monkeypatch):
+    d = c17rx.ask("c17_new")
+    t = CmaTransport()
+    lease.attach(t, store)
+    t.connect([d])
+    src = _pattern(C17_BYTES, seed=11)
+    ls = t.register(src)
+    release, th, out = _blocked_writer(monkeypatch, t, [WriteOp(ls, 0, d, 0, C17_BYTES)])
+    c17rx.conn.send(("c17_dereg",))  # the receiver revokes while the batch is in flight
+    t0 = time.monotonic()
+    while cma.read_published_epochs([d]) != [0]:  # until the receiver has revoked the epoch
+        assert time.monotonic() - t0 < 20
+        time.sleep(0.01)
+    assert not c17rx.conn.poll(0.5), "deregister returned while a sender was inside a batch"
+    release.set()
+    th.join(10)
+    waited = c17rx.conn.recv()
+    assert isinstance(waited, float) and waited >= 0.5
+    assert out == [C17_BYTES]  # the batch checked before the revocation completed ...
+    assert c17rx.bytes("c17") == src.numpy().tobytes()  # ... before the memory was released
+    monkeypatch.undo()
+    with pytest.raises(StaleRegionError):  # and the next one is refused
+        t.write([WriteOp(ls, 0, d, 0, 16)])
+    t.close()
+
+
+def test_C17_lease_timeout_keeps_the_memory_held(c17rx, store, monkeypatch):
+    d = c17rx.ask("c17_new")
+    t = CmaTransport()
+    lease.attach(t, store)
+    t.connect([d])
+    ls = t.register(_pattern(64))
+    release, th, out = _blocked_writer(monkeypatch, t, [WriteOp(ls, 0, d, 0, 64)])
+    try:
+        got = c17rx.ask("c17_dereg", 0.3)
+        assert got.startswith("LeaseTimeoutError") and f"({os.getpid()}, " in got and "not released" in got
+    finally:
+        release.set()
+        th.join(10)
+    assert out == [64]
+    t.close()
+
+
+def test_C17_epoch_table_unit():
+    tab = EpochTable()
+    assert tab.words.numel() == 1 + REGION_SLOTS + 2 * LEASE_SLOTS
+    (s1, e1), (s2, e2) = tab.publish(), tab.publish()
+    assert s1 != s2 and e2 == e1 + 1 and e1 > 0
+    tab.revoke(s1)
+    assert tab.words[1 + s1] == 0 and tab.words[1 + s2] == e2
+    tab.release(s1)
+    s3, e3 = tab.publish()
+    assert s3 == s1 and e3 not in (e1, e2)  # a reused slot gets a new epoch
+    assert EpochTable().publish()[1] != e1  # another table (run): another epoch range
+    # leases: a live sender inside a batch is waited for; a dead one is not
+    lw = tab.words[1 + REGION_SLOTS:].view(LEASE_SLOTS, 2)
+    lw[3] = torch.tensor([os.getpid(), 7])
+    assert tab.busy_senders() == [(3, os.getpid(), 7)]
+    assert tab.await_senders(0.05) == [(os.getpid(), 7)]
+    assert tab.await_senders(0.05, alive=lambda pid: False) == []
+    lw[3, 1] = 8  # left the batch
+    assert tab.await_senders(5) == []
+
+
+# ---- guard bytes (issue 15, 8) ------------------------------------------------------------------
+
+
+def test_guard_bytes_just_outside_a_region():
+    from reference.transport.guard import Guard
+
+    backing = torch.full((4096 + 128,), 0x77, dtype=torch.uint8)
+    arena = backing[64:64 + 4096]  # the registered region; 64 guard bytes each side
+    t = CmaTransport()
+    r = t.register(arena)
+    t.connect([r.descriptor()])
+    g = Guard(r, 64)
+    assert g.covered == 128
+    src = t.register(_pattern(4096, seed=12))
+    t.write([WriteOp(src, 0, r.descriptor(), 0, 1), WriteOp(src, 1, r.descriptor(), 4095, 1)]).wait()
+    assert g.check("after update") == 128  # edges written, guards intact
+    backing[63] = 1  # a stray byte just before ...
+    backing[64 + 4096 + 2] = 2  # ... and one 3 bytes after
+    with pytest.raises(TransportError, match=r"after update: 2 byte\(s\) just outside .*-1: 0x77 -> 0x01, 4098: 0x77 -> 0x02"):
+        g.check("after update")
+    with pytest.raises(ValueError, match="> 0"):
+        Guard(r, 0)
+    t.close()

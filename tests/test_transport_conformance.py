@@ -87,10 +87,25 @@ TRANSPORTS = [
 # ---- the receiver process ----------------------------------------------------------------------
 
 
+C17_BYTES = 64 << 10  # the C17 region: 64 KiB
+C17_NEW = 0x3C  # what the unrelated tensor at a reused address holds
+
+
 def _receiver(conn, name: str, kw: dict) -> None:
-    """Register buffers, publish descriptors, then serve byte dumps until told to exit."""
+    """Register buffers, publish descriptors, then serve byte dumps until told to exit.
+
+    The C17 commands work on a 64 KiB region ``c17`` cut from ``pool`` (so "free it and put a
+    new tensor at the same address" is deterministic, as a caching allocator reusing a block):
+    ``c17_new`` registers a fresh one (POISON) and answers its descriptor; ``c17_dereg``
+    deregisters it (answers the seconds it took, or the error); ``c17_rereg`` deregisters and
+    registers the same tensor again (new descriptor); ``c17_reuse`` deregisters, drops the
+    tensor and makes an unrelated tensor at the same address holding C17_NEW (answers its
+    address)."""
+    import time
+
     t = make_transport(name, **kw)
     dev = _device(name)
+    pool = torch.empty(2 * C17_BYTES, dtype=torch.uint8, device=dev)
     tensors = {
         "buf": torch.full((MIB,), POISON, dtype=torch.uint8, device=dev),
         "bf16": torch.zeros(BF16_N, dtype=torch.bfloat16, device=dev),
@@ -101,7 +116,31 @@ def _receiver(conn, name: str, kw: dict) -> None:
         cmd, *args = conn.recv()
         if dev == "cuda":
             torch.cuda.synchronize()
-        if cmd == "bytes":
+        if cmd == "c17_new":
+            if "c17" in regions:
+                t.deregister(regions.pop("c17"))
+            tensors["c17"] = pool[:C17_BYTES].fill_(POISON)
+            regions["c17"] = t.register(tensors["c17"])
+            conn.send(regions["c17"].descriptor())
+        elif cmd == "c17_dereg":
+            if args:
+                t.lease_timeout = args[0]
+            t0 = time.monotonic()
+            try:
+                t.deregister(regions.pop("c17"))
+                conn.send(time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001  (reported to the test)
+                conn.send(f"{type(e).__name__}: {e}")
+        elif cmd == "c17_rereg":
+            t.deregister(regions.pop("c17"))
+            regions["c17"] = t.register(tensors["c17"])
+            conn.send(regions["c17"].descriptor())
+        elif cmd == "c17_reuse":
+            t.deregister(regions.pop("c17"))
+            del tensors["c17"]
+            tensors["c17"] = pool[:C17_BYTES].fill_(C17_NEW)  # a new tensor on the same block
+            conn.send(tensors["c17"].data_ptr())
+        elif cmd == "bytes":
             conn.send(tensors[args[0]].view(torch.uint8).cpu().numpy().tobytes())
         elif cmd == "reset":
             tensors["buf"].fill_(POISON)
@@ -341,6 +380,65 @@ def test_reregistered_remote_region_supersedes_the_old_descriptor(tx, rx):
     assert rx.bytes("bf16") == bytes(2 * BF16_N)
     assert _wait(tx.write([WriteOp(loc, 0, new, 0, 2 * BF16_N)])) == 2 * BF16_N
     assert rx.bytes("bf16") == ones.view(torch.uint8).cpu().numpy().tobytes()
+
+
+# ---- C17: writes into memory the receiver has released ------------------------------------------
+# Each of these failed on main dc36787 for CMA (the bytes landed); they name the case of
+# ../shared/CASES.md. The refusal comes from the write (the epoch check) or, for verbs, from the
+# NIC (the invalidated rkey, at wait); either way the receiver's memory is unchanged.
+
+
+def _refused(tx, ops) -> None:
+    with pytest.raises(TransportError):
+        tx.write(ops).wait(10)
+
+
+@pytest.fixture
+def fresh(name):
+    """A sender of its own: on verbs a refused write (the NIC's access error) leaves the QP in
+    the error state, which must not spill into the other tests' sender."""
+    t = make_transport(name, **_kwargs(name))
+    yield t
+    t.close()
+
+
+def test_C17_write_after_deregister_refused(fresh, rx):
+    tx = fresh
+    d = rx.ask("c17_new")
+    tx.connect([d])
+    src, ls = _src(tx, 20, seed=7)
+    assert _wait(tx.write([WriteOp(ls, 0, d, 0, 10)])) == 10  # while registered: lands
+    before = rx.bytes("c17")
+    assert before[:10] == src[:10].cpu().numpy().tobytes()
+    assert isinstance(rx.ask("c17_dereg"), float)
+    _refused(tx, [WriteOp(ls, 10, d, 0, 10)])  # main: these 10 bytes landed
+    assert rx.bytes("c17") == before
+
+
+def test_C17_freed_and_reused_address_unchanged(fresh, rx):
+    tx = fresh
+    d = rx.ask("c17_new")
+    tx.connect([d])
+    addr = rx.ask("c17_reuse")  # deregistered, freed, an unrelated tensor at the same address
+    assert addr == d.addr
+    _, ls = _src(tx, C17_BYTES, seed=8)
+    _refused(tx, [WriteOp(ls, 0, d, 0, C17_BYTES)])
+    assert rx.bytes("c17") == bytes([C17_NEW]) * C17_BYTES
+
+
+def test_C17_fresh_sender_refuses_descriptor_from_before_reregistration(fresh, rx, name):
+    old = rx.ask("c17_new")
+    new = rx.ask("c17_rereg")
+    assert new.addr == old.addr and new != old
+    fresh.connect([old])  # a sender that never saw the re-registration
+    src, ls = _src(fresh, 4096, seed=9)
+    _refused(fresh, [WriteOp(ls, 0, old, 0, 4096)])
+    assert rx.bytes("c17") == bytes([POISON]) * C17_BYTES
+    if name == "verbs":
+        return  # its QP is in the error state now; a new connection would be needed
+    fresh.connect([new])
+    assert _wait(fresh.write([WriteOp(ls, 0, new, 0, 4096)])) == 4096
+    assert rx.bytes("c17")[:4096] == src.cpu().numpy().tobytes()
 
 
 def test_deregistered_or_foreign_local_region_refused(tx, rx, no_post):

@@ -130,7 +130,8 @@ def test_connect_refuses_foreign_descriptors(sender):
     bare = dataclasses.replace(cma, transport="nixl")
     with pytest.raises(ValueError, match="lacks NIXL fields"):
         sender.connect([bare])
-    junk = dataclasses.replace(bare, extra=(("agent", "x"), ("mem", "DRAM"), ("dev", 0), ("md", b"garbage")))
+    junk = dataclasses.replace(bare, epoch=1, extra=(("agent", "x"), ("mem", "DRAM"), ("dev", 0), ("md", b"garbage"),
+                                                     ("epochs_md", b"garbage"), ("epochs", (4096, 0, "t"))))
     with pytest.raises(TransportError, match="refused the metadata"):
         sender.connect([junk])
 

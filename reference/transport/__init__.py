@@ -22,7 +22,9 @@ from .base import (
     CompletedWrite,
     PermissionDeniedError,
     Region,
+    LeaseTimeoutError,
     RemoteGoneError,
+    StaleRegionError,
     Transport,
     TransportError,
     UnknownRegionError,
@@ -30,6 +32,7 @@ from .base import (
     WriteOp,
     check_batch,
 )
+from . import lease
 from .cma import CmaRegion, CmaTransport
 from .cuda_ipc import CudaIpcTransport
 from .nixl import NixlTransport
@@ -67,7 +70,9 @@ __all__ = [
     "VerbsTransport",
     "PermissionDeniedError",
     "Region",
+    "LeaseTimeoutError",
     "RemoteGoneError",
+    "StaleRegionError",
     "TRANSPORTS",
     "Transport",
     "TransportError",
@@ -75,5 +80,6 @@ __all__ = [
     "WriteHandle",
     "WriteOp",
     "check_batch",
+    "lease",
     "make_transport",
 ]

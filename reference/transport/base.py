@@ -27,6 +27,14 @@ What lives here, written once for every back end
     ``remote_offset + length`` inside the remote one -> :class:`BoundsError`.
 
   One bad op refuses the whole batch: nothing of it is posted. Zero-length ops are skipped.
+- the epoch check (:meth:`Transport.check_epochs`, field case C17): every descriptor carries
+  its registration's epoch; its owner publishes the epoch while the region is registered and
+  revokes it in ``deregister``; before each batch the owner's *published* epoch of every remote
+  region is read (the back end's ``_published_epochs``: CMA and CUDA IPC with
+  ``process_vm_readv``, NIXL with a READ; verbs leaves it to the NIC, which refuses the rkey of
+  a closed MR) and a region whose epoch differs is refused -> :class:`StaleRegionError`, before
+  any byte moves. ``deregister`` releases memory only after every sender holding a lease there
+  left the batch it was in (:mod:`.lease`: the protocol and its race window).
 
 What a back end implements (the hooks, all prefixed ``_``): ``_check_device`` (which tensors it
 registers), ``_register`` / ``_deregister`` (native registration), ``_describe`` (the
@@ -51,7 +59,7 @@ from ..types import RegionDescriptor
 __all__ = [
     "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError",
     "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
-    "describe_remote",
+    "describe_remote", "LeaseTimeoutError", "StaleRegionError",
 ]
 
 
@@ -66,6 +74,17 @@ class BoundsError(TransportError):
 class UnknownRegionError(TransportError):
     """A write names a remote descriptor that was never connected (or a stale key), or a local
     region that was deregistered; nothing of the batch was issued."""
+
+
+class StaleRegionError(UnknownRegionError):
+    """A remote descriptor's epoch is not the one its owner publishes now: the receiver
+    deregistered the region (published epoch 0) or registered it again (another epoch). Raised
+    before any byte of the batch moved (C17)."""
+
+
+class LeaseTimeoutError(TransportError):
+    """``deregister`` waited ``lease_timeout`` seconds for a sender still inside a batch that
+    started before the revocation; the region's memory stays referenced (not released)."""
 
 
 class RemoteGoneError(TransportError):
@@ -97,7 +116,7 @@ class Region:
 
     Built by :meth:`Transport.register` only. ``tensor`` is None once deregistered."""
 
-    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner")
+    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner", "_slot")
 
     def __init__(self, owner: "Transport", tensor: torch.Tensor):
         self._owner = owner
@@ -108,6 +127,7 @@ class Region:
         """Length in bytes (>= 1)."""
         self.native = None
         self._desc: RegionDescriptor | None = None
+        self._slot: int | None = None  # epoch-table slot once published
 
     @property
     def tensor(self) -> torch.Tensor | None:
@@ -199,10 +219,12 @@ class Group:
 
 @dataclass(slots=True)
 class Batch:
-    """A batch that passed every check: its groups, in first-seen order, and its total bytes."""
+    """A batch that passed every check: its groups, in first-seen order, its total bytes, and
+    its distinct remote regions (lookup key -> (connected descriptor, index of its first op))."""
 
     groups: dict[Hashable, Group]
     nbytes: int
+    remotes: dict[Hashable, tuple[RegionDescriptor, int]]
 
 
 def describe_remote(d: RegionDescriptor) -> str:
@@ -225,6 +247,7 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
     batch may be issued. Regions and descriptors repeated across consecutive ops are looked up
     once (cost per op ~1 us in CPython)."""
     groups: dict[Hashable, Group] = {}
+    remotes: dict[Hashable, tuple[RegionDescriptor, int]] = {}
     total = 0
     last_loc = last_rd = None
     llen = laddr = rlen = raddr = 0
@@ -247,6 +270,8 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
             if c is None or (c is not rd and c != rd):
                 raise UnknownRegionError(_unknown_msg(i, rd, c))
             last_rd, rlen, raddr = rd, c.length, c.addr
+            if k not in remotes:
+                remotes[k] = (c, i)
             gk = group_key(loc, c, k)
             g = groups.get(gk)
             if g is None:
@@ -263,7 +288,7 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
             total += n
     if any(not g.lens for g in groups.values()):  # groups of zero-length ops only
         groups = {k: g for k, g in groups.items() if g.lens}
-    return Batch(groups, total)
+    return Batch(groups, total, remotes)
 
 
 def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:
@@ -315,6 +340,11 @@ class Transport(abc.ABC):
         self.pid = os.getpid()
         self._local: dict[int, Region] = {}  # id(region) -> region
         self._remote: dict[Hashable, RegionDescriptor] = {}  # _remote_key(desc) -> desc
+        self._epochs = None  # EpochTable, made on the first published descriptor
+        self._lease_store = None  # the control plane, set by lease.attach (senders)
+        self.lease_timeout = 30.0
+        """Seconds ``deregister`` waits for senders inside a batch (:mod:`.lease`)."""
+        self._held: list[torch.Tensor] = []  # memory not released after a lease timeout
 
     # ---- registration -----------------------------------------------------------------------
 
@@ -343,12 +373,33 @@ class Transport(abc.ABC):
 
     def deregister(self, region: Region) -> None:
         """Forget a local region (and release its native registration); later writes from it
-        raise :class:`UnknownRegionError`. Idempotent."""
-        if self._local.pop(id(region), None) is not None:
-            try:
-                self._deregister(region)
-            finally:
+        raise :class:`UnknownRegionError`. Idempotent.
+
+        A published region (its descriptor was built) is revoked first: its epoch becomes 0,
+        so every later write with its descriptor, from any sender, is refused; then this waits
+        until every sender holding a lease here has left the batch it was in (:mod:`.lease`);
+        only then is the memory released. Raises :class:`LeaseTimeoutError` naming the senders
+        still inside a batch after ``lease_timeout`` seconds; the memory then stays referenced
+        by this transport (never released under a possible writer)."""
+        if self._local.pop(id(region), None) is None:
+            return
+        if region._slot is not None:
+            table = self._epochs
+            table.revoke(region._slot)
+            stuck = table.await_senders(self.lease_timeout)
+            if stuck:
+                self._held.append(region._tensor)
                 region._tensor = None
+                raise LeaseTimeoutError(
+                    f"deregister: {region!r} revoked, but senders (pid, seq) {stuck} are still inside a "
+                    f"batch that started before the revocation after {self.lease_timeout} s; the memory "
+                    "stays held by this transport (not released)"
+                )
+            table.release(region._slot)
+        try:
+            self._deregister(region)
+        finally:
+            region._tensor = None
 
     def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
         """Accept remote regions as write targets (once, from the control plane). Every
@@ -388,7 +439,35 @@ class Transport(abc.ABC):
         batch = self.check(ops)
         if not batch.groups:
             return CompletedWrite(0)
-        return self._post(batch, ops)
+        lease = self._lease_enter(batch)
+        try:
+            self.check_epochs(batch.remotes.values())
+            return self._post(batch, ops)
+        finally:
+            if lease is not None:
+                self._lease_exit(lease)
+
+    def check_epochs(self, remotes) -> None:
+        """Refuse remote regions whose owner no longer publishes their descriptor's epoch: the
+        one place every back end checks C17. ``remotes``: ``(descriptor, op index)`` pairs.
+        The back end reads the owners' published epochs (``_published_epochs``; None: its
+        hardware enforces the registration itself, e.g. an invalidated rkey). Raises
+        :class:`StaleRegionError` naming the op and the region; nothing was issued."""
+        remotes = [(d, i) for d, i in remotes if d.epoch]
+        if not remotes:
+            return
+        got = self._published_epochs([d for d, _ in remotes])
+        if got is None:
+            return
+        for (d, i), e in zip(remotes, got):
+            if e != d.epoch:
+                why = ("0: the receiver deregistered it" if e == 0 else
+                       f"{e:#x}: another registration of that memory")
+                raise StaleRegionError(
+                    f"{'op ' + str(i) if isinstance(i, int) else i}: remote region {describe_remote(d)} has epoch "
+                    f"{d.epoch:#x} but its owner publishes {why} (revoked; the memory may be freed or "
+                    "reused); nothing of the batch was issued"
+                )
 
     # ---- back-end hooks ---------------------------------------------------------------------
 
@@ -407,8 +486,21 @@ class Transport(abc.ABC):
         """The descriptor of ``region`` (use :meth:`_descriptor`)."""
 
     def _descriptor(self, region: Region, key: int, extra: tuple = ()) -> RegionDescriptor:
+        """A descriptor of ``region`` with a freshly published epoch (:mod:`.lease`):
+        ``epoch`` and ``extra["epochs"] = (table address, slot, table id)``."""
+        slot, epoch = self._epoch_table().publish()
+        region._slot = slot
+        extra = tuple(extra) + (("epochs", (self._epochs.addr, slot, self._epochs.ident)),)
         return RegionDescriptor(transport=self.name, host=self.host, pid=self.pid, addr=region.addr,
-                                length=region.length, key=key, extra=extra)
+                                length=region.length, key=key, extra=extra, epoch=epoch)
+
+    def _epoch_table(self):
+        """This transport's :class:`~.lease.EpochTable` (made on first use)."""
+        if self._epochs is None:
+            from .lease import EpochTable
+
+            self._epochs = EpochTable()
+        return self._epochs
 
     def _check_descriptor(self, d: RegionDescriptor) -> None:
         """Back-end checks of a descriptor at connect time (ValueError)."""
@@ -431,3 +523,16 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> WriteHandle:
         """Issue every write of a checked, non-empty batch; return its completion."""
+
+    def _published_epochs(self, remotes: list[RegionDescriptor]) -> list[int] | None:
+        """The epochs the owners of ``remotes`` publish now, in order (read from their memory);
+        None when the back end's hardware enforces revocation itself."""
+        return None
+
+    def _lease_enter(self, batch: Batch):
+        """Mark this sender inside a batch at every receiver of ``batch`` where it holds a
+        lease, before the epochs are read; return a token for :meth:`_lease_exit` (None: none)."""
+        return None
+
+    def _lease_exit(self, token) -> None:
+        """Mark this sender out of the batch (its bytes were all copied)."""

@@ -31,6 +31,12 @@ Semantics
   so the key is checked against what the sender connected: a descriptor from another run (same
   pid and address, different key) is refused. Connecting a descriptor for a ``(pid, addr)``
   already connected with another key replaces it (the newer registration wins).
+- Regions have a lifetime (C17, :mod:`.lease`): before each batch the receiver's published
+  epoch of every remote region is read from the receiver's own memory (one
+  ``process_vm_readv`` per receiving process) and a region it deregistered or re-registered
+  is refused, whatever this sender had connected. With :func:`.lease.attach` (a TCPStore) the
+  sender also holds a lease at each receiver (two more small ``process_vm_writev`` per batch),
+  so a receiver's ``deregister`` waits for a batch in flight before releasing the memory.
 - Not thread-safe: one writer thread per transport.
 
 Requirements
@@ -104,6 +110,7 @@ from .base import (
     _unknown_msg,
     describe_remote,
 )
+from .lease import LEASE_SLOTS, EpochTable, take_lease_slot
 
 __all__ = ["CmaTransport", "CmaRegion", "CmaWriteHandle", "IOV_MAX"]
 
@@ -161,6 +168,16 @@ def _process_vm_readv(pid: int, liov: int, nl: int, riov: int, nr: int) -> int:
     return _call(_readv, pid, liov, nl, riov, nr)
 
 
+def _poke(pid: int, addr: int, words: tuple[int, ...]) -> None:
+    """Write int64 ``words`` at ``addr`` in process ``pid`` (lease words; one
+    ``process_vm_writev``, not through the patchable data-path function). OSError on failure."""
+    buf = (ctypes.c_int64 * len(words))(*words)
+    n = 8 * len(words)
+    liov, riov = _iov([ctypes.addressof(buf)], [n]), _iov([addr], [n])
+    if _call(_writev, pid, liov.buffer_info()[0], 1, riov.buffer_info()[0], 1) != n:
+        raise OSError(_errno.EIO, f"short lease write to pid {pid}")
+
+
 def _iov(bases: list[int], lens: list[int]) -> array:
     flat = [0] * (2 * len(bases))
     flat[0::2] = bases
@@ -192,6 +209,10 @@ class CmaTransport(Transport):
 
     name = "cma"
 
+    def __init__(self, host: str | None = None):
+        super().__init__(host)
+        self._leases: dict[str, list | None] = {}  # receiver's table id -> [pid, seq address, seq]
+
     # ---- hooks of the contract ----------------------------------------------------------------
 
     def _check_device(self, tensor: torch.Tensor) -> None:
@@ -212,6 +233,62 @@ class CmaTransport(Transport):
             )
         if d.pid <= 0:
             raise ValueError(f"connect: malformed descriptor {d}")
+        if d.epoch <= 0 or not isinstance(dict(d.extra).get("epochs"), tuple):
+            raise ValueError(
+                f"connect: descriptor {describe_remote(d)} carries no epoch (extra['epochs']): "
+                "writes into it could not be checked against its owner's registration"
+            )
+
+    def _connect(self, d: RegionDescriptor):
+        """With a control plane attached (:func:`.lease.attach`), take a lease slot in the
+        receiver's epoch table, once per receiving transport, and write ``(pid, seq=0)`` there."""
+        if self._lease_store is not None:
+            table, _, ident = dict(d.extra)["epochs"]
+            leases = self._leases
+            if ident not in leases:
+                i = take_lease_slot(self._lease_store, ident)
+                if i < LEASE_SLOTS:
+                    at = table + EpochTable.lease_offset(i)
+                    _poke(d.pid, at, (self.pid, 0))
+                    leases[ident] = [d.pid, at + 8, 0]
+                else:
+                    leases[ident] = None  # no lease there: the window of lease.py applies
+        return self._remote_key(d)
+
+    def _disconnect(self) -> None:
+        """Give every lease slot back (``(0, 0)``; best effort: a receiver may be gone)."""
+        leases, self._leases = self._leases, {}
+        for lease in leases.values():
+            if lease is not None:
+                try:
+                    _poke(lease[0], lease[1] - 8, (0, 0))
+                except OSError:
+                    pass
+
+    def _published_epochs(self, remotes: list[RegionDescriptor]) -> list[int]:
+        return read_published_epochs(remotes)
+
+    def _lease_enter(self, batch: Batch):
+        leases = self._leases
+        if not leases:
+            return None
+        held = []
+        for d, _ in batch.remotes.values():
+            x = dict(d.extra).get("epochs")
+            lease = leases.get(x[2]) if x else None
+            if lease is not None and lease not in held:
+                lease[2] += 1  # odd: inside a batch
+                _poke(lease[0], lease[1], (lease[2],))
+                held.append(lease)
+        return held or None
+
+    def _lease_exit(self, held) -> None:
+        for lease in held:
+            lease[2] += 1  # even: out of the batch
+            try:
+                _poke(lease[0], lease[1], (lease[2],))
+            except OSError:
+                pass  # the receiver is gone: nothing to release
 
     def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> CompletedWrite:
         """Copy every group (one per receiving pid) with <= IOV_MAX iovecs per syscall,
@@ -221,7 +298,7 @@ class CmaTransport(Transport):
             las, ras, lens, idxs = g.laddr, g.raddr, g.lens, g.idx
             for s in range(0, len(lens), IOV_MAX):
                 e = s + IOV_MAX
-                done = self._send(
+                done = _send(
                     _process_vm_writev, pid, las[s:e], ras[s:e], lens[s:e], idxs[s:e], done, total, ops
                 )
         return CompletedWrite(done)
@@ -235,6 +312,7 @@ class CmaTransport(Transport):
         c = self._remote.get(self._remote_key(remote))
         if c is None or (c is not remote and c != remote):
             raise UnknownRegionError(_unknown_msg("read", remote, c))
+        self.check_epochs([(c, "read")])
         if length is None:
             length = c.length - offset
         if offset < 0 or length < 0 or offset + length > c.length:
@@ -245,51 +323,89 @@ class CmaTransport(Transport):
         if length == 0:
             return b""
         buf = ctypes.create_string_buffer(length)
-        self._send(
+        _send(
             _process_vm_readv, remote.pid, [ctypes.addressof(buf)], [remote.addr + offset],
             [length], [0], 0, length, None,
         )
         return buf.raw
 
-    def _send(self, call, pid, las, ras, lens, idxs, done, total, ops) -> int:
-        """Issue one iovec batch (<= IOV_MAX ops) to ``pid``, resuming partial copies.
-        ``done`` is the byte count of the whole write so far; returns it updated."""
-        want = sum(lens)
+def read_published_epochs(remotes: list[RegionDescriptor]) -> list[int]:
+    """The epochs the owners of ``remotes`` publish now (:mod:`.lease`), read from their epoch
+    tables with ``process_vm_readv``: one call per owning process (same host). Used by the CMA
+    and CUDA IPC back ends. Raises the :class:`TransportError` of the errno (the owner gone:
+    :class:`RemoteGoneError`). Cost here: ~10 us per batch, mostly the syscall."""
+    n = len(remotes)
+    buf = array("q", bytes(8 * n))
+    base = buf.buffer_info()[0]
+    pid = remotes[0].pid
+    if all(d.pid == pid for d in remotes):  # the common case: one receiving process
+        liov = _iov([base + 8 * k for k in range(n)], [8] * n)
+        riov = _iov([_epoch_addr(d) for d in remotes], [8] * n)
+        try:
+            if _call(_readv, pid, liov.buffer_info()[0], n, riov.buffer_info()[0], n) == 8 * n:
+                return buf.tolist()
+        except OSError:
+            pass  # the general path below names the error
+    by_pid: dict[int, list[int]] = {}
+    for k, d in enumerate(remotes):
+        by_pid.setdefault(d.pid, []).append(k)
+    for pid, ks in by_pid.items():
+        ras = [_epoch_addr(remotes[k]) for k in ks]
+        try:
+            _send(_process_vm_readv, pid, [base + 8 * k for k in ks], ras, [8] * len(ks), [0] * len(ks), 0,
+                  8 * len(ks), None)
+        except TransportError as e:
+            raise type(e)(f"epoch check of {describe_remote(remotes[ks[0]])}: {e}; nothing of the batch "
+                          "was issued") from None
+    return buf.tolist()
+
+
+def _epoch_addr(d: RegionDescriptor) -> int:
+    for k, v in d.extra:
+        if k == "epochs":
+            return v[0] + EpochTable.epoch_offset(v[1])
+    raise ValueError(f"descriptor {describe_remote(d)} carries no epoch table")
+
+
+def _send(call, pid, las, ras, lens, idxs, done, total, ops) -> int:
+    """Issue one iovec batch (<= IOV_MAX ops) to ``pid``, resuming partial copies.
+    ``done`` is the byte count of the whole write so far; returns it updated."""
+    want = sum(lens)
+    liov, riov = _iov(las, lens), _iov(ras, lens)
+    while True:
+        m = len(lens)
+        try:
+            k = call(pid, liov.buffer_info()[0], m, riov.buffer_info()[0], m)
+        except OSError as ex:
+            # the batch lists start at the first op not completed
+            raise _errno_error(ex.errno, pid, idxs[0], ops, done, total) from None
+        done += k
+        want -= k
+        if want <= 0:
+            return done
+        if k <= 0:
+            raise TransportError(
+                f"{_opname(idxs[0], ops)}: process_vm_{'writev' if ops is not None else 'readv'} "
+                f"to pid {pid} made no progress ({done} of {total} bytes of the batch done)"
+            )
+        # partial copy: find the first unfinished iovec and the offset into it, and restart
+        # the batch there
+        i = off = 0
+        while k > 0:
+            rest = lens[i] - off
+            if k >= rest:
+                k -= rest
+                i += 1
+                off = 0
+            else:
+                off += k
+                k = 0
+        la, ra, ln = las[i:], ras[i:], lens[i:]
+        la[0] += off
+        ra[0] += off
+        ln[0] -= off
+        las, ras, lens, idxs = la, ra, ln, idxs[i:]
         liov, riov = _iov(las, lens), _iov(ras, lens)
-        while True:
-            m = len(lens)
-            try:
-                k = call(pid, liov.buffer_info()[0], m, riov.buffer_info()[0], m)
-            except OSError as ex:
-                # the batch lists start at the first op not completed
-                raise _errno_error(ex.errno, pid, idxs[0], ops, done, total) from None
-            done += k
-            want -= k
-            if want <= 0:
-                return done
-            if k <= 0:
-                raise TransportError(
-                    f"{_opname(idxs[0], ops)}: process_vm_{'writev' if ops is not None else 'readv'} "
-                    f"to pid {pid} made no progress ({done} of {total} bytes of the batch done)"
-                )
-            # partial copy: find the first unfinished iovec and the offset into it, and restart
-            # the batch there
-            i = off = 0
-            while k > 0:
-                rest = lens[i] - off
-                if k >= rest:
-                    k -= rest
-                    i += 1
-                    off = 0
-                else:
-                    off += k
-                    k = 0
-            la, ra, ln = las[i:], ras[i:], lens[i:]
-            la[0] += off
-            ra[0] += off
-            ln[0] -= off
-            las, ras, lens, idxs = la, ra, ln, idxs[i:]
-            liov, riov = _iov(las, lens), _iov(ras, lens)
 
 
 # --------------------------------------------------------------------------------------------

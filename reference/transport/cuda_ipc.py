@@ -113,6 +113,18 @@ class CudaIpcTransport(Transport):
             raise ValueError(f"connect: descriptor on host {d.host!r}, this is {self.host!r}; CUDA IPC is one host only")
         if "handle" not in dict(d.extra):
             raise ValueError(f"connect: descriptor {describe_remote(d)} has no CUDA IPC handle (a CPU region?)")
+        if d.epoch <= 0 or "epochs" not in dict(d.extra):
+            raise ValueError(f"connect: descriptor {describe_remote(d)} carries no epoch (extra['epochs'])")
+
+    def _published_epochs(self, remotes: list[RegionDescriptor]) -> list[int]:
+        """The owners' epoch tables are CPU memory of the same host: read with
+        ``process_vm_readv`` like CMA (:func:`.cma.read_published_epochs`). No lease: torch's
+        IPC reference counter keeps the receiver's block from being freed or reused while this
+        process has it open, so only writes into a deregistered (still allocated) tensor are at
+        stake, and those are refused here."""
+        from .cma import read_published_epochs
+
+        return read_published_epochs(remotes)
 
     def _connect(self, d: RegionDescriptor):
         """Open the descriptor's IPC handle (``cudaIpcOpenMemHandle``); TransportError when CUDA

@@ -81,6 +81,7 @@ import importlib
 import os
 import secrets
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -267,6 +268,11 @@ class NixlTransport(Transport):
                 f"plugins found: {self.agent.get_plugin_list()}"
             )
         self._agents: set[str] = set()
+        self._tables: set[str] = set()  # epoch tables whose metadata is loaded
+        self._table_reg = self._table_md = None  # this agent's epoch table registration
+        self._ebuf = None  # (int64 tensor, registration): where epoch READs land
+        self.epoch_timeout = 10.0
+        """Seconds the epoch READ before a batch may take."""
 
     # ---- hooks of the contract ----------------------------------------------------------------
 
@@ -291,14 +297,19 @@ class NixlTransport(Transport):
         reg, mem, dev = region.native
         try:
             md = self.agent.get_partial_agent_metadata(reg, True)
+            if self._table_reg is None:  # the epoch table, readable by senders (NIXL READ)
+                table = self._epoch_table()
+                self._table_reg = self.agent.register_memory([(table.addr, table.words.nbytes, 0, "")], "DRAM")
+                self._table_md = bytes(self.agent.get_partial_agent_metadata(self._table_reg, True))
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"descriptor: NIXL could not export metadata of {region!r}: {e}") from e
         return self._descriptor(region, key=secrets.randbits(64),
-                                extra=(("agent", self.agent_name), ("mem", mem), ("dev", dev), ("md", bytes(md))))
+                                extra=(("agent", self.agent_name), ("mem", mem), ("dev", dev), ("md", bytes(md)),
+                                       ("epochs_md", self._table_md)))
 
     def _check_descriptor(self, d: RegionDescriptor) -> None:
         x = descriptor_extra(d)
-        missing = [k for k in ("agent", "mem", "dev", "md") if k not in x]
+        missing = [k for k in ("agent", "mem", "dev", "md", "epochs_md", "epochs") if k not in x]
         if missing or not isinstance(x.get("md"), (bytes, bytearray)):
             raise ValueError(f"connect: descriptor {describe_remote(d)} lacks NIXL fields {missing or ['md (bytes)']}")
         if x["mem"] not in ("DRAM", "VRAM"):
@@ -317,9 +328,71 @@ class NixlTransport(Transport):
             raise ValueError(f"connect: descriptor {describe_remote(d)} names agent {x['agent']!r} "
                              f"but its metadata is agent {got!r}")
         self._agents.add(got)
+        ident = x["epochs"][2]
+        if ident not in self._tables:
+            try:
+                self.agent.add_remote_agent(bytes(x["epochs_md"]))
+            except Exception as e:  # noqa: BLE001
+                raise TransportError(f"connect: NIXL refused the epoch-table metadata of {describe_remote(d)}: {e}") from e
+            self._tables.add(ident)
         return (got, d.addr)
 
+    def _published_epochs(self, remotes: list[RegionDescriptor]) -> list[int]:
+        """Read the owners' epoch words with NIXL READs (one request per remote agent, waited
+        for: a round trip per batch) into a small registered buffer of this agent."""
+        from .lease import EpochTable
+
+        n = len(remotes)
+        if self._ebuf is None or self._ebuf[0].numel() < n:
+            if self._ebuf is not None:
+                self.agent.deregister_memory(self._ebuf[1])
+            buf = torch.zeros(max(64, n), dtype=torch.int64)
+            self._ebuf = (buf, self.agent.register_memory([(buf.data_ptr(), buf.nbytes, 0, "")], "DRAM"))
+        buf = self._ebuf[0]
+        base = buf.data_ptr()
+        by_agent: dict[str, list[int]] = {}
+        for k, d in enumerate(remotes):
+            by_agent.setdefault(dict(d.extra)["agent"], []).append(k)
+        for agent, ks in by_agent.items():
+            la = np.asarray([(base + 8 * k, 8, 0) for k in ks], dtype=np.uint64)
+            ra = []
+            for k in ks:
+                table, slot, _ = dict(remotes[k].extra)["epochs"]
+                ra.append((table + EpochTable.epoch_offset(slot), 8, 0))
+            try:
+                h = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(la, "DRAM"),
+                                               self.agent.get_xfer_descs(np.asarray(ra, dtype=np.uint64), "DRAM"),
+                                               agent)
+            except Exception as e:  # noqa: BLE001
+                raise TransportError(f"epoch check: NIXL refused reading the epoch table of agent {agent} "
+                                     f"({type(e).__name__}: {e}); nothing of the batch was issued") from e
+            try:
+                state = self.agent.transfer(h)
+                t0 = time.monotonic()
+                while state not in ("DONE", "ERR"):
+                    if time.monotonic() - t0 > self.epoch_timeout:
+                        state = "timeout"
+                        break
+                    state = self.agent.check_xfer_state(h)
+            finally:
+                try:
+                    self.agent.release_xfer_handle(h)
+                except Exception:  # noqa: BLE001
+                    pass
+            if state != "DONE":
+                raise TransportError(f"epoch check: reading the epoch table of agent {agent} failed ({state}); "
+                                     "the receiver may be gone; nothing of the batch was issued")
+        return buf[:n].tolist()
+
     def _disconnect(self) -> None:
+        for r in (self._ebuf, (None, self._table_reg)):
+            if r is not None and r[1] is not None:
+                try:
+                    self.agent.deregister_memory(r[1])
+                except Exception:  # noqa: BLE001
+                    pass
+        self._ebuf = self._table_reg = None
+        self._tables.clear()
         for a in list(self._agents):
             try:
                 self.agent.remove_remote_agent(a)
