@@ -171,11 +171,12 @@ class ReferenceTrainer(TrainerSide):
     def setup(self, ctx: TrainerContext) -> None:
         from . import control
         from .executor import Executor
-        from .transport import make_transport
+        from .transport import lease, make_transport
 
         client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.transfer.timeout, 600.0))
         plan, descriptors = client.get_plan()
         self.transport = make_transport(ctx.transfer.transport)
+        lease.attach(self.transport, ctx.store)  # receivers' deregister waits for our batch in flight (C17)
         self.transport.connect(list(descriptors.values()))
         self.executor = Executor(plan, ctx.params, self.transport, descriptors, group_barrier=ctx.group_barrier,
                                  **ctx.transfer.executor_options())
