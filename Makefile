@@ -7,7 +7,7 @@ PY ?= .venv/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean gpu-check
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
@@ -21,6 +21,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# One GPU check in one go (docs/GPU.md): installs what is missing (from .whl/ if present), runs
+# the GPU tests, the FP8 quantization benchmark, the main job over cuda_ipc and NIXL over CUDA.
+# Uses the GPU machine's python3 (GPU_PY), not .venv. Example: make gpu-check GPU_CHECK_ARGS=--dry-run
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	bash scripts/gpu_check.sh --python $(GPU_PY) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .venv *.egg-info .pytest_cache
