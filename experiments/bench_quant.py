@@ -30,12 +30,14 @@ CUDA_SHAPES = {"kimi-k2 8 experts w13 [8,4096,7168]": (8, 4096, 7168)}
 
 
 def _timer(device: str):
-    """Seconds of one call of ``fn``: wall clock on the CPU, CUDA events on a GPU."""
+    """``(seconds, cpu seconds)`` of one call of ``fn``: wall clock and this thread's CPU time
+    on the CPU (the CPU time is what load from other processes on a shared machine does not
+    inflate), CUDA events (and no CPU time) on a GPU."""
     if device == "cpu":
         def t(fn):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.thread_time() - c0
         return t
 
     def t(fn):
@@ -44,7 +46,7 @@ def _timer(device: str):
         fn()
         b.record()
         b.synchronize()
-        return a.elapsed_time(b) / 1e3
+        return a.elapsed_time(b) / 1e3, None
     return t
 
 
@@ -98,10 +100,13 @@ def run(repeats: int = 5, device: str = "cpu", threads: int = 1) -> list[dict]:
             times["memcpy"].append(timer(lambda: y.copy_(x)))
             for name, fn in impls.items():
                 times[name].append(timer(lambda: fn(x)))
-        for name, ts in times.items():
+        for name, tc in times.items():
+            ts = [w for w, _ in tc]
+            cs = [c for _, c in tc if c is not None]
             rows.append({"shape": label, "impl": name, "device": device, "threads": threads,
                          "bytes": x.nbytes, "seconds_min": min(ts),
                          "seconds_median": statistics.median(ts), "seconds_max": max(ts),
+                         "cpu_seconds_median": statistics.median(cs) if cs else None,
                          "identical": same.get(name)})
         del x, y, rq, rs
     return rows
@@ -124,16 +129,22 @@ def main(argv=None) -> int:
           f"{'memcpy' if a.device == 'cpu' else 'device-to-device copy'}, {a.repeats} alternating rounds")
     print(f"# host: {platform.node()}  torch {torch.__version__}  device {a.device} ({dev})  threads {a.threads}")
     print("# GB/s = BF16 input bytes / time (1e9 B/s), from the best round; vs copy = copy time / "
-          "quantizer time, best rounds (1.0 = as fast as copying the input); min/med/max in ms")
-    print(f"{'shape':>36} {'impl':>16} {'bytes':>11} {'min':>8} {'med':>8} {'max':>8} {'GB/s':>7} {'vs copy':>8} {'same':>5}")
-    mem = {r["shape"]: r["seconds_min"] for r in rows if r["impl"] == "memcpy"}
+          "quantizer time, best rounds (100% = as fast as copying the input); min/med/max in ms")
+    print("# cpu: the same ratio from median thread CPU times (CPU only; robust to other load)")
+    print(f"{'shape':>36} {'impl':>16} {'bytes':>11} {'min':>8} {'med':>8} {'max':>8} {'GB/s':>7} "
+          f"{'vs copy':>8} {'cpu':>5} {'same':>5}")
+    mem = {r["shape"]: r for r in rows if r["impl"] == "memcpy"}
     for r in rows:
+        m = mem[r["shape"]]
         r["gbps"] = r["bytes"] / r["seconds_min"] / 1e9
-        r["vs_memcpy"] = mem[r["shape"]] / r["seconds_min"]
+        r["vs_memcpy"] = m["seconds_min"] / r["seconds_min"]
+        r["vs_memcpy_cpu"] = (m["cpu_seconds_median"] / r["cpu_seconds_median"]
+                              if r["cpu_seconds_median"] else None)
         same = "" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        cpu = f"{r['vs_memcpy_cpu']:.0%}" if r["vs_memcpy_cpu"] else "-"
         print(f"{r['shape']:>36} {r['impl']:>16} {r['bytes']:>11} {r['seconds_min'] * 1e3:>8.2f} "
               f"{r['seconds_median'] * 1e3:>8.2f} {r['seconds_max'] * 1e3:>8.2f} {r['gbps']:>7.2f} "
-              f"{r['vs_memcpy']:>7.0%} {same:>5}")
+              f"{r['vs_memcpy']:>8.0%} {cpu:>5} {same:>5}")
     ok = all(r["identical"] is not False for r in rows)
     print(f"# every quantizer byte-identical to the torch reference: {'yes' if ok else 'NO'}")
     if a.out:
