@@ -6,6 +6,10 @@
 PY ?= .venv/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# extras `make setup` installs: EXTRAS=dev,triton adds triton (248 MB wheel, 0.9 GB installed,
+# about a minute), which runs tests/test_quant_triton.py under TRITON_INTERPRET=1 on CPUs
+# (on an existing .venv: rm .venv/.installed first, or .venv/bin/pip install -e ".[triton]")
+EXTRAS ?= dev
 
 .PHONY: setup demo test clean gpu-check
 setup: .venv/.installed
@@ -13,7 +17,7 @@ setup: .venv/.installed
 .venv/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	@if [ -n "$(TORCH)" ]; then $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"; fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $@
 
 demo: setup
