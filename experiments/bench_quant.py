@@ -64,8 +64,11 @@ def _impls(device: str) -> dict:
             print(f"# native CPU kernel skipped: {native_status()}")
     else:
         try:
-            import reference.quant_triton  # noqa: F401
+            from reference.quant_triton import quantize_fp8_block_triton
+
             out["triton"] = lambda x: quantize_fp8_block(x, impl="triton")
+            for w in (4, 16):  # the default is 8 warps per block; these show whether to change it
+                out[f"triton {w} warps"] = lambda x, w=w: quantize_fp8_block_triton(x, num_warps=w)
         except ImportError as e:
             print(f"# triton skipped: {e}")
     out["torch reference"] = quantize_fp8_block_reference

@@ -70,7 +70,9 @@ def _fp8_block_kernel(x_ptr, q_ptr, s_ptr, N, K, stride_l, stride_n, nb, kb,
     tl.store(s_ptr + pid * kb + j, sbits.to(tl.float32, bitcast=True))
 
 
-def quantize_fp8_block_triton(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block_triton(
+    x: torch.Tensor, block: int = 128, *, num_warps: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[..., N, K]`` (any float dtype; BF16 and float32 are read as they are,
     others are widened to float32 first, as the reference does) on its device.
 
@@ -79,6 +81,8 @@ def quantize_fp8_block_triton(x: torch.Tensor, block: int = 128) -> tuple[torch.
     :func:`reference.quant.quantize_fp8_block_reference`. ``block`` must be a power of two
     (Triton's ``tl.arange``). Raises ``ValueError`` for fewer than 2 dims or such a ``block``.
     Runs wherever Triton runs: CUDA tensors on a GPU; CPU tensors under ``TRITON_INTERPRET=1``.
+    ``num_warps``: warps per 128x128 block's program (the benchmark also times 4 and 16; the
+    bytes do not depend on it).
     """
     if x.dim() < 2:
         raise ValueError(f"quantize_fp8_block_triton: need >= 2 dims, got shape {tuple(x.shape)}")
@@ -96,5 +100,5 @@ def quantize_fp8_block_triton(x: torch.Tensor, block: int = 128) -> tuple[torch.
     scale = torch.empty((L, nb, kb), dtype=torch.float32, device=x.device)
     if q.numel():
         _fp8_block_kernel[(L * nb, kb)](x3, q, scale, N, K, x3.stride(0), x3.stride(1), nb, kb,
-                                        BLOCK=block, num_warps=8)
+                                        BLOCK=block, num_warps=num_warps)
     return q.view(torch.float8_e4m3fn).reshape(*lead, N, K), scale.reshape(*lead, nb, kb)

@@ -54,7 +54,8 @@ def _last_line(log: str) -> str:
 
 
 def quant_headline(results: Path) -> str:
-    """``triton 71% / torch 35% of d2d copy (shape)`` for the largest shape of quant_bench.csv."""
+    """``triton 71% / torch reference 35% / ... of d2d copy (...)`` for the largest shape of
+    quant_bench.csv: each quantizer's time as a share of the same-run copy's."""
     rows = _rows(results / "quant_bench.csv")
     if not rows:
         return ""
@@ -68,7 +69,7 @@ def quant_headline(results: Path) -> str:
         if impl == "memcpy":
             continue
         same = "" if r.get("identical") in ("True", "true", "1") else " NOT IDENTICAL"
-        parts.append(f"{impl.split(' ')[0]} {copy / float(r['seconds_min']):.0%}{same}")
+        parts.append(f"{impl} {copy / float(r['seconds_min']):.0%}{same}")
     gbps = int(at["memcpy"]["bytes"]) / copy / 1e9
     return f"{' / '.join(parts)} of d2d copy ({gbps:.0f} GB/s in); {big}"
 

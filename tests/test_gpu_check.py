@@ -135,7 +135,7 @@ def test_report_reads_each_steps_csv(tmp_path):
         ("cuda_ipc", "PASS", 0, ""), ("nixl", "TIMEOUT", 124, ""), ("install", "SKIP", 0, "")]))
     rows = gpu_report.summarize(gpu_report.read_steps(steps), tmp_path)
     by = {r["step"]: r for r in rows}
-    assert by["quant"]["headline"].startswith("triton 80% / torch 25% of d2d copy (4000 GB/s in); 8 experts")
+    assert by["quant"]["headline"].startswith("triton 80% / torch reference 25% of d2d copy (4000 GB/s in); 8 experts")
     assert by["cuda_ipc"]["headline"] == "p50 2.00 GB/s over 3 updates, verified: yes"
     assert by["tests"]["headline"] == "3 failed, 6 passed in 12.0s"
     assert by["env"]["device"] == "NVIDIA H200, 580.159.04, 143771 MiB"
