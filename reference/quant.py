@@ -31,8 +31,11 @@ Implementations (:func:`quantize_fp8_block`'s ``impl``):
   C++ backend) took 92 s to compile and ran at 21% of memcpy. The kernel reads each band twice
   (amax, then quantize), converts with c10's own e4m3 rounding written branch-free, and hands
   bands holding inf/NaN back to the torch reference, so every byte is the reference's (tested,
-  tests/test_quant_fast.py). Set ``WT_FP8_NATIVE=0`` to use the torch path instead; without a
-  C compiler the torch path is used (:func:`native_status` says why).
+  tests/test_quant_fast.py). The call releases the GIL (ctypes), so the executor's other stage
+  threads run meanwhile. The built library is cached per source, flags and CPU in
+  ``$WT_CACHE_DIR`` or ``~/.cache/weight-transfer`` (a temporary folder if neither is
+  writable); the first build takes about a second. Set ``WT_FP8_NATIVE=0`` to use the torch
+  path instead; without a C compiler the torch path is used (:func:`native_status` says why).
 - ``"triton"`` (CUDA default when Triton is installed): :mod:`reference.quant_triton`.
 """
 from __future__ import annotations
@@ -160,8 +163,10 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("WT_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
-    d = Path(base) / "weight-transfer" if base else Path.home() / ".cache" / "weight-transfer"
+    if os.environ.get("WT_CACHE_DIR"):
+        d = Path(os.environ["WT_CACHE_DIR"])
+    else:
+        d = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weight-transfer"
     try:
         d.mkdir(parents=True, exist_ok=True)
         if os.access(d, os.W_OK):
