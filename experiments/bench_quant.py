@@ -54,7 +54,11 @@ def _impls(device: str) -> dict:
     """The quantizers to time on ``device``: the fast path, the torch reference (oracle) and
     the engine's own loader quantizer, by table label."""
     from engines.engine import quantize_block_fp8
-    from reference.quant import native_status, quantize_fp8_block, quantize_fp8_block_reference
+    from reference.quant import (
+        native_status,
+        quantize_fp8_block,
+        quantize_fp8_block_reference,
+    )
 
     out = {}
     if device == "cpu":
@@ -80,38 +84,43 @@ def run(repeats: int = 5, device: str = "cpu", threads: int = 1) -> list[dict]:
     """One row per (shape, implementation): min/median/max seconds over ``repeats`` rounds; in
     each round memcpy and every quantizer run back to back (alternating, so load on a shared
     machine hits them alike). ``identical``: bytes of q and scale equal the torch reference."""
-    import statistics
-
     torch.set_num_threads(threads)
     impls = _impls(device)
-    timer = _timer(device)
     shapes = dict(SHAPES, **(CUDA_SHAPES if device != "cpu" else {}))
     rows = []
     for label, shape in shapes.items():
-        x = (torch.randn(shape, device=device) * 0.02).to(torch.bfloat16)
-        y = torch.empty_like(x)
-        rq, rs = impls["torch reference"](x)
-        same = {}
+        rows += _one_shape(label, shape, impls, _timer(device), repeats, device, threads)
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _one_shape(label, shape, impls, timer, repeats, device, threads) -> list[dict]:
+    import statistics
+
+    x = (torch.randn(shape, device=device) * 0.02).to(torch.bfloat16)
+    y = torch.empty_like(x)
+    rq, rs = impls["torch reference"](x)
+    same = {}
+    for name, fn in impls.items():
+        q, s = fn(x)  # also the warm-up
+        same[name] = bool(torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+                          and torch.equal(s.view(torch.int32), rs.view(torch.int32)))
+    y.copy_(x)
+    times = {"memcpy": [], **{n: [] for n in impls}}
+    for _ in range(repeats):
+        times["memcpy"].append(timer(lambda: y.copy_(x)))
         for name, fn in impls.items():
-            q, s = fn(x)  # also the warm-up
-            same[name] = bool(torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
-                              and torch.equal(s.view(torch.int32), rs.view(torch.int32)))
-            del q, s
-        y.copy_(x)
-        times = {"memcpy": [], **{n: [] for n in impls}}
-        for _ in range(repeats):
-            times["memcpy"].append(timer(lambda: y.copy_(x)))
-            for name, fn in impls.items():
-                times[name].append(timer(lambda: fn(x)))
-        for name, tc in times.items():
-            ts = [w for w, _ in tc]
-            cs = [c for _, c in tc if c is not None]
-            rows.append({"shape": label, "impl": name, "device": device, "threads": threads,
-                         "bytes": x.nbytes, "seconds_min": min(ts),
-                         "seconds_median": statistics.median(ts), "seconds_max": max(ts),
-                         "cpu_seconds_median": statistics.median(cs) if cs else None,
-                         "identical": same.get(name)})
-        del x, y, rq, rs
+            times[name].append(timer(lambda fn=fn: fn(x)))
+    rows = []
+    for name, tc in times.items():
+        ts = [w for w, _ in tc]
+        cs = [c for _, c in tc if c is not None]
+        rows.append({"shape": label, "impl": name, "device": device, "threads": threads,
+                     "bytes": x.nbytes, "seconds_min": min(ts),
+                     "seconds_median": statistics.median(ts), "seconds_max": max(ts),
+                     "cpu_seconds_median": statistics.median(cs) if cs else None,
+                     "identical": same.get(name)})
     return rows
 
 

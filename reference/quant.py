@@ -194,7 +194,8 @@ def _build() -> Path:
     os.close(fd)
     try:
         for flags in (_CFLAGS, tuple(f for f in _CFLAGS if f != "-march=native")):
-            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
+                               check=False)
             if r.returncode == 0:
                 os.replace(tmp, so)
                 return so

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f"{r['gbps']:.1f}" if r["gbps"] != "" else "-"
         v = f"{r['gbps'] / cgb:.0%}" if r["gbps"] != "" else "-"
-        print(f"{r['case']:>12} {r['ucx_tls'] or '(unset)':>24} {g:>8} {v:>8} {str(r['verified']):>9}  {r['error']}")
+        print(f"{r['case']:>12} {r['ucx_tls'] or '(unset)':>24} {g:>8} {v:>8} {r['verified']!s:>9}  {r['error']}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

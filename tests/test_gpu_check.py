@@ -18,14 +18,14 @@ WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl"]
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_report  # noqa: E402
+import gpu_report
 
 
 def sh(*args, env=None, timeout=120):
     e = dict(os.environ, PYTHON=sys.executable)
     e.pop("OUT", None)
     e.update(env or {})
-    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, cwd=ROOT, env=e,
+    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, cwd=ROOT, env=e, check=False,
                           timeout=timeout)
 
 
@@ -176,12 +176,12 @@ def test_wheels_dry_run_and_arguments():
 
 def test_nixl_check_arguments():
     script = ROOT / "scripts" / "gpu_nixl_check.py"
-    r = subprocess.run([sys.executable, str(script), "--cases", "bogus"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(script), "--cases", "bogus"], capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "unknown cases ['bogus']" in r.stderr
-    r = subprocess.run([sys.executable, str(script), "--mib", "0"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(script), "--mib", "0"], capture_output=True, text=True, check=False)
     assert r.returncode == 2
     import torch
 
     if not torch.cuda.is_available():
-        r = subprocess.run([sys.executable, str(script), "--out", os.devnull], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, str(script), "--out", os.devnull], capture_output=True, text=True, check=False)
         assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr
