@@ -53,17 +53,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-QUANT_BLOCK = 128
-"""Block edge of DeepSeek-V3 block FP8 (``"weight_block_size": [128, 128]``)."""
 FP8_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` value."""
 SCALE_EPS = 1e-12
 """Floor of a block's amax, so an all-zero block gets a tiny positive scale instead of 0."""
+QUANT_BLOCK = 128
+"""FP8 block size in elements per dim (DeepSeek-V3 ``weight_block_size`` [128, 128]); the
+planner cuts FP8 row bands at multiples of it."""
 IMPLS = ("auto", "native", "torch", "triton")
 """Values of :func:`quantize_fp8_block`'s ``impl``."""
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (``b > 0``)."""
     return -(-a // b)
 
 
@@ -72,7 +74,7 @@ def scale_shape(shape: tuple[int, ...], block: int = QUANT_BLOCK) -> tuple[int, 
     ``block``, rounded up; leading dims unchanged."""
     if len(shape) < 2:
         raise ValueError(f"fp8 block quantization needs >= 2 dims, got shape {tuple(shape)}")
-    return (*shape[:-2], _cdiv(shape[-2], block), _cdiv(shape[-1], block))
+    return (*shape[:-2], cdiv(shape[-2], block), cdiv(shape[-1], block))
 
 
 def quantize_fp8_block(
@@ -128,7 +130,7 @@ def quantize_fp8_block_reference(
     if x.device.type == "cpu":
         return _quantize_banded(x, block)
     *lead, N, K = x.shape
-    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    nb, kb = cdiv(N, block), cdiv(K, block)
     xf = x.to(torch.float32)
     if nb * block != N or kb * block != K:
         xf = F.pad(xf, (0, kb * block - K, 0, nb * block - N))
@@ -239,7 +241,7 @@ def native_status() -> str:
 def _quantize_native(lib: ctypes.CDLL, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU, through the C kernel; bands it flags (inf/NaN inside) are redone by the reference."""
     *lead, N, K = x.shape
-    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    nb, kb = cdiv(N, block), cdiv(K, block)
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.to(torch.float32)  # what the reference does first; exact for fp16, same rounding for fp64
     x3 = x.reshape(-1, N, K)
@@ -269,7 +271,7 @@ def _quantize_banded(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     buffers that stay in cache (5x the whole-tensor version's throughput on this project's
     CPUs; same bytes, tested). GPUs take the vectorized path."""
     *lead, N, K = x.shape
-    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    nb, kb = cdiv(N, block), cdiv(K, block)
     x3 = x.reshape(-1, N, K)
     q = torch.empty((x3.shape[0], N, K), dtype=torch.float8_e4m3fn)
     scale = torch.empty((x3.shape[0], nb, kb), dtype=torch.float32)
@@ -298,7 +300,7 @@ def dequantize_fp8_block(
     """Inverse of :func:`quantize_fp8_block`: ``q * weight_scale_inv`` broadcast over each
     block, in ``dtype`` (float32 by default)."""
     *lead, N, K = q.shape
-    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    nb, kb = cdiv(N, block), cdiv(K, block)
     if tuple(scale.shape) != (*lead, nb, kb):
         raise ValueError(
             f"dequantize_fp8_block: scale shape {tuple(scale.shape)} does not match weight "
