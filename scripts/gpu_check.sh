@@ -132,7 +132,9 @@ else \
 fi"
 
 TESTS_CMD="$PY -m pytest -q -m gpu -p no:cacheprovider tests"
-QUANT_CMD="$PY -m experiments.bench_quant --device cuda --repeats 10 --out '$RESULTS/quant_bench.csv'"
+# the benchmark is `python -m experiments bench-quant` where experiments/bench/ exists, else the module
+if [ -f "$ROOT/experiments/bench/quant.py" ]; then BENCH_QUANT="-m experiments bench-quant"; else BENCH_QUANT="-m experiments.bench_quant"; fi
+QUANT_CMD="$PY $BENCH_QUANT --device cuda --repeats 10 --out '$RESULTS/quant_bench.csv'"
 CUDA_IPC_CMD="rm -f '$RESULTS/main_cuda_ipc.csv'; $PY -m experiments run --transport cuda_ipc --steps 3 --warmup 1 --results '$RESULTS/main_cuda_ipc.csv'"
 NIXL_CMD="$PY scripts/gpu_nixl_check.py --out '$RESULTS/nixl_cuda.csv'"
 
