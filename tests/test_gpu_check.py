@@ -18,7 +18,7 @@ WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl"]
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_report
+import gpu_report  # noqa: E402
 
 
 def sh(*args, env=None, timeout=120):

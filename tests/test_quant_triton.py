@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
-from reference.quant import (
+from reference.quant import (  # noqa: E402
     quantize_fp8_block,
     quantize_fp8_block_reference,
     scale_shape,
@@ -149,7 +149,7 @@ def test_gpu_compiled_kernel():
         pytest.skip("TRITON_INTERPRET=1 in this process: the compiled kernel is not in use")
     from reference.quant_triton import quantize_fp8_block_triton
 
-    for name, x in cases(big=True):
+    for _name, x in cases(big=True):
         x = x.cuda()
         check(quantize_fp8_block_triton, x)
         check(lambda t: quantize_fp8_block(t, impl="triton"), x)
