@@ -23,7 +23,7 @@ Implementations (:func:`quantize_fp8_block`'s ``impl``):
   CPU one 128-row band at a time in reused buffers). The oracle of the other two.
 - ``"native"`` (CPU default): a C kernel (``_fp8_cpu.c``) compiled on first use with the
   system C compiler and loaded with ctypes; 5-7x the torch path, 50-65% of a same-run
-  ``memcpy`` of the BF16 input on one thread (``python -m experiments.bench_quant``,
+  ``memcpy`` of the BF16 input on one thread (``python -m experiments bench-quant``,
   results/quant_bench.csv). Hand-written because torch's own kernels
   cannot get there: measured on this project's CPU (one thread, ``[4096, 7168]`` BF16), the
   ``float32 -> float8_e4m3fn`` cast alone (``Tensor.copy_``) takes 3.2x the memcpy of the BF16

@@ -20,7 +20,7 @@ sign of ``x``, and writes the bytes. The arithmetic is :mod:`reference.quant`'s,
 
 Tested bit for bit against the CPU reference in tests/test_quant_triton.py, on the CPU through
 the Triton interpreter, and on a GPU where there is one. Speed target: 60% of a same-run
-device-to-device copy (``python -m experiments.bench_quant --device cuda``; scripts/gpu_check.sh).
+device-to-device copy (``python -m experiments bench-quant --device cuda``; scripts/gpu_check.sh).
 """
 from __future__ import annotations
 
