@@ -6,14 +6,18 @@
 PY ?= .venv/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# extras `make setup` installs: EXTRAS=dev,triton adds triton (248 MB wheel, 0.9 GB installed,
+# about a minute), which runs tests/test_quant_triton.py under TRITON_INTERPRET=1 on CPUs
+# (on an existing .venv: rm .venv/.installed first, or .venv/bin/pip install -e ".[triton]")
+EXTRAS ?= dev
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean gpu-check
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	@if [ -n "$(TORCH)" ]; then $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"; fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $@
 
 demo: setup
@@ -24,6 +28,14 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check .
+
+# One GPU check in one go (docs/GPU.md): installs what is missing (from .whl/ if present), runs
+# the GPU tests, the FP8 quantization benchmark, the main job over cuda_ipc and NIXL over CUDA.
+# Uses the GPU machine's python3 (GPU_PY), not .venv. Example: make gpu-check GPU_CHECK_ARGS=--dry-run
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	bash scripts/gpu_check.sh --python $(GPU_PY) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .venv *.egg-info .pytest_cache

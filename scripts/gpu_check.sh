@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# One GPU check in one go (issue 18; docs/GPU.md): under 8 minutes on one H200.
+#
+#   scripts/gpu_check.sh [--dry-run] [--steps a,b,...] [--results DIR] [--python PY]
+#                        [--wheels DIR] [--site DIR] [--list] [-h|--help]
+#   make gpu-check [GPU_CHECK_ARGS="--steps quant,nixl"]
+#
+# Steps (in this order; each under its own time limit, one failing does not stop the next):
+#   env       device, driver, python, torch and its CUDA, written to RESULTS/device.txt
+#   install   what is missing, from WHEELS (.whl/, made by scripts/gpu_wheels.sh) if it holds
+#             wheels, else from the package registries: a CUDA build of torch, triton, NIXL
+#             (nixl-cu13 for a CUDA 13 torch, else nixl-cu12), pyzmq, submitit, pytest-timeout
+#   tests     the GPU-marked tests (pytest -m gpu): CUDA IPC transport, Triton FP8 kernel, ...
+#   quant     FP8 block quantization on the GPU: Triton and torch quantizers beside the same-run
+#             device-to-device copy (experiments.bench_quant --device cuda)
+#   cuda_ipc  the main job, training and inference processes sharing the GPU through cuda_ipc
+#             (one-sided), every update verified (python -m experiments run --transport cuda_ipc)
+#   nixl      NIXL over UCX's CUDA transports, VRAM -> VRAM between two processes, verified
+#             (scripts/gpu_nixl_check.py)
+# Then one table (scripts/gpu_report.py) and RESULTS/*.csv (default results/gpu); when $OUT is
+# set (the device machine's output folder), the CSVs and one log are copied there too.
+#
+# Exit status: 0 all selected steps passed or were skipped, 1 a step failed or timed out,
+# 2 bad arguments. --dry-run prints each step's command and runs none (no GPU needed; its
+# table goes to a temporary folder unless --results is given).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ALL_STEPS="env install tests quant cuda_ipc nixl"
+# time limits (s); their sum, 480 s, bounds the whole run at 8 minutes
+declare -A LIMIT=([env]=20 [install]=90 [tests]=120 [quant]=75 [cuda_ipc]=100 [nixl]=75)
+
+PY="${PYTHON:-python3}"
+RESULTS="$ROOT/results/gpu"
+RESULTS_SET=0
+WHEELS="$ROOT/.whl"
+SITE="${GPU_CHECK_SITE:-/tmp/wt-gpu-site}"
+DRY=0
+STEPS="$ALL_STEPS"
+
+usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
+die() { echo "error: $*" >&2; echo "see: scripts/gpu_check.sh --help" >&2; exit 2; }
+need_arg() { [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#--}" = "$2" ] || die "$1 needs a value"; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --steps) need_arg "$@"; STEPS="${2//,/ }"; shift ;;
+    --steps=*) STEPS="${1#--steps=}"; STEPS="${STEPS//,/ }"; [ -n "$STEPS" ] || die "--steps needs a value" ;;
+    --results) need_arg "$@"; RESULTS="$2"; RESULTS_SET=1; shift ;;
+    --results=*) RESULTS="${1#--results=}"; RESULTS_SET=1; [ -n "$RESULTS" ] || die "--results needs a value" ;;
+    --python) need_arg "$@"; PY="$2"; shift ;;
+    --python=*) PY="${1#--python=}" ;;
+    --wheels) need_arg "$@"; WHEELS="$2"; shift ;;
+    --wheels=*) WHEELS="${1#--wheels=}" ;;
+    --site) need_arg "$@"; SITE="$2"; shift ;;
+    --site=*) SITE="${1#--site=}" ;;
+    --list) for s in $ALL_STEPS; do echo "$s ${LIMIT[$s]}"; done; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument: $1" ;;
+  esac
+  shift
+done
+
+for s in $STEPS; do
+  case " $ALL_STEPS " in *" $s "*) ;; *) die "unknown step '$s' (steps: ${ALL_STEPS// /,})" ;; esac
+done
+[ -n "${STEPS// /}" ] || die "--steps selects nothing"
+selected() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# a dry run never overwrites the committed results unless --results says so
+if [ "$DRY" = 1 ] && [ "$RESULTS_SET" = 0 ]; then RESULTS="$(mktemp -d)"; fi
+mkdir -p "$RESULTS/logs" || die "cannot create $RESULTS"
+RESULTS="$(cd "$RESULTS" && pwd)"
+STEPS_TSV="$RESULTS/steps.tsv"
+: >"$STEPS_TSV"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+# record NAME STATUS SECONDS RC LOG COMMAND
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$6" >>"$STEPS_TSV"; }
+
+# step NAME COMMAND...: run under the step's time limit, log to RESULTS/logs/NAME.log
+step() {
+  local name="$1"; shift
+  local cmd="$*" log="$RESULTS/logs/$name.log"
+  if ! selected "$name"; then return 0; fi
+  if [ "$DRY" = 1 ]; then
+    echo "[dry-run] $name (limit ${LIMIT[$name]} s): $cmd"
+    record "$name" SKIP 0 0 "" "dry-run: $cmd"
+    return 0
+  fi
+  echo "== $name (limit ${LIMIT[$name]} s): $cmd"
+  local t0 t1 rc status
+  t0=$(date +%s.%N)
+  timeout --kill-after=10 "${LIMIT[$name]}" bash -c "$cmd" >"$log" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  tail -n 25 "$log"
+  case $rc in
+    0) status=PASS ;;
+    124|137) status=TIMEOUT ;;
+    *) status=FAIL ;;
+  esac
+  record "$name" "$status" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}')" "$rc" "$log" "$cmd"
+  echo "== $name: $status (exit $rc)"
+}
+
+# ---- the steps' commands (each one line of bash, run by `step`) ------------------------------
+
+ENV_CMD="set -o pipefail; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1 > '$RESULTS/device.txt' \
+&& nvidia-smi && $PY -c 'import sys, torch; print(sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); sys.exit(0 if torch.cuda.is_available() else 1)' | tee -a '$RESULTS/device.txt'"
+
+# install: whatever `import` cannot find; wheels from WHEELS (no index, no deps: the folder holds
+# every wheel needed, scripts/gpu_wheels.sh) into SITE on PYTHONPATH, else pip from the registries
+INSTALL_CMD="set -e; missing=''; \
+$PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || missing=\"\$missing \${TORCH_SPEC:-torch}\"; \
+$PY -c 'import triton' 2>/dev/null || missing=\"\$missing triton\"; \
+$PY -c 'import zmq' 2>/dev/null || missing=\"\$missing pyzmq\"; \
+$PY -c 'import submitit' 2>/dev/null || missing=\"\$missing submitit\"; \
+$PY -c 'import pytest_timeout' 2>/dev/null || missing=\"\$missing pytest-timeout\"; \
+$PY -c 'import importlib.util as u, sys; sys.exit(0 if any(u.find_spec(m) for m in (\"nixl\", \"nixl_cu12\", \"nixl_cu13\")) else 1)' \
+  || missing=\"\$missing \$($PY -c 'import torch; print(\"nixl-cu13\" if (torch.version.cuda or \"\").startswith(\"13\") else \"nixl-cu12\")' 2>/dev/null || echo nixl-cu12)\"; \
+echo \"missing:\${missing:- nothing}\"; [ -z \"\$missing\" ] && exit 0; \
+if ls '$WHEELS'/*.whl >/dev/null 2>&1; then \
+  echo 'installing every wheel in $WHEELS into $SITE'; \
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' '$WHEELS'/*.whl; \
+else \
+  echo 'no wheels in $WHEELS: installing from the package registries'; \
+  $PY -m pip install -q \$missing; \
+fi"
+
+TESTS_CMD="$PY -m pytest -q -m gpu -p no:cacheprovider tests"
+# the benchmark is `python -m experiments bench-quant` where experiments/bench/ exists, else the module
+if [ -f "$ROOT/experiments/bench/quant.py" ]; then BENCH_QUANT="-m experiments bench-quant"; else BENCH_QUANT="-m experiments.bench_quant"; fi
+QUANT_CMD="$PY $BENCH_QUANT --device cuda --repeats 10 --out '$RESULTS/quant_bench.csv'"
+CUDA_IPC_CMD="rm -f '$RESULTS/main_cuda_ipc.csv'; $PY -m experiments run --transport cuda_ipc --steps 3 --warmup 1 --results '$RESULTS/main_cuda_ipc.csv'"
+NIXL_CMD="$PY scripts/gpu_nixl_check.py --out '$RESULTS/nixl_cuda.csv'"
+
+step env "$ENV_CMD"
+step install "$INSTALL_CMD"
+# wheels installed with --target live in SITE: every later step sees them
+[ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
+step tests "$TESTS_CMD"
+step quant "$QUANT_CMD"
+step cuda_ipc "$CUDA_IPC_CMD"
+step nixl "$NIXL_CMD"
+
+echo
+"$PY" "$ROOT/scripts/gpu_report.py" "$STEPS_TSV" "$RESULTS" | tee "$RESULTS/table.txt"
+rc=${PIPESTATUS[0]}
+
+if [ -n "${OUT:-}" ] && [ "$DRY" = 0 ]; then
+  # at most 8 files come back from $OUT: the CSVs, the table, one log of every step
+  mkdir -p "$OUT" && cp "$RESULTS"/*.csv "$RESULTS/table.txt" "$OUT/" 2>/dev/null
+  for f in "$RESULTS"/logs/*.log; do [ -f "$f" ] && { echo "==== $f"; cat "$f"; }; done >"$OUT/gpu_check.log"
+fi
+exit "$rc"

@@ -1,0 +1,187 @@
+"""scripts/gpu_check.sh, gpu_wheels.sh, gpu_report.py and gpu_nixl_check.py: everything that can
+be checked without a GPU (syntax, arguments, dry runs, the table and CSV writer). The GPU steps
+themselves run on a GPU machine (docs/GPU.md), never here."""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "scripts" / "gpu_check.sh"
+WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
+STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl"]
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_report  # noqa: E402
+
+
+def sh(*args, env=None, timeout=120):
+    e = dict(os.environ, PYTHON=sys.executable)
+    e.pop("OUT", None)
+    e.update(env or {})
+    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, cwd=ROOT, env=e, check=False,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("script", [CHECK, WHEELS])
+def test_bash_syntax_and_help(script):
+    assert sh("-n", script).returncode == 0
+    r = sh(script, "--help")
+    assert r.returncode == 0 and "Exit status" in r.stdout and "set -" not in r.stdout
+
+
+def test_list_steps_and_time_budget():
+    r = sh(CHECK, "--list")
+    assert r.returncode == 0
+    rows = [l.split() for l in r.stdout.splitlines()]
+    assert [n for n, _ in rows] == STEPS
+    assert sum(int(t) for _, t in rows) <= 8 * 60  # the whole check within 8 minutes
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--bogus"], "unknown argument: --bogus"),
+    (["--steps", "quant,foo"], "unknown step 'foo'"),
+    (["--steps"], "--steps needs a value"),
+    (["--steps="], "--steps needs a value"),
+    (["--results"], "--results needs a value"),
+    (["--python"], "--python needs a value"),
+])
+def test_bad_arguments_exit_2_before_anything_runs(args, msg, tmp_path):
+    r = sh(CHECK, *args, "--dry-run")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert msg in r.stderr and "[dry-run]" not in r.stdout
+
+
+def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
+    out = tmp_path / "res"
+    r = sh(CHECK, "--dry-run", "--results", out)
+    assert r.returncode == 0, r.stderr
+    for s in STEPS:
+        assert f"[dry-run] {s} (limit" in r.stdout
+    assert "0 passed, 0 failed, 6 skipped" in r.stdout
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [x["step"] for x in rows] == STEPS and {x["status"] for x in rows} == {"SKIP"}
+    assert sorted(p.name for p in out.iterdir()) == ["logs", "steps.tsv", "summary.csv", "table.txt"]
+    assert "pip install -q --no-index --no-deps" in r.stdout  # the wheel path of the install step
+    assert "--transport cuda_ipc" in r.stdout and "--device cuda" in r.stdout
+
+
+def test_dry_run_without_results_leaves_results_gpu_alone():
+    summary = ROOT / "results" / "gpu" / "summary.csv"
+    before = summary.stat().st_mtime_ns if summary.exists() else None
+    r = sh(CHECK, "--dry-run", "--steps", "quant")
+    assert r.returncode == 0
+    assert (summary.stat().st_mtime_ns if summary.exists() else None) == before
+
+
+def test_selected_steps_only(tmp_path):
+    r = sh(CHECK, "--dry-run", "--steps", "quant,nixl", "--results", tmp_path)
+    assert "[dry-run] quant" in r.stdout and "[dry-run] nixl" in r.stdout
+    assert "[dry-run] env" not in r.stdout and "[dry-run] tests" not in r.stdout
+
+
+def test_env_step_really_runs_and_reports(tmp_path):
+    """Not a dry run: the env step runs here for real. Without a GPU it fails (exit 1, FAIL in
+    the table, its log and the CSVs copied to $OUT); on a GPU machine it passes."""
+    res, out = tmp_path / "res", tmp_path / "out"
+    r = sh(CHECK, "--steps", "env", "--results", res, env={"OUT": str(out)})
+    with open(res / "summary.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["step"] == "env" and row["status"] in ("PASS", "FAIL")
+    assert (r.returncode == 0) == (row["status"] == "PASS"), r.stdout
+    assert (res / "logs" / "env.log").is_file()
+    got = sorted(p.name for p in out.iterdir())
+    assert "summary.csv" in got and "table.txt" in got and "gpu_check.log" in got and len(got) <= 8
+    if shutil.which("nvidia-smi") is None:
+        assert row["status"] == "FAIL"
+
+
+# ---- the table and CSV writer -----------------------------------------------------------------
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_report_reads_each_steps_csv(tmp_path):
+    (tmp_path / "device.txt").write_text("NVIDIA H200, 580.159.04, 143771 MiB\ntorch 2.11.0\n")
+    log = tmp_path / "tests.log"
+    log.write_text("collected 9 items\n\n3 failed, 6 passed in 12.0s\n")
+    q = [{"shape": s, "impl": i, "bytes": b, "seconds_min": t, "identical": same}
+         for s, b in (("small", 1000), ("8 experts", 400_000_000))
+         for i, t, same in (("memcpy", 1e-4, ""), ("triton", 1.25e-4, "True"), ("torch reference", 4e-4, "True"))]
+    _write(tmp_path / "quant_bench.csv", q)
+    _write(tmp_path / "main_cuda_ipc.csv", [
+        {"step": 1, "warmup": True, "bytes": 10**9, "seconds": 10.0, "verified": True},
+        {"step": 2, "warmup": False, "bytes": 10**9, "seconds": 0.5, "verified": True},
+        {"step": 3, "warmup": False, "bytes": 10**9, "seconds": 0.25, "verified": True},
+        {"step": 4, "warmup": False, "bytes": 10**9, "seconds": 1.0, "verified": True}])
+    _write(tmp_path / "nixl_cuda.csv", [
+        {"case": "ucx-default", "gbps": 300.0, "copy_gbps": 2000.0, "verified": True, "error": ""},
+        {"case": "cuda_ipc", "gbps": "", "copy_gbps": 2000.0, "verified": False, "error": "TransportError: no"}])
+    steps = tmp_path / "steps.tsv"
+    steps.write_text("".join(f"{n}\t{st}\t1.5\t{rc}\t{lg}\tcmd {n}\n" for n, st, rc, lg in [
+        ("env", "PASS", 0, ""), ("tests", "FAIL", 1, str(log)), ("quant", "PASS", 0, ""),
+        ("cuda_ipc", "PASS", 0, ""), ("nixl", "TIMEOUT", 124, ""), ("install", "SKIP", 0, "")]))
+    rows = gpu_report.summarize(gpu_report.read_steps(steps), tmp_path)
+    by = {r["step"]: r for r in rows}
+    assert by["quant"]["headline"].startswith("triton 80% / torch reference 25% of d2d copy (4000 GB/s in); 8 experts")
+    assert by["cuda_ipc"]["headline"] == "p50 2.00 GB/s over 3 updates, verified: yes"
+    assert by["tests"]["headline"] == "3 failed, 6 passed in 12.0s"
+    assert by["env"]["device"] == "NVIDIA H200, 580.159.04, 143771 MiB"
+    assert gpu_report.nixl_headline(tmp_path).startswith("ucx-default 300 GB/s (15% of d2d copy); cuda_ipc FAILED")
+    table = gpu_report.format_table(rows)
+    assert "on NVIDIA H200" in table and "3 passed, 2 failed (tests, nixl), 1 skipped" in table
+    assert gpu_report.main([str(steps), str(tmp_path)]) == 1
+    with open(tmp_path / "summary.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["PASS", "FAIL", "PASS", "PASS", "TIMEOUT", "SKIP"]
+
+
+def test_report_refuses_malformed_steps(tmp_path, capsys):
+    bad = tmp_path / "steps.tsv"
+    bad.write_text("env\tMAYBE\t1\t0\t\tcmd\n")
+    with pytest.raises(ValueError, match="steps.tsv:1"):
+        gpu_report.read_steps(bad)
+    assert gpu_report.main([str(bad), str(tmp_path)]) == 2
+    assert gpu_report.main([]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+# ---- the wheels script and the NIXL check's arguments ------------------------------------------
+
+
+def test_wheels_dry_run_and_arguments():
+    r = sh(WHEELS, "--dry-run")
+    assert r.returncode == 0
+    assert "nixl-cu13==1.5.1 pyzmq submitit" in r.stdout and "--python-version 3.12" in r.stdout
+    assert "--platform manylinux_2_28_x86_64" in r.stdout and "--no-deps" in r.stdout
+    r = sh(WHEELS, "--dry-run", "--cuda", "12", "--with-torch", "--with-triton")
+    assert "nixl-cu12==1.5.1" in r.stdout and "triton==3.8.0" in r.stdout
+    assert "torch==2.13.0" in r.stdout and "whl/cu128" in r.stdout
+    for args, msg in ((["--cuda", "11"], "--cuda is 12 or 13"), (["--python-version", "x"], "3.12"),
+                      (["--nope"], "unknown argument")):
+        r = sh(WHEELS, *args, "--dry-run")
+        assert r.returncode == 2 and msg in r.stderr
+
+
+def test_nixl_check_arguments():
+    script = ROOT / "scripts" / "gpu_nixl_check.py"
+    r = subprocess.run([sys.executable, str(script), "--cases", "bogus"], capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "unknown cases ['bogus']" in r.stderr
+    r = subprocess.run([sys.executable, str(script), "--mib", "0"], capture_output=True, text=True, check=False)
+    assert r.returncode == 2
+    import torch
+
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(script), "--out", os.devnull], capture_output=True, text=True, check=False)
+        assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr
