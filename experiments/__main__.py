@@ -17,7 +17,10 @@ Examples::
     python -m experiments bench-transports --mib 64 --transports memcpy,cma
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
-status 2 and a one-line ``error:`` message before any byte is written.
+status 2 and a one-line ``error:`` message before any byte is written; a bad option value
+(an override of the wrong kind or without ``=``, an unknown or uninstalled transport, an
+unwritable ``--trace``, a timeout <= 0, more rank processes than this machine's cap) before
+any process starts (C18).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _override(s: str) -> tuple[str, object]:
     if "=" not in s:
-        raise argparse.ArgumentTypeError(f"--override wants KEY=VALUE, got {s!r}")
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {s!r}")
     k, v = s.split("=", 1)
     try:
         val = ast.literal_eval(v)
