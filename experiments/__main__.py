@@ -247,7 +247,6 @@ def main(argv=None) -> int:
     from reference.control import ControlError
     from reference.mapping import PlanError
 
-    from .config import TrialConfig
     from .report import append_csv, format_table
     from .trial import run_trial
 

@@ -17,7 +17,6 @@ from reference.catalog import ModelConfig, load_config
 from reference.options import TransferOptions
 from reference.types import InferenceLayout
 
-
 LOCAL_PROCESSES_PER_CPU = 8
 """A trial launched on this machine (``python -m experiments run``, a ``local`` or ``debug``
 sweep) may start at most this many rank processes per CPU core ..."""
