@@ -17,7 +17,10 @@ Examples::
     python -m experiments bench-transports --mib 64 --transports memcpy,cma
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
-status 2 and a one-line ``error:`` message before any byte is written.
+status 2 and a one-line ``error:`` message before any byte is written; a bad option value
+(an override of the wrong kind or without ``=``, an unknown or uninstalled transport, an
+unwritable ``--trace``, a timeout <= 0, more rank processes than this machine's cap) before
+any process starts (C18).
 """
 from __future__ import annotations
 
@@ -29,9 +32,17 @@ from pathlib import Path
 DEFAULT_RESULTS = Path(__file__).resolve().parent.parent / "results" / "runs" / "trials.csv"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a bad command line is refused with one ``error:`` line (and a
+    pointer to ``--help``) instead of the usage block: exit status 2 (C18)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _override(s: str) -> tuple[str, object]:
     if "=" not in s:
-        raise argparse.ArgumentTypeError(f"--override wants KEY=VALUE, got {s!r}")
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {s!r}")
     k, v = s.split("=", 1)
     try:
         val = ast.literal_eval(v)
@@ -49,7 +60,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from .bench import BENCHMARKS
     from .cli import add_dataclass_options
 
-    ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.split("\n")[0])
+    ap = _Parser(prog="python -m experiments", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one trial: controller + training world + inference world, verified")
     # Every option defaults to None = "as in the base config": the main job's embedded default
@@ -201,6 +212,8 @@ def sweep_main(args) -> int:
                             parallel=args.parallel, single_task=args.single_task, slurm_extra=extra)
         for cfg in sweep.trials:
             executor_parameters(cfg, opt)
+            if opt.cluster != "slurm":
+                cfg.preflight(local=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -234,13 +247,13 @@ def main(argv=None) -> int:
     from reference.control import ControlError
     from reference.types import PlanError
 
-    from .config import TrialConfig
     from .report import append_csv, format_table
     from .trial import run_trial
 
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args)  # TrialConfig.__post_init__: names, ranges, model overrides
         cfg.model_config()
+        cfg.preflight(local=True)  # before any process: transport importable, trace dir, process count
         if cfg.method == "all":  # reference and baselines side by side (experiments/compare.py)
             from .compare import run_all
 

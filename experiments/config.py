@@ -9,12 +9,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 
 from baselines.options import BaselineOptions
 from reference.catalog import ModelConfig, load_config
 from reference.options import TransferOptions
 from reference.types import InferenceLayout
+
+LOCAL_PROCESSES_PER_CPU = 8
+"""A trial launched on this machine (``python -m experiments run``, a ``local`` or ``debug``
+sweep) may start at most this many rank processes per CPU core ..."""
+LOCAL_PROCESSES_MIN = 16
+"""... and at least this many, whatever the core count (:func:`local_process_cap`)."""
+
+
+def local_process_cap() -> int:
+    """Most rank processes (training + inference) a trial may start on this machine:
+    max(:data:`LOCAL_PROCESSES_MIN`, :data:`LOCAL_PROCESSES_PER_CPU` x ``os.cpu_count()``);
+    16 on a 2-core box. A larger world belongs on a cluster (``sweep --cluster slurm``),
+    where every rank is a task of its own."""
+    return max(LOCAL_PROCESSES_MIN, LOCAL_PROCESSES_PER_CPU * (os.cpu_count() or 1))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,6 +108,19 @@ class TrialConfig(TransferOptions):
             if len(self.train_mesh) != 2 or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
                 raise ValueError(f"train_layout={self.train_layout!r} needs train_mesh=(a, b) with a*b = "
                                  f"n_train={self.n_train}, got {self.train_mesh}")
+        self.model_config()  # validates the model name and the overrides (names and kinds)
+
+    def preflight(self, *, local: bool = True) -> None:
+        """Checks before any process starts that need this host (C18); ValueError with a
+        one-line cause. :meth:`TransferOptions.preflight` (the transport can run here, the
+        trace directory is writable) and, when the ranks are to start on this machine
+        (``local``), ``n_train + n_infer`` within :func:`local_process_cap`."""
+        TransferOptions.preflight(self)
+        if local and self.n_train + self.n_infer > local_process_cap():
+            raise ValueError(f"{self.n_train} training + {self.n_infer} inference processes (tp={self.tp} x "
+                             f"dp={self.dp}) exceed this machine's cap of {local_process_cap()} "
+                             f"(max({LOCAL_PROCESSES_MIN}, {LOCAL_PROCESSES_PER_CPU} x {os.cpu_count()} CPUs)); "
+                             f"run a world this size on a cluster (sweep --cluster slurm)")
 
     def train_specs(self) -> list:
         """The training side's parameters: the catalog's, less ``drop_params``, plus

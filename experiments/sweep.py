@@ -301,6 +301,8 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
     summary = SweepSummary(sweep=sweep.name, csv=csv, total=len(seen), skipped=len(seen) - len(pending))
     for cfg, _ in pending:  # refuse a bad placement before anything runs
         executor_parameters(cfg, opt)
+        if opt.cluster != "slurm":  # the ranks start on this machine: the same checks as `run` (C18)
+            cfg.preflight(local=True)
     fn = _debug_trial_job if opt.cluster == "debug" else trial_job
     if opt.cluster in ("local", "slurm"):  # tasks import this project (sbatch exports the environment)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

@@ -61,6 +61,7 @@ def preflight(cfg: TrialConfig) -> None:
     from engines.engine import engine_tensor_metas
     from reference.plan import build_recipes
 
+    cfg.preflight(local=True)  # transport importable, trace dir writable, process count (C18)
     mcfg = cfg.model_config()
     get_method(cfg.method)
     build_recipes(mcfg, cfg.layout)

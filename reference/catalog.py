@@ -156,12 +156,35 @@ class ModelConfig:
         return False
 
 
+def _override_kind(old, new) -> str | None:
+    """None if ``new`` may replace the config value ``old``, else the kind ``old`` needs
+    (``"an integer"``, ...). A ``None`` (null) config value accepts anything, and ``None``
+    replaces anything (HF configs use null for "absent", e.g. ``q_lora_rank``)."""
+    if old is None or new is None:
+        return None
+    if isinstance(old, bool):
+        return None if isinstance(new, bool) else "a bool (True / False)"
+    if isinstance(old, int):
+        return None if isinstance(new, int) and not isinstance(new, bool) else "an integer"
+    if isinstance(old, float):
+        return None if isinstance(new, (int, float)) and not isinstance(new, bool) else "a number"
+    if isinstance(old, str):
+        return None if isinstance(new, str) else "a string"
+    if isinstance(old, (list, tuple)):
+        return None if isinstance(new, (list, tuple)) else "a list"
+    if isinstance(old, dict):
+        return None if isinstance(new, dict) else "a dict"
+    return None
+
+
 def load_config(name: str, **overrides) -> ModelConfig:
     """Load catalog model ``name`` (see :func:`available_models`), with HF-config overrides.
 
     ``num_experts`` is accepted for every MoE family (mapped to ``n_routed_experts`` for
-    DeepSeek-V3). Overrides must name keys of the config; the result is checked for the
-    architecture. Raises ValueError naming an unknown model, key or architecture.
+    DeepSeek-V3). Overrides must name keys of the config and keep the kind of their value
+    (an integer stays an integer, a number a number, a flag a bool, a string a string); the
+    result is checked for the architecture. Raises ValueError (one line) naming an unknown
+    model, key or architecture, or an override of the wrong kind.
     """
     path = CONFIG_DIR / f"{name}.json"
     if not path.exists():
@@ -173,6 +196,9 @@ def load_config(name: str, **overrides) -> ModelConfig:
         key = aliases.get(k, k)
         if key not in hf:
             raise ValueError(f"model {name!r}: override {k!r} is not a field of its config")
+        want = _override_kind(hf[key], v)
+        if want:
+            raise ValueError(f"model {name!r}: override {k}={v!r} wants {want} (the config has {hf[key]!r})")
         hf[key] = v
     if "num_experts_per_tok" in hf and hf.get("num_experts_per_tok", 0) > (hf.get("num_experts") or hf.get("n_routed_experts") or 0):
         hf["num_experts_per_tok"] = hf.get("num_experts") or hf.get("n_routed_experts")

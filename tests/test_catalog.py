@@ -349,3 +349,19 @@ def test_unknown_architecture_from_catalog_file(tmp_path, monkeypatch):
         load_config("llama-toy")
     msg = _one_line(exc)
     assert "'llama-toy'" in msg and "'LlamaForCausalLM'" in msg
+
+
+def test_override_of_the_wrong_kind_is_refused_in_one_line():
+    """C18: a value that is not an integer for an integer key (``--override
+    num_hidden_layers=abc``) is refused by the catalog, naming key, value and what it wants;
+    None (HF's "absent") and an integer for a float key are accepted."""
+    with pytest.raises(ValueError) as exc:
+        load_config("qwen3-0.6b", num_hidden_layers="abc")
+    msg = _one_line(exc)
+    assert "num_hidden_layers='abc' wants an integer" in msg and "(the config has 28)" in msg
+    with pytest.raises(ValueError, match="wants an integer"):
+        load_config("qwen3-0.6b", num_hidden_layers=2.0)
+    with pytest.raises(ValueError, match="wants a bool"):
+        load_config("qwen3-0.6b", tie_word_embeddings=1)
+    assert load_config("deepseek-v3", q_lora_rank=None)["q_lora_rank"] is None
+    assert load_config("qwen3-0.6b", rms_norm_eps=1)["rms_norm_eps"] == 1

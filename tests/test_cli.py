@@ -171,3 +171,99 @@ def test_import_graph_has_no_cycle_between_configs_and_sweep_nor_sim_to_trial():
 def test_reference_methods_read_no_trial_config():
     src = (ROOT / "reference" / "method.py").read_text()
     assert "ctx.cfg" not in src and "cfg: Any" not in src
+
+
+# --------------------------------------------------------------------------------------------
+# C18: bad command-line input is refused before any process starts: one `error:` line, exit 2
+
+
+@pytest.fixture
+def refused(monkeypatch, capsys):
+    """Run ``python -m experiments`` in this process with process start forbidden; return the
+    one stderr line after checking exit status 2, a single ``error:`` line and no process."""
+    import multiprocessing.process
+
+    from experiments.__main__ import main
+
+    started = []
+
+    def no_start(self):
+        started.append(self.name)
+        raise AssertionError(f"process {self.name} started")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_start)
+
+    def run(*argv: str) -> str:
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert not started, started
+        assert rc == 2, (rc, lines)
+        assert len(lines) == 1 and lines[0].startswith("error:"), lines
+        return lines[0]
+
+    return run
+
+
+def test_c18_non_integer_override_for_an_integer_key(refused):
+    msg = refused("run", "--override", "num_hidden_layers=abc")
+    assert "num_hidden_layers='abc' wants an integer" in msg
+
+
+def test_c18_override_without_equals(refused):
+    msg = refused("run", "--override", "num_hidden_layers")
+    assert "KEY=VALUE" in msg and "'num_hidden_layers'" in msg
+
+
+def test_c18_unknown_transport(refused):
+    msg = refused("run", "--transport", "bogus")
+    assert "'bogus'" in msg and "cma" in msg
+
+
+def test_c18_transport_not_installed(refused):
+    from reference.transport.nixl import load_nixl
+
+    try:
+        load_nixl()
+        pytest.skip("NIXL is installed here")
+    except ImportError:
+        pass
+    msg = refused("run", "--transport", "nixl")
+    assert "transport 'nixl' is not available here" in msg and "pip install" in msg
+
+
+def test_c18_unwritable_trace_path(refused, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a directory cannot be made under a file, even by root
+    msg = refused("run", "--trace", str(blocker / "trace"))
+    assert "is not writable" in msg and str(blocker) in msg
+
+
+def test_c18_absurd_replica_count(refused):
+    msg = refused("run", "--dp", "1000")
+    assert "2000 inference processes" in msg and "cap of" in msg
+
+
+def test_c18_negative_timeout(refused):
+    assert "timeout=-1.0" in refused("run", "--timeout", "-1")
+
+
+def test_c18_bad_benchmark_option(refused):
+    assert "--repeats" in refused("bench-quant", "--repeats", "x")
+
+
+def test_c18_sweeps_get_the_same_checks(monkeypatch, tmp_path):
+    from experiments import sweep as S
+
+    with pytest.raises(ValueError, match="transport='bogus'"):
+        TrialConfig(transport="bogus")
+    with pytest.raises(ValueError, match="timeout=-1"):
+        TrialConfig(timeout=-1)
+    with pytest.raises(ValueError, match="wants an integer"):
+        TrialConfig(overrides={"num_hidden_layers": "abc"})
+    monkeypatch.setattr(S, "make_executor", lambda *a: pytest.fail("a job was submitted"))
+    sweep = S.Sweep(name="c18", trials=[TrialConfig(tp=1, dp=1000)])
+    with pytest.raises(ValueError, match="exceed this machine's cap"):
+        S.run_sweep(sweep, S.LaunchOptions(cluster="local", folder=tmp_path), results_dir=tmp_path, progress=False)

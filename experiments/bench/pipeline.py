@@ -27,11 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-
-from dataclasses import dataclass
 
 from ..config import TrialConfig
 from ..trial import run_trial
