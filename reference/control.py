@@ -97,13 +97,21 @@ def role_name(rank) -> str:
 
 def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: str,
               liveness: Callable[[], dict[int, str]] | None = None, poll: float = 0.02,
-              failure: Callable[[], str | None] | None = None) -> None:
+              failure: Callable[[], str | None] | None = None, stall: float | None = None) -> None:
     """Wait until every ``keys[rank]`` exists. Raises ControlError naming the ranks still
     missing after ``timeout`` seconds, at once naming dead ranks (``liveness`` returns
     ``{rank: reason}`` for ranks known dead), the abort reason, or the culprit ``failure()``
-    returns (a one-line "role rank: cause", None while nothing failed)."""
+    returns (a one-line "role rank: cause", None while nothing failed). With ``stall``, a gap
+    of more than ``stall`` seconds between two of its own polls (this process was stopped or
+    starved, so what it waits on may be stale) raises naming the controller."""
     allkeys = list(keys.values())
+    last = time.monotonic()
     for expired in backoff(timeout, poll):
+        now = time.monotonic()
+        if stall is not None and now - last > stall:
+            raise ControlError(f"{what}: controller: no progress for {now - last:.1f} s (this process was stopped "
+                               "or starved)")
+        last = now
         if store.check(allkeys):
             return
         culprit = failure() if failure is not None else None
@@ -179,6 +187,13 @@ def read_state(store: dist.Store) -> WeightsState:
     if not store.check(["weights"]):
         return WeightsState(0, "none", -1)
     return WeightsState.decode(store.get("weights"))
+
+
+def report_fatal(store: dist.Store, name: str, cause: str) -> None:
+    """A rank's last word before its process ends on an error: ``fatal/{name}`` (``train{r}``
+    / ``infer{i}``) holds the cause, which the controller names instead of a bare exit code."""
+    store.set(f"fatal/{name}", f"{cause} (fatal)".encode())
+    store.set("fatal", b"1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,16 +275,19 @@ class HeartbeatMonitor:
         self.reset()
 
     def reset(self, keys=None) -> None:
+        """Forget what was seen of ``keys`` (default: all), e.g. for a restarted rank."""
         now = time.monotonic()
         for k in (self.names if keys is None else keys):
-            self._seen[k] = (self._value(self.names[k]), now)
+            self._seen[k] = (self._value(self.names[k]), now, False)
 
     def _value(self, name: str):
         key = f"hb/{name}"
         return self.store.get(key) if self.store.check([key]) else None
 
     def stalled(self) -> dict:
-        """``{key: "no heartbeat for X s (stopped or hung)"}``."""
+        """``{key: "no heartbeat for X s (stopped or hung)"}``. A process is watched from its
+        first beat after the start or :meth:`reset` (one that never started is the business of
+        the wait's timeout)."""
         now = time.monotonic()
         if now - self._checked < self.every:
             return self._cached
@@ -277,10 +295,10 @@ class HeartbeatMonitor:
         out = {}
         for k, name in self.names.items():
             v = self._value(name)
-            last, t = self._seen[k]
+            last, t, armed = self._seen[k]
             if v != last:
-                self._seen[k] = (v, now)
-            elif now - t > self.stall:
+                self._seen[k] = (v, now, True)
+            elif armed and now - t > self.stall:
                 out[k] = f"no heartbeat for {now - t:.1f} s (stopped or hung)"
         self._cached = out
         return out
@@ -304,7 +322,9 @@ class Controller:
                  liveness_infer: Callable[[], dict[int, str]] | None = None, stall: float | None = None):
         self.store, self.n_train, self.n_infer, self.timeout = store, n_train, n_infer, timeout
         self.live_t, self.live_i = liveness_train, liveness_infer
-        self.monitor = None
+        self.monitor, self.stall = None, stall
+        self.last_culprit: str | None = None
+        """The root cause of the last failure ("training 1: ..."), once one was seen."""
         if stall is not None:
             names = {r: f"train{r}" for r in range(n_train)}
             names.update({("infer", i): f"infer{i}" for i in range(n_infer)})
@@ -319,6 +339,11 @@ class Controller:
         """Every known failure, root causes first: dead processes, stalled processes, then
         ranks that reported an error for ``step``."""
         out = []
+        if self.store.check(["fatal"]):
+            for k in [r for r in range(self.n_train)] + [("infer", i) for i in range(self.n_infer)]:
+                key = f"fatal/{'infer' + str(k[1]) if isinstance(k, tuple) else 'train' + str(k)}"
+                if self.store.check([key]):
+                    out.append(f"{role_name(k)}: {self.store.get(key).decode()}")
         for live, key in ((self.live_t, lambda r: r), (self.live_i, lambda i: ("infer", i))):
             if live is not None:
                 out += [f"{role_name(key(r))}: {why}" for r, why in sorted(live().items())]
@@ -340,14 +365,16 @@ class Controller:
             found = self.culprits(step)
             if not found:
                 return None
-            if not any(": process" in c or "no heartbeat" in c for c in found):
+            if not any(": process" in c or "no heartbeat" in c or "(fatal)" in c for c in found):
                 time.sleep(grace)  # a reported error is often the echo of a death: look again
                 found = self.culprits(step) or found
+            self.last_culprit = found[0]
             return found[0] + (f" (also: {'; '.join(found[1:3])})" if len(found) > 1 else "")
         return check
 
     def _wait(self, keys: dict, what: str, step: int | None = None, poll: float = 0.02) -> None:
-        wait_keys(self.store, keys, timeout=self.timeout, what=what, poll=poll, failure=self._failure(step))
+        wait_keys(self.store, keys, timeout=self.timeout, what=what, poll=poll, failure=self._failure(step),
+                  stall=self.stall)
 
     # -- setup
 

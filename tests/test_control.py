@@ -153,6 +153,8 @@ def test_c16_stalled_rank_named_by_heartbeat(store):
     ctl = control.Controller(store, n_train=2, n_infer=1, timeout=30.0, stall=0.6)
     hb0 = control.Heartbeat(("127.0.0.1", store.port), "train0", period=0.1)
     hbi = control.Heartbeat(("127.0.0.1", store.port), "infer0", period=0.1)
+    hb1 = control.Heartbeat(("127.0.0.1", store.port), "train1", period=0.1)
+    threading.Timer(0.4, hb1.stop).start()  # rank 1 stops beating (as under SIGSTOP)
     try:
         t = time.monotonic()
         with pytest.raises(control.ControlError, match=r"training 1: no heartbeat for") as ei:

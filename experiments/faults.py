@@ -1,0 +1,350 @@
+"""Fault injection and the fault matrix: ``python -m experiments faults [--quick]``.
+
+A :class:`Fault` says what happens to whom and when: ``kill`` (SIGKILL), ``raise`` (an
+exception on the rank's own code path) or ``stop`` (SIGSTOP, the process stays but makes no
+progress) of a ``train`` rank, an ``infer`` rank or the ``controller``, ``early`` (before the
+first write of the update), ``middle`` (half-way through a training rank's write tasks) or
+``late`` (after a training rank's last write, before it reports done) in update ``step``.
+
+Trigger: the training rank that owns the fault (the target, or training rank 0 when the target
+is an inference rank or the controller) counts its write tasks; at the point it sets
+``fault/fired`` (wall-clock time) and either acts itself (training targets: raise in its write
+stage, or signal itself) or sets ``fault/fire`` and pauses 0.3 s, so that a watcher thread in
+the target process (:func:`install_watcher`) acts mid-update: signal itself, or raise
+:class:`InjectedFault` in its main thread.
+
+The matrix runs each row as its own process tree (``python -m experiments.faults --row SPEC``,
+a new session), and prints one nccl-tests style table: seconds from the fault to the error,
+the role and rank the error names, the exit status, processes of the row left behind, the
+published state of the inference weights after the failure, and whether the next update
+restored a complete version bit-exactly (training faults: the trial restarts the training world
+once, the inference processes keep their memory; inference and controller faults end the run).
+"""
+from __future__ import annotations
+
+import _thread
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ACTIONS = ("kill", "raise", "stop")
+ROLES = ("train", "infer", "controller")
+WHENS = ("early", "middle", "late")
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``raise`` fault throws."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault (see the module docstring). Spec: ``ACTION:ROLE:RANK:WHEN:STEP``,
+    e.g. ``raise:train:1:middle:2``."""
+
+    action: str
+    role: str
+    rank: int = 0
+    when: str = "middle"
+    step: int = 2
+
+    def __post_init__(self):
+        if self.action not in ACTIONS or self.role not in ROLES or self.when not in WHENS:
+            raise ValueError(f"fault {self.spec()!r}: action in {ACTIONS}, role in {ROLES}, when in {WHENS}")
+        if self.step < 1 or self.rank < 0:
+            raise ValueError(f"fault {self.spec()!r}: step >= 1, rank >= 0")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        parts = spec.split(":")
+        if len(parts) != 5:
+            raise ValueError(f"fault {spec!r}: want ACTION:ROLE:RANK:WHEN:STEP, e.g. raise:train:1:middle:2")
+        a, r, k, w, s = parts
+        return cls(a, r, int(k), w, int(s))
+
+    def spec(self) -> str:
+        return f"{self.action}:{self.role}:{self.rank}:{self.when}:{self.step}"
+
+    @property
+    def name(self) -> str:
+        """The process the fault hits, as the control plane names it."""
+        return {"train": f"training {self.rank}", "infer": f"inference {self.rank}"}.get(self.role, "controller")
+
+    def check(self, cfg) -> None:
+        """ValueError before any process starts if the fault cannot happen in this trial."""
+        n = {"train": cfg.n_train, "infer": cfg.n_infer, "controller": 1}[self.role]
+        if self.rank >= n:
+            raise ValueError(f"fault {self.spec()}: no {self.role} rank {self.rank} (the trial has {n})")
+        if self.step > cfg.warmup + cfg.steps:
+            raise ValueError(f"fault {self.spec()}: the trial has {cfg.warmup + cfg.steps} updates")
+        if cfg.method != "reference":
+            raise ValueError(f"fault {self.spec()}: faults are injected into the reference method only")
+
+
+def _act(fault: Fault, where: str) -> None:
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise InjectedFault(f"injected fault ({fault.spec()}) in {where}")
+
+
+def install_trainer(fault: Fault | None, rank: int, side, store, log=print) -> None:
+    """Training rank ``rank``: wrap the reference trainer's write stage so that the fault
+    fires at its point (no-op unless this rank owns the trigger)."""
+    if fault is None or rank != (fault.rank if fault.role == "train" else 0):
+        return
+    ex = side.executor
+    n = len(ex.plan.tasks)
+    at = {"early": 0, "middle": n // 2, "late": n}[fault.when]
+    state = {"step": 0, "count": 0}
+    orig_write, orig_transfer = ex._write, side.transfer
+
+    def fire(where: str) -> None:
+        store.set("fault/fired", repr(time.time()).encode())
+        log(f"fault {fault.spec()}: firing {where} (write task {state['count']} of {n})")
+        if fault.role == "train":
+            _act(fault, where)
+        else:
+            store.set("fault/fire", b"1")
+            time.sleep(0.3)  # let the target act while this update is still moving
+
+    def write(w, st, abort=None):
+        if state["step"] == fault.step and state["count"] == at and at < n:
+            fire(f"training {rank}'s write stage of step {fault.step}")
+        state["count"] += 1
+        return orig_write(w, st, abort)
+
+    def transfer(step):
+        state.update(step=step, count=0)
+        out = orig_transfer(step)
+        if step == fault.step and at >= n:
+            fire(f"training {rank} after its last write of step {step}")
+        return out
+
+    ex._write = write
+    side.transfer = transfer
+
+
+def install_watcher(fault: Fault | None, who: tuple[str, int], addr: tuple[str, int]) -> None:
+    """In the process ``who`` (``("infer", i)`` or ``("controller", 0)``): if the fault targets
+    it, a daemon thread waits for ``fault/fire`` and acts (``raise``: :class:`InjectedFault` in
+    the main thread, through a SIGUSR1 handler). Call from the main thread."""
+    if fault is None or (fault.role, fault.rank) != who:
+        return
+    from reference import control
+
+    where = f"{fault.name}'s main thread"
+
+    def handler(signum, frame):
+        raise InjectedFault(f"injected fault ({fault.spec()}) in {where}")
+
+    if fault.action == "raise":
+        signal.signal(signal.SIGUSR1, handler)
+
+    def watch():
+        store = control.make_store(*addr, is_master=False, timeout=60)
+        while not store.check(["fault/fire"]):
+            time.sleep(0.002)
+        if fault.action == "raise":
+            _thread.interrupt_main(signal.SIGUSR1)
+        else:
+            _act(fault, where)
+
+    threading.Thread(target=watch, name="fault-watcher", daemon=True).start()
+
+
+# --------------------------------------------------------------------------------------------
+# one row: a trial with the fault, in its own process tree
+
+
+def small_config(**kw):
+    """The matrix's world: Qwen3-0.6B cut to 2 layers and an 8192-token vocabulary, 2 FSDP2
+    training ranks, one TP=2 inference instance, CMA; 3 updates (the fault hits update 2)."""
+    from .config import TrialConfig
+
+    base = dict(model="qwen3-0.6b", overrides={"num_hidden_layers": 2, "vocab_size": 8192}, n_train=2, tp=2,
+                steps=3, warmup=0, timeout=60.0)
+    base.update(kw)
+    return TrialConfig(**base)
+
+
+def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) -> dict:
+    """Run one trial with ``fault`` in this process (the controller) and return what happened:
+    ``{"error", "seconds_to_error", "state", "restored", "rows"}``. Raises nothing for the
+    fault's own error."""
+    from reference import control
+
+    from .trial import run_trial
+
+    cfg = cfg or small_config()
+    fault.check(cfg)
+    seen: list = []
+    out = {"fault": fault.spec(), "error": None, "seconds_to_error": None, "state": None, "restored": None}
+    probe: dict = {}
+    try:
+        run_trial(cfg, progress=seen.append, fault=fault, stall=stall, restarts=restarts, probe=probe)
+    except (control.ControlError, InjectedFault) as e:
+        out["error"] = str(e).splitlines()[0]
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    t_err = probe.get("t_error", time.time())
+    out["error"] = probe.get("error") or out["error"]
+    fired = probe.get("fired")
+    out["seconds_to_error"] = None if fired is None or out["error"] is None else t_err - fired
+    out["state"] = probe.get("state_after_fault")
+    after = [r for r in seen if r["step"] > fault.step]
+    out["restored"] = bool(after) and all(r["verified"] is True for r in after)
+    out["rows"] = [(r["step"], r["verified"]) for r in seen]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the matrix
+
+
+def _session_procs(sid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _state_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
+    """Run ``fault`` as ``python -m experiments.faults --row`` in a new session; returns the
+    row's result plus ``exit`` (status; negative: signal), ``left`` (processes of the session
+    alive after it exited) and ``wall`` (seconds). A stopped controller is resumed (SIGCONT)
+    once its ranks have left or after ``stall + 10`` s: the operator's part."""
+    cmd = [sys.executable, "-m", "experiments.faults", "--row", fault.spec(), "--stall", str(stall)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    resumed = False
+    stopped_at = None
+    while p.poll() is None and time.monotonic() - t0 < limit:
+        time.sleep(0.1)
+        if _state_of(p.pid) == "T" and not resumed:
+            stopped_at = stopped_at or time.monotonic()
+            others = [q for q in _session_procs(p.pid) if q != p.pid]
+            if not others or time.monotonic() - stopped_at > stall + 10:
+                os.kill(p.pid, signal.SIGCONT)
+                resumed = True
+    timed_out = p.poll() is None
+    if timed_out:
+        os.killpg(p.pid, signal.SIGKILL)
+    out_s, err_s = p.communicate()
+    wall = time.monotonic() - t0
+    time.sleep(0.5)
+    left = _session_procs(p.pid)
+    for q in left:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except OSError:
+            pass
+    res = {}
+    for line in out_s.splitlines():
+        if line.startswith("{"):
+            res = json.loads(line)
+    if not res:
+        res = {"fault": fault.spec(), "error": None, "seconds_to_error": None, "state": None, "restored": False}
+        errs = [ln for ln in err_s.splitlines() if "error" in ln.lower() or "Error" in ln]
+        res["error"] = (errs[-1] if errs else "(no error line)")
+    if fault.role == "controller" and fault.action == "kill":
+        res["error"] = res.get("error") or f"controller: killed (exit {p.returncode})"
+    res.update(exit=p.returncode, left=len(left), wall=wall, timed_out=timed_out, stderr_tail=err_s[-2000:])
+    return res
+
+
+def named(fault: Fault, res: dict) -> str:
+    err = res.get("error") or ""
+    for role in ("training", "inference"):
+        for r in range(8):
+            if f"{role} {r}:" in err:
+                return f"{role} {r}"
+    if "controller" in err:
+        return "controller"
+    return "-"
+
+
+QUICK = ("raise:train:1:middle:2", "kill:infer:0:middle:2", "stop:train:1:middle:2")
+
+
+def all_faults() -> list[Fault]:
+    rank = {"train": 1, "infer": 0, "controller": 0}
+    return [Fault(a, r, rank[r], w, 2) for r in ROLES for a in ACTIONS for w in WHENS]
+
+
+def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
+    lines = ["# fault matrix: qwen3-0.6b (2 layers, vocab 8192), 2 FSDP2 training ranks -> TP=2, CMA; fault in update 2 of 3",
+             f"# stall deadline {stall:.0f} s; training faults restart the training world once (inference keeps its memory)",
+             f"#{'fault':>24} {'to_error':>9} {'named':>12} {'exit':>5} {'left':>5} {'weights after fault':>26} "
+             f"{'restored':>9} {'ok':>4}",
+             f"#{'':>24} {'(s)':>9}"]
+    for f, r in rows:
+        ste = "-" if r.get("seconds_to_error") is None else f"{r['seconds_to_error']:.2f}"
+        who = named(f, r)
+        ok = who == f.name and r["left"] == 0 and not r.get("timed_out")
+        state = r.get("state") or "-"
+        restored = "yes" if r.get("restored") else ("n/a" if f.role != "train" else "no")
+        lines.append(f"{f.spec():>25} {ste:>9} {who:>12} {r['exit']:>5} {r['left']:>5} {state:>26} {restored:>9} "
+                     f"{'yes' if ok else 'NO':>4}")
+    bad = [f.spec() for f, r in rows if not (named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out"))]
+    lines.append(f"# rows named, bounded and clean: {len(rows) - len(bad)}/{len(rows)}" + (f"; not: {bad}" if bad else ""))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """``python -m experiments faults``: run the matrix (or ``--quick``'s 3 rows, or ``--only``)
+    and print the table."""
+    faults = ([Fault.parse(s) for s in args.only] if args.only else
+              [Fault.parse(s) for s in QUICK] if args.quick else all_faults())
+    rows = []
+    for f in faults:
+        r = matrix_row(f, stall=args.stall, limit=args.limit)
+        rows.append((f, r))
+        print(f"# {f.spec()}: {r.get('error')}", file=sys.stderr, flush=True)
+        if args.verbose:
+            print(r["stderr_tail"], file=sys.stderr)
+    print(format_matrix(rows, stall=args.stall))
+    return 0 if all(named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out") for f, r in rows) else 1
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--quick", action="store_true", help=f"3 rows: {', '.join(QUICK)}")
+    ap.add_argument("--only", action="append", default=[], metavar="SPEC", help="run this fault (repeatable)")
+    ap.add_argument("--stall", type=float, default=5.0, help="seconds without a heartbeat before a rank is named")
+    ap.add_argument("--limit", type=float, default=180.0, help="seconds a row may take before it is killed")
+    ap.add_argument("--verbose", action="store_true", help="print each row's stderr tail")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m experiments.faults")
+    ap.add_argument("--row", default=None, help="run one row in this process and print it as JSON")
+    add_arguments(ap)
+    a = ap.parse_args()
+    if a.row:
+        res = run_row(Fault.parse(a.row), stall=a.stall)
+        print(json.dumps(res), flush=True)
+        sys.exit(1 if res["error"] else 0)
+    sys.exit(main(a))
