@@ -11,6 +11,7 @@ Examples::
     python -m experiments run --serial                         # stage-serialized executor
     python -m experiments sweep --list                         # named sweeps (docs/SWEEPS.md)
     python -m experiments sweep qwen3_cpu_small --cluster local
+    python -m experiments faults --quick                       # fault matrix subset (docs/FAULTS.md)
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written.
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--folder", default=str(DEFAULT_RESULTS.parent / "jobs"), help="submitit job folder (logs)")
     sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent), help="rows -> DIR/<sweep>.csv")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    from .faults import add_arguments as fault_arguments
+
+    fault_arguments(sub.add_parser("faults", help="fault matrix: {kill, raise, stop} x {training, inference, "
+                                                  "controller} x {early, middle, late} (docs/FAULTS.md)"))
     return ap
 
 
@@ -158,6 +163,10 @@ def main(argv=None) -> int:
         from .sim.run import main as simulate_main
 
         return simulate_main(args)
+    if args.cmd == "faults":
+        from .faults import main as faults_main
+
+        return faults_main(args)
     if args.cmd == "sweep":
         from .sweep import main as sweep_main
 

@@ -177,7 +177,8 @@ def trial_cfg(**kw):
 
 
 def live_children() -> list[int]:
-    """Processes whose parent is this one, not zombies."""
+    """Processes whose parent is this one, not zombies (multiprocessing's resource tracker,
+    started once per interpreter by the spawn context, is not a rank)."""
     me, out = os.getpid(), []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -187,6 +188,12 @@ def live_children() -> list[int]:
             except OSError:
                 continue
             if int(fields[1]) == me and fields[0] != "Z":
+                try:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        if b"resource_tracker" in f.read():
+                            continue
+                except OSError:
+                    continue
                 out.append(int(d))
     return out
 
@@ -234,6 +241,6 @@ def test_c16_stopped_training_rank_named_and_nothing_left(tmp_path):
     stall = 4.0
     res = matrix_row(Fault.parse("stop:train:1:middle:2"), stall=stall, limit=150)
     assert "training 1: no heartbeat for" in (res["error"] or ""), res["stderr_tail"]
-    assert stall <= res["seconds_to_error"] < stall + 4
+    assert stall - 1 <= res["seconds_to_error"] < stall + 4  # the last beat precedes the stop by < 1 s
     assert res["left"] == 0 and not res["timed_out"]
     assert res["state"] == "incomplete v2" and res["restored"]
