@@ -209,7 +209,9 @@ def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) ->
 # the matrix
 
 
-def _session_procs(sid: int) -> list[int]:
+def _session_procs(sid: int, *, helpers: bool = True) -> list[int]:
+    """Live (not zombie) processes of session ``sid``; ``helpers=False`` leaves out
+    multiprocessing's resource tracker (it exits with its parent)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -217,6 +219,10 @@ def _session_procs(sid: int) -> list[int]:
                 with open(f"/proc/{d}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 if int(fields[3]) == sid and fields[0] != "Z":
+                    if not helpers:
+                        with open(f"/proc/{d}/cmdline", "rb") as f:
+                            if b"resource_tracker" in f.read():
+                                continue
                     out.append(int(d))
             except (OSError, IndexError, ValueError):
                 pass
@@ -241,12 +247,18 @@ def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     resumed = False
-    stopped_at = None
-    while p.poll() is None and time.monotonic() - t0 < limit:
-        time.sleep(0.1)
+    stopped_at = exited_at = cleaned_at = None
+    while time.monotonic() - t0 < limit:
+        time.sleep(0.05)
+        if p.poll() is not None:
+            exited_at = exited_at or time.monotonic()
+            if not _session_procs(p.pid) or time.monotonic() - exited_at > stall + 10:
+                cleaned_at = time.monotonic()
+                break
+            continue
         if _state_of(p.pid) == "T" and not resumed:
             stopped_at = stopped_at or time.monotonic()
-            others = [q for q in _session_procs(p.pid) if q != p.pid]
+            others = [q for q in _session_procs(p.pid, helpers=False) if q != p.pid]
             if not others or time.monotonic() - stopped_at > stall + 10:
                 os.kill(p.pid, signal.SIGCONT)
                 resumed = True
@@ -255,7 +267,6 @@ def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
         os.killpg(p.pid, signal.SIGKILL)
     out_s, err_s = p.communicate()
     wall = time.monotonic() - t0
-    time.sleep(0.5)
     left = _session_procs(p.pid)
     for q in left:
         try:
@@ -270,8 +281,9 @@ def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
         res = {"fault": fault.spec(), "error": None, "seconds_to_error": None, "state": None, "restored": False}
         errs = [ln for ln in err_s.splitlines() if "error" in ln.lower() or "Error" in ln]
         res["error"] = (errs[-1] if errs else "(no error line)")
-    if fault.role == "controller" and fault.action == "kill":
-        res["error"] = res.get("error") or f"controller: killed (exit {p.returncode})"
+    if fault.role == "controller" and fault.action == "kill":  # nobody is left to say more
+        res.update(error=f"controller: killed (exit {p.returncode}); its ranks followed (PR_SET_PDEATHSIG)",
+                   seconds_to_error=None if cleaned_at is None else cleaned_at - exited_at, state="- (all gone)")
     res.update(exit=p.returncode, left=len(left), wall=wall, timed_out=timed_out, stderr_tail=err_s[-2000:])
     return res
 

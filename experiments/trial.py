@@ -217,7 +217,10 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     def note_failure(e: BaseException) -> None:
         if "error" in probe:
             return
-        probe.update(error=str(e).splitlines()[0] if str(e) else type(e).__name__, t_error=time.time(),
+        msg = str(e).splitlines()[0] if str(e) else ""
+        if not isinstance(e, control.ControlError):  # the controller's own error
+            msg = f"controller: {type(e).__name__}: {msg}"
+        probe.update(error=msg, t_error=time.time(),
                      state_after_fault=_short_state(ctl.state()))
         if store.check(["fault/fired"]):
             probe["fired"] = float(store.get("fault/fired").decode())
