@@ -5,6 +5,13 @@ Flow (DESIGN.md "control plane"): start the TCPStore, spawn ``n_train`` training
 once, hand each training rank its part, then per update: "load" (the optimizer-step stand-in),
 "go", wait for every completion, publish the version, wait for every inference rank's
 verification. One tidy row per update.
+
+Failures (docs/FAULTS.md): the controller names the first failed process ("training 1: ...",
+"inference 0: ...") as soon as it reports an error, dies or stops beating, publishes the
+weights as incomplete, and every rank process is ended (SIGTERM, then SIGKILL) before the
+error propagates; locally launched ranks also die with the controller (``PR_SET_PDEATHSIG``)
+and leave on their own when its heartbeat stops. ``run_trial(..., restarts=n)`` restarts the
+training world after a training-side failure instead, and the run goes on.
 """
 from __future__ import annotations
 
@@ -247,8 +254,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                       flush=True)
                 gen += 1
                 restart_training(gen, step + 1)
-                if ctl.monitor is not None:
-                    ctl.monitor.reset([r for r in range(cfg.n_train)])
+                ctl.training_restarted()
                 step += 1
                 continue
             ver = ctl.verified(step) if cfg.verify else {}

@@ -360,6 +360,14 @@ class Controller:
                     out.append(f"inference {i}: {res['error']}")
         return out
 
+    def training_restarted(self) -> None:
+        """The training world was replaced: forget its ranks' last words and heartbeats."""
+        for r in range(self.n_train):
+            if self.store.check([f"fatal/train{r}"]):
+                self.store.delete_key(f"fatal/train{r}")
+        if self.monitor is not None:
+            self.monitor.reset(list(range(self.n_train)))
+
     def _failure(self, step: int | None = None, grace: float = 0.3) -> Callable[[], str | None]:
         def check() -> str | None:
             found = self.culprits(step)
