@@ -244,3 +244,20 @@ def test_c16_stopped_training_rank_named_and_nothing_left(tmp_path):
     assert stall - 1 <= res["seconds_to_error"] < stall + 4  # the last beat precedes the stop by < 1 s
     assert res["left"] == 0 and not res["timed_out"]
     assert res["state"] == "incomplete v2" and res["restored"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_fault_matrix_quick_rows_named_bounded_clean(capsys):
+    """``python -m experiments faults --quick``: three rows (a training rank raising, an
+    inference rank killed, a training rank stopped), each its own process tree; every row names
+    the faulted rank, ends, and leaves nothing behind."""
+    import argparse
+
+    from experiments.faults import add_arguments, main
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert main(ap.parse_args(["--quick", "--stall", "4"])) == 0
+    out = capsys.readouterr().out
+    assert "rows named, bounded and clean: 3/3" in out
