@@ -166,11 +166,12 @@ def install_watcher(fault: Fault | None, who: tuple[str, int], addr: tuple[str, 
 
 def small_config(**kw):
     """The matrix's world: Qwen3-0.6B cut to 2 layers and an 8192-token vocabulary, 2 FSDP2
-    training ranks, one TP=2 inference instance, CMA; 3 updates (the fault hits update 2)."""
+    training ranks, one TP=2 inference instance, CMA; 3 updates (the fault hits update 2). The
+    timeout bounds setup (process start on a loaded machine); stalls are ``stall``'s business."""
     from .config import TrialConfig
 
     base = dict(model="qwen3-0.6b", overrides={"num_hidden_layers": 2, "vocab_size": 8192}, n_train=2, tp=2,
-                steps=3, warmup=0, timeout=60.0)
+                steps=3, warmup=0, timeout=180.0)
     base.update(kw)
     return TrialConfig(**base)
 
@@ -289,14 +290,12 @@ def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
 
 
 def named(fault: Fault, res: dict) -> str:
+    """The role and rank the row's error names first (``"training 1"``, ``"inference 0"``,
+    ``"controller"``), ``"-"`` if none."""
     err = res.get("error") or ""
-    for role in ("training", "inference"):
-        for r in range(8):
-            if f"{role} {r}:" in err:
-                return f"{role} {r}"
-    if "controller" in err:
-        return "controller"
-    return "-"
+    cands = [f"{role} {r}:" for role in ("training", "inference") for r in range(8)] + ["controller"]
+    found = [(err.find(c), c.rstrip(":")) for c in cands if c in err]
+    return min(found)[1] if found else "-"
 
 
 QUICK = ("raise:train:1:middle:2", "kill:infer:0:middle:2", "stop:train:1:middle:2")

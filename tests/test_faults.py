@@ -171,7 +171,7 @@ def test_c14_in_process_failed_update_marked_incomplete_then_restored(store):
 def trial_cfg(**kw):
     from experiments.faults import small_config
 
-    base = dict(steps=2, warmup=0, timeout=60.0)
+    base = dict(steps=2, warmup=0, timeout=180.0)
     base.update(kw)
     return small_config(**base)
 
