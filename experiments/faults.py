@@ -309,16 +309,16 @@ def all_faults() -> list[Fault]:
 def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
     lines = ["# fault matrix: qwen3-0.6b (2 layers, vocab 8192), 2 FSDP2 training ranks -> TP=2, CMA; fault in update 2 of 3",
              f"# stall deadline {stall:.0f} s; training faults restart the training world once (inference keeps its memory)",
-             f"#{'fault':>24} {'to_error':>9} {'named':>12} {'exit':>5} {'left':>5} {'weights after fault':>26} "
+             f"#{'fault':>27} {'to_error':>9} {'named':>12} {'exit':>5} {'left':>5} {'weights after fault':>20} "
              f"{'restored':>9} {'ok':>4}",
-             f"#{'':>24} {'(s)':>9}"]
+             f"#{'':>27} {'(s)':>9}"]
     for f, r in rows:
         ste = "-" if r.get("seconds_to_error") is None else f"{r['seconds_to_error']:.2f}"
         who = named(f, r)
         ok = who == f.name and r["left"] == 0 and not r.get("timed_out")
         state = r.get("state") or "-"
         restored = "yes" if r.get("restored") else ("n/a" if f.role != "train" else "no")
-        lines.append(f"{f.spec():>25} {ste:>9} {who:>12} {r['exit']:>5} {r['left']:>5} {state:>26} {restored:>9} "
+        lines.append(f"{f.spec():>28} {ste:>9} {who:>12} {r['exit']:>5} {r['left']:>5} {state:>20} {restored:>9} "
                      f"{'yes' if ok else 'NO':>4}")
     bad = [f.spec() for f, r in rows if not (named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out"))]
     lines.append(f"# rows named, bounded and clean: {len(rows) - len(bad)}/{len(rows)}" + (f"; not: {bad}" if bad else ""))
