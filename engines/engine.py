@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -67,6 +68,12 @@ from reference.types import DestTensorMeta, InferenceLayout, dtype_name, torch_d
 
 ALIGN = 16
 """Byte alignment of every tensor's offset in the arena."""
+GUARD = 64
+"""Bytes of guard pattern just before and just after the arena (the registered region): a
+write that strays past either end of the region lands there, and :meth:`Engine.guard_damage`
+finds it (checked after every update by ``experiments/verify.py``)."""
+GUARD_BYTE = 0x5A
+"""The guard pattern (a value neither the zeroed arena nor the 0xA5 poison uses)."""
 VOCAB_PAD = 64
 """vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: vocab rows are padded to a multiple of this."""
 FP8_BLOCK = 128
@@ -304,6 +311,55 @@ def engine_tensor_metas(cfg: ModelConfig, layout: InferenceLayout, rank: int) ->
 
 
 # --------------------------------------------------------------------------------------------
+# reading under the version protocol
+
+
+class UpdateInProgress(RuntimeError):
+    """No complete version of the weights could be read: an update is being written, or the
+    last one failed (the bytes are a mix). ``state`` is the last state seen."""
+
+    def __init__(self, state, msg: str):
+        super().__init__(msg)
+        self.state = state
+
+
+def read_consistent(state: Callable[[], object], read: Callable[[], object], *, wait: bool = True,
+                    timeout: float = 30.0, poll: float = 0.005):
+    """A seqlock read of weights that are written in place by one-sided writes.
+
+    ``state()`` returns the published state of the weights (e.g.
+    ``reference.control.InferenceClient.state``: anything with a ``complete`` attribute whose
+    equality means "no transition in between": the control plane's ``WeightsState`` carries a
+    sequence number that moves at every transition). ``read()`` reads the bytes (copies them,
+    or runs a forward pass). The read counts only if the state was complete before it and is
+    the same after it: the writers publish "writing" before their first byte and "complete"
+    only after their last, so no byte changed in between. Otherwise it is retried; while the
+    state is not complete, ``wait=False`` raises :class:`UpdateInProgress` at once, ``wait=True``
+    polls every ``poll`` seconds up to ``timeout``. Returns ``(state, read())``.
+
+    This is the pause side of pause/resume: readers wait (or report "update in progress")
+    while an update writes in place; memory cost nothing. A serving engine (the stand-in here,
+    a vLLM worker extension) brackets each forward step with the same two ``state()`` reads and
+    discards a step whose states differ. A double-buffered option (two weight sets, writes to
+    the inactive one, flipped at publish) would let readers run during an update at the cost
+    of a second copy of every parameter (2x the arena bytes per inference rank); it is not
+    built here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s0 = state()
+        if getattr(s0, "complete", False):
+            out = read()
+            s1 = state()
+            if s1 == s0:
+                return s0, out
+            s0 = s1
+        if not wait or time.monotonic() >= deadline:
+            raise UpdateInProgress(s0, f"no complete version to read (weights: {s0})"
+                                       + ("" if not wait else f" within {timeout:.0f} s"))
+        time.sleep(poll)
+
+
+# --------------------------------------------------------------------------------------------
 # the engine
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -336,8 +392,12 @@ class Engine:
         self.tp_rank = rank % layout.tp
         plan = _plan(cfg, layout, rank)
         total = -(-(plan[-1][1] + plan[-1][2]) // ALIGN) * ALIGN if plan else 0
-        self.arena = torch.zeros(total, dtype=torch.uint8, device=device)
-        """Every parameter of this rank, back to back (16-byte aligned offsets)."""
+        self._buffer = torch.full((total + 2 * GUARD,), GUARD_BYTE, dtype=torch.uint8, device=device)
+        """The arena with :data:`GUARD` guard bytes on each side."""
+        self.arena = self._buffer[GUARD:GUARD + total]
+        """Every parameter of this rank, back to back (16-byte aligned offsets); the region a
+        transport registers. Starts zeroed."""
+        self.arena.zero_()
         self._specs: dict[str, _Param] = {}
         self._params: dict[str, torch.Tensor] = {}
         self._offsets: dict[str, tuple[int, int]] = {}
@@ -363,6 +423,26 @@ class Engine:
         return [DestTensorMeta(rank=self.rank, name=n, shape=tuple(self._params[n].shape),
                                dtype=dtype_name(self._params[n].dtype), offset=o, nbytes=nb)
                 for n, (o, nb) in self._offsets.items()]
+
+    def guard_damage(self) -> list[tuple[str, int, int]]:
+        """Guard bytes (just outside :attr:`arena`) that no longer hold :data:`GUARD_BYTE`:
+        ``[(side, n_changed, first changed offset from the arena edge)]``, ``side`` ``"before"``
+        (offset counted backwards from byte -1) or ``"after"``; empty when intact."""
+        out = []
+        for side, g in (("before", self._buffer[:GUARD].flip(0)), ("after", self._buffer[GUARD + self.arena.numel():])):
+            bad = (g != GUARD_BYTE).nonzero()
+            if bad.numel():
+                out.append((side, int(bad.numel()), int(bad[0])))
+        return out
+
+    def read_weights(self, state: Callable[[], object], *, names: Iterable[str] | None = None, wait: bool = True,
+                     timeout: float = 30.0) -> tuple[object, dict[str, torch.Tensor]]:
+        """Copies of the parameters (all, or ``names``) that are one complete version, read
+        under the control plane's version protocol with :func:`read_consistent`; returns
+        ``(state, {name: tensor})``. Raises :class:`UpdateInProgress` (``wait=False`` at once,
+        else after ``timeout`` seconds) while no complete version can be read."""
+        keys = list(self._params) if names is None else list(names)
+        return read_consistent(state, lambda: {n: self._params[n].clone() for n in keys}, wait=wait, timeout=timeout)
 
     def missing_after_load(self) -> list[str]:
         """Engine tensors that are not completely written (some shard never loaded, or an FP8

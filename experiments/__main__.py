@@ -15,6 +15,7 @@ Examples::
     python -m experiments bench-quant --repeats 3                # benchmarks (experiments/bench/)
     python -m experiments bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
     python -m experiments bench-transports --mib 64 --transports memcpy,cma
+    python -m experiments faults --quick                       # fault matrix subset (docs/FAULTS.md)
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written; a bad option value
@@ -136,6 +137,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sw.add_argument("--folder", default=str(DEFAULT_RESULTS.parent / "jobs"), help="submitit job folder (logs)")
     sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent), help="rows -> DIR/<sweep>.csv")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    from .faults import add_arguments as fault_arguments
+
+    fault_arguments(sub.add_parser("faults", help="fault matrix: {kill, raise, stop} x {training, inference, "
+                                                  "controller} x {early, middle, late} (docs/FAULTS.md)"))
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, cls_name, help_) in BENCHMARKS.items():
@@ -230,6 +235,10 @@ def main(argv=None) -> int:
         from .sim.run import main as simulate_main
 
         return simulate_main(args)
+    if args.cmd == "faults":
+        from .faults import main as faults_main
+
+        return faults_main(args)
     if args.cmd == "sweep":
         return sweep_main(args)
     if args.cmd.startswith("bench-"):

@@ -5,11 +5,20 @@ Flow (DESIGN.md "control plane"): start the TCPStore, spawn ``n_train`` training
 once, hand each training rank its part, then per update: "load" (the optimizer-step stand-in),
 "go", wait for every completion, publish the version, wait for every inference rank's
 verification. One tidy row per update.
+
+Failures (docs/FAULTS.md): the controller names the first failed process ("training 1: ...",
+"inference 0: ...") as soon as it reports an error, dies or stops beating, publishes the
+weights as incomplete, and every rank process is ended (SIGTERM, then SIGKILL) before the
+error propagates; locally launched ranks also die with the controller (``PR_SET_PDEATHSIG``)
+and leave on their own when its heartbeat stops. ``run_trial(..., restarts=n)`` restarts the
+training world after a training-side failure instead, and the run goes on.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,8 +49,13 @@ class _Procs:
 
     @staticmethod
     def _dead(ps: dict[int, mp.Process]) -> dict[int, str]:
-        return {r: f"process {p.pid} exited with code {p.exitcode}" for r, p in ps.items()
-                if p.exitcode is not None and p.exitcode != 0}
+        out = {}
+        for r, p in ps.items():
+            code = p.exitcode
+            if code is not None and code != 0:
+                sig = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
+                out[r] = f"process {p.pid} exited with code {code}{sig}"
+        return out
 
     def dead_train(self):
         return self._dead(self.train)
@@ -51,6 +65,22 @@ class _Procs:
 
     def all(self):
         return list(self.train.values()) + list(self.infer.values())
+
+
+def stop_processes(ps, grace: float = 0.5) -> None:
+    """End every process of ``ps`` and reap it: SIGTERM, ``grace`` seconds, then SIGKILL (a
+    stopped process keeps SIGTERM pending; SIGKILL ends it). Returns once none is left."""
+    ps = [p for p in ps if p.pid is not None]
+    for p in ps:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in ps:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in ps:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
 
 
 def preflight(cfg: TrialConfig) -> None:
@@ -69,53 +99,104 @@ def preflight(cfg: TrialConfig) -> None:
         engine_tensor_metas(mcfg, cfg.layout, rank)
 
 
-def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
+def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | None = None, restarts: int = 0,
+              probe: dict | None = None) -> TrialResult:
     """Run one trial locally; raises PlanError / ControlError with a one-line cause first.
 
     = :func:`preflight`, then spawn every rank as a local OS process + :func:`run_controller`
-    in this process."""
+    in this process. The ranks die with this process (``PR_SET_PDEATHSIG``); on any error they
+    are all ended (SIGTERM, then SIGKILL) before it propagates, so nothing is left behind.
+
+    ``stall``: seconds without a heartbeat before a rank (or, seen from the ranks, the
+    controller) is declared stopped (default ``cfg.timeout``). ``restarts``: times the training
+    world may be restarted after an update failed on the training side (the inference ranks
+    keep their memory; the next update must restore a complete version). ``fault``
+    (:class:`experiments.inject.Fault`) is injected; ``probe`` (a dict) receives what happened
+    at the first failure (``error``, ``t_error``, ``fired``, ``state_after_fault``)."""
     preflight(cfg)
+    if fault is not None:
+        fault.check(cfg)
+    stall = cfg.timeout if stall is None else stall
     env = environment()
     memcpy = measure_memcpy_gbps()
     store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.timeout)
     addr = ("127.0.0.1", store.port)
     ctx = mp.get_context("spawn")
     procs = _Procs()
+    parent = os.getpid()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for r in range(cfg.n_train):
-        procs.train[r] = ctx.Process(target=trainer_main, args=(cfg, r, addr), name=f"train{r}", daemon=True)
+
+    def spawn_training(gen: int, first_step: int) -> None:
+        for r in range(cfg.n_train):
+            kw = dict(gen=gen, first_step=first_step, stall=stall, fault=fault if gen == 0 else None, parent=parent)
+            procs.train[r] = ctx.Process(target=trainer_main, args=(cfg, r, addr), kwargs=kw,
+                                         name=f"train{r}" + (f".{gen}" if gen else ""), daemon=True)
+            procs.train[r].start()
+
+    def restart_training(gen: int, first_step: int) -> None:
+        stop_processes(procs.train.values())
+        spawn_training(gen, first_step)
+
     for i in range(cfg.n_infer):
-        procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr), name=f"infer{i}", daemon=True)
-    for p in procs.all():
+        procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
+                                     kwargs=dict(stall=stall, fault=fault, parent=parent), name=f"infer{i}", daemon=True)
+    spawn_training(0, 1)
+    for p in procs.infer.values():
         p.start()
     try:
         result = run_controller(cfg, store, procs.dead_train, procs.dead_infer, progress=progress, env=env,
-                                memcpy_gbps=memcpy)
+                                memcpy_gbps=memcpy, stall=stall, restarts=restarts,
+                                restart_training=restart_training, fault=fault, probe=probe)
     except BaseException:
-        for p in procs.all():
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        stop_processes(procs.all())
         raise
+    deadline = time.monotonic() + 30
     for p in procs.all():
-        p.join(timeout=30)
-        if p.is_alive():
-            p.terminate()
+        p.join(max(0.0, deadline - time.monotonic()))
+    stop_processes(procs.all())
     return result
 
 
+def _short_state(s) -> str:
+    return f"{s.state} v{s.version}"
+
+
 def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=None, *, progress=None,
-                   env: dict | None = None, memcpy_gbps: float | None = None) -> TrialResult:
+                   env: dict | None = None, memcpy_gbps: float | None = None, stall: float | None = None,
+                   restarts: int = 0, restart_training=None, fault=None, probe: dict | None = None) -> TrialResult:
     """The controller's part of a trial, on its own: whoever started the ranks (this module's
     :func:`run_trial`, a submitit job's tasks, SLURM) hands over the master ``store`` they
     connect to. Collects metadata, plans once, drives warmup + measured updates, returns
     the tidy rows. ``liveness_*`` return ``{rank: reason}`` for ranks known dead (None: rely
-    on the abort key and ``cfg.timeout``). Shuts the ranks down on success and on error."""
+    on the abort key, heartbeats and ``cfg.timeout``). ``stall`` (default ``cfg.timeout``):
+    heartbeat deadline. After an update that failed on the training side,
+    ``restart_training(gen, first_step)`` (if given, at most ``restarts`` times) replaces the
+    training world and the run continues with the next step. Shuts the ranks down on success
+    and on error."""
+    from experiments.inject import install_watcher
+
     env = env if env is not None else environment()
+    stall = cfg.timeout if stall is None else stall
     ctl = control.Controller(store, cfg.n_train, cfg.n_infer, timeout=cfg.timeout,
-                             liveness_train=liveness_train, liveness_infer=liveness_infer)
+                             liveness_train=liveness_train, liveness_infer=liveness_infer, stall=stall)
+    addr = (getattr(store, "host", "127.0.0.1"), store.port)
+    beat = control.Heartbeat(addr, "controller")
+    install_watcher(fault, ("controller", 0), addr)
     run_id = uuid.uuid4().hex[:12]
     rows: list[dict] = []
+    probe = probe if probe is not None else {}
+
+    def note_failure(e: BaseException) -> None:
+        if "error" in probe:
+            return
+        msg = str(e).splitlines()[0] if str(e) else ""
+        if not isinstance(e, control.ControlError):  # the controller's own error
+            msg = f"controller: {type(e).__name__}: {msg}"
+        probe.update(error=msg, t_error=time.time(),
+                     state_after_fault=_short_state(ctl.state()))
+        if store.check(["fault/fired"]):
+            probe["fired"] = float(store.get("fault/fired").decode())
+
     try:
         train_metas, infer = ctl.collect()
         t0 = time.perf_counter()
@@ -125,9 +206,23 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                                                     model_config=mcfg, layout=cfg.layout,
                                                     train_metas=train_metas, infer_payloads=infer))
         plan_s = time.perf_counter() - t0
-        for step in range(1, cfg.warmup + cfg.steps + 1):
-            ctl.load(step)
-            seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
+        gen, step = 0, 1
+        while step <= cfg.warmup + cfg.steps:
+            try:
+                ctl.load(step)
+                seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
+            except control.ControlError as e:
+                note_failure(e)
+                culprit = ctl.last_culprit or ""
+                if restart_training is None or gen >= restarts or not culprit.startswith("training"):
+                    raise
+                print(f"# step {step}: {str(e).splitlines()[0]}; restarting the training world", file=sys.stderr,
+                      flush=True)
+                gen += 1
+                restart_training(gen, step + 1)
+                ctl.training_restarted()
+                step += 1
+                continue
             ver = ctl.verified(step) if cfg.verify else {}
             ok = all(v.get("ok") for v in ver.values()) if cfg.verify else None
             stats: list[UpdateStats] = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
@@ -144,15 +239,19 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             }
             if cfg.verify and not ok:
                 bad = {i: v for i, v in ver.items() if not v.get("ok")}
-                row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')}"
-                                                for i, v in sorted(bad.items()))
+                row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "
+                                                f"guards={v.get('guards_written')}" for i, v in sorted(bad.items()))
             rows.append(row)
             if progress:
                 progress(row)
+            step += 1
         ctl.shutdown()
     except BaseException as e:
+        note_failure(e)
         ctl.shutdown(reason=f"controller: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
+    finally:
+        beat.stop()
     return TrialResult(cfg, rows, summary, plan_s, memcpy_gbps, env)
 
 

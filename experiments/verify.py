@@ -4,7 +4,9 @@ The expected bytes come from the engine's *own* ``load_weights`` (the oracle: vL
 semantics, written separately from the trainer-side recipes) fed with the full synthetic
 checkpoint of that step. Every byte of every destination tensor is compared, including byte 0
 and each tensor's first and last byte; bytes of the region that belong to no tensor (alignment
-gaps) must be unchanged since registration (nothing wrote outside a tensor).
+gaps) must be unchanged since registration (nothing wrote outside a tensor), and the guard
+bytes just outside the registered region (``engines.engine.GUARD`` on each side, filled with
+``GUARD_BYTE``) must still hold their pattern (nothing wrote past the region's ends).
 """
 from __future__ import annotations
 
@@ -44,9 +46,15 @@ def compare_engines(live, expected, *, max_report: int = 5) -> dict:
 
 def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
                   dtype_override: str | None = None, gaps=None) -> dict:
-    """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``."""
+    """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``:
+    ``{"ok", "bytes_checked", "mismatches", ...}`` plus ``gaps_written`` (changed gap spans)
+    and ``guards_written`` (:meth:`Engine.guard_damage`) when not empty."""
     exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override)
     res = compare_engines(engine, exp)
+    damage = engine.guard_damage() if hasattr(engine, "guard_damage") else []
+    if damage:
+        res["ok"] = False
+        res["guards_written"] = damage
     if gaps:
         raw = engine.arena
         touched = [(a, b) for a, b, before in gaps if bytes(raw[a:b].tolist()) != before]

@@ -33,7 +33,6 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from reference.catalog import param_specs
     from reference.training import build_dtensor_params, build_two_group_params
 
     mcfg = cfg.model_config()
@@ -47,105 +46,157 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
                                 dtype_override=cfg.dtype_override)
 
 
-def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
+def _exit_with_parent(parent: int | None) -> None:
+    """Local launcher: this process gets SIGKILL when its parent (the controller) dies, so a
+    killed controller leaves nothing behind (Linux ``PR_SET_PDEATHSIG``)."""
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl
+        os._exit(3)
+
+
+def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int = 0, first_step: int = 1,
+                 stall: float | None = None, fault=None, parent: int | None = None) -> None:
     """Training rank ``rank``: build its shards, publish metadata, set up the method, then on
-    every step: make the step's weights ("load"), wait for "go", transfer, report."""
+    every step from ``first_step``: make the step's weights ("load"), wait for "go", transfer,
+    report. ``gen`` numbers restarts of the training world (its Gloo group gets a fresh store
+    prefix). A heartbeat shows progress to the controller and ends this process when the
+    controller stops answering for ``stall`` seconds (default ``cfg.timeout``); ``fault``
+    (:class:`experiments.inject.Fault`) is injected into the write stage; ``parent``: see
+    :func:`_exit_with_parent`. Any error that ends the process is reported first
+    (``fatal/train{rank}``)."""
     from reference.method import TrainerContext
 
+    from .inject import install_trainer
     from .methods import get_method
 
+    _exit_with_parent(parent)
     torch.set_num_threads(1)
     tag = f"train {rank}"
     store = _connect(addr, cfg.timeout)
+    hb = control.Heartbeat(addr, f"train{rank}", watch="controller", stall=stall or cfg.timeout)
     client = control.TrainerClient(store, rank, timeout=max(cfg.timeout, 600.0))
     try:
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=cfg.n_train)
-        params = build_training_params(cfg, rank)
-        if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
-            from reference.training import offload_to_host
-
-            params = offload_to_host(params)
-        client.publish_meta(collect_metas(params, offloaded=cfg.offload))
-        _, trainer_cls, _ = get_method(cfg.method)
-        side = trainer_cls()
-        side.setup(TrainerContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, params=params, store=store,
-                                  transfer=cfg.transfer, method_options=cfg.baseline, model_config=cfg.model_config(), layout=cfg.layout,
-                                  log=lambda m: log(tag, m), group_barrier=dist.barrier))
-    except Exception as e:  # noqa: BLE001
-        store.set("abort", f"training rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
-        traceback.print_exc()
-        raise
-    step = 1
-    while client.next_command(step) == "load":
-        load_step(params, step=step, seed=cfg.seed)
-        client.ready(step)
-        client.wait_go(step)
         try:
-            stats = side.transfer(step)
-            client.done(step, ok=True, stats=stats)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"pg{gen}" if gen else "pg", store), rank=rank,
+                                    world_size=cfg.n_train)
+            params = build_training_params(cfg, rank)
+            if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
+                from reference.training import offload_to_host
+
+                params = offload_to_host(params)
+            client.publish_meta(collect_metas(params, offloaded=cfg.offload))
+            _, trainer_cls, _ = get_method(cfg.method)
+            side = trainer_cls()
+            side.setup(TrainerContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, params=params, store=store,
+                                      transfer=cfg.transfer, method_options=cfg.baseline,
+                                      model_config=cfg.model_config(), layout=cfg.layout,
+                                      log=lambda m: log(tag, m), group_barrier=dist.barrier))
+            install_trainer(fault, rank, side, store, log=lambda m: log(tag, m))
         except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
-        step += 1
-    side.teardown()
-    dist.destroy_process_group()
+            store.set("abort", f"training rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
+            raise
+        step = first_step
+        while client.next_command(step) == "load":
+            load_step(params, step=step, seed=cfg.seed)
+            client.ready(step)
+            client.wait_go(step)
+            try:
+                stats = side.transfer(step)
+                client.done(step, ok=True, stats=stats)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                client.done(step, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            step += 1
+        side.teardown()
+        dist.destroy_process_group()
+    except BaseException as e:
+        traceback.print_exc()
+        try:
+            control.report_fatal(store, f"train{rank}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        except Exception:  # noqa: BLE001  (the controller is gone)
+            pass
+        raise
+    finally:
+        hb.stop()
 
 
-def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int]) -> None:
+def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall: float | None = None, fault=None,
+                   parent: int | None = None) -> None:
     """Inference rank ``rank``: allocate the engine's parameters, set up the method (the
     reference registers the memory once and publishes the descriptor), then per step: nothing
     for passive methods, ``receive`` for active ones; as the harness, verify each published
-    version against the oracle."""
+    version against the oracle (a failed update in between is waited through: the next
+    complete version is verified). Heartbeat, ``fault`` and ``parent`` as for
+    :func:`trainer_main`."""
     torch.set_num_threads(1)
     from engines import Engine
     from reference.method import InferenceContext
 
+    from .inject import install_watcher
     from .methods import get_method
     from .verify import verify_engine
 
+    _exit_with_parent(parent)
     tag = f"infer {rank}"
     store = _connect(addr, cfg.timeout)
+    hb = control.Heartbeat(addr, f"infer{rank}", watch="controller", stall=stall or cfg.timeout)
     client = control.InferenceClient(store, rank, timeout=max(cfg.timeout, 600.0))
     try:
-        mcfg = cfg.model_config()
-        engine = Engine(mcfg, cfg.layout, rank)
-        if cfg.poison:
-            engine.arena.fill_(0xA5)
-        _, _, infer_cls = get_method(cfg.method)
-        side = infer_cls()
-        payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=engine,
-                                              store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg, layout=cfg.layout,
-                                              log=lambda m: log(tag, m)))
-        client.publish_meta(*payload)
-    except Exception as e:  # noqa: BLE001
-        store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
-        traceback.print_exc()
-        raise
-    gaps = engine_gap_snapshot(engine)
-    last, step = -1, 1
-    while True:
-        if side.active:
-            if not client.wait_go(step):
+        try:
+            mcfg = cfg.model_config()
+            engine = Engine(mcfg, cfg.layout, rank)
+            if cfg.poison:
+                engine.arena.fill_(0xA5)
+            _, _, infer_cls = get_method(cfg.method)
+            side = infer_cls()
+            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=engine,
+                                                  store=store, transfer=cfg.transfer, method_options=cfg.baseline,
+                                                  model_config=mcfg, layout=cfg.layout,
+                                                  log=lambda m: log(tag, m)))
+            client.publish_meta(*payload)
+        except Exception as e:  # noqa: BLE001
+            store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
+            raise
+        install_watcher(fault, ("infer", rank), addr)
+        gaps = engine_gap_snapshot(engine)
+        last, step = -1, 1
+        while True:
+            if side.active:
+                if not client.wait_go(step):
+                    break
+                try:
+                    client.done(step, ok=True, stats=side.receive(step))
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
+                step += 1
+            v = client.wait_version_after(last)
+            if v is None:
                 break
-            try:
-                client.done(step, ok=True, stats=side.receive(step))
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
-            step += 1
-        v = client.wait_version_after(last)
-        if v is None:
-            break
-        last = v
-        if cfg.verify:
-            t0 = time.perf_counter()
-            res = verify_engine(engine, mcfg, cfg.layout, rank, step=v, seed=cfg.seed,
-                                dtype_override=cfg.dtype_override, gaps=gaps)
-            res["seconds"] = time.perf_counter() - t0
-        else:
-            res = {"ok": None}
-        client.report(v, res)
-    side.teardown()
+            last = v
+            if cfg.verify:
+                t0 = time.perf_counter()
+                res = verify_engine(engine, mcfg, cfg.layout, rank, step=v, seed=cfg.seed,
+                                    dtype_override=cfg.dtype_override, gaps=gaps)
+                res["seconds"] = time.perf_counter() - t0
+            else:
+                res = {"ok": None}
+            client.report(v, res)
+        side.teardown()
+    except BaseException as e:
+        traceback.print_exc()
+        try:
+            control.report_fatal(store, f"infer{rank}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    finally:
+        hb.stop()
 
 
 def engine_gap_snapshot(engine) -> list[tuple[int, int, bytes]]:

@@ -11,30 +11,56 @@ Keys (values are pickled Python objects unless noted)::
     step/{s}/go             controller -> trainers: transfer now
     step/{s}/done/{r}       trainer r's result: {"ok": bool, "error": str, "stats": StepStats}
     step/{s}/idone/{i}      inference rank i's result, for methods active on the inference side
-    version                 last published step (ASCII int); -1 before the first
+    step/{s}/failed         set by any rank that reported ``ok=False`` for step s (fail fast)
+    weights                 the published state of the inference weights (ASCII, see WeightsState)
+    weights/reason          why the last update failed (ASCII), after a failure
+    version                 the complete version held (ASCII int); -1 while none is complete
     step/{s}/verified/{i}   inference rank i's verification result (harness only)
+    hb/{name}               heartbeat counter of a process (``controller``, ``train{r}``, ``infer{i}``)
     abort                   a reason; every waiting party stops
 
-The inference side only ever reads ``version``; the controller writes it after every training
-rank reported its writes of that step complete, so a version whose writes did not all complete
-is never visible. Waits take a timeout and name the ranks that did not answer; a ``liveness``
-callback lets the controller fail fast when a rank's process died.
+Version protocol (what readers can rely on, :class:`WeightsState`): before the "go" of an
+update to version ``v`` the controller publishes ``writing v`` (and ``version = -1``); only
+after every write of every rank completed does it publish ``complete v`` (then ``version =
+v``); after any failure it publishes ``incomplete v`` (the bytes are a mix: no complete version
+is present) until a later update completes. Every transition increments a sequence number, and
+versions only increase (:class:`VersionError` otherwise), so a reader that sees the same
+``complete v`` state before and after reading saw no write in between (a seqlock:
+:func:`engines.engine.read_consistent`). A waiter for a version that was skipped or whose
+update failed gets :class:`VersionError` / :class:`ControlError`, not a hang.
+
+Liveness: waits take a timeout and name the ranks that did not answer; a ``liveness`` callback
+names ranks whose process died; :class:`Heartbeat` threads (one per process) let the controller
+name a rank that stopped making progress (SIGSTOP, a hung interpreter) and let ranks leave on
+their own when the controller stops answering (a TCPStore call to a stopped server blocks past
+the store's timeout, so the watchdog does not rely on it).
 
 Why TCPStore: it is what torch.distributed already uses for rendezvous, needs no extra service,
-and blocking ``wait`` on keys is exactly the control flow here.
+and ``check``/``set``/``add`` on keys are exactly the control flow here. The poll loop is
+hand-written once (:func:`backoff`) because TCPStore's blocking ``wait`` cannot be interrupted
+to look at liveness and logs a warning on every timed-out slice.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import sys
+import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
 
 class ControlError(RuntimeError):
-    """A rank failed, died or did not answer in time; the message names the ranks."""
+    """A rank failed, died or did not answer in time; the message names role, rank and cause."""
+
+
+class VersionError(ControlError):
+    """A version that would move backwards (or repeat a published one), or a waited-for version
+    that was skipped."""
 
 
 def make_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
@@ -52,22 +78,45 @@ def get(store: dist.Store, key: str):
     return pickle.loads(store.get(key))
 
 
-def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: str,
-              liveness: Callable[[], dict[int, str]] | None = None, poll: float = 0.02) -> None:
-    """Wait until every ``keys[rank]`` exists. Raises ControlError naming the ranks still
-    missing after ``timeout`` seconds, or at once naming dead ranks (``liveness`` returns
-    ``{rank: reason}`` for ranks known dead), or the abort reason.
-
-    Polls with ``store.check`` (one round trip for all keys), sleeping from 0.1 ms up to
-    ``poll`` seconds between checks; TCPStore's own blocking ``wait`` cannot be interrupted
-    to look at liveness and logs a warning on every timed-out slice."""
-    deadline = time.monotonic() + timeout
-    allkeys = list(keys.values())
+def backoff(timeout: float | None, poll: float = 0.02) -> Iterator[bool]:
+    """The one poll loop of the control plane: yields ``expired`` (True once ``timeout``
+    seconds have passed; never for ``None``), sleeping between iterations from 0.1 ms doubling
+    up to ``poll`` seconds. Callers ``return`` or ``raise`` to leave it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     nap = 1e-4
     while True:
+        yield deadline is not None and time.monotonic() >= deadline
+        time.sleep(nap)
+        nap = min(nap * 2, poll)
+
+
+def role_name(rank) -> str:
+    """``"training r"`` for a training rank ``r`` (an int), ``"inference i"`` for ``("infer", i)``."""
+    return f"inference {rank[1]}" if isinstance(rank, tuple) else f"training {rank}"
+
+
+def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: str,
+              liveness: Callable[[], dict[int, str]] | None = None, poll: float = 0.02,
+              failure: Callable[[], str | None] | None = None, stall: float | None = None) -> None:
+    """Wait until every ``keys[rank]`` exists. Raises ControlError naming the ranks still
+    missing after ``timeout`` seconds, at once naming dead ranks (``liveness`` returns
+    ``{rank: reason}`` for ranks known dead), the abort reason, or the culprit ``failure()``
+    returns (a one-line "role rank: cause", None while nothing failed). With ``stall``, a gap
+    of more than ``stall`` seconds between two of its own polls (this process was stopped or
+    starved, so what it waits on may be stale) raises naming the controller."""
+    allkeys = list(keys.values())
+    last = time.monotonic()
+    for expired in backoff(timeout, poll):
+        now = time.monotonic()
+        if stall is not None and now - last > stall:
+            raise ControlError(f"{what}: controller: no progress for {now - last:.1f} s (this process was stopped "
+                               "or starved)")
+        last = now
         if store.check(allkeys):
             return
-        expired = time.monotonic() >= deadline
+        culprit = failure() if failure is not None else None
+        if culprit:
+            raise ControlError(f"{what}: {culprit}")
         aborted = store.check(["abort"])
         dead = {r: why for r, why in liveness().items() if r in keys} if liveness is not None else {}
         if expired or aborted or dead:
@@ -81,68 +130,349 @@ def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: 
                 raise ControlError(f"{what}: rank(s) died: " + "; ".join(f"{r}: {w}" for r, w in sorted(dead.items())))
             if expired:
                 raise ControlError(f"{what}: no answer within {timeout:.0f} s from rank(s) {pending}")
-        time.sleep(nap)
-        nap = min(nap * 2, poll)
+
+
+def _poll_key(store: dist.Store, key: str, *, timeout: float, what: str, poll: float) -> bool:
+    """True once ``key`` exists, False on ``shutdown``; ControlError after ``timeout``."""
+    for expired in backoff(timeout, poll):
+        if store.check([key]):
+            return True
+        if store.check(["shutdown"]):
+            return False
+        if expired:
+            raise ControlError(f"{what} within {timeout:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# the published state of the weights
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsState:
+    """What the inference weights are, as published under the ``weights`` key
+    (``"{seq} {state} {version}"``, ASCII).
+
+    ``state``: ``"none"`` (no update yet), ``"writing"`` (version ``version`` is being written:
+    bytes may be mixed), ``"complete"`` (every byte is version ``version``), ``"incomplete"``
+    (the update to ``version`` failed: bytes are mixed until a later update completes).
+    ``seq`` increases at every transition, so two equal states read at two times mean no
+    transition happened in between (the seqlock check)."""
+
+    seq: int
+    state: str
+    version: int
+
+    STATES = ("none", "writing", "complete", "incomplete")
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+    def encode(self) -> bytes:
+        return f"{self.seq} {self.state} {self.version}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "WeightsState":
+        seq, state, version = raw.decode().split()
+        return cls(int(seq), state, int(version))
+
+    def __str__(self) -> str:
+        return {"none": "no version yet", "writing": f"writing version {self.version} (update in progress)",
+                "complete": f"complete version {self.version}",
+                "incomplete": f"incomplete (the update to version {self.version} failed)"}[self.state]
+
+
+def read_state(store: dist.Store) -> WeightsState:
+    """The published :class:`WeightsState` (``none`` before the controller's first write)."""
+    if not store.check(["weights"]):
+        return WeightsState(0, "none", -1)
+    return WeightsState.decode(store.get("weights"))
+
+
+def report_fatal(store: dist.Store, name: str, cause: str) -> None:
+    """A rank's last word before its process ends on an error: ``fatal/{name}`` (``train{r}``
+    / ``infer{i}``) holds the cause, which the controller names instead of a bare exit code."""
+    store.set(f"fatal/{name}", f"{cause} (fatal)".encode())
+    store.set("fatal", b"1")
+
+
+# --------------------------------------------------------------------------------------------
+# heartbeats
+
+
+class Heartbeat:
+    """A daemon thread that shows this process is making progress and watches a peer.
+
+    Every ``period`` seconds it increments ``hb/{name}`` over its own store connection. If
+    ``watch`` names a peer (a rank watches ``"controller"``), and that peer's counter has not
+    moved, or the store did not answer, for ``stall`` seconds, ``on_stall(message)`` runs (the
+    default prints ``[name] ...`` to stderr and ends this process with ``os._exit(3)``: a rank
+    whose controller stopped or vanished must not linger). A store call to a stopped server
+    blocks, so the check runs in a second thread that does no I/O."""
+
+    def __init__(self, addr: tuple[str, int], name: str, *, period: float = 0.5, watch: str | None = None,
+                 stall: float = 60.0, on_stall: Callable[[str], None] | None = None):
+        self.addr, self.name, self.period, self.watch, self.stall = addr, name, period, watch, stall
+        self.on_stall = on_stall or self._exit
+        self._stop = threading.Event()
+        self._last_ok = time.monotonic()
+        self._peer = (None, time.monotonic())
+        self._threads = [threading.Thread(target=self._beat, name=f"hb-{name}", daemon=True)]
+        if watch is not None:
+            self._threads.append(threading.Thread(target=self._guard, name=f"hb-guard-{name}", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _exit(self, msg: str) -> None:
+        print(f"[{self.name}] {msg}; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    def _beat(self) -> None:
+        try:
+            store = make_store(*self.addr, is_master=False, timeout=max(self.stall, 5.0))
+        except Exception:  # noqa: BLE001  (the guard names the silence)
+            return
+        while not self._stop.is_set():
+            try:
+                store.add(f"hb/{self.name}", 1)
+                if self.watch is not None:
+                    key = f"hb/{self.watch}"
+                    v = store.get(key) if store.check([key]) else None
+                    if v != self._peer[0]:
+                        self._peer = (v, time.monotonic())
+                self._last_ok = time.monotonic()
+            except Exception:  # noqa: BLE001
+                if self._stop.is_set():
+                    return
+            self._stop.wait(self.period)
+
+    def _guard(self) -> None:
+        while not self._stop.wait(min(self.period, 1.0)):
+            now = time.monotonic()
+            silent = now - self._last_ok
+            still = now - self._peer[1]
+            if silent > self.stall:
+                return self.on_stall(f"the control plane did not answer for {silent:.1f} s "
+                                     f"({self.watch} stopped or gone)")
+            if still > self.stall:
+                return self.on_stall(f"{self.watch}: no heartbeat for {still:.1f} s (stopped or hung)")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class HeartbeatMonitor:
+    """The controller's view of the ranks' heartbeats: :meth:`stalled` names every process
+    whose ``hb/{name}`` counter has not moved for ``stall`` seconds (checked at most every
+    ``every`` seconds; a process that never beat counts from the monitor's start or the last
+    :meth:`reset`)."""
+
+    def __init__(self, store: dist.Store, names: dict, *, stall: float, every: float = 0.2):
+        self.store, self.names, self.stall, self.every = store, dict(names), stall, every
+        self._seen: dict = {}
+        self._checked = 0.0
+        self._cached: dict = {}
+        self.reset()
+
+    def reset(self, keys=None) -> None:
+        """Forget what was seen of ``keys`` (default: all), e.g. for a restarted rank."""
+        now = time.monotonic()
+        for k in (self.names if keys is None else keys):
+            self._seen[k] = (self._value(self.names[k]), now, False)
+
+    def _value(self, name: str):
+        key = f"hb/{name}"
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def stalled(self) -> dict:
+        """``{key: "no heartbeat for X s (stopped or hung)"}``. A process is watched from its
+        first beat after the start or :meth:`reset` (one that never started is the business of
+        the wait's timeout)."""
+        now = time.monotonic()
+        if now - self._checked < self.every:
+            return self._cached
+        self._checked = now
+        out = {}
+        for k, name in self.names.items():
+            v = self._value(name)
+            last, t, armed = self._seen[k]
+            if v != last:
+                self._seen[k] = (v, now, True)
+            elif armed and now - t > self.stall:
+                out[k] = f"no heartbeat for {now - t:.1f} s (stopped or hung)"
+        self._cached = out
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# the controller
 
 
 class Controller:
-    """The controller's side: collect metadata once, publish the plan once, drive steps."""
+    """The controller's side: collect metadata once, drive steps, publish the weights' state.
+
+    ``liveness_train`` / ``liveness_infer`` return ``{rank: reason}`` for ranks whose process
+    is known dead; ``stall`` (seconds) enables the heartbeat monitor: a rank whose ``hb/``
+    counter stops moving for that long is named as stalled (None: no monitor). Any failure is
+    reported as ``"training r: cause"`` / ``"inference i: cause"``, the root cause first (a
+    dead or stalled process before the ranks that failed because of it)."""
 
     def __init__(self, store: dist.Store, n_train: int, n_infer: int, *, timeout: float = 120.0,
                  liveness_train: Callable[[], dict[int, str]] | None = None,
-                 liveness_infer: Callable[[], dict[int, str]] | None = None):
+                 liveness_infer: Callable[[], dict[int, str]] | None = None, stall: float | None = None):
         self.store, self.n_train, self.n_infer, self.timeout = store, n_train, n_infer, timeout
         self.live_t, self.live_i = liveness_train, liveness_infer
-        store.set("version", b"-1")
+        self.monitor, self.stall = None, stall
+        self.last_culprit: str | None = None
+        """The root cause of the last failure ("training 1: ..."), once one was seen."""
+        if stall is not None:
+            names = {r: f"train{r}" for r in range(n_train)}
+            names.update({("infer", i): f"infer{i}" for i in range(n_infer)})
+            self.monitor = HeartbeatMonitor(store, names, stall=stall)
+        if not store.check(["weights"]):
+            store.set("weights", WeightsState(0, "none", -1).encode())
+            store.set("version", b"-1")
+
+    # -- failures
+
+    def culprits(self, step: int | None = None) -> list[str]:
+        """Every known failure, root causes first: dead processes, stalled processes, then
+        ranks that reported an error for ``step``."""
+        out = []
+        if self.store.check(["fatal"]):
+            for k in [r for r in range(self.n_train)] + [("infer", i) for i in range(self.n_infer)]:
+                key = f"fatal/{'infer' + str(k[1]) if isinstance(k, tuple) else 'train' + str(k)}"
+                if self.store.check([key]):
+                    out.append(f"{role_name(k)}: {self.store.get(key).decode()}")
+        for live, key in ((self.live_t, lambda r: r), (self.live_i, lambda i: ("infer", i))):
+            if live is not None:
+                out += [f"{role_name(key(r))}: {why}" for r, why in sorted(live().items())]
+        if self.monitor is not None:
+            out += [f"{role_name(k)}: {why}" for k, why in sorted(self.monitor.stalled().items(), key=lambda x: str(x))]
+        if step is not None and self.store.check([f"step/{step}/failed"]):
+            for r in range(self.n_train):
+                k = f"step/{step}/done/{r}"
+                if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
+                    out.append(f"training {r}: {res['error']}")
+            for i in range(self.n_infer):
+                k = f"step/{step}/idone/{i}"
+                if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
+                    out.append(f"inference {i}: {res['error']}")
+        return out
+
+    def training_restarted(self) -> None:
+        """The training world was replaced: forget its ranks' last words and heartbeats."""
+        for r in range(self.n_train):
+            if self.store.check([f"fatal/train{r}"]):
+                self.store.delete_key(f"fatal/train{r}")
+        if self.monitor is not None:
+            self.monitor.reset(list(range(self.n_train)))
+
+    def _failure(self, step: int | None = None, grace: float = 0.3) -> Callable[[], str | None]:
+        def check() -> str | None:
+            found = self.culprits(step)
+            if not found:
+                return None
+            if not any(": process" in c or "no heartbeat" in c or "(fatal)" in c for c in found):
+                time.sleep(grace)  # a reported error is often the echo of a death: look again
+                found = self.culprits(step) or found
+            self.last_culprit = found[0]
+            return found[0] + (f" (also: {'; '.join(found[1:3])})" if len(found) > 1 else "")
+        return check
+
+    def _wait(self, keys: dict, what: str, step: int | None = None, poll: float = 0.02) -> None:
+        wait_keys(self.store, keys, timeout=self.timeout, what=what, poll=poll, failure=self._failure(step),
+                  stall=self.stall)
+
+    # -- setup
 
     def collect(self):
         """Block until every rank published its metadata; return (train, infer) dicts."""
-        wait_keys(self.store, {r: f"meta/train/{r}" for r in range(self.n_train)}, timeout=self.timeout,
-                  what="training metadata", liveness=self.live_t)
-        wait_keys(self.store, {i: f"meta/infer/{i}" for i in range(self.n_infer)}, timeout=self.timeout,
-                  what="inference metadata", liveness=self.live_i)
+        self._wait({r: f"meta/train/{r}" for r in range(self.n_train)}, "training metadata")
+        self._wait({i: f"meta/infer/{i}" for i in range(self.n_infer)}, "inference metadata")
         train = {r: get(self.store, f"meta/train/{r}") for r in range(self.n_train)}
         infer = {i: get(self.store, f"meta/infer/{i}") for i in range(self.n_infer)}
         return train, infer
 
-    def publish_plan(self, schedule, descriptors: dict) -> None:
-        for r, rp in schedule.rank_plans.items():
-            put(self.store, f"plan/{r}", (rp, descriptors))
+    # -- the weights' state
+
+    def state(self) -> WeightsState:
+        return read_state(self.store)
+
+    def _set_state(self, state: str, version: int) -> WeightsState:
+        new = WeightsState(self.state().seq + 1, state, version)
+        if state != "complete":
+            self.store.set("version", b"-1")
+        self.store.set("weights", new.encode())
+        if state == "complete":
+            self.store.set("version", str(version).encode())
+        return new
+
+    def begin(self, version: int) -> WeightsState:
+        """Publish ``writing version`` (before any byte of the update moves). Raises
+        VersionError unless ``version`` is above every version named so far (written,
+        published or failed): versions only increase, a failed one is not reused."""
+        cur = self.state()
+        if version <= cur.version:
+            raise VersionError(f"version {version} refused: the weights are {cur}; versions only increase")
+        return self._set_state("writing", version)
+
+    def publish(self, version: int) -> WeightsState:
+        """Publish ``complete version``: call only once every write of every rank of the update
+        begun with :meth:`begin` completed. Raises VersionError for any other version (one
+        lower than the current: versions never move back)."""
+        cur = self.state()
+        if cur.state != "writing" or cur.version != version:
+            raise VersionError(f"version {version} refused: the weights are {cur}; only the version being written "
+                               "can be published, and versions only increase")
+        return self._set_state("complete", version)
+
+    def mark_incomplete(self, version: int, reason: str) -> WeightsState:
+        """After a failed update to ``version``: the weights are a mix; say so."""
+        self.store.set("weights/reason", reason.encode())
+        return self._set_state("incomplete", version)
+
+    # -- steps
 
     def load(self, step: int) -> None:
         """Ask every trainer to produce step ``step``'s weights and wait until they have."""
         self.store.set(f"step/{step}/load", b"1")
-        wait_keys(self.store, {r: f"step/{step}/ready/{r}" for r in range(self.n_train)}, timeout=self.timeout,
-                  what=f"step {step} weights", liveness=self.live_t)
+        self._wait({r: f"step/{step}/ready/{r}" for r in range(self.n_train)}, f"step {step} weights")
 
     def transfer(self, step: int, *, inference_active: bool = False) -> tuple[float, dict[int, dict]]:
-        """Send "go", wait for every trainer's completion (and every inference rank's, for
-        methods active on the inference side), then publish ``version = step``. Returns
-        (seconds from go to the last completion, per-rank results; inference ranks keyed
-        ``("infer", i)``). Raises ControlError (version unchanged) if any rank failed, died or
-        timed out."""
+        """Publish ``writing step``, send "go", wait for every trainer's completion (and every
+        inference rank's, for methods active on the inference side), then publish ``complete
+        step``. Returns (seconds from go to the last completion, per-rank results; inference
+        ranks keyed ``("infer", i)``). If any rank fails, dies or stalls, raises ControlError
+        at once naming it ("training 1: ...") and publishes ``incomplete step``."""
+        self.begin(step)
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
-        wait_keys(self.store, {r: f"step/{step}/done/{r}" for r in range(self.n_train)}, timeout=self.timeout,
-                  what=f"step {step} transfer", liveness=self.live_t, poll=0.001)
-        if inference_active:
-            wait_keys(self.store, {i: f"step/{step}/idone/{i}" for i in range(self.n_infer)}, timeout=self.timeout,
-                      what=f"step {step} inference side", liveness=self.live_i, poll=0.001)
-        seconds = time.perf_counter() - t0
-        results = {r: get(self.store, f"step/{step}/done/{r}") for r in range(self.n_train)}
-        if inference_active:
-            results.update({("infer", i): get(self.store, f"step/{step}/idone/{i}") for i in range(self.n_infer)})
-        failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
-        if failed:
-            raise ControlError(f"step {step}: version not published; rank(s) failed: "
-                               + "; ".join(f"{'inference ' + str(r[1]) if isinstance(r, tuple) else 'training ' + str(r)}: {e}"
-                                           for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
-        self.store.set("version", str(step).encode())
+        try:
+            self._wait({r: f"step/{step}/done/{r}" for r in range(self.n_train)}, f"step {step} transfer", step,
+                       poll=0.001)
+            if inference_active:
+                self._wait({i: f"step/{step}/idone/{i}" for i in range(self.n_infer)}, f"step {step} inference side",
+                           step, poll=0.001)
+            seconds = time.perf_counter() - t0
+            results = {r: get(self.store, f"step/{step}/done/{r}") for r in range(self.n_train)}
+            if inference_active:
+                results.update({("infer", i): get(self.store, f"step/{step}/idone/{i}") for i in range(self.n_infer)})
+            failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
+            if failed:  # root cause first (a dead process before the ranks that echo it)
+                raise ControlError(self._failure(step)() or "; ".join(
+                    f"{role_name(r)}: {e}" for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
+        except BaseException as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.mark_incomplete(step, first)
+            if isinstance(e, ControlError):
+                raise ControlError(f"step {step}: update failed, weights marked incomplete: {first}") from e
+            raise
+        self.publish(step)
         return seconds, results
 
     def verified(self, step: int) -> dict[int, dict]:
-        wait_keys(self.store, {i: f"step/{step}/verified/{i}" for i in range(self.n_infer)}, timeout=self.timeout,
-                  what=f"step {step} verification", liveness=self.live_i)
+        self._wait({i: f"step/{step}/verified/{i}" for i in range(self.n_infer)}, f"step {step} verification")
         return {i: get(self.store, f"step/{step}/verified/{i}") for i in range(self.n_infer)}
 
     def shutdown(self, reason: str | None = None) -> None:
@@ -166,17 +496,9 @@ class TrainerClient:
 
     def next_command(self, step: int) -> str:
         """Block until the controller asks for ``step`` (returns "load") or shuts down."""
-        key = f"step/{step}/load"
-        deadline = time.monotonic() + self.timeout
-        nap = 1e-4
-        while time.monotonic() < deadline:
-            if self.store.check([key]):
-                return "load"
-            if self.store.check(["shutdown"]):
-                return "shutdown"
-            time.sleep(nap)
-            nap = min(2 * nap, 0.02)
-        raise ControlError(f"[rank {self.rank}] no command for step {step} within {self.timeout:.0f} s")
+        ok = _poll_key(self.store, f"step/{step}/load", timeout=self.timeout,
+                       what=f"[rank {self.rank}] no command for step {step}", poll=0.02)
+        return "load" if ok else "shutdown"
 
     def ready(self, step: int) -> None:
         self.store.set(f"step/{step}/ready/{self.rank}", b"1")
@@ -186,10 +508,12 @@ class TrainerClient:
 
     def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
         put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": stats})
+        if not ok:
+            self.store.set(f"step/{step}/failed", b"1")
 
 
 class InferenceClient:
-    """An inference rank's side: publish its memory once; read the published version."""
+    """An inference rank's side: publish its memory once; read the published weights' state."""
 
     def __init__(self, store: dist.Store, rank: int, *, timeout: float = 600.0):
         self.store, self.rank, self.timeout = store, rank, timeout
@@ -197,37 +521,61 @@ class InferenceClient:
     def publish_meta(self, descriptor, tensor_metas) -> None:
         put(self.store, f"meta/infer/{self.rank}", (descriptor, tensor_metas))
 
-    def version(self) -> int:
-        return int(self.store.get("version"))
+    def state(self) -> WeightsState:
+        """The published :class:`WeightsState` (pass this method as the ``state`` callable of
+        :func:`engines.engine.read_consistent`)."""
+        return read_state(self.store)
+
+    def version(self) -> int | None:
+        """The complete version the weights hold; -1 before any update; None while an update
+        is in progress or after a failed one (the bytes are not one version)."""
+        s = self.state()
+        return s.version if s.state in ("complete", "none") else None
 
     def wait_go(self, step: int) -> bool:
         """Active methods: block until "go" for ``step`` (True) or shutdown (False)."""
-        key = f"step/{step}/go"
-        deadline = time.monotonic() + self.timeout
-        nap = 1e-4
-        while time.monotonic() < deadline:
-            if self.store.check([key]):
-                return True
-            if self.store.check(["shutdown"]):
-                return False
-            time.sleep(nap)
-            nap = min(2 * nap, 0.001)
-        raise ControlError(f"[infer {self.rank}] no go for step {step} within {self.timeout:.0f} s")
+        return _poll_key(self.store, f"step/{step}/go", timeout=self.timeout,
+                         what=f"[infer {self.rank}] no go for step {step}", poll=0.001)
 
     def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
         put(self.store, f"step/{step}/idone/{self.rank}", {"ok": ok, "error": error, "stats": stats})
+        if not ok:
+            self.store.set(f"step/{step}/failed", b"1")
 
     def wait_version_after(self, last: int, poll: float = 0.01) -> int | None:
-        """Block until ``version`` > ``last``; None on shutdown."""
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            v = self.version()
-            if v > last:
-                return v
+        """Block until a complete version > ``last`` is published (a failed update in between
+        is waited through: the next one may restore); None on shutdown."""
+        for expired in backoff(self.timeout, poll):
+            s = self.state()
+            if s.complete and s.version > last:
+                return s.version
             if self.store.check(["shutdown"]):
                 return None
-            time.sleep(poll)
-        raise ControlError(f"[infer {self.rank}] no new version after {last} within {self.timeout:.0f} s")
+            if expired:
+                raise ControlError(f"[infer {self.rank}] no new version after {last} within {self.timeout:.0f} s "
+                                   f"(weights: {s})")
+
+    def wait_version(self, version: int, *, timeout: float | None = None, poll: float = 0.01) -> WeightsState:
+        """Block until ``complete version`` is published and return that state. Raises
+        VersionError at once if ``version`` was skipped (a later version is being written or
+        complete), ControlError if the update to it failed (weights incomplete), on shutdown,
+        or after ``timeout`` seconds (default: the client's)."""
+        timeout = self.timeout if timeout is None else timeout
+        for expired in backoff(timeout, poll):
+            s = self.state()
+            if s.complete and s.version == version:
+                return s
+            if s.version > version and s.state != "none":
+                raise VersionError(f"[infer {self.rank}] version {version} was skipped: the weights are {s}")
+            if s.state == "incomplete" and s.version == version:
+                reason = self.store.get("weights/reason").decode() if self.store.check(["weights/reason"]) else ""
+                raise ControlError(f"[infer {self.rank}] the update to version {version} failed; weights are "
+                                   f"incomplete: {reason}")
+            if self.store.check(["shutdown"]):
+                raise ControlError(f"[infer {self.rank}] shut down while waiting for version {version} ({s})")
+            if expired:
+                raise ControlError(f"[infer {self.rank}] version {version} not published within {timeout:.0f} s "
+                                   f"(weights: {s})")
 
     def report(self, step: int, result: dict) -> None:
         put(self.store, f"step/{step}/verified/{self.rank}", result)

@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 
 from .types import RankPlan, Task
 from .transforms import recipe_outputs
-from .transport.base import Transport, WriteOp
+from .transport.base import RemoteGoneError, Transport, WriteOp
 from .types import RegionDescriptor
 
 STAGES = ("h2d", "prepare", "write", "release")
@@ -186,7 +186,8 @@ def prepare_outputs(task: Task, full: dict[str, torch.Tensor]) -> list[list[torc
 
 def write_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Transport,
                   remote: dict[int, RegionDescriptor], timeout: float | None = None) -> tuple[int, int]:
-    """Post every write of ``task`` as one batch and wait. Returns (bytes, number of writes)."""
+    """Post every write of ``task`` as one batch and wait. Returns (bytes, number of writes).
+    Raises the transport's error; a RemoteGoneError names the inference rank that is gone."""
     ops: list[WriteOp] = []
     regions = []
     for a, outs in zip(task.assignments, outputs):
@@ -202,6 +203,12 @@ def write_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Tran
             ops.append(WriteOp(regs[w.output], 0, remote[w.dst_rank], w.remote_offset, w.length))
     try:
         n = transport.write(ops).wait(timeout) if ops else 0
+    except RemoteGoneError as e:  # name the inference rank, not only a pid
+        gone = sorted({w.dst_rank for a in task.assignments for w in a.writes
+                       if f"pid {remote[w.dst_rank].pid} " in str(e)})
+        if gone:
+            raise RemoteGoneError(f"inference {gone[0]} (pid {remote[gone[0]].pid}) is gone: {e}") from e
+        raise
     finally:
         for reg in regions:
             transport.deregister(reg)

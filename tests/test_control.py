@@ -39,12 +39,12 @@ def test_version_published_only_when_every_rank_completed(store):
     threading.Timer(0.05, lambda: (t0.done(1, ok=True), t1.done(1, ok=False, error="BoundsError: x"))).start()
     with pytest.raises(control.ControlError, match="training 1: BoundsError"):
         ctl.transfer(1)
-    assert inf.version() == -1
-    # rank 1 silent: timeout names it, version unchanged
+    assert inf.version() is None and inf.state().state == "incomplete"
+    # rank 1 silent: timeout names it, no complete version
     threading.Timer(0.05, lambda: t0.done(2, ok=True)).start()
     with pytest.raises(control.ControlError, match=r"\[1\]"):
         ctl.transfer(2)
-    assert inf.version() == -1
+    assert inf.version() is None and str(inf.state()) == "incomplete (the update to version 2 failed)"
     # both ok: published
     threading.Timer(0.05, lambda: (t0.done(3, ok=True), t1.done(3, ok=True))).start()
     secs, res = ctl.transfer(3)
@@ -69,3 +69,130 @@ def test_trainer_sees_shutdown(store):
     tc = control.TrainerClient(client(store), 0, timeout=5)
     store.set("shutdown", b"1")
     assert tc.next_command(7) == "shutdown"
+
+
+# --------------------------------------------------------------------------------------------
+# the version protocol (issue 15 items 1, 9; C14, C19)
+
+
+def test_item9_versions_only_increase(store):
+    """Publishing 3 after 4 is refused with a clear error; the state does not move back."""
+    ctl = control.Controller(store, n_train=1, n_infer=1, timeout=1.0)
+    ctl.begin(4)
+    ctl.publish(4)
+    with pytest.raises(control.VersionError, match="version 3 refused: the weights are complete version 4"):
+        ctl.begin(3)
+    with pytest.raises(control.VersionError, match="version 3 refused"):
+        ctl.publish(3)
+    with pytest.raises(control.VersionError, match="version 4 refused"):
+        ctl.begin(4)
+    with pytest.raises(control.VersionError, match="version 5 refused"):
+        ctl.publish(5)  # never begun: nothing says its writes completed
+    assert ctl.state().complete and ctl.state().version == 4 and int(store.get("version")) == 4
+
+
+def test_c14_failed_update_never_leaves_the_old_number(store):
+    """"writing v" before go; after a failure the state is incomplete (never the old complete
+    version over changed bytes) and the legacy ``version`` key says -1; the next successful
+    update publishes a complete version again."""
+    ctl = control.Controller(store, n_train=1, n_infer=1, timeout=5.0)
+    t0 = control.TrainerClient(client(store), 0)
+    inf = control.InferenceClient(client(store), 0)
+    threading.Timer(0.05, lambda: t0.done(1, ok=True)).start()
+    ctl.transfer(1)
+    assert inf.version() == 1
+    seen = []
+
+    def fail():
+        seen.append(inf.state())  # "go" was set after "writing 2" was published
+        t0.done(2, ok=False, error="RuntimeError: injected")
+    threading.Timer(0.05, fail).start()
+    with pytest.raises(control.ControlError, match="training 0: RuntimeError: injected"):
+        ctl.transfer(2)
+    assert seen[0].state == "writing" and seen[0].version == 2
+    s = inf.state()
+    assert s.state == "incomplete" and s.version == 2 and not s.complete
+    assert inf.version() is None and int(store.get("version")) == -1
+    threading.Timer(0.05, lambda: t0.done(3, ok=True)).start()
+    ctl.transfer(3)
+    assert inf.version() == 3 and inf.state().seq > s.seq
+
+
+def test_c15_reported_failure_ends_the_wait_at_once(store):
+    """A rank that reported failure ends the update in well under the timeout, named, even
+    while another rank is still silent (blocked in a collective on the failed one)."""
+    ctl = control.Controller(store, n_train=2, n_infer=1, timeout=30.0)
+    t1 = control.TrainerClient(client(store), 1)
+    threading.Timer(0.05, lambda: t1.done(1, ok=False, error="RuntimeError: boom")).start()
+    t = time.monotonic()
+    with pytest.raises(control.ControlError, match="training 1: RuntimeError: boom"):
+        ctl.transfer(1)
+    assert time.monotonic() - t < 2.0
+
+
+def test_c15_dead_inference_rank_named_during_transfer(store):
+    """A dead inference process ends a passive method's transfer at once, named as
+    ``inference i``, ahead of the trainers' echo of it."""
+    dead = {}
+    ctl = control.Controller(store, n_train=1, n_infer=2, timeout=30.0, liveness_infer=lambda: dead)
+    t0 = control.TrainerClient(client(store), 0)
+
+    def kill():
+        dead[1] = "process 4242 exited with code -9 (SIGKILL)"
+        t0.done(1, ok=False, error="RemoteGoneError: inference 1 (pid 4242) is gone")
+    threading.Timer(0.05, kill).start()
+    t = time.monotonic()
+    with pytest.raises(control.ControlError, match=r"inference 1: process 4242 exited with code -9") as ei:
+        ctl.transfer(1)
+    assert time.monotonic() - t < 2.0 and "also: training 0" in str(ei.value)
+
+
+def test_c16_stalled_rank_named_by_heartbeat(store):
+    """A rank whose heartbeat stops (SIGSTOP) is named after ``stall`` seconds; the rank that
+    keeps beating (blocked in a collective on it) is not blamed."""
+    ctl = control.Controller(store, n_train=2, n_infer=1, timeout=30.0, stall=0.6)
+    hb0 = control.Heartbeat(("127.0.0.1", store.port), "train0", period=0.1)
+    hbi = control.Heartbeat(("127.0.0.1", store.port), "infer0", period=0.1)
+    hb1 = control.Heartbeat(("127.0.0.1", store.port), "train1", period=0.1)
+    threading.Timer(0.4, hb1.stop).start()  # rank 1 stops beating (as under SIGSTOP)
+    try:
+        t = time.monotonic()
+        with pytest.raises(control.ControlError, match=r"training 1: no heartbeat for") as ei:
+            ctl.transfer(1)
+        assert time.monotonic() - t < 3.0 and "training 0" not in str(ei.value)
+    finally:
+        hb0.stop()
+        hbi.stop()
+
+
+def test_heartbeat_guard_fires_when_peer_stops(store):
+    fired = []
+    beat = control.Heartbeat(("127.0.0.1", store.port), "controller", period=0.05)
+    hb = control.Heartbeat(("127.0.0.1", store.port), "train0", period=0.05, watch="controller", stall=0.5,
+                           on_stall=fired.append)
+    time.sleep(0.8)
+    assert not fired
+    beat.stop()
+    t = time.monotonic()
+    while not fired and time.monotonic() - t < 5:
+        time.sleep(0.05)
+    hb.stop()
+    assert fired and "controller: no heartbeat" in fired[0]
+
+
+def test_c19_waiter_for_skipped_or_failed_version_gets_an_answer(store):
+    ctl = control.Controller(store, n_train=1, n_infer=1, timeout=1.0)
+    inf = control.InferenceClient(client(store), 0, timeout=30)
+    ctl.begin(2)
+    ctl.publish(2)
+    assert inf.wait_version(2).version == 2
+    ctl.begin(4)  # 3 is skipped
+    t = time.monotonic()
+    with pytest.raises(control.VersionError, match="version 3 was skipped"):
+        inf.wait_version(3)
+    ctl.mark_incomplete(4, "training 1: RuntimeError: boom")
+    with pytest.raises(control.ControlError, match="update to version 4 failed.*training 1: RuntimeError: boom"):
+        inf.wait_version(4)
+    with pytest.raises(control.ControlError, match="version 9 not published within"):
+        inf.wait_version(9, timeout=0.2)
+    assert time.monotonic() - t < 3

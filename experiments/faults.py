@@ -1,0 +1,233 @@
+"""The fault matrix: ``python -m experiments faults [--quick]``.
+
+A :class:`Fault` says what happens to whom and when: ``kill`` (SIGKILL), ``raise`` (an
+exception on the rank's own code path) or ``stop`` (SIGSTOP, the process stays but makes no
+progress) of a ``train`` rank, an ``infer`` rank or the ``controller``, ``early`` (before the
+first write of the update), ``middle`` (half-way through a training rank's write tasks) or
+``late`` (after a training rank's last write, before it reports done) in update ``step``.
+
+Trigger: the training rank that owns the fault (the target, or training rank 0 when the target
+is an inference rank or the controller) counts its write tasks; at the point it sets
+``fault/fired`` (wall-clock time) and either acts itself (training targets: raise in its write
+stage, or signal itself) or sets ``fault/fire`` and pauses 0.3 s, so that a watcher thread in
+the target process (:func:`install_watcher`) acts mid-update: signal itself, or raise
+:class:`InjectedFault` in its main thread.
+
+The matrix runs each row as its own process tree (``python -m experiments.faults --row SPEC``,
+a new session), and prints one nccl-tests style table: seconds from the fault to the error,
+the role and rank the error names, the exit status, processes of the row left behind, the
+published state of the inference weights after the failure, and whether the next update
+restored a complete version bit-exactly (training faults: the trial restarts the training world
+once, the inference processes keep their memory; inference and controller faults end the run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .inject import ACTIONS, ROLES, WHENS, Fault, InjectedFault, install_trainer, install_watcher  # noqa: F401
+
+# --------------------------------------------------------------------------------------------
+# one row: a trial with the fault, in its own process tree
+
+
+def small_config(**kw):
+    """The matrix's world: Qwen3-0.6B cut to 2 layers and an 8192-token vocabulary, 2 FSDP2
+    training ranks, one TP=2 inference instance, CMA; 3 updates (the fault hits update 2). The
+    timeout bounds setup (process start on a loaded machine); stalls are ``stall``'s business."""
+    from .config import TrialConfig
+
+    base = dict(model="qwen3-0.6b", overrides={"num_hidden_layers": 2, "vocab_size": 8192}, n_train=2, tp=2,
+                steps=3, warmup=0, timeout=180.0)
+    base.update(kw)
+    return TrialConfig(**base)
+
+
+def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) -> dict:
+    """Run one trial with ``fault`` in this process (the controller) and return what happened:
+    ``{"error", "seconds_to_error", "state", "restored", "rows"}``. Raises nothing for the
+    fault's own error."""
+    from reference import control
+
+    from .trial import run_trial
+
+    cfg = cfg or small_config()
+    fault.check(cfg)
+    seen: list = []
+    out = {"fault": fault.spec(), "error": None, "seconds_to_error": None, "state": None, "restored": None}
+    probe: dict = {}
+    try:
+        run_trial(cfg, progress=seen.append, fault=fault, stall=stall, restarts=restarts, probe=probe)
+    except (control.ControlError, InjectedFault) as e:
+        out["error"] = str(e).splitlines()[0]
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    t_err = probe.get("t_error", time.time())
+    out["error"] = probe.get("error") or out["error"]
+    fired = probe.get("fired")
+    out["seconds_to_error"] = None if fired is None or out["error"] is None else t_err - fired
+    out["state"] = probe.get("state_after_fault")
+    after = [r for r in seen if r["step"] > fault.step]
+    out["restored"] = bool(after) and all(r["verified"] is True for r in after)
+    out["rows"] = [(r["step"], r["verified"]) for r in seen]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the matrix
+
+
+def _session_procs(sid: int, *, helpers: bool = True) -> list[int]:
+    """Live (not zombie) processes of session ``sid``; ``helpers=False`` leaves out
+    multiprocessing's resource tracker (it exits with its parent)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    if not helpers:
+                        with open(f"/proc/{d}/cmdline", "rb") as f:
+                            if b"resource_tracker" in f.read():
+                                continue
+                    out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _state_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
+    """Run ``fault`` as ``python -m experiments.faults --row`` in a new session; returns the
+    row's result plus ``exit`` (status; negative: signal), ``left`` (processes of the session
+    alive after it exited) and ``wall`` (seconds). A stopped controller is resumed (SIGCONT)
+    once its ranks have left or after ``stall + 10`` s: the operator's part."""
+    cmd = [sys.executable, "-m", "experiments.faults", "--row", fault.spec(), "--stall", str(stall)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    resumed = False
+    stopped_at = exited_at = cleaned_at = None
+    while time.monotonic() - t0 < limit:
+        time.sleep(0.05)
+        if p.poll() is not None:
+            exited_at = exited_at or time.monotonic()
+            if not _session_procs(p.pid) or time.monotonic() - exited_at > stall + 10:
+                cleaned_at = time.monotonic()
+                break
+            continue
+        if _state_of(p.pid) == "T" and not resumed:
+            stopped_at = stopped_at or time.monotonic()
+            others = [q for q in _session_procs(p.pid, helpers=False) if q != p.pid]
+            if not others or time.monotonic() - stopped_at > stall + 10:
+                os.kill(p.pid, signal.SIGCONT)
+                resumed = True
+    timed_out = p.poll() is None
+    if timed_out:
+        os.killpg(p.pid, signal.SIGKILL)
+    out_s, err_s = p.communicate()
+    wall = time.monotonic() - t0
+    left = _session_procs(p.pid)
+    for q in left:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except OSError:
+            pass
+    res = {}
+    for line in out_s.splitlines():
+        if line.startswith("{"):
+            res = json.loads(line)
+    if not res:
+        res = {"fault": fault.spec(), "error": None, "seconds_to_error": None, "state": None, "restored": False}
+        errs = [ln for ln in err_s.splitlines() if "error" in ln.lower() or "Error" in ln]
+        res["error"] = (errs[-1] if errs else "(no error line)")
+    if fault.role == "controller" and fault.action == "kill":  # nobody is left to say more
+        res.update(error=f"controller: killed (exit {p.returncode}); its ranks followed (PR_SET_PDEATHSIG)",
+                   seconds_to_error=None if cleaned_at is None else cleaned_at - exited_at, state="- (all gone)")
+    res.update(exit=p.returncode, left=len(left), wall=wall, timed_out=timed_out, stderr_tail=err_s[-2000:])
+    return res
+
+
+def named(fault: Fault, res: dict) -> str:
+    """The role and rank the row's error names first (``"training 1"``, ``"inference 0"``,
+    ``"controller"``), ``"-"`` if none."""
+    err = res.get("error") or ""
+    cands = [f"{role} {r}:" for role in ("training", "inference") for r in range(8)] + ["controller"]
+    found = [(err.find(c), c.rstrip(":")) for c in cands if c in err]
+    return min(found)[1] if found else "-"
+
+
+QUICK = ("raise:train:1:middle:2", "kill:infer:0:middle:2", "stop:train:1:middle:2")
+
+
+def all_faults() -> list[Fault]:
+    rank = {"train": 1, "infer": 0, "controller": 0}
+    return [Fault(a, r, rank[r], w, 2) for r in ROLES for a in ACTIONS for w in WHENS]
+
+
+def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
+    lines = ["# fault matrix: qwen3-0.6b (2 layers, vocab 8192), 2 FSDP2 training ranks -> TP=2, CMA; fault in update 2 of 3",
+             f"# stall deadline {stall:.0f} s; training faults restart the training world once (inference keeps its memory)",
+             f"#{'fault':>27} {'to_error':>9} {'named':>12} {'exit':>5} {'left':>5} {'weights after fault':>20} "
+             f"{'restored':>9} {'ok':>4}",
+             f"#{'':>27} {'(s)':>9}"]
+    for f, r in rows:
+        ste = "-" if r.get("seconds_to_error") is None else f"{r['seconds_to_error']:.2f}"
+        who = named(f, r)
+        ok = who == f.name and r["left"] == 0 and not r.get("timed_out")
+        state = r.get("state") or "-"
+        restored = "yes" if r.get("restored") else ("n/a" if f.role != "train" else "no")
+        lines.append(f"{f.spec():>28} {ste:>9} {who:>12} {r['exit']:>5} {r['left']:>5} {state:>20} {restored:>9} "
+                     f"{'yes' if ok else 'NO':>4}")
+    bad = [f.spec() for f, r in rows if not (named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out"))]
+    lines.append(f"# rows named, bounded and clean: {len(rows) - len(bad)}/{len(rows)}" + (f"; not: {bad}" if bad else ""))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """``python -m experiments faults``: run the matrix (or ``--quick``'s 3 rows, or ``--only``)
+    and print the table."""
+    faults = ([Fault.parse(s) for s in args.only] if args.only else
+              [Fault.parse(s) for s in QUICK] if args.quick else all_faults())
+    rows = []
+    for f in faults:
+        r = matrix_row(f, stall=args.stall, limit=args.limit)
+        rows.append((f, r))
+        print(f"# {f.spec()}: {r.get('error')}", file=sys.stderr, flush=True)
+        if args.verbose:
+            print(r["stderr_tail"], file=sys.stderr)
+    print(format_matrix(rows, stall=args.stall))
+    return 0 if all(named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out") for f, r in rows) else 1
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--quick", action="store_true", help=f"3 rows: {', '.join(QUICK)}")
+    ap.add_argument("--only", action="append", default=[], metavar="SPEC", help="run this fault (repeatable)")
+    ap.add_argument("--stall", type=float, default=5.0, help="seconds without a heartbeat before a rank is named")
+    ap.add_argument("--limit", type=float, default=180.0, help="seconds a row may take before it is killed")
+    ap.add_argument("--verbose", action="store_true", help="print each row's stderr tail")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m experiments.faults")
+    ap.add_argument("--row", default=None, help="run one row in this process and print it as JSON")
+    add_arguments(ap)
+    a = ap.parse_args()
+    if a.row:
+        res = run_row(Fault.parse(a.row), stall=a.stall)
+        print(json.dumps(res), flush=True)
+        sys.exit(1 if res["error"] else 0)
+    sys.exit(main(a))
