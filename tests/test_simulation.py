@@ -241,3 +241,15 @@ def test_synthesized_metadata_equals_real_2x2_world():
     # and the planner accepts it
     lay = InferenceLayout(tp=2, dp=2, quant="fp8")
     plan(build_recipes(cfg, lay), metadata.train_metas(cfg, 2, 2), metadata.dest_metas(cfg, lay))
+
+
+def test_local_tasks_are_not_collectives():
+    """BF16 layouts give *local* tasks (no sources: a rank reads its own shards); each runs on
+    its own rank, so the simulation must not wait for the rest of the mesh (it used to stall)."""
+    sched, tm = _small_sched(layout=InferenceLayout(tp=2, dp=2))
+    local = [(r, t.id) for r, p in sched.rank_plans.items() for t in p.tasks if not t.sources]
+    assert local
+    res = model.simulate(sched, tm, Hardware(gpus_per_node=2, nics_per_node=2), record=True)
+    assert res.seconds > 0 and res.seconds >= res.floor_seconds
+    done = {(r, tid) for r, tid, st, _, _ in res.events if st == "release"}
+    assert set(local) <= done

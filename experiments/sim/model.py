@@ -178,8 +178,9 @@ def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
                     else:
                         x[0] += w.length
                         x[1] += 1
+            # a local task (no sources: it reads this rank's own shards) is no collective
             lst.append((t.id, t.group, t.temp_bytes, h2d_bytes, comp,
-                        tuple((d, b, n) for d, (b, n) in per_dst.items()), t.mesh))
+                        tuple((d, b, n) for d, (b, n) in per_dst.items()), t.mesh if t.sources else (r,)))
         per_rank[r] = lst
     return ag, per_rank
 
@@ -258,12 +259,13 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
             return
         prep_busy[r] = True
         prep[r] += 1
-        arrived[tid] = arrived.get(tid, 0) + 1
-        arrive_t[tid] = max(arrive_t.get(tid, 0.0), now)
         mesh = tasks[i][6]
-        if arrived[tid] == len(mesh):
+        key = tid if len(mesh) > 1 else (tid, r)  # local tasks: one per rank, no collective
+        arrived[key] = arrived.get(key, 0) + 1
+        arrive_t[key] = max(arrive_t.get(key, 0.0), now)
+        if arrived[key] == len(mesh):
             sec, fab, _, _ = ag[tid]
-            start = arrive_t[tid]
+            start = arrive_t[key]
             if fab:
                 start = max([start] + [tx_free.get(q, 0.0) for q in mesh])
             end = start + sec
@@ -357,7 +359,10 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
         kick(r, now)
     stuck = [r for r in ranks if released[r] != n_tasks[r]]
     if stuck:
-        raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug)")
+        r0 = stuck[0]
+        detail = (f"rank {r0}: {n_tasks[r0]} tasks, admitted {adm[r0]}, arrived at prepare {prep[r0]}, "
+                  f"prepared {prepped[r0]}, writes started {wr[r0]}, released {released[r0]}")
+        raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug); {detail}")
 
     fl, lb = floors(sched, per_rank, ag, hw)
     return SimResult(method=method, seconds=t_end,
