@@ -63,7 +63,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default=None,
                      help="fsdp: FSDP2 on a 1-D mesh; two_group: non-experts within node, experts across "
                           "nodes on --train-mesh; shard_shard: [Shard(0), Shard(0)] on --train-mesh")
-    run.add_argument("--train-mesh", default=None, help="2-D training mesh for two_group / shard_shard, e.g. 2x2")
+    run.add_argument("--train-mesh", default=None, help="2-D training mesh for two_group / shard_shard, e.g. 2x2 (nodes x GPUs per node); "
+                          "two_group also takes NODESxGPUSxW: experts FSDP-sharded over W nodes (MoE mesh width)")
     run.add_argument("--tp", type=int, default=None, help="inference tensor-parallel size")
     run.add_argument("--dp", type=int, default=None, help="inference replicas (engine instances)")
     run.add_argument("--ep", action="store_true", default=None, help="expert parallel over each instance's TP ranks")

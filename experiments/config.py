@@ -48,7 +48,9 @@ class TrialConfig(TransferOptions):
     node, experts across nodes), ``"shard_shard"`` (``[Shard(0), Shard(0)]`` on a
     ``train_mesh`` 2-D mesh, C12)."""
     train_mesh: tuple[int, ...] = ()
-    """2-D mesh shape for ``two_group`` / ``shard_shard``; its product must be ``n_train``."""
+    """2-D mesh shape for ``two_group`` / ``shard_shard``; its product must be ``n_train``.
+    ``two_group`` also takes ``(nodes, gpus_per_node, moe_width)``: experts FSDP-sharded over
+    sub-meshes of ``moe_width`` nodes (must divide ``nodes``; default all nodes)."""
     tp: int = 2
     """Inference tensor-parallel size (ranks per engine instance)."""
     dp: int = 1
@@ -90,9 +92,15 @@ class TrialConfig(TransferOptions):
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
         if self.train_layout != "fsdp":
-            if len(self.train_mesh) != 2 or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
+            ok_len = (2, 3) if self.train_layout == "two_group" else (2,)
+            if len(self.train_mesh) not in ok_len or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
                 raise ValueError(f"train_layout={self.train_layout!r} needs train_mesh=(a, b) with a*b = "
-                                 f"n_train={self.n_train}, got {self.train_mesh}")
+                                 f"n_train={self.n_train}"
+                                 f"{' (or (a, b, moe_width) with moe_width dividing a)' if len(ok_len) > 1 else ''}, "
+                                 f"got {self.train_mesh}")
+            if len(self.train_mesh) == 3 and (self.train_mesh[2] < 1 or self.train_mesh[0] % self.train_mesh[2]):
+                raise ValueError(f"train_mesh={self.train_mesh}: the MoE mesh width {self.train_mesh[2]} must divide "
+                                 f"the {self.train_mesh[0]} nodes")
 
     def train_specs(self) -> list:
         """The training side's parameters: the catalog's, less ``drop_params``, plus

@@ -201,7 +201,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _world_rank(rank, world, port, q):
+def _world_rank(rank, world, port, q, moe_width=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -212,7 +212,7 @@ def _world_rank(rank, world, port, q):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         cfg = load_config("qwen3-30b-a3b", **SMALL)
-        params = build_two_group_params(cfg, 2, 2)
+        params = build_two_group_params(cfg, 2, 2, moe_width)
         q.put((rank, collect_metas(params, offloaded=rank % 2 == 1)))
         dist.barrier()
     finally:
@@ -221,11 +221,15 @@ def _world_rank(rank, world, port, q):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_synthesized_metadata_equals_real_2x2_world():
+@pytest.mark.parametrize("moe_width", [None, 1])
+def test_synthesized_metadata_equals_real_2x2_world(moe_width):
+    """Every rank's synthesized ParamMeta list equals what build_two_group_params publishes on
+    a real 2x2 gloo world: experts sharded across both nodes (MoE mesh width 2, the default)
+    or held whole per node group (width 1: two groups of one node)."""
     ctx = tmp.get_context("fork")  # torch is imported already: forking skips 4 imports
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_world_rank, args=(r, 4, port, q)) for r in range(4)]
+    procs = [ctx.Process(target=_world_rank, args=(r, 4, port, q, moe_width)) for r in range(4)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=100) for _ in range(4))
@@ -234,13 +238,13 @@ def test_synthesized_metadata_equals_real_2x2_world():
         assert p.exitcode == 0
     cfg = load_config("qwen3-30b-a3b", **SMALL)
     for off in (False, True):
-        syn = metadata.train_metas(cfg, 2, 2, offloaded=off)
+        syn = metadata.train_metas(cfg, 2, 2, offloaded=off, moe_width=moe_width)
         for r in range(4):
             if (r % 2 == 1) == off:
                 assert syn[r] == got[r], r
     # and the planner accepts it
     lay = InferenceLayout(tp=2, dp=2, quant="fp8")
-    plan(build_recipes(cfg, lay), metadata.train_metas(cfg, 2, 2), metadata.dest_metas(cfg, lay))
+    plan(build_recipes(cfg, lay), metadata.train_metas(cfg, 2, 2, moe_width=moe_width), metadata.dest_metas(cfg, lay))
 
 
 def test_local_tasks_are_not_collectives():
@@ -253,3 +257,57 @@ def test_local_tasks_are_not_collectives():
     assert res.seconds > 0 and res.seconds >= res.floor_seconds
     done = {(r, tid) for r, tid, st, _, _ in res.events if st == "release"}
     assert set(local) <= done
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_moe_mesh_width_synthesis(width):
+    """Experts on sub-meshes of ``width`` nodes: each expert's mesh has ``width`` ranks on
+    distinct nodes, one intra-node rank; the expert sub-meshes tile the world; fabric
+    all-gather bytes per rank shrink with the width (none at width 1)."""
+    from reference.training import expert_id, is_expert_param
+
+    cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
+    tm = metadata.train_metas(cfg, 4, 2, moe_width=width)
+    first = model.first_metas(tm)
+    meshes = {m.mesh_ranks for m in first.values() if is_expert_param(m.name)}
+    assert all(len(mr) == width and len({r // 2 for r in mr}) == width and len({r % 2 for r in mr}) == 1 for mr in meshes)
+    assert sorted(r for mr in meshes for r in mr) == list(range(8))
+    for n, m in first.items():
+        if is_expert_param(n):
+            e = expert_id(n)
+            assert m.mesh_ranks[0] % 2 == e % 2 and (m.mesh_ranks[0] // 2) // width == (e // 2) % (4 // width)
+    hw = Hardware(gpus_per_node=2, nics_per_node=2)
+    src = model.source_info(first, hw)
+    for n in first:
+        if is_expert_param(n):
+            assert src[n].n == width and src[n].fabric == (width > 1)
+    lay = InferenceLayout(tp=2, dp=1, ep=True, quant="fp8")
+    sched = plan(build_recipes(cfg, lay), tm, metadata.dest_metas(cfg, lay))
+    res = model.simulate(sched, tm, hw)
+    assert res.seconds >= res.floor_seconds
+    # fabric all-gather bytes, all ranks: each of the w ranks of a sub-mesh receives (w-1)/w
+    ag, per_rank = model._task_costs(sched, src, hw)
+    fabric = sum(ag[tid][2] * len(t.mesh) for tid, t in {t.id: t for p in sched.rank_plans.values() for t in p.tasks}.items())
+    expert_bytes = sum(src[n].nbytes for n in first if is_expert_param(n))
+    assert fabric == pytest.approx(expert_bytes * (width - 1), rel=1e-3)
+    with pytest.raises(ValueError, match="must divide"):
+        metadata.train_metas(cfg, 4, 2, moe_width=3)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_two_group_moe_width_real_run_bit_exact():
+    """A real 4-rank trial (2 nodes x 2 GPUs, gloo) with the MoE mesh width 1
+    (``--train-mesh 2x2x1``): experts whole per node group, updates verified bit-exact
+    against the engine's own load_weights."""
+    from experiments.config import TrialConfig
+    from experiments.trial import run_trial
+
+    moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
+               intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cfg = TrialConfig(model="qwen3-30b-a3b", overrides=moe, n_train=4, train_layout="two_group", train_mesh=(2, 2, 1),
+                      tp=2, ep=True, quant="fp8", steps=1, warmup=0, timeout=90)
+    res = run_trial(cfg)
+    assert res.rows and all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
+    with pytest.raises(ValueError, match="must divide"):
+        TrialConfig(model="qwen3-30b-a3b", n_train=4, train_layout="two_group", train_mesh=(2, 2, 3))

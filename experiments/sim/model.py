@@ -388,7 +388,7 @@ def floors(sched: Schedule, per_rank, ag, hw: Hardware) -> tuple[dict[str, float
     nic_b = max([0, *tx.values(), *rx_train.values(), *sched.recv_bytes.values()])
     lb = {"nic": nic_b, "pcie": max(pcie.values(), default=0), "nvlink": max(nvl.values(), default=0)}
     return ({"nic": nic_b / hw.nic_line_Bps, "pcie": lb["pcie"] / (hw.pcie_gbs * 1e9),
-             "nvlink": lb["nvlink"] / (hw.nvlink_gbs * 1e9)}, lb)
+             "nvlink": lb["nvlink"] / (hw.nvlink_line_gbs * 1e9)}, lb)
 
 
 # ------------------------------------------------------------------------------ baselines
