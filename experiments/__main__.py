@@ -100,6 +100,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
     sim.add_argument("--bench-planner", action="store_true",
                      help="time plan() and its peak RSS, each run in a fresh subprocess")
+    sim.add_argument("--sensitivity", action="store_true",
+                     help="also re-run the cost model with every assumed parameter halved and doubled (same schedule)")
     sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")
     sim.add_argument("--received", action="store_true",
                      help="--bench-planner on metadata pickled per rank, as the controller receives it")
