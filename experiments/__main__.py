@@ -68,6 +68,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--tp", type=int, default=None, help="inference tensor-parallel size")
     run.add_argument("--dp", type=int, default=None, help="inference replicas (engine instances)")
     run.add_argument("--ep", action="store_true", default=None, help="expert parallel over each instance's TP ranks")
+    run.add_argument("--dp-attention", action="store_true", default=None,
+                     help="data-parallel attention + EP (with --ep): non-expert tensors whole on every inference rank, "
+                          "experts split over each instance's --tp ranks")
     run.add_argument("--quant", choices=["fp8", "none"], default=None,
                      help="fp8: serve block-FP8 e4m3 + weight_scale_inv; none: serve BF16")
     run.add_argument("--train-dtype", choices=["bfloat16", "float32"], default=None)
@@ -154,7 +157,7 @@ def config_from_args(args):
     ch: dict = {}
     if args.override:
         ch["overrides"] = {**(base.overrides if args.model is None else {}), **dict(args.override)}
-    for field in ("method", "n_train", "train_layout", "tp", "dp", "ep", "train_dtype", "transport", "steps",
+    for field in ("method", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype", "transport", "steps",
                   "warmup", "seed", "timeout"):
         if getattr(args, field) is not None:
             ch[field] = getattr(args, field)

@@ -57,6 +57,10 @@ class TrialConfig(TransferOptions):
     """Inference replicas (engine instances, each receiving a full copy)."""
     ep: bool = False
     """Place MoE experts expert-parallel over each instance's TP ranks."""
+    dp_attention: bool = False
+    """Data-parallel attention with expert parallelism (needs ``ep``): every inference rank
+    holds all non-expert tensors whole, experts split over each instance's ``tp`` ranks
+    (:attr:`reference.types.InferenceLayout.dp_attention`)."""
     quant: str | None = None
     """``None`` or ``"fp8"`` (block FP8 e4m3 with ``weight_scale_inv``) on the inference side."""
     train_dtype: str = "bfloat16"
@@ -117,7 +121,7 @@ class TrialConfig(TransferOptions):
 
     @property
     def layout(self) -> InferenceLayout:
-        return InferenceLayout(tp=self.tp, dp=self.dp, ep=self.ep, quant=self.quant)
+        return InferenceLayout(tp=self.tp, dp=self.dp, ep=self.ep, quant=self.quant, dp_attention=self.dp_attention)
 
     @property
     def n_infer(self) -> int:
