@@ -103,6 +103,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
     sim.add_argument("--bench-planner", action="store_true",
                      help="time plan() and its peak RSS, each run in a fresh subprocess")
+    sim.add_argument("--moe-width", type=int, default=None,
+                     help="override the config's MoE mesh width (two_group: nodes per expert sub-mesh); the row's "
+                          "config name gets a _w<W> suffix")
+    sim.add_argument("--layers", type=int, default=None,
+                     help="truncate the model to this many decoder layers (a quicker look; the row's config name gets "
+                          "an _L<N> suffix)")
+    sim.add_argument("--map", action="store_true",
+                     help="Kimi-K2 map: predicted time against MoE mesh width x inference layout "
+                          "(results/sim_kimi_map.csv; extrapolated from truncated models, see experiments/sim/layout_map.py)")
     sim.add_argument("--sensitivity", action="store_true",
                      help="also re-run the cost model with every assumed parameter halved and doubled (same schedule)")
     sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")

@@ -408,3 +408,27 @@ def test_dp_attention_real_run_bit_exact():
                                 quant="fp8", steps=1, warmup=0, timeout=90))
     assert res.rows and all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
     assert all("DPA+EP2" in r["layout"] for r in res.rows)
+
+
+def test_layout_map_tiny(tmp_path):
+    """The map's cells: the real planner + cost model on the model truncated to l1 and l2
+    layers, extrapolated linearly to the full depth; one row per (width, layout) with the
+    per-GPU weight bytes and whether they fit; the heatmap draws from the CSV."""
+    import pandas as pd
+
+    from analysis.simulation import plot_map
+    from experiments.sim.layout_map import layout_map
+
+    lays = (("2 x TP2+EP", InferenceLayout(tp=2, dp=2, ep=True, quant="fp8")),
+            ("2 x DPA+EP2", InferenceLayout(tp=2, dp=2, ep=True, quant="fp8", dp_attention=True)))
+    rows = layout_map("tiny_qwen3_moe_2x2", widths=(1, 2), layouts=lays, l1=1, l2=2, log=lambda m: None)
+    assert len(rows) == 4
+    full = load_config("qwen3-30b-a3b").num_layers
+    for r in rows:
+        assert r["seconds"] == pytest.approx(r["seconds_l2"] + (full - 2) * (r["seconds_l2"] - r["seconds_l1"]))
+        assert r["seconds_l2"] > r["seconds_l1"] > 0 and r["weights_per_gpu_bytes"] > 0
+    dpa = [r for r in rows if "DPA" in r["layout_label"]]
+    tp = [r for r in rows if "TP2" in r["layout_label"]]
+    assert dpa[0]["weights_per_gpu_bytes"] > tp[0]["weights_per_gpu_bytes"]   # attention replicated
+    pd.DataFrame(rows).to_csv(tmp_path / "sim_kimi_map.csv", index=False)
+    assert plot_map(tmp_path / "sim_kimi_map.csv").exists()

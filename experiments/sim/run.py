@@ -329,6 +329,17 @@ def format_bench(name: str, runs: list[dict], *, received: bool = False, checks:
 
 
 def main(args) -> int:
+    if getattr(args, "map", False):
+        import pandas as pd
+
+        from .layout_map import layout_map
+
+        rows_ = layout_map(args.config or "kimi_k2_256xh200efa_to_128_dpa_ep16",
+                           log=lambda m: print(m, flush=True))
+        p = Path(args.csv).resolve().parent / "sim_kimi_map.csv"
+        pd.DataFrame(rows_).to_csv(p, index=False)
+        print(f"# map written to {p} (SIMULATED; draw with python -m analysis.simulation)")
+        return 0
     if args.list or not args.config:
         print("# simulation configs (python -m experiments simulate <name>):")
         for n, f in CONFIGS.items():
@@ -339,6 +350,20 @@ def main(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.bench_planner and (getattr(args, "layers", None) or getattr(args, "moe_width", None)):
+        print("error: --layers / --moe-width with --bench-planner are not supported (the benchmark plans named configs)",
+              file=sys.stderr)
+        return 2
+    if getattr(args, "layers", None):
+        from dataclasses import replace
+
+        cfg = replace(cfg, name=f"{cfg.name}_L{args.layers}", overrides={**cfg.overrides, "num_hidden_layers": args.layers},
+                      label=f"{cfg.label} [truncated to {args.layers} layers]")
+    if getattr(args, "moe_width", None):
+        from dataclasses import replace
+
+        cfg = replace(cfg, name=f"{cfg.name}_w{args.moe_width}", moe_width=args.moe_width,
+                      label=f"{cfg.label} [MoE width overridden: {args.moe_width}]")
     if args.bench_planner:
         runs = [bench_planner(cfg.name, received=args.received, checks=args.checks) for _ in range(max(1, args.repeat))]
         print(format_bench(cfg.name, runs, received=args.received, checks=args.checks))
