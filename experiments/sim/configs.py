@@ -99,15 +99,30 @@ def kimi_k2_256xh100_to_128xh100_fp8() -> SimConfig:
                      anchors={"reference": (1.25, PPLX_K2)})
 
 
-def kimi_k2_256xh200efa_to_128_dpa_ep16() -> SimConfig:
+PPLX_EFA = ("Perplexity, research.perplexity.ai/articles/enabling-trillion-parameter-models-on-aws-efa (and arXiv "
+            "2510.27656): Kimi-K2 does not fit one 8 x H200 node with room for KV caches, so it is served multi-node with "
+            "expert parallelism on AWS EFA")
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep32() -> SimConfig:
     """Headline: Kimi-K2 256 -> 128 in the most plausible published layout: H200 + EFA, MoE
-    mesh width 2, 8 instances of data-parallel attention + EP16, FP8."""
+    mesh width 2, 4 instances of data-parallel attention + EP32, FP8."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep32", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=32, dp=4, ep=True, quant="fp8", dp_attention=True),
+                     label="most plausible published layout: H200 + EFA (the posts' cluster); data-parallel attention + "
+                           "multi-node EP (Perplexity's engine and EFA kernels); EP32 = smallest multi-node EP whose "
+                           "floor is below the published time (EP16 x 8: 78 GB per GPU, floor 1.55 s); MoE width 2 "
+                           "(smallest width whose MoE full_tensor() crosses the fabric, as the profile shows)",
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep16() -> SimConfig:
+    """Kimi-K2 on H200 + EFA, 8 x (data-parallel attention + EP16), MoE width 2: excluded by
+    its floor (78 GB into every inference GPU)."""
     return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep16", model="kimi-k2", moe_width=2, hardware=h200_efa(),
                      layout=InferenceLayout(tp=16, dp=8, ep=True, quant="fp8", dp_attention=True),
-                     label="most plausible published layout: two mesh groups with MoE width 2 (smallest width whose "
-                           "MoE full_tensor() crosses the fabric, as the profile shows); 8 x (DP attention + EP16) FP8 "
-                           "(the engine's layout per the 09-07 post; EP16 = smallest EP that fits H200 with room); "
-                           "H200 + EFA (the posts' stated cluster)",
+                     label="8 x (DP attention + EP16) FP8 on H200 + EFA, MoE width 2 -- excluded by its floor: every "
+                           "inference GPU receives 78 GB (64 GB of experts + 13 GB replicated), 1.55 s at line rate",
                      anchors={"reference": (1.25, PPLX_K2)})
 
 
@@ -180,7 +195,7 @@ def tiny_qwen3_moe_2x2() -> SimConfig:
 
 
 CONFIGS: dict[str, Callable[[], SimConfig]] = {f.__name__: f for f in (
-    kimi_k2_256xh200efa_to_128_dpa_ep16, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
+    kimi_k2_256xh200efa_to_128_dpa_ep32, kimi_k2_256xh200efa_to_128_dpa_ep16, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
     kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128xh200efa_to_32_dpa_ep8, qwen3_235b_128_to_32,
     deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2)}
 

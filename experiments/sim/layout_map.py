@@ -38,6 +38,7 @@ LAYOUTS: tuple[tuple[str, InferenceLayout], ...] = (
     ("16 x DPA+EP8", InferenceLayout(tp=8, dp=16, ep=True, quant="fp8", dp_attention=True)),
     ("8 x DPA+EP16", InferenceLayout(tp=16, dp=8, ep=True, quant="fp8", dp_attention=True)),
     ("4 x DPA+EP32", InferenceLayout(tp=32, dp=4, ep=True, quant="fp8", dp_attention=True)),
+    ("2 x DPA+EP64", InferenceLayout(tp=64, dp=2, ep=True, quant="fp8", dp_attention=True)),
     ("1 x DPA+EP128", InferenceLayout(tp=128, dp=1, ep=True, quant="fp8", dp_attention=True)),
 )
 """(label, layout) of the 128 inference GPUs."""
@@ -65,7 +66,7 @@ def _cell(base: SimConfig, width: int, layout: InferenceLayout, layers: int) -> 
     return r.seconds, r.floor_seconds, r.rank_bytes
 
 
-def layout_map(base_name: str = "kimi_k2_256xh200efa_to_128_dpa_ep16", *, widths=WIDTHS, layouts=LAYOUTS,
+def layout_map(base_name: str = "kimi_k2_256xh200efa_to_128_dpa_ep32", *, widths=WIDTHS, layouts=LAYOUTS,
                l1: int = 2, l2: int = 4, log=print) -> list[dict]:
     """One row per (width, layout): extrapolated seconds and floor (see module docstring)."""
     from . import model

@@ -334,7 +334,7 @@ def main(args) -> int:
 
         from .layout_map import layout_map
 
-        rows_ = layout_map(args.config or "kimi_k2_256xh200efa_to_128_dpa_ep16",
+        rows_ = layout_map(args.config or "kimi_k2_256xh200efa_to_128_dpa_ep32",
                            log=lambda m: print(m, flush=True))
         p = Path(args.csv).resolve().parent / "sim_kimi_map.csv"
         pd.DataFrame(rows_).to_csv(p, index=False)
