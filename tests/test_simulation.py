@@ -425,7 +425,8 @@ def test_layout_map_tiny(tmp_path):
     assert len(rows) == 4
     full = load_config("qwen3-30b-a3b").num_layers
     for r in rows:
-        assert r["seconds"] == pytest.approx(r["seconds_l2"] + (full - 2) * (r["seconds_l2"] - r["seconds_l1"]))
+        assert r["seconds_extrapolated"] == pytest.approx(r["seconds_l2"] + (full - 2) * (r["seconds_l2"] - r["seconds_l1"]))
+        assert r["floor_seconds"] > 0
         assert r["seconds_l2"] > r["seconds_l1"] > 0 and r["weights_per_gpu_bytes"] > 0
     dpa = [r for r in rows if "DPA" in r["layout_label"]]
     tp = [r for r in rows if "TP2" in r["layout_label"]]

@@ -126,6 +126,24 @@ def kimi_k2_256xh200efa_to_128_dpa_ep16() -> SimConfig:
                      anchors={"reference": (1.25, PPLX_K2)})
 
 
+def kimi_k2_256xh200efa_to_128_dpa_ep64() -> SimConfig:
+    """Kimi-K2 on H200 + EFA, 2 x (data-parallel attention + EP64), MoE width 2 (a map cell run
+    at full size)."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep64", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=64, dp=2, ep=True, quant="fp8", dp_attention=True),
+                     label="2 x (DP attention + EP64) FP8 on H200 + EFA, MoE width 2 (map cell at full size)",
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep128() -> SimConfig:
+    """Kimi-K2 on H200 + EFA, one instance of data-parallel attention + EP128, MoE width 2 (a
+    map cell run at full size)."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep128", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=128, dp=1, ep=True, quant="fp8", dp_attention=True),
+                     label="1 x (DP attention + EP128) FP8 on H200 + EFA, MoE width 2 (map cell at full size)",
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
 def kimi_k2_256xh100_to_128xh100_fp8_expert_whole() -> SimConfig:
     """Same cluster, experts held whole by one training GPU each (expert-parallel storage):
     ``full_tensor()`` of an expert moves nothing."""
@@ -195,7 +213,8 @@ def tiny_qwen3_moe_2x2() -> SimConfig:
 
 
 CONFIGS: dict[str, Callable[[], SimConfig]] = {f.__name__: f for f in (
-    kimi_k2_256xh200efa_to_128_dpa_ep32, kimi_k2_256xh200efa_to_128_dpa_ep16, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
+    kimi_k2_256xh200efa_to_128_dpa_ep32, kimi_k2_256xh200efa_to_128_dpa_ep16, kimi_k2_256xh200efa_to_128_dpa_ep64,
+    kimi_k2_256xh200efa_to_128_dpa_ep128, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
     kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128xh200efa_to_32_dpa_ep8, qwen3_235b_128_to_32,
     deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2)}
 
