@@ -433,3 +433,14 @@ def test_layout_map_tiny(tmp_path):
     assert dpa[0]["weights_per_gpu_bytes"] > tp[0]["weights_per_gpu_bytes"]   # attention replicated
     pd.DataFrame(rows).to_csv(tmp_path / "sim_kimi_map.csv", index=False)
     assert plot_map(tmp_path / "sim_kimi_map.csv").exists()
+
+
+def test_cli_dp_attention_and_moe_width_parse():
+    """``run --dp-attention --ep`` and ``--train-mesh NxGxW`` reach the TrialConfig."""
+    from experiments.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["run", "--model", "qwen3-30b-a3b", "--n-train", "4", "--train-layout", "two_group",
+                                      "--train-mesh", "2x2x1", "--tp", "2", "--ep", "--dp-attention", "--quant", "fp8"])
+    cfg = config_from_args(args)
+    assert cfg.train_mesh == (2, 2, 1) and cfg.dp_attention and cfg.layout.dp_attention
+    assert cfg.layout.describe() == "DPA+EP2-fp8"
