@@ -450,7 +450,8 @@ def _result(method, stages: dict[str, float], floor_bytes: int, link_Bps: float,
 
 
 def rank0_funnel(tensors: list[Tensor], hw: Hardware, n_infer: int, recv_bytes: int) -> SimResult:
-    """The seed's rank-0 funnel, one tensor at a time (no overlap): ``gather`` on training rank
+    """The rank-0 funnel (the project's baseline), one tensor at a time (no overlap): ``gather``
+    on training rank
     0 (the tensor's ``full_tensor()``, plus an NVLink hop when rank 0 is not in its mesh),
     ``send`` over rank 0's one NIC to inference rank 0 (training dtype), ``broadcast`` from
     inference rank 0 to the others (pipelined NCCL ring: bytes / NIC + a call), then

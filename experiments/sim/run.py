@@ -165,7 +165,7 @@ def byte_table(sr: SimRun) -> str:
     ref = next((r for r in sr.results if r.method == "reference"), None)
     if ref is None or not ref.rank_bytes:
         return ""
-    L = [f"# per-GPU bytes of the reference's schedule (GB = 1e9 B; min / median / max over ranks):",
+    L = ["# per-GPU bytes of the reference's schedule (GB = 1e9 B; min / median / max over ranks):",
          f"{'':>36} {'min':>9} {'median':>9} {'max':>9}"]
     for k, what in (("infer_recv", "inference GPU receives (RDMA WRITE)"), ("train_send", "training GPU sends (RDMA WRITE)"),
                     ("train_fabric", "training GPU all-gather over fabric")):
