@@ -6,7 +6,14 @@ latest row of each method):
 - ``results/sim_<config>_methods.png``: predicted update time of every method next to its
   physical floor and the published figure, log scale, seconds;
 - ``results/sim_<config>_stages.png``: each method's per-stage busy time (seconds; the busiest
-  rank's for the reference, summed over tensors for the baselines).
+  rank's for the reference, summed over tensors for the baselines);
+- ``results/sim_<config>_gantt.png`` from ``results/sim_<config>_gantt.csv`` (written by
+  ``simulate``): the simulated per-stage timeline of a few training ranks, one lane per
+  (rank, stage), bars colored by mesh group -- the shape of the published profile;
+- ``results/sim_kimi_map.png`` from ``results/sim_kimi_map.csv`` (``simulate --map``):
+  Kimi-K2's floor against MoE mesh width x inference layout, cells where the published
+  1.2-1.3 s can be reached (floor at most 1.3 s) outlined, full-size predictions from
+  ``results/simulated.csv`` printed where they exist.
 
 Column meanings: docs/PERFORMANCE.md and docs/SIMULATION.md.
 """
@@ -79,6 +86,105 @@ def plot_simulation(csv: str | Path = CSV, out_dir: str | Path | None = None) ->
     return written
 
 
+STAGE_ORDER = ("h2d", "prepare", "write", "release")
+
+
+def plot_gantt(csv: str | Path, out: str | Path | None = None) -> Path:
+    """One simulated update of a few training ranks over time: a lane per (rank, stage),
+    one bar per task, colored by mesh group (seconds from "go")."""
+    df = pd.read_csv(csv)
+    cfg = df.config.iloc[0]
+    ranks = sorted(df["rank"].unique())
+    stages = [s for s in STAGE_ORDER if s in set(df.stage)]
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(ranks) * len(stages) + 1.6))
+    colors = plt.get_cmap("tab10")
+    lanes = []
+    for i, r in enumerate(ranks):
+        for j, st in enumerate(stages):
+            y = len(lanes)
+            lanes.append(f"rank {r} {st}")
+            d = df[(df["rank"] == r) & (df.stage == st)]
+            for g, dg in d.groupby("group"):
+                ax.broken_barh(list(zip(dg.start, dg.end - dg.start)), (y - 0.4, 0.8), color=colors(int(g) % 10),
+                               label=f"mesh group {int(g)}" if (i, j) == (0, 1) or (st == "prepare" and i == 0) else None)
+    h, lab = ax.get_legend_handles_labels()
+    uniq = dict(zip(lab, h))
+    ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper right")
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("time since go (s), simulated")
+    ax.set_title(f"{cfg}: simulated per-stage timeline (cost model, not a measurement)", fontsize=9)
+    fig.tight_layout()
+    out = Path(out) if out else Path(csv).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_map(csv: str | Path, out: str | Path | None = None, published=(1.2, 1.3), full: str | Path | None = None) -> Path:
+    """Heatmap of the **floor** (seconds; busiest link at line rate, exact at full depth) per
+    MoE mesh width (rows) x inference layout (columns); cells whose floor is at most the
+    published upper bound -- where the published time *can* be reached -- outlined red;
+    layouts whose weights do not fit one GPU hatched. Where ``full`` (results/simulated.csv)
+    has a full-size prediction of the same width, layout and hardware, it is printed in the cell."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    df = pd.read_csv(csv)
+    widths = sorted(df.moe_width.unique())
+    layouts = list(dict.fromkeys(df.layout_label))
+    fl = np.full((len(widths), len(layouts)), np.nan)
+    fits = np.ones_like(fl, dtype=bool)
+    preds: dict[tuple[int, int], float] = {}
+    sim = None
+    if full is not None and Path(full).exists():
+        sim = pd.read_csv(full)
+        sim = sim[(sim.method == "reference") & (sim.model == df.model.iloc[0]) & (sim.hardware == df.hardware.iloc[0])]
+        if "moe_width" in sim:
+            sim = sim[sim.moe_width.notna()]
+    for _, r in df.iterrows():
+        i, j = widths.index(r.moe_width), layouts.index(r.layout_label)
+        fl[i, j] = r.floor_seconds
+        fits[i, j] = bool(r.get("fits_memory", True))
+        if sim is not None and len(sim):
+            m = sim[(sim.moe_width == r.moe_width) & (sim.layout == r.layout) & (sim.n_train == sim.n_train.max())]
+            m = m[~m.config.str.contains("_L")]
+            if len(m):
+                preds[(i, j)] = m.seconds.iloc[-1]
+    fig, ax = plt.subplots(figsize=(1.6 * len(layouts) + 2.5, 0.85 * len(widths) + 2.4))
+    im = ax.imshow(fl, cmap="viridis_r", aspect="auto")
+    for i in range(len(widths)):
+        for j in range(len(layouts)):
+            if np.isnan(fl[i, j]):
+                continue
+            txt = f"floor {fl[i, j]:.2f} s"
+            if (i, j) in preds:
+                txt += f"\npred. {preds[(i, j)]:.2f} s"
+            ax.text(j, i, txt, ha="center", va="center", fontsize=7,
+                    color="white" if fl[i, j] > np.nanmedian(fl) else "black")
+            if fl[i, j] <= published[1]:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=2.5))
+            if not fits[i, j]:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="grey", lw=0))
+    ax.set_xticks(range(len(layouts)), layouts, rotation=20, fontsize=7, ha="right")
+    ax.set_yticks(range(len(widths)), [f"MoE width {int(w)}" for w in widths], fontsize=8)
+    cb = fig.colorbar(im, ax=ax)
+    cb.set_label("floor (s): busiest NIC / PCIe / NVLink at line rate")
+    ax.set_title(f"{df.model.iloc[0]}, 256 -> 128 GPUs, {df.hardware.iloc[0]} (simulated)\n"
+                 f"red: floor <= {published[1]} s, so the published {published[0]}-{published[1]} s is reachable; "
+                 f"pred.: full-size prediction; hatched: weights exceed GPU memory", fontsize=8)
+    fig.tight_layout()
+    out = Path(out) if out else Path(csv).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 if __name__ == "__main__":
-    for p in plot_simulation(*(sys.argv[1:2] or [CSV])):
+    csv = Path(sys.argv[1]) if sys.argv[1:] else CSV
+    for p in plot_simulation(csv):
         print(p)
+    for g in sorted(csv.resolve().parent.glob("sim_*_gantt.csv")):
+        print(plot_gantt(g))
+    for m in sorted(csv.resolve().parent.glob("sim_*_map.csv")):
+        print(plot_map(m, full=csv))

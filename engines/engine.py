@@ -164,7 +164,11 @@ class _Builder:
     """Builds one rank's ordered parameter list (vLLM module order)."""
 
     def __init__(self, cfg: ModelConfig, layout: InferenceLayout, tp_rank: int):
-        self.cfg, self.layout, self.r, self.T = cfg, layout, tp_rank, layout.tp
+        # non-expert tensors: TP rank r of T (data-parallel attention: whole, as rank 0 of 1);
+        # routed experts: EP / TP over the layout's tp ranks (self.er of self.ET)
+        self.cfg, self.layout = cfg, layout
+        self.er, self.ET = tp_rank, layout.tp
+        self.r, self.T = (0, 1) if layout.dp_attention else (tp_rank, layout.tp)
         self.fp8 = layout.quant == "fp8"
         self.dt = layout.dtype
         self.params: list[_Param] = []
@@ -234,7 +238,7 @@ class _Builder:
         self.linear(f"{p}.o_proj", (H, nhl * vd), "row", full=(H, nh * vd))
 
     def moe(self, p: str):
-        cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
+        cfg, T, H = self.cfg, self.ET, self.cfg.hidden_size
         E, mI, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_shared_experts
         self.plain(f"{p}.gate.weight", (E, H))
         if cfg.is_mla:
@@ -244,7 +248,7 @@ class _Builder:
         w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
         if self.layout.ep:
             el = _div(w13, "num_experts", E, T)
-            first, il = self.r * el, mI
+            first, il = self.er * el, mI
         else:
             el, first = E, 0
             il = _div(w13, "moe_intermediate_size", mI, T)
@@ -541,8 +545,12 @@ class Engine:
     def _pieces(self, spec: _Param, shard, src: str):
         """``(dst index, src index, expected full source shape)`` per copy for one shard of
         ``spec`` (``src index`` None: zero ``dst[dst index]``). The weight-loader logic."""
-        r, T, info, shape = self.tp_rank, self.layout.tp, spec.info, spec.shape
+        info, shape = spec.info, spec.shape
         k = spec.kind
+        if self.layout.dp_attention and k not in ("w13", "w2"):
+            r, T = 0, 1  # non-expert tensors are whole on every rank
+        else:
+            r, T = self.tp_rank, self.layout.tp
         if k == "replicated":
             return [(..., ..., shape)]
         if k == "vocab":

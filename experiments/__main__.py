@@ -75,10 +75,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default=None,
                      help="fsdp: FSDP2 on a 1-D mesh; two_group: non-experts within node, experts across "
                           "nodes on --train-mesh; shard_shard: [Shard(0), Shard(0)] on --train-mesh")
-    run.add_argument("--train-mesh", default=None, help="2-D training mesh for two_group / shard_shard, e.g. 2x2")
+    run.add_argument("--train-mesh", default=None, help="2-D training mesh for two_group / shard_shard, e.g. 2x2 (nodes x GPUs per node); "
+                          "two_group also takes NODESxGPUSxW: experts FSDP-sharded over W nodes (MoE mesh width)")
     run.add_argument("--tp", type=int, default=None, help="inference tensor-parallel size")
     run.add_argument("--dp", type=int, default=None, help="inference replicas (engine instances)")
     run.add_argument("--ep", action="store_true", default=None, help="expert parallel over each instance's TP ranks")
+    run.add_argument("--dp-attention", action="store_true", default=None,
+                     help="data-parallel attention + EP (with --ep): non-expert tensors whole on every inference rank, "
+                          "experts split over each instance's --tp ranks")
     run.add_argument("--quant", choices=["fp8", "none"], default=None,
                      help="fp8: serve block-FP8 e4m3 + weight_scale_inv; none: serve BF16")
     run.add_argument("--train-dtype", choices=["bfloat16", "float32"], default=None)
@@ -111,6 +115,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
     sim.add_argument("--bench-planner", action="store_true",
                      help="time plan() and its peak RSS, each run in a fresh subprocess")
+    sim.add_argument("--moe-width", type=int, default=None,
+                     help="override the config's MoE mesh width (two_group: nodes per expert sub-mesh); the row's "
+                          "config name gets a _w<W> suffix")
+    sim.add_argument("--layers", type=int, default=None,
+                     help="truncate the model to this many decoder layers (a quicker look; the row's config name gets "
+                          "an _L<N> suffix)")
+    sim.add_argument("--map", action="store_true",
+                     help="Kimi-K2 map: predicted time against MoE mesh width x inference layout "
+                          "(results/sim_kimi_map.csv; extrapolated from truncated models, see experiments/sim/layout_map.py)")
+    sim.add_argument("--sensitivity", action="store_true",
+                     help="also re-run the cost model with every assumed parameter halved and doubled (same schedule)")
     sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")
     sim.add_argument("--received", action="store_true",
                      help="--bench-planner on metadata pickled per rank, as the controller receives it")
@@ -167,7 +182,7 @@ def config_from_args(args):
     ch: dict = {}
     if args.override:
         ch["overrides"] = {**(base.overrides if args.model is None else {}), **dict(args.override)}
-    for field in ("method", "n_train", "train_layout", "tp", "dp", "ep", "train_dtype", "transport", "steps",
+    for field in ("method", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype", "transport", "steps",
                   "warmup", "seed", "timeout"):
         if getattr(args, field) is not None:
             ch[field] = getattr(args, field)

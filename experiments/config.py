@@ -63,13 +63,19 @@ class TrialConfig(TransferOptions):
     node, experts across nodes), ``"shard_shard"`` (``[Shard(0), Shard(0)]`` on a
     ``train_mesh`` 2-D mesh, C12)."""
     train_mesh: tuple[int, ...] = ()
-    """2-D mesh shape for ``two_group`` / ``shard_shard``; its product must be ``n_train``."""
+    """2-D mesh shape for ``two_group`` / ``shard_shard``; its product must be ``n_train``.
+    ``two_group`` also takes ``(nodes, gpus_per_node, moe_width)``: experts FSDP-sharded over
+    sub-meshes of ``moe_width`` nodes (must divide ``nodes``; default all nodes)."""
     tp: int = 2
     """Inference tensor-parallel size (ranks per engine instance)."""
     dp: int = 1
     """Inference replicas (engine instances, each receiving a full copy)."""
     ep: bool = False
     """Place MoE experts expert-parallel over each instance's TP ranks."""
+    dp_attention: bool = False
+    """Data-parallel attention with expert parallelism (needs ``ep``): every inference rank
+    holds all non-expert tensors whole, experts split over each instance's ``tp`` ranks
+    (:attr:`reference.types.InferenceLayout.dp_attention`)."""
     quant: str | None = None
     """``None`` or ``"fp8"`` (block FP8 e4m3 with ``weight_scale_inv``) on the inference side."""
     train_dtype: str = "bfloat16"
@@ -101,13 +107,19 @@ class TrialConfig(TransferOptions):
             raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1, warmup >= 0")
         if self.train_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
-        self.layout  # validates tp/dp/quant
+        _ = self.layout  # validates tp/dp/quant
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
         if self.train_layout != "fsdp":
-            if len(self.train_mesh) != 2 or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
+            ok_len = (2, 3) if self.train_layout == "two_group" else (2,)
+            if len(self.train_mesh) not in ok_len or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
                 raise ValueError(f"train_layout={self.train_layout!r} needs train_mesh=(a, b) with a*b = "
-                                 f"n_train={self.n_train}, got {self.train_mesh}")
+                                 f"n_train={self.n_train}"
+                                 f"{' (or (a, b, moe_width) with moe_width dividing a)' if len(ok_len) > 1 else ''}, "
+                                 f"got {self.train_mesh}")
+            if len(self.train_mesh) == 3 and (self.train_mesh[2] < 1 or self.train_mesh[0] % self.train_mesh[2]):
+                raise ValueError(f"train_mesh={self.train_mesh}: the MoE mesh width {self.train_mesh[2]} must divide "
+                                 f"the {self.train_mesh[0]} nodes")
         self.model_config()  # validates the model name and the overrides (names and kinds)
 
     def preflight(self, *, local: bool = True) -> None:
@@ -137,7 +149,7 @@ class TrialConfig(TransferOptions):
 
     @property
     def layout(self) -> InferenceLayout:
-        return InferenceLayout(tp=self.tp, dp=self.dp, ep=self.ep, quant=self.quant)
+        return InferenceLayout(tp=self.tp, dp=self.dp, ep=self.ep, quant=self.quant, dp_attention=self.dp_attention)
 
     @property
     def n_infer(self) -> int:

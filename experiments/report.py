@@ -24,10 +24,11 @@ def percentile(xs: list[float], q: float) -> float:
 def train_layout_text(cfg) -> str:
     if cfg.train_layout == "fsdp":
         return f"FSDP2 fully_shard, Shard(0) on DeviceMesh({cfg.n_train},)"
-    a, b = cfg.train_mesh
+    a, b = cfg.train_mesh[:2]
     if cfg.train_layout == "two_group":
+        w = cfg.train_mesh[2] if len(cfg.train_mesh) > 2 else a
         return (f"two mesh groups on a {a}x{b} mesh: non-experts (Replicate, Shard(0)) within a node, "
-                f"experts Shard(0) across nodes")
+                f"experts Shard(0) across {w} node(s) (MoE mesh width {w})")
     return f"[Shard(0), Shard(0)] on DeviceMesh({a}, {b})"
 
 

@@ -156,41 +156,62 @@ def expert_id(name: str) -> int:
     return int(name.split(".mlp.experts.", 1)[1].split(".", 1)[0])
 
 
-def two_group_mesh_for(mesh2d: DeviceMesh, columns: list[DeviceMesh]):
-    """Placement rule of the seed's two mesh groups on a 2-D ``(inter, intra)`` mesh of
+def two_group_mesh_for(mesh2d: DeviceMesh, columns: list[DeviceMesh], groups: int = 1):
+    """Placement rule of the two mesh groups on a 2-D ``(inter, intra)`` mesh of
     ``nodes x gpus_per_node`` ranks:
 
     - non-expert parameters: the whole 2-D mesh, ``(Replicate(), Shard(0))`` -- sharded over
       the GPUs of a node, replicated across nodes (HSDP); ``full_tensor()`` gathers within a
       node (NVLink on a cluster);
-    - routed expert ``e``: the column of intra-node rank ``e % gpus_per_node`` (one GPU per
-      node), ``(Shard(0),)`` -- expert-parallel inside a node, FSDP across nodes;
-      ``full_tensor()`` gathers across nodes (the RDMA fabric).
+    - routed expert ``e``: expert-parallel over the ``gpus_per_node`` GPUs of a node (intra
+      rank ``j = e % gpus_per_node``) and over ``groups`` node groups (group
+      ``k = (e // gpus_per_node) % groups``), FSDP ``(Shard(0),)`` across the ``nodes / groups``
+      nodes of its group -- the *MoE mesh width*; ``full_tensor()`` gathers across those nodes
+      (the RDMA fabric). ``groups=1``: every expert sharded across all nodes.
 
-    The columns are disjoint meshes, so expert tasks form one mesh group that runs in parallel
-    on every column; the non-expert tasks form the other. ``columns[j]`` is the 1-D mesh of
-    global ranks ``{n * gpus_per_node + j}``, created on every rank in the same order."""
+    The expert meshes are disjoint, so expert tasks form one mesh group that runs in parallel
+    on every sub-mesh; the non-expert tasks form the other. ``columns[k * gpus_per_node + j]``
+    is the 1-D mesh of global ranks ``{(k * w + i) * gpus_per_node + j : i < w}`` (``w`` the
+    MoE mesh width), created on every rank in the same order (:func:`two_group_columns`).
+
+    Source of the structure: Lequn Chen, "RL weight transfer 2" (le.qun.ch, 2025-09-17):
+    non-MoE FSDP within a node over NVLink, MoE FSDP across nodes over RDMA; the post gives
+    no width, so it is a parameter here."""
     g = mesh2d.mesh.shape[1]
+    if len(columns) != groups * g:
+        raise ValueError(f"two_group_mesh_for: {len(columns)} expert meshes for {groups} group(s) x {g} GPUs per node")
 
     def mesh_for(spec):
         if is_expert_param(spec.name):
-            return columns[expert_id(spec.name) % g], (Shard(0),)
+            e = expert_id(spec.name)
+            return columns[((e // g) % groups) * g + e % g], (Shard(0),)
         return mesh2d, (Replicate(), Shard(0))
 
     return mesh_for
 
 
-def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, *,
+def two_group_columns(nodes: int, gpus_per_node: int, moe_width: int | None = None) -> list[list[int]]:
+    """Global ranks of every expert sub-mesh, in creation order (``k * gpus_per_node + j``):
+    group ``k`` of ``moe_width`` consecutive nodes, intra-node rank ``j``. ``moe_width`` None:
+    all nodes (one group). Raises ValueError unless ``moe_width`` divides ``nodes``."""
+    w = nodes if moe_width is None else moe_width
+    if w < 1 or nodes % w:
+        raise ValueError(f"MoE mesh width {w} must divide the {nodes} training nodes")
+    return [[(k * w + i) * gpus_per_node + j for i in range(w)] for k in range(nodes // w) for j in range(gpus_per_node)]
+
+
+def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, moe_width: int | None = None, *,
                            dtype_override: str | None = None, specs: list[ParamSpec] | None = None) -> dict[str, DTensor]:
-    """DTensor parameters in the seed's two-mesh-group layout (see :func:`two_group_mesh_for`)
-    on ``nodes * gpus_per_node`` ranks (the default process group must have that size). A
-    rank holds only the experts of its column."""
+    """DTensor parameters in the two-mesh-group layout (see :func:`two_group_mesh_for`) on
+    ``nodes * gpus_per_node`` ranks (the default process group must have that size), experts
+    FSDP-sharded over ``moe_width`` nodes (None: all of them). A rank holds only the experts
+    of its sub-mesh."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     mesh2d = init_device_mesh("cpu", (nodes, gpus_per_node), mesh_dim_names=("inter", "intra"))
-    columns = [DeviceMesh("cpu", [n * gpus_per_node + j for n in range(nodes)], mesh_dim_names=("inter",))
-               for j in range(gpus_per_node)]
-    mesh_for = two_group_mesh_for(mesh2d, columns)
+    cols = two_group_columns(nodes, gpus_per_node, moe_width)
+    columns = [DeviceMesh("cpu", c, mesh_dim_names=("inter",)) for c in cols]
+    mesh_for = two_group_mesh_for(mesh2d, columns, len(cols) // gpus_per_node)
     me = torch.distributed.get_rank()
     specs = [s for s in (param_specs(cfg) if specs is None else specs) if me in mesh_for(s)[0].mesh.flatten().tolist()]
     return build_dtensor_params(specs, mesh_for, dtype_override=dtype_override)

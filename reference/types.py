@@ -215,6 +215,13 @@ class InferenceLayout:
     expert. ``quant`` is ``None`` (serve the training dtype cast to ``dtype``) or ``"fp8"``
     (DeepSeek-V3 block FP8: e4m3 weights plus float32 ``weight_scale_inv`` per 128x128 block for
     linear layers). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
+
+    ``dp_attention`` True (needs ``ep``): data-parallel attention with expert parallelism, as
+    SGLang's ``--enable-dp-attention`` / vLLM's DP + EP serve MoE models: every rank of the
+    instance holds all non-expert tensors whole (attention, embeddings, lm_head, router,
+    norms, shared experts and dense MLPs replicated, as at ``tp=1``), and the routed experts
+    are split over the instance's ``tp`` ranks (EP degree ``tp``). Source: Perplexity's
+    engine serves Qwen3-235B this way (Lequn Chen, le.qun.ch, 2025-09-07, issue #16).
     """
 
     tp: int = 1
@@ -223,10 +230,14 @@ class InferenceLayout:
     quant: Literal["fp8"] | None = None
     dtype: str = "bfloat16"
     """dtype of the non-quantized tensors on the inference side."""
+    dp_attention: bool = False
+    """Non-expert tensors replicated on every rank, experts split over the ``tp`` ranks."""
 
     def __post_init__(self):
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"InferenceLayout: tp={self.tp} and dp={self.dp} must be >= 1")
+        if self.dp_attention and not self.ep:
+            raise ValueError("InferenceLayout: dp_attention=True needs ep=True (experts split over the tp ranks)")
         if self.quant not in (None, "fp8"):
             raise ValueError(f"InferenceLayout: unknown quant {self.quant!r} (None or 'fp8')")
         torch_dtype(self.dtype)
@@ -239,7 +250,17 @@ class InferenceLayout:
         """Inference ranks holding TP rank ``tp_rank`` of every replica."""
         return tuple(d * self.tp + tp_rank for d in range(self.dp))
 
+    @property
+    def dense_tp(self) -> int:
+        """TP degree of the non-expert tensors: 1 under data-parallel attention, else ``tp``."""
+        return 1 if self.dp_attention else self.tp
+
     def describe(self) -> str:
+        if self.dp_attention:
+            s = f"DPA+EP{self.tp}"
+            if self.dp > 1:
+                s += f"xDP{self.dp}"
+            return s + (f"-{self.quant}" if self.quant else "")
         s = f"TP{self.tp}"
         if self.ep:
             s += "+EP"

@@ -201,7 +201,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _world_rank(rank, world, port, q):
+def _world_rank(rank, world, port, q, moe_width=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -212,7 +212,7 @@ def _world_rank(rank, world, port, q):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         cfg = load_config("qwen3-30b-a3b", **SMALL)
-        params = build_two_group_params(cfg, 2, 2)
+        params = build_two_group_params(cfg, 2, 2, moe_width)
         q.put((rank, collect_metas(params, offloaded=rank % 2 == 1)))
         dist.barrier()
     finally:
@@ -221,11 +221,15 @@ def _world_rank(rank, world, port, q):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_synthesized_metadata_equals_real_2x2_world():
+@pytest.mark.parametrize("moe_width", [None, 1])
+def test_synthesized_metadata_equals_real_2x2_world(moe_width):
+    """Every rank's synthesized ParamMeta list equals what build_two_group_params publishes on
+    a real 2x2 gloo world: experts sharded across both nodes (MoE mesh width 2, the default)
+    or held whole per node group (width 1: two groups of one node)."""
     ctx = tmp.get_context("fork")  # torch is imported already: forking skips 4 imports
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_world_rank, args=(r, 4, port, q)) for r in range(4)]
+    procs = [ctx.Process(target=_world_rank, args=(r, 4, port, q, moe_width)) for r in range(4)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=100) for _ in range(4))
@@ -234,10 +238,209 @@ def test_synthesized_metadata_equals_real_2x2_world():
         assert p.exitcode == 0
     cfg = load_config("qwen3-30b-a3b", **SMALL)
     for off in (False, True):
-        syn = metadata.train_metas(cfg, 2, 2, offloaded=off)
+        syn = metadata.train_metas(cfg, 2, 2, offloaded=off, moe_width=moe_width)
         for r in range(4):
             if (r % 2 == 1) == off:
                 assert syn[r] == got[r], r
     # and the planner accepts it
     lay = InferenceLayout(tp=2, dp=2, quant="fp8")
-    plan(build_recipes(cfg, lay), metadata.train_metas(cfg, 2, 2), metadata.dest_metas(cfg, lay))
+    plan(build_recipes(cfg, lay), metadata.train_metas(cfg, 2, 2, moe_width=moe_width), metadata.dest_metas(cfg, lay))
+
+
+def test_local_tasks_are_not_collectives():
+    """BF16 layouts give *local* tasks (no sources: a rank reads its own shards); each runs on
+    its own rank, so the simulation must not wait for the rest of the mesh (it used to stall)."""
+    sched, tm = _small_sched(layout=InferenceLayout(tp=2, dp=2))
+    local = [(r, t.id) for r, p in sched.rank_plans.items() for t in p.tasks if not t.sources]
+    assert local
+    res = model.simulate(sched, tm, Hardware(gpus_per_node=2, nics_per_node=2), record=True)
+    assert res.seconds > 0 and res.seconds >= res.floor_seconds
+    done = {(r, tid) for r, tid, st, _, _ in res.events if st == "release"}
+    assert set(local) <= done
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_moe_mesh_width_synthesis(width):
+    """Experts on sub-meshes of ``width`` nodes: each expert's mesh has ``width`` ranks on
+    distinct nodes, one intra-node rank; the expert sub-meshes tile the world; fabric
+    all-gather bytes per rank shrink with the width (none at width 1)."""
+    from reference.training import expert_id, is_expert_param
+
+    cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
+    tm = metadata.train_metas(cfg, 4, 2, moe_width=width)
+    first = model.first_metas(tm)
+    meshes = {m.mesh_ranks for m in first.values() if is_expert_param(m.name)}
+    assert all(len(mr) == width and len({r // 2 for r in mr}) == width and len({r % 2 for r in mr}) == 1 for mr in meshes)
+    assert sorted(r for mr in meshes for r in mr) == list(range(8))
+    for n, m in first.items():
+        if is_expert_param(n):
+            e = expert_id(n)
+            assert m.mesh_ranks[0] % 2 == e % 2 and (m.mesh_ranks[0] // 2) // width == (e // 2) % (4 // width)
+    hw = Hardware(gpus_per_node=2, nics_per_node=2)
+    src = model.source_info(first, hw)
+    for n in first:
+        if is_expert_param(n):
+            assert src[n].n == width and src[n].fabric == (width > 1)
+    lay = InferenceLayout(tp=2, dp=1, ep=True, quant="fp8")
+    sched = plan(build_recipes(cfg, lay), tm, metadata.dest_metas(cfg, lay))
+    res = model.simulate(sched, tm, hw)
+    assert res.seconds >= res.floor_seconds
+    # fabric all-gather bytes, all ranks: each of the w ranks of a sub-mesh receives (w-1)/w
+    ag, per_rank = model._task_costs(sched, src, hw)
+    fabric = sum(ag[tid][2] * len(t.mesh) for tid, t in {t.id: t for p in sched.rank_plans.values() for t in p.tasks}.items())
+    expert_bytes = sum(src[n].nbytes for n in first if is_expert_param(n))
+    assert fabric == pytest.approx(expert_bytes * (width - 1), rel=1e-3)
+    with pytest.raises(ValueError, match="must divide"):
+        metadata.train_metas(cfg, 4, 2, moe_width=3)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_two_group_moe_width_real_run_bit_exact():
+    """A real 4-rank trial (2 nodes x 2 GPUs, gloo) with the MoE mesh width 1
+    (``--train-mesh 2x2x1``): experts whole per node group, updates verified bit-exact
+    against the engine's own load_weights."""
+    from experiments.config import TrialConfig
+    from experiments.trial import run_trial
+
+    moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
+               intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cfg = TrialConfig(model="qwen3-30b-a3b", overrides=moe, n_train=4, train_layout="two_group", train_mesh=(2, 2, 1),
+                      tp=2, ep=True, quant="fp8", steps=1, warmup=0, timeout=300)
+    res = run_trial(cfg)
+    assert res.rows and all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
+    with pytest.raises(ValueError, match="must divide"):
+        TrialConfig(model="qwen3-30b-a3b", n_train=4, train_layout="two_group", train_mesh=(2, 2, 3))
+
+
+def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
+    """``simulate --sensitivity`` re-runs the cost model per assumption (x0.5, x2) on the same
+    schedule; the per-GPU byte table and the Gantt rows of the recorded ranks are written."""
+    import pandas as pd
+
+    from experiments.__main__ import main
+    from experiments.sim.hardware import SENSITIVITY
+
+    csv = tmp_path / "sim.csv"
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv), "--sensitivity"]) == 0
+    out = capsys.readouterr().out
+    assert "per-GPU bytes" in out and "inference GPU receives" in out and "sensitivity of the reference" in out
+    sens = pd.read_csv(tmp_path / "sim_tiny_qwen3_moe_2x2_sensitivity.csv")
+    assert set(sens.parameter) == {*SENSITIVITY, "watermark"} and set(sens.factor) == {0.5, 2.0}
+    base = sens.base_seconds.iloc[0]
+    nic = sens[sens.parameter == "nic_gbps"].set_index("factor").seconds
+    assert nic[0.5] > base > nic[2.0]                      # the NIC-bound tiny world follows the NIC rate
+    g = pd.read_csv(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv")
+    assert set(g["rank"]) == {0, 1, 2, 3} and (g.end >= g.start).all() and set(g.stage) >= {"prepare", "write", "release"}
+    assert g.end.max() == pytest.approx(pd.read_csv(csv).query("method == 'reference'").seconds.item())
+    df = pd.read_csv(csv)
+    ref = df[df.method == "reference"].iloc[0]
+    assert ref.recv_min_bytes <= ref.recv_median_bytes <= ref.recv_max_bytes and ref.recv_max_bytes > 0
+    from analysis.simulation import plot_gantt
+
+    assert plot_gantt(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv").exists()
+
+
+def test_sglang_pp_broadcast_and_ckpt_engine_hand_computed():
+    """The two baselines as they run, against hand computation on one tiny model: SGLang's
+    per-PP-stage broadcast is bound by one inference NIC receiving the whole model (or the
+    slowest stage's gathers + broadcast); checkpoint-engine's 8 GiB buckets pipeline H2D,
+    broadcast and load_weights."""
+    cfg = load_config("qwen3-30b-a3b", **SMALL)
+    first = model.first_metas(metadata.train_metas(cfg, 2, 2))
+    hw = Hardware()
+    r = model.sglang_pp_broadcast(first, hw, n_infer=4, recv_bytes=1, pp=1, tp=8, ep=32, bucket_bytes=1 << 40)
+    total = sum(model.numel(m.global_shape) * model.itemsize(m.dtype) for m in first.values())
+    assert r.floors["nic"] == pytest.approx(total / hw.nic_line_Bps)
+    assert r.stage_busy["broadcast"] == pytest.approx(total / hw.nic_Bps + hw.nccl_call_us * 1e-6)
+    assert r.seconds == pytest.approx(max(r.stage_busy["gather"] + r.stage_busy["broadcast"], r.stage_busy["broadcast"])
+                                      + r.stage_busy["load_weights"])
+    c = model.ckpt_engine_broadcast(10 * (8 << 30), 100, 16, hw)
+    assert c.n_writes == 10
+    h2d = (8 << 30) / (hw.pcie_gbs * 1e9)
+    assert c.stage_busy["h2d"] == pytest.approx(10 * h2d) and c.seconds > 10 * h2d   # H2D-bound: the pace is H2D
+
+
+def test_dp_attention_layout_recipes_and_engine():
+    """Data-parallel attention + EP: every inference rank holds all non-expert tensors whole
+    (same shapes as at tp=1), experts split over the instance's ranks; recipes validate
+    against the stand-in engine's tensors; the planner spreads the replicated tensors over
+    the senders (every training rank sends, every inference rank receives the same bytes)."""
+    from engines.engine import engine_tensor_metas
+    from reference.training import is_expert_param
+
+    cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
+    dpa = InferenceLayout(tp=4, dp=2, ep=True, quant="fp8", dp_attention=True)
+    one = InferenceLayout(tp=1, dp=1, ep=True, quant="fp8")
+    full = {m.name: m.shape for m in engine_tensor_metas(cfg, one, 0)}
+    for r in range(dpa.world_size):
+        ms = engine_tensor_metas(cfg, dpa, r)
+        for m in ms:
+            if ".experts." in m.name:
+                assert m.shape[0] == 8 // 4  # 2 experts per rank
+            else:
+                assert m.shape == full[m.name], m.name
+    assert dpa.describe() == "DPA+EP4xDP2-fp8" and dpa.dense_tp == 1
+    with pytest.raises(ValueError, match="needs ep"):
+        InferenceLayout(tp=2, dp_attention=True)
+    tm = metadata.train_metas(cfg, 2, 4)
+    sched = plan(build_recipes(cfg, dpa), tm, metadata.dest_metas(cfg, dpa))
+    assert len(set(sched.recv_bytes.values())) == 1
+    sends = sorted(sched.send_bytes.values())
+    assert sends[0] > 0 and sends[-1] / sends[0] < 1.5
+    # non-expert bytes dominate here and are written to all 8 ranks
+    ne = sum(w.length for p in sched.rank_plans.values() for t in p.tasks for a in t.assignments for w in a.writes
+             if not any(is_expert_param(pc.source or "") for pc in a.recipe.pieces))
+    assert ne > 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_dp_attention_real_run_bit_exact():
+    """A real run (2 training ranks, 1 x DPA+EP2 FP8 instance) verified bit-exact against the
+    engine's own load_weights."""
+    from experiments.config import TrialConfig
+    from experiments.trial import run_trial
+
+    moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
+               intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    res = run_trial(TrialConfig(model="qwen3-30b-a3b", overrides=moe, n_train=2, tp=2, dp=2, ep=True, dp_attention=True,
+                                quant="fp8", steps=1, warmup=0, timeout=300))
+    assert res.rows and all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
+    assert all("DPA+EP2" in r["layout"] for r in res.rows)
+
+
+def test_layout_map_tiny(tmp_path):
+    """The map's cells: the real planner + cost model on the model truncated to l1 and l2
+    layers, extrapolated linearly to the full depth; one row per (width, layout) with the
+    per-GPU weight bytes and whether they fit; the heatmap draws from the CSV."""
+    import pandas as pd
+
+    from analysis.simulation import plot_map
+    from experiments.sim.layout_map import layout_map
+
+    lays = (("2 x TP2+EP", InferenceLayout(tp=2, dp=2, ep=True, quant="fp8")),
+            ("2 x DPA+EP2", InferenceLayout(tp=2, dp=2, ep=True, quant="fp8", dp_attention=True)))
+    rows = layout_map("tiny_qwen3_moe_2x2", widths=(1, 2), layouts=lays, l1=1, l2=2, log=lambda m: None)
+    assert len(rows) == 4
+    full = load_config("qwen3-30b-a3b").num_layers
+    for r in rows:
+        assert r["seconds_extrapolated"] == pytest.approx(r["seconds_l2"] + (full - 2) * (r["seconds_l2"] - r["seconds_l1"]))
+        assert r["floor_seconds"] > 0
+        assert r["seconds_l2"] > r["seconds_l1"] > 0 and r["weights_per_gpu_bytes"] > 0
+    dpa = [r for r in rows if "DPA" in r["layout_label"]]
+    tp = [r for r in rows if "TP2" in r["layout_label"]]
+    assert dpa[0]["weights_per_gpu_bytes"] > tp[0]["weights_per_gpu_bytes"]   # attention replicated
+    pd.DataFrame(rows).to_csv(tmp_path / "sim_kimi_map.csv", index=False)
+    assert plot_map(tmp_path / "sim_kimi_map.csv").exists()
+
+
+def test_cli_dp_attention_and_moe_width_parse():
+    """``run --dp-attention --ep`` and ``--train-mesh NxGxW`` reach the TrialConfig."""
+    from experiments.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["run", "--model", "qwen3-30b-a3b", "--n-train", "4", "--train-layout", "two_group",
+                                      "--train-mesh", "2x2x1", "--tp", "2", "--ep", "--dp-attention", "--quant", "fp8"])
+    cfg = config_from_args(args)
+    assert cfg.train_mesh == (2, 2, 1) and cfg.dp_attention and cfg.layout.dp_attention
+    assert cfg.layout.describe() == "DPA+EP2-fp8"

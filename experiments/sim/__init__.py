@@ -5,7 +5,9 @@
 - :mod:`.model`: the discrete-event execution of a :class:`~reference.types.Schedule`, the
   physical floor, and the baselines (rank-0 funnel, per-tensor RPC, full broadcast);
 - :mod:`.configs`: named configurations (``kimi_k2_256xh100_to_128xh100_fp8`` ...);
-- :mod:`.run`: ``python -m experiments simulate <config>``: plan, simulate, table, CSV.
+- :mod:`.run`: ``python -m experiments simulate <config>``: plan, simulate, table, CSV
+  (``--sensitivity``, ``--moe-width``, ``--layers``);
+- :mod:`.layout_map`: ``simulate --map``, Kimi-K2's floor over MoE mesh width x inference layout.
 
 See docs/SIMULATION.md.
 """

@@ -7,9 +7,10 @@ from typing import Callable
 
 from reference.types import InferenceLayout
 
-from .hardware import Hardware, h20, h100
+from .hardware import Hardware, h20_cx7, h100_cx7, h200_efa
 
-METHODS = ("reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight", "ckpt_engine_broadcast")
+METHODS = ("reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight", "ckpt_engine_broadcast",
+           "sglang_pp_broadcast")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,10 +27,18 @@ class SimConfig:
     train_layout: str = "two_group"
     """``two_group`` (reference.training.two_group_mesh_for) or ``expert_whole``
     (experiments/sim/metadata.py)."""
+    moe_width: int | None = None
+    """MoE mesh width of ``two_group``: training nodes each routed expert is FSDP-sharded
+    across (None: all ``train_nodes``). Not published for the anchors: see docs/SIMULATION.md."""
+    label: str = ""
+    """What the row is, in words, with what is assumed (printed and in the CSV)."""
+    calibration: str = "comparison"
+    """``"like-for-like"`` when every input the model takes is stated by the anchor's source
+    (none is fitted either way), else ``"comparison"`` (the note says what is assumed)."""
     offloaded: bool = False
     """Training shards live in host memory (ParamMeta.offloaded): an h2d stage per task."""
     layout: InferenceLayout = field(default_factory=lambda: InferenceLayout(tp=16, dp=8, ep=True, quant="fp8"))
-    hardware: Hardware = field(default_factory=h100)
+    hardware: Hardware = field(default_factory=h100_cx7)
     infer_hardware: Hardware | None = None
     """Inference nodes' hardware when it differs (only its NIC rate matters here)."""
     watermark: int | None = 8 << 30
@@ -48,6 +57,10 @@ class SimConfig:
             raise ValueError(f"SimConfig {self.name}: unknown methods {bad}; known: {', '.join(METHODS)}")
         if self.train_nodes < 1:
             raise ValueError(f"SimConfig {self.name}: train_nodes must be >= 1")
+        if self.moe_width is not None and (self.moe_width < 1 or self.train_nodes % self.moe_width):
+            raise ValueError(f"SimConfig {self.name}: MoE mesh width {self.moe_width} must divide train_nodes={self.train_nodes}")
+        if self.calibration not in ("like-for-like", "comparison"):
+            raise ValueError(f"SimConfig {self.name}: calibration must be 'like-for-like' or 'comparison'")
 
     @property
     def n_train(self) -> int:
@@ -57,51 +70,137 @@ class SimConfig:
     def n_infer(self) -> int:
         return self.layout.world_size
 
+    @property
+    def train_layout_text(self) -> str:
+        if self.train_layout != "two_group":
+            return self.train_layout
+        w = self.moe_width or self.train_nodes
+        return f"two_group, MoE mesh width {w} node(s)"
+
 
 PPLX = "Perplexity, 'Weight Transfer for RL Post-Training in under 2 seconds' (research.perplexity.ai, Sep 2025)"
+PPLX_K2 = ("Lequn Chen, le.qun.ch/en/blog/2025/09/17/rl-weight-transfer-2: Kimi-K2, 256 BF16 training GPUs -> 128 FP8 "
+           "inference GPUs, 'a bit over 1.2 seconds' in the profile, '< 1.3 s'")
+PPLX_QWEN = ("Lequn Chen, le.qun.ch/en/blog/2025/09/07/rl-weight-transfer: Qwen3-235B, 128 -> 32 H200 on AWS EFA, "
+             "FP8 inference, data-parallel attention + expert parallelism, 1.69-1.70 s in production (as quoted in "
+             "issue #16)")
+LMSYS = ("lmsys.org/blog/2026-04-29-p2p-update: Kimi-K2 NCCL-broadcast update 53 s (Megatron TP8/PP8/CP4/EP32 -> SGLang "
+         "TP32/EP32, per issue #16); mechanism per jd-unleashed.com/blog/rdma-transfer")
+CKPT = "MoonshotAI checkpoint-engine README: Kimi-K2 FP8, 256 x H20, broadcast, 8 GiB buckets"
 
 
 def kimi_k2_256xh100_to_128xh100_fp8() -> SimConfig:
-    """The headline anchor: Kimi-K2 (1T) from 256 BF16 training GPUs (32 nodes, the seed's two
-    mesh groups) to 128 FP8 inference GPUs (8 instances x TP16 with expert parallelism)."""
-    return SimConfig(name="kimi_k2_256xh100_to_128xh100_fp8", model="kimi-k2",
-                     anchors={"reference": (1.3, PPLX),
-                              "nccl_broadcast_funnel": (53.3, "SGLang, NCCL-broadcast update of Kimi-K2 on 32 H100 nodes "
-                                                        "(as cited in issue #7)")})
+    """Kimi-K2, MoE mesh width 32 (the widest reading of the two mesh groups), 8 x TP16 on
+    ConnectX-7: excluded by its own floor."""
+    return SimConfig(name="kimi_k2_256xh100_to_128xh100_fp8", model="kimi-k2", moe_width=32,
+                     label="widest reading: experts FSDP-sharded across all 32 training nodes (MoE width 32); "
+                           "8 x TP16+EP inference (unsourced); H100 + ConnectX-7 -- excluded by its floor",
+                     methods=("reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"),
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
+PPLX_EFA = ("Perplexity, research.perplexity.ai/articles/enabling-trillion-parameter-models-on-aws-efa (and arXiv "
+            "2510.27656): Kimi-K2 does not fit one 8 x H200 node with room for KV caches, so it is served multi-node with "
+            "expert parallelism on AWS EFA")
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep32() -> SimConfig:
+    """Headline: Kimi-K2 256 -> 128 in the most plausible published layout: H200 + EFA, MoE
+    mesh width 2, 4 instances of data-parallel attention + EP32, FP8."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep32", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=32, dp=4, ep=True, quant="fp8", dp_attention=True),
+                     label="most plausible published layout: H200 + EFA (the posts' cluster); data-parallel attention + "
+                           "multi-node EP (Perplexity's engine and EFA kernels); EP32 = smallest multi-node EP whose "
+                           "floor is below the published time (EP16 x 8: 78 GB per GPU, floor 1.55 s); MoE width 2 "
+                           "(smallest width whose MoE full_tensor() crosses the fabric, as the profile shows)",
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep16() -> SimConfig:
+    """Kimi-K2 on H200 + EFA, 8 x (data-parallel attention + EP16), MoE width 2: excluded by
+    its floor (78 GB into every inference GPU)."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep16", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=16, dp=8, ep=True, quant="fp8", dp_attention=True),
+                     label="8 x (DP attention + EP16) FP8 on H200 + EFA, MoE width 2 -- excluded by its floor: every "
+                           "inference GPU receives 78 GB (64 GB of experts + 13 GB replicated), 1.55 s at line rate",
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep64() -> SimConfig:
+    """Kimi-K2 on H200 + EFA, 2 x (data-parallel attention + EP64), MoE width 2 (a map cell run
+    at full size)."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep64", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=64, dp=2, ep=True, quant="fp8", dp_attention=True),
+                     label="2 x (DP attention + EP64) FP8 on H200 + EFA, MoE width 2 (map cell at full size)",
+                     anchors={"reference": (1.25, PPLX_K2)})
+
+
+def kimi_k2_256xh200efa_to_128_dpa_ep128() -> SimConfig:
+    """Kimi-K2 on H200 + EFA, one instance of data-parallel attention + EP128, MoE width 2 (a
+    map cell run at full size)."""
+    return SimConfig(name="kimi_k2_256xh200efa_to_128_dpa_ep128", model="kimi-k2", moe_width=2, hardware=h200_efa(),
+                     layout=InferenceLayout(tp=128, dp=1, ep=True, quant="fp8", dp_attention=True),
+                     label="1 x (DP attention + EP128) FP8 on H200 + EFA, MoE width 2 (map cell at full size)",
+                     anchors={"reference": (1.25, PPLX_K2)})
 
 
 def kimi_k2_256xh100_to_128xh100_fp8_expert_whole() -> SimConfig:
     """Same cluster, experts held whole by one training GPU each (expert-parallel storage):
     ``full_tensor()`` of an expert moves nothing."""
     return SimConfig(name="kimi_k2_256xh100_to_128xh100_fp8_expert_whole", model="kimi-k2",
-                     train_layout="expert_whole", methods=("reference",), anchors={"reference": (1.3, PPLX)})
+                     train_layout="expert_whole", methods=("reference",), anchors={"reference": (1.25, PPLX_K2)},
+                     label="experts whole per training GPU (not the published two mesh groups); 8 x TP16+EP; H100 + CX-7")
 
 
 def kimi_k2_256xh100_to_128xh100_fp8_offload() -> SimConfig:
-    """The headline cluster with the training shards offloaded to host memory (h2d stage)."""
-    return SimConfig(name="kimi_k2_256xh100_to_128xh100_fp8_offload", model="kimi-k2", offloaded=True,
-                     methods=("reference",), anchors={"reference": (1.3, PPLX)})
+    """The MoE-width-32 cluster with the training shards offloaded to host memory (h2d stage)."""
+    return SimConfig(name="kimi_k2_256xh100_to_128xh100_fp8_offload", model="kimi-k2", offloaded=True, moe_width=32,
+                     methods=("reference",), anchors={"reference": (1.25, PPLX_K2)},
+                     label="as kimi_k2_256xh100_to_128xh100_fp8, shards offloaded to host memory")
 
 
 def qwen3_235b_128_to_32() -> SimConfig:
-    """The post's first result: Qwen3-235B-A22B from 128 training GPUs (16 nodes) to 32
-    inference GPUs. Assumed layout (not published): 4 instances x TP8 with EP, BF16."""
+    """Qwen3-235B 128 -> 32 in an assumed layout (4 x TP8+EP, BF16, H100 + CX-7): not the
+    published one (see qwen3_235b_128xh200efa_to_32_dpa_ep8)."""
     return SimConfig(name="qwen3_235b_128_to_32", model="qwen3-235b-a22b", train_nodes=16,
-                     layout=InferenceLayout(tp=8, dp=4, ep=True), anchors={"reference": (2.0, PPLX + "; 1.7 s steady state")})
+                     layout=InferenceLayout(tp=8, dp=4, ep=True), anchors={"reference": (1.7, PPLX_QWEN)},
+                     label="assumed layout (not the published one): MoE width 16, 4 x TP8+EP BF16, H100 + CX-7")
+
+
+def qwen3_235b_128xh200efa_to_32_dpa_ep8() -> SimConfig:
+    """Acceptance: Qwen3-235B 128 -> 32, data-parallel attention + EP8 x 4, FP8, H200 + EFA,
+    MoE mesh width 2."""
+    return SimConfig(name="qwen3_235b_128xh200efa_to_32_dpa_ep8", model="qwen3-235b-a22b", train_nodes=16, moe_width=2,
+                     hardware=h200_efa(), layout=InferenceLayout(tp=8, dp=4, ep=True, quant="fp8", dp_attention=True),
+                     anchors={"reference": (1.7, PPLX_QWEN)},
+                     label="the 09-07 post's layout: 4 x (DP attention + EP8) FP8 on H200 + EFA; MoE width 2 "
+                           "(not published; same rule as the Kimi-K2 headline)")
 
 
 def deepseek_v3_256xh100_to_128xh100_fp8() -> SimConfig:
     """DeepSeek-V3 (671B) on the Kimi-K2 cluster shape (no published anchor)."""
-    return SimConfig(name="deepseek_v3_256xh100_to_128xh100_fp8", model="deepseek-v3")
+    return SimConfig(name="deepseek_v3_256xh100_to_128xh100_fp8", model="deepseek-v3", moe_width=32,
+                     label="no anchor; MoE width 32, 8 x TP16+EP, H100 + CX-7")
 
 
 def kimi_k2_256xh20_ckpt_engine() -> SimConfig:
     """checkpoint-engine's published number: Kimi-K2 FP8 broadcast-updated on 256 H20
-    (16 instances x TP16 assumed). The reference is not run (no training side in that setup)."""
-    return SimConfig(name="kimi_k2_256xh20_ckpt_engine", model="kimi-k2", hardware=h20(),
+    (16 instances x TP16 assumed), 8 GiB buckets. The reference is not run (no training side
+    in that setup)."""
+    return SimConfig(name="kimi_k2_256xh20_ckpt_engine", model="kimi-k2", hardware=h20_cx7(),
                      layout=InferenceLayout(tp=16, dp=16, quant="fp8"), methods=("ckpt_engine_broadcast",),
-                     anchors={"ckpt_engine_broadcast": (16.0, "MoonshotAI checkpoint-engine README: Kimi-K2 FP8, "
-                                                         "256 x H20, broadcast")})
+                     anchors={"ckpt_engine_broadcast": (16.0, CKPT)},
+                     label="checkpoint-engine broadcast, 8 GiB buckets, H2D-bound; H20 NICs and TP16 assumed")
+
+
+def kimi_k2_sglang_megatron_pp8() -> SimConfig:
+    """SGLang's NCCL broadcast from Megatron TP8/PP8/CP4/EP32 to SGLang TP32/EP32 (Kimi-K2):
+    one broadcast per pipeline stage's head after TP/EP gathers. The reference is not run."""
+    return SimConfig(name="kimi_k2_sglang_megatron_pp8", model="kimi-k2", moe_width=32,
+                     layout=InferenceLayout(tp=32, dp=4, ep=True, quant="fp8"), methods=("sglang_pp_broadcast",),
+                     anchors={"sglang_pp_broadcast": (53.3, LMSYS)},
+                     label="per-PP-stage NCCL broadcast after TP8/EP32 gathers, BF16 on the wire; H100 + IB (CX-7 "
+                           "rates assumed), 4 x TP32 inference and 1 GiB buckets assumed")
 
 
 def tiny_qwen3_moe_2x2() -> SimConfig:
@@ -114,9 +213,10 @@ def tiny_qwen3_moe_2x2() -> SimConfig:
 
 
 CONFIGS: dict[str, Callable[[], SimConfig]] = {f.__name__: f for f in (
-    kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
-    kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128_to_32, deepseek_v3_256xh100_to_128xh100_fp8,
-    kimi_k2_256xh20_ckpt_engine, tiny_qwen3_moe_2x2)}
+    kimi_k2_256xh200efa_to_128_dpa_ep32, kimi_k2_256xh200efa_to_128_dpa_ep16, kimi_k2_256xh200efa_to_128_dpa_ep64,
+    kimi_k2_256xh200efa_to_128_dpa_ep128, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
+    kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128xh200efa_to_32_dpa_ep8, qwen3_235b_128_to_32,
+    deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2)}
 
 
 def get_config(name: str) -> SimConfig:

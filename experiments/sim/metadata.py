@@ -3,11 +3,13 @@
 Training side (:func:`train_metas`): ``nodes x gpus_per_node`` ranks holding the catalog
 model's parameters as DTensors, in one of two layouts:
 
-- ``"two_group"``: exactly :func:`reference.training.two_group_mesh_for` (the seed's two mesh
-  groups): non-expert parameters on the 2-D ``(inter, intra)`` mesh with placements
+- ``"two_group"``: exactly :func:`reference.training.two_group_mesh_for` (two mesh groups):
+  non-expert parameters on the 2-D ``(inter, intra)`` mesh with placements
   ``(Replicate(), Shard(0))`` (sharded over a node's GPUs, replicated across nodes), routed
-  expert ``e`` on the column mesh of intra-node rank ``e % gpus_per_node`` with ``(Shard(0),)``
-  (sharded across nodes). Each rank publishes the parameters whose mesh contains it, in
+  expert ``e`` on the sub-mesh of intra-node rank ``e % gpus_per_node`` in node group
+  ``(e // gpus_per_node) % (nodes / moe_width)``, ``(Shard(0),)`` across the ``moe_width``
+  nodes of that group (``moe_width`` None: all nodes, one group). Each rank publishes the
+  parameters whose mesh contains it, in
   parameter order, with the box :func:`reference.training.shard_box` gives -- the same
   :class:`~reference.types.ParamMeta` that :func:`reference.training.collect_metas` returns on
   a real world (tests/test_simulation.py checks this on a 2x2 gloo world).
@@ -59,15 +61,21 @@ def _meta(name, shape, dt, mesh, names, pl, off, lsh, offloaded) -> ParamMeta:
 
 
 def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str = "two_group",
-                offloaded: bool = False, dtype: str | None = None) -> dict[int, list[ParamMeta]]:
+                offloaded: bool = False, dtype: str | None = None, moe_width: int | None = None) -> dict[int, list[ParamMeta]]:
     """Per training rank (``n * gpus_per_node + j`` for node ``n``, GPU ``j``), the
     :class:`ParamMeta` list it publishes, in parameter order (see module docstring).
-    ``dtype`` overrides the BF16 parameters' dtype (e.g. ``"float32"`` masters)."""
+    ``dtype`` overrides the BF16 parameters' dtype (e.g. ``"float32"`` masters);
+    ``moe_width``: the MoE mesh width of ``two_group`` (nodes per expert sub-mesh; must
+    divide ``nodes``; None: all nodes)."""
+    from reference.training import two_group_columns
+
     if layout not in TRAIN_LAYOUTS:
         raise ValueError(f"unknown training layout {layout!r}; known: {', '.join(TRAIN_LAYOUTS)}")
     g, world = gpus_per_node, nodes * gpus_per_node
+    w = nodes if moe_width is None else moe_width
     mesh2d = tuple(tuple(n * g + j for j in range(g)) for n in range(nodes))
-    columns = [tuple(n * g + j for n in range(nodes)) for j in range(g)]
+    columns = [tuple(c) for c in two_group_columns(nodes, g, w)]  # index k * g + j
+    n_groups = nodes // w
     singles = [(r,) for r in range(world)]
     pl2d, pl1d = (REPLICATE, SHARD0), (SHARD0,)
     names2d, names1d = ("inter", "intra"), ("inter",)
@@ -83,9 +91,10 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
         dt = dtype if (dtype and s.dtype == "bfloat16") else s.dtype
         if is_expert_param(s.name):
             if layout == "two_group":
-                j = expert_id(s.name) % g
-                info.append((s.name, s.shape, dt, columns[j], names1d, pl1d, (nodes,), 1))
-                shared_lists.setdefault(("col", j), []).append(i)
+                e = expert_id(s.name)
+                c = ((e // g) % n_groups) * g + e % g
+                info.append((s.name, s.shape, dt, columns[c], names1d, pl1d, (w,), 1))
+                shared_lists.setdefault(("col", c), []).append(i)
             else:
                 key = (s.name.split(".mlp.experts.")[0], expert_id(s.name))
                 if last_expert is not None and key != last_expert:
@@ -104,8 +113,8 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     for r in range(world):
         out[r] = lst = []
         n, j = divmod(r, g)
-        coord_of = {2: (n, j), 1: (n,), 0: (0,)}
-        key = ("col", j) if layout == "two_group" else ("rank", r)
+        coord_of = {2: (n, j), 1: (n % w,), 0: (0,)}
+        key = ("col", (n // w) * g + j) if layout == "two_group" else ("rank", r)
         if key not in held:
             held[key] = sorted(everyone + shared_lists.get(key, []))
         for i in held[key]:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from reference.types import Schedule
 from reference.types import ParamMeta, itemsize, numel
@@ -72,7 +73,13 @@ class SimResult:
     peak_temp_bytes: int = 0
     """Largest temporary bytes one rank held at once."""
     events: list[tuple] = field(default_factory=list)
-    """With ``record=True``: ``(rank, task, stage, start, end)`` per stage run."""
+    """With ``record``: ``(rank, task, stage, start, end)`` per stage run of the recorded ranks."""
+    rank_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Per GPU: ``infer_recv`` (bytes written into each inference rank), ``train_send`` (RDMA
+    WRITE bytes each training rank posts), ``train_fabric`` (bytes each training NIC receives
+    in cross-node all-gathers; sends as many). For the byte table (min / median / max)."""
+    groups: dict[int, int] = field(default_factory=dict)
+    """Task id -> mesh group (for the Gantt chart)."""
     link_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes through the busiest NIC / PCIe / NVLink link (the floors' numerators)."""
 
@@ -178,17 +185,20 @@ def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
                     else:
                         x[0] += w.length
                         x[1] += 1
+            # a local task (no sources: it reads this rank's own shards) is no collective
             lst.append((t.id, t.group, t.temp_bytes, h2d_bytes, comp,
-                        tuple((d, b, n) for d, (b, n) in per_dst.items()), t.mesh))
+                        tuple((d, b, n) for d, (b, n) in per_dst.items()), t.mesh if t.sources else (r,)))
         per_rank[r] = lst
     return ag, per_rank
 
 
 def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str, ParamMeta], hw: Hardware, *,
-             watermark: int | None = None, record: bool = False, method: str = "reference") -> SimResult:
+             watermark: int | None = None, record: bool | Iterable[int] = False, method: str = "reference") -> SimResult:
     """Predict one update of ``sched`` (see module docstring). ``train_metas`` is what the
     training ranks published (or one ParamMeta per name); ``watermark`` bounds a rank's
-    temporary bytes (None: unbounded). Deterministic."""
+    temporary bytes (None: unbounded); ``record``: True, or the training ranks whose stage
+    runs are kept in ``events`` (a per-stage timeline; all ranks at Kimi-K2 scale is millions
+    of tuples). Deterministic."""
     first = train_metas if (train_metas and isinstance(next(iter(train_metas)), str)) else first_metas(train_metas)
     src = source_info(first, hw)
     ag, per_rank = _task_costs(sched, src, hw)
@@ -198,6 +208,7 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
     pcie = hw.pcie_gbs * 1e9
 
     ranks = sorted(per_rank)
+    keep = set(ranks) if record is True else set(record or ())
     n_tasks = {r: len(per_rank[r]) for r in ranks}
     # per-rank state
     adm = dict.fromkeys(ranks, 0)          # next task to admit
@@ -258,12 +269,13 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
             return
         prep_busy[r] = True
         prep[r] += 1
-        arrived[tid] = arrived.get(tid, 0) + 1
-        arrive_t[tid] = max(arrive_t.get(tid, 0.0), now)
         mesh = tasks[i][6]
-        if arrived[tid] == len(mesh):
+        key = tid if len(mesh) > 1 else (tid, r)  # local tasks: one per rank, no collective
+        arrived[key] = arrived.get(key, 0) + 1
+        arrive_t[key] = max(arrive_t.get(key, 0.0), now)
+        if arrived[key] == len(mesh):
             sec, fab, _, _ = ag[tid]
-            start = arrive_t[tid]
+            start = arrive_t[key]
             if fab:
                 start = max([start] + [tx_free.get(q, 0.0) for q in mesh])
             end = start + sec
@@ -274,7 +286,7 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
                 k = pos_of[(q, tid)]
                 comp = per_rank[q][k][4]
                 busy[q]["prepare"] += end + comp - start
-                if record:
+                if q in keep:
                     events.append((q, tid, "prepare", start, end + comp))
                 push(end + comp, 1, q, k)
 
@@ -294,7 +306,7 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
             h2d_end[r].append(s + h)
             if h:
                 busy[r]["h2d"] += h
-                if record:
+                if r in keep:
                     events.append((r, tasks[adm[r]][0], "h2d", s, s + h))
             adm[r] += 1
         # 2. arrive at the next prepare (collective)
@@ -320,7 +332,7 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
             tx_free[r] = cur
             end = max(cur, done) + lat
             busy[r]["write"] += end - now
-            if record:
+            if r in keep:
                 events.append((r, tasks[j][0], "write", now, end))
             push(end, 2, r, j)
 
@@ -342,7 +354,7 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
             rs0 = max(now, rel_free[r])
             rel_free[r] = rs0 + rel_s
             busy[r]["release"] += rel_s
-            if record:
+            if r in keep:
                 events.append((r, per_rank[r][i][0], "release", rs0, rs0 + rel_s))
             push(rs0 + rel_s, 4, r, i)
         elif kind == 3:  # barrier after group r released
@@ -357,18 +369,22 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
         kick(r, now)
     stuck = [r for r in ranks if released[r] != n_tasks[r]]
     if stuck:
-        raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug)")
+        r0 = stuck[0]
+        detail = (f"rank {r0}: {n_tasks[r0]} tasks, admitted {adm[r0]}, arrived at prepare {prep[r0]}, "
+                  f"prepared {prepped[r0]}, writes started {wr[r0]}, released {released[r0]}")
+        raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug); {detail}")
 
-    fl, lb = floors(sched, per_rank, ag, hw)
+    fl, lb, rb = floors(sched, per_rank, ag, hw)
     return SimResult(method=method, seconds=t_end,
                      stage_busy={s: max((busy[r][s] for r in ranks), default=0.0) for s in STAGES},
                      floors=fl, link_bytes=lb, bytes=sched.total_bytes, n_writes=sched.n_writes,
-                     peak_temp_bytes=peak, events=events)
+                     peak_temp_bytes=peak, events=events, rank_bytes=rb,
+                     groups={t[0]: t[1] for r in keep for t in per_rank[r]})
 
 
-def floors(sched: Schedule, per_rank, ag, hw: Hardware) -> tuple[dict[str, float], dict[str, int]]:
+def floors(sched: Schedule, per_rank, ag, hw: Hardware) -> tuple[dict[str, float], dict[str, int], dict]:
     """Busiest NIC (send or receive; writes plus fabric all-gathers), PCIe and NVLink link:
-    bytes and bytes / line rate."""
+    bytes and bytes / line rate; and the per-GPU byte counts (:attr:`SimResult.rank_bytes`)."""
     tx: dict[int, int] = {}
     rx_train: dict[int, int] = {}
     pcie: dict[int, int] = {}
@@ -382,8 +398,17 @@ def floors(sched: Schedule, per_rank, ag, hw: Hardware) -> tuple[dict[str, float
             nvl[r] = nvl.get(r, 0) + nv
     nic_b = max([0, *tx.values(), *rx_train.values(), *sched.recv_bytes.values()])
     lb = {"nic": nic_b, "pcie": max(pcie.values(), default=0), "nvlink": max(nvl.values(), default=0)}
+    rb = {"infer_recv": dict(sched.recv_bytes), "train_send": dict(sched.send_bytes), "train_fabric": rx_train}
     return ({"nic": nic_b / hw.nic_line_Bps, "pcie": lb["pcie"] / (hw.pcie_gbs * 1e9),
-             "nvlink": lb["nvlink"] / (hw.nvlink_gbs * 1e9)}, lb)
+             "nvlink": lb["nvlink"] / (hw.nvlink_line_gbs * 1e9)}, lb, rb)
+
+
+def spread(values) -> tuple[int, int, int]:
+    """(min, median, max) of a collection of byte counts (empty: zeros)."""
+    v = sorted(values)
+    if not v:
+        return (0, 0, 0)
+    return (v[0], v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) // 2, v[-1])
 
 
 # ------------------------------------------------------------------------------ baselines
@@ -425,7 +450,8 @@ def _result(method, stages: dict[str, float], floor_bytes: int, link_Bps: float,
 
 
 def rank0_funnel(tensors: list[Tensor], hw: Hardware, n_infer: int, recv_bytes: int) -> SimResult:
-    """The seed's rank-0 funnel, one tensor at a time (no overlap): ``gather`` on training rank
+    """The rank-0 funnel (the project's baseline), one tensor at a time (no overlap): ``gather``
+    on training rank
     0 (the tensor's ``full_tensor()``, plus an NVLink hop when rank 0 is not in its mesh),
     ``send`` over rank 0's one NIC to inference rank 0 (training dtype), ``broadcast`` from
     inference rank 0 to the others (pipelined NCCL ring: bytes / NIC + a call), then
@@ -470,14 +496,20 @@ def rpc_update_weight(tensors: list[Tensor], hw: Hardware, n_infer: int, recv_by
     return _result("rpc_update_weight", st, total, hw.nic_line_Bps, recv_bytes, len(tensors) * n_infer)
 
 
+CKPT_ENGINE_BUCKET = 8 << 30
+"""checkpoint-engine's bucket size, bytes: 8 GiB (its README, as cited in issue #16)."""
+
+
 def ckpt_engine_broadcast(model_bytes: int, n_tensors: int, n_ranks: int, hw: Hardware, *,
-                          bucket_bytes: int = 2 << 30) -> SimResult:
+                          bucket_bytes: int = CKPT_ENGINE_BUCKET) -> SimResult:
     """checkpoint-engine's broadcast update: the serving checkpoint (``model_bytes``, e.g. FP8
     with scales) sits in pinned host memory spread over the ``n_ranks`` GPUs; bucket by bucket
     its owner copies it to the GPU (``h2d``), NCCL broadcasts it to every GPU (every node
     receives the whole model over its ``nics_per_node`` NICs), and every worker runs
     ``load_weights`` over every tensor of the bucket. The three stages pipeline over buckets
-    (``bucket_bytes``: assumption, 2 GiB). Floor: the whole model into one node over its NICs."""
+    (``bucket_bytes``: 8 GiB, the README's), so the slowest stage -- the H2D copy of one
+    bucket through one PCIe link -- sets the pace. Floor: the whole model into one node over
+    its NICs."""
     B = max(1, math.ceil(model_bytes / bucket_bytes))
     b = model_bytes / B
     node_in = hw.nics_per_node * hw.nic_Bps
@@ -490,3 +522,53 @@ def ckpt_engine_broadcast(model_bytes: int, n_tensors: int, n_ranks: int, hw: Ha
                      floors={"nic": model_bytes / (hw.nics_per_node * hw.nic_line_Bps)},
                      link_bytes={"nic": model_bytes // hw.nics_per_node}, bytes=model_bytes * n_ranks,
                      n_writes=B)
+
+
+def sglang_pp_broadcast(first: dict[str, ParamMeta], hw: Hardware, n_infer: int, recv_bytes: int, *,
+                        pp: int = 8, tp: int = 8, ep: int = 32, bucket_bytes: int = 1 << 30) -> SimResult:
+    """SGLang / slime ``update_weights_from_distributed`` from Megatron (lmsys.org blog
+    2026-04-29; Jiadong Guo, jd-unleashed.com/blog/rdma-transfer: "NCCL broadcast primitives
+    formed between each PP group's head rank and all inference ranks. On the source side, all
+    nodes first participate in TP and EP dimension all-gather"): the decoder layers are split
+    evenly over ``pp`` pipeline stages (embeddings with the first, final norm and lm_head with
+    the last); in each stage, bucket by bucket, every non-expert tensor is all-gathered over
+    its ``tp`` ranks (one node, NVLink) and every routed expert over its ``ep`` ranks (across
+    nodes, the fabric), then the stage's head rank broadcasts the bucket (training dtype) to
+    every inference rank; stages run concurrently, gather and broadcast of one stage do not
+    overlap. Every inference rank receives the whole model from the ``pp`` heads over its one
+    NIC, so the time is ``max(max over stages of gather + own broadcast, all bytes / NIC)``,
+    then ``load_weights`` of every tensor on every worker (per bucket, after it arrives; not
+    overlapped with the next broadcast). ``bucket_bytes``: assumption (1 GiB). Floor: the
+    whole model through one inference NIC."""
+    from reference.training import is_expert_param
+
+    step = hw.collective_step_us * 1e-6
+    layer_of = {}
+    n_layers = 1 + max((int(n.split(".")[2]) for n in first if n.startswith("model.layers.")), default=0)
+    for n in first:
+        if n.startswith("model.layers."):
+            layer_of[n] = int(n.split(".")[2]) * pp // n_layers
+        else:
+            layer_of[n] = 0 if "embed" in n else pp - 1
+    gather = [0.0] * pp
+    nbytes = [0] * pp
+    load = 0.0
+    total = 0
+    for n, m in first.items():
+        b = numel(m.global_shape) * itemsize(m.dtype)
+        s = layer_of[n]
+        if is_expert_param(n):
+            gather[s] += b * (ep - 1) / ep / hw.nic_Bps + (ep - 1) * step
+        else:
+            gather[s] += b * (tp - 1) / tp / (hw.nvlink_gbs * 1e9) + (tp - 1) * step
+        nbytes[s] += b
+        total += b
+        load += hw.python_call_us * 1e-6 + b / (hw.hbm_gbs * 1e9)
+    n_buckets = [max(1, math.ceil(x / bucket_bytes)) for x in nbytes]
+    per_stage = [gather[s] + nbytes[s] / hw.nic_Bps + n_buckets[s] * hw.nccl_call_us * 1e-6 for s in range(pp)]
+    recv = total / hw.nic_Bps + sum(n_buckets) * hw.nccl_call_us * 1e-6
+    bc = max(max(per_stage), recv)
+    st = {"gather": max(gather), "broadcast": recv, "load_weights": load}  # busiest stage's gathers; one receiver
+    return SimResult(method="sglang_pp_broadcast", seconds=bc + load, stage_busy=st,
+                     floors={"nic": total / hw.nic_line_Bps}, link_bytes={"nic": total}, bytes=recv_bytes,
+                     n_writes=sum(n_buckets) * n_infer)

@@ -59,19 +59,30 @@ def build(cfg: SimConfig):
     """(model config, train metas, dest metas, recipes) for ``cfg``."""
     mcfg = load_config(cfg.model, **cfg.overrides)
     tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
-                              offloaded=cfg.offloaded)
+                              offloaded=cfg.offloaded, moe_width=cfg.moe_width)
     dm = metadata.dest_metas(mcfg, cfg.layout)
     rs = build_recipes(mcfg, cfg.layout)
     return mcfg, tm, dm, rs
 
 
-def run(cfg: SimConfig, *, log=print) -> SimRun:
-    """Everything ``simulate`` does except printing and CSV."""
+def gantt_ranks(cfg: SimConfig) -> list[int]:
+    """Training ranks drawn in the per-stage timeline: the first two GPUs of node 0, the
+    first GPU of node 1 and the last rank."""
+    g, n = cfg.hardware.gpus_per_node, cfg.n_train
+    return sorted({0, min(1, n - 1), min(g, n - 1), n - 1})
+
+
+def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
+    """Everything ``simulate`` does except printing and CSV. ``sensitivity``: also re-run the
+    cost model on the same schedule with every :data:`~experiments.sim.hardware.SENSITIVITY`
+    parameter and the watermark halved and doubled (``extra["sensitivity"]``: rows of
+    parameter, factor, value, seconds)."""
     t0 = time.perf_counter()
     mcfg = load_config(cfg.model, **cfg.overrides)
     out = SimRun(cfg, [])
     hw = cfg.hardware
-    if "reference" in cfg.methods or any(m in cfg.methods for m in ("rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight")):
+    if "reference" in cfg.methods or any(m in cfg.methods for m in ("rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight",
+                                                                    "sglang_pp_broadcast")):
         log(f"# synthesizing metadata: {cfg.n_train} training ranks, {cfg.n_infer} inference ranks ...")
         _, tm, dm, rs = build(cfg)
         first = model.first_metas(tm)
@@ -87,9 +98,11 @@ def run(cfg: SimConfig, *, log=print) -> SimRun:
             recv_total = sched.total_bytes
             log(f"# simulating {sched.n_writes} writes ...")
             s0 = time.perf_counter()
-            res = model.simulate(sched, first, hw, watermark=cfg.watermark)
+            res = model.simulate(sched, first, hw, watermark=cfg.watermark, record=gantt_ranks(cfg))
             out.sim_seconds = time.perf_counter() - s0
             out.results.append(res)
+            if sensitivity:
+                out.extra["sensitivity"] = sensitivity_rows(sched, first, cfg, res.seconds, log=log)
             del sched
         tensors = model.baseline_tensors(first, hw)
         if recv_total is None:
@@ -98,6 +111,8 @@ def run(cfg: SimConfig, *, log=print) -> SimRun:
                       ("rpc_update_weight", model.rpc_update_weight)):
             if m in cfg.methods:
                 out.results.append(fn(tensors, hw, cfg.n_infer, recv_total))
+        if "sglang_pp_broadcast" in cfg.methods:
+            out.results.append(model.sglang_pp_broadcast(first, hw, cfg.n_infer, recv_total))
         del tm, dm, rs, first
     if "ckpt_engine_broadcast" in cfg.methods:
         per_inst = [metadata.region_bytes(ms) for ms in
@@ -109,6 +124,65 @@ def run(cfg: SimConfig, *, log=print) -> SimRun:
     return out
 
 
+def sensitivity_rows(sched, first, cfg: SimConfig, base: float, *, factors=(0.5, 2.0), log=print) -> list[dict]:
+    """The cost model re-run on ``sched`` with each assumption scaled (see :func:`run`)."""
+    from .hardware import SENSITIVITY
+
+    rows = []
+    for p in (*SENSITIVITY, "watermark"):
+        for f in factors:
+            if p == "watermark":
+                hw, wm, val = cfg.hardware, None if cfg.watermark is None else int(cfg.watermark * f), cfg.watermark
+            else:
+                hw, wm, val = cfg.hardware.scaled(p, f), cfg.watermark, getattr(cfg.hardware, p)
+            sec = model.simulate(sched, first, hw, watermark=wm).seconds
+            log(f"# sensitivity {p} x{f:g}: {sec:.3f} s")
+            rows.append({"config": cfg.name, "parameter": p, "value": val, "factor": f, "seconds": sec,
+                         "base_seconds": base, "change": sec / base - 1})
+    return rows
+
+
+def format_sensitivity(sr: SimRun) -> str:
+    rows = sr.extra.get("sensitivity") or []
+    if not rows:
+        return ""
+    L = [f"# sensitivity of the reference's prediction ({sr.cfg.name}; base {rows[0]['base_seconds']:.3f} s; "
+         "same schedule, one parameter scaled at a time):",
+         f"{'parameter':>20} {'value':>12} {'x0.5 (s)':>10} {'change':>8} {'x2 (s)':>10} {'change':>8}"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["parameter"], {})[r["factor"]] = r
+    for p, d in by.items():
+        lo, hi = d.get(0.5), d.get(2.0)
+        v = lo["value"] if lo else hi["value"]
+        vs = f"{v / 2**30:g} GiB" if p == "watermark" and v else f"{v:g}"
+        L.append(f"{p:>20} {vs:>12} {lo['seconds']:>10.3f} {lo['change']:>+8.1%} {hi['seconds']:>10.3f} {hi['change']:>+8.1%}")
+    return "\n".join(L)
+
+
+def byte_table(sr: SimRun) -> str:
+    """Per-GPU bytes (min / median / max, GB) of the reference's schedule."""
+    ref = next((r for r in sr.results if r.method == "reference"), None)
+    if ref is None or not ref.rank_bytes:
+        return ""
+    L = ["# per-GPU bytes of the reference's schedule (GB = 1e9 B; min / median / max over ranks):",
+         f"{'':>36} {'min':>9} {'median':>9} {'max':>9}"]
+    for k, what in (("infer_recv", "inference GPU receives (RDMA WRITE)"), ("train_send", "training GPU sends (RDMA WRITE)"),
+                    ("train_fabric", "training GPU all-gather over fabric")):
+        lo, med, hi = model.spread(ref.rank_bytes.get(k, {}).values())
+        L.append(f"{what:>36} {lo / 1e9:>9.2f} {med / 1e9:>9.2f} {hi / 1e9:>9.2f}")
+    return "\n".join(L)
+
+
+def gantt_rows(sr: SimRun) -> list[dict]:
+    """The recorded stage runs of the reference (:func:`gantt_ranks`), one row each."""
+    ref = next((r for r in sr.results if r.method == "reference"), None)
+    if ref is None:
+        return []
+    return [{"config": sr.cfg.name, "rank": r, "task": t, "group": ref.groups.get(t), "stage": st, "start": a, "end": b}
+            for r, t, st, a, b in ref.events]
+
+
 # ------------------------------------------------------------------------------ output
 
 
@@ -118,11 +192,12 @@ def format_table(sr: SimRun) -> str:
     L = [
         f"# at-scale simulation: {cfg.name}   (SIMULATED: cost model of docs/SIMULATION.md, not a measurement)",
         f"# model: {mcfg.label} ({mcfg.architecture}; {total_bytes(mcfg) / 1e9:.1f} GB in bf16; source {mcfg.source})",
-        f"# training: {cfg.n_train} GPUs = {cfg.train_nodes} nodes x {hw.gpus_per_node}, FSDP2 layout {cfg.train_layout}"
+        f"# label: {cfg.label or '-'}  [{cfg.calibration}]",
+        f"# training: {cfg.n_train} GPUs = {cfg.train_nodes} nodes x {hw.gpus_per_node}, FSDP2 layout {cfg.train_layout_text}"
         f"{', offloaded to host' if cfg.offloaded else ''}",
-        f"# inference: {cfg.n_infer} GPUs, {cfg.layout.describe()} ({cfg.layout.dp} instance(s) x TP{cfg.layout.tp})",
+        f"# inference: {cfg.n_infer} GPUs, {cfg.layout.describe()} ({cfg.layout.dp} instance(s) x {cfg.layout.tp} GPUs)",
         f"# hardware: {hw.name}; NIC {hw.nic_gbps:g} Gb/s achieved ({hw.nic_line_gbps:g} line), PCIe {hw.pcie_gbs:g} GB/s, "
-        f"NVLink {hw.nvlink_gbs:g} GB/s, HBM {hw.hbm_gbs:g} GB/s; watermark "
+        f"NVLink {hw.nvlink_gbs:g} GB/s achieved ({hw.nvlink_line_gbs:g} line), HBM {hw.hbm_gbs:g} GB/s; watermark "
         f"{'none' if cfg.watermark is None else f'{cfg.watermark / 2**30:g} GiB'}",
     ]
     if sr.plan_summary:
@@ -149,7 +224,13 @@ def format_table(sr: SimRun) -> str:
             L.append(f"# reference: {r.n_writes} writes, peak temporary {r.peak_temp_bytes / 2**30:.2f} GiB per rank")
     for m, (sec, src) in cfg.anchors.items():
         L.append(f"# published {m}: {sec} s -- {src}")
+    bt = byte_table(sr)
+    if bt:
+        L.append(bt)
     L.append("# correctness: not applicable (simulated); the planner's schedule is validated (every destination byte once)")
+    st = format_sensitivity(sr)
+    if st:
+        L.append(st)
     return "\n".join(L)
 
 
@@ -170,7 +251,11 @@ def rows(sr: SimRun) -> list[dict]:
                "n_writes": r.n_writes, "plan_seconds": sr.plan_seconds if r.method == "reference" else None,
                "simulated": True, "config": cfg.name, "train_layout": cfg.train_layout, "offloaded": cfg.offloaded,
                "hardware": cfg.hardware.name, "floor_seconds": r.floor_seconds,
-               "published_seconds": cfg.anchors.get(r.method, (None,))[0]}
+               "published_seconds": cfg.anchors.get(r.method, (None,))[0], "label": cfg.label,
+               "calibration": cfg.calibration, "moe_width": (cfg.moe_width or cfg.train_nodes) if cfg.train_layout == "two_group" else None}
+        for k, col in (("infer_recv", "recv"), ("train_send", "send"), ("train_fabric", "fabric")):
+            if r.rank_bytes.get(k):
+                row[f"{col}_min_bytes"], row[f"{col}_median_bytes"], row[f"{col}_max_bytes"] = model.spread(r.rank_bytes[k].values())
         for k in ("nic", "pcie", "nvlink"):
             row[f"floor_{k}_seconds"] = r.floors.get(k)
         for k, v in r.stage_busy.items():
@@ -244,6 +329,17 @@ def format_bench(name: str, runs: list[dict], *, received: bool = False, checks:
 
 
 def main(args) -> int:
+    if getattr(args, "map", False):
+        import pandas as pd
+
+        from .layout_map import layout_map
+
+        rows_ = layout_map(args.config or "kimi_k2_256xh200efa_to_128_dpa_ep32",
+                           log=lambda m: print(m, flush=True))
+        p = Path(args.csv).resolve().parent / "sim_kimi_map.csv"
+        pd.DataFrame(rows_).to_csv(p, index=False)
+        print(f"# map written to {p} (SIMULATED; draw with python -m analysis.simulation)")
+        return 0
     if args.list or not args.config:
         print("# simulation configs (python -m experiments simulate <name>):")
         for n, f in CONFIGS.items():
@@ -254,15 +350,41 @@ def main(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.bench_planner and (getattr(args, "layers", None) or getattr(args, "moe_width", None)):
+        print("error: --layers / --moe-width with --bench-planner are not supported (the benchmark plans named configs)",
+              file=sys.stderr)
+        return 2
+    if getattr(args, "layers", None):
+        from dataclasses import replace
+
+        cfg = replace(cfg, name=f"{cfg.name}_L{args.layers}", overrides={**cfg.overrides, "num_hidden_layers": args.layers},
+                      label=f"{cfg.label} [truncated to {args.layers} layers]")
+    if getattr(args, "moe_width", None):
+        from dataclasses import replace
+
+        cfg = replace(cfg, name=f"{cfg.name}_w{args.moe_width}", moe_width=args.moe_width,
+                      label=f"{cfg.label} [MoE width overridden: {args.moe_width}]")
     if args.bench_planner:
         runs = [bench_planner(cfg.name, received=args.received, checks=args.checks) for _ in range(max(1, args.repeat))]
         print(format_bench(cfg.name, runs, received=args.received, checks=args.checks))
         return 0
-    sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), sensitivity=getattr(args, "sensitivity", False))
     print(format_table(sr))
     if not args.no_csv:
+        import pandas as pd
+
         from experiments.report import append_csv
 
         path = append_csv(rows(sr), args.csv)
         print(f"# rows appended to {path} (simulated=True)")
+        out_dir = Path(args.csv).resolve().parent
+        g = gantt_rows(sr)
+        if g:
+            p = out_dir / f"sim_{cfg.name}_gantt.csv"
+            pd.DataFrame(g).to_csv(p, index=False)
+            print(f"# per-stage timeline of ranks {gantt_ranks(cfg)} written to {p}")
+        if sr.extra.get("sensitivity"):
+            p = out_dir / f"sim_{cfg.name}_sensitivity.csv"
+            pd.DataFrame(sr.extra["sensitivity"]).to_csv(p, index=False)
+            print(f"# sensitivity table written to {p}")
     return 0

@@ -27,18 +27,24 @@ BF16 = "bfloat16"
 class RecipeBuilder:
     """Accumulates recipes for one (cfg, layout); one constructor per tensor kind.
 
-    ``T`` is the TP size, ``tp_ranks[r]`` the inference ranks holding TP rank ``r`` (one per DP
-    replica), ``all_ranks`` every inference rank. Errors: :class:`PlanError` naming the tensor
-    and sizes when the layout does not divide the model."""
+    ``T`` is the TP size of the non-expert tensors, ``tp_ranks[r]`` the inference ranks holding
+    their TP rank ``r`` (one per DP replica); ``TE`` and ``ep_ranks[r]`` the same for the routed
+    experts (EP or TP over the layout's ``tp`` ranks). They agree except under data-parallel
+    attention (:attr:`InferenceLayout.dp_attention`): then ``T = 1`` and ``tp_ranks[0]`` is every
+    inference rank (non-expert tensors whole everywhere). ``all_ranks`` is every inference
+    rank. Errors: :class:`PlanError` naming the tensor and sizes when the layout does not
+    divide the model."""
 
     def __init__(self, cfg: ModelConfig, layout: InferenceLayout):
         self.cfg = cfg
         self.L = layout
-        self.T = layout.tp
         self.fp8 = layout.quant == "fp8"
         self.dtype = layout.dtype
         self.all_ranks = tuple(range(layout.world_size))
-        self.tp_ranks = [layout.ranks_of_tp_rank(r) for r in range(self.T)]
+        self.TE = layout.tp
+        self.ep_ranks = [layout.ranks_of_tp_rank(r) for r in range(self.TE)]
+        self.T = layout.dense_tp
+        self.tp_ranks = [self.all_ranks] if layout.dp_attention else self.ep_ranks
         self.recipes: list[Recipe] = []
 
     # -- checks ----------------------------------------------------------------------------

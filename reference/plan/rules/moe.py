@@ -6,7 +6,8 @@ replicated. Experts are written into the fused slabs ``mlp.experts.w13_weight`` 
 ``[j:j+1, :, :]``, and the matching box of ``*_weight_scale_inv`` under FP8). Without EP every
 TP rank holds every expert's ``I / tp`` intermediate rows; with EP (``layout.ep``) rank r holds
 whole experts ``[r*El, (r+1)*El)`` (vLLM's linear placement). Shared experts (DeepSeek) are a
-dense MLP of ``moe_intermediate_size * n_shared_experts``.
+dense MLP of ``moe_intermediate_size * n_shared_experts``. Experts use the builder's ``TE`` /
+``ep_ranks`` (under data-parallel attention the rest of the layer is whole on every rank).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .base import BF16, F32, RecipeBuilder
 
 def experts(b: RecipeBuilder, p: str):
     """Layer ``p``'s MoE block: router, routed experts (one recipe per slot), shared experts."""
-    cfg, T = b.cfg, b.T
+    cfg, T = b.cfg, b.TE
     H, E, mI = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     m = f"{p}.mlp"
     b.replicated(f"{m}.gate.weight", (E, H))
@@ -46,7 +47,7 @@ def experts(b: RecipeBuilder, p: str):
         else:
             placements = tuple((r, e, r * Il) for r in range(T))
         for r, j, i0 in placements:
-            ranks = b.tp_ranks[r]
+            ranks = b.ep_ranks[r]
             rows = (i0, i0 + Il)
             add(Recipe(f"{n13}[{j}]@tp{r}", ranks, sh13, adt,
                        (Piece(g, (rows, cH), d_g), Piece(u, (rows, cH), d_u)), tr, out13(j)))
