@@ -373,8 +373,13 @@ class Controller:
             found = self.culprits(step)
             if not found:
                 return None
-            if not any(": process" in c or "no heartbeat" in c or "(fatal)" in c for c in found):
-                time.sleep(grace)  # a reported error is often the echo of a death: look again
+            def rooted(fs):
+                return any(": process" in c or "no heartbeat" in c or "(fatal)" in c for c in fs)
+            # a reported error is often the echo of a death: look again for ``grace`` seconds,
+            # up to 2 s when it says a peer is gone (a killed process takes a while to be reaped)
+            until = time.monotonic() + (max(grace, 2.0) if any(" is gone" in c for c in found) else grace)
+            while not rooted(found) and time.monotonic() < until:
+                time.sleep(0.05)
                 found = self.culprits(step) or found
             self.last_culprit = found[0]
             return found[0] + (f" (also: {'; '.join(found[1:3])})" if len(found) > 1 else "")

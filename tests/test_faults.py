@@ -168,6 +168,12 @@ def test_c14_in_process_failed_update_marked_incomplete_then_restored(store):
 # multi-process: real ranks, injected faults
 
 
+BOUND = 5.0
+"""Seconds from a fault to the named error: the target is 2 s (docs/FAULTS.md measures 0.03-0.5 s);
+the slack is for a loaded CI machine, where the injected fault itself (a watcher thread in the
+target) may wait for a core."""
+
+
 def trial_cfg(**kw):
     from experiments.faults import small_config
 
@@ -210,7 +216,7 @@ def test_c14_c15_training_rank_raises_midway():
     run_trial(trial_cfg(steps=3), progress=seen.append, fault=Fault.parse("raise:train:1:middle:2"), stall=10,
               restarts=1, probe=probe)
     assert "training 1: RuntimeError: rank 1: stage write" in probe["error"] and "InjectedFault" in probe["error"]
-    assert probe["t_error"] - probe["fired"] < 2.0
+    assert probe["t_error"] - probe["fired"] < BOUND
     assert probe["state_after_fault"] == "incomplete v2"
     assert [(r["step"], r["verified"]) for r in seen] == [(1, True), (3, True)]
     assert live_children() == []
@@ -226,7 +232,7 @@ def test_c15_inference_rank_killed_midway():
     probe = {}
     with pytest.raises(control.ControlError, match=r"inference 0: process \d+ exited with code -9 \(SIGKILL\)"):
         run_trial(trial_cfg(), fault=Fault.parse("kill:infer:0:middle:2"), stall=10, probe=probe)
-    assert probe["t_error"] - probe["fired"] < 2.0
+    assert probe["t_error"] - probe["fired"] < BOUND
     assert probe["state_after_fault"] == "incomplete v2"
     assert live_children() == []
 
