@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engines.vllm.runtime import retarget, runtime_layout
-from engines.vllm.loopback import source_metas, vllm_names
+from engines.vllm.loopback import source_metas
 from reference.catalog import load_config, param_specs
 from reference.layouts import apply_layout, parse_layout
 from reference.plan import PlanError, build_recipes
@@ -117,7 +117,7 @@ def _planned(report):
     lay = {0: runtime_layout(report, 0)}
     ck = SyntheticCheckpoint(param_specs(cfg), step=1, seed=0)
     rs = retarget(build_recipes(cfg, InferenceLayout(tp=1), source_dtypes={s.name: s.dtype for s in param_specs(cfg)}),
-                  lay, names=vllm_names(lay))
+                  lay)
     sched = plan(rs, source_metas({n: ck[n] for n in ck.names()}), {0: lay[0].dest_metas()})
     return cfg, lay, rs, sched, ck
 

@@ -50,7 +50,7 @@ class OneSidedUpdater:
     def plan(self, sources: dict[str, torch.Tensor]):
         layout = InferenceLayout(tp=self.engine.tp)
         rs = build_recipes(self.cfg, layout, source_dtypes={n: dtype_name(t.dtype) for n, t in sources.items()})
-        self.recipes = retarget(rs, self.layouts, names=vllm_names(self.layouts))
+        self.recipes = retarget(rs, self.layouts)
         self.schedule = plan(self.recipes, source_metas(sources),
                              {r: lay.dest_metas() for r, lay in self.layouts.items()})
         return self.schedule
@@ -75,13 +75,3 @@ class OneSidedUpdater:
     def close(self) -> None:
         self.tx.close()
 
-
-def vllm_names(layouts) -> dict[str, str]:
-    """Recipe tensor name -> running vLLM's name where they differ: vLLM >= 0.32 registers
-    routed experts under ``mlp.experts.routed_experts.`` (``w13_weight``, ``w2_weight``)."""
-    out = {}
-    for lay in layouts.values():
-        for n in [t.param for t in lay.targets] + [n for n, _ in lay.refused]:
-            if ".experts.routed_experts." in n:
-                out[n.replace(".experts.routed_experts.", ".experts.")] = n
-    return out
