@@ -9,15 +9,10 @@ computes with, packed copies included) and token/logprob for token/logprob on a 
 and one longer than two KV blocks (C21). C20: the expert and linear weights land in vLLM's CPU
 runtime layouts.
 """
-import os
-
 import pytest
 import torch
 
-from engines.vllm import vllm_available
-
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not vllm_available(), reason="vLLM not installed (make vllm / pip install -e .[vllm])")]
+pytestmark = pytest.mark.vllm  # skipped without vllm, with the reason (tests/conftest.py)
 
 MODELS = {
     "qwen3_moe": ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,

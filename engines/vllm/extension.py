@@ -119,6 +119,14 @@ class WeightTransferExtension:
                     if not _closure_tensors(val):
                         derived.append({"name": f"{mname}.cpu_linear", "module": type(mod).__name__,
                                         "kind": "cpu_linear_function", "function": fname, "nbytes": 0})
+            impl = getattr(mod, "impl", None)  # attention backends keep derived weights here (MLA W_UV ...)
+            if impl is not None and not isinstance(impl, torch.nn.Module):
+                for attr, val in list(vars(impl).items()):
+                    if isinstance(val, torch.Tensor) and val.numel():
+                        info = _tensor_info(val)
+                        info.update(name=f"{mname}.impl.{attr}", module=f"{type(mod).__name__}.{type(impl).__name__}",
+                                    kind="attribute")
+                        derived.append(info)
             qm = getattr(mod, "quant_method", None)
             if hasattr(mod, "w13_weight") and qm is not None:
                 experts = None
@@ -148,6 +156,11 @@ class WeightTransferExtension:
                     for fv, obj in _closure_tensors(val):
                         if isinstance(obj, torch.Tensor):
                             out[f"{mname}.cpu_linear.{fv}"] = obj
+            impl = getattr(mod, "impl", None)
+            if impl is not None and not isinstance(impl, torch.nn.Module):
+                for attr, val in list(vars(impl).items()):
+                    if isinstance(val, torch.Tensor):
+                        out.setdefault(f"{mname}.impl.{attr}", val)
         return out
 
     def wt_read(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
