@@ -67,6 +67,11 @@ def preflight(cfg: TrialConfig) -> None:
     build_recipes(mcfg, cfg.layout)
     for rank in range(min(cfg.n_infer, cfg.tp)):
         engine_tensor_metas(mcfg, cfg.layout, rank)
+    if cfg.engine == "vllm":
+        from engines.vllm import vllm_available
+
+        if not vllm_available():
+            raise ValueError("engine=vllm: vllm is not installed (make vllm)")
 
 
 def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
@@ -84,8 +89,14 @@ def run_trial(cfg: TrialConfig, *, progress=None) -> TrialResult:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for r in range(cfg.n_train):
         procs.train[r] = ctx.Process(target=trainer_main, args=(cfg, r, addr), name=f"train{r}", daemon=True)
-    for i in range(cfg.n_infer):
-        procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr), name=f"infer{i}", daemon=True)
+    if cfg.engine == "vllm":  # one process per vLLM instance; vLLM starts its own children (not a daemon)
+        from .vllm_side import vllm_instance_main
+
+        for d in range(cfg.dp):
+            procs.infer[d * cfg.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr), name=f"vllm{d}")
+    else:
+        for i in range(cfg.n_infer):
+            procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr), name=f"infer{i}", daemon=True)
     for p in procs.all():
         p.start()
     try:
@@ -127,6 +138,11 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         plan_s = time.perf_counter() - t0
         for step in range(1, cfg.warmup + cfg.steps + 1):
             ctl.load(step)
+            if cfg.engine == "vllm":  # generation paused in every instance before the first write
+                from .vllm_side import KEY_PAUSED
+
+                control.wait_keys(store, {d * cfg.tp: KEY_PAUSED.format(step=step, instance=d) for d in range(cfg.dp)},
+                                  timeout=cfg.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
             seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
             ver = ctl.verified(step) if cfg.verify else {}
             ok = all(v.get("ok") for v in ver.values()) if cfg.verify else None

@@ -12,7 +12,9 @@ runtime layouts.
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm  # skipped without vllm, with the reason (tests/conftest.py)
+# skipped without vllm, with the reason (tests/conftest.py); the first test of a model includes
+# two engine starts (35-150 s each here, much more on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 MODELS = {
     "qwen3_moe": ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,

@@ -170,6 +170,8 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
     # a second name of one Parameter (tied lm_head, the MoE router seen from the experts) may
     # carry its own packed GEMM copy: attach that copy to the canonical parameter
     for alias, canon in report.get("aliases", {}).items():
+        if not alias.endswith(".weight"):
+            continue
         packed = derived.get(alias.rsplit(".", 1)[0] + PACKED_SUFFIX)
         if packed is not None and canon in params:
             derived.setdefault(canon.rsplit(".", 1)[0] + ".alias_packed:" + alias, dict(packed, alias_of=canon))
@@ -178,8 +180,10 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
 
     for name, p in params.items():
         module = name.rsplit(".", 1)[0]
-        packed = derived.get(module + PACKED_SUFFIX)
-        handle = derived.get(module + ".cpu_linear.dnnl_handler") or derived.get(module + ".cpu_linear.handler")
+        is_weight = name.endswith(".weight")  # a module's packed GEMM copy is of its weight only
+        packed = derived.get(module + PACKED_SUFFIX) if is_weight else None
+        handle = (derived.get(module + ".cpu_linear.dnnl_handler") or derived.get(module + ".cpu_linear.handler")) \
+            if is_weight else None
         if packed is not None:
             claimed.add(packed["name"])
         if handle is not None:
@@ -244,77 +248,9 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
     return out
 
 
-def retarget(recipes, layouts: dict[int, RuntimeLayout], *, names: dict[str, str] | None = None):
-    """The recipes of :func:`reference.plan.build_recipes` (vLLM parameter names, load
-    layout) aimed at the runtime tensors the live engine reports: each output to vLLM tensor
-    ``T`` becomes one recipe per runtime target of ``T`` (the parameter itself, its packed
-    GEMM copy, or both), with the target's layout. ``names`` maps a recipe tensor name to the
-    running vLLM's name where they differ (e.g. routed experts under ``experts.routed_experts``).
 
-    Raises :class:`reference.plan.PlanError` before any byte moves, listing every tensor
-    refused by :func:`runtime_layout` that a recipe writes (with the post-processing step),
-    every recipe tensor the engine does not have, and targets that differ between the ranks of
-    one recipe."""
-    from reference.plan import PlanError, RecipeSet
-    from reference.types import Output, Recipe
+def retarget(recipes, layouts, *, names=None):
+    """:func:`reference.retarget.retarget` (kept here for callers of this module)."""
+    from reference.retarget import retarget as _retarget
 
-    names = names or {}
-    problems: list[str] = []
-    refused = {(rk, t): why for rk, lay in layouts.items() for t, why in lay.refused}
-    out: list[Recipe] = []
-    for rec in recipes:
-        if rec.transform != "copy":
-            fp8 = [o.tensor for o in rec.outputs]
-            if any(layouts[rk].targets_of(names.get(t, t)) and layouts[rk].targets_of(names.get(t, t))[0].layout != IDENTITY
-                   for rk in rec.ranks for t in fp8):
-                problems.append(f"{rec.name!r}: {rec.transform} output into a post-processed runtime layout")
-                continue
-        new_outs: list[list] = []
-        bad = False
-        for o in rec.outputs:
-            t = names.get(o.tensor, o.tensor)
-            per_rank = []
-            for rk in rec.ranks:
-                why = refused.get((rk, t))
-                if why is not None:
-                    problems.append(f"{t!r} on rank {rk}: {why}")
-                    bad = True
-                    break
-                tg = layouts[rk].targets_of(t)
-                if not tg:
-                    problems.append(f"{t!r} on rank {rk}: the running engine (pid {layouts[rk].pid}) has no such tensor "
-                                    f"(needed by recipe {rec.name!r})")
-                    bad = True
-                    break
-                per_rank.append(tuple((g.name, g.layout, g.shape, g.dtype) for g in tg))
-            if bad:
-                break
-            if len(set(per_rank)) != 1:
-                problems.append(f"{t!r}: runtime targets differ between ranks {rec.ranks}: {sorted(set(per_rank))}")
-                bad = True
-                break
-            outs = []
-            for nm, lay, _, dt in per_rank[0]:
-                if dt != o.dtype and not (rec.transform == "copy" and dt == "float32"):
-                    problems.append(f"{nm!r}: the engine holds {dt}, recipe {rec.name!r} makes {o.dtype}")
-                    bad = True
-                # a float32 runtime copy of a BF16 weight (the packed router) is a planned, exact cast
-                outs.append(Output(nm, o.box, dt, lay))
-            new_outs.append(outs)
-        if bad:
-            continue
-        if rec.transform != "copy":
-            out.append(Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, rec.pieces, rec.transform,
-                              tuple(o[0] for o in new_outs)))
-            continue
-        (targets,) = new_outs
-        for i, o in enumerate(targets):
-            nm = rec.name if i == 0 else f"{rec.name}->{o.tensor}"
-            out.append(Recipe(nm, rec.ranks, rec.shape, rec.assembled_dtype, rec.pieces, "copy", (o,)))
-    if problems:
-        seen = list(dict.fromkeys(problems))
-        body = "\n".join(f"  - {p}" for p in seen[:20])
-        more = f"\n  ... and {len(seen) - 20} more" if len(seen) > 20 else ""
-        raise PlanError(f"weight plan refused for {recipes.model or 'recipe set'} against the running vLLM: "
-                        f"{len(seen)} tensor(s) whose runtime bytes cannot be written as planned\n{body}{more}")
-    return RecipeSet(out, recipes.ignored, layout=recipes.layout, model=recipes.model)
+    return _retarget(recipes, layouts, names=names)
