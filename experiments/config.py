@@ -192,6 +192,8 @@ def trial_key(cfg: TrialConfig) -> str:
     match. Stored in the sweeps' ``trial_key`` column."""
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
          if f.name not in KEY_EXCLUDE and f.name != "baseline"}
+    if d.get("engine") == "stand-in":  # the default engine: keys recorded before the field existed still match
+        del d["engine"]
     default = BaselineOptions()
     for f in dataclasses.fields(BaselineOptions):
         if getattr(cfg.baseline, f.name) != getattr(default, f.name):

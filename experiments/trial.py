@@ -216,7 +216,13 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
                 pass
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port))
+        if role == "infer" and cfg.engine == "vllm":  # one task per vLLM instance runs it; its TP peers idle
+            if rank % cfg.tp == 0:
+                from .vllm_side import vllm_instance_main
+
+                vllm_instance_main(cfg, rank // cfg.tp, (store_host, store_port))
+        else:
+            (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port))
     finally:
         try:
             control.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")
