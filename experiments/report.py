@@ -73,7 +73,9 @@ def format_table(result) -> str:
         ]
     if result.memcpy_gbps:
         lines.append(f"# memcpy on this machine (same run, 1 thread, 256 MiB): {result.memcpy_gbps:.2f} GB/s")
-    lines.append(f"# verified bit-exact against the engine's load_weights: {n_ok}/{len(rows)} updates"
+    against = ("a fresh vLLM from the step's checkpoint (every runtime byte; greedy tokens + logprobs)"
+               if getattr(result.cfg, "engine", "stand-in") == "vllm" else "the engine's load_weights")
+    lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(rows)} updates"
                  + ("" if n_ok == len(rows) else "  <-- FAILED"))
     for r in rows:
         if r.get("verify_error"):
