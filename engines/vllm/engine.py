@@ -31,6 +31,8 @@ from __future__ import annotations
 import gc
 import os
 
+import torch
+
 from .runtime import RuntimeLayout, runtime_layout
 
 __all__ = ["VllmEngine", "EXTENSION", "vllm_available", "vllm_version"]
@@ -128,7 +130,9 @@ class VllmEngine:
         """vLLM's own loading path in every worker (``model.load_weights`` then
         ``process_weights_after_loading``), with full Hugging Face tensors, as verl / OpenRLHF
         do it through ``collective_rpc``."""
-        self.llm.collective_rpc("wt_load_weights", args=(weights,), kwargs={"post_process": post_process})
+        enc = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+               for n, t in weights]
+        self.llm.collective_rpc("wt_load_weights", args=(enc,), kwargs={"post_process": post_process})
 
     def close(self) -> None:
         """Shut the engine (and its worker processes) down."""

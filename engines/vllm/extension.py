@@ -176,12 +176,15 @@ class WeightTransferExtension:
             out[n] = tensors[n].detach().clone()
         return out
 
-    def wt_load_weights(self, weights: list[tuple[str, torch.Tensor]], *, post_process: bool = True) -> int:
+    def wt_load_weights(self, weights: list, *, post_process: bool = True) -> int:
         """vLLM's own loading path (what the baselines measure): ``model.load_weights`` with
-        full Hugging Face tensors, then ``process_weights_after_loading`` of every module the
+        full Hugging Face tensors (given as ``(name, dtype, shape, bytes)``), then ``process_weights_after_loading`` of every module the
         way vLLM's model loader calls it. Returns the number of tensors passed."""
         model = self._wt_model()
-        model.load_weights(weights=iter(weights))
+        # (name, dtype, shape, raw bytes): collective_rpc's serializer does not carry tensors
+        decoded = [(n, torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).view(tuple(shape)))
+                   for n, dt, shape, b in weights]
+        model.load_weights(weights=iter(decoded))
         if post_process:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
