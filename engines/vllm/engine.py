@@ -85,9 +85,14 @@ class VllmEngine:
         return sorted(self.llm.collective_rpc("wt_report"), key=lambda r: r["tp_rank"])
 
     def runtime_layouts(self) -> dict[int, RuntimeLayout]:
-        """Inference rank -> :class:`RuntimeLayout` of each worker (ranks ``first_rank + tp_rank``)."""
-        return {self.first_rank + r["tp_rank"]: runtime_layout(r, self.first_rank + r["tp_rank"])
-                for r in self.reports()}
+        """Inference rank -> :class:`RuntimeLayout` of each worker (ranks ``first_rank + tp_rank``),
+        each with the region descriptor its worker registered (:meth:`wt_register`, once)."""
+        lays = {r["tp_rank"]: runtime_layout(r, self.first_rank + r["tp_rank"]) for r in self.reports()}
+        spans = {tp: (lay.base, lay.length) for tp, lay in lays.items()}
+        for d in self.llm.collective_rpc("wt_register", args=(spans,)):
+            lay = next(lay for lay in lays.values() if lay.pid == d.pid)
+            lay.registered = d
+        return {lay.rank: lay for lay in lays.values()}
 
     def read(self, names: list[str] | None = None) -> dict[int, dict]:
         """Copies of runtime tensors: inference rank -> {name: tensor}. ``names`` as

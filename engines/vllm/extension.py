@@ -15,6 +15,8 @@ Methods (all return plain picklable data; tensors only from ``wt_read``):
   in ``layer.cpu_linear``'s closure, oneDNN handles), each MoE layer's expert kernel (class,
   ISA), and the worker's pid, TP rank and host. See ``engines/vllm/runtime.py`` for how the
   planner uses it.
+- :meth:`wt_register`: registers, in the worker, the byte range holding the destination tensors
+  with the CMA transport and returns its region descriptor (once).
 - :meth:`wt_read`: copies of named runtime tensors (for byte verification).
 - :meth:`wt_load_weights`: vLLM's own loading path, as the baselines (and verl / OpenRLHF) use
   it: ``model.load_weights(weights)`` and then, like vLLM's model loader,
@@ -175,6 +177,28 @@ class WeightTransferExtension:
                 raise KeyError(f"worker pid {os.getpid()}: no runtime tensor {n!r}")
             out[n] = tensors[n].detach().clone()
         return out
+
+    def wt_register(self, spans: dict[int, tuple[int, int]]):
+        """Register, in this worker, the byte range ``spans[tp_rank] = (base, length)`` that
+        holds every destination tensor, with the project's CMA transport (the receiver's side
+        of ``register -> descriptor``: it owns the region's lifetime, e.g. its epoch). Returns
+        the :class:`reference.types.RegionDescriptor`. The range is viewed in place (no copy);
+        the plan writes only the tensors inside it. Done once, not per update."""
+        import ctypes
+
+        import numpy as np
+
+        from reference.transport import make_transport
+
+        base, length = spans[self._wt_tp_rank()]
+        buf = (ctypes.c_uint8 * length).from_address(base)
+        view = torch.from_numpy(np.ctypeslib.as_array(buf))  # shares the memory: data_ptr == base
+        if getattr(self, "_wt_transport", None) is None:
+            self._wt_transport = make_transport("cma")
+            self._wt_regions = []
+        region = self._wt_transport.register(view)
+        self._wt_regions.append((region, view, buf))  # keep the registration (and view) alive
+        return region.descriptor()
 
     def wt_load_weights(self, weights: list, *, post_process: bool = True) -> int:
         """vLLM's own loading path (what the baselines measure): ``model.load_weights`` with

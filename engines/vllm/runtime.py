@@ -36,7 +36,8 @@ non-contiguous parameter                      **refused** (a strided destination
 ============================================  ==============================================
 
 Tensors that are not weights (KV cache, attention scales) are ignored. One memory region per
-worker spans its lowest to its highest destination byte: the writes the plan makes are confined
+worker spans its lowest to its highest destination byte, registered by the worker itself
+(``wt_register``, with the CMA transport, once): the writes the plan makes are confined
 to destination tensors by :func:`reference.plan.validate` (every destination byte exactly
 once) and to the region by the transport's bounds check; bytes between tensors belong to vLLM
 and are never written.
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import math
 import re
-import secrets
 from dataclasses import dataclass, field
 
 from reference.layouts import IDENTITY, TRANSPOSED
@@ -94,6 +94,9 @@ class RuntimeLayout:
     """(tensor, why): vLLM tensors whose runtime bytes cannot be written one-sidedly."""
     ignored: list[str] = field(default_factory=list)
     """Runtime tensors that are not weights (KV cache, scales) or 0-byte husks of packed weights."""
+    registered: RegionDescriptor | None = None
+    """The descriptor the worker itself registered for ``[base, base + length)``
+    (:meth:`WeightTransferExtension.wt_register`); None before registration."""
 
     def targets_of(self, param: str) -> list[RuntimeTarget]:
         return [t for t in self.targets if t.param == param]
@@ -106,10 +109,15 @@ class RuntimeLayout:
     def length(self) -> int:
         return max(t.data_ptr + t.nbytes for t in self.targets) - self.base
 
-    def descriptor(self, key: int | None = None) -> RegionDescriptor:
-        """The CMA region descriptor spanning every destination of this worker."""
-        return RegionDescriptor(transport="cma", host=self.host, pid=self.pid, addr=self.base,
-                                length=self.length, key=secrets.randbits(64) if key is None else key)
+    def descriptor(self) -> RegionDescriptor:
+        """The CMA region descriptor spanning every destination of this worker, as the worker
+        registered it. RuntimeError before :meth:`VllmEngine.runtime_layouts` registered it."""
+        if self.registered is None:
+            raise RuntimeError(f"rank {self.rank} (pid {self.pid}): region not registered by the worker yet")
+        if (self.registered.addr, self.registered.length) != (self.base, self.length):
+            raise RuntimeError(f"rank {self.rank}: registered region {self.registered.addr:#x}+{self.registered.length} "
+                               f"!= destination span {self.base:#x}+{self.length}")
+        return self.registered
 
     def dest_metas(self) -> list[DestTensorMeta]:
         """One :class:`DestTensorMeta` per runtime target (named by the runtime tensor), offsets
