@@ -26,6 +26,7 @@ from reference import control
 __all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED"]
 
 from reference.method import RUNTIME_KEY as KEY_RUNTIME  # noqa: E402
+
 KEY_PAUSED = "step/{step}/paused/{instance}"
 """Set by a vLLM instance once generation is paused for ``step`` (before the controller says go)."""
 

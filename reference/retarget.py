@@ -21,7 +21,7 @@ from .layouts import IDENTITY
 __all__ = ["retarget"]
 
 
-def retarget(recipes, layouts: dict[int, RuntimeLayout], *, names: dict[str, str] | None = None):
+def retarget(recipes, layouts: dict, *, names: dict[str, str] | None = None):
     """The recipes of :func:`reference.plan.build_recipes` (engine tensor names, load layout)
     aimed at the runtime tensors the live engine reports (``layouts``: inference rank -> the
     object described in the module docstring): each output to engine tensor ``T`` becomes one

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.vllm.runtime import retarget, runtime_layout
 from engines.vllm.loopback import source_metas
+from engines.vllm.runtime import retarget, runtime_layout
 from reference.catalog import load_config, param_specs
 from reference.layouts import apply_layout, parse_layout
-from reference.plan import PlanError, build_recipes
-from reference.plan import plan
+from reference.plan import PlanError, build_recipes, plan
 from reference.transforms import recipe_outputs
 from reference.types import InferenceLayout
 from reference.weights import SyntheticCheckpoint

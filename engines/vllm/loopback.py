@@ -14,8 +14,7 @@ import time
 import torch
 
 from reference.executor import Executor
-from reference.plan import build_recipes
-from reference.plan import plan
+from reference.plan import build_recipes, plan
 from reference.transport import make_transport
 from reference.types import InferenceLayout, ParamMeta, dtype_name
 
