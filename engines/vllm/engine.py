@@ -28,6 +28,7 @@ and warm-up the rest); keep the number of engines small.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -60,6 +61,11 @@ def vllm_version() -> str | None:
     return None
 
 
+def _tuples(x):
+    """Lists -> tuples, recursively (descriptor fields are tuples)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
 class VllmEngine:
     """One vLLM engine instance (``tp`` workers). See the module docstring.
 
@@ -90,6 +96,8 @@ class VllmEngine:
         lays = {r["tp_rank"]: runtime_layout(r, self.first_rank + r["tp_rank"]) for r in self.reports()}
         spans = {tp: (lay.base, lay.length) for tp, lay in lays.items()}
         for d in self.llm.collective_rpc("wt_register", args=(spans,)):
+            # collective_rpc's msgpack turns the descriptor's tuples into lists: restore them
+            d = dataclasses.replace(d, extra=_tuples(d.extra))
             lay = next(lay for lay in lays.values() if lay.pid == d.pid)
             lay.registered = d
         return {lay.rank: lay for lay in lays.values()}
