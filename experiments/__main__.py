@@ -71,6 +71,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                      help="HF-config override for a smaller variant (repeatable)")
     run.add_argument("--method", default=None, help="reference | rank0_funnel | rpc | all (the three side by side, one table)")
+    run.add_argument("--engine", choices=["stand-in", "vllm"], default=None,
+                     help="inference side: the stand-in (default) or unmodified vLLM engines (make vllm)")
     run.add_argument("--n-train", type=int, default=None, help="training ranks")
     run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default=None,
                      help="fsdp: FSDP2 on a 1-D mesh; two_group: non-experts within node, experts across "
@@ -182,7 +184,8 @@ def config_from_args(args):
     ch: dict = {}
     if args.override:
         ch["overrides"] = {**(base.overrides if args.model is None else {}), **dict(args.override)}
-    for field in ("method", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype", "transport", "steps",
+    for field in ("method", "engine", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype",
+                  "transport", "steps",
                   "warmup", "seed", "timeout"):
         if getattr(args, field) is not None:
             ch[field] = getattr(args, field)

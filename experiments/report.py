@@ -21,6 +21,14 @@ def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def _engine_text(cfg) -> str:
+    if getattr(cfg, "engine", "stand-in") == "vllm":
+        from engines.vllm import vllm_version
+
+        return f"{vllm_version() or 'vllm'} (unmodified; runtime layout reported by the engine; verified vs a fresh vLLM)"
+    return "stand-in (engines/engine.py, vLLM 0.32 layouts)"
+
+
 def train_layout_text(cfg) -> str:
     if cfg.train_layout == "fsdp":
         return f"FSDP2 fully_shard, Shard(0) on DeviceMesh({cfg.n_train},)"
@@ -40,7 +48,8 @@ def format_table(result) -> str:
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
         f"# training: {cfg.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train_dtype}",
-        f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype})",
+        f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype}), "
+        f"engine {_engine_text(cfg)}",
         f"# plan: {result.schedule_summary}; computed once in {result.plan_seconds:.3f} s",
         "#",
         f"{'step':>6} {'bytes':>14} {'time':>10} {'algbw':>8} {'writes':>8} {'peak_tmp':>10} {'verified':>9}",
@@ -65,7 +74,9 @@ def format_table(result) -> str:
         ]
     if result.memcpy_gbps:
         lines.append(f"# memcpy on this machine (same run, 1 thread, 256 MiB): {result.memcpy_gbps:.2f} GB/s")
-    lines.append(f"# verified bit-exact against the engine's load_weights: {n_ok}/{len(rows)} updates"
+    against = ("a fresh vLLM from the step's checkpoint (every runtime byte; greedy tokens + logprobs)"
+               if getattr(result.cfg, "engine", "stand-in") == "vllm" else "the engine's load_weights")
+    lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(rows)} updates"
                  + ("" if n_ok == len(rows) else "  <-- FAILED"))
     for r in rows:
         if r.get("verify_error"):

@@ -97,6 +97,11 @@ def preflight(cfg: TrialConfig) -> None:
     build_recipes(mcfg, cfg.layout)
     for rank in range(min(cfg.n_infer, cfg.tp)):
         engine_tensor_metas(mcfg, cfg.layout, rank)
+    if cfg.engine == "vllm":
+        from engines.vllm import vllm_available
+
+        if not vllm_available():
+            raise ValueError("engine=vllm: vllm is not installed (make vllm)")
 
 
 def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | None = None, restarts: int = 0,
@@ -137,9 +142,16 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
         stop_processes(procs.train.values())
         spawn_training(gen, first_step)
 
-    for i in range(cfg.n_infer):
-        procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
-                                     kwargs=dict(stall=stall, fault=fault, parent=parent), name=f"infer{i}", daemon=True)
+    if cfg.engine == "vllm":  # one process per vLLM instance; vLLM starts its own children (not a daemon)
+        from .vllm_side import vllm_instance_main
+
+        for d in range(cfg.dp):
+            procs.infer[d * cfg.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr), name=f"vllm{d}")
+    else:
+        for i in range(cfg.n_infer):
+            procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
+                                         kwargs=dict(stall=stall, fault=fault, parent=parent), name=f"infer{i}",
+                                         daemon=True)
     spawn_training(0, 1)
     for p in procs.infer.values():
         p.start()
@@ -210,6 +222,12 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         while step <= cfg.warmup + cfg.steps:
             try:
                 ctl.load(step)
+                if cfg.engine == "vllm":  # generation paused in every instance before the first write
+                    from .vllm_side import KEY_PAUSED
+
+                    control.wait_keys(store, {d * cfg.tp: KEY_PAUSED.format(step=step, instance=d)
+                                              for d in range(cfg.dp)},
+                                      timeout=cfg.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
                 seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
             except control.ControlError as e:
                 note_failure(e)
@@ -299,7 +317,13 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
                 pass
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port))
+        if role == "infer" and cfg.engine == "vllm":  # one task per vLLM instance runs it; its TP peers idle
+            if rank % cfg.tp == 0:
+                from .vllm_side import vllm_instance_main
+
+                vllm_instance_main(cfg, rank // cfg.tp, (store_host, store_port))
+        else:
+            (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port))
     finally:
         try:
             control.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")

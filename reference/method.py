@@ -146,6 +146,21 @@ class InferenceSide(abc.ABC):
 # the reference: one-sided writes, static schedule
 
 
+RUNTIME_KEY = "meta/infer_runtime/{rank}"
+"""Store key under which an inference rank may publish its engine's runtime layout (an object
+with ``targets`` / ``refused``, see :mod:`reference.retarget`; e.g. a live vLLM,
+``experiments/vllm_side.py``)."""
+
+
+def runtime_layouts(store, infer_payloads: dict) -> dict:
+    """Inference rank -> published runtime layout, for the ranks that published one ({} when
+    none did: the engine's load layout is its runtime layout)."""
+    from . import control
+
+    keys = {i: RUNTIME_KEY.format(rank=i) for i in infer_payloads}
+    return {i: control.get(store, k) for i, k in keys.items() if store.check([k])}
+
+
 class ReferenceController(ControllerSide):
     """Builds the recipes, computes the schedule once, hands each training rank its part."""
 
@@ -155,6 +170,11 @@ class ReferenceController(ControllerSide):
 
         sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
         recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
+        runtime = runtime_layouts(ctx.store, ctx.infer_payloads)
+        if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
+            from .retarget import retarget
+
+            recipes = retarget(recipes, runtime)
         sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
                      max_chunk_bytes=ctx.transfer.max_chunk_bytes, local_writes=ctx.transfer.local_writes,
                      local_min_bytes=ctx.transfer.local_min_bytes)

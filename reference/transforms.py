@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from .layouts import IDENTITY, apply_layout
 from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block
 from .types import Box, Piece, Recipe, torch_dtype
 
@@ -79,15 +80,20 @@ def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tenso
     """The tensors the recipe writes, one per ``recipe.outputs``, each contiguous.
 
     ``"copy"``: the assembled tensor cast to the output dtype. ``"fp8_block"``: DeepSeek-V3
-    block quantization of the assembled BF16 tensor (weight, ``weight_scale_inv``).
+    block quantization of the assembled BF16 tensor (weight, ``weight_scale_inv``). An output
+    whose ``layout`` is not ``"identity"`` is then rearranged into that runtime order
+    (:func:`reference.layouts.apply_layout`).
     """
     if recipe.transform == "copy":
         (o,) = recipe.outputs
-        return [assembled.to(torch_dtype(o.dtype)).contiguous()]
-    if recipe.transform == "fp8_block":
+        out = [assembled.to(torch_dtype(o.dtype)).contiguous()]
+    elif recipe.transform == "fp8_block":
         q, s = quantize_fp8_block(assembled)
-        return [q, s]
-    raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
+        out = [q, s]
+    else:
+        raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
+    # an engine's post-processed runtime order (reference.layouts), applied last
+    return [t if o.layout == IDENTITY else apply_layout(t, o.layout) for t, o in zip(out, recipe.outputs)]
 
 
 def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor]) -> list[torch.Tensor]:
@@ -163,6 +169,9 @@ def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Rec
     d = split_dim(recipe)
     quant = recipe.transform == "fp8_block"
     block_dim = quant and d >= nd - 2
+    if any(o.layout != IDENTITY for o in recipe.outputs):
+        raise ValueError(f"split {recipe.name!r}: an output in a runtime layout "
+                         f"({', '.join(sorted({o.layout for o in recipe.outputs}))}) is written whole")
     parts = []
     for a, b in bands:
         if block_dim and (a % QUANT_BLOCK or (b % QUANT_BLOCK and b != shape[d])):

@@ -295,6 +295,10 @@ class Output:
     tensor: str
     box: Box
     dtype: str
+    layout: str = "identity"
+    """Element order of the bytes in the destination (see :mod:`reference.layouts`):
+    ``"identity"`` (C order, what ``load_weights`` makes) or an engine's post-processed order
+    such as ``"blocked:32x2"`` (vLLM CPU packed GEMM weights)."""
 
 
 Transform = Literal["copy", "fp8_block"]

@@ -91,8 +91,8 @@ def test_qwen3_moe_shapes(tp, ep):
     L = "model.layers.0.mlp."
     el, il = (16 // tp, 128) if ep else (16, 128 // tp)
     assert p[L + "gate.weight"].shape == (16, 256)
-    assert p[L + "experts.w13_weight"].shape == (el, 2 * il, 256)
-    assert p[L + "experts.w2_weight"].shape == (el, 256, il)
+    assert p[L + "experts.routed_experts.w13_weight"].shape == (el, 2 * il, 256)
+    assert p[L + "experts.routed_experts.w2_weight"].shape == (el, 256, il)
     assert L + "gate.e_score_correction_bias" not in p
     assert p["lm_head.weight"].shape == (1024 // tp, 256)
     assert list(p)[-1] == "lm_head.weight"
@@ -116,12 +116,12 @@ def test_deepseek_shapes(tp, ep):
     assert p[m + "shared_experts.gate_up_proj.weight"].shape == (2 * 128 // tp, 256)
     assert p[m + "shared_experts.down_proj.weight"].shape == (256, 128 // tp)
     el, il = (8 // tp, 128) if ep else (8, 128 // tp)
-    assert p[m + "experts.w13_weight"].shape == (el, 2 * il, 256)
-    assert p[m + "experts.w2_weight"].shape == (el, 256, il)
+    assert p[m + "experts.routed_experts.w13_weight"].shape == (el, 2 * il, 256)
+    assert p[m + "experts.routed_experts.w2_weight"].shape == (el, 256, il)
     order = [n for n in p if n.startswith(m)]
     assert order == [m + "gate.weight", m + "gate.e_score_correction_bias",
                      m + "shared_experts.gate_up_proj.weight", m + "shared_experts.down_proj.weight",
-                     m + "experts.w13_weight", m + "experts.w2_weight"]
+                     m + "experts.routed_experts.w13_weight", m + "experts.routed_experts.w2_weight"]
 
 
 def test_fp8_shapes_and_names():
@@ -132,8 +132,8 @@ def test_fp8_shapes_and_names():
     assert p[a + "fused_qkv_a_proj.weight_scale_inv"].shape == (math.ceil(176 / 128), 2)
     assert p[a + "fused_qkv_a_proj.weight_scale_inv"].dtype == torch.float32
     m = "model.layers.1.mlp."
-    assert p[m + "experts.w13_weight_scale_inv"].shape == (4, 2, 2)
-    assert p[m + "experts.w2_weight_scale_inv"].shape == (4, 2, 1)
+    assert p[m + "experts.routed_experts.w13_weight_scale_inv"].shape == (4, 2, 2)
+    assert p[m + "experts.routed_experts.w2_weight_scale_inv"].shape == (4, 2, 1)
     # not quantized: embeddings, norms, router, bias
     assert p["model.embed_tokens.weight"].dtype == BF16
     assert p[m + "gate.weight"].dtype == BF16
@@ -141,8 +141,8 @@ def test_fp8_shapes_and_names():
     assert p["lm_head.weight"].dtype == BF16
     assert not any(n.startswith("model.embed") and "scale" in n for n in p)
     names = [n for n in p if n.startswith(m + "experts")]
-    assert names == [m + "experts.w13_weight", m + "experts.w2_weight",
-                     m + "experts.w13_weight_scale_inv", m + "experts.w2_weight_scale_inv"]
+    assert names == [m + "experts.routed_experts.w13_weight", m + "experts.routed_experts.w2_weight",
+                     m + "experts.routed_experts.w13_weight_scale_inv", m + "experts.routed_experts.w2_weight_scale_inv"]
 
 
 # ------------------------------------------------------------------------------- C4: QKV
@@ -204,7 +204,7 @@ def test_C5_experts_ep4_right_rank_and_slot():
         e = load(cfg, InferenceLayout(tp=4, ep=True), r, ck)
         assert e.missing_after_load() == []
         p = e.named_parameters()
-        w13, w2 = p["model.layers.1.mlp.experts.w13_weight"], p["model.layers.1.mlp.experts.w2_weight"]
+        w13, w2 = p["model.layers.1.mlp.experts.routed_experts.w13_weight"], p["model.layers.1.mlp.experts.routed_experts.w2_weight"]
         assert w13.shape == (4, 256, 256)
         for j in range(4):
             ex = int(w13[j, 0, 0].item()) - 1
@@ -222,7 +222,7 @@ def test_experts_tp_sliced_without_ep():
     ck = _expert_ckpt(cfg)
     for r in range(2):
         p = load(cfg, InferenceLayout(tp=2), r, ck).named_parameters()
-        w13, w2 = p["model.layers.0.mlp.experts.w13_weight"], p["model.layers.0.mlp.experts.w2_weight"]
+        w13, w2 = p["model.layers.0.mlp.experts.routed_experts.w13_weight"], p["model.layers.0.mlp.experts.routed_experts.w2_weight"]
         assert w13.shape == (16, 128, 256) and w2.shape == (16, 256, 64)
         for j in range(16):
             pre = f"model.layers.0.mlp.experts.{j}."
@@ -379,7 +379,7 @@ def test_fp8_zero_block_and_experts_per_slot():
     staged = {n: t.clone() for n, t in e.staged_bf16().items()}
     e.process_weights_after_loading()
     p = e.named_parameters()
-    w13n = "model.layers.1.mlp.experts.w13_weight"
+    w13n = "model.layers.1.mlp.experts.routed_experts.w13_weight"
     assert p[w13n + "_scale_inv"].shape == (8, 2, 2)
     for j in (0, 7):
         qn, sn = _naive_block_fp8(staged[w13n][j])
@@ -458,7 +458,7 @@ def test_dp_replicas_identical_bytes_and_missing_tracking():
     drop = "model.layers.0.mlp.experts.3.up_proj.weight"
     e = Engine(cfg, InferenceLayout(tp=2, ep=True), 1)
     e.load_weights((n, t) for n, t in ck.items() if n != drop)
-    assert e.missing_after_load() == ["model.layers.0.mlp.experts.w13_weight"]
+    assert e.missing_after_load() == ["model.layers.0.mlp.experts.routed_experts.w13_weight"]
     with pytest.raises(ValueError, match="w13_weight"):
         expected_from_checkpoint(cfg, InferenceLayout(tp=2, ep=True), 1, ck.__getitem__,
                                  [n for n in ck if n != drop], strict=True)
@@ -490,7 +490,7 @@ def test_unknown_names_and_bad_shapes():
         e.load_weights([("model.layers.0.mlp.experts.16.gate_proj.weight", torch.zeros(128, 256))])
     with pytest.raises(KeyError, match="lm_head.bias"):
         e.load_weights([("lm_head.bias", torch.zeros(1))])
-    for fused in ("model.layers.0.mlp.experts.w13_weight", "model.layers.1.self_attn.qkv_proj.weight"):
+    for fused in ("model.layers.0.mlp.experts.routed_experts.w13_weight", "model.layers.1.self_attn.qkv_proj.weight"):
         with pytest.raises(KeyError, match=fused):  # engine names of fused tensors are not checkpoint names
             e.load_weights([(fused, torch.zeros(1))])
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight.*\(64, 256\)"):
@@ -504,14 +504,14 @@ def test_unknown_names_and_bad_shapes():
     (lambda: qwen3(num_attention_heads=8, num_key_value_heads=3), InferenceLayout(tp=4),
      r"self_attn.qkv_proj.weight: tp=4 > num_key_value_heads=3"),
     (lambda: qwen3(intermediate_size=510), InferenceLayout(tp=4), r"mlp.gate_up_proj.weight: intermediate_size=510 .*tp=4"),
-    (lambda: qwen3_moe(num_experts=6), InferenceLayout(tp=4, ep=True), r"experts.w13_weight: num_experts=6 .*tp=4"),
+    (lambda: qwen3_moe(num_experts=6), InferenceLayout(tp=4, ep=True), r"experts.routed_experts.w13_weight: num_experts=6 .*tp=4"),
     (lambda: qwen3_moe(moe_intermediate_size=100, num_attention_heads=8), InferenceLayout(tp=8),
-     r"experts.w13_weight: moe_intermediate_size=100 .*tp=8"),
+     r"experts.routed_experts.w13_weight: moe_intermediate_size=100 .*tp=8"),
     (lambda: qwen3(vocab_size=64, num_attention_heads=3, num_key_value_heads=3), InferenceLayout(tp=3),
      r"model.embed_tokens.weight: padded vocab_size=64 .*tp=3"),
     (lambda: deepseek(vocab_size=960), InferenceLayout(tp=3), r"model.layers.0.self_attn.q_b_proj.weight: num_attention_heads=4 .*tp=3"),
     (lambda: deepseek(vocab_size=960, num_attention_heads=6, intermediate_size=510, moe_intermediate_size=96),
-     InferenceLayout(tp=3, ep=True), r"experts.w13_weight: num_experts=8 .*tp=3"),
+     InferenceLayout(tp=3, ep=True), r"experts.routed_experts.w13_weight: num_experts=8 .*tp=3"),
 ])
 def test_divisibility_errors(make, layout, match):
     with pytest.raises(ValueError, match=match):

@@ -52,8 +52,8 @@ def test_c5_experts_land_once_on_the_right_rank_and_slot():
     assert lb.verify(src) == []
     seen = []
     for r, eng in enumerate(lb.engines):
-        w13 = eng.named_parameters()["model.layers.0.mlp.experts.w13_weight"]
-        w2 = eng.named_parameters()["model.layers.0.mlp.experts.w2_weight"]
+        w13 = eng.named_parameters()["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+        w2 = eng.named_parameters()["model.layers.0.mlp.experts.routed_experts.w2_weight"]
         assert w13.shape[0] == 4
         for j in range(4):
             vals = set(w13[j].float().unique().tolist()) | set(w2[j].float().unique().tolist())

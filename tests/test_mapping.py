@@ -118,8 +118,8 @@ def layouts_md_shapes(cfg, lay: InferenceLayout, rank: int) -> dict[str, tuple[t
             if cfg.is_mla:
                 out[f"{m}.gate.e_score_correction_bias"] = ((E,), "float32")
             El, Il = (E // T, mI) if lay.ep else (E, mI // T)
-            lin(f"{m}.experts.w13_weight", (El, 2 * Il, H), f"{m}.experts.w13_weight_scale_inv")
-            lin(f"{m}.experts.w2_weight", (El, H, Il), f"{m}.experts.w2_weight_scale_inv")
+            lin(f"{m}.experts.routed_experts.w13_weight", (El, 2 * Il, H), f"{m}.experts.routed_experts.w13_weight_scale_inv")
+            lin(f"{m}.experts.routed_experts.w2_weight", (El, H, Il), f"{m}.experts.routed_experts.w2_weight_scale_inv")
             if S:
                 lin(f"{m}.shared_experts.gate_up_proj.weight", (2 * S * mI // T, H))
                 lin(f"{m}.shared_experts.down_proj.weight", (H, S * mI // T))
@@ -197,15 +197,15 @@ def test_some_shapes_by_hand():
     assert d["model.embed_tokens.weight"] == ((256, 256), "bfloat16")  # 1024/4
     assert "lm_head.weight" not in d  # tied
     d = expected_dest_shapes(qwen_moe(), InferenceLayout(tp=2, quant="fp8"), 1)
-    assert d["model.layers.1.mlp.experts.w13_weight"] == ((16, 128, 256), "float8_e4m3fn")
-    assert d["model.layers.1.mlp.experts.w13_weight_scale_inv"] == ((16, 1, 2), "float32")
-    assert d["model.layers.1.mlp.experts.w2_weight"] == ((16, 256, 64), "float8_e4m3fn")
+    assert d["model.layers.1.mlp.experts.routed_experts.w13_weight"] == ((16, 128, 256), "float8_e4m3fn")
+    assert d["model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv"] == ((16, 1, 2), "float32")
+    assert d["model.layers.1.mlp.experts.routed_experts.w2_weight"] == ((16, 256, 64), "float8_e4m3fn")
     assert d["model.layers.1.mlp.gate.weight"] == ((16, 256), "bfloat16")
     d = expected_dest_shapes(mla(), InferenceLayout(tp=2, ep=True, quant="fp8"), 0)
     assert d["model.layers.0.self_attn.fused_qkv_a_proj.weight"] == ((112, 256), "float8_e4m3fn")
     assert d["model.layers.0.self_attn.q_b_proj.weight_scale_inv"] == ((1, 1), "float32")
     assert d["model.layers.1.mlp.gate.e_score_correction_bias"] == ((8,), "float32")
-    assert d["model.layers.1.mlp.experts.w13_weight"] == ((4, 256, 256), "float8_e4m3fn")
+    assert d["model.layers.1.mlp.experts.routed_experts.w13_weight"] == ((4, 256, 256), "float8_e4m3fn")
     assert d["model.layers.1.mlp.shared_experts.gate_up_proj.weight"] == ((128, 256), "float8_e4m3fn")
     assert d["model.layers.0.mlp.gate_up_proj.weight"] == ((512, 256), "float8_e4m3fn")
     assert d["lm_head.weight"] == ((512, 256), "bfloat16")
@@ -277,7 +277,7 @@ def test_C5_experts_ep4_each_global_expert_once():
             src[f"{pre}.down_proj.weight"].fill_(3 * e + 3)
     bufs, counts = materialize(rs, md_dests(cfg, lay), src)
     for L in range(2):
-        m = f"model.layers.{L}.mlp.experts"
+        m = f"model.layers.{L}.mlp.experts.routed_experts"
         seen = []
         for r in range(4):
             w13, w2 = bufs[(r, f"{m}.w13_weight")], bufs[(r, f"{m}.w2_weight")]
@@ -301,8 +301,8 @@ def test_experts_without_ep_are_tp_sliced():
         for e in (0, 7, 15):
             g, u, d = (src[f"{m}.{e}.{x}_proj.weight"] for x in ("gate", "up", "down"))
             rows = slice(r * 64, (r + 1) * 64)
-            assert torch.equal(bufs[(r, f"{m}.w13_weight")][e], torch.cat([g[rows], u[rows]]))
-            assert torch.equal(bufs[(r, f"{m}.w2_weight")][e], d[:, rows])
+            assert torch.equal(bufs[(r, f"{m}.routed_experts.w13_weight")][e], torch.cat([g[rows], u[rows]]))
+            assert torch.equal(bufs[(r, f"{m}.routed_experts.w2_weight")][e], d[:, rows])
 
 
 def test_C6_tied_embeddings_and_vocab_padding():
@@ -489,16 +489,16 @@ def test_overlap_gap_and_uncovered_named():
     srcs = sources_of(cfg)
     recs = list(rs.recipes)
     # duplicate one expert slot -> overlap
-    dup = next(r for r in recs if r.name == "model.layers.0.mlp.experts.w2_weight[3]@tp0")
-    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.experts\.w2_weight.*written twice"):
+    dup = next(r for r in recs if r.name == "model.layers.0.mlp.experts.routed_experts.w2_weight[3]@tp0")
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.experts\.routed_experts\.w2_weight.*written twice"):
         validate(RecipeSet(recs + [replace(dup, name=dup.name + "-again")]), srcs, dests)
     # drop one expert slot -> gap in weight and scale (its sources become unused too)
-    gap = [r for r in recs if r.name != "model.layers.1.mlp.experts.w13_weight[2]@tp1"]
+    gap = [r for r in recs if r.name != "model.layers.1.mlp.experts.routed_experts.w13_weight[2]@tp1"]
     with pytest.raises(PlanError) as ei:
         validate(RecipeSet(gap), srcs, dests)
     msg = str(ei.value)
-    assert "'model.layers.1.mlp.experts.w13_weight' on rank 1: elements" in msg
-    assert "'model.layers.1.mlp.experts.w13_weight_scale_inv' on rank 1" in msg
+    assert "'model.layers.1.mlp.experts.routed_experts.w13_weight' on rank 1: elements" in msg
+    assert "'model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv' on rank 1" in msg
     assert "model.layers.1.mlp.experts.10.gate_proj.weight" in msg  # unused
     # drop every recipe of a tensor -> uncovered
     none = [r for r in recs if r.outputs[0].tensor != "model.norm.weight"]
@@ -586,7 +586,7 @@ def test_fusion_groups():
     assert [[r.name for r in g] for g in fusion_groups(rs.recipes)] == [[r.name for r in g] for g in groups]
     moe = build_recipes(mla(), InferenceLayout(tp=2))
     g = next(g for g in fusion_groups(moe) if "model.layers.1.mlp.experts.3.gate_proj.weight" in g[0].sources)
-    assert [r.name for r in g] == ["model.layers.1.mlp.experts.w13_weight[3]@tp0", "model.layers.1.mlp.experts.w13_weight[3]@tp1"]
+    assert [r.name for r in g] == ["model.layers.1.mlp.experts.routed_experts.w13_weight[3]@tp0", "model.layers.1.mlp.experts.routed_experts.w13_weight[3]@tp1"]
 
 
 def _write(outputs_by_recipe, dests):
@@ -640,7 +640,7 @@ def test_split_recipe_details():
     assert parts[2].outputs[0].box == ((200, 256), (0, 256))
     assert split_recipe(emb, 1000) == [emb]
     fp = build_recipes(qwen_moe(), InferenceLayout(tp=1, quant="fp8"))
-    w2 = next(r for r in fp.recipes if r.name == "model.layers.0.mlp.experts.w2_weight[5]@tp0")  # [1, 256, 128]
+    w2 = next(r for r in fp.recipes if r.name == "model.layers.0.mlp.experts.routed_experts.w2_weight[5]@tp0")  # [1, 256, 128]
     parts = split_recipe(w2, 50)  # fp8 along N: bands of 128
     assert [p.shape for p in parts] == [(1, 128, 128), (1, 128, 128)]
     assert [p.outputs[1].box for p in parts] == [((5, 6), (0, 1), (0, 1)), ((5, 6), (1, 2), (0, 1))]

@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from ..layouts import check_layout
 from ..quant import scale_shape
 from ..types import Box, DestTensorMeta, Output, ParamMeta, PlanError, Recipe, box_flat_range, box_shape, numel
 from .recipes import RecipeSet, _no_gc
@@ -126,6 +127,12 @@ def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[
         probs.add("dtype", f"recipe {name!r}: assembled dtype {adt} is not a float dtype a cast can produce")
     outs = r.outputs
     tr = r.transform
+    for o in outs:
+        if o.layout != "identity":
+            try:
+                check_layout(o.layout, box_shape(o.box), f"recipe {name!r} output {o.tensor!r}")
+            except ValueError as e:
+                probs.add("layout", str(e))
     if tr == "copy":
         if len(outs) != 1:
             probs.add("bad-recipe", f"copy recipe {name!r} has {len(outs)} outputs (needs 1)")
@@ -306,6 +313,10 @@ def validate(
                     a, b = box_flat_range(o.box, dshape)
                 except ValueError as e:
                     probs.add("shape", f"{rname!r} output to {tensor!r} {dshape} on ranks {rks}: {e}")
+                    continue
+                if o.layout != "identity" and tuple(o.box[-2:]) != ((0, dshape[-2]), (0, dshape[-1])):
+                    probs.add("layout", f"{rname!r} writes part {o.box} of {tensor!r} {dshape} in runtime layout "
+                                        f"{o.layout}: a runtime layout is written for whole [N, K] matrices")
                     continue
                 iv.append((a, b, rname))
             gid = len(group_iv)

