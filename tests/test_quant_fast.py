@@ -189,10 +189,14 @@ def test_prepare_uses_the_native_kernel(monkeypatch):
     monkeypatch.setattr(quant, "_quantize_native", lambda *a: calls.append(1) or real(*a))
     x = rand((256, 256), seed=10)
 
-    class R:  # the two attributes apply_transform reads
+    from types import SimpleNamespace
+
+    from reference.layouts import IDENTITY
+
+    class R:  # the attributes apply_transform reads: two outputs (weight, weight_scale_inv) as loaded
         transform = "fp8_block"
         name = "w"
-        outputs = ()
+        outputs = (SimpleNamespace(layout=IDENTITY),) * 2
 
     q, _ = apply_transform(R(), x)
     assert calls and torch.equal(bits(q), bits(quantize_fp8_block_reference(x)[0]))
