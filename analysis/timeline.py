@@ -64,7 +64,7 @@ def plot_timeline(paths, out, *, title: str | None = None) -> Path:
     labels, prev_rank = [], None
     for y, (rank, stage, bars) in enumerate(rows):
         color = STAGE_COLORS.get(stage, "#777777")
-        for i, (a, d, e) in enumerate(bars):
+        for i, (a, d, _e) in enumerate(bars):
             alpha = 0.55 if stage == "update" else (0.95 if i % 2 == 0 else 0.7)
             ax.broken_barh([(a, max(d, 1e-3))], (y - 0.4, 0.8), facecolors=color, alpha=alpha, edgecolor="none")
         labels.append(f"rank {rank}  {stage}")

@@ -13,7 +13,7 @@ a smaller vocabulary) so one trial takes seconds, not minutes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from .config import Sweep, TrialConfig, trial_key
 

@@ -47,9 +47,9 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -172,7 +172,7 @@ class WeightsState:
         return f"{self.seq} {self.state} {self.version}".encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "WeightsState":
+    def decode(cls, raw: bytes) -> WeightsState:
         seq, state, version = raw.decode().split()
         return cls(int(seq), state, int(version))
 

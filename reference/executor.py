@@ -59,10 +59,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .types import RankPlan, Task
 from .transforms import recipe_outputs
 from .transport.base import RemoteGoneError, Transport, WriteOp
-from .types import RegionDescriptor
+from .types import RankPlan, RegionDescriptor, Task
 
 STAGES = ("h2d", "prepare", "write", "release")
 """Stage names in pipeline order."""

@@ -21,8 +21,9 @@ per step.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .options import TransferOptions
 from .types import InferenceLayout

@@ -23,8 +23,7 @@ local shard in place for a training step (the stand-in for ``optimizer.step()``)
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -34,7 +33,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .catalog import ModelConfig, ParamSpec, param_specs
 from .types import Box, ParamMeta, dtype_name
 from .weights import param_box
-
 
 _SHARD_RE = re.compile(r"(?:Shard\(dim=|S\()(\d+)\)")
 

@@ -15,7 +15,6 @@ flat memory (C9). A piece with ``source=None`` is zero fill.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import replace
 

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = f"controller exited with {procs[0].returncode}"
         if failed is None:
             deadline = time.monotonic() + 60
-            for g, p in procs.items():
+            for p in procs.values():
                 try:
                     p.wait(max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:

@@ -431,7 +431,7 @@ def test_arena_back_to_back_aligned_views(quant):
     assert torch.all(e.arena == 0) and e.arena.dtype == torch.uint8
     base = e.arena.data_ptr()
     end = 0
-    for m, (n, t) in zip(metas, e.named_parameters().items()):
+    for m, t in zip(metas, e.named_parameters().values()):
         assert m.rank == 3 and m.offset % 16 == 0 and m.offset >= end
         assert m.offset - end < 16  # back to back, only alignment gaps
         assert m.nbytes == t.numel() * t.element_size() and m.shape == tuple(t.shape)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from reference.executor import Executor, MemoryGate, StepStats, peak_in_flight
-from reference.types import RankPlan, Task
 from reference.timeline import load_trace, task_stages
 from reference.training import OffloadedParams
+from reference.types import RankPlan, Task
 
 
 def fake_tasks(temps, groups=None, sources=None):
@@ -253,8 +253,7 @@ class FailingTransport:
 
 
 def test_stage_error_names_stage_and_task_and_does_not_hang():
-    from reference.types import Assignment, WriteSpec
-    from reference.types import Recipe
+    from reference.types import Assignment, Recipe, WriteSpec
 
     t = fake_tasks([10, 10, 10])
     rec = Recipe("x", (0,), (2,), "float32", (), "copy", ())

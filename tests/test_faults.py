@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from loopback import Loopback
 
 from engines import UpdateInProgress, expected_from_checkpoint
 from engines.engine import GUARD, GUARD_BYTE
@@ -18,8 +19,6 @@ from reference import control
 from reference.catalog import load_config, param_specs
 from reference.types import InferenceLayout
 from reference.weights import SyntheticCheckpoint
-
-from loopback import Loopback
 
 SMALL = dict(num_hidden_layers=1, vocab_size=512, hidden_size=256, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)

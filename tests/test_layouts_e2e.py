@@ -2,13 +2,11 @@
 executor, CMA transport and the engine oracle, on hand-made inputs (tests/loopback.py)."""
 import pytest
 import torch
+from loopback import Loopback
 
 from reference.catalog import load_config, param_specs
-from reference.types import PlanError
-from reference.types import InferenceLayout
+from reference.types import InferenceLayout, PlanError
 from reference.weights import SyntheticCheckpoint
-
-from loopback import Loopback
 
 
 def ckpt(cfg, step=1, dtype=None):

@@ -27,7 +27,6 @@ from reference.quant import quantize_fp8_block
 from reference.transforms import apply_transform, assemble, recipe_outputs, split_recipe
 from reference.types import InferenceLayout, Output, box_flat_range, torch_dtype
 
-
 # ------------------------------------------------------------------------------------------
 # small configs (the brief's overrides)
 

@@ -7,13 +7,12 @@ import socket
 import pytest
 import torch.multiprocessing as tmp
 
-from reference.catalog import load_config
-from reference.plan import RecipeSet, build_recipes, plan
-from reference.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
-
 from experiments.sim import metadata, model
 from experiments.sim.configs import SimConfig, get_config
 from experiments.sim.hardware import Hardware
+from reference.catalog import load_config
+from reference.plan import RecipeSet, build_recipes, plan
+from reference.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
 
 SMALL = dict(num_hidden_layers=1, num_experts=4, hidden_size=64, moe_intermediate_size=32,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100)
@@ -43,7 +42,10 @@ def test_trivial_plan_equals_hand_computed_time():
     assert res.seconds > res.floor_seconds
 
 
-def _small_sched(nodes=2, g=2, layout=InferenceLayout(tp=2, dp=2, quant="fp8"), **ov):
+_SMALL_LAYOUT = InferenceLayout(tp=2, dp=2, quant="fp8")
+
+
+def _small_sched(nodes=2, g=2, layout=_SMALL_LAYOUT, **ov):
     cfg = load_config("qwen3-30b-a3b", **(ov or dict(num_hidden_layers=2, num_experts=8)))
     tm = metadata.train_metas(cfg, nodes, g)
     dm = metadata.dest_metas(cfg, layout)

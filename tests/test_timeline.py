@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from reference.executor import BarrierRecord, StepStats, TaskRecord
-from reference.timeline import (TRACKS, chrome_trace, merge_step_traces, save_rank_trace, task_stages)
+from reference.timeline import TRACKS, chrome_trace, merge_step_traces, save_rank_trace, task_stages
 
 
 def fake_stats(rank: int, wall_start: float = 1_700_000_000.0, offset: float = 0.0) -> StepStats:

@@ -25,9 +25,9 @@ from reference.transport import (
     TransportError,
     UnknownRegionError,
     WriteOp,
+    cma,
     make_transport,
 )
-from reference.transport import cma
 from reference.transport.cma import IOV_MAX, CmaTransport
 from reference.types import RegionDescriptor
 

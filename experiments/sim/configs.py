@@ -2,8 +2,8 @@
 and hardware (torchtitan style). ``python -m experiments simulate --list`` shows them."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from reference.types import InferenceLayout
 

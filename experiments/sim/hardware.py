@@ -112,7 +112,7 @@ class Hardware:
     def nic_line_Bps(self) -> float:
         return self.nic_line_gbps * 1e9 / 8
 
-    def scaled(self, field: str, factor: float) -> "Hardware":
+    def scaled(self, field: str, factor: float) -> Hardware:
         """A copy with ``field`` multiplied by ``factor`` (the sensitivity table). Rates are
         not capped at their line rate here: x2 of an achieved rate is a what-if."""
         if field not in {f.name for f in fields(self)}:

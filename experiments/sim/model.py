@@ -45,11 +45,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
-from reference.types import Schedule
-from reference.types import ParamMeta, itemsize, numel
+from reference.types import ParamMeta, Schedule, itemsize, numel
 
 from .hardware import Hardware
 
@@ -103,13 +102,12 @@ def gather_group(meta: ParamMeta) -> tuple[int, ...]:
     sharded = [i for i, p in enumerate(meta.placements) if p.startswith("Shard")]
     if nd == 1:
         return tuple(mr) if sharded else (mr[0],)
-    rows, cols = len(mr), len(mr[0])
     if sharded == [0, 1]:
         return tuple(r for row in mr for r in row)
     if sharded == [1]:
         return tuple(mr[0])
     if sharded == [0]:
-        return tuple(mr[i][0] for i in range(rows))
+        return tuple(row[0] for row in mr)
     return (mr[0][0],)
 
 

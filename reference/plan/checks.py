@@ -66,7 +66,7 @@ def _src_meta(v: Any) -> tuple[tuple[int, ...], str]:
     """Accept ``(shape, dtype)``, a ParamSpec (``.shape``) or a ParamMeta (``.global_shape``)."""
     if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str):
         return tuple(v[0]), v[1]
-    shape = getattr(v, "global_shape", None) or getattr(v, "shape")
+    shape = getattr(v, "global_shape", None) or v.shape
     return tuple(shape), v.dtype
 
 

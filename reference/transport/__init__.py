@@ -16,13 +16,14 @@ The modules import their optional libraries only when a transport is built, so
 """
 from __future__ import annotations
 
+from . import lease
 from .base import (
     Batch,
     BoundsError,
     CompletedWrite,
+    LeaseTimeoutError,
     PermissionDeniedError,
     Region,
-    LeaseTimeoutError,
     RemoteGoneError,
     StaleRegionError,
     Transport,
@@ -32,7 +33,6 @@ from .base import (
     WriteOp,
     check_batch,
 )
-from . import lease
 from .cma import CmaRegion, CmaTransport
 from .cuda_ipc import CudaIpcTransport
 from .nixl import NixlTransport

@@ -49,8 +49,8 @@ import abc
 import os
 import socket
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -101,7 +101,7 @@ class WriteOp:
     """Copy ``length`` bytes from ``local`` at ``local_offset`` to ``remote`` at ``remote_offset``
     (all in bytes)."""
 
-    local: "Region"
+    local: Region
     local_offset: int
     remote: RegionDescriptor
     remote_offset: int
@@ -118,7 +118,7 @@ class Region:
 
     __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner", "_slot")
 
-    def __init__(self, owner: "Transport", tensor: torch.Tensor):
+    def __init__(self, owner: Transport, tensor: torch.Tensor):
         self._owner = owner
         self._tensor: torch.Tensor | None = tensor
         self.addr: int = tensor.data_ptr()

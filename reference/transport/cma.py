@@ -91,7 +91,7 @@ import errno as _errno
 import os
 import secrets
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

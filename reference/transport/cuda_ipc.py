@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -84,7 +84,7 @@ class CudaIpcTransport(Transport):
 
     name = "cuda_ipc"
 
-    def __init__(self, host: str | None = None, *, stream: "torch.cuda.Stream | None" = None):
+    def __init__(self, host: str | None = None, *, stream: torch.cuda.Stream | None = None):
         if not cuda_available():
             raise ImportError(INSTALL_HINT)
         super().__init__(host)

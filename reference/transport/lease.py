@@ -65,7 +65,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -82,7 +82,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

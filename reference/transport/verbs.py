@@ -73,7 +73,7 @@ import secrets
 import socket
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -206,7 +206,7 @@ class _Rail:
 
 
 class VerbsWriteHandle(WriteHandle):
-    def __init__(self, transport: "VerbsTransport", rails: list[_Rail], nbytes: int, ops):
+    def __init__(self, transport: VerbsTransport, rails: list[_Rail], nbytes: int, ops):
         self._t, self._rails, self.nbytes, self._ops = transport, rails, nbytes, ops
 
     def done(self) -> bool:
@@ -371,7 +371,7 @@ class VerbsTransport(Transport):
         for cm, g in batch.groups.items():
             rails = self._peers[cm]
             sub = chunk_ops(zip(g.idx, g.laddr, g.raddr, g.lens), self.max_msg)
-            parts = assign_rails(sub, len(rails), self.stripe, remote_of=lambda j: ops[sub[j][0]].remote.addr)
+            parts = assign_rails(sub, len(rails), self.stripe, remote_of=lambda j, sub=sub: ops[sub[j][0]].remote.addr)
             for rail, idx in zip(rails, parts):
                 if idx:
                     self._post_rail(rail, [sub[j] for j in idx], ops)

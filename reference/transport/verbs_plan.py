@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
 
 from ..types import RegionDescriptor
 from .base import TransportError, WriteOp, check_batch, describe_remote
@@ -86,7 +86,7 @@ class ConnInfo:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> "ConnInfo":
+    def from_json(cls, s: str | bytes) -> ConnInfo:
         d = json.loads(s)
         want = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
         if set(d) != want:

