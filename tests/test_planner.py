@@ -8,9 +8,8 @@ import pytest
 from engines.engine import engine_tensor_metas
 from reference.catalog import load_config, param_specs
 from reference.plan import build_recipes, mesh_groups, plan
-from reference.types import PlanError
 from reference.training import shard_box
-from reference.types import InferenceLayout, ParamMeta
+from reference.types import InferenceLayout, ParamMeta, PlanError
 
 SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -166,7 +165,6 @@ def test_local_writes_read_only_own_rows():
         metas = fsdp_metas(cfg, 3)
         sched = plan(build_recipes(cfg, layout), metas, dests, local_min_bytes=0)
         check_exact_cover(sched, dests)
-        shape = {m.name: m.local_shape for m in metas[0]}
         n_local = 0
         for r, rp in sched.rank_plans.items():
             own = {m.name: m.local_shape for m in metas[r]}
@@ -344,7 +342,7 @@ def test_forked_checks_confirm_the_sampled_name_index():
     assert step >= 2, "the test needs unsampled positions"
     i = 1 + step  # positions 1 + step and 2 + step are between two sampled positions
     ms[i], ms[i + 1] = ms[i + 1], ms[i]
-    from reference.plan.checks import _IndexUnconfirmed, _check_sources, _index_sources
+    from reference.plan.checks import _check_sources, _index_sources, _IndexUnconfirmed
 
     with pytest.raises(_IndexUnconfirmed, match="rank 3"):
         _check_sources(metas, _index_sources(metas, exact=False), confirm_index=True)

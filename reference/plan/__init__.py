@@ -36,12 +36,27 @@ import gc
 import warnings
 from functools import partial
 
-from ..types import (Assignment, DestTensorMeta, ParamMeta, PlanError, RankPlan, Schedule, Task,  # noqa: F401
-                     WriteSpec)
-from .checks import (PARALLEL_CHECKS_MIN_RECORDS, _check_sources, _fork_checks_by_default,  # noqa: F401
-                     _ForkedChecks, _index_sources, _IndexUnconfirmed, _run_checks, validate)
-from .recipes import (QUANT_BLOCK, VOCAB_PAD, RecipeSet, build_recipes, expected_dest_shapes,  # noqa: F401
-                      expected_dests, fusion_groups, make_dest_metas)
+from ..types import Assignment, DestTensorMeta, ParamMeta, PlanError, RankPlan, Schedule, Task, WriteSpec  # noqa: F401
+from .checks import (  # noqa: F401
+    PARALLEL_CHECKS_MIN_RECORDS,
+    _check_sources,
+    _fork_checks_by_default,
+    _ForkedChecks,
+    _index_sources,
+    _IndexUnconfirmed,
+    _run_checks,
+    validate,
+)
+from .recipes import (  # noqa: F401
+    QUANT_BLOCK,
+    VOCAB_PAD,
+    RecipeSet,
+    build_recipes,
+    expected_dest_shapes,
+    expected_dests,
+    fusion_groups,
+    make_dest_metas,
+)
 from .schedule import _schedule, mesh_groups  # noqa: F401
 
 __all__ = [
