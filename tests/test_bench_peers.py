@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engines.engine import engine_tensor_metas
-from experiments.bench_peers import PEERS, main, pattern, tensor_set
+from experiments.__main__ import main as cli_main
+from experiments.bench.peers import PEERS, PeersBenchConfig, main, pattern, tensor_set
 from experiments.config import TrialConfig
 
 TINY = dict(num_hidden_layers=1, vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -35,7 +36,9 @@ def test_pattern_is_position_and_step_dependent():
 
 
 def test_unknown_peer_is_refused(capsys):
-    assert main(["--peers", "nope", "--csv", ""]) == 2
+    with pytest.raises(ValueError, match="unknown peer"):
+        PeersBenchConfig(peers=("nope",))
+    assert cli_main(["bench-peers", "--peers", "nope", "--csv", ""]) == 2
     assert "unknown peer" in capsys.readouterr().err
 
 
@@ -46,10 +49,8 @@ def test_peer_runs_verified(peer, capsys):
         pytest.skip("awex not installed (pip install -e '.[peers]')")
     if peer in ("awex", "mooncake") and importlib.util.find_spec("mooncake") is None:
         pytest.skip("mooncake-transfer-engine not installed (pip install -e '.[peers]')")
-    args = ["--peers", peer, "--model", "qwen3-0.6b", "--steps", "1", "--csv", ""]
-    for k, v in TINY.items():
-        args += ["--override", f"{k}={v}"]
-    rc = main(args)
+    rc = main(PeersBenchConfig(peers=(peer,), model="qwen3-0.6b", steps=1, csv="",
+                               override=tuple(f"{k}={v}" for k, v in TINY.items())))
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "verified bit-exact: 1/1 peers" in out

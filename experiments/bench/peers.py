@@ -1,7 +1,7 @@
 """Peers side by side: the same tensor set and world through our reference and other systems.
 
     python -m experiments bench-peers                       # the default, every peer installed
-    python -m experiments.bench_peers --peers reference,mooncake --steps 3
+    python -m experiments bench-peers --peers reference,mooncake --steps 3
     pip install -e '.[peers]'                               # awex + Mooncake (docs/PEERS.md)
 
 World: 2 training processes -> 2 inference processes (one TP=2 engine), BF16, the main job's
@@ -103,7 +103,7 @@ def tensor_set(cfg) -> list[PeerTensor]:
     :class:`PeerTensor` s, in the engine's order. Replicated = the recipes that write it send
     every inference rank the same bytes."""
     from engines.engine import engine_tensor_metas
-    from reference.mapping import build_recipes
+    from reference.plan import build_recipes
 
     mcfg, layout = cfg.model_config(), cfg.layout
     rs = build_recipes(mcfg, layout)
@@ -386,9 +386,12 @@ def _available(peer: str) -> str | None:
             import_module("mooncake.engine")
         elif peer == "torchstore":
             import_module("torchstore")
-    except PackageNotFoundError as e:
-        return f"not installed ({e}); pip install -e '.[peers]' (docs/PEERS.md)"
-    except ImportError as e:
+    except (PackageNotFoundError, ImportError) as e:
+        if peer == "torchstore":
+            return (f"not installed ({e}): torchstore 0.1.2 pins torch==2.9.0 and torchmonarch==0.1.2, which "
+                    "this project's torch excludes; not part of .[peers]")
+        if isinstance(e, PackageNotFoundError):
+            return f"not installed ({e}); pip install -e '.[peers]' (docs/PEERS.md)"
         return f"cannot import ({e}); pip install -e '.[peers]', apt-get install libibverbs1 (docs/PEERS.md)"
     if peer == "torchstore":
         return "no runner here: torchstore needs torchmonarch actors; not measured by this command"
@@ -406,25 +409,45 @@ def _version(dist: str) -> str:
     return "-"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments bench-peers", description=__doc__.split("\n")[0])
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of " + ", ".join(PEERS))
-    ap.add_argument("--model", default=None, help="catalog model (default: the main job's)")
-    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="HF-config override")
-    ap.add_argument("--steps", type=int, default=3, help="measured updates per peer")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one update may take")
-    ap.add_argument("--csv", default="results/peers.csv", help="tidy rows (raw bytes and seconds); '' for none")
-    a = ap.parse_args(argv)
+@dataclass(kw_only=True, slots=True)
+class PeersBenchConfig:
+    """Options of ``python -m experiments bench-peers``."""
+
+    peers: tuple[str, ...] = PEERS
+    """Peers to run, comma-separated, in this order (reference, awex, mooncake, torchstore)."""
+    model: str | None = None
+    """Catalog model; default: the main job's (Qwen3-30B-A3B architecture, served BF16 here)."""
+    override: tuple[str, ...] = ()
+    """HF-config overrides ``KEY=VALUE``, comma-separated (on top of the main job's)."""
+    steps: int = 3
+    """Measured updates per peer."""
+    warmup: int = 1
+    """Updates before the measured ones, per peer (connections, registration, plans)."""
+    timeout: float = 600.0
+    """Seconds one update (or a rank's start) may take before the peer is reported failed."""
+    csv: str = "results/peers.csv"
+    """CSV the tidy rows are appended to (raw bytes and seconds); empty for none."""
+
+    def __post_init__(self):
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1, warmup >= 0")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
+        for kv in self.override:
+            if "=" not in kv:
+                raise ValueError(f"override {kv!r}: wants KEY=VALUE")
+
+
+def main(a: PeersBenchConfig) -> int:
+    """Run each peer in turn, print the table, append ``a.csv``. Returns 0 when every peer that
+    ran was verified, 1 otherwise (or when none ran)."""
     from experiments.__main__ import _override
     from experiments.config import TrialConfig, main_job_default
-    from experiments.trial import environment, measure_memcpy_gbps, run_trial
+    from experiments.env import environment, measure_memcpy_gbps
+    from experiments.trial import run_trial
 
-    peers = [p for p in a.peers.split(",") if p]
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown:
-        print(f"error: unknown peer(s) {unknown}; choose from {', '.join(PEERS)}", file=sys.stderr)
-        return 2
+    peers = list(a.peers)
     base = main_job_default() if a.model is None else TrialConfig(model=a.model)
     ov = dict(base.overrides)
     ov.update(dict(_override(s) for s in a.override))
@@ -513,5 +536,14 @@ def main(argv=None) -> int:
     return 0 if rows and not n_bad else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m experiments.bench.peers [options] = python -m experiments bench-peers
+    from experiments.cli import add_dataclass_options, dataclass_from_args
+
+    _ap = argparse.ArgumentParser(prog="python -m experiments.bench.peers", description=__doc__.split("\n")[0])
+    add_dataclass_options(_ap, PeersBenchConfig)
+    try:
+        _cfg = dataclass_from_args(PeersBenchConfig, _ap.parse_args())
+    except ValueError as _e:
+        print(f"error: {_e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(_cfg))
