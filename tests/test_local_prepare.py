@@ -19,7 +19,7 @@ from reference.catalog import load_config, param_specs  # noqa: E402
 from reference.executor import gather_sources, prepare_outputs  # noqa: E402
 from reference.plan import build_recipes, plan  # noqa: E402
 from reference.plan.local import localize_recipe  # noqa: E402
-from reference.types import InferenceLayout, Piece, Recipe, Output, torch_dtype  # noqa: E402
+from reference.types import InferenceLayout, Output, Piece, Recipe, torch_dtype  # noqa: E402
 
 
 def _sources(cfg, seed=0):

@@ -44,8 +44,6 @@ import datetime as dt
 import multiprocessing as mp
 import os
 import pickle
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -227,9 +225,9 @@ def _run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: in
                 dead = [x for x, p in zip(names, procs) if p.exitcode not in (None, 0)]
                 if errs or dead:
                     raise RuntimeError(f"{kind}: {what}: " + (errs[0].strip().splitlines()[-1] if errs else
-                                                              f"ranks {dead} exited"))
+                                                              f"ranks {dead} exited")) from None
                 if time.monotonic() > t_end:
-                    raise RuntimeError(f"{kind}: {what}: no answer within {timeout:.0f} s")
+                    raise RuntimeError(f"{kind}: {what}: no answer within {timeout:.0f} s") from None
 
     out: list[float | str] = []
     try:

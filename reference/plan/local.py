@@ -105,7 +105,7 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
     atom_h = []
     for a, b in bands:
         h = mesh
-        for p, ph in zip(rec.pieces, hs):
+        for p in rec.pieces:
             pa, pb = p.dst_box[d]
             if pa >= b or pb <= a or p.source is None:
                 continue

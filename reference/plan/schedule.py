@@ -27,9 +27,21 @@ from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from ..quant import QUANT_BLOCK
-from ..transforms import split_dim, split_recipe, split_recipe_bands
-from ..types import (Assignment, DestTensorMeta, ParamMeta, Piece, PlanError, RankPlan, Recipe, Schedule, Task,
-                     WriteSpec, box_flat_range, itemsize)
+from ..transforms import split_dim, split_recipe
+from ..types import (
+    Assignment,
+    DestTensorMeta,
+    ParamMeta,
+    Piece,
+    PlanError,
+    RankPlan,
+    Recipe,
+    Schedule,
+    Task,
+    WriteSpec,
+    box_flat_range,
+    itemsize,
+)
 from .fast import _assignment, _task, new_write
 from .local import localize_group
 from .recipes import RecipeSet, fusion_groups
