@@ -342,6 +342,7 @@ def _mooncake_rank(store, role, rank, tensors, n_train, tp, n_steps):
         store.set(f"mc/{rank}", pickle.dumps((f"127.0.0.1:{eng.get_rpc_port()}", arena.data_ptr())))
 
         def verify(s):
+            store.wait([f"done/{s}/train{rank}"])  # the writer's batch completed (one-sided: nothing to receive)
             bad = [t.name for (t, box), v in zip(boxes, views) if not _check(v, box, t.tid, s)]
             return True if not bad else f"{len(bad)} tensors differ, first {bad[0]}"
 
