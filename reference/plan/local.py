@@ -128,17 +128,48 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
     return [(part, h) for part, (_, _, h) in zip(parts, merged)]
 
 
-def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], min_bytes: int = 0
-                   ) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
+def _shape_key(rec: Recipe, owners: Owners, mesh: frozenset[int], owner_keys: dict) -> tuple:
+    """What :func:`localize_recipe`'s verdict depends on: the recipe's shape, transform and
+    pieces' boxes, its sources' shards (row ranges and ranks) and the mesh -- not its name,
+    receivers or outputs. Thousands of Kimi-K2 experts share one key."""
+    pk = []
+    for p in rec.pieces:
+        if p.source is None:
+            pk.append((None, p.dst_box))
+            continue
+        ok = owner_keys.get(p.source)
+        if ok is None:
+            own = owners.get(p.source)
+            ok = owner_keys[p.source] = () if own is None else tuple(own)
+        pk.append((ok, p.src_box, p.dst_box))
+    return (rec.shape, rec.transform, mesh, tuple(pk))
+
+
+def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], min_bytes: int = 0,
+                   cache: dict | None = None) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
     """Split a fusion group into (local bands with their candidate senders, recipes to gather).
 
     Each recipe is localized whole or not at all (:func:`localize_recipe`); a recipe whose
     output is under ``min_bytes`` is localized only when one rank holds all of it (no cut).
-    Candidate senders are sorted rank tuples."""
+    Candidate senders are sorted rank tuples. ``cache``: a dict kept across the calls of one
+    plan (it must not outlive ``owners``); recipes refused once (:func:`_shape_key`) are
+    refused again without cutting (at Kimi-K2 scale the expert recipes of a layout whose
+    shards are not 128-row aligned would otherwise each be cut and recursed into)."""
     ms = frozenset(mesh)
     local, gathered = [], []
+    refused = owner_keys = None
+    if cache is not None:
+        refused = cache.setdefault("refused", set())
+        owner_keys = cache.setdefault("owner_keys", {})
     for rec in group:
+        if refused is not None:
+            key = _shape_key(rec, owners, ms, owner_keys)
+            if key in refused:
+                gathered.append(rec)
+                continue
         bands = localize_recipe(rec, owners, ms)
+        if bands is None and refused is not None:
+            refused.add(key)
         if bands is None or (len(bands) > 1 and rec.output_nbytes < min_bytes):
             gathered.append(rec)
         else:

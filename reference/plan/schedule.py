@@ -136,11 +136,6 @@ def _rebase(rec: Recipe, offsets: dict[str, int]) -> Recipe:
     return Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, pieces, rec.transform, rec.outputs)
 
 
-def _spans_to(rec: Recipe, dst_tensors: dict[str, DestTensorMeta], dst: int) -> list[tuple[int, int, int, int]]:
-    """The fields of ``rec``'s writes to rank ``dst``: (output, dst, byte offset, bytes) each."""
-    return [(oi, dst, off, ln) for oi, off, ln in _spans(rec, dst_tensors)]
-
-
 def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
     """Inference rank -> layout id; ranks with the same tensors at the same offsets (DP
     replicas, ranks of one TP position) share an id."""
@@ -172,13 +167,15 @@ def _least_loaded(cands, send, pl) -> int:
     return min(cands, key=lambda r: (send[r], pl[r], r))
 
 
-def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off) -> None:
+def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, layout_of, per_rank, local_off) -> None:
     """Assign a local task's writes: each (band, receiver), largest first, to
     :func:`_least_loaded` of the ranks holding the band's rows; recipes are rebased into the
     sender's local coordinates. Updates ``send``, ``pair``, ``recv`` and appends one
     :class:`Task` per sending rank to ``per_rank``."""
     mine: dict[int, dict[int, list[WriteSpec]]] = defaultdict(dict)
-    items = sorted((-rec.output_nbytes, ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    nbs = [rec.output_nbytes for rec in recs]  # once per band (it walks the outputs' boxes)
+    items = sorted((-nbs[ri], ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    spans: dict[tuple[int, int], tuple] = {}  # (band, layout id) -> its writes' (output, offset, bytes)
     for negb, ri, dst in items:
         nbytes = -negb
         pl = pair[dst]
@@ -186,7 +183,11 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
         send[sender] += nbytes
         pl[sender] += nbytes
         recv[dst] += nbytes
-        mine[sender].setdefault(ri, []).extend(map(new_write, _spans_to(recs[ri], by_rank[dst], dst)))
+        key = (ri, layout_of[dst])
+        sp = spans.get(key)
+        if sp is None:
+            sp = spans[key] = _spans(recs[ri], by_rank[dst])
+        mine[sender].setdefault(ri, []).extend([new_write((oi, dst, off, ln)) for oi, off, ln in sp])
     for r in sorted(mine):
         assigns = []
         for ri in sorted(mine[r]):
@@ -194,7 +195,7 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
             offs = {p.source: local_off[(p.source, r)] for p in rec.pieces if p.source is not None}
             assigns.append(Assignment(_rebase(rec, offs), tuple(mine[r][ri])))
         used = tuple(dict.fromkeys(p.source for a in assigns for p in a.recipe.pieces if p.source is not None))
-        out_bytes = sum(a.recipe.output_nbytes for a in assigns)
+        out_bytes = sum([nbs[ri] for ri in mine[r]])
         per_rank[r].append(Task(tid, group, (), tuple(mesh), tuple(assigns), 0, out_bytes, used))
 
 
@@ -210,6 +211,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     all_sources = {p.source for r in recipes.recipes for p in r.pieces if p.source is not None} if local_writes else set()
     owners, local_off = _owners(views, sources, all_sources)
     flat_of: dict[tuple, tuple[int, ...]] = {}
+    local_cache: dict = {}  # localize_group's verdicts, shared by recipes of one shape (experts)
 
     def mesh_flat(name: str) -> tuple[int, ...]:
         m = sources[name].mesh_ranks
@@ -226,7 +228,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
         if local_writes and srcs:
-            loc, gat = localize_group(g, owners, mesh, local_min_bytes)
+            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache)
         else:
             loc, gat = [], g
         if gat:  # only the recipes that need rows of several ranks; their sources are gathered
@@ -260,7 +262,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     gather_bytes = 0
     for tid, (srcs, mesh, recs, cands, rec_bytes) in enumerate(task_defs):
         if cands is not None:
-            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off)
+            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, layout_of, per_rank, local_off)
             mesh_state.pop(mesh, None)  # its ranks' loads changed outside the buckets
             continue
         src_bytes = 0
