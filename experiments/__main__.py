@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments {run,simulate,sweep,bench-quant,bench-pipeline,bench-transports}``.
+"""Command line: ``python -m experiments {run,simulate,sweep,bench-quant,bench-pipeline,bench-transports,bench-peers}``.
 
 Examples::
 
@@ -16,6 +16,7 @@ Examples::
     python -m experiments bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
     python -m experiments bench-transports --mib 64 --transports memcpy,cma
     python -m experiments faults --quick                       # fault matrix subset (docs/FAULTS.md)
+    python -m experiments bench-peers --peers reference,awex,mooncake   # docs/PEERS.md
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written; a bad option value
@@ -96,8 +97,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="control-plane wait limit (s)")
     run.add_argument("--no-verify", action="store_true", help="skip verification (not for results you report)")
     run.add_argument("--gather-all", action="store_true",
-                     help="full_tensor() every source, also for plain copies (default: copies are written "
-                          "from the ranks' own shards)")
+                     help="full_tensor() every source (the published design; default: shard-local prepare: copies, "
+                          "fused bands and 128-row-aligned FP8 blocks are made from the ranks' own shards)")
     run.add_argument("--serial", action="store_true",
                      help="stage-serialized executor (every stage of a task before the next); default pipelined")
     run.add_argument("--watermark-mb", type=float, default=None,

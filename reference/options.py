@@ -35,12 +35,15 @@ class TransferOptions:
     max_chunk_bytes: int = 64 << 20
     """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
     local_writes: bool = True
-    """Copy recipes (no fusion across shards, no quantization) are cut at shard boundaries and
-    written by the ranks that already hold the rows, from ``to_local()``, with no
-    ``full_tensor()``; False gathers every task's sources first (the published design)."""
-    local_min_bytes: int = 1 << 20
-    """Local writes only cut a recipe at shard boundaries when each band is at least this many
-    bytes (smaller tensors, e.g. norms, are gathered: fewer, larger writes)."""
+    """Shard-local prepare: recipes are cut at shard boundaries and made by the ranks that
+    already hold the rows, from ``to_local()``, with no ``full_tensor()`` -- plain copies, fused
+    row bands (``qkv_proj``, ``gate_up_proj``, ``w13_weight``) and block-FP8 recipes whose cuts
+    fall on 128-row block boundaries (:mod:`reference.plan.local`); only the rest is gathered.
+    False gathers every task's sources first (the published design, ``--gather-all``)."""
+    local_min_bytes: int = 256 << 10
+    """A recipe smaller than this (bytes per receiver) whose rows span several ranks is gathered
+    rather than cut (norms, biases, a router: one collective for a few KB beats several tiny
+    writes per receiver); one held whole by a rank is always local."""
     pipeline: bool = True
     """Run the executor's stages concurrently (stage threads with FIFO queues); ``False``
     runs every stage of a task before the next task starts (stage-serialized)."""

@@ -433,6 +433,10 @@ class Schedule:
     recv_bytes: dict[int, int]
     n_tasks: int
     n_groups: int
+    gather_bytes: int = 0
+    """Bytes of source parameters materialized with ``full_tensor()`` per update (global sizes,
+    each gathered source once per task; every rank of its mesh receives the ``(n-1)/n`` of it it
+    does not hold). 0 when every recipe is made from the ranks' own shards."""
 
     @property
     def total_bytes(self) -> int:
@@ -447,4 +451,5 @@ class Schedule:
         s, r = self.send_bytes, self.recv_bytes
         return (f"{self.n_tasks} tasks in {self.n_groups} mesh group(s), {self.n_writes} writes, "
                 f"{self.total_bytes / 1e9:.3f} GB; busiest sender {max(s.values(), default=0) / 1e9:.3f} GB, "
-                f"busiest receiver {max(r.values(), default=0) / 1e9:.3f} GB")
+                f"busiest receiver {max(r.values(), default=0) / 1e9:.3f} GB; "
+                f"gathers {self.gather_bytes / 1e6:.1f} MB (full_tensor())")

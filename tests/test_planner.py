@@ -157,8 +157,9 @@ def test_mesh_groups_disjoint_meshes_share_a_group():
 
 
 def test_local_writes_read_only_own_rows():
-    """Copy recipes are cut at shard boundaries and sent by a rank that holds the rows, with no
-    gather; quantized recipes keep the gather."""
+    """Recipes are cut at shard boundaries and sent by a rank that holds the rows, with no
+    gather; quantized recipes whose rows change hands inside a 128-row block (3 ranks over
+    256 rows here) keep the gather (tests/test_local_prepare.py covers the aligned case)."""
     cfg = load_config("qwen3-0.6b", **{**SMALL, "vocab_size": 1001})
     for layout in (InferenceLayout(tp=2), InferenceLayout(tp=2, quant="fp8")):
         dests = dest_metas(cfg, layout)
@@ -173,7 +174,7 @@ def test_local_writes_read_only_own_rows():
                     n_local += 1
                     assert t.sources == () and t.source_bytes == 0
                     for a in t.assignments:
-                        assert a.recipe.transform == "copy"
+                        assert a.recipe.transform == "copy" or a.recipe.shape[-2] % 128 == 0
                         for p in a.recipe.pieces:
                             if p.source is not None:  # local coordinates inside this rank's shard
                                 assert 0 <= p.src_box[0][0] < p.src_box[0][1] <= own[p.source][0]

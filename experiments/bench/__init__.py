@@ -5,6 +5,7 @@ Subcommands of the one CLI, their options generated from each module's config da
     python -m experiments bench-quant        # FP8 block quantization vs memcpy   (bench/quant.py)
     python -m experiments bench-pipeline     # pipelined vs serialized, watermark (bench/pipeline.py)
     python -m experiments bench-transports   # transports vs memcpy               (bench/transports.py)
+    python -m experiments bench-peers        # reference vs awex, Mooncake (same tensors)  (bench/peers.py)
 """
 from __future__ import annotations
 
@@ -14,5 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                        "pipelined vs stage-serialized executor, overlap efficiency, watermark sweep (real trials)"),
     "bench-transports": ("experiments.bench.transports", "TransportBenchConfig",
                          "one-sided write bandwidth of each transport beside memcpy"),
+    "bench-peers": ("experiments.bench.peers", "PeersBenchConfig",
+                    "the same tensor set and world through the reference, awex and Mooncake, verified (docs/PEERS.md)"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""

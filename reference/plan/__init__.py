@@ -4,7 +4,8 @@ what order. Computed once, read in one direction:
 - :mod:`.recipes` (with the per-family vLLM rules of :mod:`.rules`): what every destination
   byte is made of (:func:`build_recipes`, a :class:`RecipeSet`);
 - :mod:`.checks` (and :mod:`.sources`): every check, before a schedule is returned;
-- :mod:`.schedule`: the tasks and writes, one sender policy.
+- :mod:`.schedule`: the tasks and writes, one sender policy; :mod:`.local`: which recipes
+  the ranks make from their own shards (shard-local prepare) and which need ``full_tensor()``.
 
 The plan's types (:class:`~reference.types.Schedule`, :class:`~reference.types.RankPlan`,
 :class:`~reference.types.Task`, :class:`~reference.types.Assignment`,
@@ -67,7 +68,7 @@ __all__ = [
 
 
 def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
-         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 1 << 20,
+         *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 256 << 10,
          parallel_checks: bool | None = None) -> Schedule:
     """Compute the static schedule (see module docstring).
 

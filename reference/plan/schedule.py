@@ -4,9 +4,10 @@ concurrently: on inputs the checks would refuse it may raise anything).
 
 1. each fusion group (recipes sharing sources, e.g. q/k/v -> every TP rank's ``qkv_proj``)
    becomes a :class:`_TaskDef`: its sources, its DeviceMesh, its recipes cut into row bands of
-   at most ``max_chunk_bytes`` (:func:`_split_big`); a group of copies whose rows the senders
-   already hold is cut at shard boundaries instead (:func:`_localize`, a *local* task: no
-   gather);
+   at most ``max_chunk_bytes`` (:func:`_split_big`); recipes whose rows the senders already
+   hold -- plain copies, fused row bands, block-FP8 cut on 128-row boundaries -- are cut at
+   shard boundaries instead (:func:`reference.plan.local.localize_group`, a *local* task: no
+   gather), and only the rest of the group is gathered (``Schedule.gather_bytes``);
 2. task definitions are ordered by mesh group (disjoint meshes run in parallel, groups are
    separated by a barrier; :func:`mesh_groups`), then checkpoint order;
 3. every (recipe, receiving rank) write goes to one sender by one policy,
@@ -26,7 +27,7 @@ from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from ..quant import QUANT_BLOCK
-from ..transforms import split_dim, split_recipe, split_recipe_bands
+from ..transforms import split_dim, split_recipe
 from ..types import (
     Assignment,
     DestTensorMeta,
@@ -42,6 +43,7 @@ from ..types import (
     itemsize,
 )
 from .fast import _assignment, _task, new_write
+from .local import localize_group
 from .recipes import RecipeSet, fusion_groups
 from .sources import _SourceIndex
 
@@ -133,59 +135,12 @@ def _owners(views: dict[int, tuple[dict[str, int], list[ParamMeta]]], sources: d
     return owners, offsets
 
 
-def _localize(group: list[Recipe], owners, mesh: tuple[int, ...], min_band_bytes: int = 0):
-    """Cut the copy recipes of a fusion group at shard boundaries so every band reads rows
-    that one rank already holds. Returns [(band recipe, candidate senders)] or None when the
-    group needs the gather (a transform other than copy, a placement that cuts columns, a
-    band whose pieces no single rank holds, or bands smaller than ``min_band_bytes``: a norm cut
-    into 8 writes of 2 KB per receiver costs more in per-message overhead than gathering it)."""
-    out = []
-    for rec in group:
-        if rec.transform != "copy" or _runtime_layout(rec):
-            return None
-        d = split_dim(rec)
-        n = rec.shape[d] if rec.shape else 1
-        cuts = {0, n}
-        for p in rec.pieces:
-            if p.source is None:
-                continue
-            k = len(p.dst_box) - len(p.src_box)
-            if p.source not in owners or k < 0 or d - k != 0:
-                return None
-            (sa, sb), (da, db) = p.src_box[0], p.dst_box[d]
-            if sb - sa != db - da:
-                return None
-            cuts.update((da, db))
-            cuts.update(da + x - sa for oa, ob, _ in owners[p.source] for x in (oa, ob) if sa < x < sb)
-        cuts = sorted(c for c in cuts if 0 <= c <= n)
-        bands = list(zip(cuts, cuts[1:]))
-        if len(bands) > 1 and rec.output_nbytes < min_band_bytes * len(bands):
-            return None
-        parts = split_recipe_bands(rec, bands) if len(bands) > 1 else [rec]
-        for part in parts:
-            cand = set(mesh)
-            for p in part.pieces:
-                if p.source is None:
-                    continue
-                sa, sb = p.src_box[0]
-                cand &= {r for oa, ob, r in owners[p.source] if oa <= sa and sb <= ob}
-            if not cand:
-                return None
-            out.append((part, tuple(sorted(cand))))
-    return out
-
-
 def _rebase(rec: Recipe, offsets: dict[str, int]) -> Recipe:
     """``rec`` with every piece's source rows shifted into the sender's local shard."""
     pieces = tuple(p if p.source is None else
                    Piece(p.source, ((p.src_box[0][0] - offsets[p.source], p.src_box[0][1] - offsets[p.source]),)
                          + tuple(p.src_box[1:]), p.dst_box) for p in rec.pieces)
     return Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, pieces, rec.transform, rec.outputs)
-
-
-def _spans_to(rec: Recipe, dst_tensors: dict[str, DestTensorMeta], dst: int) -> list[tuple[int, int, int, int]]:
-    """The fields of ``rec``'s writes to rank ``dst``: (output, dst, byte offset, bytes) each."""
-    return [(oi, dst, off, ln) for oi, off, ln in _spans(rec, dst_tensors)]
 
 
 def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
@@ -219,13 +174,15 @@ def _least_loaded(cands, send, pl) -> int:
     return min(cands, key=lambda r: (send[r], pl[r], r))
 
 
-def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off) -> None:
+def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, layout_of, per_rank, local_off) -> None:
     """Assign a local task's writes: each (band, receiver), largest first, to
     :func:`_least_loaded` of the ranks holding the band's rows; recipes are rebased into the
     sender's local coordinates. Updates ``send``, ``pair``, ``recv`` and appends one
     :class:`Task` per sending rank to ``per_rank``."""
     mine: dict[int, dict[int, list[WriteSpec]]] = defaultdict(dict)
-    items = sorted((-rec.output_nbytes, ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    nbs = [rec.output_nbytes for rec in recs]  # once per band (it walks the outputs' boxes)
+    items = sorted((-nbs[ri], ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    spans: dict[tuple[int, int], tuple] = {}  # (band, layout id) -> its writes' (output, offset, bytes)
     for negb, ri, dst in items:
         nbytes = -negb
         pl = pair[dst]
@@ -233,7 +190,11 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
         send[sender] += nbytes
         pl[sender] += nbytes
         recv[dst] += nbytes
-        mine[sender].setdefault(ri, []).extend(map(new_write, _spans_to(recs[ri], by_rank[dst], dst)))
+        key = (ri, layout_of[dst])
+        sp = spans.get(key)
+        if sp is None:
+            sp = spans[key] = _spans(recs[ri], by_rank[dst])
+        mine[sender].setdefault(ri, []).extend([new_write((oi, dst, off, ln)) for oi, off, ln in sp])
     for r in sorted(mine):
         assigns = []
         for ri in sorted(mine[r]):
@@ -241,7 +202,7 @@ def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, per_
             offs = {p.source: local_off[(p.source, r)] for p in rec.pieces if p.source is not None}
             assigns.append(Assignment(_rebase(rec, offs), tuple(mine[r][ri])))
         used = tuple(dict.fromkeys(p.source for a in assigns for p in a.recipe.pieces if p.source is not None))
-        out_bytes = sum(a.recipe.output_nbytes for a in assigns)
+        out_bytes = sum([nbs[ri] for ri in mine[r]])
         per_rank[r].append(Task(tid, group, (), tuple(mesh), tuple(assigns), 0, out_bytes, used))
 
 
@@ -254,10 +215,10 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
 
     groups = fusion_groups(recipes.recipes)
     order = {n: i for i, n in enumerate(sources)}
-    copy_sources = {p.source for r in recipes.recipes if r.transform == "copy" for p in r.pieces
-                    if p.source is not None} if local_writes else set()
-    owners, local_off = _owners(views, sources, copy_sources)
+    all_sources = {p.source for r in recipes.recipes for p in r.pieces if p.source is not None} if local_writes else set()
+    owners, local_off = _owners(views, sources, all_sources)
     flat_of: dict[tuple, tuple[int, ...]] = {}
+    local_cache: dict = {}  # localize_group's verdicts, shared by recipes of one shape (experts)
 
     def mesh_flat(name: str) -> tuple[int, ...]:
         m = sources[name].mesh_ranks
@@ -273,11 +234,16 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
         if len(meshes) > 1:
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
-        loc = _localize(g, owners, mesh, local_min_bytes) if local_writes and srcs else None
-        if loc is None:
-            parts = [c for r in g for c in _split_big(r, max_chunk_bytes)]
-            task_defs.append(_TaskDef(srcs, mesh, [c for c, _ in parts], None, [nb for _, nb in parts]))
+        if local_writes and srcs:
+            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache)
         else:
+            loc, gat = [], g
+        if gat:  # only the recipes that need rows of several ranks; their sources are gathered
+            gsrcs = srcs if not loc else sorted({pc.source for r in gat for pc in r.pieces if pc.source is not None},
+                                                key=order.__getitem__)
+            parts = [c for r in gat for c in _split_big(r, max_chunk_bytes)]
+            task_defs.append(_TaskDef(gsrcs, mesh, [c for c, _ in parts], None, [nb for _, nb in parts]))
+        if loc:
             parts = [(c, nb, cand) for r, cand in loc for c, nb in _split_big(r, max_chunk_bytes)]
             task_defs.append(_TaskDef(srcs, mesh, [c for c, _, _ in parts], [cand for _, _, cand in parts], None))
 
@@ -300,9 +266,10 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     """mesh -> (buckets, levels) of the sender choice below, for meshes of group ``state_group``"""
     state_group = None
     src_nbytes: dict[str, int] = {}
+    gather_bytes = 0
     for tid, (srcs, mesh, recs, cands, rec_bytes) in enumerate(task_defs):
         if cands is not None:
-            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, per_rank, local_off)
+            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, layout_of, per_rank, local_off)
             mesh_state.pop(mesh, None)  # its ranks' loads changed outside the buckets
             continue
         src_bytes = 0
@@ -311,6 +278,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
             if b is None:
                 b = src_nbytes[s] = sources[s].nbytes
             src_bytes += b
+        gather_bytes += src_bytes
         mine: dict[int, list] = {}
         items = [(-nb, ri, dst) for ri, (nb, rec) in enumerate(zip(rec_bytes, recs)) for dst in rec.ranks]
         items.sort()
@@ -398,4 +366,4 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
 
     n_groups = len(set(gid.values()))
     rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted(set(map(_GROUP, ts)))), n_groups) for r, ts in per_rank.items()}
-    return Schedule(rank_plans, dict(send), dict(recv), len(task_defs), n_groups)
+    return Schedule(rank_plans, dict(send), dict(recv), len(task_defs), n_groups, gather_bytes)

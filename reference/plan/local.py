@@ -1,0 +1,180 @@
+"""Shard-local prepare: which recipes a training rank can make from its own shard.
+
+FSDP2 shards a parameter by rows (``Shard(0)``; ``Replicate`` on an HSDP axis): each rank holds
+a row range. A destination tensor's recipe is a concatenation of row bands of sources (fused
+``qkv_proj``: ``[q rows; k rows; v rows]``; ``gate_up_proj`` and an expert slot of
+``w13_weight``: ``[gate rows; up rows]``; a row-sharded ``o_proj`` / ``w2_weight`` column slice:
+rows of one source). Cut where the rows change hands, every band is held whole by one rank,
+which makes it from ``to_local()`` with no ``full_tensor()``.
+
+Block FP8 (``"fp8_block"``) quantizes 128 x 128 blocks of the destination. A band whose cuts lie
+on 128-row boundaries of the destination holds whole blocks: its rank quantizes them alone and
+writes its rows of the weight and of ``weight_scale_inv``, byte-identical to quantizing the
+whole tensor (each block's scale depends on that block only). FSDP2's even sharding of a
+4096-row weight over 2 to 32 ranks cuts at multiples of 128.
+
+What still needs ``full_tensor()`` (the recipe is gathered whole, as before):
+
+- a quantized recipe whose rows change hands inside a 128-row block (C7's odd head counts);
+- a piece whose source rows do not run along the recipe's cut dimension (a transpose, a
+  column-sharded placement: ``Shard(1)``), or a source with no row-range shards;
+- a recipe smaller than ``min_bytes`` whose rows span several ranks (norms, biases: one
+  collective for a few KB costs less than several tiny writes per receiver).
+
+Only the planner calls this (:func:`localize_group`); it is a pure function of the recipes and
+the shards' row ranges.
+"""
+from __future__ import annotations
+
+from ..quant import QUANT_BLOCK
+from ..transforms import split_dim, split_recipe_bands
+from ..types import Recipe
+
+__all__ = ["localize_group", "localize_recipe"]
+
+Owners = dict[str, list[tuple[int, int, int]]]
+"""source name -> [(first row, end row, rank)] of its non-empty shards (dim 0 row ranges)."""
+
+
+def _holders(piece, owners: Owners, mesh: frozenset[int]) -> frozenset[int] | None:
+    """Ranks whose shard holds every source row of ``piece`` (``mesh`` for a zero piece);
+    None when the source has no row-range shards (then the piece cannot be made locally)."""
+    if piece.source is None:
+        return mesh
+    own = owners.get(piece.source)
+    if own is None or not piece.src_box:
+        return None
+    sa, sb = piece.src_box[0]
+    return frozenset(r for oa, ob, r in own if oa <= sa and sb <= ob)
+
+
+def _block_dim(rec: Recipe, d: int) -> bool:
+    return rec.transform == "fp8_block" and d >= len(rec.shape) - 2
+
+
+def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[tuple[Recipe, frozenset[int]]] | None:
+    """``rec`` cut into bands along :func:`~reference.transforms.split_dim`, each with the
+    non-empty set of ranks holding all its rows; None when some band would need rows of
+    several ranks (see the module docstring). Bands are as few as possible: consecutive
+    stretches held by a common rank stay one band. Bands of a quantized recipe along a
+    quantized dimension start and end on 128-row boundaries (or the tensor's end)."""
+    hs = []
+    for p in rec.pieces:
+        h = _holders(p, owners, mesh)
+        if h is None:
+            return None
+        hs.append(h)
+    common = frozenset.intersection(*hs) if hs else mesh
+    if common:
+        return [(rec, common)]
+    if not rec.shape:
+        return None
+    d = split_dim(rec)
+    n = rec.shape[d]
+    if n <= 1:
+        return None
+    # atomic cuts: piece boundaries along d, and shard boundaries inside a piece's rows
+    cuts = {0, n}
+    slot_dim = False
+    for p in rec.pieces:
+        da, db = p.dst_box[d]
+        cuts.update((da, db))
+        if p.source is None:
+            continue
+        k = len(p.dst_box) - len(p.src_box)  # leading unit dims of the dst box (expert slot)
+        if d < k:
+            slot_dim = True  # cutting between slots: each slot is localized on its own
+            continue
+        if d != k:
+            return None  # the source's rows run along another destination dim (transpose)
+        sa, sb = p.src_box[0]
+        if sb - sa != db - da:
+            return None
+        cuts.update(da + x - sa for oa, ob, _ in owners[p.source] for x in (oa, ob) if sa < x < sb)
+    atoms = sorted(c for c in cuts if 0 <= c <= n)
+    bands = list(zip(atoms, atoms[1:]))
+    if slot_dim:
+        out = []
+        for part in split_recipe_bands(rec, bands):
+            sub = localize_recipe(part, owners, mesh)
+            if sub is None:
+                return None
+            out += sub
+        return out
+    # holders of each atomic band, then merge consecutive atoms while a rank holds them all
+    atom_h = []
+    for a, b in bands:
+        h = mesh
+        for p in rec.pieces:
+            pa, pb = p.dst_box[d]
+            if pa >= b or pb <= a or p.source is None:
+                continue
+            sa = p.src_box[0][0] + (a - pa)
+            sb = p.src_box[0][0] + (b - pa)
+            h = h & frozenset(r for oa, ob, r in owners[p.source] if oa <= sa and sb <= ob)
+        if not h:
+            return None
+        atom_h.append(h)
+    merged: list[tuple[int, int, frozenset[int]]] = []
+    for (a, b), h in zip(bands, atom_h):
+        if merged and merged[-1][2] & h:
+            a0, _, h0 = merged[-1]
+            merged[-1] = (a0, b, h0 & h)
+        else:
+            merged.append((a, b, h))
+    if _block_dim(rec, d) and any(a % QUANT_BLOCK for a, _, _ in merged):
+        return None  # rows change hands inside a quantization block: gather
+    parts = split_recipe_bands(rec, [(a, b) for a, b, _ in merged])
+    return [(part, h) for part, (_, _, h) in zip(parts, merged)]
+
+
+def _shape_key(rec: Recipe, owners: Owners, mesh: frozenset[int], owner_keys: dict) -> tuple:
+    """What :func:`localize_recipe`'s verdict depends on: the recipe's shape, transform and
+    pieces' boxes, its sources' shards (row ranges and ranks) and the mesh -- not its name,
+    receivers or outputs. Thousands of Kimi-K2 experts share one key."""
+    pk = []
+    for p in rec.pieces:
+        if p.source is None:
+            pk.append((None, p.dst_box))
+            continue
+        ok = owner_keys.get(p.source)
+        if ok is None:
+            own = owners.get(p.source)
+            ok = owner_keys[p.source] = () if own is None else tuple(own)
+        pk.append((ok, p.src_box, p.dst_box))
+    return (rec.shape, rec.transform, mesh, tuple(pk))
+
+
+def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], min_bytes: int = 0,
+                   cache: dict | None = None) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
+    """Split a fusion group into (local bands with their candidate senders, recipes to gather).
+
+    Each recipe is localized whole or not at all (:func:`localize_recipe`); a recipe whose
+    output is under ``min_bytes`` is localized only when one rank holds all of it (no cut).
+    Candidate senders are sorted rank tuples. ``cache``: a dict kept across the calls of one
+    plan (it must not outlive ``owners``); recipes refused once (:func:`_shape_key`) are
+    refused again without cutting (at Kimi-K2 scale the expert recipes of a layout whose
+    shards are not 128-row aligned would otherwise each be cut and recursed into)."""
+    ms = frozenset(mesh)
+    local, gathered = [], []
+    refused = owner_keys = None
+    if cache is not None:
+        refused = cache.setdefault("refused", set())
+        owner_keys = cache.setdefault("owner_keys", {})
+    for rec in group:
+        if any(o.layout != "identity" for o in rec.outputs):  # an engine's runtime layout (reference.layouts):
+            gathered.append(rec)  # its rows move across any band, so it is made whole
+            continue
+        if refused is not None:
+            key = _shape_key(rec, owners, ms, owner_keys)
+            if key in refused:
+                gathered.append(rec)
+                continue
+        bands = localize_recipe(rec, owners, ms)
+        if bands is None and refused is not None:
+            refused.add(key)
+        if bands is None or (len(bands) > 1 and rec.output_nbytes < min_bytes):
+            gathered.append(rec)
+        else:
+            local.extend((part, tuple(sorted(h))) for part, h in bands)
+    return local, gathered
