@@ -1,17 +1,7 @@
 """The fault matrix: ``python -m experiments faults [--quick]``.
 
-A :class:`Fault` says what happens to whom and when: ``kill`` (SIGKILL), ``raise`` (an
-exception on the rank's own code path) or ``stop`` (SIGSTOP, the process stays but makes no
-progress) of a ``train`` rank, an ``infer`` rank or the ``controller``, ``early`` (before the
-first write of the update), ``middle`` (half-way through a training rank's write tasks) or
-``late`` (after a training rank's last write, before it reports done) in update ``step``.
-
-Trigger: the training rank that owns the fault (the target, or training rank 0 when the target
-is an inference rank or the controller) counts its write tasks; at the point it sets
-``fault/fired`` (wall-clock time) and either acts itself (training targets: raise in its write
-stage, or signal itself) or sets ``fault/fire`` and pauses 0.3 s, so that a watcher thread in
-the target process (:func:`install_watcher`) acts mid-update: signal itself, or raise
-:class:`InjectedFault` in its main thread.
+Each row injects one :class:`~experiments.inject.Fault` (what happens to whom and when, and how
+it is triggered, is documented in :mod:`experiments.inject`) into a small trial.
 
 The matrix runs each row as its own process tree (``python -m experiments.faults --row SPEC``,
 a new session), and prints one nccl-tests style table: seconds from the fault to the error,
