@@ -44,6 +44,13 @@ TRANSPOSED = "transposed"
 _BLOCKED = re.compile(r"^blocked:(\d+)x(\d+)$")
 
 
+def has_runtime_layout(recipe) -> bool:
+    """Whether an output of ``recipe`` (a :class:`~reference.types.Recipe`) goes to an engine's
+    post-processed runtime layout: such a recipe is neither cut into row bands nor made from
+    local shards (its rows move across any band); it is assembled and written whole."""
+    return any(o.layout != IDENTITY for o in recipe.outputs)
+
+
 def parse_layout(layout: str) -> tuple[int, int] | None:
     """``"blocked:32x2"`` -> ``(32, 2)``; ``"identity"`` -> None; ``"transposed"`` ->
     ``(0, 0)``. ValueError for anything else."""

@@ -26,6 +26,7 @@ the shards' row ranges.
 """
 from __future__ import annotations
 
+from ..layouts import has_runtime_layout
 from ..quant import QUANT_BLOCK
 from ..transforms import split_dim, split_recipe_bands
 from ..types import Recipe
@@ -162,8 +163,8 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
         refused = cache.setdefault("refused", set())
         owner_keys = cache.setdefault("owner_keys", {})
     for rec in group:
-        if any(o.layout != "identity" for o in rec.outputs):  # an engine's runtime layout (reference.layouts):
-            gathered.append(rec)  # its rows move across any band, so it is made whole
+        if has_runtime_layout(rec):  # an engine's runtime layout: made whole
+            gathered.append(rec)
             continue
         if refused is not None:
             key = _shape_key(rec, owners, ms, owner_keys)

@@ -26,6 +26,7 @@ from itertools import filterfalse, repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
+from ..layouts import has_runtime_layout
 from ..quant import QUANT_BLOCK
 from ..transforms import split_dim, split_recipe
 from ..types import (
@@ -85,18 +86,11 @@ def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
     return out
 
 
-def _runtime_layout(recipe: Recipe) -> bool:
-    """Whether an output of ``recipe`` goes to an engine's post-processed layout
-    (:mod:`reference.layouts`): such a recipe is neither cut into bands nor written from local
-    shards (its rows move across any band)."""
-    return any(o.layout != "identity" for o in recipe.outputs)
-
-
 def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
     """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
     rank (FP8 bands in whole :data:`~reference.quant.QUANT_BLOCK`-row quantization blocks), each with its output bytes."""
     per_rank = recipe.output_nbytes
-    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0 or _runtime_layout(recipe):  # layouts: written whole
+    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0 or has_runtime_layout(recipe):  # layouts: written whole
         return [(recipe, per_rank)]
     rows = recipe.shape[split_dim(recipe)]
     row_bytes = max(1, per_rank // max(rows, 1))
