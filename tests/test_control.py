@@ -137,9 +137,10 @@ def test_c15_dead_inference_rank_named_during_transfer(store):
     ctl = control.Controller(store, n_train=1, n_infer=2, timeout=30.0, liveness_infer=lambda: dead)
     t0 = control.TrainerClient(client(store), 0)
 
-    def kill():
-        dead[1] = "process 4242 exited with code -9 (SIGKILL)"
+    def kill():  # the trainer's echo lands first, the reaping of the process a moment later
         t0.done(1, ok=False, error="RemoteGoneError: inference 1 (pid 4242) is gone")
+        time.sleep(0.05)
+        dead[1] = "process 4242 exited with code -9 (SIGKILL)"
     threading.Timer(0.05, kill).start()
     t = time.monotonic()
     with pytest.raises(control.ControlError, match=r"inference 1: process 4242 exited with code -9") as ei:
