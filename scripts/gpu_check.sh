@@ -14,18 +14,20 @@
 #             Triton FP8 kernel, executor's CUDA side stream, the trial with every process on the GPU;
 #             a GPU test that is SKIPPED here fails the step (RESULTS/gpu_tests.csv, one row a test)
 #   quant     FP8 block quantization on the GPU: Triton and torch quantizers beside the same-run
-#             device-to-device copy (experiments.bench_quant --device cuda)
+#             device-to-device copy (python -m experiments bench-quant --device cuda); fails when
+#             the Triton kernel cannot run
 #   cuda_ipc  the main job, training and inference processes sharing the GPU through cuda_ipc
 #             (one-sided), every update verified on the host
 #             (python -m experiments run --device cuda --transport cuda_ipc)
 #   nixl      NIXL over UCX's CUDA transports, VRAM -> VRAM between two processes, verified
 #             (scripts/gpu_nixl_check.py)
-# Then one table (scripts/gpu_report.py) and RESULTS/*.csv (default results/gpu); when $OUT is
-# set (the device machine's output folder), the CSVs and one log are copied there too.
+# Then one table (scripts/gpu_report.py) and RESULTS/*.csv (default results/gpu), written
+# whatever failed; when $OUT is set (the device machine's output folder), the CSVs, the table,
+# device.txt and one log of every step are copied there too. TRITON_INTERPRET is unset.
 #
 # Exit status: 0 all selected steps passed or were skipped, 1 a step failed or timed out,
-# 2 bad arguments (or a --python that does not run). --dry-run prints each step's command and runs none (no GPU needed; its
-# table goes to a temporary folder unless --results is given).
+# 2 bad arguments or a --python that does not run. --dry-run prints each step's command and
+# runs none (no GPU needed; its table goes to a temporary folder unless --results is given).
 set -uo pipefail
 # the compiled Triton kernel, not its interpreter (which the CPU test suite sets for itself)
 unset TRITON_INTERPRET
