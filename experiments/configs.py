@@ -67,8 +67,8 @@ def qwen3_30b_a3b_cpu_small() -> TrialConfig:
 def qwen3_8b_h100_tp8() -> TrialConfig:
     """Full Qwen3-8B from 8 training GPUs (FSDP2) to one TP=8 instance, one GPU per rank
     (a 2-node SLURM job: 17 tasks). Needs a GPU transport (``transport="cuda_ipc"`` on one
-    node, ``"verbs"`` / ``"nixl"`` across nodes)."""
-    return TrialConfig(model="qwen3-8b", n_train=8, tp=8, transport="nixl", steps=10, warmup=2)
+    node, ``"verbs"`` / ``"nixl"`` across nodes); every rank's tensors on its GPU."""
+    return TrialConfig(model="qwen3-8b", n_train=8, tp=8, transport="nixl", device="cuda", steps=10, warmup=2)
 
 
 CONFIGS: dict[str, Callable[[], TrialConfig]] = {f.__name__: f for f in (

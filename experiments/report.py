@@ -44,7 +44,8 @@ def format_table(result) -> str:
     cfg, env, rows = result.cfg, result.env, result.rows
     mcfg = cfg.model_config()
     lines = [
-        f"# weight-transfer trial: method={cfg.method} transport={cfg.transport}",
+        f"# weight-transfer trial: method={cfg.method} transport={cfg.transport}"
+        + (f" device={cfg.device}" if getattr(cfg, "device", "cpu") != "cpu" else ""),
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
         f"# training: {cfg.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train_dtype}",

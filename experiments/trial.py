@@ -248,7 +248,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
                 "train_dtype": cfg.train_dtype, "n_train": cfg.n_train, "n_infer": cfg.n_infer,
-                "layout": cfg.layout.describe(), "watermark": cfg.watermark, "transport": cfg.transport, "step": step,
+                "layout": cfg.layout.describe(), "watermark": cfg.watermark, "transport": cfg.transport,
+                "device": cfg.device, "step": step,
                 "warmup": step <= cfg.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
@@ -323,7 +324,10 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
 
                 vllm_instance_main(cfg, rank // cfg.tp, (store_host, store_port))
         else:
-            (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port))
+            from .worker import local_rank_from_env
+
+            (trainer_main if role == "train" else inference_main)(cfg, rank, (store_host, store_port),
+                                                                   local_rank=local_rank_from_env())
     finally:
         try:
             control.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")

@@ -7,6 +7,11 @@ and each tensor's first and last byte; bytes of the region that belong to no ten
 gaps) must be unchanged since registration (nothing wrote outside a tensor), and the guard
 bytes just outside the registered region (``engines.engine.GUARD`` on each side, filled with
 ``GUARD_BYTE``) must still hold their pattern (nothing wrote past the region's ends).
+
+A live engine on a GPU (``--device cuda``) is compared on the host: each tensor is copied
+device-to-host and compared there with the oracle, which is always built on the CPU (the
+oracle's arithmetic is the CPU's, so a GPU-side quantizer that rounds differently shows up as
+a mismatch instead of agreeing with itself).
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, st
 
 
 def compare_engines(live, expected, *, max_report: int = 5) -> dict:
-    """Compare every destination tensor of ``live`` with ``expected`` byte for byte.
+    """Compare every destination tensor of ``live`` with ``expected`` byte for byte, on
+    ``expected``'s device (a tensor of ``live`` elsewhere, e.g. on a GPU, is copied there first).
     Returns {"ok", "bytes_checked", "mismatches": [(name, n_bad_bytes, first_bad_offset)]}."""
     lp, ep = live.named_parameters(), expected.named_parameters()
     bad = []
@@ -35,8 +41,8 @@ def compare_engines(live, expected, *, max_report: int = 5) -> dict:
     if set(lp) != set(ep):
         return {"ok": False, "bytes_checked": 0, "mismatches": [("<tensor set differs>", 0, 0)]}
     for name, t in lp.items():
-        a = t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        b = ep[name].contiguous().view(-1).view(torch.uint8) if t.numel() else a
+        b = ep[name].contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        a = t.contiguous().view(-1).view(torch.uint8).to(b.device) if t.numel() else b
         checked += a.numel()
         if not torch.equal(a, b):
             diff = (a != b).nonzero()
@@ -56,7 +62,7 @@ def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int,
         res["ok"] = False
         res["guards_written"] = damage
     if gaps:
-        raw = engine.arena
+        raw = engine.arena.cpu()  # one device-to-host copy on a GPU; the arena itself on the CPU
         touched = [(a, b) for a, b, before in gaps if bytes(raw[a:b].tolist()) != before]
         if touched:
             res["ok"] = False

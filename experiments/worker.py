@@ -29,21 +29,87 @@ def _connect(addr: tuple[str, int], timeout: float) -> dist.TCPStore:
 
 
 def build_training_params(cfg: TrialConfig, rank: int) -> dict:
-    """This rank's DTensor parameters in the trial's training layout (see TrialConfig)."""
+    """This rank's DTensor parameters in the trial's training layout (see TrialConfig), on
+    ``cfg.device`` (the DeviceMesh's device type; with ``cuda`` the current device, which
+    :func:`trainer_main` set, holds the shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
     from reference.training import build_dtensor_params, build_two_group_params
 
     mcfg = cfg.model_config()
+    dev = cfg.device
     if cfg.train_layout == "fsdp":
-        mesh = init_device_mesh("cpu", (cfg.n_train,), mesh_dim_names=("fsdp",))
+        mesh = init_device_mesh(dev, (cfg.n_train,), mesh_dim_names=("fsdp",))
         return named_dtensors(build_fsdp_model(mcfg, mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs()))
     if cfg.train_layout == "two_group":
-        return build_two_group_params(mcfg, *cfg.train_mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs())
-    mesh = init_device_mesh("cpu", tuple(cfg.train_mesh), mesh_dim_names=("dp_outer", "dp_inner"))
+        return build_two_group_params(mcfg, *cfg.train_mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs(),
+                                      device=dev)
+    mesh = init_device_mesh(dev, tuple(cfg.train_mesh), mesh_dim_names=("dp_outer", "dp_inner"))
     return build_dtensor_params(cfg.train_specs(), lambda s: (mesh, (Shard(0), Shard(0))),
                                 dtype_override=cfg.dtype_override)
+
+
+def local_rank_from_env() -> int | None:
+    """This task's index among the tasks of its node, as a job launcher sets it
+    (``LOCAL_RANK``: torchrun; ``SLURM_LOCALID``: srun / submitit), or None when neither is
+    set. Used by tasks launched one per rank (:func:`experiments.trial.run_task`), not by the
+    local launcher, whose ranks inherit the launching shell's variables."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        v = os.environ.get(var, "")
+        if v.isdigit():
+            return int(v)
+    return None
+
+
+def local_cuda_device(cfg: TrialConfig, role: str, rank: int, *, n_devices: int,
+                      local_rank: int | None = None) -> int:
+    """Index of the GPU a rank process uses (``role`` ``"train"`` or ``"infer"``), among
+    ``n_devices`` visible ones: ``local_rank % n_devices`` when the launcher gave the task's
+    index on its node (one task per GPU on a cluster), else the local launcher's numbering,
+    where every rank of the trial runs on this host: training rank ``r`` on ``r``, inference
+    rank ``i`` on ``n_train + i``, both modulo ``n_devices`` (one GPU: every process shares
+    device 0; ``n_train + n_infer`` GPUs: one each). ValueError when ``n_devices < 1``."""
+    if n_devices < 1:
+        raise ValueError(f"device='cuda' but no CUDA device is visible (torch.cuda.device_count() = {n_devices})")
+    if local_rank is not None:
+        return local_rank % n_devices
+    return (rank if role == "train" else cfg.n_train + rank) % n_devices
+
+
+def training_backend(device: str, device_ids: list[str]) -> str:
+    """The ``torch.distributed`` backend of the training world: ``"gloo"`` on the CPU; on CUDA
+    ``"cpu:gloo,cuda:nccl"`` (NCCL for the CUDA collectives -- ``full_tensor()``'s all-gather
+    -- and Gloo for the CPU ones, as torch's mixed backends do) when every training rank has
+    a GPU of its own, and ``"gloo"`` when some share one (``device_ids``: each rank's GPU, e.g.
+    its UUID, in rank order): NCCL refuses a communicator with two ranks on one device
+    ("Duplicate GPU detected", ncclInvalidUsage), while Gloo's CUDA collectives stage the
+    tensors through pinned host memory and work whatever the placement (ProcessGroupGloo:
+    ``_allgather_base`` -> ``allgather`` -> its CUDA work). The one-GPU check
+    (scripts/gpu_check.sh) is the shared case: Gloo."""
+    if device != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if len(set(device_ids)) == len(device_ids) else "gloo"
+
+
+def _setup_cuda(cfg: TrialConfig, role: str, rank: int, local_rank: int | None) -> torch.device:
+    """Select this process's GPU (:func:`local_cuda_device`) and return it."""
+    idx = local_cuda_device(cfg, role, rank, n_devices=torch.cuda.device_count(), local_rank=local_rank)
+    torch.cuda.set_device(idx)
+    return torch.device("cuda", idx)
+
+
+def _agree_backend(cfg: TrialConfig, store, rank: int, gen: int, device: torch.device | None) -> str:
+    """Every training rank publishes its GPU's UUID in the store and reads the others', so all
+    of them pick the same :func:`training_backend` whatever launched them."""
+    if device is None:
+        return "gloo"
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    prefix = f"train_device/{gen}/"
+    store.set(f"{prefix}{rank}", uuid.encode())
+    keys = [f"{prefix}{r}" for r in range(cfg.n_train)]
+    store.wait(keys)
+    return training_backend("cuda", [store.get(k).decode() for k in keys])
 
 
 def _exit_with_parent(parent: int | None) -> None:
@@ -60,7 +126,8 @@ def _exit_with_parent(parent: int | None) -> None:
 
 
 def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int = 0, first_step: int = 1,
-                 stall: float | None = None, fault=None, parent: int | None = None) -> None:
+                 stall: float | None = None, fault=None, parent: int | None = None,
+                 local_rank: int | None = None) -> None:
     """Training rank ``rank``: build its shards, publish metadata, set up the method, then on
     every step from ``first_step``: make the step's weights ("load"), wait for "go", transfer,
     report. ``gen`` numbers restarts of the training world (its Gloo group gets a fresh store
@@ -68,7 +135,9 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
     controller stops answering for ``stall`` seconds (default ``cfg.timeout``); ``fault``
     (:class:`experiments.inject.Fault`) is injected into the write stage; ``parent``: see
     :func:`_exit_with_parent`. Any error that ends the process is reported first
-    (``fatal/train{rank}``)."""
+    (``fatal/train{rank}``). With ``cfg.device == "cuda"`` the process first selects its GPU
+    (:func:`local_cuda_device`; ``local_rank``: the task's index on its node, from a cluster
+    launcher) and the training world's backend follows :func:`training_backend`."""
     from reference.method import TrainerContext
 
     from .inject import install_trainer
@@ -82,7 +151,11 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
     client = control.TrainerClient(store, rank, timeout=max(cfg.timeout, 600.0))
     try:
         try:
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"pg{gen}" if gen else "pg", store), rank=rank,
+            device = _setup_cuda(cfg, "train", rank, local_rank) if cfg.device == "cuda" else None
+            backend = _agree_backend(cfg, store, rank, gen, device)
+            if rank == 0 and device is not None:
+                log(tag, f"training world on CUDA, backend {backend!r}")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"pg{gen}" if gen else "pg", store), rank=rank,
                                     world_size=cfg.n_train)
             params = build_training_params(cfg, rank)
             if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
@@ -126,13 +199,14 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
 
 
 def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall: float | None = None, fault=None,
-                   parent: int | None = None) -> None:
+                   parent: int | None = None, local_rank: int | None = None) -> None:
     """Inference rank ``rank``: allocate the engine's parameters, set up the method (the
     reference registers the memory once and publishes the descriptor), then per step: nothing
     for passive methods, ``receive`` for active ones; as the harness, verify each published
     version against the oracle (a failed update in between is waited through: the next
     complete version is verified). Heartbeat, ``fault`` and ``parent`` as for
-    :func:`trainer_main`."""
+    :func:`trainer_main`. With ``cfg.device == "cuda"`` the engine's arena is allocated on
+    this process's GPU (:func:`local_cuda_device`) and verification copies it to the host."""
     torch.set_num_threads(1)
     from engines import Engine
     from reference.method import InferenceContext
@@ -149,7 +223,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
     try:
         try:
             mcfg = cfg.model_config()
-            engine = Engine(mcfg, cfg.layout, rank)
+            device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.device == "cuda" else "cpu"
+            engine = Engine(mcfg, cfg.layout, rank, device=device)
             if cfg.poison:
                 engine.arena.fill_(0xA5)
             _, _, infer_cls = get_method(cfg.method)
@@ -201,10 +276,11 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
 
 def engine_gap_snapshot(engine) -> list[tuple[int, int, bytes]]:
     """Bytes of the arena that belong to no tensor (alignment gaps, tail): they must never
-    change. Returns [(start, stop, bytes)]."""
+    change. Returns [(start, stop, bytes)]. Read from a host copy of the arena (one copy
+    when the arena is on a GPU)."""
     spans = sorted((m.offset, m.offset + m.nbytes) for m in engine.tensor_metas())
     out, pos = [], 0
-    raw = engine.arena
+    raw = engine.arena.cpu()
     for a, b in spans + [(raw.numel(), raw.numel())]:
         if a > pos:
             out.append((pos, a, bytes(raw[pos:a].tolist())))

@@ -539,6 +539,8 @@ class Executor:
         errors: list[tuple[str, int, str, BaseException]] = []
 
         def loop(i: int) -> None:
+            if self.cuda and self.device.index is not None:  # CUDA's current device is per thread
+                torch.cuda.set_device(self.device)  # Triton launches, NCCL: this rank's GPU, not GPU 0
             name, fn = fns[i]
             q_in = queues[i]
             q_out = queues[i + 1] if i + 1 < len(fns) else None

@@ -114,7 +114,9 @@ def build_fsdp_model(cfg: ModelConfig, mesh: DeviceMesh, *, dtype_override: str 
                      specs: list[ParamSpec] | None = None) -> nn.Module:
     """FSDP2-sharded module with the checkpoint's parameter names. Each decoder layer is its
     own FSDP unit (``fully_shard(model.layers[i])``) and the root takes the rest, as trainers
-    do. Storage is allocated uninitialized on CPU; call :func:`load_step` to fill it.
+    do. Storage is allocated uninitialized on the mesh's device type (``"cpu"``, or
+    ``"cuda"``: the current CUDA device, which the caller selects with
+    ``torch.cuda.set_device`` first); call :func:`load_step` to fill it.
     ``dtype_override="float32"`` keeps fp32 master weights (C8)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -126,20 +128,30 @@ def build_fsdp_model(cfg: ModelConfig, mesh: DeviceMesh, *, dtype_override: str 
         if hasattr(layers, str(i)):
             fully_shard(getattr(layers, str(i)), mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
+    model.to_empty(device=mesh_device(mesh))
     return model
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """Where a rank of ``mesh`` keeps its shards: the CPU for a ``"cpu"`` mesh, else the current
+    device of the mesh's device type (``torch.device("cuda", torch.cuda.current_device())``)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, mod.current_device())
 
 
 def build_dtensor_params(specs: Iterable[ParamSpec], mesh_for, *, dtype_override: str | None = None) -> dict[str, DTensor]:
     """DTensor parameters placed by ``mesh_for(spec) -> (DeviceMesh, placements)``. Every rank
-    allocates only its own shard (``DTensor.from_local`` with the global shape and stride)."""
+    allocates only its own shard (``DTensor.from_local`` with the global shape and stride), on
+    the mesh's device (:func:`mesh_device`)."""
     out: dict[str, DTensor] = {}
     for s in specs:
         mesh, placements = mesh_for(s)
         coord = mesh.get_coordinate()
         box = shard_box(s.shape, tuple(mesh.mesh.shape), tuple(coord), tuple(placements))
         dt = dtype_override if (dtype_override and s.dtype == "bfloat16") else s.dtype
-        local = torch.empty(tuple(b - a for a, b in box), dtype=getattr(torch, dt))
+        local = torch.empty(tuple(b - a for a, b in box), dtype=getattr(torch, dt), device=mesh_device(mesh))
         stride = tuple(int(torch.tensor(s.shape[i + 1:]).prod()) if i + 1 < len(s.shape) else 1 for i in range(len(s.shape)))
         out[s.name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(s.shape), stride=stride)
     return out
@@ -199,16 +211,17 @@ def two_group_columns(nodes: int, gpus_per_node: int, moe_width: int | None = No
 
 
 def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, moe_width: int | None = None, *,
-                           dtype_override: str | None = None, specs: list[ParamSpec] | None = None) -> dict[str, DTensor]:
+                           dtype_override: str | None = None, specs: list[ParamSpec] | None = None,
+                           device: str = "cpu") -> dict[str, DTensor]:
     """DTensor parameters in the two-mesh-group layout (see :func:`two_group_mesh_for`) on
     ``nodes * gpus_per_node`` ranks (the default process group must have that size), experts
     FSDP-sharded over ``moe_width`` nodes (None: all of them). A rank holds only the experts
-    of its sub-mesh."""
+    of its sub-mesh. ``device``: the meshes' device type (``"cpu"`` or ``"cuda"``)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    mesh2d = init_device_mesh("cpu", (nodes, gpus_per_node), mesh_dim_names=("inter", "intra"))
+    mesh2d = init_device_mesh(device, (nodes, gpus_per_node), mesh_dim_names=("inter", "intra"))
     cols = two_group_columns(nodes, gpus_per_node, moe_width)
-    columns = [DeviceMesh("cpu", c, mesh_dim_names=("inter",)) for c in cols]
+    columns = [DeviceMesh(device, c, mesh_dim_names=("inter",)) for c in cols]
     mesh_for = two_group_mesh_for(mesh2d, columns, len(cols) // gpus_per_node)
     me = torch.distributed.get_rank()
     specs = [s for s in (param_specs(cfg) if specs is None else specs) if me in mesh_for(s)[0].mesh.flatten().tolist()]

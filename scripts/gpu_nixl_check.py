@@ -31,6 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CASES = {"ucx-default": None, "cuda_ipc": "cuda_ipc,cuda_copy,tcp"}
+START_TIMEOUT = 40
+"""Seconds a receiver may take to start (import torch, create its NIXL agent, register)."""
+WRITE_TIMEOUT = 20.0
+"""Seconds one write batch may take before the case is reported failed: short enough that both
+cases finish inside the check's time limit for this step (scripts/gpu_check.sh) even when the
+first one hangs."""
+FIELDS = ["case", "ucx_tls", "bytes", "seconds", "gbps", "copy_gbps", "verified", "error"]
 
 
 def _receiver(conn, tls: str | None, nbytes: int) -> None:
@@ -72,8 +79,8 @@ def run_case(name: str, tls: str | None, nbytes: int, op_bytes: int, repeats: in
     row = {"case": name, "ucx_tls": tls or "", "bytes": nbytes, "seconds": "", "gbps": "",
            "verified": False, "error": ""}
     try:
-        if not parent.poll(120):
-            raise RuntimeError("receiver did not start within 120 s")
+        if not parent.poll(START_TIMEOUT):
+            raise RuntimeError(f"receiver did not start within {START_TIMEOUT} s")
         desc = parent.recv()
         if tls is not None:
             os.environ["UCX_TLS"] = tls
@@ -88,11 +95,11 @@ def run_case(name: str, tls: str | None, nbytes: int, op_bytes: int, repeats: in
             t.connect([desc])
             ops = [WriteOp(loc, o, desc, o, min(op_bytes, nbytes - o)) for o in range(0, nbytes, op_bytes)]
             torch.cuda.synchronize()
-            t.write(ops).wait(120)  # warm-up (connection, registration caches)
+            t.write(ops).wait(WRITE_TIMEOUT)  # warm-up (connection, registration caches)
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                t.write(ops).wait(120)
+                t.write(ops).wait(WRITE_TIMEOUT)
                 best = min(best, time.perf_counter() - t0)
             parent.send(("verify", seed))
             row.update(seconds=best, gbps=nbytes / best / 1e9, verified=parent.recv())
@@ -149,21 +156,23 @@ def main(argv=None) -> int:
         return 1
     nbytes, op = a.mib << 20, a.op_mib << 20
     cgb = copy_gbps(nbytes, a.repeats)
-    rows = [dict(run_case(n, CASES[n], nbytes, op, a.repeats), copy_gbps=cgb) for n in names]
     print(f"# NIXL VRAM -> VRAM one-sided WRITEs between two processes on {torch.cuda.get_device_name()}, "
-          f"{a.mib} MiB in {a.op_mib} MiB ops, best of {a.repeats}; same-run d2d copy {cgb:.0f} GB/s")
-    print(f"{'case':>12} {'UCX_TLS':>24} {'GB/s':>8} {'vs copy':>8} {'verified':>9}  error")
-    for r in rows:
-        g = f"{r['gbps']:.1f}" if r["gbps"] != "" else "-"
-        v = f"{r['gbps'] / cgb:.0%}" if r["gbps"] != "" else "-"
-        print(f"{r['case']:>12} {r['ucx_tls'] or '(unset)':>24} {g:>8} {v:>8} {r['verified']!s:>9}  {r['error']}")
+          f"{a.mib} MiB in {a.op_mib} MiB ops, best of {a.repeats}; same-run d2d copy {cgb:.0f} GB/s", flush=True)
+    print(f"{'case':>12} {'UCX_TLS':>24} {'GB/s':>8} {'vs copy':>8} {'verified':>9}  error", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["case", "ucx_tls", "bytes", "seconds", "gbps", "copy_gbps",
-                                          "verified", "error"])
-        w.writeheader()
-        w.writerows(rows)
+    rows = []
+    for n in names:  # the CSV is rewritten after every case: a run stopped midway keeps the cases done
+        r = dict(run_case(n, CASES[n], nbytes, op, a.repeats), copy_gbps=cgb)
+        rows.append(r)
+        g = f"{r['gbps']:.1f}" if r["gbps"] != "" else "-"
+        v = f"{r['gbps'] / cgb:.0%}" if r["gbps"] != "" else "-"
+        print(f"{r['case']:>12} {r['ucx_tls'] or '(unset)':>24} {g:>8} {v:>8} {r['verified']!s:>9}  {r['error']}",
+              flush=True)
+        with out.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(rows)
     print(f"# rows written to {out}")
     return 0 if all(r["verified"] is True and not r["error"] for r in rows) else 1
 

@@ -1,6 +1,7 @@
 """The one table (and results/gpu/summary.csv) of scripts/gpu_check.sh.
 
     python scripts/gpu_report.py STEPS_TSV RESULTS_DIR
+    python scripts/gpu_report.py --junit JUNIT_XML CSV_OUT
 
 ``STEPS_TSV``: one line per step, written by gpu_check.sh: ``name<TAB>status<TAB>seconds<TAB>
 exit code<TAB>log file<TAB>command``; status is PASS, FAIL, TIMEOUT or SKIP. Each step's
@@ -10,12 +11,19 @@ that did not pass, from the last line of its log. Writes ``RESULTS_DIR/summary.c
 per step, the device named) and prints the table. Exit status 0 when no step FAILED or TIMED
 OUT, 1 otherwise, 2 on bad arguments. Needs only the standard library (runs before anything
 is installed).
+
+``--junit``: the ``tests`` step's verdict on pytest's JUnit XML: one CSV row per test (``test,
+outcome, seconds, message``; outcome passed, failed, error or skipped), one line ``N passed,
+N failed, N errors, N skipped``, exit status 1 when a test failed, errored or was SKIPPED, or
+none ran (on the GPU machine every GPU-marked test must run: a skip there means a missing
+package or a broken CUDA setup, never a pass), 2 when the file cannot be read.
 """
 from __future__ import annotations
 
 import csv
 import statistics
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 STATUSES = ("PASS", "FAIL", "TIMEOUT", "SKIP")
@@ -100,7 +108,68 @@ def nixl_headline(results: Path) -> str:
     return "; ".join(parts)
 
 
+TEST_FIELDS = ["test", "outcome", "seconds", "message"]
+
+
+def junit_rows(path: Path) -> list[dict]:
+    """One row per ``<testcase>`` of pytest's JUnit XML (``--junitxml``): ``test``
+    (``classname::name``), ``outcome`` (passed / failed / error / skipped), ``seconds``,
+    ``message`` (first line of the failure, error or skip reason). Raises OSError or
+    ValueError (malformed XML)."""
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as e:
+        raise ValueError(f"{path}: not JUnit XML ({e})") from None
+    rows = []
+    for tc in root.iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = tc.find(tag)
+            if el is not None:
+                outcome = "failed" if tag == "failure" else tag
+                message = (el.get("message") or el.text or "").strip().splitlines()[:1]
+                message = message[0][:200] if message else ""
+                break
+        rows.append({"test": f"{tc.get('classname', '')}::{tc.get('name', '')}", "outcome": outcome,
+                     "seconds": float(tc.get("time") or 0.0), "message": message})
+    return rows
+
+
+def junit_counts(rows: list[dict]) -> str:
+    n = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
+    return f"{n['passed']} passed, {n['failed']} failed, {n['error']} errors, {n['skipped']} skipped"
+
+
+def junit_main(xml_path: Path, csv_out: Path) -> int:
+    """``--junit``: write the tests' CSV, print the counts (and every test that did not pass),
+    return 0 only when at least one test ran and every test passed."""
+    try:
+        rows = junit_rows(xml_path)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    csv_out.parent.mkdir(parents=True, exist_ok=True)
+    with csv_out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=TEST_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    for r in rows:
+        if r["outcome"] != "passed":
+            print(f"{r['outcome'].upper()}: {r['test']}: {r['message']}")
+    ok = bool(rows) and all(r["outcome"] == "passed" for r in rows)
+    print(f"{junit_counts(rows)}{'' if rows else ' (no test ran)'}"
+          f"{'' if ok else ' -- every GPU test must run and pass here'}")
+    return 0 if ok else 1
+
+
+def tests_headline(results: Path) -> str:
+    """Counts of the ``tests`` step (gpu_tests.csv, written by ``--junit``)."""
+    rows = _rows(results / "gpu_tests.csv")
+    return f"{junit_counts(rows)} (GPU-marked tests)" if rows else ""
+
+
 HEADLINES = {
+    "tests": tests_headline,
     "quant": quant_headline,
     "cuda_ipc": lambda d: trial_headline(d, "main_cuda_ipc.csv"),
     "nixl": nixl_headline,
@@ -153,8 +222,11 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+    if len(argv) == 3 and argv[0] == "--junit":
+        return junit_main(Path(argv[1]), Path(argv[2]))
+    if len(argv) != 2 or argv[0].startswith("-"):
+        usage = [line.strip() for line in __doc__.strip().splitlines()[2:4]]
+        print("usage: " + "\n       ".join(usage), file=sys.stderr)
         return 2
     steps_file, results = Path(argv[0]), Path(argv[1])
     try:

@@ -5,7 +5,7 @@ instead of every module repeating its own ``skipif``:
 
 - ``gpu``: needs a CUDA GPU and a CUDA build of torch;
 - ``rdma``: needs pyverbs and an RDMA device (``ibv_get_device_list`` non-empty);
-- ``nixl``: needs the ``nixl`` package (``pip install -e .[nixl]``);
+- ``nixl``: needs NIXL's Python package (``nixl``, ``nixl_cu12`` or ``nixl_cu13``; ``pip install -e .[nixl]``);
 - ``vllm``: needs the ``vllm`` package (``make vllm``);
 - ``triton``: needs the ``triton`` package (run on CPU with ``TRITON_INTERPRET=1``).
 
@@ -53,7 +53,8 @@ def _no_rdma_reason() -> str | None:
 _REASONS = {
     "gpu": _no_cuda_reason,
     "rdma": _no_rdma_reason,
-    "nixl": lambda: None if _has("nixl") or _has("nixl_cu12") else "nixl not installed (pip install -e .[nixl])",
+    "nixl": lambda: (None if _has("nixl") or _has("nixl_cu12") or _has("nixl_cu13")
+                     else "nixl not installed (pip install -e .[nixl])"),
     "vllm": lambda: None if _has("vllm") else "vllm not installed (make vllm)",
     "triton": lambda: None if _has("triton") else "triton not installed (pip install -e .[triton])",
 }

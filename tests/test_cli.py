@@ -267,3 +267,82 @@ def test_c18_sweeps_get_the_same_checks(monkeypatch, tmp_path):
     sweep = S.Sweep(name="c18", trials=[TrialConfig(tp=1, dp=1000)])
     with pytest.raises(ValueError, match="exceed this machine's cap"):
         S.run_sweep(sweep, S.LaunchOptions(cluster="local", folder=tmp_path), results_dir=tmp_path, progress=False)
+
+
+# ---- --device cuda (docs/GPU.md): everything checkable without a GPU ---------------------------
+
+
+def test_device_cuda_refused_without_cuda_before_any_process(refused):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    msg = refused("run", "--device", "cuda", "--transport", "cuda_ipc")
+    assert "device='cuda' but torch.cuda.is_available() is False" in msg and "docs/GPU.md" in msg
+
+
+def test_device_cuda_needs_a_transport_into_device_memory(refused):
+    msg = refused("run", "--device", "cuda")  # the default transport, cma
+    assert "transport='cma'" in msg and "refuses device memory" in msg and "cuda_ipc, nixl, verbs" in msg
+    assert "needs device='cuda' (--device cuda)" in refused("run", "--transport", "cuda_ipc")
+    assert "invalid choice: 'tpu'" in refused("run", "--device", "tpu")
+    assert "only the reference method" in refused("run", "--device", "cuda", "--transport", "cuda_ipc",
+                                                  "--method", "rank0_funnel")
+
+
+def test_device_field_checks_and_trial_key():
+    with pytest.raises(ValueError, match="device='tpu': cpu or cuda"):
+        TrialConfig(device="tpu")
+    with pytest.raises(ValueError, match="device='cuda' with method='rpc'"):
+        TrialConfig(device="cuda", transport="nixl", method="rpc")
+    # built anywhere (a sweep's config on a login node); the GPU is checked in preflight, where the ranks start
+    cfg = TrialConfig(device="cuda", transport="cuda_ipc")
+    assert cfg.device == "cuda" and "device" in field_docs(TrialConfig)
+    # the default device leaves the keys of rows recorded before the field existed as they were
+    assert trial_key(TrialConfig()) == "99c2ce5942a4"
+    assert trial_key(cfg) != trial_key(dataclasses.replace(cfg, device="cpu", transport="nixl"))
+
+
+def test_device_option_reaches_the_config():
+    from experiments.__main__ import build_parser, config_from_args
+
+    args = build_parser(["run"]).parse_args(["run", "--device", "cuda", "--transport", "cuda_ipc"])
+    cfg = config_from_args(args)
+    assert (cfg.device, cfg.transport, cfg.model) == ("cuda", "cuda_ipc", "qwen3-30b-a3b")
+    assert config_from_args(build_parser(["run"]).parse_args(["run"])).device == "cpu"
+
+
+def test_cuda_placement_and_training_backend(monkeypatch):
+    """Which GPU each rank process takes and which backend the training world uses: pure
+    functions, checked here; the placement itself runs in tests/test_e2e.py's gpu tests."""
+    from experiments.worker import local_cuda_device, local_rank_from_env, training_backend
+
+    cfg = TrialConfig(n_train=2, tp=2)
+    # one GPU (the H200 check): every process shares device 0
+    assert {local_cuda_device(cfg, role, r, n_devices=1) for role in ("train", "infer") for r in range(2)} == {0}
+    # one GPU per process: training ranks first, then inference ranks
+    assert [local_cuda_device(cfg, "train", r, n_devices=4) for r in range(2)] == [0, 1]
+    assert [local_cuda_device(cfg, "infer", i, n_devices=4) for i in range(2)] == [2, 3]
+    # a cluster launcher's per-node index wins
+    assert local_cuda_device(cfg, "infer", 1, n_devices=8, local_rank=5) == 5
+    assert local_cuda_device(cfg, "train", 0, n_devices=2, local_rank=3) == 1
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        local_cuda_device(cfg, "train", 0, n_devices=0)
+    assert training_backend("cpu", []) == "gloo"
+    assert training_backend("cuda", ["GPU-a", "GPU-a"]) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert training_backend("cuda", ["GPU-a", "GPU-b"]) == "cpu:gloo,cuda:nccl"
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    assert local_rank_from_env() is None
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert local_rank_from_env() == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_rank_from_env() == 1
+
+
+def test_bench_quant_device_refused_before_running(refused):
+    import torch
+
+    assert "device='tpu': cpu or cuda" in refused("bench-quant", "--device", "tpu")
+    if not torch.cuda.is_available():
+        assert "device='cuda' but torch.cuda.is_available() is False" in refused("bench-quant", "--device", "cuda")

@@ -104,3 +104,22 @@ def test_fp8_shard_local_prepare_bit_exact_and_gathers_little():
         assert_all_verified(res, 1)
     gathered = {k: float(r.schedule_summary.split("gathers ")[1].split(" MB")[0]) for k, r in runs.items()}
     assert gathered[True] < gathered[False] / 10, gathered
+
+
+# ---- --device cuda: every process on the GPU (docs/GPU.md; run by scripts/gpu_check.sh) -------
+# Marked gpu: skipped, with the reason, without a CUDA GPU and a CUDA build of torch.
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kw", [
+    # FSDP2 on a CUDA DeviceMesh (Gloo when the ranks share one GPU), block FP8 made on the GPU
+    # from shard-local and gathered sources, verified on the host against the CPU oracle
+    dict(quant="fp8", overrides={**SMALL, "head_dim": 128}),
+    # [Shard(0), Shard(0)] on a 2x2 CUDA mesh: four training processes and two inference ones
+    dict(n_train=4, train_layout="shard_shard", train_mesh=(2, 2)),
+], ids=["fsdp-fp8", "shard_shard-2x2"])
+def test_gpu_cuda_ipc_every_process_on_the_gpu(kw):
+    res = run_trial(small(device="cuda", transport="cuda_ipc", steps=2, **kw))
+    assert_all_verified(res, 2)
+    assert all(r["device"] == "cuda" and r["transport"] == "cuda_ipc" for r in res.rows)

@@ -51,6 +51,7 @@ def test_list_steps_and_time_budget():
     (["--steps="], "--steps needs a value"),
     (["--results"], "--results needs a value"),
     (["--python"], "--python needs a value"),
+    (["--python", "/nonexistent/python3"], "--python '/nonexistent/python3' does not run"),
 ])
 def test_bad_arguments_exit_2_before_anything_runs(args, msg, tmp_path):
     r = sh(CHECK, *args, "--dry-run")
@@ -70,7 +71,17 @@ def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
     assert [x["step"] for x in rows] == STEPS and {x["status"] for x in rows} == {"SKIP"}
     assert sorted(p.name for p in out.iterdir()) == ["logs", "steps.tsv", "summary.csv", "table.txt"]
     assert "pip install -q --no-index --no-deps" in r.stdout  # the wheel path of the install step
-    assert "--transport cuda_ipc" in r.stdout and "--device cuda" in r.stdout
+    assert "--retries 1 --timeout 15" in r.stdout  # the registry path fails fast without network
+    assert "still missing after the install" in r.stdout  # the install is checked, not trusted
+    assert "run --device cuda --transport cuda_ipc" in r.stdout and "--timeout 60" in r.stdout
+    assert "bench-quant --device cuda" in r.stdout
+    # the tests step: only files with GPU-marked tests, and a skipped GPU test fails it
+    tests_cmd = next(l for l in r.stdout.splitlines() if l.startswith("[dry-run] tests"))
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+                   if "pytest.mark.gpu" in f.read_text())
+    assert "tests/test_e2e.py" in files and "tests/test_transport_cuda_ipc.py" in files
+    assert sorted(w for w in tests_cmd.split() if w.startswith("tests/")) == files
+    assert "gpu_report.py --junit" in tests_cmd and "-m gpu" in tests_cmd
 
 
 def test_dry_run_without_results_leaves_results_gpu_alone():
@@ -85,6 +96,35 @@ def test_selected_steps_only(tmp_path):
     r = sh(CHECK, "--dry-run", "--steps", "quant,nixl", "--results", tmp_path)
     assert "[dry-run] quant" in r.stdout and "[dry-run] nixl" in r.stdout
     assert "[dry-run] env" not in r.stdout and "[dry-run] tests" not in r.stdout
+
+
+def test_gpu_steps_fail_loudly_without_a_gpu(tmp_path):
+    """Not a dry run: quant, cuda_ipc and nixl run here for real, through a python wrapper that
+    records what each step's environment holds. Without a GPU every one fails (never a silent
+    pass), each with its reason as the table's headline; TRITON_INTERPRET is unset inside."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: these steps would run for real")
+    seen = tmp_path / "seen.txt"
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f'#!/bin/bash\necho "TRITON_INTERPRET=${{TRITON_INTERPRET-unset}} '
+                       f'PYTHONPATH=$PYTHONPATH" >> {seen}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    res = tmp_path / "res"
+    r = sh(CHECK, "--steps", "quant,cuda_ipc,nixl", "--results", res, "--python", wrapper,
+           env={"TRITON_INTERPRET": "1"}, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    with open(res / "summary.csv") as f:
+        rows = {x["step"]: x for x in csv.DictReader(f)}
+    assert {k: v["status"] for k, v in rows.items()} == {"quant": "FAIL", "cuda_ipc": "FAIL", "nixl": "FAIL"}
+    assert "torch.cuda.is_available() is False" in rows["quant"]["headline"]
+    assert "device='cuda' but torch.cuda.is_available() is False" in rows["cuda_ipc"]["headline"]
+    assert "needs a CUDA GPU" in rows["nixl"]["headline"]
+    lines = seen.read_text().splitlines()  # the first: the script's check that --python runs
+    assert all(l.startswith("TRITON_INTERPRET=unset ") for l in lines), lines
+    assert sum(l.startswith(f"TRITON_INTERPRET=unset PYTHONPATH={ROOT}") for l in lines) >= 3, lines
+    assert not (res / "main_cuda_ipc.csv").exists() and not (res / "quant_bench.csv").exists()
 
 
 def test_env_step_really_runs_and_reports(tmp_path):
@@ -157,6 +197,41 @@ def test_report_refuses_malformed_steps(tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def _junit(path: Path, cases: list[tuple[str, str]]) -> None:
+    body = "".join(
+        f'<testcase classname="tests.test_x" name="{n}" time="1.5">'
+        + {"passed": "", "failed": '<failure message="AssertionError: q differs">tb</failure>',
+           "error": '<error message="fixture failed">tb</error>',
+           "skipped": '<skipped type="pytest.skip" message="needs a CUDA GPU">why</skipped>'}[o]
+        + "</testcase>" for n, o in cases)
+    path.write_text(f'<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" '
+                    f'tests="{len(cases)}">{body}</testsuite></testsuites>')
+
+
+def test_junit_verdict_of_the_tests_step(tmp_path, capsys):
+    """The tests step passes only when GPU tests ran and every one passed: a skip on the GPU
+    machine (a missing package, CUDA not seen) fails it, as does an empty run."""
+    x, out = tmp_path / "t.xml", tmp_path / "gpu_tests.csv"
+    _junit(x, [("a", "passed"), ("b", "passed")])
+    assert gpu_report.main(["--junit", str(x), str(out)]) == 0
+    assert "2 passed, 0 failed, 0 errors, 0 skipped" in capsys.readouterr().out
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["test"], r["outcome"], r["seconds"]) for r in rows] == [("tests.test_x::a", "passed", "1.5"),
+                                                                      ("tests.test_x::b", "passed", "1.5")]
+    assert gpu_report.tests_headline(tmp_path) == "2 passed, 0 failed, 0 errors, 0 skipped (GPU-marked tests)"
+    for cases, want in (([("a", "passed"), ("b", "skipped")], "SKIPPED: tests.test_x::b: needs a CUDA GPU"),
+                        ([("a", "failed")], "FAILED: tests.test_x::a: AssertionError: q differs"),
+                        ([("a", "error")], "ERROR: tests.test_x::a: fixture failed"),
+                        ([], "(no test ran)")):
+        _junit(x, cases)
+        assert gpu_report.main(["--junit", str(x), str(out)]) == 1
+        assert want in capsys.readouterr().out
+    x.write_text("not xml")
+    assert gpu_report.main(["--junit", str(x), str(out)]) == 2
+    assert gpu_report.main(["--junit", str(tmp_path / "absent.xml"), str(out)]) == 2
+
+
 # ---- the wheels script and the NIXL check's arguments ------------------------------------------
 
 
@@ -164,6 +239,8 @@ def test_wheels_dry_run_and_arguments():
     r = sh(WHEELS, "--dry-run")
     assert r.returncode == 0
     assert "nixl-cu13==1.5.1 pyzmq submitit" in r.stdout and "--python-version 3.12" in r.stdout
+    assert "scripts/slim_wheel.py" in r.stdout
+    assert "slim_wheel" not in sh(WHEELS, "--dry-run", "--no-slim").stdout
     assert "--platform manylinux_2_28_x86_64" in r.stdout and "--no-deps" in r.stdout
     r = sh(WHEELS, "--dry-run", "--cuda", "12", "--with-torch", "--with-triton")
     assert "nixl-cu12==1.5.1" in r.stdout and "triton==3.8.0" in r.stdout
@@ -185,3 +262,43 @@ def test_nixl_check_arguments():
     if not torch.cuda.is_available():
         r = subprocess.run([sys.executable, str(script), "--out", os.devnull], capture_output=True, text=True, check=False)
         assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr
+
+
+def _wheel(path: Path, files: dict[str, str]) -> None:
+    import zipfile
+
+    dist = "nixl_cu13-1.5.1.dist-info"
+    files = {**files, f"{dist}/METADATA": "Metadata-Version: 2.1\nName: nixl-cu13\nVersion: 1.5.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},,\n" for n in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+        z.writestr(f"{dist}/RECORD", record)
+
+
+def test_slim_wheel_drops_nixl_ep_and_headers_and_pip_installs_it(tmp_path):
+    """scripts/slim_wheel.py on a made-up wheel laid out like nixl-cu13 1.5.1: the nixl_ep
+    package and the headers go, from the archive and from RECORD; pip installs the result."""
+    import zipfile
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import slim_wheel
+
+    whl = tmp_path / "nixl_cu13-1.5.1-py3-none-any.whl"
+    _wheel(whl, {"nixl_cu13/__init__.py": "X = 1\n", "nixl_ep_cu13/__init__.py": "raise ImportError\n",
+                 "nixl_ep_cu13/big.so": "x" * 100_000, "nixl_cu13-1.5.1.data/headers/nixl.h": "// h\n"})
+    other = tmp_path / "pyzmq-27.3.0-py3-none-any.whl"
+    other.write_bytes(whl.read_bytes())
+    assert slim_wheel.main([str(whl), str(other)]) == 0
+    names = zipfile.ZipFile(whl).namelist()
+    assert "nixl_cu13/__init__.py" in names and not [n for n in names if "nixl_ep" in n or "/headers/" in n]
+    record = zipfile.ZipFile(whl).read("nixl_cu13-1.5.1.dist-info/RECORD").decode()
+    assert "nixl_ep" not in record and "headers" not in record and "nixl_cu13/__init__.py" in record
+    assert len(zipfile.ZipFile(other).namelist()) == len(names) + 3  # not a NIXL wheel: untouched
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(site), str(whl)], capture_output=True, text=True, check=False, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (site / "nixl_cu13" / "__init__.py").is_file() and not (site / "nixl_ep_cu13").exists()
+    assert slim_wheel.main([str(tmp_path / "absent.whl")]) == 2 and slim_wheel.main([]) == 2

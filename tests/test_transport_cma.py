@@ -10,13 +10,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
-import multiprocessing as mp
 import os
 import random
 import time
 
 import pytest
 import torch
+from receiver import Receiver
 
 from reference.transport import (
     BoundsError,
@@ -60,33 +60,9 @@ def _receiver(conn) -> None:
             return
 
 
-class Receiver:
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(30):
-            raise RuntimeError("receiver did not start")
-        self.desc: dict[str, RegionDescriptor] = self.conn.recv()
-
-    def ask(self, *msg):
-        self.conn.send(msg)
-        return self.conn.recv()
-
-    def bytes(self, name: str = "buf") -> bytes:
-        return self.ask("bytes", name)
-
-    def stop(self):
-        if self.proc.is_alive():
-            self.ask("exit")
-        self.proc.join(10)
-
-
 @pytest.fixture(scope="module")
 def rx():
-    r = Receiver()
+    r = Receiver(_receiver)
     yield r
     r.stop()
 
@@ -303,7 +279,7 @@ def test_errno_mapping(recv, tx, monkeypatch, err, cls, pattern):
 
 
 def test_dead_receiver_is_remote_gone():
-    r = Receiver()
+    r = Receiver(_receiver)
     t = CmaTransport()
     t.connect([r.desc["buf"]])
     ls = t.register(_pattern(8))
@@ -319,8 +295,7 @@ def test_dead_receiver_is_remote_gone():
 # descriptor) run over every transport in test_transport_conformance.py; these are CMA's own:
 # the check reads the receiver's memory, and the lease makes deregister wait for a batch in flight.
 
-from test_transport_conformance import C17_BYTES  # noqa: E402
-from test_transport_conformance import Receiver as GenericReceiver  # noqa: E402
+from test_transport_conformance import C17_BYTES, start_receiver  # noqa: E402
 
 from reference.transport import StaleRegionError, lease  # noqa: E402
 from reference.transport.lease import LEASE_SLOTS, REGION_SLOTS, EpochTable  # noqa: E402
@@ -328,7 +303,7 @@ from reference.transport.lease import LEASE_SLOTS, REGION_SLOTS, EpochTable  # n
 
 @pytest.fixture(scope="module")
 def c17rx():
-    r = GenericReceiver("cma")
+    r = start_receiver("cma")
     yield r
     r.stop()
 

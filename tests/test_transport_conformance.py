@@ -14,12 +14,12 @@ metadata and TCP path; verbs' pure planning functions) stays in tests/test_trans
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import pickle
 
 import pytest
 import torch
+from receiver import Receiver
 
 from reference.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
 
@@ -156,33 +156,9 @@ def _receiver(conn, name: str, kw: dict) -> None:
             return
 
 
-class Receiver:
-    def __init__(self, name: str):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver, args=(child, name, _kwargs(name)), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(60):
-            raise RuntimeError(f"{name} receiver did not start")
-        self.desc = self.conn.recv()
-
-    def ask(self, *msg):
-        self.conn.send(msg)
-        return self.conn.recv()
-
-    def bytes(self, name: str = "buf") -> bytes:
-        return self.ask("bytes", name)
-
-    def stop(self):
-        if self.proc.is_alive():
-            try:
-                self.ask("exit")
-            except (EOFError, BrokenPipeError):
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+def start_receiver(name: str) -> Receiver:
+    """A :class:`receiver.Receiver` running :func:`_receiver` for transport ``name``."""
+    return Receiver(_receiver, (name, _kwargs(name)), start_timeout=60, what=f"{name} receiver")
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -192,7 +168,7 @@ def name(request):
 
 @pytest.fixture(scope="module")
 def rx(name):
-    r = Receiver(name)
+    r = start_receiver(name)
     yield r
     r.stop()
 

@@ -10,11 +10,11 @@ in one test, over TCP only (``UCX_TLS=tcp``).
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 
 import pytest
 import torch
+from receiver import Receiver
 
 from reference.transport import TransportError, WriteOp, make_transport
 from reference.types import RegionDescriptor
@@ -56,33 +56,9 @@ def _receiver(conn, env: dict, progress_thread: bool) -> None:
             return
 
 
-class Receiver:
-    def __init__(self, env: dict | None = None, progress_thread: bool = True):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver, args=(child, env or {}, progress_thread), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(30):
-            raise RuntimeError("receiver did not start")
-        self.desc: dict[str, RegionDescriptor] = self.conn.recv()
-
-    def ask(self, *msg):
-        self.conn.send(msg)
-        return self.conn.recv()
-
-    def bytes(self, name: str = "buf") -> bytes:
-        return self.ask("bytes", name)
-
-    def stop(self):
-        if self.proc.is_alive():
-            try:
-                self.ask("exit")
-            except (EOFError, BrokenPipeError):
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+def start_receiver(env: dict | None = None, progress_thread: bool = True) -> Receiver:
+    """A :class:`receiver.Receiver` running :func:`_receiver` with ``env`` set in it."""
+    return Receiver(_receiver, (env or {}, progress_thread), what="NIXL receiver")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +117,7 @@ def test_connect_refuses_foreign_descriptors(sender):
 
 def test_write_over_tcp(monkeypatch):
     """UCX_TLS=tcp on both ends: the path the network-namespace test takes between hosts."""
-    r = Receiver(env={"UCX_TLS": "tcp"})
+    r = start_receiver(env={"UCX_TLS": "tcp"})
     try:
         monkeypatch.setenv("UCX_TLS", "tcp")
         t = NixlTransport()

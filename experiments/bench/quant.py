@@ -131,7 +131,8 @@ class QuantBenchConfig:
     repeats: int = 5
     """Timed rounds per shape (each round: copy, then every quantizer); min/median/max reported."""
     device: str = "cpu"
-    """``cpu`` or ``cuda``."""
+    """``cpu`` or ``cuda`` (needs a CUDA build of torch and a GPU; on ``cuda`` the run fails
+    when the GPU fast path, the Triton kernel, cannot be imported: that is what it measures)."""
     threads: int = 1
     """torch intra-op threads."""
     out: str = "results/quant_bench.csv"
@@ -140,11 +141,15 @@ class QuantBenchConfig:
     def __post_init__(self):
         if self.repeats < 1 or self.threads < 1:
             raise ValueError(f"repeats={self.repeats}, threads={self.threads}: both >= 1")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: cpu or cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device='cuda' but torch.cuda.is_available() is False here (torch {torch.__version__})")
 
 
 def main(a: QuantBenchConfig) -> int:
     """Run the benchmark, print the table, write ``a.out``; 0 if every quantizer agrees with
-    the torch reference."""
+    the torch reference (and, on ``cuda``, the Triton kernel was among them), else 1."""
     import platform
 
     import pandas as pd
@@ -177,4 +182,7 @@ def main(a: QuantBenchConfig) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(a.out, index=False)
         print(f"# rows written to {a.out}")
+    if a.device == "cuda" and not any(r["impl"] == "triton" for r in rows):
+        print("error: the GPU fast path (the Triton kernel) did not run: see '# triton skipped' above")
+        return 1
     return 0 if ok else 1
