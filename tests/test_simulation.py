@@ -140,12 +140,16 @@ def test_baselines_and_cli_tiny(tmp_path):
     import pandas as pd
 
     df = pd.read_csv(csv)
-    assert set(df.method) == {"reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"}
+    assert set(df.method) == {"reference", "overlapped_writes", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"}
+    assert df.local_writes.all()
     assert df.simulated.all() and (df.seconds >= df.floor_seconds).all()
     for c in ("method", "model", "n_train", "n_infer", "layout", "bytes", "seconds", "floor_seconds", "busy_write_seconds"):
         assert c in df.columns
     ref = df[df.method == "reference"].seconds.item()
     assert ref < df[df.method == "rank0_funnel"].seconds.item() < df[df.method == "rpc_update_weight"].seconds.item()
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv), "--gather-all"]) == 0
+    ga = pd.read_csv(csv).query("config == 'tiny_qwen3_moe_2x2_gather_all'")
+    assert len(ga) == 5 and not ga.local_writes.any()
     with pytest.raises(ValueError):
         get_config("nope")
     with pytest.raises(ValueError):

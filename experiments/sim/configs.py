@@ -46,6 +46,11 @@ class SimConfig:
     80 GB H100 left to the transfer)."""
     max_chunk_bytes: int = 64 << 20
     """Planner: recipe outputs above this are split into row bands (bytes)."""
+    local_writes: bool = True
+    """Planner: shard-local prepare (this project's default: copies, fused bands and 128-row
+    aligned FP8 blocks made from the ranks' own shards, no ``full_tensor()``); False:
+    ``full_tensor()`` of every source, as the published executor does ("MoE full_tensor() is
+    visibly slower", 2025-09-17 post). ``simulate --gather-all``."""
     methods: tuple[str, ...] = ("reference", "overlapped_writes", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight")
     """``reference``: the schedule through this project's executor (one task's writes in flight
     per rank); ``overlapped_writes``: the same schedule through the published executor's write

@@ -92,7 +92,7 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
             log(f"# planning {len(rs)} recipes ...")
             gc.collect()
             c0, w0 = _cpu_seconds(), time.perf_counter()
-            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes)
+            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, local_writes=cfg.local_writes)
             out.plan_seconds, out.plan_cpu_seconds = time.perf_counter() - w0, _cpu_seconds() - c0
             out.plan_summary = sched.summary()
             recv_total = sched.total_bytes
@@ -207,7 +207,8 @@ def format_table(sr: SimRun) -> str:
         f"# model: {mcfg.label} ({mcfg.architecture}; {total_bytes(mcfg) / 1e9:.1f} GB in bf16; source {mcfg.source})",
         f"# label: {cfg.label or '-'}  [{cfg.calibration}]",
         f"# training: {cfg.n_train} GPUs = {cfg.train_nodes} nodes x {hw.gpus_per_node}, FSDP2 layout {cfg.train_layout_text}"
-        f"{', offloaded to host' if cfg.offloaded else ''}",
+        f"{', offloaded to host' if cfg.offloaded else ''}; prepare: "
+        f"{'shard-local where possible' if cfg.local_writes else 'full_tensor() of every source (gather-all)'}",
         f"# inference: {cfg.n_infer} GPUs, {cfg.layout.describe()} ({cfg.layout.dp} instance(s) x {cfg.layout.tp} GPUs)",
         f"# hardware: {hw.name}; NIC {hw.nic_gbps:g} Gb/s achieved ({hw.nic_line_gbps:g} line), PCIe {hw.pcie_gbs:g} GB/s, "
         f"NVLink {hw.nvlink_gbs:g} GB/s achieved ({hw.nvlink_line_gbs:g} line), HBM {hw.hbm_gbs:g} GB/s; watermark "
@@ -265,7 +266,8 @@ def rows(sr: SimRun) -> list[dict]:
                "simulated": True, "config": cfg.name, "train_layout": cfg.train_layout, "offloaded": cfg.offloaded,
                "hardware": cfg.hardware.name, "floor_seconds": r.floor_seconds,
                "published_seconds": (cfg.anchor(r.method) or (None,))[0], "label": cfg.label,
-               "calibration": cfg.calibration, "moe_width": (cfg.moe_width or cfg.train_nodes) if cfg.train_layout == "two_group" else None}
+               "calibration": cfg.calibration, "moe_width": (cfg.moe_width or cfg.train_nodes) if cfg.train_layout == "two_group" else None,
+               "local_writes": cfg.local_writes}
         for k, col in (("infer_recv", "recv"), ("train_send", "send"), ("train_fabric", "fabric")):
             if r.rank_bytes.get(k):
                 row[f"{col}_min_bytes"], row[f"{col}_median_bytes"], row[f"{col}_max_bytes"] = model.spread(r.rank_bytes[k].values())
@@ -377,6 +379,11 @@ def main(args) -> int:
 
         cfg = replace(cfg, name=f"{cfg.name}_w{args.moe_width}", moe_width=args.moe_width,
                       label=f"{cfg.label} [MoE width overridden: {args.moe_width}]")
+    if getattr(args, "gather_all", False):
+        from dataclasses import replace
+
+        cfg = replace(cfg, name=f"{cfg.name}_gather_all", local_writes=False,
+                      label=f"{cfg.label} [full_tensor() of every source, as the published executor]")
     if args.bench_planner:
         runs = [bench_planner(cfg.name, received=args.received, checks=args.checks) for _ in range(max(1, args.repeat))]
         print(format_bench(cfg.name, runs, received=args.received, checks=args.checks))
