@@ -120,6 +120,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sim.add_argument("config", nargs="?", help="named simulation config (see --list)")
     sim.add_argument("--list", action="store_true", help="list the simulation configs")
     sim.add_argument("--no-csv", action="store_true", help="do not append rows to the CSV")
+    sim.add_argument("--gather-all", action="store_true",
+                     help="plan with full_tensor() of every source (the published executor) instead of shard-local prepare")
     sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
     sim.add_argument("--bench-planner", action="store_true",
                      help="time plan() and its peak RSS, each run in a fresh subprocess")

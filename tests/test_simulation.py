@@ -140,12 +140,16 @@ def test_baselines_and_cli_tiny(tmp_path):
     import pandas as pd
 
     df = pd.read_csv(csv)
-    assert set(df.method) == {"reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"}
+    assert set(df.method) == {"reference", "overlapped_writes", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"}
+    assert df.local_writes.all()
     assert df.simulated.all() and (df.seconds >= df.floor_seconds).all()
     for c in ("method", "model", "n_train", "n_infer", "layout", "bytes", "seconds", "floor_seconds", "busy_write_seconds"):
         assert c in df.columns
     ref = df[df.method == "reference"].seconds.item()
     assert ref < df[df.method == "rank0_funnel"].seconds.item() < df[df.method == "rpc_update_weight"].seconds.item()
+    assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv), "--gather-all"]) == 0
+    ga = pd.read_csv(csv).query("config == 'tiny_qwen3_moe_2x2_gather_all'")
+    assert len(ga) == 5 and not ga.local_writes.any()
     with pytest.raises(ValueError):
         get_config("nope")
     with pytest.raises(ValueError):
@@ -326,7 +330,7 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     csv = tmp_path / "sim.csv"
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv), "--sensitivity"]) == 0
     out = capsys.readouterr().out
-    assert "per-GPU bytes" in out and "inference GPU receives" in out and "sensitivity of the reference" in out
+    assert "per-GPU bytes" in out and "inference GPU receives" in out and "sensitivity of the prediction" in out
     sens = pd.read_csv(tmp_path / "sim_tiny_qwen3_moe_2x2_sensitivity.csv")
     assert set(sens.parameter) == {*SENSITIVITY, "watermark"} and set(sens.factor) == {0.5, 2.0}
     base = sens.base_seconds.iloc[0]
@@ -334,7 +338,9 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     assert nic[0.5] > base > nic[2.0]                      # the NIC-bound tiny world follows the NIC rate
     g = pd.read_csv(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv")
     assert set(g["rank"]) == {0, 1, 2, 3} and (g.end >= g.start).all() and set(g.stage) >= {"prepare", "write", "release"}
-    assert g.end.max() == pytest.approx(pd.read_csv(csv).query("method == 'reference'").seconds.item())
+    assert set(g.method) == {"reference", "overlapped_writes"} and set(sens.writes_in_flight) == {"watermark"}
+    for m in ("reference", "overlapped_writes"):
+        assert g[g.method == m].end.max() == pytest.approx(pd.read_csv(csv).query(f"method == '{m}'").seconds.item())
     df = pd.read_csv(csv)
     ref = df[df.method == "reference"].iloc[0]
     assert ref.recv_min_bytes <= ref.recv_median_bytes <= ref.recv_max_bytes and ref.recv_max_bytes > 0
@@ -446,3 +452,52 @@ def test_cli_dp_attention_and_moe_width_parse():
     cfg = config_from_args(args)
     assert cfg.train_mesh == (2, 2, 1) and cfg.dp_attention and cfg.layout.dp_attention
     assert cfg.layout.describe() == "DPA+EP2-fp8"
+
+
+def _write_spans(res):
+    """rank -> [(task, prepare end, write start, write end)] from the recorded events."""
+    sp = _spans(res)
+    return {r: [(t, d["prepare"][1], d["write"][0], d["write"][1]) for t, d in ts.items() if "write" in d]
+            for r, ts in sp.items()}
+
+
+def test_writes_in_flight_task_vs_watermark():
+    """``writes_in_flight="task"`` (reference/executor.py: one write thread, a task's batch is
+    waited on before the next) never has two tasks' writes of one rank in flight together;
+    ``"watermark"`` (the published executor) posts every task's writes the moment its prepare
+    ends, so writes of several tasks overlap; both move the same bytes and keep the watermark."""
+    sched, tm = _small_sched(nodes=2, g=2)
+    hw = Hardware(gpus_per_node=2, nics_per_node=2)
+    wm = 64 << 20
+    task = model.simulate(sched, tm, hw, watermark=wm, record=True)
+    over = model.simulate(sched, tm, hw, watermark=wm, record=True, writes_in_flight="watermark")
+    waited = overlapped = 0
+    for r, lst in _write_spans(task).items():
+        lst.sort(key=lambda x: x[2])
+        for (_, _, _, e0), (_, _, s1, _) in zip(lst, lst[1:]):
+            assert s1 >= e0 - 1e-15                      # one task's writes at a time
+        waited += sum(1 for _, pe, ws, _ in lst if ws > pe + 1e-12)
+    for r, lst in _write_spans(over).items():
+        assert all(ws == pytest.approx(pe, abs=1e-15) for _, pe, ws, _ in lst)  # posted at prepare end
+        lst.sort(key=lambda x: x[2])
+        overlapped += sum(1 for (_, _, _, e0), (_, _, s1, _) in zip(lst, lst[1:]) if s1 < e0 - 1e-12)
+    assert waited > 0 and overlapped > 0
+    assert over.bytes == task.bytes and over.n_writes == task.n_writes and over.rank_bytes == task.rank_bytes
+    assert over.peak_temp_bytes <= max(wm, max(t.temp_bytes for rp in sched.rank_plans.values() for t in rp.tasks))
+    assert over.method == "reference" and model.simulate(sched, tm, hw, method="overlapped_writes").method == "overlapped_writes"
+
+
+def test_watermark_zero_leaves_one_task_in_flight():
+    """With a watermark of 0 every task runs alone, so at most one task's writes can be in
+    flight in either mode: the two modes give the same prediction."""
+    sched, tm = _small_sched(nodes=2, g=2)
+    hw = Hardware(gpus_per_node=2, nics_per_node=2)
+    a = model.simulate(sched, tm, hw, watermark=0)
+    b = model.simulate(sched, tm, hw, watermark=0, writes_in_flight="watermark")
+    assert a.seconds == pytest.approx(b.seconds, rel=1e-12)
+
+
+def test_writes_in_flight_rejects_unknown_mode():
+    sched, tm = _small_sched(nodes=2, g=2)
+    with pytest.raises(ValueError, match="writes_in_flight"):
+        model.simulate(sched, tm, Hardware(gpus_per_node=2, nics_per_node=2), writes_in_flight="all")

@@ -9,7 +9,7 @@ from reference.types import InferenceLayout
 
 from .hardware import Hardware, h20_cx7, h100_cx7, h200_efa
 
-METHODS = ("reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight", "ckpt_engine_broadcast",
+METHODS = ("reference", "overlapped_writes", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight", "ckpt_engine_broadcast",
            "sglang_pp_broadcast")
 
 
@@ -46,9 +46,19 @@ class SimConfig:
     80 GB H100 left to the transfer)."""
     max_chunk_bytes: int = 64 << 20
     """Planner: recipe outputs above this are split into row bands (bytes)."""
-    methods: tuple[str, ...] = ("reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight")
+    local_writes: bool = True
+    """Planner: shard-local prepare (this project's default: copies, fused bands and 128-row
+    aligned FP8 blocks made from the ranks' own shards, no ``full_tensor()``); False:
+    ``full_tensor()`` of every source, as the published executor does ("MoE full_tensor() is
+    visibly slower", 2025-09-17 post). ``simulate --gather-all``."""
+    methods: tuple[str, ...] = ("reference", "overlapped_writes", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight")
+    """``reference``: the schedule through this project's executor (one task's writes in flight
+    per rank); ``overlapped_writes``: the same schedule through the published executor's write
+    semantics (every prepared task's writes in flight, bounded by the watermark;
+    :data:`experiments.sim.model.WRITES_IN_FLIGHT`); the others are baselines."""
     anchors: dict = field(default_factory=dict)
-    """method -> (published seconds, source): the calibration anchors."""
+    """method -> (published seconds, source): the calibration anchors (``overlapped_writes``
+    shares ``reference``'s unless given)."""
     note: str = ""
 
     def __post_init__(self):
@@ -61,6 +71,13 @@ class SimConfig:
             raise ValueError(f"SimConfig {self.name}: MoE mesh width {self.moe_width} must divide train_nodes={self.train_nodes}")
         if self.calibration not in ("like-for-like", "comparison"):
             raise ValueError(f"SimConfig {self.name}: calibration must be 'like-for-like' or 'comparison'")
+
+    def anchor(self, method: str):
+        """(published seconds, source) for ``method``, or None."""
+        got = self.anchors.get(method)
+        if got is None and method == "overlapped_writes":
+            got = self.anchors.get("reference")
+        return got
 
     @property
     def n_train(self) -> int:
@@ -95,7 +112,8 @@ def kimi_k2_256xh100_to_128xh100_fp8() -> SimConfig:
     return SimConfig(name="kimi_k2_256xh100_to_128xh100_fp8", model="kimi-k2", moe_width=32,
                      label="widest reading: experts FSDP-sharded across all 32 training nodes (MoE width 32); "
                            "8 x TP16+EP inference (unsourced); H100 + ConnectX-7 -- excluded by its floor",
-                     methods=("reference", "rank0_funnel", "nccl_broadcast_funnel", "rpc_update_weight"),
+                     methods=("reference", "overlapped_writes", "rank0_funnel", "nccl_broadcast_funnel",
+                              "rpc_update_weight"),
                      anchors={"reference": (1.25, PPLX_K2)})
 
 

@@ -7,7 +7,10 @@ Semantics are the executor's (reference/executor.py, DESIGN.md "Pipeline"):
   offloaded) -> ``prepare`` (``full_tensor()`` of each source, a collective over the source's
   DeviceMesh that starts when every rank of the mesh has reached it; then this rank's fusion
   and quantization) -> ``write`` (post every one-sided write of the task, wait for all
-  completions) -> ``release``;
+  completions) -> ``release``; with ``writes_in_flight="watermark"`` (the published
+  executor, :data:`WRITES_IN_FLIGHT`) the write stage does not wait: every prepared task's
+  writes are posted at once and the task is released when its own writes completed, so the
+  writes of several tasks are in flight together, bounded only by the watermark;
 - the watermark: a task is admitted (its first stage may start) only while the rank's
   temporary bytes in flight (admitted, not yet released) plus its ``temp_bytes`` stay under
   the watermark; a task larger than the watermark is admitted only when nothing else is in
@@ -53,6 +56,16 @@ from reference.types import ParamMeta, Schedule, itemsize, numel
 from .hardware import Hardware
 
 STAGES = ("h2d", "prepare", "write", "release")
+
+WRITES_IN_FLIGHT = ("task", "watermark")
+"""How many tasks' writes one training rank has in flight (:func:`simulate`'s
+``writes_in_flight``). ``"task"``: one task at a time, as ``reference/executor.py`` runs them
+(its single write thread posts a task's writes as one batch and waits for every completion
+before it takes the next task). ``"watermark"``: as the published executor runs them (Perplexity,
+"Weight Transfer for RL Post-Training in under 2 seconds", 2025-09: a poll loop that starts tasks
+while the temporary bytes stay under the watermark and submits a task's RDMA WRITEs as soon as
+its GPU ops' CUDA event has completed; the writes of earlier tasks are still in flight; fabric-lib's
+transfers are asynchronous, with completions polled per transfer id). See docs/SIMULATION.md, section 3."""
 
 
 @dataclass
@@ -191,12 +204,19 @@ def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
 
 
 def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str, ParamMeta], hw: Hardware, *,
-             watermark: int | None = None, record: bool | Iterable[int] = False, method: str = "reference") -> SimResult:
+             watermark: int | None = None, record: bool | Iterable[int] = False, method: str = "reference",
+             writes_in_flight: str = "task") -> SimResult:
     """Predict one update of ``sched`` (see module docstring). ``train_metas`` is what the
     training ranks published (or one ParamMeta per name); ``watermark`` bounds a rank's
     temporary bytes (None: unbounded); ``record``: True, or the training ranks whose stage
     runs are kept in ``events`` (a per-stage timeline; all ranks at Kimi-K2 scale is millions
-    of tuples). Deterministic."""
+    of tuples). ``writes_in_flight``: :data:`WRITES_IN_FLIGHT` -- ``"task"`` (this project's
+    executor: one task's writes at a time per rank) or ``"watermark"`` (the published
+    executor: every prepared task's writes are posted at once, only the watermark bounds them).
+    Raises ValueError on an unknown ``writes_in_flight``. Deterministic."""
+    if writes_in_flight not in WRITES_IN_FLIGHT:
+        raise ValueError(f"writes_in_flight={writes_in_flight!r}: expected one of {', '.join(WRITES_IN_FLIGHT)}")
+    overlap = writes_in_flight == "watermark"
     first = train_metas if (train_metas and isinstance(next(iter(train_metas)), str)) else first_metas(train_metas)
     src = source_info(first, hw)
     ag, per_rank = _task_costs(sched, src, hw)
@@ -309,17 +329,19 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
             adm[r] += 1
         # 2. arrive at the next prepare (collective)
         _arrive(r, now)
-        # 3. write stage
-        j = wr[r]
-        if j < prepped[r] and not writing[r]:
-            writing[r] = True
+        # 3. write stage: "task" -- one task's writes at a time (the next task's are posted
+        # when every write of this one completed); "watermark" -- every prepared task's
+        # writes are posted now, behind what this rank's NIC already has queued
+        while wr[r] < prepped[r] and not writing[r]:
+            j = wr[r]
             wr[r] += 1
             ws = tasks[j][5]
+            writing[r] = not overlap
             if not ws:
                 push(now, 2, r, j)
-                return
-            cur = max(now, tx_free.get(r, 0.0))
-            done = cur
+                continue
+            start = max(now, tx_free.get(r, 0.0))
+            cur = done = start
             for d, b, n in ws:
                 x = b / nic
                 cur += n * msg + x
@@ -329,7 +351,9 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
                     done = rx_free[d]
             tx_free[r] = cur
             end = max(cur, done) + lat
-            busy[r]["write"] += end - now
+            # busy: "task" -- the stage is held until the batch completes; "watermark" -- the
+            # stage is the NIC posting this task's bytes (completions are waited on by nobody)
+            busy[r]["write"] += (end - now) if not overlap else (cur - start)
             if r in keep:
                 events.append((r, tasks[j][0], "write", now, end))
             push(end, 2, r, j)

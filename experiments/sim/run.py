@@ -92,7 +92,7 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
             log(f"# planning {len(rs)} recipes ...")
             gc.collect()
             c0, w0 = _cpu_seconds(), time.perf_counter()
-            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes)
+            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, local_writes=cfg.local_writes)
             out.plan_seconds, out.plan_cpu_seconds = time.perf_counter() - w0, _cpu_seconds() - c0
             out.plan_summary = sched.summary()
             recv_total = sched.total_bytes
@@ -101,8 +101,15 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
             res = model.simulate(sched, first, hw, watermark=cfg.watermark, record=gantt_ranks(cfg))
             out.sim_seconds = time.perf_counter() - s0
             out.results.append(res)
+            head = res
+            if "overlapped_writes" in cfg.methods:
+                log("# simulating the published executor's write semantics (writes of several tasks in flight) ...")
+                head = model.simulate(sched, first, hw, watermark=cfg.watermark, record=gantt_ranks(cfg),
+                                      method="overlapped_writes", writes_in_flight="watermark")
+                out.results.append(head)
             if sensitivity:
-                out.extra["sensitivity"] = sensitivity_rows(sched, first, cfg, res.seconds, log=log)
+                out.extra["sensitivity"] = sensitivity_rows(sched, first, cfg, head.seconds, log=log,
+                                                            writes_in_flight=WIF[head.method])
             del sched
         tensors = model.baseline_tensors(first, hw)
         if recv_total is None:
@@ -124,8 +131,14 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
     return out
 
 
-def sensitivity_rows(sched, first, cfg: SimConfig, base: float, *, factors=(0.5, 2.0), log=print) -> list[dict]:
-    """The cost model re-run on ``sched`` with each assumption scaled (see :func:`run`)."""
+WIF = {"reference": "task", "overlapped_writes": "watermark"}
+"""method -> :func:`model.simulate`'s ``writes_in_flight``."""
+
+
+def sensitivity_rows(sched, first, cfg: SimConfig, base: float, *, factors=(0.5, 2.0), log=print,
+                     writes_in_flight: str = "task") -> list[dict]:
+    """The cost model re-run on ``sched`` with each assumption scaled (see :func:`run`), for
+    the headline method (``overlapped_writes`` where the config has it, else ``reference``)."""
     from .hardware import SENSITIVITY
 
     rows = []
@@ -135,9 +148,9 @@ def sensitivity_rows(sched, first, cfg: SimConfig, base: float, *, factors=(0.5,
                 hw, wm, val = cfg.hardware, None if cfg.watermark is None else int(cfg.watermark * f), cfg.watermark
             else:
                 hw, wm, val = cfg.hardware.scaled(p, f), cfg.watermark, getattr(cfg.hardware, p)
-            sec = model.simulate(sched, first, hw, watermark=wm).seconds
+            sec = model.simulate(sched, first, hw, watermark=wm, writes_in_flight=writes_in_flight).seconds
             log(f"# sensitivity {p} x{f:g}: {sec:.3f} s")
-            rows.append({"config": cfg.name, "parameter": p, "value": val, "factor": f, "seconds": sec,
+            rows.append({"config": cfg.name, "writes_in_flight": writes_in_flight, "parameter": p, "value": val, "factor": f, "seconds": sec,
                          "base_seconds": base, "change": sec / base - 1})
     return rows
 
@@ -146,7 +159,8 @@ def format_sensitivity(sr: SimRun) -> str:
     rows = sr.extra.get("sensitivity") or []
     if not rows:
         return ""
-    L = [f"# sensitivity of the reference's prediction ({sr.cfg.name}; base {rows[0]['base_seconds']:.3f} s; "
+    L = [f"# sensitivity of the prediction ({sr.cfg.name}, writes in flight per rank: {rows[0].get('writes_in_flight', 'task')}; "
+         f"base {rows[0]['base_seconds']:.3f} s; "
          "same schedule, one parameter scaled at a time):",
          f"{'parameter':>20} {'value':>12} {'x0.5 (s)':>10} {'change':>8} {'x2 (s)':>10} {'change':>8}"]
     by = {}
@@ -175,12 +189,11 @@ def byte_table(sr: SimRun) -> str:
 
 
 def gantt_rows(sr: SimRun) -> list[dict]:
-    """The recorded stage runs of the reference (:func:`gantt_ranks`), one row each."""
-    ref = next((r for r in sr.results if r.method == "reference"), None)
-    if ref is None:
-        return []
-    return [{"config": sr.cfg.name, "rank": r, "task": t, "group": ref.groups.get(t), "stage": st, "start": a, "end": b}
-            for r, t, st, a, b in ref.events]
+    """The recorded stage runs (:func:`gantt_ranks`) of ``reference`` and ``overlapped_writes``,
+    one row each, with the method."""
+    return [{"config": sr.cfg.name, "method": res.method, "rank": r, "task": t, "group": res.groups.get(t), "stage": st,
+             "start": a, "end": b}
+            for res in sr.results if res.method in WIF for r, t, st, a, b in res.events]
 
 
 # ------------------------------------------------------------------------------ output
@@ -194,7 +207,8 @@ def format_table(sr: SimRun) -> str:
         f"# model: {mcfg.label} ({mcfg.architecture}; {total_bytes(mcfg) / 1e9:.1f} GB in bf16; source {mcfg.source})",
         f"# label: {cfg.label or '-'}  [{cfg.calibration}]",
         f"# training: {cfg.n_train} GPUs = {cfg.train_nodes} nodes x {hw.gpus_per_node}, FSDP2 layout {cfg.train_layout_text}"
-        f"{', offloaded to host' if cfg.offloaded else ''}",
+        f"{', offloaded to host' if cfg.offloaded else ''}; prepare: "
+        f"{'shard-local where possible' if cfg.local_writes else 'full_tensor() of every source (gather-all)'}",
         f"# inference: {cfg.n_infer} GPUs, {cfg.layout.describe()} ({cfg.layout.dp} instance(s) x {cfg.layout.tp} GPUs)",
         f"# hardware: {hw.name}; NIC {hw.nic_gbps:g} Gb/s achieved ({hw.nic_line_gbps:g} line), PCIe {hw.pcie_gbs:g} GB/s, "
         f"NVLink {hw.nvlink_gbs:g} GB/s achieved ({hw.nvlink_line_gbs:g} line), HBM {hw.hbm_gbs:g} GB/s; watermark "
@@ -208,7 +222,7 @@ def format_table(sr: SimRun) -> str:
           f"{'method':>22} {'bytes':>10} {'time':>9} {'floor':>9} {'pred/':>6} {'bound':>7} {'published':>10} {'pred/':>6}",
           f"{'':>22} {'(GB)':>10} {'(s)':>9} {'(s)':>9} {'floor':>6} {'':>7} {'(s)':>10} {'publ.':>6}"]
     for r in sr.results:
-        pub = cfg.anchors.get(r.method)
+        pub = cfg.anchor(r.method)
         bound = max(r.floors, key=r.floors.get) if r.floors else "-"
         ps = f"{pub[0]:>10.1f} {r.seconds / pub[0]:>6.2f}" if pub else f"{'-':>10} {'-':>6}"
         L.append(f"{r.method:>22} {r.bytes / 1e9:>10.1f} {r.seconds:>9.3f} {r.floor_seconds:>9.3f} "
@@ -220,8 +234,8 @@ def format_table(sr: SimRun) -> str:
     L.append("# floors (s; busiest link's bytes / line rate): " + "; ".join(
         f"{r.method}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.floors.items()) for r in sr.results))
     for r in sr.results:
-        if r.method == "reference":
-            L.append(f"# reference: {r.n_writes} writes, peak temporary {r.peak_temp_bytes / 2**30:.2f} GiB per rank")
+        if r.method in WIF:
+            L.append(f"# {r.method}: {r.n_writes} writes, peak temporary {r.peak_temp_bytes / 2**30:.2f} GiB per rank")
     for m, (sec, src) in cfg.anchors.items():
         L.append(f"# published {m}: {sec} s -- {src}")
     bt = byte_table(sr)
@@ -251,8 +265,9 @@ def rows(sr: SimRun) -> list[dict]:
                "n_writes": r.n_writes, "plan_seconds": sr.plan_seconds if r.method == "reference" else None,
                "simulated": True, "config": cfg.name, "train_layout": cfg.train_layout, "offloaded": cfg.offloaded,
                "hardware": cfg.hardware.name, "floor_seconds": r.floor_seconds,
-               "published_seconds": cfg.anchors.get(r.method, (None,))[0], "label": cfg.label,
-               "calibration": cfg.calibration, "moe_width": (cfg.moe_width or cfg.train_nodes) if cfg.train_layout == "two_group" else None}
+               "published_seconds": (cfg.anchor(r.method) or (None,))[0], "label": cfg.label,
+               "calibration": cfg.calibration, "moe_width": (cfg.moe_width or cfg.train_nodes) if cfg.train_layout == "two_group" else None,
+               "local_writes": cfg.local_writes}
         for k, col in (("infer_recv", "recv"), ("train_send", "send"), ("train_fabric", "fabric")):
             if r.rank_bytes.get(k):
                 row[f"{col}_min_bytes"], row[f"{col}_median_bytes"], row[f"{col}_max_bytes"] = model.spread(r.rank_bytes[k].values())
@@ -364,6 +379,11 @@ def main(args) -> int:
 
         cfg = replace(cfg, name=f"{cfg.name}_w{args.moe_width}", moe_width=args.moe_width,
                       label=f"{cfg.label} [MoE width overridden: {args.moe_width}]")
+    if getattr(args, "gather_all", False):
+        from dataclasses import replace
+
+        cfg = replace(cfg, name=f"{cfg.name}_gather_all", local_writes=False,
+                      label=f"{cfg.label} [full_tensor() of every source, as the published executor]")
     if args.bench_planner:
         runs = [bench_planner(cfg.name, received=args.received, checks=args.checks) for _ in range(max(1, args.repeat))]
         print(format_bench(cfg.name, runs, received=args.received, checks=args.checks))
