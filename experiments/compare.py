@@ -24,24 +24,61 @@ COMPARE_METHODS = ("reference", "rank0_funnel", "rpc")
 def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[str, object]]:
     """Run one trial per method (``cfg`` with ``method`` replaced). Returns ``[(method, result)]``
     where result is a TrialResult, or the exception that stopped that method's trial (the
-    others still run)."""
-    from reference.control import ControlError
-    from reference.types import PlanError
-
+    others still run). With ``--engine vllm`` the trials share a fresh-engine oracle cache
+    (:class:`_VllmOracleDir`)."""
     from .trial import run_trial
 
     out = []
-    for m in methods:
-        mcfg = dataclasses.replace(cfg, method=m)
-        if progress:
-            progress(f"# {m}: starting {cfg.n_train} training + {cfg.n_infer} inference processes ...")
-        try:
-            res = run_trial(mcfg, progress=(lambda r, m=m: progress(
-                f"# {m} step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}")) if progress else None)
-        except (ValueError, PlanError, ControlError, RuntimeError) as e:
-            res = e
-        out.append((m, res))
+    oracle = _VllmOracleDir() if cfg.engine == "vllm" else None
+    try:
+        for m in methods:
+            out.append(_run_one(cfg, m, progress, run_trial))
+    finally:
+        if oracle is not None:
+            oracle.close()
     return out
+
+
+class _VllmOracleDir:
+    """With ``--engine vllm``: a temporary directory, named in ``WT_VLLM_ORACLE_DIR`` for the
+    trials of this comparison, where each step's fresh-engine snapshot is kept and reused by
+    the other methods (``experiments/vllm_side.py``); removed afterwards."""
+
+    def __init__(self):
+        import os
+        import tempfile
+
+        from .vllm_side import ORACLE_DIR_ENV
+
+        self.env, self.prev = ORACLE_DIR_ENV, os.environ.get(ORACLE_DIR_ENV)
+        self.dir = tempfile.mkdtemp(prefix="wt-vllm-oracle-")
+        os.environ[self.env] = self.dir
+
+    def close(self):
+        import os
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.prev is None:
+            os.environ.pop(self.env, None)
+        else:
+            os.environ[self.env] = self.prev
+
+
+def _run_one(cfg, m, progress, run_trial) -> tuple[str, object]:
+    """One method's trial: (method, TrialResult or the exception that stopped it)."""
+    from reference.control import ControlError
+    from reference.types import PlanError
+
+    mcfg = dataclasses.replace(cfg, method=m)
+    if progress:
+        progress(f"# {m}: starting {cfg.n_train} training + {cfg.n_infer} inference processes ...")
+    try:
+        res = run_trial(mcfg, progress=(lambda r, m=m: progress(
+            f"# {m} step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}")) if progress else None)
+    except (ValueError, PlanError, ControlError, RuntimeError) as e:
+        res = e
+    return m, res
 
 
 def _summary(res) -> dict:

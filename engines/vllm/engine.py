@@ -139,13 +139,34 @@ class VllmEngine:
         self.llm.wake_up()
 
     # ------------------------------------------------------------------ baselines' path
-    def load_weights(self, weights: list, *, post_process: bool = True) -> None:
-        """vLLM's own loading path in every worker (``model.load_weights`` then
-        ``process_weights_after_loading``), with full Hugging Face tensors, as verl / OpenRLHF
-        do it through ``collective_rpc``."""
-        enc = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-               for n, t in weights]
-        self.llm.collective_rpc("wt_load_weights", args=(enc,), kwargs={"post_process": post_process})
+    def reload_begin(self) -> None:
+        """Start vLLM's in-place reload in every worker (``initialize_layerwise_reload``, see
+        :meth:`engines.vllm.extension.WeightTransferExtension.wt_reload_begin`)."""
+        self.llm.collective_rpc("wt_reload_begin")
+
+    def load_weights(self, weights) -> int:
+        """``model.load_weights`` in every worker with full Hugging Face tensors
+        (``(name, tensor)`` pairs, any iterable), as verl / OpenRLHF / TRL do it through
+        ``collective_rpc``. Only between :meth:`reload_begin` and :meth:`reload_finish`.
+        The bytes travel inside the RPC (one copy into the message). Returns the number of
+        tensors sent."""
+        enc = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for n, t in weights]
+        self.llm.collective_rpc("wt_load_weights", args=(enc,))
+        return len(enc)
+
+    def reload_finish(self) -> None:
+        """End the reload in every worker (``finalize_layerwise_reload``): every layer is
+        post-processed again and the running tensors hold the new weights."""
+        self.llm.collective_rpc("wt_reload_finish")
+
+    def reload(self, weights) -> None:
+        """:meth:`reload_begin`, :meth:`load_weights` (one call), :meth:`reload_finish`."""
+        self.reload_begin()
+        try:
+            self.load_weights(weights)
+        finally:
+            self.reload_finish()
 
     def close(self) -> None:
         """Shut the engine (and its worker processes) down."""
