@@ -144,7 +144,13 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
     n_all = sum(s["all"] for s in sums.values())
     failed = [m for m, r in runs if isinstance(r, BaseException)]
     good = n_ok == n_all and not failed
-    lines.append(f"# verified bit-exact against the engine's load_weights: {n_ok}/{n_all} updates over "
+    if cfg.engine == "vllm":
+        lines.append("# vLLM: the baselines load through vLLM's own in-place reload over collective_rpc "
+                     "(initialize_layerwise_reload, model.load_weights, finalize_layerwise_reload); "
+                     "times: go -> last write complete (reference), go -> reload finished (baselines)")
+    against = ("a fresh vLLM from the step's checkpoint (every runtime byte; greedy tokens + logprobs)"
+               if cfg.engine == "vllm" else "the engine's load_weights")
+    lines.append(f"# verified bit-exact against {against}: {n_ok}/{n_all} updates over "
                  f"{len(sums)} method(s)" + ("" if good else "  <-- FAILED" + (f" ({', '.join(failed)} did not run)" if failed else "")))
     return "\n".join(lines)
 
