@@ -258,7 +258,7 @@ class WeightTransferExtension:
         ``process_weights_after_loading`` (``cpu_prepack_moe_weight``) only on the *first*
         load: on a weight update (``moe_kernel`` already set) it copies the checkpoint-layout
         experts into the running tensors and skips the prepack, so after vLLM's own reload
-        the experts would be in the wrong layout (seen here: ~95% of the expert bytes differ
+        the experts would be in the wrong layout (seen here: ~90% of the expert bytes differ
         from a fresh engine). :meth:`wt_reload_finish` runs that same vLLM step for them."""
         out = []
         for mname, mod in model.named_modules():
