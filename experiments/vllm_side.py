@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -228,3 +229,4 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
     if side is not None:
         side.teardown()
     engine.close()
+    shutil.rmtree(root, ignore_errors=True)  # the step checkpoints written for this trial
