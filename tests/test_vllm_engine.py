@@ -139,3 +139,32 @@ def test_stand_in_names_match_live_vllm(world):
         live[p["name"]] = (shape, p["dtype"])
     stand_in = {m.name: (tuple(m.shape), m.dtype) for m in Engine(world.cfg, InferenceLayout(tp=1), 0).tensor_metas()}
     assert stand_in == live
+
+
+def test_baselines_loading_path_equals_fresh_engine(world):
+    """The baselines' path (``--method rank0_funnel|rpc`` with ``--engine vllm``): vLLM's own
+    in-place reload through ``collective_rpc`` (``initialize_layerwise_reload``,
+    ``model.load_weights``, ``finalize_layerwise_reload`` + the tied-lm_head repack and the CPU
+    MoE prepack vLLM 0.32 leaves out) gives the fresh engine's bytes and outputs, whether the
+    tensors come in one call (funnel bucket) or one call each (rpc). Runs last: the reload puts
+    the packed copies in new tensors, so the one-sided plan's addresses no longer hold."""
+    from engines.vllm.checkpoint import checkpoint_tensors
+    from engines.vllm.verify import compare_snapshots, snapshot
+
+    live = world.live
+    s0 = checkpoint_tensors(world.cfg, step=0, seed=0)
+    live.pause()
+    live.reload(list(s0.items()))                      # funnel-like: one load_weights call
+    live.reset_prefix_cache()
+    live.resume()
+    assert live.generate(world.prompts, max_tokens=6) == world.before
+    live.pause()
+    live.reload_begin()                                # rpc-like: one load_weights call per tensor
+    for name, t in world.sources.items():
+        live.load_weights([(name, t)])
+    live.reload_finish()
+    live.reset_prefix_cache()
+    live.resume()
+    res = compare_snapshots(snapshot(live, world.updater.layouts, world.prompts), world.fresh)
+    assert res["bytes_ok"], res["mismatches"]
+    assert res["outputs_ok"], res["output_diffs"]

