@@ -85,6 +85,7 @@ from .tasks import (
     prepare_outputs,
     unique_nbytes,
 )
+from .timeline import peak_in_flight, union_seconds
 from .transport.base import Transport
 from .types import RankPlan, RegionDescriptor, Task
 
@@ -172,35 +173,6 @@ class StepStats:
             for s, ab in r.stages.items():
                 per.setdefault(s, []).append(ab)
         return {s: union_seconds(iv) for s, iv in per.items()}
-
-
-def union_seconds(intervals) -> float:
-    """Length (seconds) of the union of ``(start, end)`` intervals."""
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in sorted(intervals):
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
-    return total
-
-
-def peak_in_flight(intervals) -> int:
-    """Peak of the sum of ``nbytes`` over ``(start, end, nbytes)`` intervals (an interval that
-    ends at the instant another starts does not overlap it)."""
-    ev = []
-    for a, b, n in intervals:
-        ev.append((a, 1, n))
-        ev.append((b, 0, -n))
-    cur = peak = 0
-    for _, _, d in sorted(ev):
-        cur += d
-        peak = max(peak, cur)
-    return peak
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 In-process tests drive :class:`reference.executor.Executor` with fake tasks (real planner
 ``Task`` objects without assignments, plain tensors as parameters) and stage functions slowed
-down by sleeps; the multiprocess tests run small real trials (FSDP2 / two mesh groups over Gloo,
+down by sleeps, or with one-write assignments on a fake asynchronous transport (batches that
+complete on demand: writes of several tasks in flight); the multiprocess tests run small real trials (FSDP2 / two mesh groups over Gloo,
 CMA writes) and check bit-exact delivery plus the recorded timelines."""
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import time
 import pytest
 import torch
 
-from reference.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight, union_seconds
-from reference.transport.base import RemoteGoneError, TransportError, WriteHandle
-from reference.timeline import load_trace, task_stages
+from reference.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight
+from reference.timeline import load_trace, task_stages, union_seconds
 from reference.training import OffloadedParams
+from reference.transport.base import RemoteGoneError, TransportError, WriteHandle
 from reference.types import RankPlan, Task
 
 
