@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -60,7 +60,8 @@ class PostedTask:
     """One task's posted batch: its completion ``handle``, the local ``regions`` to deregister
     once it completed, the number of write ops, the ``perf_counter`` time it was posted at and
     its ``deadline`` (``perf_counter`` seconds; None = no timeout). ``item`` is the caller's
-    object (the executor's work item)."""
+    object (the executor's work item); ``timeout`` the batch's timeout in seconds (for the
+    error message)."""
 
     task: Task
     handle: WriteHandle
@@ -69,7 +70,7 @@ class PostedTask:
     posted: float
     deadline: float | None
     item: object = None
-    timeout: float | None = field(default=None)
+    timeout: float | None = None
 
 
 def post_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Transport,
