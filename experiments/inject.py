@@ -88,15 +88,16 @@ def _act(fault: Fault, where: str) -> None:
 
 
 def install_trainer(fault: Fault | None, rank: int, side, store, log=print) -> None:
-    """Training rank ``rank``: wrap the reference trainer's write stage so that the fault
-    fires at its point (no-op unless this rank owns the trigger)."""
+    """Training rank ``rank``: wrap the reference trainer's write stage (``Executor._post_write``,
+    where every task's batch is posted, pipelined or not) so that the fault fires at its point
+    (no-op unless this rank owns the trigger)."""
     if fault is None or rank != (fault.rank if fault.role == "train" else 0):
         return
     ex = side.executor
     n = len(ex.plan.tasks)
     at = {"early": 0, "middle": n // 2, "late": n}[fault.when]
     state = {"step": 0, "count": 0}
-    orig_write, orig_transfer = ex._write, side.transfer
+    orig_post, orig_transfer = ex._post_write, side.transfer  # posting: both serial and pipelined writes
 
     def fire(where: str) -> None:
         store.set("fault/fired", repr(time.time()).encode())
@@ -107,11 +108,11 @@ def install_trainer(fault: Fault | None, rank: int, side, store, log=print) -> N
             store.set("fault/fire", b"1")
             time.sleep(0.3)  # let the target act while this update is still moving
 
-    def write(w, st):
+    def post(w):
         if state["step"] == fault.step and state["count"] == at and at < n:
             fire(f"training {rank}'s write stage of step {fault.step}")
         state["count"] += 1
-        return orig_write(w, st)
+        return orig_post(w)
 
     def transfer(step):
         state.update(step=step, count=0)
@@ -120,7 +121,7 @@ def install_trainer(fault: Fault | None, rank: int, side, store, log=print) -> N
             fire(f"training {rank} after its last write of step {step}")
         return out
 
-    ex._write = write
+    ex._post_write = post
     side.transfer = transfer
 
 

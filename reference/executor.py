@@ -8,19 +8,27 @@ Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
 - ``prepare``: ``full_tensor()`` of each source (a collective over the source's DeviceMesh),
   then each assigned recipe's fusion / slicing / cast / FP8 quantization into contiguous
   output buffers;
-- ``write``: register the outputs, post every one-sided write of the task as one batch, wait
-  for completion, deregister;
+- ``write``: register the outputs, post every one-sided write of the task as one batch; once
+  the batch completed, deregister (recorded interval: post -> completion);
 - ``release``: drop the task's temporaries (gathered sources and outputs) and return its
   temporary bytes to the watermark.
 
 Pipelined execution (the default, ``pipeline=True``): one thread per stage, each with a FIFO
 queue. Tasks enter the first stage in plan order; when a stage finishes the task at the head
 of its queue, the task moves to the tail of the next stage's queue, so stages of different
-tasks overlap (the prepare of task k+1 runs while task k is being written). On a CUDA device
+tasks overlap (the prepare of task k+1 runs while task k is being written). The write thread
+does not wait for a task's batch before it posts the next: it keeps the posted batches in a FIFO
+(:class:`reference.tasks.WritesInFlight`), reaps them in order as they complete and only then
+hands a task to release, so the writes of several tasks are in flight at once, bounded by the
+watermark alone (a task's temporary bytes stay held until its writes completed). This is the
+published executor's behaviour (Perplexity, Lequn Chen, 2025-09-17: "No need to wait for RDMA
+to finish"). Every transport call (register, post, poll, wait, deregister) stays on the write
+thread (transports are not thread-safe); each batch's ``write_timeout`` counts from its post.
+CMA's writes are synchronous, so on CPU at most one batch is in flight. On a CUDA device
 the h2d thread copies on a side stream and records an event that prepare's stream waits on;
 prepare records an event the write stage synchronizes before posting (guarded: CPU runs do
-plain copies). ``pipeline=False`` runs every stage of a task before the next task starts
-(stage-serialized, the baseline the pipeline is measured against).
+plain copies). ``pipeline=False`` runs every stage of a task before the next task starts, waiting for each
+batch before the next task (stage-serialized, the baseline the pipeline is measured against).
 
 Invariants:
 
@@ -38,13 +46,21 @@ Invariants:
 - *Mesh groups.* Tasks come grouped by mesh group (disjoint meshes of one group run in
   parallel). After this rank's last ``full_tensor()`` of group g, the prepare thread issues an
   asynchronous barrier over all training ranks (``group_barrier(async_op=True)``, Gloo's
-  ``dist.barrier``); the first prepare of any later group waits on that handle. Every rank
+  ``dist.barrier``); the first prepare of any later group waits on that handle. It orders the
+  groups' collectives only; writes of group g may still be in flight past it. Every rank
   issues exactly ``n_groups - 1`` barriers per step, in the same order, including ranks with
   no task in a group (they issue it when they pass the group). ``n_groups`` is agreed once at
   construction (an all-reduce MAX over the barrier's world) unless given.
 
 Every task records its stage start/end times (``time.perf_counter`` seconds); :class:`StepStats`
-carries the matching wall-clock origin so ranks line up. With ``trace_dir`` each update is
+carries the matching wall-clock origin so ranks line up. Intervals of one stage may overlap
+(``write``), so :meth:`StepStats.stage_busy` counts the union of a stage's intervals.
+
+*Errors.* The first error of any stage aborts the update and is raised naming the stage and the
+task (a gone receiver: the inference rank). After it no batch is posted; the batches still in
+flight are waited for (each up to its deadline) and every region is deregistered. :meth:`run`
+returns only after every posted batch completed, so a rank's reported success implies all its
+writes completed (what the control plane requires of every rank before it publishes). With ``trace_dir`` each update is
 saved as a Chrome trace per rank (:mod:`reference.timeline`).
 """
 from __future__ import annotations
@@ -59,8 +75,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .transforms import recipe_outputs
-from .transport.base import RemoteGoneError, Transport, WriteOp
+from .tasks import (
+    MemoryGate,
+    PostedTask,
+    WritesInFlight,
+    complete_task,
+    gather_sources,
+    post_outputs,
+    prepare_outputs,
+    unique_nbytes,
+)
+from .timeline import peak_in_flight, union_seconds
+from .transport.base import Transport
 from .types import RankPlan, RegionDescriptor, Task
 
 STAGES = ("h2d", "prepare", "write", "release")
@@ -139,133 +165,14 @@ class StepStats:
         return self.wall_start + (t - self.t_start)
 
     def stage_busy(self) -> dict[str, float]:
-        """Seconds each stage was busy (sum over tasks)."""
-        out: dict[str, float] = {}
+        """Seconds each stage was busy: the length of the *union* of its tasks' intervals, not
+        their sum (the ``write`` intervals of different tasks overlap when several tasks'
+        writes are in flight; a sum would count that time twice)."""
+        per: dict[str, list[tuple[float, float]]] = {}
         for r in self.records:
-            for s, (a, b) in r.stages.items():
-                out[s] = out.get(s, 0.0) + (b - a)
-        return out
-
-
-def peak_in_flight(intervals) -> int:
-    """Peak of the sum of ``nbytes`` over ``(start, end, nbytes)`` intervals (an interval that
-    ends at the instant another starts does not overlap it)."""
-    ev = []
-    for a, b, n in intervals:
-        ev.append((a, 1, n))
-        ev.append((b, 0, -n))
-    cur = peak = 0
-    for _, _, d in sorted(ev):
-        cur += d
-        peak = max(peak, cur)
-    return peak
-
-
-# --------------------------------------------------------------------------------------------
-# the task functions (usable alone; the executor's stages call them)
-
-
-def gather_sources(task: Task, params: dict[str, DTensor]) -> dict[str, torch.Tensor]:
-    """``full_tensor()`` of every source of ``task``, in the task's order (collective); the
-    rank's own shard (``to_local()``, no communication) of every local source."""
-    out = {}
-    for name in task.sources:
-        p = params[name]
-        out[name] = p.full_tensor() if isinstance(p, DTensor) else p
-    for name in task.local_sources:
-        p = params[name]
-        out[name] = p.to_local() if isinstance(p, DTensor) else p
-    return out
-
-
-def prepare_outputs(task: Task, full: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Outputs of every recipe assigned to this rank, contiguous, in assignment order."""
-    return [[o.contiguous() for o in recipe_outputs(a.recipe, full.__getitem__)] for a in task.assignments]
-
-
-def write_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Transport,
-                  remote: dict[int, RegionDescriptor], timeout: float | None = None) -> tuple[int, int]:
-    """Post every write of ``task`` as one batch and wait. Returns (bytes, number of writes).
-    Raises the transport's error; a RemoteGoneError names the inference rank that is gone."""
-    ops: list[WriteOp] = []
-    regions = []
-    for a, outs in zip(task.assignments, outputs):
-        regs = []
-        for o in outs:
-            reg = transport.register(o.view(-1).view(torch.uint8) if o.numel() else o)
-            regions.append(reg)
-            regs.append(reg)
-        for w in a.writes:
-            if w.length != regs[w.output].length:
-                raise RuntimeError(f"task {task.id}: {a.recipe.name} output {w.output} is {regs[w.output].length} bytes, "
-                                   f"the plan writes {w.length}")
-            ops.append(WriteOp(regs[w.output], 0, remote[w.dst_rank], w.remote_offset, w.length))
-    try:
-        n = transport.write(ops).wait(timeout) if ops else 0
-    except RemoteGoneError as e:  # name the inference rank, not only a pid
-        gone = sorted({w.dst_rank for a in task.assignments for w in a.writes
-                       if f"pid {remote[w.dst_rank].pid} " in str(e)})
-        if gone:
-            raise RemoteGoneError(f"inference {gone[0]} (pid {remote[gone[0]].pid}) is gone: {e}") from e
-        raise
-    finally:
-        for reg in regions:
-            transport.deregister(reg)
-    return n, len(ops)
-
-
-def _unique_nbytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-# --------------------------------------------------------------------------------------------
-# the watermark gate
-
-
-class MemoryGate:
-    """Admits tasks (in the order they ask) while the temporary bytes in flight plus the
-    task's own stay within ``watermark``; a task larger than the watermark is admitted once
-    nothing is in flight. ``watermark=None``: always admit."""
-
-    def __init__(self, watermark: int | None):
-        if watermark is not None and watermark < 0:
-            raise ValueError(f"watermark={watermark}: must be >= 0 bytes or None")
-        self.watermark = watermark
-        self.in_flight = 0
-        self.n_in_flight = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    def admits(self, nbytes: int) -> bool:
-        return self.watermark is None or self.n_in_flight == 0 or self.in_flight + nbytes <= self.watermark
-
-    def acquire(self, nbytes: int, abort: threading.Event | None = None) -> float:
-        """Block until the task may enter; returns seconds waited. Raises RuntimeError if
-        ``abort`` is set while waiting (another stage failed)."""
-        t0 = time.perf_counter()
-        with self._cond:
-            while not self.admits(nbytes):
-                if abort is not None and abort.is_set():
-                    raise RuntimeError("aborted while waiting at the watermark gate")
-                self._cond.wait(0.05)
-            self.in_flight += nbytes
-            self.n_in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
-        return time.perf_counter() - t0
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.in_flight -= nbytes
-            self.n_in_flight -= 1
-            self._cond.notify_all()
+            for s, ab in r.stages.items():
+                per.setdefault(s, []).append(ab)
+        return {s: union_seconds(iv) for s, iv in per.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +195,9 @@ class _Work:
 
 
 _STOP = object()
+_POLL_S = 5e-4
+"""Seconds the pipelined write stage waits on its input queue between polls of the batches in
+flight."""
 
 
 class Executor:
@@ -453,7 +363,7 @@ class Executor:
             ev.record(torch.cuda.current_stream(self.device))
             w.ready_event = ev
         gathered = [full[n] for n in task.sources if isinstance(self.params.get(n), DTensor)]
-        w.rec.alloc_bytes = _unique_nbytes(gathered + [o for os_ in outs for o in os_])
+        w.rec.alloc_bytes = unique_nbytes(gathered + [o for os_ in outs for o in os_])
         w.full, w.outputs = full, outs
         t1 = time.perf_counter()
         w.rec.stages["prepare"] = (t0, t1)
@@ -461,14 +371,82 @@ class Executor:
             self._alloc_now += w.rec.alloc_bytes
             self._alloc_peak = max(self._alloc_peak, self._alloc_now)
 
-    def _write(self, w: _Work, st: StepStats) -> None:
+    def _post_write(self, w: _Work) -> PostedTask:
+        """Post ``w``'s batch (after its outputs are ready on the device); do not wait."""
         if w.ready_event is not None:
             w.ready_event.synchronize()
-        t0 = time.perf_counter()
-        n, k = write_outputs(w.task, w.outputs, self.transport, self.remote, self.write_timeout)
+        return post_outputs(w.task, w.outputs, self.transport, self.remote, self.write_timeout, item=w)
+
+    def _write_done(self, p: PostedTask, n: int, st: StepStats) -> None:
+        """Account a completed batch: bytes, ops, and the write stage's (post, completion)."""
         st.bytes_sent += n
-        st.n_writes += k
-        w.rec.stages["write"] = (t0, time.perf_counter())
+        st.n_writes += p.n_ops
+        p.item.rec.stages["write"] = (p.posted, time.perf_counter())
+
+    def _write(self, w: _Work, st: StepStats) -> None:
+        """Stage-serialized write: post the batch and wait for it (the next task waits)."""
+        p = self._post_write(w)
+        self._write_done(p, complete_task(p, self.transport, self.remote, block=True), st)
+
+    def _write_loop(self, q_in, q_out, abort: threading.Event, errors: list, st: StepStats) -> None:
+        """The pipelined write stage: post each task's batch as soon as it arrives, with the
+        batches of earlier tasks still in flight (:class:`reference.tasks.WritesInFlight`);
+        hand a task to release once its batch completed, in plan order. The watermark bounds
+        how many are in flight (a task holds its temporary bytes until release). While
+        anything is in flight the input queue is polled every ``_POLL_S`` seconds so completed
+        batches keep being reaped (the first stage may be waiting at the gate for their
+        memory). At the end of the stream every batch is waited for. The first error (a
+        refused post, a failed write, a batch past its timeout, counted from its post) aborts
+        the update; no batch is posted after it, the batches still in flight are waited for
+        (each up to its deadline) and every region is deregistered."""
+        fl = self._writes = WritesInFlight(self.transport, self.remote, self.write_timeout)
+
+        def drop(w: _Work) -> None:
+            if w.admitted:  # keep the gate consistent for the waiting first stage
+                self._gate.release(w.task.temp_bytes)
+                w.admitted = False
+
+        def fail(w: _Work, e: BaseException) -> None:
+            errors.append(("write", w.task.id, w.rec.label, e))
+            abort.set()
+            drop(w)
+            for p in fl.abandon():
+                q_out.put(p.item)  # release drops it (abort is set) and frees its gate bytes
+
+        def reap(block: bool) -> None:
+            while True:
+                try:
+                    got = fl.pop_done(block)
+                except BaseException as e:  # noqa: BLE001
+                    fail(fl.failed.item, e)
+                    return
+                if got is None:
+                    return
+                self._write_done(*got, st)
+                q_out.put(got[0].item)
+
+        while True:
+            try:
+                w = q_in.get(timeout=_POLL_S) if len(fl) else q_in.get()
+            except queue.Empty:
+                w = None
+            reap(False)
+            if w is None:
+                continue
+            if w is _STOP:
+                while len(fl):
+                    reap(True)
+                q_out.put(_STOP)
+                return
+            if abort.is_set():
+                drop(w)
+                continue
+            try:
+                fl.push(self._post_write(w))
+            except BaseException as e:  # noqa: BLE001
+                fail(w, e)
+                continue
+            reap(False)
 
     def _release(self, w: _Work) -> None:
         t0 = time.perf_counter()
@@ -544,6 +522,8 @@ class Executor:
             name, fn = fns[i]
             q_in = queues[i]
             q_out = queues[i + 1] if i + 1 < len(fns) else None
+            if name == "write":
+                return self._write_loop(q_in, q_out, abort, errors, st)
             while True:
                 w = q_in.get()
                 if w is _STOP:

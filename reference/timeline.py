@@ -2,7 +2,9 @@
 chrome://tracing).
 
 Layout: one *process* per training rank (``pid`` = rank, named ``train rank r``), one *thread*
-per stage (``update``, ``h2d``, ``prepare``, ``write``, ``release``, ``barrier``), one complete
+per stage (``update``, ``h2d``, ``prepare``, ``write``, ``release``, ``barrier``; the writes of
+several tasks are in flight at once, so a ``write`` event that overlaps an earlier one goes on an
+extra thread ``write (2)``, ``write (3)``, ... after the last track), one complete
 event (``"ph": "X"``) per task and stage with ``ts`` / ``dur`` in microseconds. ``ts`` is wall
 clock (microseconds since the epoch) so the files of several ranks line up when merged. Each
 event's ``args`` carry the task id, mesh group, planned temporary bytes, allocated bytes and
@@ -26,6 +28,52 @@ TRACKS = ("update", "h2d", "prepare", "write", "release", "barrier")
 _RANK_FILE = re.compile(r"step(\d+)\.rank(\d+)\.json$")
 
 
+def union_seconds(intervals) -> float:
+    """Length (seconds) of the union of ``(start, end)`` intervals."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def peak_in_flight(intervals) -> int:
+    """Peak of the sum of ``nbytes`` over ``(start, end, nbytes)`` intervals (an interval that
+    ends at the instant another starts does not overlap it)."""
+    ev = []
+    for a, b, n in intervals:
+        ev.append((a, 1, n))
+        ev.append((b, 0, -n))
+    cur = peak = 0
+    for _, _, d in sorted(ev):
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+def _write_lanes(records) -> dict[int, int]:
+    """Task -> lane of its ``write`` event: 0 (the ``write`` thread) unless it overlaps an
+    earlier task's write still in flight, then the first free extra lane (thread ``write (2)``,
+    ...), so no thread carries partially overlapping events (trace viewers need them nested)."""
+    ends: list[float] = []
+    out = {}
+    for r in sorted((r for r in records if "write" in r.stages), key=lambda r: r.stages["write"]):
+        a, b = r.stages["write"]
+        j = next((i for i, e in enumerate(ends) if e <= a), len(ends))
+        if j == len(ends):
+            ends.append(b)
+        else:
+            ends[j] = b
+        out[r.task] = j
+    return out
+
+
 def _us(stats, t: float) -> float:
     return round(stats.wall(t) * 1e6, 3)
 
@@ -45,10 +93,18 @@ def rank_events(stats) -> list[dict]:
                "args": {"step": stats.step, "bytes_sent": stats.bytes_sent, "n_writes": stats.n_writes,
                         "pipelined": stats.pipelined, "watermark": stats.watermark, "offloaded": stats.offloaded,
                         "peak_temp_bytes": stats.peak_temp_bytes, "peak_alloc_bytes": stats.peak_alloc_bytes}})
+    lanes = _write_lanes(stats.records)
+    for j in range(1, max(lanes.values(), default=0) + 1):
+        tid = len(TRACKS) + j - 1
+        ev.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"write ({j + 1})"}})
+        ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                   "args": {"sort_index": TRACKS.index("write")}})
     for r in stats.records:
         for stage, (a, b) in r.stages.items():
+            lane = lanes.get(r.task, 0) if stage == "write" else 0
+            tid = TRACKS.index(stage) if lane == 0 else len(TRACKS) + lane - 1
             ev.append({"ph": "X", "name": r.label or f"task {r.task}", "cat": stage, "pid": pid,
-                       "tid": TRACKS.index(stage), "ts": _us(stats, a), "dur": round((b - a) * 1e6, 3),
+                       "tid": tid, "ts": _us(stats, a), "dur": round((b - a) * 1e6, 3),
                        "args": {"task": r.task, "group": r.group, "temp_bytes": r.temp_bytes,
                                 "alloc_bytes": r.alloc_bytes, "send_bytes": r.send_bytes,
                                 "h2d_bytes": r.h2d_bytes, "gate_wait_us": round(r.gate_wait * 1e6, 3)}})

@@ -2,7 +2,8 @@
 
 In-process tests drive :class:`reference.executor.Executor` with fake tasks (real planner
 ``Task`` objects without assignments, plain tensors as parameters) and stage functions slowed
-down by sleeps; the multiprocess tests run small real trials (FSDP2 / two mesh groups over Gloo,
+down by sleeps, or with one-write assignments on a fake asynchronous transport (batches that
+complete on demand: writes of several tasks in flight); the multiprocess tests run small real trials (FSDP2 / two mesh groups over Gloo,
 CMA writes) and check bit-exact delivery plus the recorded timelines."""
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import time
 import pytest
 import torch
 
-from reference.executor import Executor, MemoryGate, StepStats, peak_in_flight
-from reference.timeline import load_trace, task_stages
+from reference.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight
+from reference.timeline import load_trace, task_stages, union_seconds
 from reference.training import OffloadedParams
+from reference.transport.base import RemoteGoneError, TransportError, WriteHandle
 from reference.types import RankPlan, Task
 
 
@@ -31,8 +33,22 @@ def plan_of(tasks, rank=0):
     return RankPlan(rank, tuple(tasks), tuple(sorted({t.group for t in tasks})))
 
 
+class DelayedHandle(WriteHandle):
+    """A batch that completes ``delay`` seconds after it was posted (like an RDMA WRITE)."""
+
+    def __init__(self, delay: float, nbytes: int = 0):
+        self.until, self.nbytes = time.perf_counter() + delay, nbytes
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.until
+
+    def _idle(self) -> None:
+        time.sleep(1e-4)
+
+
 class SlowExecutor(Executor):
-    """Stages sleep ``delays[stage]`` seconds (GIL released, like torch ops and CMA writes)."""
+    """Prepare sleeps ``delays["prepare"]`` seconds (GIL released, like torch ops); each task's
+    batch completes ``delays["write"]`` seconds after its post (an asynchronous write)."""
 
     delays = {"prepare": 0.02, "write": 0.02}
 
@@ -42,11 +58,10 @@ class SlowExecutor(Executor):
         time.sleep(self.delays.get("prepare", 0))
         w.rec.stages["prepare"] = (a, time.perf_counter())
 
-    def _write(self, w, st):
-        super()._write(w, st)
-        a, _ = w.rec.stages["write"]
-        time.sleep(self.delays.get("write", 0))
-        w.rec.stages["write"] = (a, time.perf_counter())
+    def _post_write(self, w):
+        p = super()._post_write(w)
+        p.handle = DelayedHandle(self.delays.get("write", 0))
+        return p
 
 
 def check_stage_order(st: StepStats, stages=("prepare", "write", "release")):
@@ -272,6 +287,199 @@ def test_stage_error_names_stage_and_task_and_does_not_hang():
     for pipeline in (True, False):
         with pytest.raises(RuntimeError, match=r"stage write of task 1 .*boom"):
             Out(plan_of(tasks), {}, FailingTransport(), {}, pipeline=pipeline, watermark=10).run()
+
+
+# ---------------------------------------------------------------------------------------------
+# writes of several tasks in flight (a fake asynchronous transport)
+
+
+class _Region:
+    n = 0
+
+    def __init__(self, t):
+        self.tensor, self.length, self.key = t, t.nbytes, _Region.n
+        _Region.n += 1
+
+
+class AsyncTransport:
+    """A fake transport whose batches complete when ``complete(i, transport)`` says so (``i``:
+    the batch's post index). Logs every call with its thread (transports are not thread-safe:
+    every call must come from the one write thread)."""
+
+    def __init__(self, complete=lambda i, tr: True, fail=None, gone_pid=None):
+        self.complete, self.fail, self.gone_pid = complete, fail or set(), gone_pid
+        self.log: list[tuple] = []
+        self.threads: set[str] = set()
+        self.registered: set[int] = set()
+        self.deregistered: set[int] = set()
+        self.outstanding = self.max_outstanding = 0
+        self.n_posted = 0
+
+    def _call(self, *ev):
+        self.threads.add(threading.current_thread().name)
+        self.log.append(ev)
+
+    def register(self, t):
+        r = _Region(t)
+        self._call("register", r.key)
+        self.registered.add(r.key)
+        return r
+
+    def deregister(self, r):
+        self._call("deregister", r.key)
+        assert r.key in self.registered and r.key not in self.deregistered
+        self.deregistered.add(r.key)
+
+    def write(self, ops):
+        i = self.n_posted
+        self.n_posted += 1
+        self._call("post", i)
+        self.outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        return AsyncHandle(self, i, sum(op.length for op in ops))
+
+
+class AsyncHandle(WriteHandle):
+    def __init__(self, tr: AsyncTransport, i: int, nbytes: int):
+        self.tr, self.i, self.nbytes, self.finished = tr, i, nbytes, False
+
+    def done(self) -> bool:
+        self.tr._call("poll", self.i)
+        if not self.finished and self.tr.complete(self.i, self.tr):
+            self.finished = True
+            self.tr.outstanding -= 1
+        return self.finished
+
+    def _idle(self) -> None:
+        time.sleep(1e-4)
+
+    def _raise_failure(self) -> None:
+        if self.i in self.tr.fail:
+            self.tr._call("fail", self.i)
+            if self.tr.gone_pid:
+                raise RemoteGoneError(f"process_vm_writev: pid {self.tr.gone_pid} (ESRCH)")
+            raise TransportError(f"batch {self.i}: the NIC reported an error")
+
+    def _timeout_message(self, timeout: float) -> str:
+        self.tr._call("timeout", self.i)
+        return f"fake batch {self.i} not complete after {timeout} s"
+
+
+def writing_tasks(n, temp=10, dst=0):
+    """``n`` tasks of one copy recipe each, writing its 8 output bytes to inference ``dst``."""
+    from reference.types import Assignment, Recipe, WriteSpec
+
+    rec = Recipe("x", (0,), (2,), "float32", (), "copy", ())
+    return [Task(id=i, group=0, sources=(), mesh=(0,), assignments=(Assignment(rec, (WriteSpec(0, dst, 8 * i, 8),)),),
+                 source_bytes=temp, temp_bytes=temp) for i in range(n)]
+
+
+class Outs(Executor):
+    """Prepare makes each assignment's output without sources (a 2-float tensor); ``pause``
+    seconds per prepare."""
+
+    pause = 0.0
+
+    def _prepare(self, w, st, abort=None):
+        if not w.admitted:
+            self._admit(w, abort)
+        t = time.perf_counter()
+        time.sleep(self.pause)
+        w.outputs = [[torch.full((2,), float(w.task.id))] for _ in w.task.assignments]
+        w.rec.stages["prepare"] = (t, time.perf_counter())
+
+
+def _remote(dst=0, pid=4242):
+    from types import SimpleNamespace
+
+    return {dst: SimpleNamespace(pid=pid)}
+
+
+def check_transport_use(tr: AsyncTransport):
+    assert tr.threads == {"rank0-write"}, tr.threads       # one thread touches the transport
+    assert tr.registered == tr.deregistered                 # every region deregistered
+
+
+def test_next_batch_posted_while_earlier_in_flight():
+    """Unbounded watermark: a batch completes only once every batch was posted, so the update
+    finishes only if the write stage posts task k+1 before task k completed."""
+    n = 6
+    tr = AsyncTransport(complete=lambda i, tr: tr.n_posted == n)
+    ex = Outs(plan_of(writing_tasks(n)), {}, tr, _remote(), write_timeout=10)
+    st = ex.run()
+    assert tr.max_outstanding == n and ex._writes.max_in_flight == n
+    assert (st.n_writes, st.bytes_sent) == (n, 8 * n)
+    check_stage_order(st)
+    check_transport_use(tr)
+    w = [r.stages["write"] for r in st.records]
+    assert all(b[0] < a[1] for a, b in zip(w, w[1:]))   # write intervals overlap ...
+    assert st.stage_busy()["write"] == pytest.approx(union_seconds(w))   # ... and busy counts their union
+    assert st.stage_busy()["write"] < sum(b - a for a, b in w)
+
+
+@pytest.mark.parametrize("watermark,most", [(10, 1), (20, 2)])
+def test_watermark_bounds_batches_in_flight(watermark, most):
+    """A task holds its temporary bytes until its batch completed: a watermark of one task
+    (two tasks) keeps at most one (two) batches in flight, even when completion is slow."""
+    polls: dict[int, int] = {}
+
+    def complete(i, tr):  # each batch needs 5 polls
+        polls[i] = polls.get(i, 0) + 1
+        return polls[i] >= 5
+
+    tr = AsyncTransport(complete=complete)
+    ex = Outs(plan_of(writing_tasks(8)), {}, tr, _remote(), watermark=watermark, write_timeout=10)
+    st = ex.run()
+    assert tr.max_outstanding <= most and ex._writes.max_in_flight <= most
+    assert st.n_writes == 8 and st.peak_temp_bytes <= watermark
+    check_transport_use(tr)
+
+
+@pytest.mark.parametrize("how", ["fail", "gone", "timeout"])
+def test_failed_batch_aborts_names_task_posts_nothing_after(how):
+    """Batch 1 fails (a transport error, the receiver gone, or past its timeout): the update
+    raises naming the write stage and task 1 (and for a gone receiver the inference rank); no
+    batch is posted after the failure surfaced; every region is deregistered."""
+    n = 20
+    if how == "timeout":
+        tr = AsyncTransport(complete=lambda i, tr: i != 1)
+    else:
+        tr = AsyncTransport(fail={1}, gone_pid=4242 if how == "gone" else None)
+    ex = Outs(plan_of(writing_tasks(n, dst=3)), {}, tr, _remote(dst=3), write_timeout=0.1)
+    ex.pause = 0.02
+    want = {"fail": r"stage write of task 1 .*NIC reported an error",
+            "gone": r"stage write of task 1 .*RemoteGoneError: inference 3 \(pid 4242\) is gone",
+            "timeout": r"stage write of task 1 .*TimeoutError: fake batch 1 not complete after 0.1 s"}[how]
+    with pytest.raises(RuntimeError, match=want):
+        ex.run()
+    kinds = [e[0] for e in tr.log]
+    surfaced = kinds.index("timeout" if how == "timeout" else "fail")
+    assert "post" not in kinds[surfaced:]
+    assert tr.n_posted < n
+    check_transport_use(tr)
+
+
+def test_serial_keeps_one_batch_in_flight():
+    """``pipeline=False``: each batch is waited for before the next task starts."""
+    polls: dict[int, int] = {}
+
+    def complete(i, tr):
+        polls[i] = polls.get(i, 0) + 1
+        return polls[i] >= 3
+
+    tr = AsyncTransport(complete=complete)
+    st = Outs(plan_of(writing_tasks(5)), {}, tr, _remote(), pipeline=False).run()
+    assert tr.max_outstanding == 1 and st.n_writes == 5
+    assert tr.registered == tr.deregistered
+
+
+def test_stage_busy_is_union_of_intervals():
+    recs = [TaskRecord(0, 0, stages={"write": (0.0, 2.0), "prepare": (0.0, 1.0)}),
+            TaskRecord(1, 0, stages={"write": (1.0, 3.0), "prepare": (1.0, 1.5)}),
+            TaskRecord(2, 0, stages={"write": (5.0, 6.0), "prepare": (2.0, 2.5)})]
+    busy = StepStats(rank=0, records=recs).stage_busy()
+    assert busy == pytest.approx({"write": 4.0, "prepare": 2.0})
+    assert union_seconds([]) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------

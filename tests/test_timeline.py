@@ -83,3 +83,27 @@ def test_analysis_imports_no_transfer_code():
         elif isinstance(node, ast.ImportFrom) and node.module:
             mods.add(node.module.split(".")[0])
     assert not mods & {"reference", "experiments", "baselines", "engines"}, mods
+
+
+def test_overlapping_writes_get_extra_threads():
+    """Writes of several tasks in flight overlap; each thread of the trace carries only
+    non-overlapping events (viewers need them nested), and busy time is the union."""
+    st = StepStats(rank=0, seconds=1.0, t_start=0.0, wall_start=100.0)
+    spans = [(0.0, 0.5), (0.1, 0.6), (0.2, 0.3), (0.55, 0.9)]
+    for i, w in enumerate(spans):
+        r = TaskRecord(task=i, group=0)
+        r.stages["write"] = w
+        st.records.append(r)
+    ev = chrome_trace([st])["traceEvents"]
+    writes = [e for e in ev if e.get("ph") == "X" and e["cat"] == "write"]
+    assert len({e["tid"] for e in writes}) == 3 and writes[0]["tid"] == TRACKS.index("write")
+    by_tid: dict = {}
+    for e in writes:
+        by_tid.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for iv in by_tid.values():
+        iv.sort()
+        assert all(b[0] >= a[1] for a, b in zip(iv, iv[1:]))
+    names = {e["tid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert {names[t] for t in by_tid} == {"write", "write (2)", "write (3)"}
+    assert abs(st.stage_busy()["write"] - 0.9) < 1e-12
+    assert [s for s, _, _ in task_stages(chrome_trace([st]))[(0, 1)]] == ["write"]

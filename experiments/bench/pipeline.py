@@ -6,8 +6,9 @@ every update verified bit-exact):
 1. *Pipelined vs stage-serialized*: the same trial with the executor's stage threads and with
    every stage of a task run before the next task starts; ratio = serialized / pipelined
    update time (p50 over measured updates).
-2. *Overlap efficiency*: per rank and update, the busiest stage's busy time (sum of its task
-   durations, from the recorded timeline) over the rank's update time. 1.0 means the update
+2. *Overlap efficiency*: per rank and update, the busiest stage's busy time (the union of its
+   tasks' intervals, from the recorded timeline: several tasks' writes overlap, a sum would
+   count that time twice) over the rank's update time. 1.0 means the update
    takes exactly as long as its bottleneck stage: everything else is hidden behind it.
 3. *Watermark sweep*: update time and measured peak temporary bytes (planned bytes of tasks in
    flight, and bytes the tasks actually allocated) per watermark value.
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from reference.timeline import union_seconds
+
 from ..config import TrialConfig
 from ..trial import run_trial
 
@@ -40,8 +43,10 @@ STAGE_NAMES = ("h2d", "prepare", "write", "release")
 
 
 def _trace_stats(trace: dict) -> dict[int, dict]:
-    """Per rank: update time and per-stage busy seconds, from a merged Chrome trace."""
+    """Per rank: update time and per-stage busy seconds (the union of the stage's intervals),
+    from a merged Chrome trace."""
     out: dict[int, dict] = {}
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for e in trace["traceEvents"]:
         if e.get("ph") != "X":
             continue
@@ -51,7 +56,9 @@ def _trace_stats(trace: dict) -> dict[int, dict]:
             r["peak_temp_bytes"] = e["args"].get("peak_temp_bytes")
             r["peak_alloc_bytes"] = e["args"].get("peak_alloc_bytes")
         elif e["cat"] in STAGE_NAMES:
-            r[f"busy_{e['cat']}"] += e["dur"] / 1e6
+            spans.setdefault((e["pid"], e["cat"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for (pid, stage), iv in spans.items():  # union, not sum: several tasks' writes overlap
+        out[pid][f"busy_{stage}"] = union_seconds(iv) / 1e6
     for r in out.values():
         busy = {s: r[f"busy_{s}"] for s in STAGE_NAMES}
         r["busiest_stage"] = max(busy, key=busy.get)

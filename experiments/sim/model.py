@@ -59,9 +59,10 @@ STAGES = ("h2d", "prepare", "write", "release")
 
 WRITES_IN_FLIGHT = ("task", "watermark")
 """How many tasks' writes one training rank has in flight (:func:`simulate`'s
-``writes_in_flight``). ``"task"``: one task at a time, as ``reference/executor.py`` runs them
-(its single write thread posts a task's writes as one batch and waits for every completion
-before it takes the next task). ``"watermark"``: as the published executor runs them (Perplexity,
+``writes_in_flight``). ``"task"``: one task at a time, as ``reference/executor.py`` ran them
+before the finding of docs/SIMULATION.md section 3 (and still does with ``pipeline=False``:
+a task's writes posted as one batch, every completion waited for before the next task). Its
+pipelined write stage now keeps several tasks' batches in flight, i.e. ``"watermark"``. ``"watermark"``: as the published executor runs them (Perplexity,
 "Weight Transfer for RL Post-Training in under 2 seconds", 2025-09: a poll loop that starts tasks
 while the temporary bytes stay under the watermark and submits a task's RDMA WRITEs as soon as
 its GPU ops' CUDA event has completed; the writes of earlier tasks are still in flight; fabric-lib's
@@ -211,7 +212,7 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
     temporary bytes (None: unbounded); ``record``: True, or the training ranks whose stage
     runs are kept in ``events`` (a per-stage timeline; all ranks at Kimi-K2 scale is millions
     of tuples). ``writes_in_flight``: :data:`WRITES_IN_FLIGHT` -- ``"task"`` (this project's
-    executor: one task's writes at a time per rank) or ``"watermark"`` (the published
+    executor's old write stage: one task's writes at a time per rank) or ``"watermark"`` (the published
     executor: every prepared task's writes are posted at once, only the watermark bounds them).
     Raises ValueError on an unknown ``writes_in_flight``. Deterministic."""
     if writes_in_flight not in WRITES_IN_FLIGHT:
