@@ -472,12 +472,12 @@ def test_writes_in_flight_task_vs_watermark():
     task = model.simulate(sched, tm, hw, watermark=wm, record=True)
     over = model.simulate(sched, tm, hw, watermark=wm, record=True, writes_in_flight="watermark")
     waited = overlapped = 0
-    for r, lst in _write_spans(task).items():
+    for lst in _write_spans(task).values():
         lst.sort(key=lambda x: x[2])
         for (_, _, _, e0), (_, _, s1, _) in zip(lst, lst[1:]):
             assert s1 >= e0 - 1e-15                      # one task's writes at a time
         waited += sum(1 for _, pe, ws, _ in lst if ws > pe + 1e-12)
-    for r, lst in _write_spans(over).items():
+    for lst in _write_spans(over).values():
         assert all(ws == pytest.approx(pe, abs=1e-15) for _, pe, ws, _ in lst)  # posted at prepare end
         lst.sort(key=lambda x: x[2])
         overlapped += sum(1 for (_, _, _, e0), (_, _, s1, _) in zip(lst, lst[1:]) if s1 < e0 - 1e-12)
