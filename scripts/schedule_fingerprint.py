@@ -11,10 +11,14 @@ by ``experiments/sim/metadata.py``, as ``python -m experiments simulate`` plans 
 ``main_job_default``, the README's main job (``experiments/config.py``: Qwen3-30B-A3B's
 architecture, 2 layers, 32 experts, 2 FSDP2 ranks ``Shard(dim=0)`` -> TP=2 block FP8).
 
+A name ending in ``@gather-all`` plans with ``local_writes=False`` (``--gather-all``: every
+source gathered with ``full_tensor()``); without it, shard-local prepare (the default).
+
 Usage::
 
     python scripts/schedule_fingerprint.py                 # the default set (Kimi-K2 takes ~10 s, 2 GB each)
-    python scripts/schedule_fingerprint.py tiny_qwen3_moe_2x2 main_job_default
+    python scripts/schedule_fingerprint.py tiny_qwen3_moe_2x2 main_job_default@gather-all
+    python scripts/schedule_fingerprint.py --all           # every config, shard-local and gather-all
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ def inputs(name: str):
     cfg = get_config(name)
     mcfg = load_config(cfg.model, **cfg.overrides)
     tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
-                              offloaded=cfg.offloaded)
+                              offloaded=cfg.offloaded, moe_width=cfg.moe_width)  # as experiments.sim.run.build
     dm = metadata.dest_metas(mcfg, cfg.layout)
     return build_recipes(mcfg, cfg.layout), tm, dm, {"max_chunk_bytes": cfg.max_chunk_bytes}
 
@@ -99,10 +103,24 @@ def fingerprint(sched) -> str:
     return h.hexdigest()
 
 
+GATHER_ALL = "@gather-all"
+
+
+def all_names() -> list[str]:
+    """Every configuration this script plans, each shard-local and ``@gather-all``."""
+    from experiments.sim.configs import CONFIGS
+
+    return [n + sfx for n in ("main_job_default", *CONFIGS) for sfx in ("", GATHER_ALL)]
+
+
 def main(argv: list[str]) -> int:
-    for name in argv or DEFAULT:
+    names = all_names() if argv == ["--all"] else argv or list(DEFAULT)
+    for name in names:
         t0 = time.perf_counter()
-        rs, tm, dm, kw = inputs(name)
+        gather_all = name.endswith(GATHER_ALL)
+        rs, tm, dm, kw = inputs(name.removesuffix(GATHER_ALL))
+        if gather_all:
+            kw["local_writes"] = False
         sched = plan(rs, tm, dm, **kw)
         t1 = time.perf_counter()
         fp = fingerprint(sched)

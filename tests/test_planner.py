@@ -280,6 +280,75 @@ def test_fast_constructors_equal_the_dataclass_ones():
     assert a == Assignment(rec, (w,)) and a.nbytes == 4
     t = _task(7, 1, ("x",), (0, 1), (a,), 10, 14, ())
     assert t == Task(7, 1, ("x",), (0, 1), (a,), 10, 14) and t.send_bytes == 4
+    from reference.plan.fast import _piece, _recipe
+    from reference.types import Piece, Recipe
+
+    pc = _piece("a", ((0, 2), (0, 3)), ((1, 3), (0, 3)))
+    want = Piece("a", ((0, 2), (0, 3)), ((1, 3), (0, 3)))
+    assert pc == want and type(pc) is Piece and hash(pc) == hash(want)
+    fields = (rec.name, rec.ranks, rec.shape, rec.assembled_dtype, rec.pieces, rec.transform, rec.outputs)
+    r2 = _recipe(*fields)
+    assert r2 == Recipe(*fields) == rec and type(r2) is Recipe and repr(r2) == repr(rec)
+
+
+def test_sender_choice_equals_the_policy():
+    """The local tasks' sender choice (:func:`_pick`, and its inline first step) is
+    :func:`_least_loaded` -- ties on bytes sent included -- on random loads."""
+    import random
+    from array import array
+    from operator import itemgetter
+
+    from reference.plan.schedule import _least_loaded, _pick
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(2, 40)
+        send = array("q", [rng.choice((0, 5, 7, 7, rng.randint(0, 9))) for _ in range(n)])
+        pl = array("q", [rng.choice((0, 1, 1, rng.randint(0, 3))) for _ in range(n)])
+        cands = tuple(sorted(rng.sample(range(n), rng.randint(2, n))))
+        assert _pick(cands, itemgetter(*cands), send, pl) == _least_loaded(cands, send, pl)
+
+
+def test_row_owners_equal_reading_every_record():
+    """:func:`reference.plan.owners.row_owners` against reading each record one by one: two
+    name sequences (HSDP non-experts on every rank, experts on sub-meshes), an empty shard,
+    a column-sharded and a 0-d parameter (no owners)."""
+    from reference.plan.owners import local_offset, row_owners
+    from reference.plan.sources import _index_sources
+    from reference.types import ParamMeta
+
+    def meta(name, shape, mesh, pl, off, loc):
+        return ParamMeta(name=name, global_shape=shape, dtype="bfloat16", mesh_ranks=mesh, placements=pl,
+                         local_offset=off, local_shape=loc)
+
+    full, col0, col1 = ((0, 1), (2, 3)), (0, 2), (1, 3)
+    metas = {}
+    for r in range(4):
+        j = r % 2  # HSDP: rows split over the 2 ranks of a node, replicated across nodes
+        ms = [meta("w", (8, 4), full, ("Replicate()", "Shard(dim=0)"), (4 * j, 0), (4, 4)),
+              meta("odd", (3, 4), full, ("Replicate()", "Shard(dim=0)"), (2 * j, 0), (2 - j, 4)),
+              meta("c", (4, 8), full, ("Replicate()", "Shard(dim=1)"), (0, 4 * j), (4, 4)),
+              meta("s", (), full, ("Replicate()", "Replicate()"), (), ())]
+        ms += [meta(f"e{e}", (6, 2), col0 if e % 2 == 0 else col1, ("Shard(dim=0)",), (3 * (r // 2), 0), (3, 2))
+               for e in range(4) if e % 2 == j]
+        ms += [meta("tiny", (1, 2), full, ("Replicate()", "Shard(dim=0)"), (min(j, 1), 0), (1 - j, 2))]
+        metas[r] = ms
+    ix = _index_sources(metas)
+    names = {m.name for ms in metas.values() for m in ms}
+    owners, keys = row_owners(ix, names)
+    want: dict = {}
+    for r in sorted(metas):
+        for m in metas[r]:
+            if m.global_shape and set(m.placements) <= {"Shard(dim=0)", "Replicate()"} and m.local_shape[0] > 0 \
+                    and all(m.local_shape):
+                want.setdefault(m.name, []).append((m.local_offset[0], m.local_offset[0] + m.local_shape[0], r))
+    assert owners == want
+    assert "c" not in keys and "s" not in keys and "tiny" in keys and "tiny" in owners
+    for a in keys:
+        for b in keys:
+            assert (keys[a] == keys[b]) == (owners.get(a) == owners.get(b)), (a, b)
+    assert keys["e0"] == keys["e2"] != keys["e1"]
+    assert all(local_offset(ix, m.name, r) == m.local_offset[0] for r, ms in metas.items() for m in ms if m.global_shape)
 
 
 def _same_schedule(a, b):

@@ -5,7 +5,8 @@ what order. Computed once, read in one direction:
   byte is made of (:func:`build_recipes`, a :class:`RecipeSet`);
 - :mod:`.checks` (and :mod:`.sources`): every check, before a schedule is returned;
 - :mod:`.schedule`: the tasks and writes, one sender policy; :mod:`.local`: which recipes
-  the ranks make from their own shards (shard-local prepare) and which need ``full_tensor()``.
+  the ranks make from their own shards (shard-local prepare) and which need ``full_tensor()``,
+  from :mod:`.owners`: which training rank holds which rows.
 
 The plan's types (:class:`~reference.types.Schedule`, :class:`~reference.types.RankPlan`,
 :class:`~reference.types.Task`, :class:`~reference.types.Assignment`,

@@ -59,6 +59,29 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
     several ranks (see the module docstring). Bands are as few as possible: consecutive
     stretches held by a common rank stay one band. Bands of a quantized recipe along a
     quantized dimension start and end on 128-row boundaries (or the tensor's end)."""
+    cut = _cut(rec, owners, mesh)
+    if cut is None:
+        return None
+    kind, x = cut
+    if kind == "whole":
+        return [(rec, x)]
+    if kind == "slots":
+        out = []
+        for part in split_recipe_bands(rec, x):
+            sub = localize_recipe(part, owners, mesh)
+            if sub is None:
+                return None
+            out += sub
+        return out
+    parts = split_recipe_bands(rec, [(a, b) for a, b, _ in x])
+    return [(part, h) for part, (_, _, h) in zip(parts, x)]
+
+
+def _cut(rec: Recipe, owners: Owners, mesh: frozenset[int]):
+    """Where :func:`localize_recipe` cuts ``rec`` along its split dim: None (gather it),
+    ``("whole", holders)`` (some rank holds all of it), ``("bands", [(first row, end row,
+    holders)])``, or ``("slots", [(first row, end row)])`` (cut between expert slots, each part
+    localized on its own). A function of what :func:`_shape_key` covers only."""
     hs = []
     for p in rec.pieces:
         h = _holders(p, owners, mesh)
@@ -67,7 +90,7 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
         hs.append(h)
     common = frozenset.intersection(*hs) if hs else mesh
     if common:
-        return [(rec, common)]
+        return ("whole", common)
     if not rec.shape:
         return None
     d = split_dim(rec)
@@ -95,15 +118,9 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
     atoms = sorted(c for c in cuts if 0 <= c <= n)
     bands = list(zip(atoms, atoms[1:]))
     if slot_dim:
-        out = []
-        for part in split_recipe_bands(rec, bands):
-            sub = localize_recipe(part, owners, mesh)
-            if sub is None:
-                return None
-            out += sub
-        return out
+        return ("slots", bands)
     # holders of each atomic band, then merge consecutive atoms while a rank holds them all
-    atom_h = []
+    merged: list[tuple[int, int, frozenset[int]]] = []
     for a, b in bands:
         h = mesh
         for p in rec.pieces:
@@ -115,9 +132,6 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
             h = h & frozenset(r for oa, ob, r in owners[p.source] if oa <= sa and sb <= ob)
         if not h:
             return None
-        atom_h.append(h)
-    merged: list[tuple[int, int, frozenset[int]]] = []
-    for (a, b), h in zip(bands, atom_h):
         if merged and merged[-1][2] & h:
             a0, _, h0 = merged[-1]
             merged[-1] = (a0, b, h0 & h)
@@ -125,8 +139,7 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
             merged.append((a, b, h))
     if _block_dim(rec, d) and any(a % QUANT_BLOCK for a, _, _ in merged):
         return None  # rows change hands inside a quantization block: gather
-    parts = split_recipe_bands(rec, [(a, b) for a, b, _ in merged])
-    return [(part, h) for part, (_, _, h) in zip(parts, merged)]
+    return ("bands", merged)
 
 
 def _shape_key(rec: Recipe, owners: Owners, mesh: frozenset[int], owner_keys: dict) -> tuple:
@@ -147,35 +160,70 @@ def _shape_key(rec: Recipe, owners: Owners, mesh: frozenset[int], owner_keys: di
 
 
 def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], min_bytes: int = 0,
-                   cache: dict | None = None) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
+                   cache: dict | None = None, owner_keys: dict | None = None,
+                   ) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
     """Split a fusion group into (local bands with their candidate senders, recipes to gather).
 
     Each recipe is localized whole or not at all (:func:`localize_recipe`); a recipe whose
     output is under ``min_bytes`` is localized only when one rank holds all of it (no cut).
     Candidate senders are sorted rank tuples. ``cache``: a dict kept across the calls of one
-    plan (it must not outlive ``owners``); recipes refused once (:func:`_shape_key`) are
-    refused again without cutting (at Kimi-K2 scale the expert recipes of a layout whose
-    shards are not 128-row aligned would otherwise each be cut and recursed into)."""
+    plan (it must not outlive ``owners``): where a recipe is cut (:func:`_cut`) is decided
+    once per :func:`_shape_key` -- thousands of Kimi-K2 experts share one -- and only the
+    cutting itself (:func:`~reference.transforms.split_recipe_bands`) is done per recipe.
+    ``owner_keys``: source name -> a key equal for two names only when their ``owners`` lists
+    are (:func:`reference.plan.owners.row_owners` gives one); by default the lists themselves."""
     ms = frozenset(mesh)
     local, gathered = [], []
-    refused = owner_keys = None
+    cuts = None
     if cache is not None:
-        refused = cache.setdefault("refused", set())
-        owner_keys = cache.setdefault("owner_keys", {})
+        cuts = cache.setdefault("cuts", {})
+        if owner_keys is None:
+            owner_keys = cache.setdefault("owner_keys", {})
     for rec in group:
         if has_runtime_layout(rec):  # an engine's runtime layout: made whole
             gathered.append(rec)
             continue
-        if refused is not None:
+        if cuts is None:
+            v = _verdict(rec, owners, ms)
+        else:
             key = _shape_key(rec, owners, ms, owner_keys)
-            if key in refused:
+            v = cuts.get(key, _UNSEEN)
+            if v is _UNSEEN:
+                v = cuts[key] = _verdict(rec, owners, ms)
+        if v is None:
+            gathered.append(rec)
+            continue
+        kind, x, cands = v
+        if kind == "whole":
+            local.append((rec, cands))
+            continue
+        if kind == "slots":
+            bands = localize_recipe(rec, owners, ms)
+            if bands is None or (len(bands) > 1 and rec.output_nbytes < min_bytes):
                 gathered.append(rec)
-                continue
-        bands = localize_recipe(rec, owners, ms)
-        if bands is None and refused is not None:
-            refused.add(key)
-        if bands is None or (len(bands) > 1 and rec.output_nbytes < min_bytes):
+            else:
+                local.extend((part, tuple(sorted(h))) for part, h in bands)
+            continue
+        if len(x) > 1 and rec.output_nbytes < min_bytes:
             gathered.append(rec)
         else:
-            local.extend((part, tuple(sorted(h))) for part, h in bands)
+            local.extend(zip(split_recipe_bands(rec, x), cands))
     return local, gathered
+
+
+_UNSEEN = object()
+
+
+def _verdict(rec: Recipe, owners: Owners, mesh: frozenset[int]):
+    """:func:`_cut` as :func:`localize_group` uses it: None, ``("whole", None, candidates)``,
+    ``("bands", [(a, b)], [candidates])`` or ``("slots", None, None)``; candidates are sorted
+    rank tuples."""
+    cut = _cut(rec, owners, mesh)
+    if cut is None:
+        return None
+    kind, x = cut
+    if kind == "whole":
+        return ("whole", None, tuple(sorted(x)))
+    if kind == "slots":
+        return ("slots", None, None)
+    return ("bands", [(a, b) for a, b, _ in x], [tuple(sorted(h)) for _, _, h in x])

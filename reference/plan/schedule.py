@@ -21,6 +21,7 @@ from __future__ import annotations
 from array import array
 from bisect import insort
 from collections import defaultdict, deque
+from functools import partial
 from heapq import heapify, heappop, heappush
 from itertools import filterfalse, repeat
 from operator import attrgetter, itemgetter
@@ -30,10 +31,8 @@ from ..layouts import has_runtime_layout
 from ..quant import QUANT_BLOCK
 from ..transforms import split_dim, split_recipe
 from ..types import (
-    Assignment,
     DestTensorMeta,
     ParamMeta,
-    Piece,
     PlanError,
     RankPlan,
     Recipe,
@@ -43,8 +42,9 @@ from ..types import (
     box_flat_range,
     itemsize,
 )
-from .fast import _assignment, _task, new_write
+from .fast import _assignment, _piece, _recipe, _task, new_write
 from .local import localize_group
+from .owners import local_offset, row_owners
 from .recipes import RecipeSet, fusion_groups
 from .sources import _SourceIndex
 
@@ -63,8 +63,8 @@ class _TaskDef(NamedTuple):
     """its recipes, cut into row bands"""
     candidates: list[tuple[int, ...]] | None
     """a local task: per recipe, the ranks holding all its rows (else None: gathered)"""
-    out_bytes: list[int] | None
-    """a gathered task: per recipe, its output bytes per receiving rank (else None)"""
+    out_bytes: list[int]
+    """per recipe, its output bytes per receiving rank"""
 
 
 def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
@@ -102,39 +102,17 @@ def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]
     return [(r, r.output_nbytes) for r in split_recipe(recipe, max_rows)]
 
 
-_ROW_PLACEMENTS = frozenset({"Shard(dim=0)", "Replicate()"})
-
-
-def _owners(views: dict[int, tuple[dict[str, int], list[ParamMeta]]], sources: dict[str, ParamMeta], names: set[str]):
-    """For the parameters in ``names`` whose placements only cut dim 0 (``Shard(0)`` /
-    ``Replicate``: a shard is a row range): name -> [(first row, end row, rank)] of the
-    non-empty shards, and (name, rank) -> first row of that rank's shard. ``views``: per rank,
-    (name -> position, metas) from :func:`_index_sources`; only those names are looked up
-    (at Kimi-K2 scale a few hundred names on 256 ranks, not 2.4 million records)."""
-    ok = [n for n in sources if n in names and set(sources[n].placements) <= _ROW_PLACEMENTS
-          and sources[n].global_shape]
-    owners: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
-    offsets: dict[tuple[str, int], int] = {}
-    present: dict[int, list[tuple[str, int]]] = {}  # id(position dict) -> [(name, position)] (shared per sequence)
-    for r, (pos, ms) in views.items():
-        at = present.get(id(pos))
-        if at is None:
-            at = present[id(pos)] = [(n, pos[n]) for n in ok if n in pos]
-        for n, i in at:
-            m = ms[i]
-            a = m.local_offset[0]
-            offsets[(n, r)] = a
-            if m.local_shape[0] > 0 and all(m.local_shape):
-                owners[n].append((a, a + m.local_shape[0], r))
-    return owners, offsets
-
-
 def _rebase(rec: Recipe, offsets: dict[str, int]) -> Recipe:
     """``rec`` with every piece's source rows shifted into the sender's local shard."""
-    pieces = tuple(p if p.source is None else
-                   Piece(p.source, ((p.src_box[0][0] - offsets[p.source], p.src_box[0][1] - offsets[p.source]),)
-                         + tuple(p.src_box[1:]), p.dst_box) for p in rec.pieces)
-    return Recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, pieces, rec.transform, rec.outputs)
+    pieces = []
+    for p in rec.pieces:
+        if p.source is None:
+            pieces.append(p)
+            continue
+        o = offsets[p.source]
+        (a, b), *rest = p.src_box
+        pieces.append(_piece(p.source, ((a - o, b - o), *rest), p.dst_box))
+    return _recipe(rec.name, rec.ranks, rec.shape, rec.assembled_dtype, tuple(pieces), rec.transform, rec.outputs)
 
 
 def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
@@ -161,43 +139,89 @@ def _least_loaded(cands, send, pl) -> int:
     (``send[r]``), ties to the one that sends least to this receiver (``pl[r]``), then the lowest
     rank. The busiest NIC sets the time, so every write goes to the least-busy candidate.
 
-    Local tasks call it directly (their candidates differ per band: the ranks holding its rows).
-    A gathered task's writes can go to any rank of the mesh; :func:`_schedule` finds the same
-    argmin over the mesh with buckets of ranks by bytes sent, kept across the tasks of a mesh
-    (``min`` over 256 ranks per write would cost about half the plan at Kimi-K2 scale)."""
+    This is the definition; the schedule finds the same argmin faster. Local tasks
+    (:func:`_assign_local`: candidates differ per band, the ranks holding its rows) read the
+    candidates' loads with one ``itemgetter`` call and compare receivers only on a tie. A
+    gathered task's writes can go to any rank of the mesh; :func:`_schedule` keeps buckets of
+    ranks by bytes sent across the tasks of a mesh (``min`` over 256 ranks per write would cost
+    about half the plan at Kimi-K2 scale). ``tests/test_planner.py`` checks both against this."""
     return min(cands, key=lambda r: (send[r], pl[r], r))
 
 
-def _assign_local(tid, group, mesh, recs, cands, send, pair, recv, by_rank, layout_of, per_rank, local_off) -> None:
+def _pick(cands, get, send, pl) -> int:
+    """:func:`_least_loaded` of ``cands`` (ascending ranks, two or more; ``get`` is
+    ``itemgetter(*cands)``): the first rank sending the fewest bytes, unless another sends as
+    few -- then the least to this receiver (``pl``), then the lowest rank."""
+    ss = get(send)
+    m = min(ss)
+    i = ss.index(m)
+    if ss.count(m) == 1:
+        return cands[i]
+    ps = get(pl)
+    best, bp = i, ps[i]
+    for k in range(i + 1, len(ss)):
+        if ss[k] == m and ps[k] < bp:
+            best, bp = k, ps[k]
+    return cands[best]
+
+
+def _assign_local(tid, group, mesh, recs, nbs, cands, send, pair, recv, by_rank, layout_of, per_rank, offset_of) -> None:
     """Assign a local task's writes: each (band, receiver), largest first, to
-    :func:`_least_loaded` of the ranks holding the band's rows; recipes are rebased into the
-    sender's local coordinates. Updates ``send``, ``pair``, ``recv`` and appends one
-    :class:`Task` per sending rank to ``per_rank``."""
+    :func:`_least_loaded` of the ranks holding the band's rows (:func:`_pick`); recipes are
+    rebased into the sender's local coordinates (``offset_of(source, rank)``: its shard's
+    first row; a band rebased once per distinct shard offsets). Updates ``send``, ``pair``
+    (int64 arrays indexed by training rank), ``recv`` and appends one :class:`Task` per sending
+    rank to ``per_rank``. ``nbs``: per band, its output bytes per receiving rank."""
     mine: dict[int, dict[int, list[WriteSpec]]] = defaultdict(dict)
-    nbs = [rec.output_nbytes for rec in recs]  # once per band (it walks the outputs' boxes)
-    items = sorted((-nbs[ri], ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks)
+    items = sorted([(-nbs[ri], ri, dst) for ri, rec in enumerate(recs) for dst in rec.ranks])
     spans: dict[tuple[int, int], tuple] = {}  # (band, layout id) -> its writes' (output, offset, bytes)
+    getters: dict[tuple[int, ...], itemgetter] = {}
     for negb, ri, dst in items:
-        nbytes = -negb
         pl = pair[dst]
-        sender = _least_loaded(cands[ri], send, pl)
-        send[sender] += nbytes
-        pl[sender] += nbytes
-        recv[dst] += nbytes
+        c = cands[ri]
+        if len(c) == 1:
+            sender = c[0]
+        else:  # _pick, inline
+            get = getters.get(c)
+            if get is None:
+                get = getters[c] = itemgetter(*c)
+            ss = get(send)
+            m = min(ss)
+            i = ss.index(m)
+            if ss.count(m) == 1:
+                sender = c[i]
+            else:
+                sender = _pick(c, get, send, pl)
+        send[sender] -= negb
+        pl[sender] -= negb
+        recv[dst] -= negb
         key = (ri, layout_of[dst])
         sp = spans.get(key)
         if sp is None:
             sp = spans[key] = _spans(recs[ri], by_rank[dst])
-        mine[sender].setdefault(ri, []).extend([new_write((oi, dst, off, ln)) for oi, off, ln in sp])
+        got = mine[sender].get(ri)
+        if got is None:
+            got = mine[sender][ri] = []
+        if len(sp) == 1:
+            (o0, f0, l0), = sp
+            got.append(new_write((o0, dst, f0, l0)))
+        else:
+            got.extend([new_write((oi, dst, off, ln)) for oi, off, ln in sp])
+    rebased: dict[tuple, Recipe] = {}
+    srcs_of = [tuple(p.source for p in rec.pieces if p.source is not None) for rec in recs]
+    mesh_t = tuple(mesh)
     for r in sorted(mine):
         assigns = []
-        for ri in sorted(mine[r]):
-            rec = recs[ri]
-            offs = {p.source: local_off[(p.source, r)] for p in rec.pieces if p.source is not None}
-            assigns.append(Assignment(_rebase(rec, offs), tuple(mine[r][ri])))
-        used = tuple(dict.fromkeys(p.source for a in assigns for p in a.recipe.pieces if p.source is not None))
-        out_bytes = sum([nbs[ri] for ri in mine[r]])
-        per_rank[r].append(Task(tid, group, (), tuple(mesh), tuple(assigns), 0, out_bytes, used))
+        got = mine[r]
+        for ri in sorted(got):
+            offs = tuple([offset_of(x, r) for x in srcs_of[ri]])
+            rec = rebased.get((ri, offs))
+            if rec is None:
+                rec = rebased[(ri, offs)] = _rebase(recs[ri], dict(zip(srcs_of[ri], offs)))
+            assigns.append(_assignment(rec, tuple(got[ri])))
+        used = tuple(dict.fromkeys(x for ri in sorted(got) for x in srcs_of[ri]))
+        out_bytes = sum([nbs[ri] for ri in got])
+        per_rank[r].append(_task(tid, group, (), mesh_t, tuple(assigns), 0, out_bytes, used))
 
 
 def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
@@ -205,14 +229,15 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
               local_writes: bool, local_min_bytes: int) -> Schedule:
     """Build the schedule (steps 2-4 of the module docstring) from checked, or concurrently
     checked, inputs: on inputs the checks would refuse it may raise anything."""
-    sources, views = ix.first, ix.views
+    sources = ix.first
 
     groups = fusion_groups(recipes.recipes)
     order = {n: i for i, n in enumerate(sources)}
     all_sources = {p.source for r in recipes.recipes for p in r.pieces if p.source is not None} if local_writes else set()
-    owners, local_off = _owners(views, sources, all_sources)
+    owners, owner_keys = row_owners(ix, all_sources)
     flat_of: dict[tuple, tuple[int, ...]] = {}
     local_cache: dict = {}  # localize_group's verdicts, shared by recipes of one shape (experts)
+    offset_of = partial(local_offset, ix)
 
     def mesh_flat(name: str) -> tuple[int, ...]:
         m = sources[name].mesh_ranks
@@ -229,7 +254,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
         if local_writes and srcs:
-            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache)
+            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache, owner_keys)
         else:
             loc, gat = [], g
         if gat:  # only the recipes that need rows of several ranks; their sources are gathered
@@ -239,13 +264,15 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
             task_defs.append(_TaskDef(gsrcs, mesh, [c for c, _ in parts], None, [nb for _, nb in parts]))
         if loc:
             parts = [(c, nb, cand) for r, cand in loc for c, nb in _split_big(r, max_chunk_bytes)]
-            task_defs.append(_TaskDef(srcs, mesh, [c for c, _, _ in parts], [cand for _, _, cand in parts], None))
+            task_defs.append(_TaskDef(srcs, mesh, [c for c, _, _ in parts], [cand for _, _, cand in parts],
+                                      [nb for _, nb, _ in parts]))
 
     gid = mesh_groups([t.mesh for t in task_defs])
     task_defs.sort(key=lambda t: (gid[t.mesh], order[t.sources[0]] if t.sources else -1))
 
-    send = defaultdict(int, {r: 0 for r in train_metas})
     n_slots = 1 + max([*train_metas, *(r for m in {t.mesh for t in task_defs} for r in m)], default=0)
+    send = array("q", bytes(8 * n_slots))
+    """training rank -> bytes it sends so far (int64, indexed by rank: read by ``itemgetter``)"""
     pair: dict[int, array] = {d: array("q", bytes(8 * n_slots)) for d in dest_metas}
     """dst -> bytes each training rank sends to it, indexed by training rank (int64 arrays: the
     sender choice reads ~20 per write, and inline values stay in cache where list items, ints
@@ -263,7 +290,8 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     gather_bytes = 0
     for tid, (srcs, mesh, recs, cands, rec_bytes) in enumerate(task_defs):
         if cands is not None:
-            _assign_local(tid, gid[mesh], mesh, recs, cands, send, pair, recv, by_rank, layout_of, per_rank, local_off)
+            _assign_local(tid, gid[mesh], mesh, recs, rec_bytes, cands, send, pair, recv, by_rank, layout_of, per_rank,
+                          offset_of)
             mesh_state.pop(mesh, None)  # its ranks' loads changed outside the buckets
             continue
         src_bytes = 0
@@ -360,4 +388,5 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
 
     n_groups = len(set(gid.values()))
     rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted(set(map(_GROUP, ts)))), n_groups) for r, ts in per_rank.items()}
-    return Schedule(rank_plans, dict(send), dict(recv), len(task_defs), n_groups, gather_bytes)
+    # every mesh rank published (checked), so the senders are training ranks
+    return Schedule(rank_plans, {r: send[r] for r in train_metas}, dict(recv), len(task_defs), n_groups, gather_bytes)
