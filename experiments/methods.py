@@ -32,3 +32,20 @@ def get_method(name: str):
         raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}, or 'module:'") from None
     m = importlib.import_module(mod)
     return getattr(m, c), getattr(m, t), getattr(m, i)
+
+
+def serve_active_step(client, side, step: int) -> bool:
+    """One update of an *active* inference side (a baseline that receives: funnel, RPC): wait for
+    the controller's go for ``step``, run ``side.receive(step)`` and report its stats, or the
+    error (``Type: message``, traceback on stderr) so the controller fails the update naming this
+    rank instead of waiting for it. Returns False when the job is shutting down (no go came)."""
+    import traceback
+
+    if not client.wait_go(step):
+        return False
+    try:
+        client.done(step, ok=True, stats=side.receive(step))
+    except Exception as e:  # noqa: BLE001 -- reported to the controller, which fails the update
+        traceback.print_exc()
+        client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
+    return True

@@ -142,7 +142,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
     from engines.vllm.verify import compare_snapshots, fixed_prompts, snapshot
     from reference.method import InferenceContext
 
-    from .methods import get_method
+    from .methods import get_method, serve_active_step
 
     tp = cfg.tp
     ranks = [instance * tp + t for t in range(tp)]
@@ -193,14 +193,9 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
         if store.check(["shutdown"]) and not store.check([key]):
             break
         if side is not None:  # a baseline takes part in the update (vLLM's own loading path)
-            client = clients[ranks[0]]
-            if not client.wait_go(step):
-                break
             try:
-                client.done(step, ok=True, stats=side.receive(step))
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
+                if not serve_active_step(clients[ranks[0]], side, step):
+                    break
             finally:
                 loader.end()
         v = clients[ranks[0]].wait_version_after(last)

@@ -18,6 +18,7 @@ from reference import control
 from reference.training import build_fsdp_model, collect_metas, load_step, named_dtensors
 
 from .config import TrialConfig
+from .methods import serve_active_step
 
 
 def log(prefix: str, msg: str) -> None:
@@ -242,13 +243,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
         last, step = -1, 1
         while True:
             if side.active:
-                if not client.wait_go(step):
+                if not serve_active_step(client, side, step):
                     break
-                try:
-                    client.done(step, ok=True, stats=side.receive(step))
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
                 step += 1
             v = client.wait_version_after(last)
             if v is None:
