@@ -7,7 +7,7 @@ latest row of each method):
   physical floor and the published figure, log scale, seconds;
 - ``results/sim_<config>_stages.png``: each method's per-stage busy time (seconds; the busiest
   rank's for the reference, summed over tensors for the baselines);
-- ``results/sim_<config>_gantt.png`` from ``results/sim_<config>_gantt.csv`` (written by
+- ``results/sim_<config>_gantt.png`` from ``results/sim_<config>_gantt.csv.gz`` (written by
   ``simulate``): the simulated per-stage timeline of a few training ranks, one lane per
   (rank, stage), bars colored by mesh group -- the shape of the published profile;
 - ``results/sim_kimi_map.png`` from ``results/sim_kimi_map.csv`` (``simulate --map``):
@@ -122,7 +122,7 @@ def plot_gantt(csv: str | Path, out: str | Path | None = None) -> Path:
     ax.set_title(f"{cfg}: simulated per-stage timeline, {what}\n(cost model, not a measurement; overlapping "
                  f"write bars are tasks in flight together)", fontsize=9)
     fig.tight_layout()
-    out = Path(out) if out else Path(csv).with_suffix(".png")
+    out = Path(out) if out else Path(str(csv).removesuffix(".gz")).with_suffix(".png")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -192,7 +192,7 @@ if __name__ == "__main__":
     csv = Path(sys.argv[1]) if sys.argv[1:] else CSV
     for p in plot_simulation(csv):
         print(p)
-    for g in sorted(csv.resolve().parent.glob("sim_*_gantt.csv")):
+    for g in sorted(csv.resolve().parent.glob("sim_*_gantt.csv.gz")):
         print(plot_gantt(g))
     for m in sorted(csv.resolve().parent.glob("sim_*_map.csv")):
         print(plot_map(m, full=csv))

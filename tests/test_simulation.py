@@ -336,7 +336,7 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     base = sens.base_seconds.iloc[0]
     nic = sens[sens.parameter == "nic_gbps"].set_index("factor").seconds
     assert nic[0.5] > base > nic[2.0]                      # the NIC-bound tiny world follows the NIC rate
-    g = pd.read_csv(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv")
+    g = pd.read_csv(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv.gz")
     assert set(g["rank"]) == {0, 1, 2, 3} and (g.end >= g.start).all() and set(g.stage) >= {"prepare", "write", "release"}
     assert set(g.method) == {"reference", "overlapped_writes"} and set(sens.writes_in_flight) == {"watermark"}
     for m in ("reference", "overlapped_writes"):
@@ -346,7 +346,7 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     assert ref.recv_min_bytes <= ref.recv_median_bytes <= ref.recv_max_bytes and ref.recv_max_bytes > 0
     from analysis.simulation import plot_gantt
 
-    assert plot_gantt(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv").exists()
+    assert plot_gantt(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv.gz").exists()
 
 
 def test_sglang_pp_broadcast_and_ckpt_engine_hand_computed():
