@@ -89,6 +89,16 @@ def plot_simulation(csv: str | Path = CSV, out_dir: str | Path | None = None) ->
 STAGE_ORDER = ("h2d", "prepare", "write", "release")
 
 
+def _save(fig, csv: str | Path, out: str | Path | None) -> Path:
+    """Write ``fig`` to ``out``, or next to ``csv`` as ``<stem>.png`` (a ``.csv.gz`` loses both
+    suffixes), at 110 dpi, and close it. Returns the PNG's path."""
+    fig.tight_layout()
+    out = Path(out) if out else Path(str(csv).removesuffix(".gz")).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_gantt(csv: str | Path, out: str | Path | None = None) -> Path:
     """One simulated update of a few training ranks over time: a lane per (rank, stage),
     one bar per task, colored by mesh group (seconds from "go")."""
@@ -121,11 +131,7 @@ def plot_gantt(csv: str | Path, out: str | Path | None = None) -> Path:
             else "one task's writes in flight (this project's executor)")
     ax.set_title(f"{cfg}: simulated per-stage timeline, {what}\n(cost model, not a measurement; overlapping "
                  f"write bars are tasks in flight together)", fontsize=9)
-    fig.tight_layout()
-    out = Path(out) if out else Path(str(csv).removesuffix(".gz")).with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, csv, out)
 
 
 def plot_map(csv: str | Path, out: str | Path | None = None, published=(1.2, 1.3), full: str | Path | None = None) -> Path:
@@ -181,11 +187,7 @@ def plot_map(csv: str | Path, out: str | Path | None = None, published=(1.2, 1.3
     ax.set_title(f"{df.model.iloc[0]}, 256 -> 128 GPUs, {df.hardware.iloc[0]} (simulated)\n"
                  f"red: floor <= {published[1]} s, so the published {published[0]}-{published[1]} s is reachable; "
                  f"pred.: full-size prediction; hatched: weights exceed GPU memory", fontsize=8)
-    fig.tight_layout()
-    out = Path(out) if out else Path(csv).with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, csv, out)
 
 
 if __name__ == "__main__":
