@@ -401,15 +401,10 @@ class Executor:
         (each up to its deadline) and every region is deregistered."""
         fl = self._writes = WritesInFlight(self.transport, self.remote, self.write_timeout)
 
-        def drop(w: _Work) -> None:
-            if w.admitted:  # keep the gate consistent for the waiting first stage
-                self._gate.release(w.task.temp_bytes)
-                w.admitted = False
-
         def fail(w: _Work, e: BaseException) -> None:
             errors.append(("write", w.task.id, w.rec.label, e))
             abort.set()
-            drop(w)
+            self._drop(w)
             for p in fl.abandon():
                 q_out.put(p.item)  # release drops it (abort is set) and frees its gate bytes
 
@@ -439,7 +434,7 @@ class Executor:
                 q_out.put(_STOP)
                 return
             if abort.is_set():
-                drop(w)
+                self._drop(w)
                 continue
             try:
                 fl.push(self._post_write(w))
@@ -447,6 +442,13 @@ class Executor:
                 fail(w, e)
                 continue
             reap(False)
+
+    def _drop(self, w: _Work) -> None:
+        """Skip ``w`` after an abort: give its admitted bytes back to the gate, so the first
+        stage waiting there is not left blocked."""
+        if w.admitted:
+            self._gate.release(w.task.temp_bytes)
+            w.admitted = False
 
     def _release(self, w: _Work) -> None:
         t0 = time.perf_counter()
@@ -537,18 +539,14 @@ class Executor:
                         q_out.put(_STOP)
                     return
                 if abort.is_set():
-                    if w.admitted:  # keep the gate consistent for the waiting first stage
-                        self._gate.release(w.task.temp_bytes)
-                        w.admitted = False
+                    self._drop(w)
                     continue
                 try:
                     fn(w, abort)
                 except BaseException as e:  # noqa: BLE001
                     errors.append((name, w.task.id, w.rec.label, e))
                     abort.set()
-                    if w.admitted:
-                        self._gate.release(w.task.temp_bytes)
-                        w.admitted = False
+                    self._drop(w)
                     continue
                 if q_out is not None:
                     q_out.put(w)
