@@ -19,15 +19,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections import deque
-from itertools import chain, filterfalse, repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
 from ..types import DestTensorMeta, Recipe, Task, box_flat_range, itemsize
-from .fast import _assignment, _piece, _recipe, _task, new_write
+from .fast import _piece, _recipe, assignments_of, new_write, tasks_of
 
 __all__ = ["assign", "least_loaded", "native_status"]
 
@@ -295,7 +294,7 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
         if rec is None:
             rec = rebased[(g, offs)] = _rebase(recs[g], dict(zip(srcs, offs)))
         arecs[k] = rec
-    assignments = list(map(_assignment, arecs, _slices(writes, a_w, np.append(a_w[1:], n_writes))))
+    assignments = assignments_of(arecs, _slices(writes, a_w, np.append(a_w[1:], n_writes)))
     # tasks: runs of one (task, sender) among the assignments
     a_t = rec_task[a_rec]
     n_a = len(a_first)
@@ -314,21 +313,33 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
         a1 = int(t_first[k + 1]) if k + 1 < len(t_t) else n_a
         used[k] = tuple(dict.fromkeys(chain.from_iterable(srcs_of[g] for g in a_rec_l[a0:a1])))
     sb = [src_bytes[t] for t in t_t]
-    tasks = list(map(_task, t_t, map(group_of.__getitem__, t_t), map(srcs_t.__getitem__, t_t),
-                     map(mesh_t.__getitem__, t_t), assigns, sb, map(int.__add__, sb, out_bytes), used))
-    # per training rank, in task order; a gathered task's idle ranks share one Task
-    per_rank: dict[int, list[Task]] = {r: [] for r in train_ranks}
-    bounds = np.searchsorted(np.array(t_t, np.int64), np.arange(n_tasks + 1)).tolist()
-    for t in range(n_tasks):
-        lo, hi = bounds[t], bounds[t + 1]
-        for k in range(lo, hi):
-            per_rank[t_s[k]].append(tasks[k])
-        mesh = mesh_t[t]
-        if not is_local[t] and hi - lo < len(mesh):
-            idle = _task(t, group_of[t], srcs_t[t], mesh, (), src_bytes[t], src_bytes[t], ())
-            busy = set(t_s[lo:hi])
-            deque(map(list.append, map(per_rank.__getitem__, filterfalse(busy.__contains__, mesh)), repeat(idle)),
-                  maxlen=0)
+    tasks = tasks_of(t_t, list(map(group_of.__getitem__, t_t)), list(map(srcs_t.__getitem__, t_t)),
+                     list(map(mesh_t.__getitem__, t_t)), assigns, sb, list(map(int.__add__, sb, out_bytes)), used)
+    # a gathered task's ranks with nothing to send share one Task (the all-gather is collective)
+    busy = np.zeros((n_tasks, n_slots), bool)
+    busy[t_t, t_s] = True
+    gathered = [t for t in range(n_tasks) if not is_local[t]]
+    m_len = np.fromiter((len(mesh_t[t]) for t in gathered), np.int64, len(gathered))
+    m_rank = np.fromiter(chain.from_iterable(map(mesh_t.__getitem__, gathered)), np.int64, int(m_len.sum()))
+    m_task = np.repeat(np.array(gathered, np.int64), m_len)
+    idle = ~busy[m_task, m_rank]
+    i_rank, i_task = m_rank[idle], m_task[idle]
+    i_t = np.unique(i_task).tolist()
+    i_sb = [src_bytes[t] for t in i_t]
+    tasks += tasks_of(i_t, [group_of[t] for t in i_t], [srcs_t[t] for t in i_t], [mesh_t[t] for t in i_t],
+                      list(repeat((), len(i_t))), i_sb, i_sb, list(repeat((), len(i_t))))
+    i_obj = len(t_t) + np.searchsorted(np.array(i_t, np.int64), i_task)
+    # per training rank, its tasks in task order
+    e_rank = np.concatenate([np.array(t_s, np.int64), i_rank])
+    e_task = np.concatenate([np.array(t_t, np.int64), i_task])
+    e_obj = np.concatenate([np.arange(len(t_t)), i_obj])
+    srt = np.argsort(e_rank * max(n_tasks, 1) + e_task, kind="stable")
+    objs = list(map(tasks.__getitem__, e_obj[srt].tolist()))
+    rank_sorted = e_rank[srt]
+    per_rank: dict[int, list[Task]] = {}
+    for r in train_ranks:
+        lo, hi = np.searchsorted(rank_sorted, (r, r + 1)).tolist()
+        per_rank[r] = objs[lo:hi]
     send_d = dict(zip(train_ranks, send[list(train_ranks)].tolist())) if len(train_ranks) else {}
     recv_d = dict(zip(slots, recv.tolist()))
     return per_rank, send_d, recv_d

@@ -10,11 +10,13 @@ Nothing else in the planner builds these types by hand.
 """
 from __future__ import annotations
 
+from collections import deque
 from functools import partial
+from itertools import repeat
 
 from ..types import Assignment, Piece, Recipe, Task, WriteSpec
 
-__all__ = ["new_write", "_write_spec", "_assignment", "_task", "_recipe", "_piece"]
+__all__ = ["new_write", "_write_spec", "_assignment", "_task", "_recipe", "_piece", "tasks_of", "assignments_of"]
 
 new_write = partial(tuple.__new__, WriteSpec)
 """``new_write((output, dst_rank, remote_offset, length))`` -> that :class:`WriteSpec`, in C."""
@@ -83,3 +85,25 @@ def _piece(source, src_box, dst_box, _set=_P_SET) -> Piece:
     b(p, src_box)
     c(p, dst_box)
     return p
+
+
+def _columns(cls, setters, n: int, columns) -> list:
+    """``n`` new ``cls`` objects, field ``k`` of object ``i`` set to ``columns[k][i]``: one
+    C-level pass per field (``map`` over the slot descriptors' ``__set__``) instead of a Python
+    call per object -- three to five times faster for the 500k tasks of a Kimi-K2 plan."""
+    objs = list(map(_NEW, repeat(cls, n)))
+    for put, col in zip(setters, columns, strict=True):
+        deque(map(put, objs, col), maxlen=0)
+    return objs
+
+
+def tasks_of(ids, groups, sources, meshes, assignments, source_bytes, temp_bytes, local_sources) -> list[Task]:
+    """``[Task(*fields) for fields in zip(ids, ...)]`` (every argument a sequence, all of one
+    length), built column by column (:func:`_columns`)."""
+    return _columns(Task, _T_SET, len(ids), (ids, groups, sources, meshes, assignments, source_bytes, temp_bytes,
+                                             local_sources))
+
+
+def assignments_of(recipes, writes) -> list[Assignment]:
+    """``[Assignment(r, w) for r, w in zip(recipes, writes)]``, built column by column."""
+    return _columns(Assignment, _A_SET, len(recipes), (recipes, writes))
