@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -200,14 +200,14 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _slices(seq: list, starts: np.ndarray, ends: np.ndarray) -> list[tuple]:
-    """``[tuple(seq[a:b]) for a, b in zip(starts, ends)]``, in C."""
-    return list(map(tuple, map(seq.__getitem__, map(slice, starts.tolist(), ends.tolist()))))
+def _slices(seq: tuple, starts: np.ndarray, ends: np.ndarray) -> list[tuple]:
+    """``[seq[a:b] for a, b in zip(starts, ends)]`` (tuples), in C."""
+    return list(map(seq.__getitem__, map(slice, starts.tolist(), ends.tolist())))
 
 
 def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: int, train_ranks, dest_ranks,
            by_rank: dict[int, dict[str, DestTensorMeta]], layout_of: dict[int, int], offset_of,
-           ) -> tuple[dict[int, list[Task]], dict[int, int], dict[int, int]]:
+           ) -> tuple[dict[int, tuple[Task, ...]], dict[int, int], dict[int, int]]:
     """Choose every write's sender and build the tasks: ``(per_rank, send, recv)``.
 
     ``task_defs``: :class:`~reference.plan.schedule._TaskDef` in execution order; ``group_of``
@@ -269,7 +269,7 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
     n_writes = int(w_first[-1])
     item_of_w = np.repeat(np.arange(n_items), n_w)
     cols = sp[sp_first[inv][item_of_w] + (np.arange(n_writes) - w_first[item_of_w])]
-    writes = list(map(new_write, zip(cols[:, 0].tolist(), fd[item_of_w].tolist(), cols[:, 1].tolist(),
+    writes = tuple(map(new_write, zip(cols[:, 0].tolist(), fd[item_of_w].tolist(), cols[:, 1].tolist(),
                                      cols[:, 2].tolist())))
     # assignments: runs of one (sender, recipe) in the final order
     brk = np.ones(n_items, bool)
@@ -284,17 +284,21 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
     local_rec[np.repeat(np.array(is_local, bool), n_recs)] = True
     srcs_of: dict[int, tuple[str, ...]] = {}
     rebased: dict[tuple, Recipe] = {}
+    offs_of: dict[tuple, tuple[int, ...]] = {}  # (sources, sender) -> its shards' first rows
+    a_rec_l, a_s_l = a_rec.tolist(), a_s.tolist()
     for k in np.flatnonzero(local_rec[a_rec]).tolist():
-        g, r = int(a_rec[k]), int(a_s[k])
+        g, r = a_rec_l[k], a_s_l[k]
         srcs = srcs_of.get(g)
         if srcs is None:
             srcs = srcs_of[g] = tuple([p.source for p in recs[g].pieces if p.source is not None])
-        offs = tuple([offset_of(x, r) for x in srcs])
+        offs = offs_of.get((srcs, r))
+        if offs is None:
+            offs = offs_of[(srcs, r)] = tuple([offset_of(x, r) for x in srcs])
         rec = rebased.get((g, offs))
         if rec is None:
             rec = rebased[(g, offs)] = _rebase(recs[g], dict(zip(srcs, offs)))
         arecs[k] = rec
-    assignments = assignments_of(arecs, _slices(writes, a_w, np.append(a_w[1:], n_writes)))
+    assignments = tuple(assignments_of(arecs, _slices(writes, a_w, np.append(a_w[1:], n_writes))))
     # tasks: runs of one (task, sender) among the assignments
     a_t = rec_task[a_rec]
     n_a = len(a_first)
@@ -307,14 +311,13 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
     mesh_t = [tuple(td.mesh) for td in task_defs]
     srcs_t = [() if loc else tuple(td.sources) for td, loc in zip(task_defs, is_local)]
     used: list = list(repeat((), len(t_t)))
-    a_rec_l = a_rec.tolist()
     for k in np.flatnonzero(np.array(is_local, bool)[t_t] if t_t else np.zeros(0, bool)).tolist():
         a0 = int(t_first[k])
         a1 = int(t_first[k + 1]) if k + 1 < len(t_t) else n_a
         used[k] = tuple(dict.fromkeys(chain.from_iterable(srcs_of[g] for g in a_rec_l[a0:a1])))
     sb = [src_bytes[t] for t in t_t]
-    tasks = tasks_of(t_t, list(map(group_of.__getitem__, t_t)), list(map(srcs_t.__getitem__, t_t)),
-                     list(map(mesh_t.__getitem__, t_t)), assigns, sb, list(map(int.__add__, sb, out_bytes)), used)
+    tasks = tasks_of(t_t, map(group_of.__getitem__, t_t), map(srcs_t.__getitem__, t_t), map(mesh_t.__getitem__, t_t),
+                     assigns, sb, map(int.__add__, sb, out_bytes), used)
     # a gathered task's ranks with nothing to send share one Task (the all-gather is collective)
     busy = np.zeros((n_tasks, n_slots), bool)
     busy[t_t, t_s] = True
@@ -334,9 +337,9 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
     e_task = np.concatenate([np.array(t_t, np.int64), i_task])
     e_obj = np.concatenate([np.arange(len(t_t)), i_obj])
     srt = np.argsort(e_rank * max(n_tasks, 1) + e_task, kind="stable")
-    objs = list(map(tasks.__getitem__, e_obj[srt].tolist()))
+    objs = itemgetter(*e_obj[srt].tolist())(tasks) if len(srt) > 1 else tuple(tasks[i] for i in e_obj[srt].tolist())
     rank_sorted = e_rank[srt]
-    per_rank: dict[int, list[Task]] = {}
+    per_rank: dict[int, tuple[Task, ...]] = {}
     for r in train_ranks:
         lo, hi = np.searchsorted(rank_sorted, (r, r + 1)).tolist()
         per_rank[r] = objs[lo:hi]
