@@ -351,6 +351,54 @@ class Recipe:
         return n
 
 
+def _slot_setters(cls) -> tuple:
+    return tuple(cls.__dict__[f].__set__ for f in cls.__slots__)
+
+
+_NEW = object.__new__
+_P_SET, _O_SET, _R_SET = _slot_setters(Piece), _slot_setters(Output), _slot_setters(Recipe)
+assert Piece.__slots__ == ("source", "src_box", "dst_box") and Output.__slots__ == ("tensor", "box", "dtype", "layout")
+assert Recipe.__slots__ == ("name", "ranks", "shape", "assembled_dtype", "pieces", "transform", "outputs")
+
+
+def new_piece(source, src_box, dst_box, _set=_P_SET) -> Piece:
+    """``Piece(source, src_box, dst_box)`` without the frozen dataclass's ``object.__setattr__``
+    per field (the slots are set through their descriptors): an equal object, 3x faster. The
+    planner cuts 10^5 recipes into bands at Kimi-K2 scale (``new_*``: the only hand-built ones)."""
+    p = _NEW(Piece)
+    a, b, c = _set
+    a(p, source)
+    b(p, src_box)
+    c(p, dst_box)
+    return p
+
+
+def new_output(tensor, box, dtype, layout="identity", _set=_O_SET) -> Output:
+    """``Output(tensor, box, dtype, layout)``, fast (see :func:`new_piece`)."""
+    o = _NEW(Output)
+    a, b, c, d = _set
+    a(o, tensor)
+    b(o, box)
+    c(o, dtype)
+    d(o, layout)
+    return o
+
+
+def new_recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs, _set=_R_SET) -> Recipe:
+    """``Recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs)`` with every
+    field positional, fast (see :func:`new_piece`)."""
+    r = _NEW(Recipe)
+    a, b, c, d, e, f, g = _set
+    a(r, name)
+    b(r, ranks)
+    c(r, shape)
+    d(r, assembled_dtype)
+    e(r, pieces)
+    f(r, transform)
+    g(r, outputs)
+    return r
+
+
 # --------------------------------------------------------------------------------------------
 # the plan (what :func:`reference.plan.plan` returns; what the executor runs)
 

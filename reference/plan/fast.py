@@ -6,7 +6,8 @@ dataclass's ``__init__`` goes through ``object.__setattr__`` once per field; the
 allocate with ``object.__new__`` and set the slots through their descriptors directly (and a
 named tuple through ``tuple.__new__``, one C call), making objects equal to the constructed
 ones (``tests/test_planner.py::test_fast_constructors_equal_the_dataclass_ones`` checks it).
-Nothing else in the planner builds these types by hand.
+Recipes and pieces (and outputs) come from :func:`reference.types.new_recipe` and friends,
+re-exported here as ``_recipe`` / ``_piece``; nothing else in the planner builds these types by hand.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from collections import deque
 from functools import partial
 from itertools import repeat
 
-from ..types import Assignment, Piece, Recipe, Task, WriteSpec
+from ..types import Assignment, Recipe, Task, WriteSpec
+from ..types import new_piece as _piece  # noqa: F401 (re-exported)
+from ..types import new_recipe as _recipe  # noqa: F401
 
 __all__ = ["new_write", "_write_spec", "_assignment", "_task", "_recipe", "_piece", "tasks_of", "assignments_of"]
 
@@ -25,10 +28,6 @@ _NEW = object.__new__
 _A_SET = tuple(Assignment.__dict__[f].__set__ for f in Assignment.__slots__)
 _T_SET = tuple(Task.__dict__[f].__set__ for f in Task.__slots__)
 assert Assignment.__slots__ == ("recipe", "writes")
-_R_SET = tuple(Recipe.__dict__[f].__set__ for f in Recipe.__slots__)
-_P_SET = tuple(Piece.__dict__[f].__set__ for f in Piece.__slots__)
-assert Recipe.__slots__ == ("name", "ranks", "shape", "assembled_dtype", "pieces", "transform", "outputs")
-assert Piece.__slots__ == ("source", "src_box", "dst_box")
 assert Task.__slots__ == ("id", "group", "sources", "mesh", "assignments", "source_bytes", "temp_bytes",
                           "local_sources"), "reference.types.Task changed: update _task"
 
@@ -60,31 +59,6 @@ def _task(id, group, sources, mesh, assignments, source_bytes, temp_bytes, local
     g(t, temp_bytes)
     h(t, local_sources)
     return t
-
-
-def _recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs, _set=_R_SET) -> Recipe:
-    """``Recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs)``, fast (the
-    bands of shard-local tasks: 590k at Qwen3-235B 128 -> 32 scale)."""
-    r = _NEW(Recipe)
-    a, b, c, d, e, f, g = _set
-    a(r, name)
-    b(r, ranks)
-    c(r, shape)
-    d(r, assembled_dtype)
-    e(r, pieces)
-    f(r, transform)
-    g(r, outputs)
-    return r
-
-
-def _piece(source, src_box, dst_box, _set=_P_SET) -> Piece:
-    """``Piece(source, src_box, dst_box)``, fast."""
-    p = _NEW(Piece)
-    a, b, c = _set
-    a(p, source)
-    b(p, src_box)
-    c(p, dst_box)
-    return p
 
 
 def _columns(cls, setters, n: int, columns) -> list:
