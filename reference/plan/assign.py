@@ -311,10 +311,19 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
     mesh_t = [tuple(td.mesh) for td in task_defs]
     srcs_t = [() if loc else tuple(td.sources) for td, loc in zip(task_defs, is_local)]
     used: list = list(repeat((), len(t_t)))
+    t_end = np.append(t_first[1:], n_a).tolist()
+    t_first_l = t_first.tolist()
+    uniq: dict[int, tuple[str, ...]] = {}  # band -> its distinct sources
     for k in np.flatnonzero(np.array(is_local, bool)[t_t] if t_t else np.zeros(0, bool)).tolist():
-        a0 = int(t_first[k])
-        a1 = int(t_first[k + 1]) if k + 1 < len(t_t) else n_a
-        used[k] = tuple(dict.fromkeys(chain.from_iterable(srcs_of[g] for g in a_rec_l[a0:a1])))
+        a0, a1 = t_first_l[k], t_end[k]
+        if a1 - a0 == 1:  # one band: its sources
+            g = a_rec_l[a0]
+            u = uniq.get(g)
+            if u is None:
+                u = uniq[g] = tuple(dict.fromkeys(srcs_of[g]))
+            used[k] = u
+        else:
+            used[k] = tuple(dict.fromkeys(chain.from_iterable(map(srcs_of.__getitem__, a_rec_l[a0:a1]))))
     sb = [src_bytes[t] for t in t_t]
     tasks = tasks_of(t_t, map(group_of.__getitem__, t_t), map(srcs_t.__getitem__, t_t), map(mesh_t.__getitem__, t_t),
                      assigns, sb, map(int.__add__, sb, out_bytes), used)
