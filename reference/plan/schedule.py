@@ -11,10 +11,12 @@ concurrently: on inputs the checks would refuse it may raise anything).
 2. task definitions are ordered by mesh group (disjoint meshes run in parallel, groups are
    separated by a barrier; :func:`mesh_groups`), then checkpoint order;
 3. every (recipe, receiving rank) write goes to one sender by one policy,
-   :func:`_least_loaded`; each sending rank gets one :class:`~reference.types.Task` per task
-   definition (ranks of the mesh with nothing to send share one, the all-gather is collective).
+   :func:`reference.plan.assign.least_loaded`; each sending rank gets one
+   :class:`~reference.types.Task` per task definition (ranks of the mesh with nothing to send
+   share one, the all-gather is collective) -- :func:`reference.plan.assign.assign`, one C
+   kernel call for the choices of the whole plan, then the records built from them.
 
-The record types are built with :mod:`reference.plan.fast` (about a million at Kimi-K2 scale).
+The record types are built with :mod:`reference.plan.fast` (millions at Kimi-K2 scale).
 """
 from __future__ import annotations
 
