@@ -21,7 +21,7 @@ import torch
 
 from .layouts import IDENTITY, apply_layout
 from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block
-from .types import Box, Output, Piece, Recipe, torch_dtype
+from .types import Box, Recipe, new_output, new_piece, new_recipe, torch_dtype
 
 __all__ = ["assemble", "apply_transform", "recipe_outputs", "split_recipe"]
 
@@ -171,20 +171,20 @@ def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Rec
                 continue
             dst = (*db[:d], (lo - a, hi - a), *db[d + 1:])
             if p.source is None:
-                pieces.append(Piece(None, (), dst))
+                pieces.append(new_piece(None, (), dst))
             elif d >= k:
                 sb = p.src_box
                 sa = sb[d - k][0]
-                pieces.append(Piece(p.source, (*sb[:d - k], (sa + lo - pa, sa + hi - pa), *sb[d - k + 1:]), dst))
+                pieces.append(new_piece(p.source, (*sb[:d - k], (sa + lo - pa, sa + hi - pa), *sb[d - k + 1:]), dst))
             else:
-                pieces.append(Piece(p.source, p.src_box, dst))
+                pieces.append(new_piece(p.source, p.src_box, dst))
         outs = []
         for i, (o, head, o0, tail) in enumerate(outs0):
             if quant and i == 1 and block_dim:
                 box = (*head, (o0 + a // QUANT_BLOCK, o0 + cdiv(b, QUANT_BLOCK)), *tail)
             else:
                 box = (*head, (o0 + a, o0 + b), *tail)
-            outs.append(Output(o.tensor, box, o.dtype, o.layout))
-        parts.append(Recipe(f"{recipe.name}#rows{a}:{b}", recipe.ranks, (*pre, b - a, *post), recipe.assembled_dtype,
+            outs.append(new_output(o.tensor, box, o.dtype, o.layout))
+        parts.append(new_recipe(f"{recipe.name}#rows{a}:{b}", recipe.ranks, (*pre, b - a, *post), recipe.assembled_dtype,
                             tuple(pieces), recipe.transform, tuple(outs)))
     return parts

@@ -340,8 +340,63 @@ class Recipe:
 
     @property
     def output_nbytes(self) -> int:
-        """Bytes written per receiving rank."""
-        return sum(box_numel(o.box) * itemsize(o.dtype) for o in self.outputs)
+        """Bytes written per receiving rank (the planner reads it for every recipe and band:
+        one loop, no helper calls)."""
+        n = 0
+        for o in self.outputs:
+            c = _ITEMSIZE.get(o.dtype) or itemsize(o.dtype)
+            for a, b in o.box:
+                c *= b - a
+            n += c
+        return n
+
+
+def _slot_setters(cls) -> tuple:
+    return tuple(cls.__dict__[f].__set__ for f in cls.__slots__)
+
+
+_NEW = object.__new__
+_P_SET, _O_SET, _R_SET = _slot_setters(Piece), _slot_setters(Output), _slot_setters(Recipe)
+assert Piece.__slots__ == ("source", "src_box", "dst_box") and Output.__slots__ == ("tensor", "box", "dtype", "layout")
+assert Recipe.__slots__ == ("name", "ranks", "shape", "assembled_dtype", "pieces", "transform", "outputs")
+
+
+def new_piece(source, src_box, dst_box, _set=_P_SET) -> Piece:
+    """``Piece(source, src_box, dst_box)`` without the frozen dataclass's ``object.__setattr__``
+    per field (the slots are set through their descriptors): an equal object, 3x faster. The
+    planner cuts 10^5 recipes into bands at Kimi-K2 scale (``new_*``: the only hand-built ones)."""
+    p = _NEW(Piece)
+    a, b, c = _set
+    a(p, source)
+    b(p, src_box)
+    c(p, dst_box)
+    return p
+
+
+def new_output(tensor, box, dtype, layout="identity", _set=_O_SET) -> Output:
+    """``Output(tensor, box, dtype, layout)``, fast (see :func:`new_piece`)."""
+    o = _NEW(Output)
+    a, b, c, d = _set
+    a(o, tensor)
+    b(o, box)
+    c(o, dtype)
+    d(o, layout)
+    return o
+
+
+def new_recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs, _set=_R_SET) -> Recipe:
+    """``Recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs)`` with every
+    field positional, fast (see :func:`new_piece`)."""
+    r = _NEW(Recipe)
+    a, b, c, d, e, f, g = _set
+    a(r, name)
+    b(r, ranks)
+    c(r, shape)
+    d(r, assembled_dtype)
+    e(r, pieces)
+    f(r, transform)
+    g(r, outputs)
+    return r
 
 
 # --------------------------------------------------------------------------------------------

@@ -292,21 +292,65 @@ def test_fast_constructors_equal_the_dataclass_ones():
 
 
 def test_sender_choice_equals_the_policy():
-    """The local tasks' sender choice (:func:`_pick`, and its inline first step) is
-    :func:`_least_loaded` -- ties on bytes sent included -- on random loads."""
+    """The sender choice (``_greedy.c``, and :func:`_greedy_py`, its Python fallback) is
+    :func:`least_loaded` -- ties on bytes sent and on bytes to the receiver included -- write
+    by write, largest first, on random tasks with overlapping candidate sets and receivers."""
     import random
-    from array import array
-    from operator import itemgetter
 
-    from reference.plan.schedule import _least_loaded, _pick
+    import numpy as np
+
+    from reference.plan import assign as A
 
     rng = random.Random(0)
-    for _ in range(3000):
-        n = rng.randint(2, 40)
-        send = array("q", [rng.choice((0, 5, 7, 7, rng.randint(0, 9))) for _ in range(n)])
-        pl = array("q", [rng.choice((0, 1, 1, rng.randint(0, 3))) for _ in range(n)])
-        cands = tuple(sorted(rng.sample(range(n), rng.randint(2, n))))
-        assert _pick(cands, itemgetter(*cands), send, pl) == _least_loaded(cands, send, pl)
+    for trial in range(30):
+        n_slots, n_dst = rng.randint(2, 12), rng.randint(1, 5)
+        tasks = []
+        for _ in range(rng.randint(1, 6)):
+            recs = []
+            for _ in range(rng.randint(0, 5)):
+                cands = tuple(sorted(rng.sample(range(n_slots), rng.randint(1, n_slots))))
+                dsts = tuple(sorted(rng.sample(range(n_dst), rng.randint(1, n_dst))))
+                recs.append((rng.choice((1, 2, 2, 4)), cands, dsts))  # equal sizes: ties
+            tasks.append(recs)
+        # the definition, item by item
+        send, pair = [0] * n_slots, [[0] * n_slots for _ in range(n_dst)]
+        want = []
+        g0 = 0
+        for recs in tasks:
+            items = sorted((-nb, g0 + ri, d) for ri, (nb, _, ds) in enumerate(recs) for d in ds)
+            for negb, g, d in items:
+                r = A.least_loaded(recs[g - g0][1], send, pair[d])
+                send[r] -= negb
+                pair[d][r] -= negb
+                want.append((g, d, r))
+            g0 += len(recs)
+        flat = [x for recs in tasks for x in recs]
+        per_rec = [len(ds) for _, _, ds in flat]
+        item_rec = np.repeat(np.arange(len(flat), dtype=np.int32), per_rec)
+        item_dst = np.array([d for _, _, ds in flat for d in ds], np.int32)
+        rec_start = np.cumsum([0] + per_rec)
+        task_start = rec_start[np.cumsum([0] + [len(t) for t in tasks])].astype(np.int64)
+        rec_nb = np.array([nb for nb, _, _ in flat], np.int64)
+        dst_slot = np.arange(n_dst, dtype=np.int32)
+        for native in (True, False):
+            if native and A._native() is None:
+                continue
+            fn = A._native
+            if not native:
+                A._native = lambda: None
+            try:
+                order, sender, s_, _ = A._choose(task_start, item_rec, item_dst, rec_nb, [c for _, c, _ in flat],
+                                                 dst_slot, n_slots, n_dst)
+            finally:
+                A._native = fn
+            got = {(int(item_rec[i]), int(item_dst[i])): int(sender[i]) for i in range(len(item_rec))}
+            assert got == {(g, d): r for g, d, r in want}, (trial, native)
+            assert s_.tolist() == send
+            # per task, grouped by sender, then recipe
+            for t in range(len(tasks)):
+                seg = order[task_start[t]:task_start[t + 1]].tolist()
+                keys = [(int(sender[i]), int(item_rec[i])) for i in seg]
+                assert keys == sorted(keys)
 
 
 def test_row_owners_equal_reading_every_record():
