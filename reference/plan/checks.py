@@ -20,12 +20,14 @@ import traceback
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from ..layouts import check_layout
 from ..quant import scale_shape
 from ..types import Box, DestTensorMeta, Output, ParamMeta, PlanError, Recipe, box_flat_range, box_shape, numel
 from .recipes import RecipeSet, _no_gc
+from .screen import screen
 from .sources import _check_sources, _index_sources, _IndexUnconfirmed, _SourceIndex  # noqa: F401 (re-exported)
 
 CASTABLE_FLOAT = frozenset({"bfloat16", "float16", "float32"})
@@ -256,11 +258,31 @@ def validate(
     ``sources`` maps name -> ``(shape, dtype)`` (or a ParamSpec / ParamMeta); ``dests`` maps
     ``(rank, name)`` -> :class:`DestTensorMeta`.
 
-    Cost is linear in recipes + outputs + destination tensors: outputs are grouped by
-    (tensor, rank set) first, so DP replicas and TP-replicated tensors are checked once.
+    Cost is linear in recipes + outputs + destination tensors. A fast screen goes first
+    (:func:`reference.plan.screen.screen`: each distinct recipe structure checked once,
+    per-recipe names and offsets per recipe, the exact cover with numpy); when it cannot vouch
+    for the set, the exhaustive pass (``_validate_all``) finds and names every problem. The
+    screen only ever says "no problem" where the exhaustive pass would; it never refuses.
     """
-    probs = _Problems()
     srcs = {k: _src_meta(v) for k, v in sources.items()}
+    if screen(recipeset.recipes, recipeset.ignored, srcs, dests, partial(_recipe_ok, srcs=srcs)):
+        return
+    _validate_all(recipeset, srcs, dests)
+
+
+def _recipe_ok(r: Recipe, srcs: Mapping[str, tuple[tuple[int, ...], str]]) -> bool:
+    """Whether :func:`_check_recipe` finds no problem in ``r`` (whose sources ``srcs`` has)."""
+    probs = _Problems()
+    _check_recipe(r, srcs, probs, {}, set(), {})
+    return not probs.kinds
+
+
+def _validate_all(recipeset: RecipeSet, srcs: Mapping[str, tuple[tuple[int, ...], str]],
+                  dests: Mapping[tuple[int, str], DestTensorMeta]) -> None:
+    """:func:`validate`'s exhaustive pass: every check on every recipe, output and destination,
+    every problem collected; raises PlanError listing them (the first 20). Outputs are grouped
+    by (tensor, rank set) first, so DP replicas and TP-replicated tensors are checked once."""
+    probs = _Problems()
     missing: dict[str, list[str]] = {}
     used: set[str] = set()
     extent: dict[str, list[list[int]]] = {}  # source -> bounding box of the slices read
