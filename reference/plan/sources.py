@@ -13,7 +13,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import filterfalse
-from operator import attrgetter, eq
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
