@@ -22,7 +22,7 @@ from reference.types import InferenceLayout, Output, Piece
 
 N_EXPERTS = 384
 BAD = 217  # the expert made bad, layer 1
-LAYOUT = InferenceLayout(tp=4, ep=True, quant="fp8")  # expert 217 on rank 2, slot 25
+LAYOUT = InferenceLayout(tp=4, dp=2, ep=True, quant="fp8")  # expert 217 on ranks 2 and 6, slot 25
 
 
 def _world(n_experts=N_EXPERTS, layout=LAYOUT, **kw):
@@ -100,6 +100,27 @@ def _mutate(case, rs, srcs, dests):
         w, sc = r.outputs
         box = (*sc.box[:-1], (sc.box[-1][0], sc.box[-1][1] - 1))
         return _swap(rs, r, replace(r, outputs=(w, replace(sc, box=box)))), srcs, dests, [r.name, "scale box"]
+    if case == "box-shapes-traded":  # its scale box takes the next slot too, the next expert's is empty:
+        nxt = next(x for x in rs.recipes if x.outputs[0].tensor == W13 and x.ranks == r.ranks
+                   and x.outputs[0].box[0][0] == r.outputs[0].box[0][0] + 1)  # every element still written once
+        (w, sc), (w2, sc2) = r.outputs, nxt.outputs
+        grow = ((sc.box[0][0], sc.box[0][1] + 1), *sc.box[1:])
+        empty = ((sc2.box[0][1], sc2.box[0][1]), *sc2.box[1:])
+        rs = _swap(rs, r, replace(r, outputs=(w, replace(sc, box=grow))))
+        return _swap(rs, nxt, replace(nxt, outputs=(w2, replace(sc2, box=empty)))), srcs, dests, [r.name, "scale box"]
+    if case == "copy-output-dtype":  # a copy into float32 is a planned cast; the destination is bfloat16
+        n = next(x for x in rs.recipes if x.name == "model.layers.1.post_attention_layernorm.weight")
+        (o,) = n.outputs
+        return _swap(rs, n, replace(n, outputs=(replace(o, dtype="float32"),))), srcs, dests, [n.name, "float32"]
+    if case == "dest-shape-one-replica":  # the second replica holds one more slot (never written)
+        k = (r.ranks[1], W13)
+        d = dests[k]
+        dests[k] = replace(d, shape=(d.shape[0] + 1, *d.shape[1:]))
+        return rs, srcs, dests, [f"{W13}' on rank {r.ranks[1]}", "written by no recipe"]
+    if case == "dest-dtype-one-replica":
+        k = (r.ranks[1], W13)
+        dests[k] = replace(dests[k], dtype="bfloat16")
+        return rs, srcs, dests, [W13, f"on ranks [{r.ranks[1]}]"]
     if case == "output-dtype":
         w, sc = r.outputs
         return _swap(rs, r, replace(r, outputs=(replace(w, dtype="bfloat16"), sc))), srcs, dests, [r.name, "float8"]
@@ -107,6 +128,13 @@ def _mutate(case, rs, srcs, dests):
         g, u = r.pieces
         r2 = replace(r, pieces=(g, replace(u, dst_box=g.dst_box)))
         return _swap(rs, r, r2), srcs, dests, [r.name, "overlap"]
+    if case == "zero-pieces":  # its up rows zero-filled as the expert before's, but with a source box
+        prev = next(x for x in rs.recipes if x.outputs[0].tensor == W13 and x.ranks == r.ranks
+                    and x.outputs[0].box[0][0] == r.outputs[0].box[0][0] - 1)
+        ups = {x.pieces[1].source for x in (prev, r)}
+        rs = _swap(rs, prev, replace(prev, pieces=(prev.pieces[0], Piece(None, (), prev.pieces[1].dst_box))))
+        rs = _swap(rs, r, replace(r, pieces=(r.pieces[0], Piece(None, r.pieces[1].src_box, r.pieces[1].dst_box))))
+        return RecipeSet(rs.recipes, ups, layout=rs.layout, model=rs.model), srcs, dests, [r.name, "zero piece"]
     if case == "zero-piece-with-source-box":
         g, u = r.pieces
         r2 = replace(r, pieces=(g, Piece(None, u.src_box, u.dst_box)))
@@ -116,9 +144,17 @@ def _mutate(case, rs, srcs, dests):
         d = dests[k]
         dests[k] = replace(d, shape=(d.shape[0] - 1, *d.shape[1:]))
         return rs, srcs, dests, [W13, "out of bounds"]
+    if case == "dest-reshaped":  # (512, 32) where the recipe writes (256, 64): same size, out of bounds
+        for rk in r.ranks:
+            k = (rk, "model.layers.1.self_attn.o_proj.weight")
+            dests[k] = replace(dests[k], shape=(512, 32))
+        return rs, srcs, dests, ["model.layers.1.self_attn.o_proj.weight", "out of bounds"]
     if case == "dest-missing":
         del dests[(r.ranks[0], W13)]
         return rs, srcs, dests, [W13, "does not have"]
+    if case == "rank-twice-whole-tensor":  # the only recipe of a tensor lists every rank twice
+        n = next(x for x in rs.recipes if x.name == "model.layers.1.post_attention_layernorm.weight")
+        return _swap(rs, n, replace(n, ranks=n.ranks * 2)), srcs, dests, [n.name, "lists a rank twice"]
     if case == "rank-twice":
         return _swap(rs, r, replace(r, ranks=r.ranks * 2)), srcs, dests, [r.name, "lists a rank twice"]
     if case == "runtime-layout":  # a runtime layout that cannot hold the matrix (K = 256, pairs of 3)
@@ -128,8 +164,9 @@ def _mutate(case, rs, srcs, dests):
 
 
 CASES = ["slice-outside-source", "source-shape", "source-dtype", "source-partly-read", "source-missing",
-         "source-unused", "output-overlaps-neighbour", "scale-box-shape", "output-dtype", "piece-overlap",
-         "zero-piece-with-source-box", "dest-shape", "dest-missing", "rank-twice", "runtime-layout"]
+         "source-unused", "output-overlaps-neighbour", "scale-box-shape", "box-shapes-traded", "output-dtype", "copy-output-dtype", "piece-overlap",
+         "zero-piece-with-source-box", "zero-pieces", "dest-shape", "dest-reshaped", "dest-shape-one-replica", "dest-dtype-one-replica", "dest-missing", "rank-twice", "rank-twice-whole-tensor",
+         "runtime-layout"]
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +216,50 @@ def test_a_destination_written_by_two_rank_sets_is_left_to_the_exhaustive_pass()
     rs2 = RecipeSet([x for x in rs.recipes if x is not r] + halves, rs.ignored, layout=rs.layout)
     assert not _screen(rs2, srcs, dests)
     validate(rs2, srcs, dests)
+
+
+def _mini(boxes, shape=(2, 64), ranks=((0,),), extra_dests=()):
+    """Copy recipes writing ``boxes`` of tensor ``t`` (``shape``, bfloat16) on every rank set of
+    ``ranks`` (box ``i`` from its own source ``s<i>``, cut to the box's shape)."""
+    from reference.types import Recipe, box_shape, full_box
+    recs, srcs = [], {}
+    for j, rks in enumerate(ranks):
+        for i, box in enumerate(boxes):
+            shp = box_shape(box)
+            src = f"s{j}.{i}"
+            srcs[src] = (shp, "bfloat16")
+            recs.append(Recipe(f"t[{j}.{i}]", rks, shp, "bfloat16", (Piece(src, full_box(shp), full_box(shp)),), "copy",
+                               (Output("t", box, "bfloat16"),)))
+    names = {(rk, "t"): (shape, "bfloat16") for rks in ranks for rk in rks}
+    names.update({(0, n): ((4,), "bfloat16") for n in extra_dests})
+    return RecipeSet(recs), srcs, make_dest_metas(names)
+
+
+MINI = {  # case -> (world, words of the refusal): what only one step of the cover check catches
+    "box-past-the-end": (_mini([((0, 1), (0, 96)), ((1, 2), (32, 64))]), ["'t[0.0]' output to 't'", "out of bounds"]),
+    "box-before-the-start": (_mini([((0, 1), (0, 32)), ((1, 2), (-32, 32)), ((1, 2), (32, 64))]), ["'t[0.1]'", "out of bounds"]),
+    "box-not-contiguous": (_mini([((0, 2), (0, 1)), ((1, 2), (0, 1)), ((1, 2), (1, 2))], shape=(2, 2)),
+                           ["'t[0.0]'", "not flat-contiguous"]),
+    "rank-in-two-sets": (_mini([((0, 2), (0, 64))], ranks=((0, 1), (1,))), ["'t' on rank 1", "written twice"]),
+    "destination-never-written": (_mini([((0, 2), (0, 64))], extra_dests=("u",)), ["'u' on rank 0", "written by no recipe"]),
+    "gap-at-the-end": (_mini([((0, 1), (0, 64))]), ["'t' on rank 0", "elements [64, 128) written by no recipe"]),
+    "gap-at-the-start": (_mini([((1, 2), (0, 64))]), ["'t' on rank 0", "elements [0, 64) written by no recipe"]),
+}
+
+
+def test_mini_worlds_pass_when_whole():
+    rs, srcs, dests = _mini([((0, 1), (0, 64)), ((1, 2), (0, 64))], ranks=((0, 1), (2,)))
+    assert _screen(rs, srcs, dests)
+    validate(rs, srcs, dests)
+
+
+@pytest.mark.parametrize("case", list(MINI))
+def test_every_step_of_the_cover_check_refuses_alone(case):
+    (rs, srcs, dests), words = MINI[case]
+    assert not _screen(rs, srcs, dests), f"{case}: the screen let it through"
+    want = _exhaustive_error(rs, srcs, dests)
+    with pytest.raises(PlanError) as e:
+        validate(rs, srcs, dests)
+    assert str(e.value) == want
+    for w in words:
+        assert w in want, (case, w, want)
