@@ -9,6 +9,7 @@ raises exactly what the exhaustive pass raises, naming the expert.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from functools import partial
 
@@ -263,3 +264,25 @@ def test_every_step_of_the_cover_check_refuses_alone(case):
     assert str(e.value) == want
     for w in words:
         assert w in want, (case, w, want)
+
+
+@pytest.mark.parametrize("n_ranks", [64, 30], ids=["even-shards", "uneven-shards"])
+def test_one_short_shard_among_equal_ranks_is_refused(n_ranks):
+    """_check_sources reuses the element counts of a rank whose shard shapes equal an earlier
+    rank's (even sharding: one list per name sequence; uneven: a few). One rank whose shard of
+    one parameter is a row short must still be refused, naming the parameter."""
+    from test_planner import SMALL, fsdp_metas
+
+    from reference.plan.sources import _check_sources, _index_sources
+
+    cfg = load_config("qwen3-0.6b", **{**SMALL, "hidden_size": 4096, "num_hidden_layers": 1})
+    metas = fsdp_metas(cfg, n_ranks)
+    _check_sources(metas, _index_sources(metas))
+    name = "model.layers.0.mlp.down_proj.weight"
+    r = n_ranks - 3
+    i = next(k for k, m in enumerate(metas[r]) if m.name == name)
+    m = metas[r][i]
+    assert m.local_shape[0] > 0
+    metas[r][i] = replace(m, local_shape=(m.local_shape[0] - 1, *m.local_shape[1:]))
+    with pytest.raises(PlanError, match=re.escape(name) + ": shards hold"):
+        _check_sources(metas, _index_sources(metas))

@@ -3,7 +3,7 @@ what order. Computed once, read in one direction:
 
 - :mod:`.recipes` (with the per-family vLLM rules of :mod:`.rules`): what every destination
   byte is made of (:func:`build_recipes`, a :class:`RecipeSet`);
-- :mod:`.checks` (and :mod:`.sources`): every check, before a schedule is returned;
+- :mod:`.checks` (and :mod:`.sources`, :mod:`.screen`): every check, before a schedule is returned;
 - :mod:`.schedule`: the tasks and writes, one sender policy; :mod:`.local`: which recipes
   the ranks make from their own shards (shard-local prepare) and which need ``full_tensor()``,
   from :mod:`.owners`: which training rank holds which rows.

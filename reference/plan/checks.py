@@ -9,6 +9,11 @@ recipe reads (C2), an unplanned cast (C8), malformed recipes. :func:`_check_sour
 training ranks that disagree on a parameter (shape, dtype, mesh, placements), ranks of a mesh
 that did not publish a parameter, and shards that do not tile it. Both raise
 :class:`~reference.types.PlanError`.
+
+:func:`validate` runs a fast screen first (:mod:`.screen`: each distinct recipe structure
+checked once, what differs per recipe per recipe, the exact cover with numpy) and its
+exhaustive pass only when the screen cannot vouch for the set; every refusal and its wording
+come from the exhaustive pass.
 """
 from __future__ import annotations
 
