@@ -269,7 +269,12 @@ def validate(
     for the set, the exhaustive pass (``_validate_all``) finds and names every problem. The
     screen only ever says "no problem" where the exhaustive pass would; it never refuses.
     """
-    srcs = {k: _src_meta(v) for k, v in sources.items()}
+    _validate(recipeset, {k: _src_meta(v) for k, v in sources.items()}, dests)
+
+
+def _validate(recipeset: RecipeSet, srcs: Mapping[str, tuple[tuple[int, ...], str]],
+              dests: Mapping[tuple[int, str], DestTensorMeta]) -> None:
+    """:func:`validate` with ``srcs`` already name -> ``(shape, dtype)``."""
     if screen(recipeset.recipes, recipeset.ignored, srcs, dests, partial(_recipe_ok, srcs=srcs)):
         return
     _validate_all(recipeset, srcs, dests)
@@ -398,7 +403,8 @@ def _run_checks(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], ix:
     ``confirm_index``: ``ix`` was made with ``exact=False``; raise :class:`_IndexUnconfirmed`
     if it does not hold."""
     _check_sources(train_metas, ix, confirm_index=confirm_index)
-    validate(recipes, {n: (m.global_shape, m.dtype) for n, m in ix.first.items()}, dests)
+    with _no_gc():
+        _validate(recipes, {n: (tuple(m.global_shape), m.dtype) for n, m in ix.first.items()}, dests)
 
 
 def _checks_child(fn, conn) -> None:
