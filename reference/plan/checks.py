@@ -386,15 +386,20 @@ def _validate_all(recipeset: RecipeSet, srcs: Mapping[str, tuple[tuple[int, ...]
 # all checks, in-process or in a forked child
 
 
-PARALLEL_CHECKS_MIN_RECORDS = 200_000
+PARALLEL_CHECKS_MIN_RECORDS = 1_000_000
 """``plan(parallel_checks=None)`` checks in a forked child process from this many training
-records on (all ranks together; Kimi-K2 256 -> 128 publishes 2.4 million). Below it forking
-costs more than it saves, and small worlds (tests, the demo) keep the plain sequential path."""
+records on (all ranks together). Below it forking costs more than it saves: the child's and
+the planner's copy-on-write page faults on the shared metadata, against checks that take
+well under a second since the screen (issue 16). Measured on this project's 2-core VM,
+alternating fresh subprocesses: Kimi-K2 256 -> 128 with 8-node expert FSDP publishes 2.4
+million records (checks ~2 s CPU), and forking won; with the DPA + EP32 inference layout it
+publishes 357k (checks ~0.7 s CPU), and checking in-process won. Small worlds (tests, the
+demo) keep the plain sequential path too."""
 
 
 _CHECKS_WAIT_S = 60.0
 """:meth:`_ForkedChecks.join` waits this long plus 4x the time the child has had before it
-gives up on the child and checks in-process (the checks take ~4 s at Kimi-K2 scale)."""
+gives up on the child and checks in-process (the checks take ~2 s CPU at Kimi-K2 scale)."""
 
 
 def _run_checks(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex,
