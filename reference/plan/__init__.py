@@ -19,7 +19,8 @@ The plan's types (:class:`~reference.types.Schedule`, :class:`~reference.types.R
    dtype, mesh and placements; the shards of each parameter tile it) and validates the recipes
    against both sides (:func:`reference.plan.checks.validate`: every destination byte covered once,
    missing / unused / mismatched tensors named) -- all before any byte moves, and before a
-   schedule is returned (at Kimi-K2 scale in a forked child process while steps 2-4 run);
+   schedule is returned (from a million training records on in a forked child process while
+   steps 2-4 run);
 2. turns each fusion group (recipes sharing sources, e.g. q/k/v -> every TP rank's
    ``qkv_proj``) into a :class:`Task`; every rank of the sources' DeviceMesh runs the task's
    ``full_tensor()`` calls in the same order, so any of them can make any output;
@@ -80,8 +81,8 @@ def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas
 
     ``parallel_checks``: run the checks (training metadata consistency, :func:`validate`; ~0.7 s
     CPU at Kimi-K2 scale with 357k training records, ~2 s with 2.4 million) in a forked child
-    process while this one builds the
-    schedule, see :class:`_ForkedChecks`. ``None`` (default): when the metadata has at least
+    process while this one builds the schedule, see :class:`_ForkedChecks`. ``None``
+    (default): when the metadata has at least
     :data:`PARALLEL_CHECKS_MIN_RECORDS` records, on Linux with two or more usable CPUs. When
     the schedule's construction fails too, the checks' error is raised (it names the cause).
     The schedule is the same either way.
