@@ -19,8 +19,7 @@ The plan's types (:class:`~reference.types.Schedule`, :class:`~reference.types.R
    dtype, mesh and placements; the shards of each parameter tile it) and validates the recipes
    against both sides (:func:`reference.plan.checks.validate`: every destination byte covered once,
    missing / unused / mismatched tensors named) -- all before any byte moves, and before a
-   schedule is returned (from a million training records on in a forked child process while
-   steps 2-4 run);
+   schedule is returned (at Kimi-K2 scale in a forked child process while steps 2-4 run);
 2. turns each fusion group (recipes sharing sources, e.g. q/k/v -> every TP rank's
    ``qkv_proj``) into a :class:`Task`; every rank of the sources' DeviceMesh runs the task's
    ``full_tensor()`` calls in the same order, so any of them can make any output;

@@ -386,15 +386,15 @@ def _validate_all(recipeset: RecipeSet, srcs: Mapping[str, tuple[tuple[int, ...]
 # all checks, in-process or in a forked child
 
 
-PARALLEL_CHECKS_MIN_RECORDS = 1_000_000
+PARALLEL_CHECKS_MIN_RECORDS = 200_000
 """``plan(parallel_checks=None)`` checks in a forked child process from this many training
-records on (all ranks together). Below it forking costs more than it saves: the child's and
-the planner's copy-on-write page faults on the shared metadata, against checks that take
-well under a second since the screen (issue 16). Measured on this project's 2-core VM,
-alternating fresh subprocesses: Kimi-K2 256 -> 128 with 8-node expert FSDP publishes 2.4
-million records (checks ~2 s CPU), and forking won; with the DPA + EP32 inference layout it
-publishes 357k (checks ~0.7 s CPU), and checking in-process won. Small worlds (tests, the
-demo) keep the plain sequential path too."""
+records on (all ranks together; Kimi-K2 256 -> 128 publishes 357k with the DPA + EP32
+inference layout, 2.4 million with TP16 and 8-node expert FSDP). Below it forking costs more
+than it saves, and small worlds (tests, the demo) keep the plain sequential path. Measured
+after the screen (issue 16) on this project's 2-core VM, fresh subprocesses: the DPA + EP32
+plan took 11.6-11.8 s forked against 16.0-16.2 s in-process on a quiet machine (the checks
+themselves ~0.75 s, and the schedule built after them in-process ~1 s slower); with both
+cores saturated by other jobs in-process won (26.2 s against 27.9 s median)."""
 
 
 _CHECKS_WAIT_S = 60.0
