@@ -13,7 +13,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import filterfalse
-from operator import attrgetter, eq
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -23,8 +23,9 @@ from ..types import ParamMeta, PlanError, numel
 _NAME, _MESH, _LSHAPE = attrgetter("name"), attrgetter("mesh_ranks"), attrgetter("local_shape")
 _DEST_LAYOUT = attrgetter("name", "offset", "shape", "dtype")
 _RECORD = attrgetter("name", "global_shape", "dtype", "placements", "mesh_ranks")
-_RECORD4 = attrgetter("name", "global_shape", "dtype", "placements")
 """What every rank of a parameter's mesh must publish identically (``local_*`` differ per rank)."""
+_COLUMNS = (attrgetter("global_shape"), attrgetter("dtype"), attrgetter("placements"), _MESH)
+"""The fields :meth:`_NameSequence.agrees` compares besides the name, the mesh last."""
 
 
 @dataclass(slots=True)
@@ -44,11 +45,9 @@ class _NameSequence:
     """per position, the name's index in the order of first appearance (int64)"""
     meshes: dict[int, ParamMeta] = field(default_factory=dict)
     """id(mesh object) -> a ref meta with it, for the distinct mesh objects of ``ref``"""
-    records: list[tuple] = field(default_factory=list)
-    """per position, ``_RECORD(ref[i])``: (name, shape, dtype, placements, mesh); filled by
-    :meth:`prepare` (the checks' part, which may run in another process)"""
-    records4: list[tuple] = field(default_factory=list)
-    """the same without the mesh"""
+    columns: list[list] = field(default_factory=list)
+    """per field of :data:`_COLUMNS` (global shape, dtype, placements, mesh), ``ref``'s values
+    in order; filled by :meth:`prepare` (the checks' part, which may run in another process)"""
     mesh_reps: list[tuple[int, tuple]] = field(default_factory=list)
     """(id, mesh) of one object per distinct mesh value in ``ref``"""
     mesh_at: list[int] = field(default_factory=list)
@@ -56,11 +55,10 @@ class _NameSequence:
 
     def prepare(self) -> None:
         """Derive what :meth:`agrees` compares against (once per sequence)."""
-        if self.records or not self.ref:
+        if self.columns or not self.ref:
             return
-        self.records = list(map(_RECORD, self.ref))
-        self.records4 = list(map(_RECORD4, self.ref))
-        meshes = list(map(_MESH, self.ref))
+        self.columns = [list(map(get, self.ref)) for get in _COLUMNS]
+        meshes = self.columns[-1]
         self.meshes = dict(zip(map(id, meshes), self.ref))
         rep_of: dict[int, int] = {}
         for k, m in dict(zip(map(id, meshes), meshes)).items():
@@ -71,19 +69,26 @@ class _NameSequence:
 
     def agrees(self, ms: list[ParamMeta]) -> bool:
         """Whether every record of ``ms`` equals the first publisher's in name, global shape,
-        dtype, placements and mesh. ``ms`` built in this process shares the mesh objects: one
-        pass of tuple equality (identity first). An unpickled rank list holds its own copy of
-        each mesh (one per distinct mesh, pickle's memo): its few distinct mesh objects are
-        compared by value once, then positions by id -- comparing a 256-rank mesh per record
-        would cost more than everything else."""
+        dtype, placements and mesh. One C pass per field: a list of the field's values compared
+        with ``ref``'s (list equality tries identity first, so shared objects cost nothing; one
+        pass per field is cheaper than building a tuple per record). ``ms`` built in this
+        process shares the mesh objects. An unpickled rank list holds its own copy of each mesh
+        (one per distinct mesh, pickle's memo): its few distinct mesh objects are compared by
+        value once, then positions by id -- comparing a 256-rank mesh per record would cost
+        more than everything else."""
         self.prepare()
         if len(ms) != len(self.ref):
             return False
-        if not ms or ms[0].mesh_ranks is self.ref[0].mesh_ranks:
-            return all(map(eq, map(_RECORD, ms), self.records))
-        if not all(map(eq, map(_RECORD4, ms), self.records4)):
+        if not ms:
+            return True
+        if list(map(_NAME, ms)) != self.names:
             return False
+        for get, want in zip(_COLUMNS[:-1], self.columns):
+            if list(map(get, ms)) != want:
+                return False
         meshes = list(map(_MESH, ms))
+        if ms[0].mesh_ranks is self.ref[0].mesh_ranks:
+            return meshes == self.columns[-1]
         mids = list(map(id, meshes))
         canon = {k: next((rk for rk, rm in self.mesh_reps if rm == m), -1) for k, m in dict(zip(mids, meshes)).items()}
         return list(map(canon.__getitem__, mids)) == self.mesh_at
@@ -142,12 +147,13 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex, *,
     may publish it, no rank twice, and the shards of a sharded parameter must hold its
     elements. Raises PlanError naming parameters and ranks.
 
-    Every record is read: a rank is checked with one pass of ``all(map(operator.eq, ...))``
-    over (name, shape, dtype, placements, mesh) tuples against its sequence's first
-    publishers' (tuple equality tries identity first, so shared objects cost nothing; an
-    unpickled rank list holds its own copies, compared by value). The shard sizes are summed
-    per name with numpy. Records are visited one by one in Python only to name them in an
-    error.
+    Every record is read: a rank is checked with one C pass per field (name, shape, dtype,
+    placements, mesh) against its sequence's first publishers' (:meth:`_NameSequence.agrees`;
+    list equality tries identity first, so shared objects cost nothing; an unpickled rank list
+    holds its own copies, compared by value). The shard sizes are summed per name with numpy;
+    a rank whose list of shard shapes equals an earlier rank's of the same sequence (one list
+    comparison) reuses that rank's element counts. Records are visited one by one in Python
+    only to name them in an error.
 
     ``confirm_index``: ``ix`` was made with ``exact=False``; a rank whose names differ from its
     sequence's raises :class:`_IndexUnconfirmed` (the record comparison covers the names, so
@@ -160,6 +166,8 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex, *,
             problems.append(f"rank {seq.rank} publishes {', '.join(dup[:5])} more than once")
     flat_of: dict[int, frozenset] = {}  # id(mesh object) -> its ranks (the objects stay alive meanwhile)
     idx_parts, numel_parts = [], []
+    variants: dict[int, list[list]] = {}  # id(sequence) -> [shard shapes, their numels, ranks more than once]
+    seq_index = {id(s): s.index for s in seq_of.values()}
     for rank in sorted(train_metas):
         ms = train_metas[rank]
         seq = seq_of[rank]
@@ -178,8 +186,17 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex, *,
             if rank not in mf:
                 names = [m.name for m, g in zip(ms, ref) if id(g.mesh_ranks) == k]
                 problems.append(f"rank {rank} publishes {', '.join(names[:5])} but is not in its mesh {sorted(mf)}")
-        idx_parts.append(seq.index)
-        numel_parts.append(np.fromiter(map(math.prod, map(_LSHAPE, ms)), dtype=np.int64, count=len(ms)))
+        shapes = list(map(_LSHAPE, ms))
+        seen = variants.setdefault(id(seq), [])
+        v = next((v for v in seen if v[0] == shapes), None)  # most ranks of a sequence hold equal shard shapes
+        if v is None:
+            v = [shapes, np.fromiter(map(math.prod, shapes), dtype=np.int64, count=len(ms)), 0]
+            if len(seen) < _SHAPE_VARIANTS:
+                seen.append(v)
+            idx_parts.append(seq.index)
+            numel_parts.append(v[1])
+        else:
+            v[2] += 1
     # Every mesh rank published it: rank r published exactly the names whose mesh holds r (each
     # name it published has such a mesh, checked above) iff it published as many (no duplicates).
     n_with: Counter = Counter(id(f.mesh_ranks) for f in first.values())
@@ -193,6 +210,11 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex, *,
     for x, ranks in missing.items():
         problems.append(f"{x}: mesh ranks {ranks} did not publish it")
     held = np.zeros(len(first), dtype=np.int64)
+    for sid, seen in variants.items():
+        for _, n_of, more in seen:
+            if more:
+                idx_parts.append(seq_index[sid])
+                numel_parts.append(n_of * more)
     if idx_parts:
         np.add.at(held, np.concatenate(idx_parts), np.concatenate(numel_parts))
     sharded: dict[tuple, bool] = {}
@@ -204,6 +226,11 @@ def _check_sources(train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex, *,
             problems.append(f"{f.name}: shards hold {int(held[i])} elements, the tensor has {numel(f.global_shape)}")
     if problems:
         raise PlanError(f"training metadata inconsistent ({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:20]))
+
+
+_SHAPE_VARIANTS = 4
+"""Distinct shard-shape lists remembered per name sequence (even sharding has one per
+sequence, uneven a few: the last ranks' shards are smaller or empty)."""
 
 
 class _IndexUnconfirmed(Exception):
