@@ -41,17 +41,12 @@ Implementations (:func:`quantize_fp8_block`'s ``impl``):
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .native import NativeKernel
 
 FP8_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` value."""
@@ -147,95 +142,32 @@ def quantize_fp8_block_reference(
 # --------------------------------------------------------------------------------------------
 # native CPU kernel (_fp8_cpu.c through ctypes)
 
-_SRC = Path(__file__).with_name("_fp8_cpu.c")
+def _declare_fp8(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for fn in (lib.fp8_block_bf16, lib.fp8_block_f32):
+        fn.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
+        fn.restype = i64
+    lib.fp8_check_bf16_division.argtypes = [ctypes.c_uint32] * 3 + [ctypes.POINTER(i64)]
+    lib.fp8_check_bf16_division.restype = i64
+
+
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
-
-
-def _cpu_signature() -> str:
-    """What the compiled code depends on: the CPU model and its feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        keep = [l for l in lines if l.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
-        return "\n".join(sorted(set(keep)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("WT_CACHE_DIR"):
-        d = Path(os.environ["WT_CACHE_DIR"])
-    else:
-        d = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weight-transfer"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
-    d = Path(tempfile.gettempdir()) / f"weight-transfer-{os.getuid()}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _build() -> Path:
-    """Compile ``_fp8_cpu.c`` into the cache (keyed by source, flags, compiler and CPU), once
-    per machine; concurrent builders each write a private file and rename it into place."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_CFLAGS).encode(), cc.encode(),
-                                       _cpu_signature().encode()])).hexdigest()[:20]
-    so = _cache_dir() / f"fp8_cpu-{key}.so"
-    if so.exists():
-        return so
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
-    os.close(fd)
-    try:
-        for flags in (_CFLAGS, tuple(f for f in _CFLAGS if f != "-march=native")):
-            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True,
-                               check=False)
-            if r.returncode == 0:
-                os.replace(tmp, so)
-                return so
-        raise RuntimeError(f"{cc} failed to build {_SRC.name}: {r.stderr.strip()[-400:]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+_KERNEL = NativeKernel(Path(__file__).with_name("_fp8_cpu.c"), stem="fp8_cpu", env="WT_FP8_NATIVE",
+                       flag_sets=(_CFLAGS, tuple(f for f in _CFLAGS if f != "-march=native")), libs=("-lm",),
+                       declare=_declare_fp8)
+"""The native kernel (built and cached by :class:`reference.native.NativeKernel`; without
+``-march=native`` where the compiler refuses it)."""
 
 
 def _native_lib() -> ctypes.CDLL | None:
     """The loaded kernel, or None (reason in :func:`native_status`). Built once per process."""
-    global _lib, _lib_error
-    if _lib is not None or _lib_error is not None:
-        return _lib
-    with _lock:
-        if _lib is not None or _lib_error is not None:
-            return _lib
-        if os.environ.get("WT_FP8_NATIVE", "1") == "0":
-            _lib_error = "disabled by WT_FP8_NATIVE=0"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            for fn in (lib.fp8_block_bf16, lib.fp8_block_f32):
-                fn.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
-                fn.restype = i64
-            lib.fp8_check_bf16_division.argtypes = [ctypes.c_uint32] * 3 + [ctypes.POINTER(i64)]
-            lib.fp8_check_bf16_division.restype = i64
-            _lib = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _lib_error = str(e)
-    return _lib
+    return _KERNEL.lib()
 
 
 def native_status() -> str:
     """``"ok"`` when the native CPU kernel is in use, else why not (no compiler, build error,
     ``WT_FP8_NATIVE=0``)."""
-    return "ok" if _native_lib() is not None else str(_lib_error)
+    return _KERNEL.status()
 
 
 def _quantize_native(lib: ctypes.CDLL, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -208,8 +208,8 @@ def test_impl_errors_and_fallback(monkeypatch):
         quantize_fp8_block(x, impl="fast")
     with pytest.raises(RuntimeError, match="triton"):
         quantize_fp8_block(x, impl="triton")  # CPU tensor
-    monkeypatch.setattr(quant, "_lib", None)
-    monkeypatch.setattr(quant, "_lib_error", "no C compiler (test)")
+    monkeypatch.setattr(quant._KERNEL, "loaded", None)
+    monkeypatch.setattr(quant._KERNEL, "error", "no C compiler (test)")
     assert native_status() == "no C compiler (test)"
     with pytest.raises(RuntimeError, match="no C compiler"):
         quantize_fp8_block(x, impl="native")

@@ -13,18 +13,13 @@ back to :func:`_greedy_py`, the same loop in Python, when there is no compiler o
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
 import numpy as np
 
+from ..native import NativeKernel
 from ..types import DestTensorMeta, Recipe, Task, box_flat_range, itemsize
 from .fast import _piece, _recipe, assignments_of, new_write, tasks_of
 
@@ -45,64 +40,25 @@ def least_loaded(cands, send, pl) -> int:
 # --------------------------------------------------------------------------------------------
 # the kernel
 
-_SRC = Path(__file__).with_name("_greedy.c")
-_CFLAGS = ("-O2", "-fPIC", "-shared", "-std=c11")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
+def _declare_greedy(lib: ctypes.CDLL) -> None:
+    lib.plan_greedy.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_void_p] * 5
+    lib.plan_greedy.restype = ctypes.c_int64
 
 
-def _build() -> Path:
-    """Compile ``_greedy.c`` into :mod:`reference.quant`'s cache folder (keyed by source, flags,
-    compiler and CPU), once per machine; concurrent builders each write a private file and
-    rename it into place."""
-    from ..quant import _cache_dir, _cpu_signature
-
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    key = hashlib.sha256(b"\0".join([_SRC.read_bytes(), " ".join(_CFLAGS).encode(), cc.encode(),
-                                       _cpu_signature().encode()])).hexdigest()[:20]
-    so = _cache_dir() / f"plan_greedy-{key}.so"
-    if so.exists():
-        return so
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run([cc, *_CFLAGS, str(_SRC), "-o", tmp], capture_output=True, text=True, check=False)
-        if r.returncode:
-            raise RuntimeError(f"{cc} failed to build {_SRC.name}: {r.stderr.strip()[-400:]}")
-        os.replace(tmp, so)
-        return so
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+_KERNEL = NativeKernel(Path(__file__).with_name("_greedy.c"), stem="plan_greedy", env="WT_PLAN_NATIVE",
+                       flag_sets=(("-O2", "-fPIC", "-shared", "-std=c11"),), declare=_declare_greedy)
+"""``_greedy.c``, built and cached by :class:`reference.native.NativeKernel`."""
 
 
 def _native():
     """The loaded ``plan_greedy`` function, or None (reason in :func:`native_status`)."""
-    global _lib, _lib_error
-    if _lib is not None or _lib_error is not None:
-        return None if _lib is None else _lib.plan_greedy
-    with _lock:
-        if _lib is None and _lib_error is None:
-            if os.environ.get("WT_PLAN_NATIVE", "1") == "0":
-                _lib_error = "disabled by WT_PLAN_NATIVE=0"
-            else:
-                try:
-                    lib = ctypes.CDLL(str(_build()))
-                    lib.plan_greedy.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + \
-                        [ctypes.c_void_p] * 5
-                    lib.plan_greedy.restype = ctypes.c_int64
-                    _lib = lib
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    _lib_error = str(e)
-    return None if _lib is None else _lib.plan_greedy
+    lib = _KERNEL.lib()
+    return None if lib is None else lib.plan_greedy
 
 
 def native_status() -> str:
     """``"ok"`` when the sender choice runs in the C kernel, else why not."""
-    return "ok" if _native() is not None else str(_lib_error)
+    return _KERNEL.status()
 
 
 def _greedy_py(task_start, item_rec, item_dst, rec_nb, rec_cands, dst_slot, send, pair, recv):
