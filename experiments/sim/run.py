@@ -372,8 +372,9 @@ def main(args) -> int:
     if getattr(args, "layers", None):
         from dataclasses import replace
 
+        # a published time is for the whole model: a truncated one is compared with nothing
         cfg = replace(cfg, name=f"{cfg.name}_L{args.layers}", overrides={**cfg.overrides, "num_hidden_layers": args.layers},
-                      label=f"{cfg.label} [truncated to {args.layers} layers]")
+                      label=f"{cfg.label} [truncated to {args.layers} layers; no published anchor]", anchors={})
     if getattr(args, "moe_width", None):
         from dataclasses import replace
 
