@@ -352,6 +352,8 @@ class Recipe:
 
 
 def _slot_setters(cls) -> tuple:
+    """The ``__set__`` of each of ``cls``'s slot descriptors, in ``__slots__`` order (the fast
+    constructors here and in :mod:`reference.plan.fast` set fields through them)."""
     return tuple(cls.__dict__[f].__set__ for f in cls.__slots__)
 
 

@@ -15,7 +15,7 @@ from collections import deque
 from functools import partial
 from itertools import repeat
 
-from ..types import Assignment, Recipe, Task, WriteSpec
+from ..types import _NEW, Assignment, Recipe, Task, WriteSpec, _slot_setters
 from ..types import new_piece as _piece  # noqa: F401 (re-exported)
 from ..types import new_recipe as _recipe  # noqa: F401
 
@@ -24,9 +24,7 @@ __all__ = ["new_write", "_write_spec", "_assignment", "_task", "_recipe", "_piec
 new_write = partial(tuple.__new__, WriteSpec)
 """``new_write((output, dst_rank, remote_offset, length))`` -> that :class:`WriteSpec`, in C."""
 
-_NEW = object.__new__
-_A_SET = tuple(Assignment.__dict__[f].__set__ for f in Assignment.__slots__)
-_T_SET = tuple(Task.__dict__[f].__set__ for f in Task.__slots__)
+_A_SET, _T_SET = _slot_setters(Assignment), _slot_setters(Task)
 assert Assignment.__slots__ == ("recipe", "writes")
 assert Task.__slots__ == ("id", "group", "sources", "mesh", "assignments", "source_bytes", "temp_bytes",
                           "local_sources"), "reference.types.Task changed: update _task"

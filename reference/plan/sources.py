@@ -21,7 +21,6 @@ import numpy as np
 from ..types import ParamMeta, PlanError, numel
 
 _NAME, _MESH, _LSHAPE = attrgetter("name"), attrgetter("mesh_ranks"), attrgetter("local_shape")
-_DEST_LAYOUT = attrgetter("name", "offset", "shape", "dtype")
 _RECORD = attrgetter("name", "global_shape", "dtype", "placements", "mesh_ranks")
 """What every rank of a parameter's mesh must publish identically (``local_*`` differ per rank)."""
 _COLUMNS = (attrgetter("global_shape"), attrgetter("dtype"), attrgetter("placements"), _MESH)
