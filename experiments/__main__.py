@@ -75,6 +75,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--method", default=None, help="reference | rank0_funnel | rpc | all (the three side by side, one table)")
     run.add_argument("--engine", choices=["stand-in", "vllm"], default=None,
                      help="inference side: the stand-in (default) or unmodified vLLM engines (make vllm)")
+    run.add_argument("--vllm-targets", choices=["auto", "staged", "direct"], default=None,
+                     help="--engine vllm, reference method: auto (default: direct where vLLM's runtime bytes are "
+                          "addressable, staged where it keeps them opaque, e.g. oneDNN handles on CPUs without AMX), "
+                          "staged (every post-processed layer staged), direct (opaque layers refused)")
     run.add_argument("--n-train", type=int, default=None, help="training ranks")
     run.add_argument("--train-layout", choices=["fsdp", "two_group", "shard_shard"], default=None,
                      help="fsdp: FSDP2 on a 1-D mesh; two_group: non-experts within node, experts across "
@@ -192,7 +196,7 @@ def config_from_args(args):
     ch: dict = {}
     if args.override:
         ch["overrides"] = {**(base.overrides if args.model is None else {}), **dict(args.override)}
-    for field in ("method", "engine", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype",
+    for field in ("method", "engine", "vllm_targets", "n_train", "train_layout", "tp", "dp", "ep", "dp_attention", "train_dtype",
                   "transport", "device", "steps",
                   "warmup", "seed", "timeout"):
         if getattr(args, field) is not None:

@@ -107,6 +107,14 @@ class TrialConfig(TransferOptions):
     """The inference side: ``"stand-in"`` (engines/engine.py, vLLM 0.32's layouts, fast) or
     ``"vllm"``: unmodified vLLM engines (engines/vllm/; ``make vllm``), ``dp`` instances of
     ``tp`` workers, planned against the layout they report and verified against a fresh vLLM."""
+    vllm_targets: str = "auto"
+    """With ``engine="vllm"`` and the reference method: how layers vLLM post-processed after
+    loading are targeted (:data:`engines.vllm.engine.TARGETS`): ``"auto"`` writes directly
+    where the runtime bytes are addressable and reproduced, and **stages** what vLLM keeps
+    opaque (oneDNN / zentorch handles: checkpoint-layout staging tensors, vLLM's own
+    post-processing re-run for those layers at commit, before the version is published);
+    ``"staged"`` stages every post-processed layer; ``"direct"`` stages nothing (an opaque
+    layer is refused at plan time, named)."""
     steps: int = 5
     """Measured updates."""
     warmup: int = 1
@@ -142,6 +150,8 @@ class TrialConfig(TransferOptions):
                 raise ValueError("engine=vllm: --ep is not wired for vLLM engines yet")
             if self.transport != "cma":
                 raise ValueError(f"engine=vllm: transport {self.transport!r} not wired (cma only)")
+            if self.vllm_targets not in ("auto", "staged", "direct"):
+                raise ValueError(f"vllm_targets={self.vllm_targets!r}: auto, staged or direct")
             if self.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
                 self.timeout = 900.0
             if self.method in ("rank0_funnel", "rpc", "all") and self.tp != 1:
@@ -258,6 +268,8 @@ def trial_key(cfg: TrialConfig) -> str:
         del d["engine"]
     if d.get("device") == "cpu":  # likewise the default device
         del d["device"]
+    if d.get("vllm_targets") == "auto":  # and the default vLLM targets
+        del d["vllm_targets"]
     default = BaselineOptions()
     for f in dataclasses.fields(BaselineOptions):
         if getattr(cfg.baseline, f.name) != getattr(default, f.name):

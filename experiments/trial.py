@@ -66,11 +66,29 @@ class _Procs:
     def all(self):
         return list(self.train.values()) + list(self.infer.values())
 
+    def groups(self) -> list[int]:
+        """Process groups led by inference processes (vLLM instances, :func:`experiments.vllm_side.own_process_group`)."""
+        return [p.pid for p in self.infer.values() if p.name.startswith("vllm") and p.pid is not None]
 
-def stop_processes(ps, grace: float = 0.5) -> None:
+
+def stop_processes(ps, grace: float = 0.5, groups=()) -> None:
     """End every process of ``ps`` and reap it: SIGTERM, ``grace`` seconds, then SIGKILL (a
-    stopped process keeps SIGTERM pending; SIGKILL ends it). Returns once none is left."""
+    stopped process keeps SIGTERM pending; SIGKILL ends it). Returns once none is left; then
+    every process group of ``groups`` (the pids of processes that lead one: vLLM instances and
+    the EngineCore / workers they started) is SIGKILLed, so an instance killed before it could
+    end its children leaves none behind."""
     ps = [p for p in ps if p.pid is not None]
+    try:
+        _stop(ps, grace)
+    finally:
+        from .vllm_side import kill_group
+
+        for g in groups:
+            if g is not None:
+                kill_group(g)
+
+
+def _stop(ps, grace: float) -> None:
     for p in ps:
         if p.is_alive():
             p.terminate()
@@ -146,7 +164,8 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
         from .vllm_side import vllm_instance_main
 
         for d in range(cfg.dp):
-            procs.infer[d * cfg.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr), name=f"vllm{d}")
+            procs.infer[d * cfg.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr),
+                                                   kwargs=dict(parent=parent), name=f"vllm{d}")
     else:
         for i in range(cfg.n_infer):
             procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
@@ -160,12 +179,12 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
                                 memcpy_gbps=memcpy, stall=stall, restarts=restarts,
                                 restart_training=restart_training, fault=fault, probe=probe)
     except BaseException:
-        stop_processes(procs.all())
+        stop_processes(procs.all(), groups=procs.groups())
         raise
     deadline = time.monotonic() + 30
     for p in procs.all():
         p.join(max(0.0, deadline - time.monotonic()))
-    stop_processes(procs.all())
+    stop_processes(procs.all(), groups=procs.groups())
     return result
 
 
@@ -214,9 +233,11 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         t0 = time.perf_counter()
         mcfg = cfg.model_config()
         ctl_cls, _, infer_cls = get_method(cfg.method)
-        summary = ctl_cls().setup(ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline,
-                                                    model_config=mcfg, layout=cfg.layout,
-                                                    train_metas=train_metas, infer_payloads=infer))
+        cctx = ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg,
+                                 layout=cfg.layout, train_metas=train_metas, infer_payloads=infer)
+        summary = ctl_cls().setup(cctx)
+        commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
+        bytes_staged = int(cctx.extra.get("bytes_staged", 0))
         plan_s = time.perf_counter() - t0
         gen, step = 0, 1
         while step <= cfg.warmup + cfg.steps:
@@ -228,7 +249,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                     control.wait_keys(store, {d * cfg.tp: KEY_PAUSED.format(step=step, instance=d)
                                               for d in range(cfg.dp)},
                                       timeout=cfg.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
-                seconds, results = ctl.transfer(step, inference_active=infer_cls.active)
+                seconds, results = ctl.transfer(step, inference_active=infer_cls.active, commit_ranks=commit_ranks)
             except control.ControlError as e:
                 note_failure(e)
                 culprit = ctl.last_culprit or ""
@@ -255,7 +276,19 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
                 "wire_bytes": sum(s.wire_bytes for s in stats),
                 "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
+                "write_seconds": ctl.last_write_seconds,
             }
+            if cfg.method == "reference":  # bytes into staged targets (post-processed by the engine at commit)
+                row["bytes_staged"] = bytes_staged
+                row["bytes_direct"] = row["bytes"] - bytes_staged
+            commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
+            if commits:
+                row["commit_seconds"] = max(c.get("seconds", 0.0) for c in commits)
+            covs = [v["coverage"] for v in ver.values() if v.get("coverage")]
+            if covs:  # fractions of the engine's bytes each check covered (experiments/vllm_side.py)
+                tot = sum(c["engine_bytes"] for c in covs) or 1
+                for k in ("direct", "staged", "outputs_only"):
+                    row[f"check_{k}"] = sum(c[k] * c["engine_bytes"] for c in covs) / tot
             if cfg.verify and not ok:
                 bad = {i: v for i, v in ver.items() if not v.get("ok")}
                 row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "

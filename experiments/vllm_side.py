@@ -41,7 +41,8 @@ from pathlib import Path
 
 from reference import control
 
-__all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV"]
+__all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
+           "kill_group"]
 
 ORACLE_DIR_ENV = "WT_VLLM_ORACLE_DIR"
 """Environment variable naming a directory for fresh-engine snapshots shared by the trials of
@@ -103,8 +104,11 @@ def _oracle_path(mcfg, step: int, seed: int, tp: int) -> Path | None:
     if not root:
         return None
     from engines.vllm import hf_config, vllm_version
+    from engines.vllm.extension import HIDE_AMX_ENV
 
-    key = json.dumps([hf_config(mcfg), step, seed, tp, vllm_version()], sort_keys=True, default=str)
+    # the host path vLLM takes (WT_VLLM_HIDE_AMX) changes its runtime tensors: part of the key
+    key = json.dumps([hf_config(mcfg), step, seed, tp, vllm_version(), os.environ.get(HIDE_AMX_ENV, "")],
+                     sort_keys=True, default=str)
     return Path(root) / f"fresh-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -123,7 +127,7 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
         return {"tensors": {instance * cfg.tp + (r - min(snap["tensors"])): t for r, t in snap["tensors"].items()},
                 "outputs": snap["outputs"]}
     fresh_engine = VllmEngine(write_checkpoint(mcfg, root / f"step{v}", step=v, seed=cfg.seed), tp=cfg.tp,
-                              first_rank=instance * cfg.tp, seed=cfg.seed)
+                              first_rank=instance * cfg.tp, seed=cfg.seed, targets="direct")
     try:
         snap = snapshot(fresh_engine, fresh_engine.runtime_layouts(), prompts)
     finally:
@@ -136,10 +140,50 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
     return snap
 
 
-def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
-    """vLLM instance ``instance`` of the trial (see module docstring)."""
+def own_process_group(parent: int | None = None) -> None:
+    """Make this process the leader of a process group of its own, which vLLM's children
+    (EngineCore, its workers, a verification engine's) inherit, so that the group can be ended
+    as one (:func:`kill_group`): on SIGTERM or SIGINT this process SIGKILLs its whole group,
+    and with ``parent`` (the launcher's pid, Linux) it gets SIGTERM when the launcher dies
+    (``PR_SET_PDEATHSIG``), even by SIGKILL. A vLLM instance killed from outside leaves no
+    EngineCore or worker behind (issue: 3 of 4 refused trials left 2.4 GB orphaned under pid 1)."""
+    import signal
+
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a session/group leader (a SLURM task): the group is ours anyway
+        pass
+
+    def _end(signum, _frame):
+        kill_group(os.getpgid(0))
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _end)
+    signal.signal(signal.SIGINT, _end)
+    if parent is not None and sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before prctl
+            _end(signal.SIGTERM, None)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process of group ``pgid`` (no error if it is gone)."""
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | None = None) -> None:
+    """vLLM instance ``instance`` of the trial (see module docstring). Runs in a process group
+    of its own (:func:`own_process_group`): no vLLM process outlives it."""
+    own_process_group(parent)
     from engines.vllm import VllmEngine, write_checkpoint
-    from engines.vllm.verify import compare_snapshots, fixed_prompts, snapshot
+    from engines.vllm.verify import compare_snapshots, coverage, fixed_prompts, snapshot, staging_oracle
     from reference.method import InferenceContext
 
     from .methods import get_method, serve_active_step
@@ -151,13 +195,21 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
     mcfg = cfg.model_config()
     root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
     side = loader = None
+    engine = None
     try:
+        _, _, infer_cls = get_method(cfg.method)
         t0 = time.perf_counter()
+        # the reference stages what vLLM keeps opaque; a baseline uses vLLM's own reload (nothing staged)
         engine = VllmEngine(write_checkpoint(mcfg, root / "step0", step=0, seed=cfg.seed), tp=tp,
-                            first_rank=instance * tp, seed=cfg.seed)
+                            first_rank=instance * tp, seed=cfg.seed,
+                            targets="direct" if infer_cls.active else cfg.vllm_targets)
         _log(instance, f"engine up in {time.perf_counter() - t0:.1f} s (tp={tp}, ranks {ranks})")
         layouts = engine.runtime_layouts()
-        _, _, infer_cls = get_method(cfg.method)
+        lay0 = layouts[ranks[0]]
+        if lay0.staged:
+            _log(instance, f"staged {len(lay0.staged)} layer(s) vLLM post-processes "
+                           f"({', '.join(sorted({st['why'] for st in lay0.staged.values()}))}): "
+                           f"{lay0.staged_bytes / 1e6:.1f} MB of staging per rank, direct {lay0.direct_bytes / 1e6:.1f} MB")
         if infer_cls.active:  # a baseline: its inference side, with vLLM's own loading path
             if tp != 1:
                 raise ValueError(f"method {cfg.method!r} with vLLM needs tp 1, got {tp}")
@@ -177,7 +229,11 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
     except Exception as e:  # noqa: BLE001
         store.set("abort", f"vLLM instance {instance} failed during setup: {type(e).__name__}: {e}".encode())
         traceback.print_exc()
+        if engine is not None:
+            engine.close()  # no vLLM process outlives a failed setup
+        shutil.rmtree(root, ignore_errors=True)
         raise
+    needs_commit = side is None and any(layouts[r].needs_commit for r in ranks)
     prompts = fixed_prompts(mcfg.vocab_size)
     last, step = -1, 1
     while True:
@@ -198,6 +254,17 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
                     break
             finally:
                 loader.end()
+        elif needs_commit:  # staged targets: vLLM re-processes them once every write of the step landed
+            if not clients[ranks[0]].wait_commit(step):
+                break
+            try:
+                res = engine.commit()
+                for r, c in zip(ranks, res):
+                    clients[r].committed(step, ok=True, stats=c)
+            except Exception as e:  # noqa: BLE001 -- reported: the controller fails the update, naming us
+                traceback.print_exc()
+                for r in ranks:
+                    clients[r].committed(step, ok=False, error=f"{type(e).__name__}: {e}")
         v = clients[ranks[0]].wait_version_after(last)
         if v is None:
             break
@@ -211,14 +278,26 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int]) -> None:
         t0 = time.perf_counter()
         try:
             live = snapshot(engine, layouts, prompts)
+            expected = None
+            if live["staging"]:  # staged bytes vs what load_weights makes from the step's checkpoint
+                from reference.catalog import param_specs
+                from reference.weights import SyntheticCheckpoint
+
+                ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.seed)
+                expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=tp)
             fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
-            res = compare_snapshots(live, fresh)
+            res = compare_snapshots(live, fresh, staging_expected=expected)
+            res["coverage"] = coverage({r: layouts[r] for r in ranks}, res)
+            del live, fresh, expected
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             res = {"ok": False, "mismatches": [f"verification failed: {type(e).__name__}: {e}"]}
         res["seconds"] = time.perf_counter() - t0
-        _log(instance, f"version {v}: bytes {'ok' if res.get('bytes_ok') else 'MISMATCH'}, outputs "
-                       f"{'ok' if res.get('outputs_ok') else 'MISMATCH'} vs a fresh vLLM ({res['seconds']:.0f} s)")
+        cov = res.get("coverage") or {}
+        _log(instance, f"version {v}: bytes {'ok' if res.get('bytes_ok') else 'MISMATCH'}"
+                       f"{'' if res.get('staging_ok') is None else ', staging ' + ('ok' if res['staging_ok'] else 'MISMATCH')}"
+                       f", outputs {'ok' if res.get('outputs_ok') else 'MISMATCH'} vs a fresh vLLM "
+                       f"({res['seconds']:.0f} s; byte check {100 * cov.get('direct', 0):.1f}% of the engine's bytes)")
         for r in ranks:
             clients[r].report(v, res)
     if side is not None:

@@ -11,6 +11,8 @@ Keys (values are pickled Python objects unless noted)::
     step/{s}/go             controller -> trainers: transfer now
     step/{s}/done/{r}       trainer r's result: {"ok": bool, "error": str, "stats": StepStats}
     step/{s}/idone/{i}      inference rank i's result, for methods active on the inference side
+    step/{s}/commit         controller -> engines with staged targets: every write of s completed, commit
+    step/{s}/committed/{i}  inference rank i's commit result (``{"ok", "error", "stats"}``)
     step/{s}/failed         set by any rank that reported ``ok=False`` for step s (fail fast)
     weights                 the published state of the inference weights (ASCII, see WeightsState)
     weights/reason          why the last update failed (ASCII), after a failure
@@ -21,7 +23,8 @@ Keys (values are pickled Python objects unless noted)::
 
 Version protocol (what readers can rely on, :class:`WeightsState`): before the "go" of an
 update to version ``v`` the controller publishes ``writing v`` (and ``version = -1``); only
-after every write of every rank completed does it publish ``complete v`` (then ``version =
+after every write of every rank completed (and every engine with staged targets committed) does
+it publish ``complete v`` (then ``version =
 v``); after any failure it publishes ``incomplete v`` (the bytes are a mix: no complete version
 is present) until a later update completes. Every transition increments a sequence number, and
 versions only increase (:class:`VersionError` otherwise), so a reader that sees the same
@@ -42,16 +45,15 @@ to look at liveness and logs a warning on every timed-out slice.
 """
 from __future__ import annotations
 
-import os
 import pickle
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from .heartbeat import Heartbeat, HeartbeatMonitor  # noqa: F401 -- part of this module's API (control.Heartbeat)
 
 
 class ControlError(RuntimeError):
@@ -197,114 +199,6 @@ def report_fatal(store: dist.Store, name: str, cause: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# heartbeats
-
-
-class Heartbeat:
-    """A daemon thread that shows this process is making progress and watches a peer.
-
-    Every ``period`` seconds it increments ``hb/{name}`` over its own store connection. If
-    ``watch`` names a peer (a rank watches ``"controller"``), and that peer's counter has not
-    moved, or the store did not answer, for ``stall`` seconds, ``on_stall(message)`` runs (the
-    default prints ``[name] ...`` to stderr and ends this process with ``os._exit(3)``: a rank
-    whose controller stopped or vanished must not linger). A store call to a stopped server
-    blocks, so the check runs in a second thread that does no I/O."""
-
-    def __init__(self, addr: tuple[str, int], name: str, *, period: float = 0.5, watch: str | None = None,
-                 stall: float = 60.0, on_stall: Callable[[str], None] | None = None):
-        self.addr, self.name, self.period, self.watch, self.stall = addr, name, period, watch, stall
-        self.on_stall = on_stall or self._exit
-        self._stop = threading.Event()
-        self._last_ok = time.monotonic()
-        self._peer = (None, time.monotonic())
-        self._threads = [threading.Thread(target=self._beat, name=f"hb-{name}", daemon=True)]
-        if watch is not None:
-            self._threads.append(threading.Thread(target=self._guard, name=f"hb-guard-{name}", daemon=True))
-        for t in self._threads:
-            t.start()
-
-    def _exit(self, msg: str) -> None:
-        print(f"[{self.name}] {msg}; exiting", file=sys.stderr, flush=True)
-        os._exit(3)
-
-    def _beat(self) -> None:
-        try:
-            store = make_store(*self.addr, is_master=False, timeout=max(self.stall, 5.0))
-        except Exception:  # noqa: BLE001  (the guard names the silence)
-            return
-        while not self._stop.is_set():
-            try:
-                store.add(f"hb/{self.name}", 1)
-                if self.watch is not None:
-                    key = f"hb/{self.watch}"
-                    v = store.get(key) if store.check([key]) else None
-                    if v != self._peer[0]:
-                        self._peer = (v, time.monotonic())
-                self._last_ok = time.monotonic()
-            except Exception:  # noqa: BLE001
-                if self._stop.is_set():
-                    return
-            self._stop.wait(self.period)
-
-    def _guard(self) -> None:
-        while not self._stop.wait(min(self.period, 1.0)):
-            now = time.monotonic()
-            silent = now - self._last_ok
-            still = now - self._peer[1]
-            if silent > self.stall:
-                return self.on_stall(f"the control plane did not answer for {silent:.1f} s "
-                                     f"({self.watch} stopped or gone)")
-            if still > self.stall:
-                return self.on_stall(f"{self.watch}: no heartbeat for {still:.1f} s (stopped or hung)")
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-class HeartbeatMonitor:
-    """The controller's view of the ranks' heartbeats: :meth:`stalled` names every process
-    whose ``hb/{name}`` counter has not moved for ``stall`` seconds (checked at most every
-    ``every`` seconds; a process that never beat counts from the monitor's start or the last
-    :meth:`reset`)."""
-
-    def __init__(self, store: dist.Store, names: dict, *, stall: float, every: float = 0.2):
-        self.store, self.names, self.stall, self.every = store, dict(names), stall, every
-        self._seen: dict = {}
-        self._checked = 0.0
-        self._cached: dict = {}
-        self.reset()
-
-    def reset(self, keys=None) -> None:
-        """Forget what was seen of ``keys`` (default: all), e.g. for a restarted rank."""
-        now = time.monotonic()
-        for k in (self.names if keys is None else keys):
-            self._seen[k] = (self._value(self.names[k]), now, False)
-
-    def _value(self, name: str):
-        key = f"hb/{name}"
-        return self.store.get(key) if self.store.check([key]) else None
-
-    def stalled(self) -> dict:
-        """``{key: "no heartbeat for X s (stopped or hung)"}``. A process is watched from its
-        first beat after the start or :meth:`reset` (one that never started is the business of
-        the wait's timeout)."""
-        now = time.monotonic()
-        if now - self._checked < self.every:
-            return self._cached
-        self._checked = now
-        out = {}
-        for k, name in self.names.items():
-            v = self._value(name)
-            last, t, armed = self._seen[k]
-            if v != last:
-                self._seen[k] = (v, now, True)
-            elif armed and now - t > self.stall:
-                out[k] = f"no heartbeat for {now - t:.1f} s (stopped or hung)"
-        self._cached = out
-        return out
-
-
-# --------------------------------------------------------------------------------------------
 # the controller
 
 
@@ -325,6 +219,8 @@ class Controller:
         self.monitor, self.stall = None, stall
         self.last_culprit: str | None = None
         """The root cause of the last failure ("training 1: ..."), once one was seen."""
+        self.last_write_seconds: float | None = None
+        """Seconds from "go" to the last trainer completion of the last :meth:`transfer`."""
         if stall is not None:
             names = {r: f"train{r}" for r in range(n_train)}
             names.update({("infer", i): f"infer{i}" for i in range(n_infer)})
@@ -358,6 +254,9 @@ class Controller:
                 k = f"step/{step}/idone/{i}"
                 if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
                     out.append(f"inference {i}: {res['error']}")
+                k = f"step/{step}/committed/{i}"
+                if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
+                    out.append(f"inference {i}: commit failed: {res['error']}")
         return out
 
     def training_restarted(self) -> None:
@@ -444,12 +343,18 @@ class Controller:
         self.store.set(f"step/{step}/load", b"1")
         self._wait({r: f"step/{step}/ready/{r}" for r in range(self.n_train)}, f"step {step} weights")
 
-    def transfer(self, step: int, *, inference_active: bool = False) -> tuple[float, dict[int, dict]]:
+    def transfer(self, step: int, *, inference_active: bool = False,
+                 commit_ranks: tuple[int, ...] = ()) -> tuple[float, dict[int, dict]]:
         """Publish ``writing step``, send "go", wait for every trainer's completion (and every
-        inference rank's, for methods active on the inference side), then publish ``complete
-        step``. Returns (seconds from go to the last completion, per-rank results; inference
-        ranks keyed ``("infer", i)``). If any rank fails, dies or stalls, raises ControlError
-        at once naming it ("training 1: ...") and publishes ``incomplete step``."""
+        inference rank's, for methods active on the inference side), then, if ``commit_ranks``
+        is not empty, ask those inference ranks to commit (``step/{step}/commit``: an engine
+        with staged targets re-runs its own post-processing on the bytes that just landed) and
+        wait for each one's ``committed`` report, then publish ``complete step``. Returns
+        (seconds from go to the last completion or commit, per-rank results; inference ranks
+        keyed ``("infer", i)``, commits ``("commit", i)``; :attr:`last_write_seconds` holds go to
+        the last trainer completion). If any rank fails, dies or stalls, raises ControlError at
+        once naming it ("training 1: ...", "inference 0: commit failed: ...") and publishes
+        ``incomplete step``: the version is never published over bytes a commit did not finish."""
         self.begin(step)
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
@@ -459,14 +364,24 @@ class Controller:
             if inference_active:
                 self._wait({i: f"step/{step}/idone/{i}" for i in range(self.n_infer)}, f"step {step} inference side",
                            step, poll=0.001)
-            seconds = time.perf_counter() - t0
+            write_seconds = time.perf_counter() - t0
             results = {r: get(self.store, f"step/{step}/done/{r}") for r in range(self.n_train)}
             if inference_active:
                 results.update({("infer", i): get(self.store, f"step/{step}/idone/{i}") for i in range(self.n_infer)})
             failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
+            if not failed and commit_ranks:
+                self.store.set(f"step/{step}/commit", b"1")
+                self._wait({i: f"step/{step}/committed/{i}" for i in commit_ranks}, f"step {step} commit", step,
+                           poll=0.001)
+                results.update({("commit", i): get(self.store, f"step/{step}/committed/{i}") for i in commit_ranks})
+                failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
+            seconds = time.perf_counter() - t0
+            self.last_write_seconds = write_seconds
             if failed:  # root cause first (a dead process before the ranks that echo it)
                 raise ControlError(self._failure(step)() or "; ".join(
-                    f"{role_name(r)}: {e}" for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
+                    f"{role_name(r[1] if isinstance(r, tuple) and r[0] == 'commit' else r)}: "
+                    f"{'commit failed: ' if isinstance(r, tuple) and r[0] == 'commit' else ''}{e}"
+                    for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
         except BaseException as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.mark_incomplete(step, first)
@@ -544,6 +459,22 @@ class InferenceClient:
 
     def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
         put(self.store, f"step/{step}/idone/{self.rank}", {"ok": ok, "error": error, "stats": stats})
+        if not ok:
+            self.store.set(f"step/{step}/failed", b"1")
+
+    def wait_commit(self, step: int, poll: float = 0.001) -> bool:
+        """An engine with staged targets: block until the controller asks to commit ``step``
+        (every write of the update completed: True) or the job shuts down (False). Waits through
+        a failed update (the controller then shuts down or moves on)."""
+        for _ in backoff(None, poll):
+            if self.store.check([f"step/{step}/commit"]):
+                return True
+            if self.store.check(["shutdown"]):
+                return False
+
+    def committed(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
+        """Report this rank's commit of ``step`` (``stats``: e.g. ``{"seconds", "layers", "bytes"}``)."""
+        put(self.store, f"step/{step}/committed/{self.rank}", {"ok": ok, "error": error, "stats": stats})
         if not ok:
             self.store.set(f"step/{step}/failed", b"1")
 

@@ -180,6 +180,10 @@ class ReferenceController(ControllerSide):
                      max_chunk_bytes=ctx.transfer.max_chunk_bytes, local_writes=ctx.transfer.local_writes,
                      local_min_bytes=ctx.transfer.local_min_bytes)
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
+        # an engine with staged targets (e.g. a vLLM layer kept in an opaque kernel handle) commits
+        # each update: its own post-processing runs on the staged bytes before the version is published
+        ctx.extra["commit_ranks"] = tuple(sorted(i for i, lay in runtime.items() if getattr(lay, "needs_commit", False)))
+        ctx.extra["bytes_staged"] = sum(getattr(lay, "staged_bytes", 0) for lay in runtime.values())
         for r, rp in sched.rank_plans.items():
             control.put(ctx.store, f"plan/{r}", (rp, descriptors))
         ctx.extra["schedule"] = sched

@@ -197,3 +197,53 @@ def test_c19_waiter_for_skipped_or_failed_version_gets_an_answer(store):
     with pytest.raises(control.ControlError, match="version 9 not published within"):
         inf.wait_version(9, timeout=0.2)
     assert time.monotonic() - t < 3
+
+
+def test_c22_commit_after_every_write_and_before_publish(store):
+    """An engine with staged targets commits each update: the controller asks for the commit
+    only after every trainer completed, publishes only after every commit rank reported, and a
+    failed commit leaves the version incomplete, naming the rank."""
+    ctl = control.Controller(store, n_train=1, n_infer=2, timeout=5.0)
+    t0 = control.TrainerClient(client(store), 0)
+    infs = [control.InferenceClient(client(store), i) for i in range(2)]
+    seen = []
+
+    def commit_side(i, step, ok=True):
+        assert infs[i].wait_commit(step)
+        seen.append((i, store.check([f"step/{step}/done/0"]), infs[i].state().state))
+        infs[i].committed(step, ok=ok, error="" if ok else "RuntimeError: commit of staged layer x failed",
+                          stats={"seconds": 0.01, "layers": 3, "bytes": 64})
+
+    ths = [threading.Thread(target=commit_side, args=(i, 1)) for i in range(2)]
+    for th in ths:
+        th.start()
+    threading.Timer(0.1, lambda: t0.done(1, ok=True)).start()
+    secs, res = ctl.transfer(1, commit_ranks=(0, 1))
+    for th in ths:
+        th.join()
+    # each commit started after the trainer's done and while the version was still being written
+    assert sorted(seen) == [(0, True, "writing"), (1, True, "writing")]
+    assert infs[0].state().complete and infs[0].version() == 1
+    assert res[("commit", 1)]["stats"]["layers"] == 3
+    assert ctl.last_write_seconds <= secs
+    # a failed commit: incomplete, named
+    th = threading.Thread(target=commit_side, args=(1, 2, False))
+    th.start()
+    threading.Thread(target=commit_side, args=(0, 2)).start()
+    threading.Timer(0.05, lambda: t0.done(2, ok=True)).start()
+    with pytest.raises(control.ControlError, match="inference 1: commit failed: RuntimeError"):
+        ctl.transfer(2, commit_ranks=(0, 1))
+    th.join()
+    assert infs[0].state().state == "incomplete" and infs[0].version() is None
+
+
+def test_c22_no_commit_when_a_trainer_failed(store):
+    """A trainer's failure ends the update before any commit is asked for."""
+    ctl = control.Controller(store, n_train=1, n_infer=1, timeout=2.0)
+    t0 = control.TrainerClient(client(store), 0)
+    threading.Timer(0.05, lambda: t0.done(1, ok=False, error="BoundsError: y")).start()
+    with pytest.raises(control.ControlError, match="training 0: BoundsError"):
+        ctl.transfer(1, commit_ranks=(0,))
+    assert not store.check(["step/1/commit"])
+    store.set("shutdown", b"1")
+    assert control.InferenceClient(client(store), 0).wait_commit(1) is False

