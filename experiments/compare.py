@@ -162,7 +162,7 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
         if cov:
             lines.append(f"# [{m}] " + cov[2:])
     against = ("a fresh vLLM from the step's checkpoint (every addressable runtime byte, staged bytes vs the "
-               "checkpoint; greedy tokens + logprobs)" if cfg.engine == "vllm" else "the engine's load_weights")
+               "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)" if cfg.engine == "vllm" else "the engine's load_weights")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{n_all} updates over "
                  f"{len(sums)} method(s)" + ("" if good else "  <-- FAILED" + (f" ({', '.join(failed)} did not run)" if failed else "")))
     return "\n".join(lines)

@@ -104,7 +104,7 @@ def format_table(result) -> str:
     if cov:
         lines.append(cov)
     against = ("a fresh vLLM from the step's checkpoint (every addressable runtime byte, staged bytes vs the "
-               "checkpoint; greedy tokens + logprobs)"
+               "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)"
                if getattr(result.cfg, "engine", "stand-in") == "vllm" else "the engine's load_weights")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(rows)} updates"
                  + ("" if n_ok == len(rows) else "  <-- FAILED"))

@@ -284,6 +284,9 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
             if commits:
                 row["commit_seconds"] = max(c.get("seconds", 0.0) for c in commits)
+            ulps = [v["logprob_ulps"] for v in ver.values() if v.get("logprob_ulps") is not None]
+            if ulps:  # largest greedy-logprob difference from a fresh vLLM, in float32 ulps (0: bit-identical)
+                row["logprob_ulps"] = max(ulps)
             covs = [v["coverage"] for v in ver.values() if v.get("coverage")]
             if covs:  # fractions of the engine's bytes each check covered (experiments/vllm_side.py)
                 tot = sum(c["engine_bytes"] for c in covs) or 1
@@ -292,7 +295,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             if cfg.verify and not ok:
                 bad = {i: v for i, v in ver.items() if not v.get("ok")}
                 row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "
-                                                f"guards={v.get('guards_written')}" for i, v in sorted(bad.items()))
+                                                f"guards={v.get('guards_written')}{_output_diff_text(v)}"
+                                                for i, v in sorted(bad.items()))
             rows.append(row)
             if progress:
                 progress(row)
@@ -305,6 +309,19 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     finally:
         beat.stop()
     return TrialResult(cfg, rows, summary, plan_s, memcpy_gbps, env)
+
+
+def _output_diff_text(v: dict) -> str:
+    """`` outputs: prompt p token t: live (id, logprob) != fresh (id, logprob)`` for the first
+    difference of each differing prompt of a vLLM verification result ('' when none)."""
+    parts = []
+    for d in v.get("output_diffs") or []:
+        (lt, ll), (ft, fl) = d["live"], d["fresh"]
+        t = next((j for j, (a, b, x, y) in enumerate(zip(lt, ft, ll, fl)) if a != b or x != y), min(len(lt), len(ft)))
+        live = (lt[t], ll[t]) if t < len(lt) else None
+        fresh = (ft[t], fl[t]) if t < len(ft) else None
+        parts.append(f"prompt {d['prompt']} token {t}: live {live} != fresh {fresh}")
+    return f" outputs: {'; '.join(parts)}" if parts else ""
 
 
 def world_size(cfg: TrialConfig) -> int:

@@ -294,9 +294,13 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             res = {"ok": False, "mismatches": [f"verification failed: {type(e).__name__}: {e}"]}
         res["seconds"] = time.perf_counter() - t0
         cov = res.get("coverage") or {}
+        lp = res.get("logprob_ulps")
+        lp = "" if lp is None else f" (logprobs {'bit-identical' if lp == 0 else f'within {lp:.0f} ulp'})"
         _log(instance, f"version {v}: bytes {'ok' if res.get('bytes_ok') else 'MISMATCH'}"
                        f"{'' if res.get('staging_ok') is None else ', staging ' + ('ok' if res['staging_ok'] else 'MISMATCH')}"
-                       f", outputs {'ok' if res.get('outputs_ok') else 'MISMATCH'} vs a fresh vLLM "
+                       f", outputs {'ok' if res.get('outputs_ok') else 'MISMATCH'}"
+                       f"{lp}"
+                       f" vs a fresh vLLM "
                        f"({res['seconds']:.0f} s; byte check {100 * cov.get('direct', 0):.1f}% of the engine's bytes)")
         for r in ranks:
             clients[r].report(v, res)

