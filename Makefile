@@ -18,10 +18,10 @@ setup: .venv/.installed
 	@test -x $(PY) || python3 -m venv .venv
 	@if [ -n "$(TORCH)" ]; then $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"; fi
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	@touch $@
+	@mkdir -p $(dir $@) && touch $@
 
 demo: setup
-	$(PY) -m experiments run
+	$(PY) -m weight_transfer.experiments run
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,8 +1,8 @@
-"""``python -m analysis``: results CSVs -> results/summary.md and PNG plots.
+"""``weight-transfer analyze``: results CSVs -> results/summary.md and PNG plots.
 
-    python -m analysis                                   # every sweep CSV in results/
-    python -m analysis results/qwen3_cpu_small.csv -o results
-    python -m analysis --timeline results/timeline.json  # (re)draw one update's pipeline
+    weight-transfer analyze                                   # every sweep CSV in results/
+    weight-transfer analyze results/qwen3_cpu_small.csv -o results
+    weight-transfer analyze --timeline results/timeline.json  # (re)draw one update's pipeline
 
 Without ``--timeline``, an existing ``timeline.png`` in the output directory (the one
 experiments/bench/pipeline.py draws) is kept and linked; otherwise ``results/timeline.json``
@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 from . import plots
+from .paths import project_dir
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+RESULTS = project_dir() / "results"
 
 
 def _env_line(df) -> str:
@@ -36,7 +37,7 @@ def _env_line(df) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="weight-transfer analyze", description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="*", help="results CSVs (default: every sweep CSV in results/, i.e. with trial_key)")
     ap.add_argument("-o", "--out", default=str(RESULTS), help="directory for summary.md and the PNGs")
     ap.add_argument("--timeline", default=None,
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     paths = [Path(p) for p in args.csv] or sorted(p for p in RESULTS.glob("*.csv") if plots.is_trial_csv(p))
     if not paths:
         print(f"error: no sweep results (CSV with a trial_key column) in {RESULTS}; run "
-              f"`python -m experiments sweep NAME` first", file=sys.stderr)
+              f"`weight-transfer sweep NAME` first", file=sys.stderr)
         return 2
     df = plots.load(paths)
     s = plots.summarize(df)

@@ -33,7 +33,7 @@ def is_trial_csv(path: Path) -> bool:
     """A measured-trials CSV (sweep output): has the tidy trial columns and a ``trial_key``."""
     try:
         cols = set(pd.read_csv(path, nrows=0).columns)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
     return REQUIRED <= cols and "trial_key" in cols
 
@@ -210,7 +210,7 @@ def summary_markdown(s: pd.DataFrame, *, sources: list[str] = (), env: str = "")
     if env:
         lines += [env, ""]
     if sources:
-        lines += ["Sources: " + ", ".join(f"`{x}`" for x in sources) + ". Derived by `python -m analysis`; "
+        lines += ["Sources: " + ", ".join(f"`{x}`" for x in sources) + ". Derived by `weight-transfer analyze`; "
                   "column definitions in docs/PERFORMANCE.md.", ""]
     if s.empty:
         return "\n".join(lines + ["No measured rows."]) + "\n"

@@ -1,6 +1,6 @@
 """Plots of the at-scale simulation, from results/simulated.csv only (no transfer code).
 
-``python -m analysis.simulation [results/simulated.csv]`` writes, per simulated config (the
+``python -m weight_transfer.analysis.simulation [results/simulated.csv]`` writes, per simulated config (the
 latest row of each method):
 
 - ``results/sim_<config>_methods.png``: predicted update time of every method next to its
@@ -25,10 +25,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
+from .paths import project_dir
+
+ROOT = project_dir()
 CSV = ROOT / "results" / "simulated.csv"
 
 

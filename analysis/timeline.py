@@ -4,7 +4,7 @@ Reads Chrome trace JSON only (the files ``reference/timeline.py`` writes: one pr
 rank, one thread per stage, "X" events with ``ts`` / ``dur`` in microseconds); it imports
 nothing from the transfer code. Several per-rank files of one update can be given at once.
 
-    python -m analysis.timeline results/runs/trace/step0002.json -o results/timeline.png
+    weight-transfer timeline results/runs/trace/step0002.json -o results/timeline.png
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def plot_timeline(paths, out, *, title: str | None = None) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis.timeline", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="weight-transfer timeline", description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+", help="Chrome trace JSON file(s) of one update")
     ap.add_argument("-o", "--out", default="results/timeline.png")
     ap.add_argument("--title", default=None)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from reference import control
-from reference.types import torch_dtype
+from weight_transfer import control
+from weight_transfer.types import torch_dtype
 
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_RPC_TIMEOUT, BaselineOptions
 
@@ -55,7 +55,7 @@ class ParamEntry:
 
 @dataclass
 class BaselineStats:
-    """One training rank's part of one update (implements :class:`reference.method.UpdateStats`,
+    """One training rank's part of one update (implements :class:`weight_transfer.method.UpdateStats`,
     the stats protocol the trial reads from any method).
 
     ``bytes_sent`` is the *landed* byte count (see module docstring; only training rank 0

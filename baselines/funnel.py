@@ -13,9 +13,9 @@ Per update, on "go":
 
 1. every training rank walks the same ordered parameter list and calls ``full_tensor()``
    (a collective over the parameter's DeviceMesh); only training rank 0 keeps the result
-   (:func:`baselines.common.gather_to_rank0`);
+   (:func:`weight_transfer.baselines.common.gather_to_rank0`);
 2. rank 0 packs the gathered tensors, in order, into flat buckets of at most
-   :data:`~baselines.common.DEFAULT_BUCKET_BYTES` (512 MiB, like the frameworks; a larger
+   :data:`~weight_transfer.baselines.common.DEFAULT_BUCKET_BYTES` (512 MiB, like the frameworks; a larger
    tensor travels alone), after broadcasting the step's manifest (name, shape, dtype, offset
    per tensor of each bucket -- what the frameworks send as the ``names, dtypes, shapes`` of
    their update call);
@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from reference.method import ControllerSide, InferenceSide, TrainerSide
+from weight_transfer.method import ControllerSide, InferenceSide, TrainerSide
 
 from .common import (
     BaselineStats,
@@ -198,7 +198,7 @@ class FunnelInference(InferenceSide):
             try:
                 self.engine.load_weights((it.name, from_bytes(self.buf[it.offset:it.offset + it.nbytes], it.dtype, it.shape))
                                          for it in bucket)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 error = f"infer {self.ctx.rank}: load_weights failed in bucket {k} ({bucket[0].name} ..): {type(e).__name__}: {e}"
         if error is not None:
             raise RuntimeError(error)

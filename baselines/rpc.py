@@ -9,7 +9,7 @@ the endpoints, which connects one ``DEALER`` socket per worker.
 Per update, on "go", for every parameter in order:
 
 1. every training rank calls ``full_tensor()``; only training rank 0 keeps the result
-   (:func:`baselines.common.gather_to_rank0`);
+   (:func:`weight_transfer.baselines.common.gather_to_rank0`);
 2. training rank 0 calls ``update_weight`` on *every* worker: one request per worker,
    ``[header, data]`` with header ``{op: "load", name, dtype, shape, id}`` and the tensor's
    bytes (sent zero-copy), then waits for every reply with a deadline (``zmq.Poller``);
@@ -36,9 +36,9 @@ import warnings
 import torch
 import zmq
 
-from reference import control
-from reference.method import ControllerSide, InferenceSide, TrainerSide
-from reference.types import torch_dtype
+from weight_transfer import control
+from weight_transfer.method import ControllerSide, InferenceSide, TrainerSide
+from weight_transfer.types import torch_dtype
 
 from .common import BaselineStats, as_bytes, gather_to_rank0, publish_common, read_common, rpc_timeout
 
@@ -272,7 +272,7 @@ class RpcInference(InferenceSide):
                     n_tensors += 1
                     nbytes += t.nbytes
                     self.server.reply({"ok": True, "id": rid})
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     msg = f"{me}: load_weights({name!r}) failed: {type(e).__name__}: {e}"
                     first_error = first_error or msg
                     self.server.reply({"ok": False, "id": rid, "error": msg})
@@ -283,7 +283,7 @@ class RpcInference(InferenceSide):
                     if first_error:
                         raise RuntimeError(f"earlier error: {first_error}")
                     self.engine.process_weights_after_loading()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     msg = f"{me}: finish failed: {type(e).__name__}: {e}"
                     self.server.reply({"ok": False, "id": rid, "error": msg})
                     raise RuntimeError(msg) from e

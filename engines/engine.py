@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference.catalog import ModelConfig
-from reference.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
+from weight_transfer.catalog import ModelConfig
+from weight_transfer.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
 
 ALIGN = 16
 """Byte alignment of every tensor's offset in the arena."""
@@ -339,7 +339,7 @@ def read_consistent(state: Callable[[], object], read: Callable[[], object], *, 
     """A seqlock read of weights that are written in place by one-sided writes.
 
     ``state()`` returns the published state of the weights (e.g.
-    ``reference.control.InferenceClient.state``: anything with a ``complete`` attribute whose
+    ``weight_transfer.control.InferenceClient.state``: anything with a ``complete`` attribute whose
     equality means "no transition in between": the control plane's ``WeightsState`` carries a
     sequence number that moves at every transition). ``read()`` reads the bytes (copies them,
     or runs a forward pass). The read counts only if the state was complete before it and is

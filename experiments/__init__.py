@@ -6,8 +6,8 @@
   :mod:`.env` (host, versions, git commit, memcpy rate);
 - launching sweeps: :mod:`.configs` (named configs and sweeps) and :mod:`.sweep` (submitit);
   neither imports the other;
-- benchmarks: :mod:`.bench` (``python -m experiments bench-quant|bench-pipeline|bench-transports``);
+- benchmarks: :mod:`.bench` (``weight-transfer bench-quant|bench-pipeline|bench-transports``);
 - the at-scale simulation: :mod:`.sim`;
-- the one command line: ``python -m experiments`` (:mod:`.__main__`), options generated from
+- the one command line: ``weight-transfer`` (:mod:`.__main__`), options generated from
   the config dataclasses by :mod:`.cli`.
 """

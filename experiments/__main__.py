@@ -1,23 +1,26 @@
-"""Command line: ``python -m experiments {run,simulate,sweep,bench-quant,bench-pipeline,bench-transports,bench-peers}``.
+"""The one command: ``weight-transfer {run,simulate,sweep,faults,bench-quant,bench-pipeline,bench-transports,bench-peers,analyze,timeline}``
+(the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
 
 Examples::
 
-    python -m experiments run                                  # the README's main job
-    python -m experiments run --model qwen3-30b-a3b --override num_hidden_layers=2 \\
+    weight-transfer run                                  # the README's main job
+    weight-transfer run --model qwen3-30b-a3b --override num_hidden_layers=2 \\
         --override num_experts=16 --tp 2 --ep --quant fp8 --steps 3
-    python -m experiments run --n-train 4 --tp 2 --dp 2 --train-dtype float32
-    python -m experiments run --method all --override num_hidden_layers=2 --steps 3   # reference vs baselines
-    python -m experiments run --watermark-mb 64 --offload --trace results/runs/trace   # pipeline options
-    python -m experiments run --device cuda --transport cuda_ipc   # every rank on the GPU (docs/GPU.md)
-    python -m experiments run --serial                         # stage-serialized executor
-    python -m experiments sweep --list                         # named sweeps (docs/SWEEPS.md)
-    python -m experiments sweep qwen3_cpu_small --cluster local
-    python -m experiments run --method rank0_funnel --bucket-bytes 67108864   # baselines' options
-    python -m experiments bench-quant --repeats 3                # benchmarks (experiments/bench/)
-    python -m experiments bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
-    python -m experiments bench-transports --mib 64 --transports memcpy,cma
-    python -m experiments faults --quick                       # fault matrix subset (docs/FAULTS.md)
-    python -m experiments bench-peers --peers reference,awex,mooncake   # docs/PEERS.md
+    weight-transfer run --n-train 4 --tp 2 --dp 2 --train-dtype float32
+    weight-transfer run --method all --override num_hidden_layers=2 --steps 3   # reference vs baselines
+    weight-transfer run --watermark-mb 64 --offload --trace results/runs/trace   # pipeline options
+    weight-transfer run --device cuda --transport cuda_ipc   # every rank on the GPU (docs/GPU.md)
+    weight-transfer run --serial                         # stage-serialized executor
+    weight-transfer sweep --list                         # named sweeps (docs/SWEEPS.md)
+    weight-transfer sweep qwen3_cpu_small --cluster local
+    weight-transfer run --method rank0_funnel --bucket-bytes 67108864   # baselines' options
+    weight-transfer bench-quant --repeats 3                # benchmarks (experiments/bench/)
+    weight-transfer bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
+    weight-transfer bench-transports --mib 64 --transports memcpy,cma
+    weight-transfer faults --quick                       # fault matrix subset (docs/FAULTS.md)
+    weight-transfer bench-peers --peers reference,awex,mooncake   # docs/PEERS.md
+    weight-transfer analyze                              # results CSVs -> results/summary.md + PNGs
+    weight-transfer timeline results/runs/trace/step0002.json -o timeline.png   # one update's pipeline
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written; a bad option value
@@ -32,7 +35,9 @@ import ast
 import sys
 from pathlib import Path
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent.parent / "results" / "runs" / "trials.csv"
+from .paths import project_dir
+
+DEFAULT_RESULTS = project_dir() / "results" / "runs" / "trials.csv"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,18 +61,18 @@ def _override(s: str) -> tuple[str, object]:
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The one CLI: ``run``, ``simulate``, ``sweep`` and the benchmarks (``bench-*``, their
-    options generated from their config dataclasses by :mod:`experiments.cli`). A benchmark's
+    options generated from their config dataclasses by :mod:`weight_transfer.experiments.cli`). A benchmark's
     module (torch, pandas) is imported only when ``argv`` (default ``sys.argv[1:]``) selects it."""
-    from baselines.options import BaselineOptions
+    from weight_transfer.baselines.options import BaselineOptions
 
     from .bench import BENCHMARKS
     from .cli import add_dataclass_options
 
-    ap = _Parser(prog="python -m experiments", description=__doc__.split("\n")[0])
+    ap = _Parser(prog="weight-transfer", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one trial: controller + training world + inference world, verified")
     # Every option defaults to None = "as in the base config": the main job's embedded default
-    # (experiments.config.main_job_default) without --model, TrialConfig's defaults with it.
+    # (weight_transfer.experiments.config.main_job_default) without --model, TrialConfig's defaults with it.
     run.add_argument("--model", default=None,
                      help="catalog model (reference/configs/*.json); default: the main job's (see README)")
     run.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
@@ -170,6 +175,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     fault_arguments(sub.add_parser("faults", help="fault matrix: {kill, raise, stop} x {training, inference, "
                                                   "controller} x {early, middle, late} (docs/FAULTS.md)"))
+    # analysis's own command lines, behind the one command (analysis imports no transfer code)
+    for name, help_ in (("analyze", "results CSVs -> results/summary.md and PNG plots (weight_transfer.analysis)"),
+                        ("timeline", "draw one update's pipeline from a --trace Chrome trace (weight_transfer.analysis.timeline)")):
+        a = sub.add_parser(name, help=help_, add_help=False)
+        a.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see weight-transfer NAME --help)")
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, cls_name, help_) in BENCHMARKS.items():
@@ -185,7 +195,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def config_from_args(args):
     """The TrialConfig a ``run`` command line means: the main job's default
-    (:func:`experiments.config.main_job_default`) when ``--model`` is not given (``--override``
+    (:func:`weight_transfer.experiments.config.main_job_default`) when ``--model`` is not given (``--override``
     then adds to its overrides), else ``TrialConfig(model=...)``; every given option replaces
     the base's value."""
     import dataclasses
@@ -219,7 +229,7 @@ def config_from_args(args):
         ch["offload"] = True
     if args.trace:
         ch["trace_dir"] = args.trace
-    from baselines.options import BaselineOptions
+    from weight_transfer.baselines.options import BaselineOptions
 
     from .cli import dataclass_from_args
 
@@ -229,8 +239,7 @@ def config_from_args(args):
 
 
 def sweep_main(args) -> int:
-    """``python -m experiments sweep``: list, or run a named sweep / config with submitit."""
-    from pathlib import Path
+    """``weight-transfer sweep``: list, or run a named sweep / config with submitit."""
 
     from .configs import get_sweep, list_text
     from .sweep import LaunchOptions, executor_parameters, format_summary, run_sweep
@@ -260,8 +269,21 @@ def sweep_main(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("analyze", "timeline"):  # handed whole to analysis's parsers (their own --help)
+        if argv[0] == "analyze":
+            from weight_transfer.analysis.__main__ import main as analyze_main
+
+            return analyze_main(argv[1:])
+        from weight_transfer.analysis.timeline import main as timeline_main
+
+        return timeline_main(argv[1:])
     args = build_parser(argv).parse_args(argv)
     if args.cmd == "simulate":
+        if getattr(args, "map", False):
+            from .sim.layout_map import main as map_main
+
+            return map_main(args)
         from .sim.run import main as simulate_main
 
         return simulate_main(args)
@@ -283,8 +305,8 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return importlib.import_module(module).main(bcfg)
-    from reference.control import ControlError
-    from reference.types import PlanError
+    from weight_transfer.control import ControlError
+    from weight_transfer.types import PlanError
 
     from .report import append_csv, format_table
     from .trial import run_trial
@@ -315,12 +337,12 @@ def main(argv=None) -> int:
     print(format_table(result))
     path = append_csv(result.rows, args.results)
     if args.trace:
-        from reference.timeline import merge_step_traces
+        from weight_transfer.timeline import merge_step_traces
 
         merged = merge_step_traces(args.trace, remove_parts=True)
         if merged:
             print(f"# timelines (Chrome trace, one per update): {merged[0].parent}/step*.json; "
-                  f"draw one with: python -m analysis.timeline {merged[-1]} -o timeline.png")
+                  f"draw one with: weight-transfer timeline {merged[-1]} -o timeline.png")
     print(f"# rows appended to {path}")
     return 0 if all(r["verified"] in (True, None) for r in result.rows) else 1
 

@@ -1,14 +1,14 @@
 """The reference and the baselines side by side: one invocation, one model, one world.
 
-``python -m experiments run --method all [options]`` runs :data:`COMPARE_METHODS` one after
-another with the same :class:`~experiments.config.TrialConfig` (only ``method`` differs), each
+``weight-transfer run --method all [options]`` runs :data:`COMPARE_METHODS` one after
+another with the same :class:`~weight_transfer.experiments.config.TrialConfig` (only ``method`` differs), each
 a full trial (fresh processes, warmup, timed updates, every update verified bit-exact), and
 prints one nccl-tests style table with a row per method; every update's tidy row is appended
 to the results CSV. Column definitions: docs/PERFORMANCE.md ("Comparison table").
 
 Example::
 
-    python -m experiments run --method all --override num_hidden_layers=2 --steps 3
+    weight-transfer run --method all --override num_hidden_layers=2 --steps 3
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ class _VllmOracleDir:
 
 def _run_one(cfg, m, progress, run_trial) -> tuple[str, object]:
     """One method's trial: (method, TrialResult or the exception that stopped it)."""
-    from reference.control import ControlError
-    from reference.types import PlanError
+    from weight_transfer.control import ControlError
+    from weight_transfer.types import PlanError
 
     mcfg = dataclasses.replace(cfg, method=m)
     if progress:
@@ -135,7 +135,8 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
     lines += [
         "#",
         "# bytes: landed in inference memory per update (sum over inference ranks of the engine's tensor bytes,",
-        "#        the same quantity for every method); wire_bytes: what the method moved between and inside the jobs",
+        "#        the same quantity for every method, except that the reference's also counts its staged bytes);",
+        "#        wire_bytes: what the method moved between and inside the jobs",
         "# direct / staged (reference): bytes written where the engine computes with them / into checkpoint-layout",
         "#        staging that the engine's own post-processing turns into its kernel state at commit (commit: its",
         "#        receiver-side seconds, p50, inside p50); the baselines load everything through the engine's loader",

@@ -12,13 +12,13 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from baselines.options import BaselineOptions
-from reference.catalog import ModelConfig, load_config
-from reference.options import TransferOptions
-from reference.types import InferenceLayout
+from weight_transfer.baselines.options import BaselineOptions
+from weight_transfer.catalog import ModelConfig, load_config
+from weight_transfer.options import TransferOptions
+from weight_transfer.types import InferenceLayout
 
 LOCAL_PROCESSES_PER_CPU = 8
-"""A trial launched on this machine (``python -m experiments run``, a ``local`` or ``debug``
+"""A trial launched on this machine (``weight-transfer run``, a ``local`` or ``debug``
 sweep) may start at most this many rank processes per CPU core ..."""
 LOCAL_PROCESSES_MIN = 16
 """... and at least this many, whatever the core count (:func:`local_process_cap`)."""
@@ -44,7 +44,7 @@ def local_process_cap() -> int:
 class TrialConfig(TransferOptions):
     """Everything a trial needs; every process gets a copy.
 
-    A :class:`reference.options.TransferOptions` (its fields -- ``transport``, ``timeout``,
+    A :class:`weight_transfer.options.TransferOptions` (its fields -- ``transport``, ``timeout``,
     ``max_chunk_bytes``, ``local_writes``, ``local_min_bytes``, ``pipeline``, ``watermark``,
     ``offload``, ``trace_dir`` -- are set flat, ``TrialConfig(watermark=...)``, as on the command
     line) plus the model, the two worlds, the method, and the baselines' options
@@ -83,7 +83,7 @@ class TrialConfig(TransferOptions):
     dp_attention: bool = False
     """Data-parallel attention with expert parallelism (needs ``ep``): every inference rank
     holds all non-expert tensors whole, experts split over each instance's ``tp`` ranks
-    (:attr:`reference.types.InferenceLayout.dp_attention`)."""
+    (:attr:`weight_transfer.types.InferenceLayout.dp_attention`)."""
     quant: str | None = None
     """``None`` or ``"fp8"`` (block FP8 e4m3 with ``weight_scale_inv``) on the inference side."""
     train_dtype: str = "bfloat16"
@@ -93,10 +93,10 @@ class TrialConfig(TransferOptions):
     device: str = "cpu"
     """Where every rank's tensors live: ``"cpu"`` (the default: training shards, inference
     arenas and the writes all in host memory) or ``"cuda"``: every process sets its GPU
-    (:func:`experiments.worker.local_cuda_device`; one GPU shared by all processes on a one-GPU host), the
+    (:func:`weight_transfer.experiments.worker.local_cuda_device`; one GPU shared by all processes on a one-GPU host), the
     training shards (FSDP2 and the other layouts) and the inference arenas are CUDA memory,
     ``full_tensor()`` runs over NCCL when every training rank has a GPU of its own and over
-    Gloo (staged through host memory) when ranks share one (:func:`experiments.worker.training_backend`), and
+    Gloo (staged through host memory) when ranks share one (:func:`weight_transfer.experiments.worker.training_backend`), and
     verification compares the arena's bytes on the host after a device-to-host copy. Needs a
     transport that writes into device memory (:data:`DEVICE_TRANSPORTS`: ``cuda_ipc``,
     ``nixl`` with a UCX built with CUDA, ``verbs`` with GPUDirect RDMA; ``cma`` is host memory
@@ -109,7 +109,7 @@ class TrialConfig(TransferOptions):
     ``tp`` workers, planned against the layout they report and verified against a fresh vLLM."""
     vllm_targets: str = "auto"
     """With ``engine="vllm"`` and the reference method: how layers vLLM post-processed after
-    loading are targeted (:data:`engines.vllm.engine.TARGETS`): ``"auto"`` writes directly
+    loading are targeted (:data:`weight_transfer.engines.vllm.engine.TARGETS`): ``"auto"`` writes directly
     where the runtime bytes are addressable and reproduced, and **stages** what vLLM keeps
     opaque (oneDNN / zentorch handles: checkpoint-layout staging tensors, vLLM's own
     post-processing re-run for those layers at commit, before the version is published);
@@ -215,7 +215,7 @@ class TrialConfig(TransferOptions):
     def train_specs(self) -> list:
         """The training side's parameters: the catalog's, less ``drop_params``, plus
         ``extra_params``."""
-        from reference.catalog import ParamSpec, param_specs
+        from weight_transfer.catalog import ParamSpec, param_specs
 
         specs = [s for s in param_specs(self.model_config()) if s.name not in set(self.drop_params)]
         return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.extra_params]
@@ -242,7 +242,7 @@ class TrialConfig(TransferOptions):
 
 
 def main_job_default() -> TrialConfig:
-    """The README's main job (``python -m experiments run`` with no ``--model``):
+    """The README's main job (``weight-transfer run`` with no ``--model``):
     Qwen3-30B-A3B's architecture (Qwen3 GQA attention 32/4 heads, 128-expert MoE layers cut to
     32 experts, 2 of its 48 layers, the real 151,936-token vocabulary and untied ``lm_head``),
     trained on 2 FSDP2 ranks in BF16, served block-FP8 by one TP=2 instance: about 1.6 GB
@@ -280,7 +280,7 @@ def trial_key(cfg: TrialConfig) -> str:
 
 @dataclass(kw_only=True, slots=True)
 class Sweep:
-    """A named list of trials run by ``python -m experiments sweep NAME``; every trial appends
+    """A named list of trials run by ``weight-transfer sweep NAME``; every trial appends
     its rows to ``results/<name>.csv``."""
 
     name: str

@@ -1,9 +1,9 @@
 """Named experiment configs and sweeps, torchtitan style: each is a function returning a
-:class:`~experiments.config.TrialConfig` (one trial) or a :class:`Sweep` (a list of them),
+:class:`~weight_transfer.experiments.config.TrialConfig` (one trial) or a :class:`Sweep` (a list of them),
 named after the model and the hardware it is sized for.
 
-    python -m experiments sweep --list                         # what is here
-    python -m experiments sweep qwen3_cpu_small --cluster local # run one (docs/SWEEPS.md)
+    weight-transfer sweep --list                         # what is here
+    weight-transfer sweep qwen3_cpu_small --cluster local # run one (docs/SWEEPS.md)
 
 ``cpu`` configs are sized for a 2-core development box (CMA transport, every rank a process);
 ``h100`` configs are for a SLURM cluster with one GPU per rank (``--cluster slurm``). Model
@@ -36,7 +36,7 @@ def _small_qwen3(layers: int = 4, **kw) -> TrialConfig:
 
 def qwen3_30b_a3b_cpu_fp8_tp2() -> TrialConfig:
     """The README's main job: Qwen3-30B-A3B architecture (2 layers, 32 experts), 2 FSDP2 ranks
-    -> block-FP8 TP=2, ~1.6 GB per update (experiments.config.main_job_default)."""
+    -> block-FP8 TP=2, ~1.6 GB per update (weight_transfer.experiments.config.main_job_default)."""
     from .config import main_job_default
 
     return main_job_default()
@@ -170,7 +170,7 @@ def get_sweep(name: str) -> Sweep:
 def list_text() -> str:
     """The ``sweep --list`` table: every sweep (trial count, description), then every named
     config."""
-    lines = ["# sweeps (python -m experiments sweep NAME)", f"{'name':<28} {'trials':>6}  description"]
+    lines = ["# sweeps (weight-transfer sweep NAME)", f"{'name':<28} {'trials':>6}  description"]
     for name, f in SWEEPS.items():
         sw = f()
         lines.append(f"{name:<28} {len(sw):>6}  {sw.description}")

@@ -1,9 +1,9 @@
-"""The fault matrix: ``python -m experiments faults [--quick]``.
+"""The fault matrix: ``weight-transfer faults [--quick]``.
 
-Each row injects one :class:`~experiments.inject.Fault` (what happens to whom and when, and how
-it is triggered, is documented in :mod:`experiments.inject`) into a small trial.
+Each row injects one :class:`~weight_transfer.experiments.inject.Fault` (what happens to whom and when, and how
+it is triggered, is documented in :mod:`weight_transfer.experiments.inject`) into a small trial.
 
-The matrix runs each row as its own process tree (``python -m experiments.faults --row SPEC``,
+The matrix runs each row as its own process tree (``python -m weight_transfer.experiments.faults --row SPEC``,
 a new session), and prints one nccl-tests style table: seconds from the fault to the error,
 the role and rank the error names, the exit status, processes of the row left behind, the
 published state of the inference weights after the failure, and whether the next update
@@ -42,7 +42,7 @@ def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) ->
     """Run one trial with ``fault`` in this process (the controller) and return what happened:
     ``{"error", "seconds_to_error", "state", "restored", "rows"}``. Raises nothing for the
     fault's own error."""
-    from reference import control
+    from weight_transfer import control
 
     from .trial import run_trial
 
@@ -55,7 +55,7 @@ def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) ->
         run_trial(cfg, progress=seen.append, fault=fault, stall=stall, restarts=restarts, probe=probe)
     except (control.ControlError, InjectedFault) as e:
         out["error"] = str(e).splitlines()[0]
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     t_err = probe.get("t_error", time.time())
     out["error"] = probe.get("error") or out["error"]
@@ -101,11 +101,11 @@ def _state_of(pid: int) -> str:
 
 
 def matrix_row(fault: Fault, *, stall: float, limit: float) -> dict:
-    """Run ``fault`` as ``python -m experiments.faults --row`` in a new session; returns the
+    """Run ``fault`` as ``python -m weight_transfer.experiments.faults --row`` in a new session; returns the
     row's result plus ``exit`` (status; negative: signal), ``left`` (processes of the session
     alive after it exited) and ``wall`` (seconds). A stopped controller is resumed (SIGCONT)
     once its ranks have left or after ``stall + 10`` s: the operator's part."""
-    cmd = [sys.executable, "-m", "experiments.faults", "--row", fault.spec(), "--stall", str(stall)]
+    cmd = [sys.executable, "-m", "weight_transfer.experiments.faults", "--row", fault.spec(), "--stall", str(stall)]
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -188,7 +188,7 @@ def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
 
 
 def main(args) -> int:
-    """``python -m experiments faults``: run the matrix (or ``--quick``'s 3 rows, or ``--only``)
+    """``weight-transfer faults``: run the matrix (or ``--quick``'s 3 rows, or ``--only``)
     and print the table."""
     faults = ([Fault.parse(s) for s in args.only] if args.only else
               [Fault.parse(s) for s in QUICK] if args.quick else all_faults())
@@ -212,7 +212,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m experiments.faults")
+    ap = argparse.ArgumentParser(prog="python -m weight_transfer.experiments.faults")
     ap.add_argument("--row", default=None, help="run one row in this process and print it as JSON")
     add_arguments(ap)
     a = ap.parse_args()

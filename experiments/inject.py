@@ -1,4 +1,4 @@
-"""Fault injection for the fault matrix (:mod:`experiments.faults`) and the fault tests.
+"""Fault injection for the fault matrix (:mod:`weight_transfer.experiments.faults`) and the fault tests.
 
 A :class:`Fault` says what happens to whom and when: ``kill`` (SIGKILL), ``raise`` (an
 exception on the rank's own code path) or ``stop`` (SIGSTOP, the process stays but makes no
@@ -13,8 +13,8 @@ stage, or signal itself) or sets ``fault/fire`` and pauses 0.3 s, so that a watc
 the target process (:func:`install_watcher`) acts mid-update: signal itself, or raise
 :class:`InjectedFault` in its main thread.
 
-Kept apart from the matrix runner so that the rank processes (:mod:`experiments.worker`,
-:mod:`experiments.trial`) import it without importing the runner, which imports them.
+Kept apart from the matrix runner so that the rank processes (:mod:`weight_transfer.experiments.worker`,
+:mod:`weight_transfer.experiments.trial`) import it without importing the runner, which imports them.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def install_watcher(fault: Fault | None, who: tuple[str, int], addr: tuple[str, 
     the main thread, through a SIGUSR1 handler). Call from the main thread."""
     if fault is None or (fault.role, fault.rank) != who:
         return
-    from reference import control
+    from weight_transfer import control
 
     where = f"{fault.name}'s main thread"
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 
 METHODS = {
-    "reference": ("reference.method", "ReferenceController", "ReferenceTrainer", "ReferenceInference"),
-    "rank0_funnel": ("baselines.funnel", "FunnelController", "FunnelTrainer", "FunnelInference"),
-    "rpc": ("baselines.rpc", "RpcController", "RpcTrainer", "RpcInference"),
+    "reference": ("weight_transfer.method", "ReferenceController", "ReferenceTrainer", "ReferenceInference"),
+    "rank0_funnel": ("weight_transfer.baselines.funnel", "FunnelController", "FunnelTrainer", "FunnelInference"),
+    "rpc": ("weight_transfer.baselines.rpc", "RpcController", "RpcTrainer", "RpcInference"),
 }
 
 
@@ -45,7 +45,7 @@ def serve_active_step(client, side, step: int) -> bool:
         return False
     try:
         client.done(step, ok=True, stats=side.receive(step))
-    except Exception as e:  # noqa: BLE001 -- reported to the controller, which fails the update
+    except Exception as e:  # reported to the controller, which fails the update
         traceback.print_exc()
         client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
     return True

@@ -23,7 +23,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 def _engine_text(cfg) -> str:
     if getattr(cfg, "engine", "stand-in") == "vllm":
-        from engines.vllm import vllm_version
+        from weight_transfer.engines.vllm import vllm_version
 
         return f"{vllm_version() or 'vllm'} (unmodified; runtime layout reported by the engine; verified vs a fresh vLLM)"
     return "stand-in (engines/engine.py, vLLM 0.32 layouts)"

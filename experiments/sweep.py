@@ -1,12 +1,12 @@
 """Sweeps with submitit: one trial = one job whose tasks are the trial's ranks.
 
-    python -m experiments sweep --list
-    python -m experiments sweep qwen3_cpu_small --cluster local            # this box
-    python -m experiments sweep qwen3_8b_h100_world --cluster slurm --partition gpu \\
+    weight-transfer sweep --list
+    weight-transfer sweep qwen3_cpu_small --cluster local            # this box
+    weight-transfer sweep qwen3_8b_h100_world --cluster slurm --partition gpu \\
         --nodes 2 --tasks-per-node 9 --gpus-per-node 8 --time 30           # a cluster
-    python -m experiments sweep ci_cpu_regression --cluster debug          # in-process (tests, pdb)
+    weight-transfer sweep ci_cpu_regression --cluster debug          # in-process (tests, pdb)
 
-A trial job has ``1 + n_train + n_infer`` tasks (:func:`experiments.trial.task_role`): task 0
+A trial job has ``1 + n_train + n_infer`` tasks (:func:`weight_transfer.experiments.trial.task_role`): task 0
 is the controller, which hosts the TCPStore on its node on a free port and publishes
 ``host:port`` in ``<folder>/<job id>/store.json`` (the job folder is shared by every task:
 submitit itself needs that); tasks ``1..n_train`` are the training ranks, then the inference
@@ -14,10 +14,10 @@ ranks, each connecting to that address; when ``nodes x tasks_per_node`` rounds t
 up (17 tasks on 2 nodes x 9), the surplus tasks exit at once. The same function runs under the local executor and
 under SLURM; submitit's ``JobEnvironment`` gives the global rank, the task count and the nodes.
 A job with a single task (the debug executor, or ``--single-task``) runs the whole trial in it
-with :func:`experiments.trial.run_trial` (ranks spawned as local processes).
+with :func:`weight_transfer.experiments.trial.run_trial` (ranks spawned as local processes).
 
 Named configs and sweeps are in ``experiments/configs.py``; this module runs any
-:class:`~experiments.config.Sweep` and does not import them (the CLI, ``experiments/__main__.py``,
+:class:`~weight_transfer.experiments.config.Sweep` and does not import them (the CLI, ``experiments/__main__.py``,
 looks names up there).
 
 Results: every trial's rows, plus ``trial_key`` (hash of the config), ``sweep``, ``job_id``,
@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import KEY_EXCLUDE, Sweep, TrialConfig, trial_key  # noqa: F401  (re-exported)
+from .paths import project_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = project_dir()
 RESULTS_DIR = ROOT / "results"
 JOBS_DIR = ROOT / "results" / "runs" / "jobs"
 """submitit job folders (pickles, logs, store addresses); git-ignored."""
@@ -136,7 +137,7 @@ def _debug_trial_job(cfg: TrialConfig, folder: str):
     """Debug executor: exceptions are returned, not raised (submitit's DebugJob would open pdb)."""
     try:
         return trial_job(cfg, folder)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return _Failure(f"{type(e).__name__}: {e}", traceback.format_exc())
 
 
@@ -151,7 +152,7 @@ class _Failure:
 
 @dataclass(kw_only=True, slots=True)
 class LaunchOptions:
-    """How each trial job is placed (``python -m experiments sweep`` options)."""
+    """How each trial job is placed (``weight-transfer sweep`` options)."""
 
     cluster: str = "local"
     """``local`` (processes on this machine), ``slurm``, or ``debug`` (in-process, one task)."""
@@ -252,11 +253,11 @@ def _collect(job, cfg, key, opt, sweep_name, t0) -> TrialOutcome:
     out = TrialOutcome(cfg=cfg, key=key, job_id=str(job.job_id), seconds=time.monotonic() - t0)
     try:
         out.log = str(job.paths.stderr)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     try:
         res = job.results()[0]
-    except Exception as e:  # noqa: BLE001  (FailedJobError carries the task's traceback)
+    except Exception as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         out.error = lines[-1] if lines else type(e).__name__
         return out

@@ -23,8 +23,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from reference import control
-from reference.method import ControllerContext, UpdateStats
+from weight_transfer import control
+from weight_transfer.method import ControllerContext, UpdateStats
 
 from .config import TrialConfig
 from .env import environment, git_sha, measure_memcpy_gbps  # noqa: F401  (git_sha: re-exported)
@@ -67,7 +67,7 @@ class _Procs:
         return list(self.train.values()) + list(self.infer.values())
 
     def groups(self) -> list[int]:
-        """Process groups led by inference processes (vLLM instances, :func:`experiments.vllm_side.own_process_group`)."""
+        """Process groups led by inference processes (vLLM instances, :func:`weight_transfer.experiments.vllm_side.own_process_group`)."""
         return [p.pid for p in self.infer.values() if p.name.startswith("vllm") and p.pid is not None]
 
 
@@ -106,8 +106,8 @@ def preflight(cfg: TrialConfig) -> None:
     method exists, and the inference layout divides every tensor (the recipes and the engine's
     own layout are both built, without allocating weights). Raises ValueError / PlanError with
     a one-line cause naming the tensor and sizes."""
-    from engines.engine import engine_tensor_metas
-    from reference.plan import build_recipes
+    from weight_transfer.engines.engine import engine_tensor_metas
+    from weight_transfer.plan import build_recipes
 
     cfg.preflight(local=True)  # transport importable, trace dir writable, process count (C18)
     mcfg = cfg.model_config()
@@ -116,7 +116,7 @@ def preflight(cfg: TrialConfig) -> None:
     for rank in range(min(cfg.n_infer, cfg.tp)):
         engine_tensor_metas(mcfg, cfg.layout, rank)
     if cfg.engine == "vllm":
-        from engines.vllm import vllm_available
+        from weight_transfer.engines.vllm import vllm_available
 
         if not vllm_available():
             raise ValueError("engine=vllm: vllm is not installed (make vllm)")
@@ -134,7 +134,7 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     controller) is declared stopped (default ``cfg.timeout``). ``restarts``: times the training
     world may be restarted after an update failed on the training side (the inference ranks
     keep their memory; the next update must restore a complete version). ``fault``
-    (:class:`experiments.inject.Fault`) is injected; ``probe`` (a dict) receives what happened
+    (:class:`weight_transfer.experiments.inject.Fault`) is injected; ``probe`` (a dict) receives what happened
     at the first failure (``error``, ``t_error``, ``fired``, ``state_after_fault``)."""
     preflight(cfg)
     if fault is not None:
@@ -204,7 +204,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     ``restart_training(gen, first_step)`` (if given, at most ``restarts`` times) replaces the
     training world and the run continues with the next step. Shuts the ranks down on success
     and on error."""
-    from experiments.inject import install_watcher
+    from weight_transfer.experiments.inject import install_watcher
 
     env = env if env is not None else environment()
     stall = cfg.timeout if stall is None else stall
@@ -270,7 +270,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
                 "train_dtype": cfg.train_dtype, "n_train": cfg.n_train, "n_infer": cfg.n_infer,
                 "layout": cfg.layout.describe(), "watermark": cfg.watermark, "transport": cfg.transport,
-                "device": cfg.device, "step": step,
+                "device": cfg.device, "engine": cfg.engine, "step": step,
                 "warmup": step <= cfg.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
@@ -278,6 +278,11 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
                 "write_seconds": ctl.last_write_seconds,
             }
+            if cfg.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
+                from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
+
+                row["vllm_targets"] = cfg.vllm_targets if cfg.method == "reference" else "direct"
+                row["vllm_hide_amx"] = os.environ.get(HIDE_AMX_ENV, "") in ("1", "true", "yes")
             if cfg.method == "reference":  # bytes into staged targets (post-processed by the engine at commit)
                 row["bytes_staged"] = bytes_staged
                 row["bytes_direct"] = row["bytes"] - bytes_staged
@@ -381,6 +386,6 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
     finally:
         try:
             control.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")
-        except Exception:  # noqa: BLE001  (the controller is gone already)
+        except Exception:
             pass
     return None

@@ -5,7 +5,7 @@ semantics, written separately from the trainer-side recipes) fed with the full s
 checkpoint of that step. Every byte of every destination tensor is compared, including byte 0
 and each tensor's first and last byte; bytes of the region that belong to no tensor (alignment
 gaps) must be unchanged since registration (nothing wrote outside a tensor), and the guard
-bytes just outside the registered region (``engines.engine.GUARD`` on each side, filled with
+bytes just outside the registered region (``weight_transfer.engines.engine.GUARD`` on each side, filled with
 ``GUARD_BYTE``) must still hold their pattern (nothing wrote past the region's ends).
 
 A live engine on a GPU (``--device cuda``) is compared on the host: each tensor is copied
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from reference.catalog import ModelConfig, param_specs
-from reference.types import InferenceLayout
-from reference.weights import SyntheticCheckpoint
+from weight_transfer.catalog import ModelConfig, param_specs
+from weight_transfer.types import InferenceLayout
+from weight_transfer.weights import SyntheticCheckpoint
 
 
 def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
                     dtype_override: str | None = None):
     """A fresh engine loaded through ``load_weights`` with the full checkpoint of ``step``."""
-    from engines import expected_from_checkpoint
+    from weight_transfer.engines import expected_from_checkpoint
 
     ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override)
     return expected_from_checkpoint(mcfg, layout, rank, ckpt.__getitem__, ckpt.names())

@@ -1,23 +1,23 @@
 """The inference side of a trial when the engine is an unmodified vLLM (``--engine vllm``).
 
 One process per vLLM instance (inference ranks ``d*tp .. d*tp+tp-1``): it writes the step-0
-checkpoint, starts :class:`engines.vllm.VllmEngine`, and publishes for each of its ranks the
+checkpoint, starts :class:`weight_transfer.engines.vllm.VllmEngine`, and publishes for each of its ranks the
 CMA region descriptor and the destination metadata *read from the running engine* (after
-``process_weights_after_loading``), plus the :class:`engines.vllm.runtime.RuntimeLayout` under
+``process_weights_after_loading``), plus the :class:`weight_transfer.engines.vllm.runtime.RuntimeLayout` under
 ``meta/infer_runtime/{rank}`` so the controller plans against the runtime layout
-(:func:`reference.retarget.retarget`). Per update, only control-plane calls reach vLLM:
+(:func:`weight_transfer.retarget.retarget`). Per update, only control-plane calls reach vLLM:
 ``pause`` when the controller announces the step (before any write), ``reset_prefix_cache`` and
 ``resume`` once the version is published. Verification by vLLM itself: a fresh engine started
 from that step's checkpoint; every runtime tensor byte and the greedy tokens + logprobs of fixed
 prompts (one longer than two KV blocks) must be equal.
 
 Baselines (``--method rank0_funnel|rpc``, ``--tp 1``): the method's own inference side
-(:class:`baselines.funnel.FunnelInference`, :class:`baselines.rpc.RpcInference`) runs in this
+(:class:`weight_transfer.baselines.funnel.FunnelInference`, :class:`weight_transfer.baselines.rpc.RpcInference`) runs in this
 process with :class:`VllmLoadPath` as its engine: every ``load_weights`` call becomes one
 ``collective_rpc`` into the worker's ``model.load_weights`` inside vLLM's in-place reload
 (``initialize_layerwise_reload`` before the first tensor of an update,
 ``finalize_layerwise_reload`` at ``process_weights_after_loading``; see
-:mod:`engines.vllm.extension`), the path verl / OpenRLHF / TRL use. Verification is the same
+:mod:`weight_transfer.engines.vllm.extension`), the path verl / OpenRLHF / TRL use. Verification is the same
 as for the reference.
 
 Oracle cache: when ``WT_VLLM_ORACLE_DIR`` is set (``--method all`` sets it for its run), the
@@ -39,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from reference import control
+from weight_transfer import control
 
 __all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
            "kill_group"]
@@ -48,7 +48,7 @@ ORACLE_DIR_ENV = "WT_VLLM_ORACLE_DIR"
 """Environment variable naming a directory for fresh-engine snapshots shared by the trials of
 one ``--method all`` run (see module docstring)."""
 
-from reference.method import RUNTIME_KEY as KEY_RUNTIME  # noqa: E402
+from weight_transfer.method import RUNTIME_KEY as KEY_RUNTIME  # noqa: E402
 
 KEY_PAUSED = "step/{step}/paused/{instance}"
 """Set by a vLLM instance once generation is paused for ``step`` (before the controller says go)."""
@@ -65,9 +65,9 @@ class VllmLoadPath:
     ``tensor_metas``, ``arena.device``).
 
     ``load_weights(pairs)``: the first call of an update starts vLLM's in-place reload
-    (:meth:`engines.vllm.VllmEngine.reload_begin`); each call is one ``collective_rpc`` into
+    (:meth:`weight_transfer.engines.vllm.VllmEngine.reload_begin`); each call is one ``collective_rpc`` into
     ``model.load_weights`` with those full tensors. ``process_weights_after_loading()`` ends
-    it (:meth:`engines.vllm.VllmEngine.reload_finish`). ``tensor_metas()``: the runtime
+    it (:meth:`weight_transfer.engines.vllm.VllmEngine.reload_finish`). ``tensor_metas()``: the runtime
     targets of ``layout`` (what lands per update: the tensors vLLM computes with)."""
 
     def __init__(self, engine, layout):
@@ -103,8 +103,8 @@ def _oracle_path(mcfg, step: int, seed: int, tp: int) -> Path | None:
     root = os.environ.get(ORACLE_DIR_ENV)
     if not root:
         return None
-    from engines.vllm import hf_config, vllm_version
-    from engines.vllm.extension import HIDE_AMX_ENV
+    from weight_transfer.engines.vllm import hf_config, vllm_version
+    from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
     # the host path vLLM takes (WT_VLLM_HIDE_AMX) changes its runtime tensors: part of the key
     key = json.dumps([hf_config(mcfg), step, seed, tp, vllm_version(), os.environ.get(HIDE_AMX_ENV, "")],
@@ -116,8 +116,8 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
     """Snapshot of a fresh vLLM started from step ``v``'s checkpoint (or the cached one)."""
     import torch
 
-    from engines.vllm import VllmEngine, write_checkpoint
-    from engines.vllm.verify import snapshot
+    from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
+    from weight_transfer.engines.vllm.verify import snapshot
 
     path = _oracle_path(mcfg, v, cfg.seed, cfg.tp)
     if path is not None and path.exists():
@@ -182,9 +182,9 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
     """vLLM instance ``instance`` of the trial (see module docstring). Runs in a process group
     of its own (:func:`own_process_group`): no vLLM process outlives it."""
     own_process_group(parent)
-    from engines.vllm import VllmEngine, write_checkpoint
-    from engines.vllm.verify import compare_snapshots, coverage, fixed_prompts, snapshot, staging_oracle
-    from reference.method import InferenceContext
+    from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
+    from weight_transfer.engines.vllm.verify import compare_snapshots, coverage, fixed_prompts, snapshot, staging_oracle
+    from weight_transfer.method import InferenceContext
 
     from .methods import get_method, serve_active_step
 
@@ -226,7 +226,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
                 lay = layouts[r]
                 control.put(store, KEY_RUNTIME.format(rank=r), lay)
                 clients[r].publish_meta(lay.descriptor(), lay.dest_metas())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         store.set("abort", f"vLLM instance {instance} failed during setup: {type(e).__name__}: {e}".encode())
         traceback.print_exc()
         if engine is not None:
@@ -261,7 +261,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
                 res = engine.commit()
                 for r, c in zip(ranks, res):
                     clients[r].committed(step, ok=True, stats=c)
-            except Exception as e:  # noqa: BLE001 -- reported: the controller fails the update, naming us
+            except Exception as e:  # reported: the controller fails the update, naming us
                 traceback.print_exc()
                 for r in ranks:
                     clients[r].committed(step, ok=False, error=f"{type(e).__name__}: {e}")
@@ -280,8 +280,8 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             live = snapshot(engine, layouts, prompts)
             expected = None
             if live["staging"]:  # staged bytes vs what load_weights makes from the step's checkpoint
-                from reference.catalog import param_specs
-                from reference.weights import SyntheticCheckpoint
+                from weight_transfer.catalog import param_specs
+                from weight_transfer.weights import SyntheticCheckpoint
 
                 ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.seed)
                 expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=tp)
@@ -289,7 +289,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             res = compare_snapshots(live, fresh, staging_expected=expected)
             res["coverage"] = coverage({r: layouts[r] for r in ranks}, res)
             del live, fresh, expected
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             traceback.print_exc()
             res = {"ok": False, "mismatches": [f"verification failed: {type(e).__name__}: {e}"]}
         res["seconds"] = time.perf_counter() - t0

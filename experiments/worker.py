@@ -14,8 +14,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from reference import control
-from reference.training import build_fsdp_model, collect_metas, load_step, named_dtensors
+from weight_transfer import control
+from weight_transfer.training import build_fsdp_model, collect_metas, load_step, named_dtensors
 
 from .config import TrialConfig
 from .methods import serve_active_step
@@ -36,7 +36,7 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from reference.training import build_dtensor_params, build_two_group_params
+    from weight_transfer.training import build_dtensor_params, build_two_group_params
 
     mcfg = cfg.model_config()
     dev = cfg.device
@@ -54,7 +54,7 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
 def local_rank_from_env() -> int | None:
     """This task's index among the tasks of its node, as a job launcher sets it
     (``LOCAL_RANK``: torchrun; ``SLURM_LOCALID``: srun / submitit), or None when neither is
-    set. Used by tasks launched one per rank (:func:`experiments.trial.run_task`), not by the
+    set. Used by tasks launched one per rank (:func:`weight_transfer.experiments.trial.run_task`), not by the
     local launcher, whose ranks inherit the launching shell's variables."""
     for var in ("LOCAL_RANK", "SLURM_LOCALID"):
         v = os.environ.get(var, "")
@@ -134,12 +134,12 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
     report. ``gen`` numbers restarts of the training world (its Gloo group gets a fresh store
     prefix). A heartbeat shows progress to the controller and ends this process when the
     controller stops answering for ``stall`` seconds (default ``cfg.timeout``); ``fault``
-    (:class:`experiments.inject.Fault`) is injected into the write stage; ``parent``: see
+    (:class:`weight_transfer.experiments.inject.Fault`) is injected into the write stage; ``parent``: see
     :func:`_exit_with_parent`. Any error that ends the process is reported first
     (``fatal/train{rank}``). With ``cfg.device == "cuda"`` the process first selects its GPU
     (:func:`local_cuda_device`; ``local_rank``: the task's index on its node, from a cluster
     launcher) and the training world's backend follows :func:`training_backend`."""
-    from reference.method import TrainerContext
+    from weight_transfer.method import TrainerContext
 
     from .inject import install_trainer
     from .methods import get_method
@@ -160,7 +160,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
                                     world_size=cfg.n_train)
             params = build_training_params(cfg, rank)
             if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
-                from reference.training import offload_to_host
+                from weight_transfer.training import offload_to_host
 
                 params = offload_to_host(params)
             client.publish_meta(collect_metas(params, offloaded=cfg.offload))
@@ -171,7 +171,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
                                       model_config=cfg.model_config(), layout=cfg.layout,
                                       log=lambda m: log(tag, m), group_barrier=dist.barrier))
             install_trainer(fault, rank, side, store, log=lambda m: log(tag, m))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             store.set("abort", f"training rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
             raise
         step = first_step
@@ -182,7 +182,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             try:
                 stats = side.transfer(step)
                 client.done(step, ok=True, stats=stats)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 traceback.print_exc()
                 client.done(step, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             step += 1
@@ -192,7 +192,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
         traceback.print_exc()
         try:
             control.report_fatal(store, f"train{rank}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        except Exception:  # noqa: BLE001  (the controller is gone)
+        except Exception:
             pass
         raise
     finally:
@@ -209,8 +209,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
     :func:`trainer_main`. With ``cfg.device == "cuda"`` the engine's arena is allocated on
     this process's GPU (:func:`local_cuda_device`) and verification copies it to the host."""
     torch.set_num_threads(1)
-    from engines import Engine
-    from reference.method import InferenceContext
+    from weight_transfer.engines import Engine
+    from weight_transfer.method import InferenceContext
 
     from .inject import install_watcher
     from .methods import get_method
@@ -235,7 +235,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
                                                   model_config=mcfg, layout=cfg.layout,
                                                   log=lambda m: log(tag, m)))
             client.publish_meta(*payload)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
             raise
         install_watcher(fault, ("infer", rank), addr)
@@ -263,7 +263,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
         traceback.print_exc()
         try:
             control.report_fatal(store, f"infer{rank}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         raise
     finally:

@@ -29,7 +29,7 @@ v``); after any failure it publishes ``incomplete v`` (the bytes are a mix: no c
 is present) until a later update completes. Every transition increments a sequence number, and
 versions only increase (:class:`VersionError` otherwise), so a reader that sees the same
 ``complete v`` state before and after reading saw no write in between (a seqlock:
-:func:`engines.engine.read_consistent`). A waiter for a version that was skipped or whose
+:func:`weight_transfer.engines.engine.read_consistent`). A waiter for a version that was skipped or whose
 update failed gets :class:`VersionError` / :class:`ControlError`, not a hang.
 
 Liveness: waits take a timeout and name the ranks that did not answer; a ``liveness`` callback
@@ -443,7 +443,7 @@ class InferenceClient:
 
     def state(self) -> WeightsState:
         """The published :class:`WeightsState` (pass this method as the ``state`` callable of
-        :func:`engines.engine.read_consistent`)."""
+        :func:`weight_transfer.engines.engine.read_consistent`)."""
         return read_state(self.store)
 
     def version(self) -> int | None:

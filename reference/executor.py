@@ -4,7 +4,7 @@ Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
 
 - ``h2d``: copy the task's offloaded source shards from host memory (pinned on CUDA hosts)
   into the device buffers ``full_tensor()`` reads (only when the parameters are offloaded,
-  see :func:`reference.training.offload_to_host`);
+  see :func:`weight_transfer.training.offload_to_host`);
 - ``prepare``: ``full_tensor()`` of each source (a collective over the source's DeviceMesh),
   then each assigned recipe's fusion / slicing / cast / FP8 quantization into contiguous
   output buffers;
@@ -18,7 +18,7 @@ queue. Tasks enter the first stage in plan order; when a stage finishes the task
 of its queue, the task moves to the tail of the next stage's queue, so stages of different
 tasks overlap (the prepare of task k+1 runs while task k is being written). The write thread
 does not wait for a task's batch before it posts the next: it keeps the posted batches in a FIFO
-(:class:`reference.tasks.WritesInFlight`), reaps them in order as they complete and only then
+(:class:`weight_transfer.tasks.WritesInFlight`), reaps them in order as they complete and only then
 hands a task to release, so the writes of several tasks are in flight at once, bounded by the
 watermark alone (a task's temporary bytes stay held until its writes completed). This is the
 published executor's behaviour (Perplexity, Lequn Chen, 2025-09-17: "No need to wait for RDMA
@@ -61,7 +61,7 @@ task (a gone receiver: the inference rank). After it no batch is posted; the bat
 flight are waited for (each up to its deadline) and every region is deregistered. :meth:`run`
 returns only after every posted batch completed, so a rank's reported success implies all its
 writes completed (what the control plane requires of every rank before it publishes). With ``trace_dir`` each update is
-saved as a Chrome trace per rank (:mod:`reference.timeline`).
+saved as a Chrome trace per rank (:mod:`weight_transfer.timeline`).
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class TaskRecord:
     group: int
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     temp_bytes: int = 0
-    """Planned temporary bytes (:attr:`reference.types.Task.temp_bytes`)."""
+    """Planned temporary bytes (:attr:`weight_transfer.types.Task.temp_bytes`)."""
     send_bytes: int = 0
     alloc_bytes: int = 0
     """Bytes of tensors this task actually allocated (gathered sources and outputs)."""
@@ -132,7 +132,7 @@ class BarrierRecord:
 
 @dataclass
 class StepStats:
-    """What one rank did in one update (implements :class:`reference.method.UpdateStats`)."""
+    """What one rank did in one update (implements :class:`weight_transfer.method.UpdateStats`)."""
 
     rank: int
     bytes_sent: int = 0
@@ -204,7 +204,7 @@ class Executor:
     """Executes a :class:`RankPlan` once per :meth:`run` (see module docstring).
 
     ``params`` maps checkpoint names to this rank's DTensors (an
-    :class:`reference.training.OffloadedParams` when the shards live in host memory: its
+    :class:`weight_transfer.training.OffloadedParams` when the shards live in host memory: its
     ``host`` dict holds the host copies the trainer updates); ``remote`` maps inference rank
     -> its region descriptor (already connected on ``transport``). ``group_barrier`` is called
     as ``group_barrier(async_op=True)`` between mesh groups (e.g. ``dist.barrier`` of the
@@ -232,7 +232,7 @@ class Executor:
         self.host: dict[str, torch.Tensor] = dict(getattr(params, "host", None) or {})
         if offload and not self.host:
             raise ValueError("offload=True but the parameters carry no host copies "
-                             "(build them with reference.training.offload_to_host)")
+                             "(build them with weight_transfer.training.offload_to_host)")
         self.offloaded = bool(self.host)
         groups = [t.group for t in plan.tasks]
         if groups != sorted(groups):
@@ -390,7 +390,7 @@ class Executor:
 
     def _write_loop(self, q_in, q_out, abort: threading.Event, errors: list, st: StepStats) -> None:
         """The pipelined write stage: post each task's batch as soon as it arrives, with the
-        batches of earlier tasks still in flight (:class:`reference.tasks.WritesInFlight`);
+        batches of earlier tasks still in flight (:class:`weight_transfer.tasks.WritesInFlight`);
         hand a task to release once its batch completed, in plan order. The watermark bounds
         how many are in flight (a task holds its temporary bytes until release). While
         anything is in flight the input queue is polled every ``_POLL_S`` seconds so completed
@@ -412,7 +412,7 @@ class Executor:
             while True:
                 try:
                     got = fl.pop_done(block)
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     fail(fl.failed.item, e)
                     return
                 if got is None:
@@ -438,7 +438,7 @@ class Executor:
                 continue
             try:
                 fl.push(self._post_write(w))
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 fail(w, e)
                 continue
             reap(False)
@@ -532,7 +532,7 @@ class Executor:
                     if name == "prepare" and not abort.is_set():
                         try:
                             self._finish_barriers(st)
-                        except BaseException as e:  # noqa: BLE001
+                        except BaseException as e:
                             errors.append((name, -1, "barrier", e))
                             abort.set()
                     if q_out is not None:
@@ -543,7 +543,7 @@ class Executor:
                     continue
                 try:
                     fn(w, abort)
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     errors.append((name, w.task.id, w.rec.label, e))
                     abort.set()
                     self._drop(w)

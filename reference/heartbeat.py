@@ -1,4 +1,4 @@
-"""Heartbeats of the control plane (:mod:`reference.control`): each process shows it is making
+"""Heartbeats of the control plane (:mod:`weight_transfer.control`): each process shows it is making
 progress, the controller names one that stopped (SIGSTOP, a hung interpreter), and ranks leave
 on their own when the controller stops answering. A TCPStore call to a stopped server blocks past
 the store's timeout, so the watchdog checks in a thread that does no I/O."""
@@ -49,7 +49,7 @@ class Heartbeat:
         try:
             store = dist.TCPStore(self.addr[0], self.addr[1], None, False, timedelta(seconds=max(self.stall, 5.0)),
                                   wait_for_workers=False)
-        except Exception:  # noqa: BLE001  (the guard names the silence)
+        except Exception:
             return
         while not self._stop.is_set():
             try:
@@ -60,7 +60,7 @@ class Heartbeat:
                     if v != self._peer[0]:
                         self._peer = (v, time.monotonic())
                 self._last_ok = time.monotonic()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 if self._stop.is_set():
                     return
             self._stop.wait(self.period)

@@ -1,7 +1,7 @@
 """Runtime memory layouts of a destination tensor: how an engine stores ``[..., N, K]`` after
 its own post-processing, so that the trainer can write the bytes the engine computes with.
 
-An :class:`~reference.types.Output` names its destination tensor, box and dtype; its
+An :class:`~weight_transfer.types.Output` names its destination tensor, box and dtype; its
 ``layout`` says in which element order the output's bytes go there:
 
 - ``"identity"`` (default): C order of the output box (what ``load_weights`` produces).
@@ -45,7 +45,7 @@ _BLOCKED = re.compile(r"^blocked:(\d+)x(\d+)$")
 
 
 def has_runtime_layout(recipe) -> bool:
-    """Whether an output of ``recipe`` (a :class:`~reference.types.Recipe`) goes to an engine's
+    """Whether an output of ``recipe`` (a :class:`~weight_transfer.types.Recipe`) goes to an engine's
     post-processed runtime layout: such a recipe is neither cut into row bands nor made from
     local shards (its rows move across any band); it is assembled and written whole."""
     return any(o.layout != IDENTITY for o in recipe.outputs)

@@ -33,7 +33,7 @@ from .types import InferenceLayout
 class UpdateStats(Protocol):
     """What a trainer side's :meth:`TrainerSide.transfer` returns for one update, whatever the
     method: the trial's rows and the report read only these. Implemented by
-    :class:`reference.executor.StepStats` and ``baselines.common.BaselineStats``.
+    :class:`weight_transfer.executor.StepStats` and ``weight_transfer.baselines.common.BaselineStats``.
 
     Byte counts are bytes, ``seconds`` wall seconds of this rank's part of the update."""
 
@@ -64,7 +64,7 @@ class TrainerContext:
     """What a training rank hands its method. ``params``: checkpoint name -> DTensor (this
     rank's shards); ``store``: the control-plane TCPStore; ``transfer``: the transfer options;
     ``method_options``: the method's own options object, if it has one (the baselines'
-    ``baselines.options.BaselineOptions``; None for the reference)."""
+    ``weight_transfer.baselines.options.BaselineOptions``; None for the reference)."""
 
     rank: int
     n_train: int
@@ -149,7 +149,7 @@ class InferenceSide(abc.ABC):
 
 RUNTIME_KEY = "meta/infer_runtime/{rank}"
 """Store key under which an inference rank may publish its engine's runtime layout (an object
-with ``targets`` / ``refused``, see :mod:`reference.retarget`; e.g. a live vLLM,
+with ``targets`` / ``refused``, see :mod:`weight_transfer.retarget`; e.g. a live vLLM,
 ``experiments/vllm_side.py``)."""
 
 
@@ -167,18 +167,19 @@ class ReferenceController(ControllerSide):
 
     def setup(self, ctx: ControllerContext) -> str:
         from . import control
-        from .plan import build_recipes, plan
+        from .plan import build_recipes, gc_paused, plan
 
         sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
-        recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
-        runtime = runtime_layouts(ctx.store, ctx.infer_payloads)
-        if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
-            from .retarget import retarget
+        with gc_paused():  # the controller's own process: its GC to pause, its checks to fork (auto)
+            recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
+            runtime = runtime_layouts(ctx.store, ctx.infer_payloads)
+            if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
+                from .retarget import retarget
 
-            recipes = retarget(recipes, runtime)
-        sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
-                     max_chunk_bytes=ctx.transfer.max_chunk_bytes, local_writes=ctx.transfer.local_writes,
-                     local_min_bytes=ctx.transfer.local_min_bytes)
+                recipes = retarget(recipes, runtime)
+            sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
+                         max_chunk_bytes=ctx.transfer.max_chunk_bytes, local_writes=ctx.transfer.local_writes,
+                         local_min_bytes=ctx.transfer.local_min_bytes, parallel_checks=None)
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
         # an engine with staged targets (e.g. a vLLM layer kept in an opaque kernel handle) commits
         # each update: its own post-processing runs on the staged bytes before the version is published
@@ -191,7 +192,7 @@ class ReferenceController(ControllerSide):
 
 
 class ReferenceTrainer(TrainerSide):
-    """Runs this rank's :class:`~reference.types.RankPlan` with the executor."""
+    """Runs this rank's :class:`~weight_transfer.types.RankPlan` with the executor."""
 
     def setup(self, ctx: TrainerContext) -> None:
         from . import control

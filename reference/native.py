@@ -1,8 +1,8 @@
 """C kernels compiled on first use and loaded with ctypes: :class:`NativeKernel`.
 
 Two hot loops of this project are hand-written C: the FP8 block quantizer
-(:mod:`reference.quant`, ``_fp8_cpu.c``) and the planner's sender choice
-(:mod:`reference.plan.assign`, ``plan/_greedy.c``). Both are built the same way, here: with the
+(:mod:`weight_transfer.quant`, ``_fp8_cpu.c``) and the planner's sender choice
+(:mod:`weight_transfer.plan.assign`, ``plan/_greedy.c``). Both are built the same way, here: with the
 system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``), once per machine, into a cache
 folder keyed by the source, the flags, the compiler and the CPU, so a changed source or a
 different CPU gets a fresh build; concurrent builders each write a private file and rename it

@@ -3,8 +3,8 @@
 :class:`TransferOptions` is the typed seam between the reference method and whatever drives it
 (the trial harness in ``experiments/``, a training framework): chunk size, local writes, the
 transport, the control-plane timeout and the executor's options (pipeline, watermark, offload,
-trace). The harness's ``experiments.config.TrialConfig`` extends it with the trial's model and
-world; the method contexts (:mod:`reference.method`) carry a plain ``TransferOptions``.
+trace). The harness's ``weight_transfer.experiments.config.TrialConfig`` extends it with the trial's model and
+world; the method contexts (:mod:`weight_transfer.method`) carry a plain ``TransferOptions``.
 
 Config dataclass in torchtitan's style: ``kw_only``, ``slots``, one docstring per field,
 checks in ``__post_init__`` (ValueError naming the field and the value). Checks that depend on
@@ -28,7 +28,7 @@ class TransferOptions:
     defaults are the README's main job."""
 
     transport: str = "cma"
-    """Data-plane back end (``reference.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs``
+    """Data-plane back end (``weight_transfer.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs``
     or ``cuda_ipc`` (docs/TRANSPORTS.md)."""
     timeout: float = 120.0
     """Seconds a control-plane wait may take before the missing ranks are named."""
@@ -38,7 +38,7 @@ class TransferOptions:
     """Shard-local prepare: recipes are cut at shard boundaries and made by the ranks that
     already hold the rows, from ``to_local()``, with no ``full_tensor()`` -- plain copies, fused
     row bands (``qkv_proj``, ``gate_up_proj``, ``w13_weight``) and block-FP8 recipes whose cuts
-    fall on 128-row block boundaries (:mod:`reference.plan.local`); only the rest is gathered.
+    fall on 128-row block boundaries (:mod:`weight_transfer.plan.local`); only the rest is gathered.
     False gathers every task's sources first (the published design, ``--gather-all``)."""
     local_min_bytes: int = 256 << 10
     """A recipe smaller than this (bytes per receiver) whose rows span several ranks is gathered
@@ -99,7 +99,7 @@ class TransferOptions:
         return TransferOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TransferOptions)})
 
     def executor_options(self) -> dict:
-        """Keyword arguments for :class:`reference.executor.Executor`."""
+        """Keyword arguments for :class:`weight_transfer.executor.Executor`."""
         return {"pipeline": self.pipeline, "watermark": self.watermark, "offload": self.offload,
                 "trace_dir": self.trace_dir}
 
@@ -107,7 +107,7 @@ class TransferOptions:
 def transport_unavailable(name: str) -> str | None:
     """Why back end ``name`` cannot run in this process (first line of the loader's error),
     or None when it can. Imports the back end's library the way the back end itself does
-    (``reference.transport.nixl.load_nixl``, ``verbs.load_pyverbs``,
+    (``weight_transfer.transport.nixl.load_nixl``, ``verbs.load_pyverbs``,
     ``cuda_ipc.cuda_available``); raises ValueError for an unknown name."""
     from .transport import TRANSPORTS
 

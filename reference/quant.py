@@ -23,7 +23,7 @@ Implementations (:func:`quantize_fp8_block`'s ``impl``):
   CPU one 128-row band at a time in reused buffers). The oracle of the other two.
 - ``"native"`` (CPU default): a C kernel (``_fp8_cpu.c``) compiled on first use with the
   system C compiler and loaded with ctypes; 5-7x the torch path, 50-65% of a same-run
-  ``memcpy`` of the BF16 input on one thread (``python -m experiments bench-quant``,
+  ``memcpy`` of the BF16 input on one thread (``weight-transfer bench-quant``,
   results/quant_bench.csv). Hand-written because torch's own kernels
   cannot get there: measured on this project's CPU (one thread, ``[4096, 7168]`` BF16), the
   ``float32 -> float8_e4m3fn`` cast alone (``Tensor.copy_``) takes 3.2x the memcpy of the BF16
@@ -36,7 +36,7 @@ Implementations (:func:`quantize_fp8_block`'s ``impl``):
   ``$WT_CACHE_DIR`` or ``~/.cache/weight-transfer`` (a temporary folder if neither is
   writable); the first build takes about a second. Set ``WT_FP8_NATIVE=0`` to use the torch
   path instead; without a C compiler the torch path is used (:func:`native_status` says why).
-- ``"triton"`` (CUDA default when Triton is installed): :mod:`reference.quant_triton`.
+- ``"triton"`` (CUDA default when Triton is installed): :mod:`weight_transfer.quant_triton`.
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ _CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-st
 _KERNEL = NativeKernel(Path(__file__).with_name("_fp8_cpu.c"), stem="fp8_cpu", env="WT_FP8_NATIVE",
                        flag_sets=(_CFLAGS, tuple(f for f in _CFLAGS if f != "-march=native")), libs=("-lm",),
                        declare=_declare_fp8)
-"""The native kernel (built and cached by :class:`reference.native.NativeKernel`; without
+"""The native kernel (built and cached by :class:`weight_transfer.native.NativeKernel`; without
 ``-march=native`` where the compiler refuses it)."""
 
 

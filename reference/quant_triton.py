@@ -4,7 +4,7 @@ One program per 128x128 block: it loads the block once (masked at the edges, zer
 takes amax on the bit patterns (sign bit cleared: the integer max of those is the float max of
 the magnitudes, and a NaN, whose pattern is above the infinity's, wins as ``torch.amax``'s does),
 computes ``scale = max(amax, 1e-12) / 448`` and ``q = e4m3(clamp(|x| / scale, 448))`` with the
-sign of ``x``, and writes the bytes. The arithmetic is :mod:`reference.quant`'s, bit for bit:
+sign of ``x``, and writes the bytes. The arithmetic is :mod:`weight_transfer.quant`'s, bit for bit:
 
 - the division is IEEE round-to-nearest (``tl.math.div_rn``; Triton's ``/`` is approximate);
 - the e4m3 rounding is c10's ``fp8e4m3fn_from_fp32_value`` in integer ops (round to nearest
@@ -20,7 +20,7 @@ sign of ``x``, and writes the bytes. The arithmetic is :mod:`reference.quant`'s,
 
 Tested bit for bit against the CPU reference in tests/test_quant_triton.py, on the CPU through
 the Triton interpreter, and on a GPU where there is one. Speed target: 60% of a same-run
-device-to-device copy (``python -m experiments bench-quant --device cuda``; scripts/gpu_check.sh).
+device-to-device copy (``weight-transfer bench-quant --device cuda``; scripts/gpu_check.sh).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def quantize_fp8_block_triton(
 
     Returns ``(q, scale)``: ``q`` ``float8_e4m3fn`` of ``x``'s shape (contiguous) and ``scale``
     float32 ``[..., ceil(N/block), ceil(K/block)]`` (``weight_scale_inv``), byte-identical to
-    :func:`reference.quant.quantize_fp8_block_reference`. ``block`` must be a power of two
+    :func:`weight_transfer.quant.quantize_fp8_block_reference`. ``block`` must be a power of two
     (Triton's ``tl.arange``). Raises ``ValueError`` for fewer than 2 dims or such a ``block``.
     Runs wherever Triton runs: CUDA tensors on a GPU; CPU tensors under ``TRITON_INTERPRET=1``.
     ``num_warps``: warps per 128x128 block's program (the benchmark also times 4 and 16; the

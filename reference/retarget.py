@@ -1,13 +1,13 @@
 """Recipes aimed at the runtime tensors a live engine reports (C20 of shared/CASES.md).
 
-:func:`reference.plan.build_recipes` writes the engine's tensors as ``load_weights`` fills
+:func:`weight_transfer.plan.build_recipes` writes the engine's tensors as ``load_weights`` fills
 them. A running engine may compute with other memory: a packed copy of a linear weight, a
 permuted expert tensor (``engines/vllm/runtime.py`` classifies what vLLM reports). The engine
 side publishes, per inference rank, an object with
 
 - ``targets``: records with ``param`` (the engine tensor a recipe writes), ``name`` (the
   runtime tensor holding its bytes), ``shape`` (logical), ``dtype`` and ``layout``
-  (:mod:`reference.layouts`), and ``targets_of(param)``;
+  (:mod:`weight_transfer.layouts`), and ``targets_of(param)``;
 - ``refused``: ``(tensor, why)`` pairs for tensors whose runtime bytes cannot be written;
 - ``pid``: the process, for messages.
 
@@ -22,14 +22,14 @@ __all__ = ["retarget"]
 
 
 def retarget(recipes, layouts: dict, *, names: dict[str, str] | None = None):
-    """The recipes of :func:`reference.plan.build_recipes` (engine tensor names, load layout)
+    """The recipes of :func:`weight_transfer.plan.build_recipes` (engine tensor names, load layout)
     aimed at the runtime tensors the live engine reports (``layouts``: inference rank -> the
     object described in the module docstring): each output to engine tensor ``T`` becomes one
     recipe per runtime target of ``T`` (the tensor itself, a packed copy, or both), with the
     target's layout and dtype (a float32 target of a BF16 weight is a planned, exact cast).
     ``names`` maps a recipe tensor name to the engine's name where they differ.
 
-    Raises :class:`reference.plan.PlanError` before any byte moves, listing every tensor
+    Raises :class:`weight_transfer.plan.PlanError` before any byte moves, listing every tensor
     refused by the engine side that a recipe writes (with the reason, e.g. the post-processing
     step), every recipe tensor the engine does not have, a dtype the recipe cannot make, and
     targets that differ between the ranks of one recipe."""
@@ -94,5 +94,6 @@ def retarget(recipes, layouts: dict, *, names: dict[str, str] | None = None):
         body = "\n".join(f"  - {p}" for p in seen[:20])
         more = f"\n  ... and {len(seen) - 20} more" if len(seen) > 20 else ""
         raise PlanError(f"weight plan refused for {recipes.model or 'recipe set'} against the running vLLM: "
-                        f"{len(seen)} tensor(s) whose runtime bytes cannot be written as planned\n{body}{more}")
+                        f"{len(seen)} tensor(s) whose runtime bytes cannot be written as planned, first "
+                        f"{seen[0]}\n{body}{more}")
     return RecipeSet(out, recipes.ignored, layout=recipes.layout, model=recipes.model)

@@ -15,7 +15,7 @@ prepare its outputs, post its writes, and the write stage's queue of batches in 
   thread-safe: posting, polling, waiting and deregistering all happen on the caller's thread).
 
 Hand-written rather than built on a library: completion is the transport's own
-:class:`~reference.transport.base.WriteHandle` (``done()`` polls once), which no executor
+:class:`~weight_transfer.transport.base.WriteHandle` (``done()`` polls once), which no executor
 library (concurrent.futures, asyncio) can wait on without a second thread touching the
 transport.
 """
@@ -79,7 +79,7 @@ def post_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Trans
     The batch's timeout (seconds) counts from now. On any error (a length that does not match
     the plan, a refused batch) the regions registered so far are deregistered and the error is
     raised (a :class:`RemoteGoneError` names the inference rank); nothing of a refused batch
-    was issued (:meth:`reference.transport.base.Transport.write`)."""
+    was issued (:meth:`weight_transfer.transport.base.Transport.write`)."""
     t0 = time.perf_counter()
     ops: list[WriteOp] = []
     regions: list[Region] = []
@@ -100,7 +100,7 @@ def post_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Trans
         for reg in regions:
             try:
                 transport.deregister(reg)
-            except BaseException:  # noqa: BLE001 -- the posting error is the one to report
+            except BaseException:  # the posting error is the one to report
                 pass
         if isinstance(e, RemoteGoneError):
             raise _name_gone(task, remote, e) from e
@@ -144,7 +144,7 @@ def _deregister_all(p: PostedTask, transport: Transport, quiet: bool = False) ->
     for reg in regions:
         try:
             transport.deregister(reg)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             first = first or e
     if first is not None and not quiet:
         raise first
@@ -226,7 +226,7 @@ class WritesInFlight:
         for p in left:
             try:
                 complete_task(p, self.transport, self.remote, block=True)
-            except BaseException:  # noqa: BLE001 -- the first error is already reported
+            except BaseException:  # the first error is already reported
                 pass
         return left
 

@@ -17,7 +17,7 @@ Shards follow DTensor's uneven rule (``torch.chunk``): chunk size ``ceil(d / n)`
 shards short or empty. :func:`shard_box` computes a rank's box for any placements and is
 tested against DTensor's own local shapes.
 
-Weights are the synthetic ones of :mod:`reference.weights`: :func:`load_step` rewrites every
+Weights are the synthetic ones of :mod:`weight_transfer.weights`: :func:`load_step` rewrites every
 local shard in place for a training step (the stand-in for ``optimizer.step()``).
 """
 from __future__ import annotations

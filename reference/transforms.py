@@ -1,6 +1,6 @@
 """Running a recipe: assemble its tensor from source parameters, transform it, split it.
 
-:func:`assemble` builds a :class:`~reference.types.Recipe`'s tensor (``recipe.shape``, dtype
+:func:`assemble` builds a :class:`~weight_transfer.types.Recipe`'s tensor (``recipe.shape``, dtype
 ``recipe.assembled_dtype``) piece by piece; :func:`apply_transform` makes the outputs that are
 written to the inference ranks; :func:`recipe_outputs` does both. :func:`split_recipe` cuts a
 big recipe into row bands so the planner can spread one tensor over several senders.
@@ -80,7 +80,7 @@ def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tenso
     ``"copy"``: the assembled tensor cast to the output dtype. ``"fp8_block"``: DeepSeek-V3
     block quantization of the assembled BF16 tensor (weight, ``weight_scale_inv``). An output
     whose ``layout`` is not ``"identity"`` is then rearranged into that runtime order
-    (:func:`reference.layouts.apply_layout`).
+    (:func:`weight_transfer.layouts.apply_layout`).
     """
     if recipe.transform == "copy":
         (o,) = recipe.outputs
@@ -90,7 +90,7 @@ def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tenso
         out = [q, s]
     else:
         raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
-    # an engine's post-processed runtime order (reference.layouts), applied last
+    # an engine's post-processed runtime order (weight_transfer.layouts), applied last
     return [t if o.layout == IDENTITY else apply_layout(t, o.layout) for t, o in zip(out, recipe.outputs)]
 
 

@@ -5,7 +5,7 @@ What a training rank holds (:class:`ParamMeta`), what an inference rank exposes
 (:class:`InferenceLayout`), and the *recipes* that say how destination bytes are made from
 source parameters (:class:`Piece`, :class:`Output`, :class:`Recipe`); and the plan made of
 them (:class:`Schedule` of :class:`RankPlan` of :class:`Task` of :class:`Assignment` of
-:class:`WriteSpec`, built by :func:`reference.plan.plan`, run by :mod:`reference.executor`),
+:class:`WriteSpec`, built by :func:`weight_transfer.plan.plan`, run by :mod:`weight_transfer.executor`),
 and :class:`PlanError`, the error of a plan that cannot be executed correctly.
 
 Boxes
@@ -296,7 +296,7 @@ class Output:
     box: Box
     dtype: str
     layout: str = "identity"
-    """Element order of the bytes in the destination (see :mod:`reference.layouts`):
+    """Element order of the bytes in the destination (see :mod:`weight_transfer.layouts`):
     ``"identity"`` (C order, what ``load_weights`` makes) or an engine's post-processed order
     such as ``"blocked:32x2"`` (vLLM CPU packed GEMM weights)."""
 
@@ -353,7 +353,7 @@ class Recipe:
 
 def _slot_setters(cls) -> tuple:
     """The ``__set__`` of each of ``cls``'s slot descriptors, in ``__slots__`` order (the fast
-    constructors here and in :mod:`reference.plan.fast` set fields through them)."""
+    constructors here and in :mod:`weight_transfer.plan.fast` set fields through them)."""
     return tuple(cls.__dict__[f].__set__ for f in cls.__slots__)
 
 
@@ -402,7 +402,7 @@ def new_recipe(name, ranks, shape, assembled_dtype, pieces, transform, outputs, 
 
 
 # --------------------------------------------------------------------------------------------
-# the plan (what :func:`reference.plan.plan` returns; what the executor runs)
+# the plan (what :func:`weight_transfer.plan.plan` returns; what the executor runs)
 
 
 class PlanError(ValueError):

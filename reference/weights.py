@@ -16,7 +16,7 @@ any box) without generating the whole tensor, and at memory speed: a slice here 
 contiguous copy out of the pool plus one XOR over 64-bit words (measured here about 1 GB/s per
 core; ``torch.rand`` was 0.16 GB/s and a per-element integer hash 0.014 GB/s on this machine).
 
-Shapes and dtypes come from :class:`reference.catalog.ParamSpec` (or any object with
+Shapes and dtypes come from :class:`weight_transfer.catalog.ParamSpec` (or any object with
 ``name``, ``shape``, ``dtype``); dtypes supported: bfloat16, float16, float32.
 """
 from __future__ import annotations

@@ -14,11 +14,11 @@
 #             Triton FP8 kernel, executor's CUDA side stream, the trial with every process on the GPU;
 #             a GPU test that is SKIPPED here fails the step (RESULTS/gpu_tests.csv, one row a test)
 #   quant     FP8 block quantization on the GPU: Triton and torch quantizers beside the same-run
-#             device-to-device copy (python -m experiments bench-quant --device cuda); fails when
+#             device-to-device copy (weight-transfer bench-quant --device cuda); fails when
 #             the Triton kernel cannot run
 #   cuda_ipc  the main job, training and inference processes sharing the GPU through cuda_ipc
 #             (one-sided), every update verified on the host
-#             (python -m experiments run --device cuda --transport cuda_ipc)
+#             (weight-transfer run --device cuda --transport cuda_ipc)
 #   nixl      NIXL over UCX's CUDA transports, VRAM -> VRAM between two processes, verified
 #             (scripts/gpu_nixl_check.py)
 # Then one table (scripts/gpu_report.py) and RESULTS/*.csv (default results/gpu), written
@@ -88,6 +88,13 @@ STEPS_TSV="$RESULTS/steps.tsv"
 : >"$STEPS_TSV"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# the project itself is one installed namespace, weight_transfer (pyproject.toml's package-dir maps
+# the folders): an editable install of this checkout into $PY unless it imports already; offline
+# (--no-deps --no-build-isolation: needs setuptools >= 68 in $PY, nothing is downloaded)
+if [ "$DRY" != 1 ] && ! $PY -c "import weight_transfer" 2>/dev/null; then
+  $PY -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >"$RESULTS/logs/install_project.log" 2>&1 \
+    || die "cannot install this checkout into $PY (pip install -e $ROOT; see $RESULTS/logs/install_project.log)"
+fi
 export PYTHONUNBUFFERED=1
 
 # record NAME STATUS SECONDS RC LOG COMMAND
@@ -156,12 +163,12 @@ GPU_TEST_FILES="$(cd "$ROOT" && grep -l 'pytest.mark.gpu' tests/test_*.py | tr '
 TESTS_CMD="rm -f '$RESULTS/gpu_tests.xml' '$RESULTS/gpu_tests.csv'; $PY -m pytest -q -m gpu -p no:cacheprovider \
 --junitxml='$RESULTS/gpu_tests.xml' $GPU_TEST_FILES; rc=\$?; \
 $PY scripts/gpu_report.py --junit '$RESULTS/gpu_tests.xml' '$RESULTS/gpu_tests.csv' || rc=1; exit \$rc"
-# the benchmark is `python -m experiments bench-quant` where experiments/bench/ exists, else the module
-if [ -f "$ROOT/experiments/bench/quant.py" ]; then BENCH_QUANT="-m experiments bench-quant"; else BENCH_QUANT="-m experiments.bench_quant"; fi
+# the benchmark: `weight-transfer bench-quant` (run as a module of $PY, which may not have the console script on PATH)
+BENCH_QUANT="-m weight_transfer.experiments bench-quant"
 QUANT_CMD="rm -f '$RESULTS/quant_bench.csv'; $PY $BENCH_QUANT --device cuda --repeats 10 --out '$RESULTS/quant_bench.csv'"
 # the main job (README) with every process on the GPU; --timeout 60: a control-plane wait that
 # hangs names the missing rank inside the step's limit instead of being killed silently
-CUDA_IPC_CMD="rm -f '$RESULTS/main_cuda_ipc.csv'; $PY -m experiments run --device cuda --transport cuda_ipc \
+CUDA_IPC_CMD="rm -f '$RESULTS/main_cuda_ipc.csv'; $PY -m weight_transfer.experiments run --device cuda --transport cuda_ipc \
 --steps 3 --warmup 1 --timeout 60 --results '$RESULTS/main_cuda_ipc.csv'"
 NIXL_CMD="rm -f '$RESULTS/nixl_cuda.csv'; $PY scripts/gpu_nixl_check.py --out '$RESULTS/nixl_cuda.csv'"
 

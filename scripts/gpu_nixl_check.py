@@ -5,7 +5,7 @@ memory, verified, beside a same-run device-to-device copy (a step of scripts/gpu
 
 Cases (each a fresh receiver process holding a CUDA buffer registered as VRAM, and a sender in
 this process writing ``--mib`` MiB in ``--op-mib`` MiB WRITEs through
-:class:`reference.transport.nixl.NixlTransport`):
+:class:`weight_transfer.transport.nixl.NixlTransport`):
 
 - ``ucx-default``: UCX_TLS unset (UCX's choice; on one GPU host that should be ``cuda_ipc``);
 - ``cuda_ipc``: ``UCX_TLS=cuda_ipc,cuda_copy,tcp`` (tcp only carries the wire-up).
@@ -43,7 +43,7 @@ FIELDS = ["case", "ucx_tls", "bytes", "seconds", "gbps", "copy_gbps", "verified"
 def _receiver(conn, tls: str | None, nbytes: int) -> None:
     import torch
 
-    from reference.transport.nixl import NixlTransport
+    from weight_transfer.transport.nixl import NixlTransport
 
     if tls is not None:
         os.environ["UCX_TLS"] = tls
@@ -69,8 +69,8 @@ def _receiver(conn, tls: str | None, nbytes: int) -> None:
 def run_case(name: str, tls: str | None, nbytes: int, op_bytes: int, repeats: int) -> dict:
     import torch
 
-    from reference.transport import WriteOp
-    from reference.transport.nixl import NixlTransport
+    from weight_transfer.transport import WriteOp
+    from weight_transfer.transport.nixl import NixlTransport
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -105,7 +105,7 @@ def run_case(name: str, tls: str | None, nbytes: int, op_bytes: int, repeats: in
             row.update(seconds=best, gbps=nbytes / best / 1e9, verified=parent.recv())
         finally:
             t.close()
-    except Exception as e:  # noqa: BLE001 - reported in the row and the exit status
+    except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
         try:

@@ -86,7 +86,7 @@ def _expected(nbytes: int, n_ops: int, seed: int):
 def infer_main(a) -> None:
     import torch
 
-    from reference.transport.nixl import NixlTransport
+    from weight_transfer.transport.nixl import NixlTransport
 
     t = NixlTransport(ucx_tls="tcp", net_devices=a.dev)
     buf = torch.full((a.mib << 20,), 0xA5, dtype=torch.uint8)
@@ -107,8 +107,8 @@ def infer_main(a) -> None:
 
 
 def train_main(a) -> None:
-    from reference.transport import WriteOp
-    from reference.transport.nixl import NixlTransport
+    from weight_transfer.transport import WriteOp
+    from weight_transfer.transport.nixl import NixlTransport
 
     t = NixlTransport(ucx_tls="tcp", net_devices=a.dev, progress_thread=False)
     deadline = time.monotonic() + 30

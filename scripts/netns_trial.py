@@ -9,9 +9,9 @@ Run (as root; needs ``ip netns`` and NIXL)::
     .venv/bin/python scripts/netns_trial.py --model qwen3-0.6b --override num_hidden_layers=2 --steps 3
     .venv/bin/python scripts/netns_trial.py --n-train 2 --tp 2 --results /tmp/netns.csv
 
-Every option of ``python -m experiments run`` is accepted (``--model``, ``--override``,
+Every option of ``weight-transfer run`` is accepted (``--model``, ``--override``,
 ``--n-train``, ``--tp``, ``--dp``, ``--quant``, ``--steps``, ``--watermark-mb``, ``--results``, ...)
-and means the same (``experiments.__main__.config_from_args``); the transport is always ``nixl``
+and means the same (``weight_transfer.experiments.__main__.config_from_args``); the transport is always ``nixl``
 and ``--method all`` is refused (one method per launch).
 
 What happens:
@@ -21,19 +21,19 @@ What happens:
 2. Namespaces ``wt-train-<pid>`` (A) and ``wt-infer-<pid>`` (B) are created, joined by a veth
    pair ``wtt<pid>`` / ``wti<pid>`` addressed 10.77.0.1/24 (A) and 10.77.0.2/24 (B), addresses
    that exist only inside these namespaces; ``lo`` is brought up in both.
-3. Every task of the trial (:func:`experiments.trial.task_role`: task 0 the controller, then the
+3. Every task of the trial (:func:`weight_transfer.experiments.trial.task_role`: task 0 the controller, then the
    training ranks, then the inference ranks) is its own process, started with
    ``ip netns exec <ns> python scripts/netns_trial.py _task ...`` and calling
-   :func:`experiments.trial.run_task`: the controller and the training ranks in A, the
+   :func:`weight_transfer.experiments.trial.run_task`: the controller and the training ranks in A, the
    inference ranks in B. The controller's TCPStore listens in A and every rank reaches it at
    10.77.0.1 (the inference ranks over the veth). Each process gets ``UCX_TLS=tcp`` and
    ``UCX_NET_DEVICES=<the veth of its namespace>`` (NIXL's UCX backend over TCP on the veth),
    and ``GLOO_SOCKET_IFNAME=<that veth>`` (the training ranks' Gloo group binds the veth
    address rather than whatever the host name resolves to).
 4. The controller writes its TrialResult; this launcher prints the usual table
-   (``experiments.report.format_table``) and a footer: the growth of ``rx_bytes`` of the
+   (``weight_transfer.experiments.report.format_table``) and a footer: the growth of ``rx_bytes`` of the
    inference-side veth during the trial, which must be at least the bytes written by all
-   updates (warm-up included). Rows are appended to ``--results`` like ``python -m experiments
+   updates (warm-up included). Rows are appended to ``--results`` like ``weight-transfer
    run`` does.
 5. The namespaces are deleted on exit, also on failure, Ctrl-C or SIGTERM (deleting a
    namespace removes its veth end); every task process is killed first.
@@ -84,7 +84,7 @@ def task_main(argv: list[str]) -> int:
     ap.add_argument("--store", required=True, help="HOST:PORT of the controller's TCPStore")
     ap.add_argument("--result", default=None, help="(controller) where to pickle the TrialResult")
     a = ap.parse_args(argv)
-    from experiments.trial import run_task
+    from weight_transfer.experiments.trial import run_task
 
     with open(a.cfg, "rb") as f:
         cfg = pickle.load(f)
@@ -143,13 +143,13 @@ def cleanup_stale(sh) -> list[str]:
 
 
 def parse_args(argv: list[str]):
-    """(launcher options, the TrialConfig): every ``python -m experiments run`` option is
+    """(launcher options, the TrialConfig): every ``weight-transfer run`` option is
     parsed by that command's own parser."""
-    from experiments.__main__ import build_parser
+    from weight_transfer.experiments.__main__ import build_parser
 
     ap = argparse.ArgumentParser(
         prog="netns_trial.py", description=__doc__.split("\n\n")[0],
-        epilog="Every option of `python -m experiments run` is accepted as well (--model, --override, "
+        epilog="Every option of `weight-transfer run` is accepted as well (--model, --override, "
                "--n-train, --tp, --steps, --results, ...).")
     ap.add_argument("--store-port", type=int, default=STORE_PORT, help="controller's TCPStore port (inside A)")
     ap.add_argument("--no-csv", action="store_true", help="do not append rows to --results")
@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import dataclasses
 
-    from experiments.__main__ import config_from_args
-    from reference.types import PlanError
+    from weight_transfer.experiments.__main__ import config_from_args
+    from weight_transfer.types import PlanError
 
     try:
         if args.transport not in (None, "nixl"):
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.method == "all":
             raise ValueError("--method all: one method per launch here (reference, rank0_funnel or rpc)")
         cfg.model_config()
-        from experiments.methods import get_method
+        from weight_transfer.experiments.methods import get_method
 
         get_method(cfg.method)
     except (ValueError, PlanError) as e:
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"netns trial: cannot run: {why}", file=sys.stderr)
         return 2
     try:
-        from reference.transport.nixl import load_nixl
+        from weight_transfer.transport.nixl import load_nixl
 
         load_nixl()
     except ImportError as e:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg_path, res_path = os.path.join(tmp, "cfg.pkl"), os.path.join(tmp, "result.pkl")
         with open(cfg_path, "wb") as f:
             pickle.dump(cfg, f)
-        from experiments.trial import task_role, world_size
+        from weight_transfer.experiments.trial import task_role, world_size
 
         n_tasks = world_size(cfg)
         print(f"# starting: controller + {cfg.n_train} training rank(s) in {ns_t} ({TRAIN_IP}, {dev_t}), "
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
 
-    from experiments.report import append_csv, format_table
+    from weight_transfer.experiments.report import append_csv, format_table
 
     rows = result.rows
     written = sum(r["bytes"] for r in rows)

@@ -7,7 +7,7 @@ outputs) and every write (output, dst_rank, remote_offset, length), in the sched
 order (ranks ascending, tasks and writes as planned), plus the send / receive totals.
 
 Configurations: the simulation configs of ``experiments/sim/configs.py`` (metadata synthesized
-by ``experiments/sim/metadata.py``, as ``python -m experiments simulate`` plans them) and
+by ``experiments/sim/metadata.py``, as ``weight-transfer simulate`` plans them) and
 ``main_job_default``, the README's main job (``experiments/config.py``: Qwen3-30B-A3B's
 architecture, 2 layers, 32 experts, 2 FSDP2 ranks ``Shard(dim=0)`` -> TP=2 block FP8).
 
@@ -29,15 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-try:  # after issue 13
-    from reference.plan import build_recipes, plan
-except ImportError:  # before
-    from reference.mapping import build_recipes
-    from reference.planner import plan
-
-from reference.catalog import load_config, param_specs
-from reference.training import shard_box
-from reference.types import ParamMeta
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.plan import build_recipes, plan
+from weight_transfer.training import shard_box
+from weight_transfer.types import ParamMeta
 
 DEFAULT = ("tiny_qwen3_moe_2x2", "main_job_default", "qwen3_235b_128_to_32",
            "kimi_k2_256xh100_to_128xh100_fp8", "kimi_k2_256xh100_to_128xh100_fp8_expert_whole")
@@ -60,10 +55,10 @@ def _fsdp_metas(cfg, n: int) -> dict[int, list[ParamMeta]]:
 
 def inputs(name: str):
     """(recipes, train metas, dest metas, plan kwargs) for a configuration name."""
-    from experiments.sim import metadata
+    from weight_transfer.experiments.sim import metadata
 
     if name == "main_job_default":
-        from experiments.config import main_job_default
+        from weight_transfer.experiments.config import main_job_default
 
         tc = main_job_default()
         mcfg = tc.model_config() if hasattr(tc, "model_config") else load_config(tc.model, **tc.overrides)
@@ -71,12 +66,12 @@ def inputs(name: str):
         tm = _fsdp_metas(mcfg, tc.n_train)
         kw = {"max_chunk_bytes": tc.max_chunk_bytes, "local_writes": tc.local_writes}
         return build_recipes(mcfg, layout), tm, metadata.dest_metas(mcfg, layout), kw
-    from experiments.sim.configs import get_config
+    from weight_transfer.experiments.sim.configs import get_config
 
     cfg = get_config(name)
     mcfg = load_config(cfg.model, **cfg.overrides)
     tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
-                              offloaded=cfg.offloaded, moe_width=cfg.moe_width)  # as experiments.sim.run.build
+                              offloaded=cfg.offloaded, moe_width=cfg.moe_width)  # as weight_transfer.experiments.sim.run.build
     dm = metadata.dest_metas(mcfg, cfg.layout)
     return build_recipes(mcfg, cfg.layout), tm, dm, {"max_chunk_bytes": cfg.max_chunk_bytes}
 
@@ -108,7 +103,7 @@ GATHER_ALL = "@gather-all"
 
 def all_names() -> list[str]:
     """Every configuration this script plans, each shard-local and ``@gather-all``."""
-    from experiments.sim.configs import CONFIGS
+    from weight_transfer.experiments.sim.configs import CONFIGS
 
     return [n + sfx for n in ("main_job_default", *CONFIGS) for sfx in ("", GATHER_ALL)]
 

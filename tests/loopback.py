@@ -6,11 +6,11 @@ process's own pid -- the same syscall, bounds checks and region descriptors as a
 processes. Fast enough to run every layout case of shared/CASES.md on its own inputs
 (distinct fill values, odd shapes) instead of synthetic weights.
 """
-from engines import Engine, expected_from_checkpoint
-from reference.executor import Executor
-from reference.plan import build_recipes, plan
-from reference.transport import make_transport
-from reference.types import ParamMeta, dtype_name
+from weight_transfer.engines import Engine, expected_from_checkpoint
+from weight_transfer.executor import Executor
+from weight_transfer.plan import build_recipes, plan
+from weight_transfer.transport import make_transport
+from weight_transfer.types import ParamMeta, dtype_name
 
 
 def source_metas(sources):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import plots
+from weight_transfer.analysis import plots
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def test_cli_writes_plots_and_summary(tmp_path):
     trace.write_text(json.dumps({"traceEvents": [
         {"ph": "X", "pid": r, "tid": 1, "cat": st, "name": f"t{i}", "ts": 1000 * i + 300 * j, "dur": 250}
         for r in (0, 1) for i in range(3) for j, st in enumerate(("prepare", "write", "release"))]}))
-    from analysis.__main__ import main
+    from weight_transfer.analysis.__main__ import main
 
     assert main([str(csv), "-o", str(tmp_path / "out"), "--timeline", str(trace)]) == 0
     out = tmp_path / "out"
@@ -76,15 +76,15 @@ def test_missing_data_skips_a_plot_instead_of_failing(tmp_path):
     rows = [r for r in synthetic_rows() if r["run_id"].startswith("s") and "num_hidden_layers=2" in r["model"]]
     csv = tmp_path / "one.csv"
     pd.DataFrame(rows).to_csv(csv, index=False)
-    from analysis.__main__ import main
+    from weight_transfer.analysis.__main__ import main
 
     assert main([str(csv), "-o", str(tmp_path)]) == 0
     assert not (tmp_path / "latency_vs_size.png").exists() and (tmp_path / "summary.md").exists()
 
 
 def test_analysis_imports_no_transfer_code():
-    code = ("import sys, analysis.__main__, analysis.plots; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('reference', 'experiments', 'baselines', 'engines')); print(bad); sys.exit(1 if bad else 0)")
+    code = ("import sys, weight_transfer.analysis.__main__, weight_transfer.analysis.plots; "
+            "bad = sorted(m for m in sys.modules if m.startswith('weight_transfer.') and not "
+            "m.startswith('weight_transfer.analysis')); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

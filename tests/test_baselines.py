@@ -17,14 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baselines.common import BaselineStats, bucket_size, param_entries, plan_buckets, read_common
-from baselines.funnel import FunnelController, FunnelInference, FunnelTrainer
-from baselines.options import BaselineOptions
-from baselines.rpc import RpcClient, RpcController, RpcError, RpcInference, RpcTrainer
-from engines import engine_tensor_metas
-from experiments.config import TrialConfig
-from reference.catalog import param_specs
-from reference.control import ControlError
+from weight_transfer.baselines.common import BaselineStats, bucket_size, param_entries, plan_buckets, read_common
+from weight_transfer.baselines.funnel import FunnelController, FunnelInference, FunnelTrainer
+from weight_transfer.baselines.options import BaselineOptions
+from weight_transfer.baselines.rpc import RpcClient, RpcController, RpcError, RpcInference, RpcTrainer
+from weight_transfer.catalog import param_specs
+from weight_transfer.control import ControlError
+from weight_transfer.engines import engine_tensor_metas
+from weight_transfer.experiments.config import TrialConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -101,7 +101,7 @@ def __getattr__(name):
 
 
 def run_faulty(monkeypatch, fault: str, cfg: TrialConfig):
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.trial import run_trial
 
     monkeypatch.setenv("BASELINE_FAULT", fault)
     return run_trial(dataclasses.replace(cfg, method="test_baselines:"))
@@ -140,7 +140,7 @@ def test_funnel_c1_c10_c11_consecutive_versions_bit_exact():
     engine oracle of that step, alignment gaps untouched (C1, C10, C11 restore). ``bytes`` is
     the landed quantity, the same as the reference's; ``wire_bytes`` the checkpoint once per
     inference rank."""
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.trial import run_trial
 
     cfg = SmallBuckets(**{f.name: getattr(small(method="rank0_funnel", poison=True), f.name)
                           for f in dataclasses.fields(TrialConfig)})
@@ -155,14 +155,14 @@ def test_funnel_c1_c10_c11_consecutive_versions_bit_exact():
 
 def collect_metas_for(cfg):
     """Training metadata as a single rank holding everything would publish it."""
-    from reference.types import ParamMeta
+    from weight_transfer.types import ParamMeta
 
     return [ParamMeta(name=s.name, global_shape=s.shape, dtype=s.dtype, mesh_ranks=(0,), placements=("Replicate()",),
                       local_offset=(0,) * len(s.shape), local_shape=s.shape) for s in param_specs(cfg.model_config())]
 
 
 def test_plan_buckets_covers_every_tensor_once_aligned_and_bounded():
-    from baselines.common import BUCKET_ALIGN, ParamEntry
+    from weight_transfer.baselines.common import BUCKET_ALIGN, ParamEntry
 
     sizes = [1, 3, 100, 4096, 70000, 5, 0, 65536, 65535, 2]
     entries = [ParamEntry(f"t{i}", (n,), "bfloat16", 0) for i, n in enumerate(sizes)]
@@ -179,7 +179,7 @@ def test_c1_oracle_of_consecutive_steps_differs_in_every_tensor():
     """C1's premise: a transfer that does not happen cannot verify, because every
     destination tensor of step 2 differs from step 1 (so two verified versions prove both
     landed)."""
-    from experiments.verify import expected_engine
+    from weight_transfer.experiments.verify import expected_engine
 
     cfg = small()
     for rank in range(cfg.n_infer):
@@ -205,8 +205,8 @@ def test_rpc_c1_c10_c11_versions_bit_exact_then_dead_worker_fails_update(monkeyp
     the update fails, and the weights are marked incomplete (never
     version 2 over changed bytes). (One trial for both,
     to keep the multi-process tests short.)"""
-    from experiments import trial
-    from reference import control
+    from weight_transfer import control
+    from weight_transfer.experiments import trial
 
     made = []
 
@@ -273,7 +273,7 @@ def _worker(rank: int, conn) -> None:
         try:
             stats = side.receive(step)
             conn.send(("done", stats, {n: t for n, t in eng.got.items()}, eng.finished))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
         step += 1
 

@@ -5,10 +5,10 @@ import importlib.util
 import pytest
 import torch
 
-from engines.engine import engine_tensor_metas
-from experiments.__main__ import main as cli_main
-from experiments.bench.peers import PEERS, PeersBenchConfig, main, pattern, tensor_set
-from experiments.config import TrialConfig
+from weight_transfer.engines.engine import engine_tensor_metas
+from weight_transfer.experiments.__main__ import main as cli_main
+from weight_transfer.experiments.bench.peers import PEERS, PeersBenchConfig, main, pattern, tensor_set
+from weight_transfer.experiments.config import TrialConfig
 
 TINY = dict(num_hidden_layers=1, vocab_size=512, hidden_size=128, intermediate_size=256,
             num_attention_heads=2, num_key_value_heads=1, head_dim=64)

@@ -25,8 +25,8 @@ import math
 
 import pytest
 
-from reference import catalog
-from reference.catalog import (
+from weight_transfer import catalog
+from weight_transfer.catalog import (
     ARCHITECTURES,
     ModelConfig,
     available_models,

@@ -15,11 +15,11 @@ from functools import partial
 
 import pytest
 
-from reference.catalog import load_config, param_specs
-from reference.plan import PlanError, RecipeSet, build_recipes, expected_dests, make_dest_metas, validate
-from reference.plan.checks import _recipe_ok, _src_meta, _validate_all
-from reference.plan.screen import screen
-from reference.types import InferenceLayout, Output, Piece
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.plan import PlanError, RecipeSet, build_recipes, expected_dests, make_dest_metas, validate
+from weight_transfer.plan.checks import _recipe_ok, _src_meta, _validate_all
+from weight_transfer.plan.screen import screen
+from weight_transfer.types import InferenceLayout, Output, Piece
 
 N_EXPERTS = 384
 BAD = 217  # the expert made bad, layer 1
@@ -222,7 +222,7 @@ def test_a_destination_written_by_two_rank_sets_is_left_to_the_exhaustive_pass()
 def _mini(boxes, shape=(2, 64), ranks=((0,),), extra_dests=()):
     """Copy recipes writing ``boxes`` of tensor ``t`` (``shape``, bfloat16) on every rank set of
     ``ranks`` (box ``i`` from its own source ``s<i>``, cut to the box's shape)."""
-    from reference.types import Recipe, box_shape, full_box
+    from weight_transfer.types import Recipe, box_shape, full_box
     recs, srcs = [], {}
     for j, rks in enumerate(ranks):
         for i, box in enumerate(boxes):
@@ -273,7 +273,7 @@ def test_one_short_shard_among_equal_ranks_is_refused(n_ranks):
     one parameter is a row short must still be refused, naming the parameter."""
     from test_planner import SMALL, fsdp_metas
 
-    from reference.plan.sources import _check_sources, _index_sources
+    from weight_transfer.plan.sources import _check_sources, _index_sources
 
     cfg = load_config("qwen3-0.6b", **{**SMALL, "hidden_size": 4096, "num_hidden_layers": 1})
     metas = fsdp_metas(cfg, n_ranks)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from baselines.common import BaselineStats, bucket_bytes, rpc_timeout
-from baselines.options import DEFAULT_BUCKET_BYTES, BaselineOptions
-from experiments.cli import add_dataclass_options, dataclass_from_args, field_docs
-from experiments.config import TrialConfig, trial_key
-from reference.executor import StepStats
-from reference.method import UpdateStats
-from reference.options import TransferOptions
+from weight_transfer.baselines.common import BaselineStats, bucket_bytes, rpc_timeout
+from weight_transfer.baselines.options import DEFAULT_BUCKET_BYTES, BaselineOptions
+from weight_transfer.executor import StepStats
+from weight_transfer.experiments.cli import add_dataclass_options, dataclass_from_args, field_docs
+from weight_transfer.experiments.config import TrialConfig, trial_key
+from weight_transfer.method import UpdateStats
+from weight_transfer.options import TransferOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_dataclass_options_refuse_bad_values_with_argparse_or_post_init():
 
 
 def test_baseline_options_are_settable_from_the_cli():
-    from experiments.__main__ import build_parser, config_from_args
+    from weight_transfer.experiments.__main__ import build_parser, config_from_args
 
     argv = ["run", "--method", "rank0_funnel", "--bucket-bytes", "1048576", "--rpc-timeout", "7.5"]
     cfg = config_from_args(build_parser(argv).parse_args(argv))
@@ -110,8 +110,8 @@ def test_baseline_options_change_the_trial_key_only_when_set():
 def test_the_funnel_reads_its_bucket_size_from_the_method_options(monkeypatch):
     from types import SimpleNamespace
 
-    from baselines import funnel
-    from baselines.common import ParamEntry
+    from weight_transfer.baselines import funnel
+    from weight_transfer.baselines.common import ParamEntry
 
     entries = [ParamEntry(f"p{i}", (1024,), "bfloat16", 0) for i in range(8)]  # 2 KiB each
     monkeypatch.setattr(funnel, "publish_common", lambda ctx: (entries, 16 << 10))  # no store needed
@@ -143,7 +143,8 @@ def test_reference_and_baseline_stats_share_one_protocol():
 
 def _imports(path: Path) -> set[str]:
     """Modules a source file imports (absolute names; relative ones resolved)."""
-    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    parts = path.relative_to(ROOT).with_suffix("").parts[:-1]  # installed names: pyproject's package-dir
+    pkg = ".".join([{"reference": "weight_transfer"}.get(parts[0], f"weight_transfer.{parts[0]}"), *parts[1:]])
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -159,12 +160,13 @@ def _imports(path: Path) -> set[str]:
 def test_import_graph_has_no_cycle_between_configs_and_sweep_nor_sim_to_trial():
     exp = ROOT / "experiments"
     configs, sweep = _imports(exp / "configs.py"), _imports(exp / "sweep.py")
-    assert not any(m.startswith("experiments.sweep") for m in configs)
-    assert not any(m.startswith("experiments.configs") for m in sweep)
+    assert not any(m.startswith("weight_transfer.experiments.sweep") for m in configs)
+    assert not any(m.startswith("weight_transfer.experiments.configs") for m in sweep)
     for f in (exp / "sim").glob("*.py"):
-        assert not any(m.startswith("experiments.trial") for m in _imports(f)), f
+        assert not any(m.startswith("weight_transfer.experiments.trial") for m in _imports(f)), f
     for f in (ROOT / "reference").rglob("*.py"):
-        bad = [m for m in _imports(f) if m.split(".")[0] in ("engines", "baselines", "experiments", "analysis")]
+        bad = [m for m in _imports(f) if m.startswith(("weight_transfer.engines", "weight_transfer.baselines",
+                                                        "weight_transfer.experiments", "weight_transfer.analysis"))]
         assert not bad, (f, bad)
 
 
@@ -179,11 +181,11 @@ def test_reference_methods_read_no_trial_config():
 
 @pytest.fixture
 def refused(monkeypatch, capsys):
-    """Run ``python -m experiments`` in this process with process start forbidden; return the
+    """Run ``weight-transfer`` in this process with process start forbidden; return the
     one stderr line after checking exit status 2, a single ``error:`` line and no process."""
     import multiprocessing.process
 
-    from experiments.__main__ import main
+    from weight_transfer.experiments.__main__ import main
 
     started = []
 
@@ -223,7 +225,7 @@ def test_c18_unknown_transport(refused):
 
 
 def test_c18_transport_not_installed(refused):
-    from reference.transport.nixl import load_nixl
+    from weight_transfer.transport.nixl import load_nixl
 
     try:
         load_nixl()
@@ -255,7 +257,7 @@ def test_c18_bad_benchmark_option(refused):
 
 
 def test_c18_sweeps_get_the_same_checks(monkeypatch, tmp_path):
-    from experiments import sweep as S
+    from weight_transfer.experiments import sweep as S
 
     with pytest.raises(ValueError, match="transport='bogus'"):
         TrialConfig(transport="bogus")
@@ -304,7 +306,7 @@ def test_device_field_checks_and_trial_key():
 
 
 def test_device_option_reaches_the_config():
-    from experiments.__main__ import build_parser, config_from_args
+    from weight_transfer.experiments.__main__ import build_parser, config_from_args
 
     args = build_parser(["run"]).parse_args(["run", "--device", "cuda", "--transport", "cuda_ipc"])
     cfg = config_from_args(args)
@@ -315,7 +317,7 @@ def test_device_option_reaches_the_config():
 def test_cuda_placement_and_training_backend(monkeypatch):
     """Which GPU each rank process takes and which backend the training world uses: pure
     functions, checked here; the placement itself runs in tests/test_e2e.py's gpu tests."""
-    from experiments.worker import local_cuda_device, local_rank_from_env, training_backend
+    from weight_transfer.experiments.worker import local_cuda_device, local_rank_from_env, training_backend
 
     cfg = TrialConfig(n_train=2, tp=2)
     # one GPU (the H200 check): every process shares device 0

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from reference import control
+from weight_transfer import control
 
 
 @pytest.fixture()

@@ -4,10 +4,10 @@ load_weights. Small models; each trial takes a few seconds. Failure kinds of
 shared/CASES.md named by id."""
 import pytest
 
-from experiments.config import TrialConfig
-from experiments.trial import run_trial
-from reference.control import ControlError
-from reference.types import PlanError
+from weight_transfer.control import ControlError
+from weight_transfer.experiments.config import TrialConfig
+from weight_transfer.experiments.trial import run_trial
+from weight_transfer.types import PlanError
 
 pytestmark = pytest.mark.multiproc
 

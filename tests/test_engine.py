@@ -10,9 +10,15 @@ import math
 import pytest
 import torch
 
-from engines import Engine, dequantize_block_fp8, engine_tensor_metas, expected_from_checkpoint, quantize_block_fp8
-from reference.catalog import load_config, param_specs
-from reference.types import InferenceLayout
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.engines import (
+    Engine,
+    dequantize_block_fp8,
+    engine_tensor_metas,
+    expected_from_checkpoint,
+    quantize_block_fp8,
+)
+from weight_transfer.types import InferenceLayout
 
 BF16 = torch.bfloat16
 

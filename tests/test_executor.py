@@ -1,6 +1,6 @@
 """The pipelined executor: stage queues, watermark gate, mesh-group barriers, H2D offload.
 
-In-process tests drive :class:`reference.executor.Executor` with fake tasks (real planner
+In-process tests drive :class:`weight_transfer.executor.Executor` with fake tasks (real planner
 ``Task`` objects without assignments, plain tensors as parameters) and stage functions slowed
 down by sleeps, or with one-write assignments on a fake asynchronous transport (batches that
 complete on demand: writes of several tasks in flight); the multiprocess tests run small real trials (FSDP2 / two mesh groups over Gloo,
@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from reference.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight
-from reference.timeline import load_trace, task_stages, union_seconds
-from reference.training import OffloadedParams
-from reference.transport.base import RemoteGoneError, TransportError, WriteHandle
-from reference.types import RankPlan, Task
+from weight_transfer.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight
+from weight_transfer.timeline import load_trace, task_stages, union_seconds
+from weight_transfer.training import OffloadedParams
+from weight_transfer.transport.base import RemoteGoneError, TransportError, WriteHandle
+from weight_transfer.types import RankPlan, Task
 
 
 def fake_tasks(temps, groups=None, sources=None):
@@ -268,7 +268,7 @@ class FailingTransport:
 
 
 def test_stage_error_names_stage_and_task_and_does_not_hang():
-    from reference.types import Assignment, Recipe, WriteSpec
+    from weight_transfer.types import Assignment, Recipe, WriteSpec
 
     t = fake_tasks([10, 10, 10])
     rec = Recipe("x", (0,), (2,), "float32", (), "copy", ())
@@ -367,7 +367,7 @@ class AsyncHandle(WriteHandle):
 
 def writing_tasks(n, temp=10, dst=0):
     """``n`` tasks of one copy recipe each, writing its 8 output bytes to inference ``dst``."""
-    from reference.types import Assignment, Recipe, WriteSpec
+    from weight_transfer.types import Assignment, Recipe, WriteSpec
 
     rec = Recipe("x", (0,), (2,), "float32", (), "copy", ())
     return [Task(id=i, group=0, sources=(), mesh=(0,), assignments=(Assignment(rec, (WriteSpec(0, dst, 8 * i, 8),)),),
@@ -493,7 +493,7 @@ SMALL_MOE = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, voca
 
 
 def small(**kw):
-    from experiments.config import TrialConfig
+    from weight_transfer.experiments.config import TrialConfig
 
     base = dict(model="qwen3-0.6b", overrides=SMALL, n_train=2, tp=2, steps=1, warmup=0, timeout=60)
     base.update(kw)
@@ -501,7 +501,7 @@ def small(**kw):
 
 
 def run(cfg):
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.trial import run_trial
 
     res = run_trial(cfg)
     assert all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
@@ -510,7 +510,7 @@ def run(cfg):
 
 
 def traces(trace_dir):
-    from reference.timeline import merge_step_traces
+    from weight_transfer.timeline import merge_step_traces
 
     return [load_trace(p) for p in merge_step_traces(trace_dir)]
 

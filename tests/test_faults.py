@@ -3,7 +3,7 @@ weights under a complete version, a failed update is marked incomplete and the n
 restores, any rank's failure ends the update fast and names it, a stopped rank is named after
 its deadline, and nothing is left running. In-process where possible (tests/loopback.py: the
 real planner, executor and CMA writes into this process's engines); the multi-process ones
-inject faults with experiments.faults (in-process raises, real SIGKILL / SIGSTOP)."""
+inject faults with weight_transfer.experiments.faults (in-process raises, real SIGKILL / SIGSTOP)."""
 import os
 import threading
 import time
@@ -12,13 +12,13 @@ import pytest
 import torch
 from loopback import Loopback
 
-from engines import UpdateInProgress, expected_from_checkpoint
-from engines.engine import GUARD, GUARD_BYTE
-from experiments.faults import Fault
-from reference import control
-from reference.catalog import load_config, param_specs
-from reference.types import InferenceLayout
-from reference.weights import SyntheticCheckpoint
+from weight_transfer import control
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.engines import UpdateInProgress, expected_from_checkpoint
+from weight_transfer.engines.engine import GUARD, GUARD_BYTE
+from weight_transfer.experiments.faults import Fault
+from weight_transfer.types import InferenceLayout
+from weight_transfer.weights import SyntheticCheckpoint
 
 SMALL = dict(num_hidden_layers=1, vocab_size=512, hidden_size=256, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -106,7 +106,7 @@ def test_c13_naive_version_check_is_not_enough(store):
 def test_item8_guard_bytes_around_the_region_are_checked():
     """Bytes just outside the registered region hold a guard pattern; a stray write there
     fails verification (before: the gap check was vacuous on the default arenas)."""
-    from experiments.verify import verify_engine
+    from weight_transfer.experiments.verify import verify_engine
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     lb = Loopback(cfg, InferenceLayout(tp=2))
@@ -174,7 +174,7 @@ target) may wait for a core."""
 
 
 def trial_cfg(**kw):
-    from experiments.faults import small_config
+    from weight_transfer.experiments.faults import small_config
 
     base = dict(steps=2, warmup=0, timeout=180.0)
     base.update(kw)
@@ -209,7 +209,7 @@ def test_c14_c15_training_rank_raises_midway():
     The update ends within seconds naming ``training 1`` and its cause (not rank 0, blocked
     in a collective on it); the weights are marked incomplete (not "complete 1"); the
     training world is restarted and update 3 restores a complete version bit-exactly."""
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.trial import run_trial
 
     probe, seen = {}, []
     run_trial(trial_cfg(steps=3), progress=seen.append, fault=Fault.parse("raise:train:1:middle:2"), stall=10,
@@ -226,7 +226,7 @@ def test_c15_inference_rank_killed_midway():
     """Issue 15 item 3: inference rank 0 is SIGKILLed mid-update. The update ends within
     seconds naming ``inference 0`` (not a pid, not a training rank in Gloo); weights are
     marked incomplete; every process is gone."""
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.trial import run_trial
 
     probe = {}
     with pytest.raises(control.ControlError, match=r"inference 0: process \d+ exited with code -9 \(SIGKILL\)"):
@@ -241,7 +241,7 @@ def test_c16_stopped_training_rank_named_and_nothing_left(tmp_path):
     """Issue 15 item 5: training rank 1 is SIGSTOPped mid-update. After the stall deadline the
     error names ``training 1`` (no heartbeat), not rank 0 waiting on it; the command (its own
     process tree here, as the CLI would be) exits and leaves no process behind."""
-    from experiments.faults import matrix_row
+    from weight_transfer.experiments.faults import matrix_row
 
     stall = 4.0
     res = matrix_row(Fault.parse("stop:train:1:middle:2"), stall=stall, limit=150)
@@ -254,12 +254,12 @@ def test_c16_stopped_training_rank_named_and_nothing_left(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_fault_matrix_quick_rows_named_bounded_clean(capsys):
-    """``python -m experiments faults --quick``: three rows (a training rank raising, an
+    """``weight-transfer faults --quick``: three rows (a training rank raising, an
     inference rank killed, a training rank stopped), each its own process tree; every row names
     the faulted rank, ends, and leaves nothing behind."""
     import argparse
 
-    from experiments.faults import add_arguments, main
+    from weight_transfer.experiments.faults import add_arguments, main
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)

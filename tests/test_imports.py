@@ -1,44 +1,85 @@
-"""The import graph of reference/: it imports nothing from the harness (engines/, baselines/,
-experiments/, analysis/), and no module is over 600 lines (DESIGN.md)."""
+"""The import graph: the library (``reference/``, installed as ``weight_transfer``) imports
+nothing from the harness (``weight_transfer.engines``, ``.baselines``, ``.experiments``,
+``.analysis``), the harness follows DESIGN.md's arrows, no module imports another in a cycle,
+no library module is over 600 lines (DESIGN.md), and no code uses the old top-level names.
+
+Every import counts: absolute ones, relative ones (``from .x import y``, and ``from . import x``,
+which names a module, not an attribute), and those inside functions."""
 import ast
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"reference": "weight_transfer", "engines": "weight_transfer.engines",
+           "baselines": "weight_transfer.baselines", "experiments": "weight_transfer.experiments",
+           "analysis": "weight_transfer.analysis"}
+"""Source folder -> installed package (pyproject.toml: [tool.setuptools] package-dir)."""
+COMPONENT = {v: k for k, v in FOLDERS.items()}
 REFERENCE = ROOT / "reference"
-UPWARD = ("engines", "baselines", "experiments", "analysis")
 MAX_LINES = 600
 MODULES = sorted(REFERENCE.rglob("*.py"))
 
 
-def _imported(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``path``, relative ones resolved."""
-    pkg = path.relative_to(ROOT).with_suffix("").parts[:-1]  # the package the module is in
+def module_name(path: Path) -> str:
+    """The installed name of a source file (``engines/vllm/runtime.py`` ->
+    ``weight_transfer.engines.vllm.runtime``; a package's ``__init__`` is the package)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join([FOLDERS[parts[0]], *parts[1:]])
+
+
+def component(name: str) -> str | None:
+    """The design card's folder a module name belongs to (None outside the project)."""
+    if name != "weight_transfer" and not name.startswith("weight_transfer."):
+        return None
+    for pkg in sorted(COMPONENT, key=len, reverse=True):
+        if name == pkg or name.startswith(pkg + "."):
+            return COMPONENT[pkg]
+    return None
+
+
+def _imported(path: Path, known: set[str] | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, relative ones resolved; for
+    ``from P import x`` also ``P.x`` when that is a module of the project (``known``)."""
+    name = module_name(path)
+    pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = list(pkg[:len(pkg) - node.level + 1]) if node.level else []
+            base = pkg[:len(pkg) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
             out.append((node.lineno, mod))
+            for a in node.names:
+                if known is not None and f"{mod}.{a.name}" in known:
+                    out.append((node.lineno, f"{mod}.{a.name}"))
     return out
+
+
+def _files() -> list[Path]:
+    return [p for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))]
 
 
 def test_the_walk_finds_the_modules():
     names = {p.relative_to(REFERENCE).as_posix() for p in MODULES}
     assert {"types.py", "executor.py", "plan/__init__.py", "plan/schedule.py"} <= names
+    assert module_name(ROOT / "engines" / "vllm" / "runtime.py") == "weight_transfer.engines.vllm.runtime"
+    assert module_name(REFERENCE / "plan" / "__init__.py") == "weight_transfer.plan"
 
 
 def test_resolves_relative_imports():
-    got = dict((m, n) for n, m in _imported(REFERENCE / "plan" / "schedule.py"))
-    assert "reference.types" in got and "reference.plan.recipes" in got
+    got = {m for _, m in _imported(REFERENCE / "plan" / "schedule.py")}
+    assert "weight_transfer.types" in got and "weight_transfer.plan.recipes" in got
+    known = {module_name(p) for p in _files()}
+    got = {m for _, m in _imported(ROOT / "experiments" / "sim" / "layout_map.py", known)}
+    assert "weight_transfer.experiments.sim.run" in got  # ``from . import run`` names the module
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(REFERENCE).as_posix())
 def test_reference_imports_nothing_from_the_harness(path):
-    bad = [f"line {n}: {m}" for n, m in _imported(path) if m.split(".")[0] in UPWARD]
+    bad = [f"line {n}: {m}" for n, m in _imported(path) if component(m) not in (None, "reference")]
     assert not bad, f"{path.relative_to(ROOT)} imports from the harness: {bad}"
 
 
@@ -50,7 +91,6 @@ def test_reference_module_at_most_600_lines(path):
 
 # ---- the whole project: DESIGN.md's arrows, and no cycle between modules ----------------------
 
-PACKAGES = ("reference", "engines", "baselines", "experiments", "analysis")
 ALLOWED = {
     "reference": {"reference"},
     "engines": {"engines", "reference"},
@@ -60,42 +100,29 @@ ALLOWED = {
 }
 """DESIGN.md: experiments -> {reference, baselines, engines}, baselines -> {reference, engines},
 engines -> reference, analysis -> results files only. experiments may call analysis's plotting
-(the simulation draws its own figures); analysis imports no transfer code."""
+(the simulation draws its own figures, the command hands ``analyze`` / ``timeline`` to it);
+analysis imports no transfer code."""
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _graph() -> dict[str, set[str]]:
-    files = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
-    names = {_module_name(p) for p in files}
+def graph_of(files: list[Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (a package attribute resolves to the longest
+    known module prefix)."""
+    names = {module_name(p) for p in files}
     graph = {}
     for p in files:
         deps = set()
-        for _, m in _imported(p):
-            # an import of a package attribute resolves to the longest known module prefix
+        for _, m in _imported(p, names):
             while m and m not in names:
                 m = m.rpartition(".")[0]
-            if m and m != _module_name(p):
+            if m and m != module_name(p):
                 deps.add(m)
-        graph[_module_name(p)] = deps
+        graph[module_name(p)] = deps
     return graph
 
 
-def test_package_arrows_follow_the_design():
-    bad = [f"{a} -> {b}" for a, deps in _graph().items() for b in deps
-           if b.split(".")[0] not in ALLOWED[a.split(".")[0]]]
-    assert not bad, bad
-
-
-def test_no_import_cycle_between_modules():
-    """Every import counts, also one inside a function: a lazy import that closes a cycle is
-    still a cycle in the design. A package's ``__init__`` importing its own submodules is not."""
-    graph = _graph()
-    for a, deps in graph.items():  # a package re-exporting its submodules is not a cycle
-        graph[a] = {b for b in deps if not b.startswith(a + ".")}
+def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles; a package's ``__init__`` importing its own submodules is not one."""
+    graph = {a: {b for b in deps if not b.startswith(a + ".")} for a, deps in graph.items()}
     state, cycles = {}, []
 
     def visit(n, path):
@@ -110,4 +137,42 @@ def test_no_import_cycle_between_modules():
     for n in sorted(graph):
         if n not in state:
             visit(n, [n])
+    return cycles
+
+
+def test_package_arrows_follow_the_design():
+    bad = [f"{a} -> {b}" for a, deps in graph_of(_files()).items() for b in deps
+           if component(b) not in ALLOWED[component(a)]]
+    assert not bad, bad
+
+
+def test_no_import_cycle_between_modules():
+    cycles = cycles_of(graph_of(_files()))
     assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_planted_relative_cycle_is_found(tmp_path, monkeypatch):
+    """``from . import x`` closing a cycle (the kind the walk once missed: sim/layout_map.py <->
+    sim/run.py) is reported."""
+    pkg = tmp_path / "experiments" / "toy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n    return b\n")
+    (pkg / "b.py").write_text("from .a import f\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    files = sorted(pkg.glob("*.py"))
+    assert cycles_of(graph_of(files)) == [["weight_transfer.experiments.toy.a", "weight_transfer.experiments.toy.b",
+                                           "weight_transfer.experiments.toy.a"]]
+
+
+def test_no_old_top_level_names():
+    """Nothing imports ``reference``, ``engines``, ``baselines``, ``experiments`` or ``analysis``
+    as top-level packages (the installed names are under ``weight_transfer``)."""
+    old = set(FOLDERS)
+    bad = []
+    for p in _files() + sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            bad += [f"{p.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in old]
+    assert not bad, bad

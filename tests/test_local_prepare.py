@@ -12,14 +12,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_planner import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas  # noqa: E402
+from test_planner import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
 
-from engines.engine import expected_from_checkpoint  # noqa: E402
-from reference.catalog import load_config, param_specs  # noqa: E402
-from reference.executor import gather_sources, prepare_outputs  # noqa: E402
-from reference.plan import build_recipes, plan  # noqa: E402
-from reference.plan.local import localize_recipe  # noqa: E402
-from reference.types import InferenceLayout, Output, Piece, Recipe, torch_dtype  # noqa: E402
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.engines.engine import expected_from_checkpoint
+from weight_transfer.executor import gather_sources, prepare_outputs
+from weight_transfer.plan import build_recipes, plan
+from weight_transfer.plan.local import localize_recipe
+from weight_transfer.types import InferenceLayout, Output, Piece, Recipe, torch_dtype
 
 
 def _sources(cfg, seed=0):

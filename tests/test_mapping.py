@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from reference.catalog import load_config, param_specs
-from reference.plan import (
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.plan import (
     PlanError,
     RecipeSet,
     build_recipes,
@@ -23,9 +23,9 @@ from reference.plan import (
     make_dest_metas,
     validate,
 )
-from reference.quant import quantize_fp8_block
-from reference.transforms import apply_transform, assemble, recipe_outputs, split_recipe
-from reference.types import InferenceLayout, Output, box_flat_range, torch_dtype
+from weight_transfer.quant import quantize_fp8_block
+from weight_transfer.transforms import apply_transform, assemble, recipe_outputs, split_recipe
+from weight_transfer.types import InferenceLayout, Output, box_flat_range, torch_dtype
 
 # ------------------------------------------------------------------------------------------
 # small configs (the brief's overrides)

@@ -1,10 +1,10 @@
-"""reference.native.NativeKernel: build once into the cache, load, declare; refuse cleanly."""
+"""weight_transfer.native.NativeKernel: build once into the cache, load, declare; refuse cleanly."""
 import ctypes
 import shutil
 
 import pytest
 
-from reference.native import NativeKernel
+from weight_transfer.native import NativeKernel
 
 cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")),
                         reason="no C compiler on PATH")

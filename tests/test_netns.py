@@ -29,7 +29,7 @@ def _skip_reason() -> str | None:
     if not ok:
         return f"network namespaces not permitted here: {why}"
     try:
-        from reference.transport.nixl import load_nixl
+        from weight_transfer.transport.nixl import load_nixl
 
         load_nixl()
     except ImportError as e:

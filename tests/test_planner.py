@@ -5,11 +5,11 @@ from collections import defaultdict
 
 import pytest
 
-from engines.engine import engine_tensor_metas
-from reference.catalog import load_config, param_specs
-from reference.plan import build_recipes, mesh_groups, plan
-from reference.training import shard_box
-from reference.types import InferenceLayout, ParamMeta, PlanError
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.engines.engine import engine_tensor_metas
+from weight_transfer.plan import build_recipes, mesh_groups, plan
+from weight_transfer.training import shard_box
+from weight_transfer.types import InferenceLayout, ParamMeta, PlanError
 
 SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -133,7 +133,7 @@ def test_c3_missing_training_parameter_refused_naming_it():
 
 
 def test_c2_extra_training_parameter_refused_naming_it():
-    from reference.catalog import ParamSpec
+    from weight_transfer.catalog import ParamSpec
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     layout = InferenceLayout(tp=2)
@@ -247,7 +247,7 @@ def test_every_metadata_inconsistency_is_named(case, parallel):
 
 
 def test_metadata_as_the_controller_receives_it_plans_identically():
-    """Rank lists that went through pickle (as reference.control.put/get move them) hold their
+    """Rank lists that went through pickle (as weight_transfer.control.put/get move them) hold their
     own copies of every shape and mesh; the checks then compare values, and the schedule is the
     same as on shared objects."""
     import pickle
@@ -269,8 +269,8 @@ def test_metadata_as_the_controller_receives_it_plans_identically():
 
 
 def test_fast_constructors_equal_the_dataclass_ones():
-    from reference.plan.fast import _assignment, _task, _write_spec
-    from reference.types import Assignment, Task, WriteSpec
+    from weight_transfer.plan.fast import _assignment, _task, _write_spec
+    from weight_transfer.types import Assignment, Task, WriteSpec
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     rec = build_recipes(cfg, InferenceLayout(tp=1)).recipes[0]
@@ -280,8 +280,8 @@ def test_fast_constructors_equal_the_dataclass_ones():
     assert a == Assignment(rec, (w,)) and a.nbytes == 4
     t = _task(7, 1, ("x",), (0, 1), (a,), 10, 14, ())
     assert t == Task(7, 1, ("x",), (0, 1), (a,), 10, 14) and t.send_bytes == 4
-    from reference.plan.fast import _piece, _recipe
-    from reference.types import Piece, Recipe
+    from weight_transfer.plan.fast import _piece, _recipe
+    from weight_transfer.types import Piece, Recipe
 
     pc = _piece("a", ((0, 2), (0, 3)), ((1, 3), (0, 3)))
     want = Piece("a", ((0, 2), (0, 3)), ((1, 3), (0, 3)))
@@ -299,7 +299,7 @@ def test_sender_choice_equals_the_policy():
 
     import numpy as np
 
-    from reference.plan import assign as A
+    from weight_transfer.plan import assign as A
 
     rng = random.Random(0)
     for trial in range(30):
@@ -354,12 +354,12 @@ def test_sender_choice_equals_the_policy():
 
 
 def test_row_owners_equal_reading_every_record():
-    """:func:`reference.plan.owners.row_owners` against reading each record one by one: two
+    """:func:`weight_transfer.plan.owners.row_owners` against reading each record one by one: two
     name sequences (HSDP non-experts on every rank, experts on sub-meshes), an empty shard,
     a column-sharded and a 0-d parameter (no owners)."""
-    from reference.plan.owners import local_offset, row_owners
-    from reference.plan.sources import _index_sources
-    from reference.types import ParamMeta
+    from weight_transfer.plan.owners import local_offset, row_owners
+    from weight_transfer.plan.sources import _index_sources
+    from weight_transfer.types import ParamMeta
 
     def meta(name, shape, mesh, pl, off, loc):
         return ParamMeta(name=name, global_shape=shape, dtype="bfloat16", mesh_ranks=mesh, placements=pl,
@@ -422,7 +422,7 @@ def test_forked_checks_give_the_same_schedule():
 def test_forked_checks_raise_the_validation_errors(bad):
     """Recipe validation runs in the child too: its PlanError reaches the caller unchanged, also
     when the schedule's construction fails on the same bad input first."""
-    from reference.catalog import ParamSpec
+    from weight_transfer.catalog import ParamSpec
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     layout = InferenceLayout(tp=2)
@@ -456,7 +456,7 @@ def test_forked_checks_confirm_the_sampled_name_index():
     assert step >= 2, "the test needs unsampled positions"
     i = 1 + step  # positions 1 + step and 2 + step are between two sampled positions
     ms[i], ms[i + 1] = ms[i + 1], ms[i]
-    from reference.plan.checks import _check_sources, _index_sources, _IndexUnconfirmed
+    from weight_transfer.plan.checks import _check_sources, _index_sources, _IndexUnconfirmed
 
     with pytest.raises(_IndexUnconfirmed, match="rank 3"):
         _check_sources(metas, _index_sources(metas, exact=False), confirm_index=True)
@@ -473,7 +473,7 @@ def test_forked_checks_that_fail_rerun_in_process(how, monkeypatch):
     import os
     import time
 
-    import reference.plan.checks as P
+    import weight_transfer.plan.checks as P
 
     cfg, layout, metas = _moe_world()
     parent = os.getpid()
@@ -502,9 +502,36 @@ def test_forked_checks_that_fail_rerun_in_process(how, monkeypatch):
 def test_forked_checks_by_default_only_for_large_metadata(monkeypatch):
     import os
 
-    import reference.plan.checks as P
+    import weight_transfer.plan.checks as P
 
     _, _, metas = _moe_world()
     assert not P._fork_checks_by_default(metas)  # a few hundred records: in-process
     monkeypatch.setattr(P, "PARALLEL_CHECKS_MIN_RECORDS", 1)
     assert P._fork_checks_by_default(metas) == (len(os.sched_getaffinity(0)) > 1)
+
+
+def test_plan_leaves_an_embedding_callers_process_alone(monkeypatch):
+    """By default plan() forks no child and leaves the garbage collector alone, even at a size
+    where the harness's auto policy would fork (a trainer with NCCL or Gloo threads must not be
+    forked behind its back); ``pause_gc=True`` pauses and restores the GC state it found."""
+    import gc
+
+    import weight_transfer.plan as P
+
+    calls = []
+    monkeypatch.setattr(P, "_ForkedChecks", lambda *a, **k: calls.append("fork") or (_ for _ in ()).throw(OSError))
+    monkeypatch.setattr(P, "_fork_checks_by_default", lambda metas: True)  # "large": auto would fork
+    real_disable = gc.disable
+    monkeypatch.setattr(gc, "disable", lambda: calls.append("gc.disable") or real_disable())
+    cfg, layout, metas = _moe_world()
+    a = _planned(metas, cfg, layout)
+    assert calls == [] and gc.isenabled()
+    gc.disable()
+    try:
+        _planned(metas, cfg, layout, pause_gc=True)
+        assert not gc.isenabled()                      # it found the GC off: it leaves it off
+    finally:
+        gc.enable()
+    calls.clear()
+    b = _planned(metas, cfg, layout, parallel_checks=None, pause_gc=True)   # the harness's choice
+    assert calls == ["gc.disable", "fork"] and gc.isenabled() and _same_schedule(a, b)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from reference.quant import dequantize_fp8_block, quantize_fp8_block, scale_shape
+from weight_transfer.quant import dequantize_fp8_block, quantize_fp8_block, scale_shape
 
 
 def slow_reference(x: torch.Tensor):

@@ -11,9 +11,9 @@ import ctypes
 import pytest
 import torch
 
-from engines.engine import quantize_block_fp8 as engine_quantize
-from reference import quant
-from reference.quant import (
+from weight_transfer import quant
+from weight_transfer.engines.engine import quantize_block_fp8 as engine_quantize
+from weight_transfer.quant import (
     QUANT_BLOCK,
     native_status,
     quantize_fp8_block,
@@ -181,8 +181,8 @@ def test_bf16_division_exhaustive_all():
 
 @native
 def test_prepare_uses_the_native_kernel(monkeypatch):
-    """The executor's prepare stage quantizes through reference.transforms.apply_transform."""
-    from reference.transforms import apply_transform
+    """The executor's prepare stage quantizes through weight_transfer.transforms.apply_transform."""
+    from weight_transfer.transforms import apply_transform
 
     calls = []
     real = quant._quantize_native
@@ -191,7 +191,7 @@ def test_prepare_uses_the_native_kernel(monkeypatch):
 
     from types import SimpleNamespace
 
-    from reference.layouts import IDENTITY
+    from weight_transfer.layouts import IDENTITY
 
     class R:  # the attributes apply_transform reads: two outputs (weight, weight_scale_inv) as loaded
         transform = "fp8_block"
@@ -222,7 +222,7 @@ def test_disabled_by_environment(tmp_path):
     import subprocess
     import sys
 
-    code = ("from reference.quant import native_status, quantize_fp8_block; import torch; "
+    code = ("from weight_transfer.quant import native_status, quantize_fp8_block; import torch; "
             "quantize_fp8_block(torch.ones(3, 3)); print(native_status())")
     env = {"WT_FP8_NATIVE": "0", "PATH": "/usr/bin:/bin", "WT_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False,

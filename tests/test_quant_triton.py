@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
-from reference.quant import (  # noqa: E402
+from weight_transfer.quant import (  # noqa: E402
     quantize_fp8_block,
     quantize_fp8_block_reference,
     scale_shape,
@@ -105,9 +105,9 @@ def cases(big: bool = False):
 
 
 def main() -> int:
-    """Run every case through reference.quant_triton on this process's terms (the interpreter
+    """Run every case through weight_transfer.quant_triton on this process's terms (the interpreter
     when TRITON_INTERPRET=1); one line per case; exit status 1 if any differs."""
-    from reference.quant_triton import quantize_fp8_block_triton
+    from weight_transfer.quant_triton import quantize_fp8_block_triton
 
     failed = 0
     for name, x in cases():
@@ -147,7 +147,7 @@ def test_gpu_compiled_kernel():
     pytest.importorskip("triton", reason="triton not installed (pip install -e .[triton])")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process: the compiled kernel is not in use")
-    from reference.quant_triton import quantize_fp8_block_triton
+    from weight_transfer.quant_triton import quantize_fp8_block_triton
 
     for _name, x in cases(big=True):
         x = x.cuda()

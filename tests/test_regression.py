@@ -1,7 +1,7 @@
 """CI regression on a small model: every method verified, and the reference's speedup over the
 rank-0 funnel, measured in the same run, stays above a threshold.
 
-The sweep is :func:`experiments.configs.ci_cpu_regression` (Qwen3 architecture, 2 layers, 8k
+The sweep is :func:`weight_transfer.experiments.configs.ci_cpu_regression` (Qwen3 architecture, 2 layers, 8k
 vocabulary, 80 MB; 2 training ranks -> TP2; 5 measured updates; watermark 16 MiB) run through
 the sweep machinery (debug executor: each trial's ranks spawned as local processes), so the
 tidy rows and trial keys are checked too.
@@ -31,7 +31,7 @@ MIN_SPEEDUP = 1.0
 
 
 def _run(sweep, tmp_path):
-    from experiments import sweep as S
+    from weight_transfer.experiments import sweep as S
 
     s = S.run_sweep(sweep, S.LaunchOptions(cluster="debug", folder=tmp_path / "jobs"), results_dir=tmp_path,
                     progress=False)
@@ -48,8 +48,8 @@ def _speedup(df) -> tuple[float, dict]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_every_method_verified_and_reference_beats_the_funnel(tmp_path):
-    from experiments import configs as C
-    from experiments import sweep as S
+    from weight_transfer.experiments import configs as C
+    from weight_transfer.experiments import sweep as S
 
     sweep = C.ci_cpu_regression()
     df = _run(sweep, tmp_path / "a")

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.vllm.loopback import source_metas
-from engines.vllm.runtime import retarget, runtime_layout
-from reference.catalog import load_config, param_specs
-from reference.layouts import apply_layout, parse_layout
-from reference.plan import PlanError, build_recipes, plan
-from reference.transforms import recipe_outputs
-from reference.types import InferenceLayout
-from reference.weights import SyntheticCheckpoint
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.engines.vllm.loopback import source_metas
+from weight_transfer.engines.vllm.runtime import retarget, runtime_layout
+from weight_transfer.layouts import apply_layout, parse_layout
+from weight_transfer.plan import PlanError, build_recipes, plan
+from weight_transfer.transforms import recipe_outputs
+from weight_transfer.types import InferenceLayout
+from weight_transfer.weights import SyntheticCheckpoint
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "vllm_cpu_layouts.json").read_text())
 LAYOUT_OF = {("convert_weight_packed", ()): None, ("cpu_prepack_moe_weight", ("amx",)): "blocked:16x2",
@@ -268,7 +268,7 @@ def test_c22_staged_moe_and_in_place_embedding():
 
 
 def test_c22_coverage_fractions():
-    from engines.vllm.verify import coverage
+    from weight_transfer.engines.vllm.verify import coverage
 
     o = "model.layers.1.self_attn.o_proj"
     rep = moe_report(onednn=(o,))
@@ -288,7 +288,7 @@ def test_c22_staging_oracle_is_the_stand_in_load_layout():
     """The expected staging bytes come from the stand-in engine's load_weights (independent of
     the recipes), fed only the checkpoint tensors that load into a staged parameter; a staging
     tensor compared against them."""
-    from engines.vllm.verify import compare_snapshots, staging_oracle
+    from weight_transfer.engines.vllm.verify import compare_snapshots, staging_oracle
 
     cfg = tiny_moe()
     o, qkv = "model.layers.1.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"

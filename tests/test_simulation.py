@@ -7,12 +7,12 @@ import socket
 import pytest
 import torch.multiprocessing as tmp
 
-from experiments.sim import metadata, model
-from experiments.sim.configs import SimConfig, get_config
-from experiments.sim.hardware import Hardware
-from reference.catalog import load_config
-from reference.plan import RecipeSet, build_recipes, plan
-from reference.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
+from weight_transfer.catalog import load_config
+from weight_transfer.experiments.sim import metadata, model
+from weight_transfer.experiments.sim.configs import SimConfig, get_config
+from weight_transfer.experiments.sim.hardware import Hardware
+from weight_transfer.plan import RecipeSet, build_recipes, plan
+from weight_transfer.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
 
 SMALL = dict(num_hidden_layers=1, num_experts=4, hidden_size=64, moe_intermediate_size=32,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100)
@@ -122,7 +122,7 @@ def test_floor_counts_fabric_all_gathers_and_receivers():
 
 
 def test_dest_metas_equal_engine_for_every_rank():
-    from engines.engine import engine_tensor_metas
+    from weight_transfer.engines.engine import engine_tensor_metas
 
     cfg = load_config("qwen3-30b-a3b", **SMALL)
     for lay in (InferenceLayout(tp=2, dp=3, quant="fp8"), InferenceLayout(tp=2, dp=2, ep=True)):
@@ -133,7 +133,7 @@ def test_dest_metas_equal_engine_for_every_rank():
 
 
 def test_baselines_and_cli_tiny(tmp_path):
-    from experiments.__main__ import main
+    from weight_transfer.experiments.__main__ import main
 
     csv = tmp_path / "sim.csv"
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv)]) == 0
@@ -160,7 +160,7 @@ def test_planner_benchmark_tiny(capsys):
     """--bench-planner plans in fresh subprocesses, on synthesized and on pickled (as
     received) metadata, checks in-process or forked, and reports min / median / max (and the
     checks' child's peak RSS when there is one)."""
-    from experiments.__main__ import main
+    from weight_transfer.experiments.__main__ import main
 
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
@@ -177,9 +177,9 @@ def test_planner_benchmark_tiny(capsys):
 def test_synthesized_metadata_rank_lists(layout):
     """Built rank by rank (as the controller holds them after unpickling each rank's list):
     each rank lists, in parameter order, every non-expert parameter and exactly its experts."""
-    from experiments.sim import metadata
-    from reference.catalog import param_specs
-    from reference.training import expert_id, is_expert_param
+    from weight_transfer.catalog import param_specs
+    from weight_transfer.experiments.sim import metadata
+    from weight_transfer.training import expert_id, is_expert_param
 
     cfg = load_config("qwen3-30b-a3b", **SMALL)
     tm = metadata.train_metas(cfg, 2, 2, layout=layout)
@@ -212,7 +212,7 @@ def _world_rank(rank, world, port, q, moe_width=None):
     import torch
     import torch.distributed as dist
 
-    from reference.training import build_two_group_params, collect_metas
+    from weight_transfer.training import build_two_group_params, collect_metas
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -270,7 +270,7 @@ def test_moe_mesh_width_synthesis(width):
     """Experts on sub-meshes of ``width`` nodes: each expert's mesh has ``width`` ranks on
     distinct nodes, one intra-node rank; the expert sub-meshes tile the world; fabric
     all-gather bytes per rank shrink with the width (none at width 1)."""
-    from reference.training import expert_id, is_expert_param
+    from weight_transfer.training import expert_id, is_expert_param
 
     cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
     tm = metadata.train_metas(cfg, 4, 2, moe_width=width)
@@ -306,8 +306,8 @@ def test_two_group_moe_width_real_run_bit_exact():
     """A real 4-rank trial (2 nodes x 2 GPUs, gloo) with the MoE mesh width 1
     (``--train-mesh 2x2x1``): experts whole per node group, updates verified bit-exact
     against the engine's own load_weights."""
-    from experiments.config import TrialConfig
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.config import TrialConfig
+    from weight_transfer.experiments.trial import run_trial
 
     moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
                intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
@@ -324,8 +324,8 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     schedule; the per-GPU byte table and the Gantt rows of the recorded ranks are written."""
     import pandas as pd
 
-    from experiments.__main__ import main
-    from experiments.sim.hardware import SENSITIVITY
+    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.sim.hardware import SENSITIVITY
 
     csv = tmp_path / "sim.csv"
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv), "--sensitivity"]) == 0
@@ -344,7 +344,7 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     df = pd.read_csv(csv)
     ref = df[df.method == "reference"].iloc[0]
     assert ref.recv_min_bytes <= ref.recv_median_bytes <= ref.recv_max_bytes and ref.recv_max_bytes > 0
-    from analysis.simulation import plot_gantt
+    from weight_transfer.analysis.simulation import plot_gantt
 
     assert plot_gantt(tmp_path / "sim_tiny_qwen3_moe_2x2_gantt.csv.gz").exists()
 
@@ -374,8 +374,8 @@ def test_dp_attention_layout_recipes_and_engine():
     (same shapes as at tp=1), experts split over the instance's ranks; recipes validate
     against the stand-in engine's tensors; the planner spreads the replicated tensors over
     the senders (every training rank sends, every inference rank receives the same bytes)."""
-    from engines.engine import engine_tensor_metas
-    from reference.training import is_expert_param
+    from weight_transfer.engines.engine import engine_tensor_metas
+    from weight_transfer.training import is_expert_param
 
     cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
     dpa = InferenceLayout(tp=4, dp=2, ep=True, quant="fp8", dp_attention=True)
@@ -407,8 +407,8 @@ def test_dp_attention_layout_recipes_and_engine():
 def test_dp_attention_real_run_bit_exact():
     """A real run (2 training ranks, 1 x DPA+EP2 FP8 instance) verified bit-exact against the
     engine's own load_weights."""
-    from experiments.config import TrialConfig
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.config import TrialConfig
+    from weight_transfer.experiments.trial import run_trial
 
     moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
                intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
@@ -424,8 +424,8 @@ def test_layout_map_tiny(tmp_path):
     per-GPU weight bytes and whether they fit; the heatmap draws from the CSV."""
     import pandas as pd
 
-    from analysis.simulation import plot_map
-    from experiments.sim.layout_map import layout_map
+    from weight_transfer.analysis.simulation import plot_map
+    from weight_transfer.experiments.sim.layout_map import layout_map
 
     lays = (("2 x TP2+EP", InferenceLayout(tp=2, dp=2, ep=True, quant="fp8")),
             ("2 x DPA+EP2", InferenceLayout(tp=2, dp=2, ep=True, quant="fp8", dp_attention=True)))
@@ -445,7 +445,7 @@ def test_layout_map_tiny(tmp_path):
 
 def test_cli_dp_attention_and_moe_width_parse():
     """``run --dp-attention --ep`` and ``--train-mesh NxGxW`` reach the TrialConfig."""
-    from experiments.__main__ import build_parser, config_from_args
+    from weight_transfer.experiments.__main__ import build_parser, config_from_args
 
     args = build_parser().parse_args(["run", "--model", "qwen3-30b-a3b", "--n-train", "4", "--train-layout", "two_group",
                                       "--train-mesh", "2x2x1", "--tp", "2", "--ep", "--dp-attention", "--quant", "fp8"])

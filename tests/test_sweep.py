@@ -9,10 +9,10 @@ import os
 import pandas as pd
 import pytest
 
-from experiments import configs as C
-from experiments import sweep as S
-from experiments.config import TrialConfig
-from experiments.trial import TrialResult, run_controller, run_task, task_role, world_size
+from weight_transfer.experiments import configs as C
+from weight_transfer.experiments import sweep as S
+from weight_transfer.experiments.config import TrialConfig
+from weight_transfer.experiments.trial import TrialResult, run_controller, run_task, task_role, world_size
 
 
 def tiny(**kw) -> TrialConfig:
@@ -47,7 +47,7 @@ def test_get_sweep_accepts_config_names_and_names_unknown():
 
 
 def test_list_cli(capsys):
-    from experiments.__main__ import main
+    from weight_transfer.experiments.__main__ import main
 
     assert main(["sweep", "--list"]) == 0
     out = capsys.readouterr().out
@@ -193,7 +193,7 @@ def test_sweep_writes_rows_reports_failures_and_skips_on_rerun(tmp_path, monkeyp
 
 
 def test_sweep_cli_exit_status_and_bad_options(tmp_path, monkeypatch, capsys):
-    from experiments.__main__ import main
+    from weight_transfer.experiments.__main__ import main
 
     assert main(["sweep", "qwen3_cpu_small", "--cluster", "slurm", "--nodes", "2", "--tasks-per-node", "1"]) == 2
     assert "needs" in capsys.readouterr().err

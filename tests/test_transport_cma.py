@@ -18,7 +18,7 @@ import pytest
 import torch
 from receiver import Receiver
 
-from reference.transport import (
+from weight_transfer.transport import (
     BoundsError,
     PermissionDeniedError,
     RemoteGoneError,
@@ -28,8 +28,8 @@ from reference.transport import (
     cma,
     make_transport,
 )
-from reference.transport.cma import IOV_MAX, CmaTransport
-from reference.types import RegionDescriptor
+from weight_transfer.transport.cma import IOV_MAX, CmaTransport
+from weight_transfer.types import RegionDescriptor
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 
@@ -297,8 +297,8 @@ def test_dead_receiver_is_remote_gone():
 
 from test_transport_conformance import C17_BYTES, start_receiver  # noqa: E402
 
-from reference.transport import StaleRegionError, lease  # noqa: E402
-from reference.transport.lease import LEASE_SLOTS, REGION_SLOTS, EpochTable  # noqa: E402
+from weight_transfer.transport import StaleRegionError, lease  # noqa: E402
+from weight_transfer.transport.lease import LEASE_SLOTS, REGION_SLOTS, EpochTable  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +429,7 @@ def test_C17_epoch_table_unit():
 
 
 def test_guard_bytes_just_outside_a_region():
-    from reference.transport.guard import Guard
+    from weight_transfer.transport.guard import Guard
 
     backing = torch.full((4096 + 128,), 0x77, dtype=torch.uint8)
     arena = backing[64:64 + 4096]  # the registered region; 64 guard bytes each side

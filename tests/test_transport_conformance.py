@@ -21,7 +21,7 @@ import pytest
 import torch
 from receiver import Receiver
 
-from reference.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
+from weight_transfer.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -35,7 +35,7 @@ BF16_N = 257  # odd element count: 514 bytes
 
 def _nixl_missing() -> str | None:
     try:
-        from reference.transport.nixl import load_nixl
+        from weight_transfer.transport.nixl import load_nixl
 
         load_nixl()
     except ImportError as e:
@@ -44,7 +44,7 @@ def _nixl_missing() -> str | None:
 
 
 def _verbs_missing() -> str | None:
-    from reference.transport import verbs
+    from weight_transfer.transport import verbs
 
     try:
         verbs.load_pyverbs()
@@ -61,7 +61,7 @@ def _cuda_missing() -> str | None:
 
 def _kwargs(name: str) -> dict:
     if name == "verbs":
-        from reference.transport import verbs
+        from weight_transfer.transport import verbs
 
         return {"nics": verbs.list_nics()[:1], "listen": ("127.0.0.1", 0)}
     return {}
@@ -129,7 +129,7 @@ def _receiver(conn, name: str, kw: dict) -> None:
             try:
                 t.deregister(regions.pop("c17"))
                 conn.send(time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001  (reported to the test)
+            except Exception as e:
                 conn.send(f"{type(e).__name__}: {e}")
         elif cmd == "c17_rereg":
             t.deregister(regions.pop("c17"))

@@ -8,8 +8,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from reference.transport import BoundsError, UnknownRegionError, WriteOp, make_transport
-from reference.transport.cuda_ipc import INSTALL_HINT, CudaIpcTransport
+from weight_transfer.transport import BoundsError, UnknownRegionError, WriteOp, make_transport
+from weight_transfer.transport.cuda_ipc import INSTALL_HINT, CudaIpcTransport
 
 NO_CUDA = not torch.cuda.is_available()
 

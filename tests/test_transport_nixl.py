@@ -16,16 +16,16 @@ import pytest
 import torch
 from receiver import Receiver
 
-from reference.transport import TransportError, WriteOp, make_transport
-from reference.types import RegionDescriptor
+from weight_transfer.transport import TransportError, WriteOp, make_transport
+from weight_transfer.types import RegionDescriptor
 
-nixl_mod = pytest.importorskip("reference.transport.nixl")
+nixl_mod = pytest.importorskip("weight_transfer.transport.nixl")
 try:
     nixl_mod.load_nixl()
 except ImportError as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"NIXL not installed: {e}", allow_module_level=True)
 
-from reference.transport.nixl import NixlTransport  # noqa: E402
+from weight_transfer.transport.nixl import NixlTransport  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 

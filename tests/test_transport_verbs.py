@@ -13,9 +13,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from reference.transport import BoundsError, UnknownRegionError, WriteOp, make_transport
-from reference.transport import verbs as V
-from reference.types import RegionDescriptor
+from weight_transfer.transport import BoundsError, UnknownRegionError, WriteOp, make_transport
+from weight_transfer.transport import verbs as V
+from weight_transfer.types import RegionDescriptor
 
 GID = "fe800000000000000000000000000001"
 

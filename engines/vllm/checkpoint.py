@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint directory that an unmodified vLLM can load: ``config.json`` +
 ``model.safetensors`` with the synthetic weights of one training step.
 
-The weights are :class:`reference.weights.SyntheticCheckpoint` (the same bytes the training
+The weights are :class:`weight_transfer.weights.SyntheticCheckpoint` (the same bytes the training
 ranks hold at that step), in Hugging Face names and BF16 (float32 for DeepSeek's router
 ``e_score_correction_bias``, as published). The config is the catalog's published
 ``config.json`` fields (``reference/configs/<model>.json``) with the overrides applied, plus:
@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reference.catalog import ModelConfig, param_specs
-from reference.weights import SyntheticCheckpoint
+from weight_transfer.catalog import ModelConfig, param_specs
+from weight_transfer.weights import SyntheticCheckpoint
 
 __all__ = ["hf_config", "write_checkpoint", "checkpoint_tensors"]
 

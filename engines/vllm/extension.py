@@ -82,7 +82,7 @@ def host_isa() -> dict:
     zen = False
     try:
         zen = hasattr(torch.ops, "zentorch") and hasattr(torch.ops.zentorch, "zentorch_linear_unary")
-    except Exception:  # noqa: BLE001 -- torch.ops lookups raise RuntimeError for unknown namespaces
+    except Exception:  # torch.ops lookups raise RuntimeError for unknown namespaces
         zen = False
     return {"amx": _REAL_AMX, "amx_hidden": _AMX_HIDDEN, "amx_seen": bool(torch.cpu._is_amx_tile_supported()),
             "zentorch": zen}
@@ -157,7 +157,7 @@ class WeightTransferExtension:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             return int(get_tensor_model_parallel_rank())
-        except Exception:  # noqa: BLE001
+        except Exception:
             return int(getattr(self, "rank", 0))
 
     def wt_report(self) -> dict:
@@ -271,13 +271,13 @@ class WeightTransferExtension:
         """Register, in this worker, the byte range ``spans[tp_rank] = (base, length)`` that
         holds every destination tensor, with the project's CMA transport (the receiver's side
         of ``register -> descriptor``: it owns the region's lifetime, e.g. its epoch). Returns
-        the :class:`reference.types.RegionDescriptor`. The range is viewed in place (no copy);
+        the :class:`weight_transfer.types.RegionDescriptor`. The range is viewed in place (no copy);
         the plan writes only the tensors inside it. Done once, not per update."""
         import ctypes
 
         import numpy as np
 
-        from reference.transport import make_transport
+        from weight_transfer.transport import make_transport
 
         base, length = spans[self._wt_tp_rank()]
         buf = (ctypes.c_uint8 * length).from_address(base)

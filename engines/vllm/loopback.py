@@ -1,10 +1,10 @@
 """One-sided updates of a live vLLM engine from one training process holding whole tensors.
 
-The smallest complete path, used by the vLLM tests and by ``python -m engines.vllm.demo``:
-the runtime layout the engine reports -> recipes aimed at it (:func:`engines.vllm.runtime.retarget`)
+The smallest complete path, used by the vLLM tests and by ``python -m weight_transfer.engines.vllm.demo``:
+the runtime layout the engine reports -> recipes aimed at it (:func:`weight_transfer.engines.vllm.runtime.retarget`)
 -> the real planner -> the real executor -> ``process_vm_writev`` into the vLLM worker
 process(es). Around the writes only control-plane calls reach vLLM: pause, reset the prefix
-cache, resume. The multi-process trial (``python -m experiments run --engine vllm``) uses the
+cache, resume. The multi-process trial (``weight-transfer run --engine vllm``) uses the
 same pieces with FSDP2 training ranks.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from reference.executor import Executor
-from reference.plan import build_recipes, plan
-from reference.transport import make_transport
-from reference.types import InferenceLayout, ParamMeta, dtype_name
+from weight_transfer.executor import Executor
+from weight_transfer.plan import build_recipes, plan
+from weight_transfer.transport import make_transport
+from weight_transfer.types import InferenceLayout, ParamMeta, dtype_name
 
 from .runtime import retarget
 
@@ -33,8 +33,8 @@ def source_metas(sources: dict[str, torch.Tensor]) -> dict[int, list[ParamMeta]]
 class OneSidedUpdater:
     """Plans once against ``engine``'s runtime layout and writes whole-tensor ``sources``.
 
-    ``cfg``: the model (:class:`reference.catalog.ModelConfig`); ``engine``: a
-    :class:`engines.vllm.VllmEngine`. Raises :class:`reference.plan.PlanError` from
+    ``cfg``: the model (:class:`weight_transfer.catalog.ModelConfig`); ``engine``: a
+    :class:`weight_transfer.engines.vllm.VllmEngine`. Raises :class:`weight_transfer.plan.PlanError` from
     :meth:`plan` when some runtime tensor cannot be written (named, with vLLM's step)."""
 
     def __init__(self, cfg, engine):

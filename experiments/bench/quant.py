@@ -1,12 +1,12 @@
 """Benchmark: FP8 block quantization throughput beside memcpy, in one run.
 
-    python -m experiments bench-quant [--repeats 5] [--device cpu|cuda] [--out results/quant_bench.csv]
+    weight-transfer bench-quant [--repeats 5] [--device cpu|cuda] [--out results/quant_bench.csv]
 
 Shapes: a 4096x4096 linear weight, and Kimi-K2's expert shapes (``moe_intermediate_size``
 2048, ``hidden_size`` 7168, from reference/configs/kimi-k2.json): the fused ``w13`` slab of one
 expert ``[2*2048, 7168]`` and ``w2`` ``[7168, 2048]``. GB/s counts BF16 *input* bytes
 (1e9 B/s); memcpy is a same-size ``copy_`` of the BF16 tensor on the same device in the same
-run. Timed: the fast path of ``reference.quant`` (the native C kernel on the CPU, Triton on
+run. Timed: the fast path of ``weight_transfer.quant`` (the native C kernel on the CPU, Triton on
 CUDA), the torch reference (``quantize_fp8_block_reference``, the oracle) and the engine's own
 loader quantizer; every output is checked byte-identical to the reference. Rounds alternate
 copy and quantizers; min/median/max of ``--repeats`` rounds; on CUDA, timed with events after a
@@ -53,8 +53,8 @@ def _timer(device: str):
 def _impls(device: str) -> dict:
     """The quantizers to time on ``device``: the fast path, the torch reference (oracle) and
     the engine's own loader quantizer, by table label."""
-    from engines.engine import quantize_block_fp8
-    from reference.quant import (
+    from weight_transfer.engines.engine import quantize_block_fp8
+    from weight_transfer.quant import (
         native_status,
         quantize_fp8_block,
         quantize_fp8_block_reference,
@@ -68,7 +68,7 @@ def _impls(device: str) -> dict:
             print(f"# native CPU kernel skipped: {native_status()}")
     else:
         try:
-            from reference.quant_triton import quantize_fp8_block_triton
+            from weight_transfer.quant_triton import quantize_fp8_block_triton
 
             out["triton"] = lambda x: quantize_fp8_block(x, impl="triton")
             for w in (4, 16):  # the default is 8 warps per block; these show whether to change it
@@ -126,7 +126,7 @@ def _one_shape(label, shape, impls, timer, repeats, device, threads) -> list[dic
 
 @dataclass(kw_only=True, slots=True)
 class QuantBenchConfig:
-    """Options of ``python -m experiments bench-quant``."""
+    """Options of ``weight-transfer bench-quant``."""
 
     repeats: int = 5
     """Timed rounds per shape (each round: copy, then every quantizer); min/median/max reported."""

@@ -1,7 +1,7 @@
 """Compare the data planes available on this machine, beside memcpy, in one run.
 
-    .venv/bin/python -m experiments bench-transports                # all that work here
-    .venv/bin/python -m experiments bench-transports --mib 64 --repeats 2 --transports cma
+    .venv/bin/weight-transfer bench-transports                # all that work here
+    .venv/bin/weight-transfer bench-transports --mib 64 --repeats 2 --transports cma
 
 Cases: ``large`` (one op of ``--mib`` MiB) and the default model's tensors (``qwen3-0.6b``:
 one write per checkpoint tensor, BF16, into one packed receiver arena, as a trial's engine
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.catalog import load_config, param_specs
-from reference.transport import WriteOp, make_transport
+from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.transport import WriteOp, make_transport
 
 from ..env import git_sha
 
@@ -142,7 +142,7 @@ def bench_transport(name, ops, src, nbytes, repeats):
 
 @dataclass(kw_only=True, slots=True)
 class TransportBenchConfig:
-    """Options of ``python -m experiments bench-transports``."""
+    """Options of ``weight-transfer bench-transports``."""
 
     mib: int = 256
     """Size of the ``large`` case (MiB)."""
@@ -173,7 +173,7 @@ def main(a: TransportBenchConfig) -> int:
         from importlib.metadata import version
 
         nixl_v = version("nixl-cu12")
-    except Exception:  # noqa: BLE001
+    except Exception:
         nixl_v = "not installed"
     print(f"# bench_transports: one-sided write bandwidth into another process on this host; run {run_id}, git {sha}, {stamp}")
     print(f"# host {host}: {os.cpu_count()} cpus, {platform.system()} {platform.release()}, python {platform.python_version()}, "
@@ -202,7 +202,7 @@ def main(a: TransportBenchConfig) -> int:
                     del dst
                 else:
                     times, got = bench_transport(name, ops, src, nbytes, a.repeats)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 skipped.append((name, f"{type(e).__name__}: {e}"))
                 continue
             best, med = min(times), sorted(times)[len(times) // 2]

@@ -1,11 +1,11 @@
 """Named at-scale configurations: functions returning a :class:`SimConfig`, named after model
-and hardware (torchtitan style). ``python -m experiments simulate --list`` shows them."""
+and hardware (torchtitan style). ``weight-transfer simulate --list`` shows them."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reference.types import InferenceLayout
+from weight_transfer.types import InferenceLayout
 
 from .hardware import Hardware, h20_cx7, h100_cx7, h200_efa
 
@@ -25,7 +25,7 @@ class SimConfig:
     train_nodes: int = 32
     """Training nodes; ranks = train_nodes x hardware.gpus_per_node."""
     train_layout: str = "two_group"
-    """``two_group`` (reference.training.two_group_mesh_for) or ``expert_whole``
+    """``two_group`` (weight_transfer.training.two_group_mesh_for) or ``expert_whole``
     (experiments/sim/metadata.py)."""
     moe_width: int | None = None
     """MoE mesh width of ``two_group``: training nodes each routed expert is FSDP-sharded
@@ -55,7 +55,7 @@ class SimConfig:
     """``reference``: the schedule through this project's executor (one task's writes in flight
     per rank); ``overlapped_writes``: the same schedule through the published executor's write
     semantics (every prepared task's writes in flight, bounded by the watermark;
-    :data:`experiments.sim.model.WRITES_IN_FLIGHT`); the others are baselines."""
+    :data:`weight_transfer.experiments.sim.model.WRITES_IN_FLIGHT`); the others are baselines."""
     anchors: dict = field(default_factory=dict)
     """method -> (published seconds, source): the calibration anchors (``overlapped_writes``
     shares ``reference``'s unless given)."""

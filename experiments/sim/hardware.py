@@ -5,7 +5,7 @@ source. Nothing here is fitted to a published result the model is compared with
 Sources are of three kinds, said in each docstring and in :data:`SOURCES`: a **datasheet**
 (vendor specification), a **measurement** someone published (with where), or an
 **assumption** (an order of magnitude we chose, with the reason). Every assumption is in
-:data:`SENSITIVITY`: ``python -m experiments simulate <config> --sensitivity`` re-runs the cost
+:data:`SENSITIVITY`: ``weight-transfer simulate <config> --sensitivity`` re-runs the cost
 model on the same schedule with each one halved and doubled and prints the effect on the
 prediction (docs/SIMULATION.md, section 4).
 
@@ -150,7 +150,7 @@ SENSITIVITY: tuple[str, ...] = ("barrier_us", "rdma_msg_us", "rdma_latency_us", 
                                 "hbm_gbs", "release_us", "pcie_gbs", "nvlink_gbs", "nic_gbps")
 """Hardware fields the sensitivity table halves and doubles (every assumption the reference's
 prediction depends on, the datasheet-rate ``hbm_gbs`` and ``pcie_gbs``, and the two measured
-rates for scale); the watermark (a :class:`~experiments.sim.configs.SimConfig` field) is
+rates for scale); the watermark (a :class:`~weight_transfer.experiments.sim.configs.SimConfig` field) is
 varied beside them."""
 
 

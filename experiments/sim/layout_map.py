@@ -2,8 +2,8 @@
 time) against the MoE mesh width (training) and the inference layout (instances x GPUs per
 instance; TP+EP vs data-parallel attention + EP), on the headline's hardware.
 
-``python -m experiments simulate --map`` writes ``results/sim_kimi_map.csv``;
-``python -m analysis.simulation`` draws ``results/sim_kimi_map.png``.
+``weight-transfer simulate --map`` writes ``results/sim_kimi_map.csv``;
+``python -m weight_transfer.analysis.simulation`` draws ``results/sim_kimi_map.png``.
 
 Why extrapolated: a full-size Kimi-K2 cell (2.4 million ParamMeta, ~46k tasks) takes ~2-3
 minutes and ~2 GB on this project's shared 2-core VM, and the map has 30 cells. Each cell
@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from reference.catalog import load_config
-from reference.types import InferenceLayout
+from weight_transfer.catalog import load_config
+from weight_transfer.types import InferenceLayout
 
 from .configs import SimConfig, get_config
 
@@ -53,7 +53,7 @@ HBM_CAPACITY = {"H100": 80e9, "H200": 141e9, "H20": 96e9}
 
 def region_max_bytes(model: str, layout: InferenceLayout) -> int:
     """Largest registered region (one GPU's weights) of the full-size model under ``layout``."""
-    from engines.engine import engine_tensor_metas
+    from weight_transfer.engines.engine import engine_tensor_metas
 
     from .metadata import region_bytes
 
@@ -97,3 +97,17 @@ def layout_map(base_name: str = "kimi_k2_256xh200efa_to_128_dpa_ep32", *, widths
             log(f"# map: MoE width {w:>2}, {label:<14}: floor {flo:.3f} s (extrapolated {sec:.3f} s, not trusted; L{l1} {s1:.3f} s, L{l2} {s2:.3f} s; "
                 f"{need / 1e9:.0f} GB weights per GPU; {time.perf_counter() - t0:.0f} s)")
     return rows
+
+
+def main(args) -> int:
+    """``weight-transfer simulate --map [CONFIG]``: the map over MoE widths and layouts, written to
+    ``sim_kimi_map.csv`` beside ``--csv``. Returns 0."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    rows_ = layout_map(args.config or "kimi_k2_256xh200efa_to_128_dpa_ep32", log=lambda m: print(m, flush=True))
+    p = Path(args.csv).resolve().parent / "sim_kimi_map.csv"
+    pd.DataFrame(rows_).to_csv(p, index=False)
+    print(f"# map written to {p} (SIMULATED; draw with python -m weight_transfer.analysis.simulation)")
+    return 0

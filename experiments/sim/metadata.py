@@ -3,28 +3,28 @@
 Training side (:func:`train_metas`): ``nodes x gpus_per_node`` ranks holding the catalog
 model's parameters as DTensors, in one of two layouts:
 
-- ``"two_group"``: exactly :func:`reference.training.two_group_mesh_for` (two mesh groups):
+- ``"two_group"``: exactly :func:`weight_transfer.training.two_group_mesh_for` (two mesh groups):
   non-expert parameters on the 2-D ``(inter, intra)`` mesh with placements
   ``(Replicate(), Shard(0))`` (sharded over a node's GPUs, replicated across nodes), routed
   expert ``e`` on the sub-mesh of intra-node rank ``e % gpus_per_node`` in node group
   ``(e // gpus_per_node) % (nodes / moe_width)``, ``(Shard(0),)`` across the ``moe_width``
   nodes of that group (``moe_width`` None: all nodes, one group). Each rank publishes the
   parameters whose mesh contains it, in
-  parameter order, with the box :func:`reference.training.shard_box` gives -- the same
-  :class:`~reference.types.ParamMeta` that :func:`reference.training.collect_metas` returns on
+  parameter order, with the box :func:`weight_transfer.training.shard_box` gives -- the same
+  :class:`~weight_transfer.types.ParamMeta` that :func:`weight_transfer.training.collect_metas` returns on
   a real world (tests/test_simulation.py checks this on a 2x2 gloo world).
 - ``"expert_whole"``: non-expert parameters as above; every routed expert held whole by one
   rank (a 1-rank mesh, ``(Shard(0),)``), the ``k``-th expert tensor triple (in checkpoint order)
   on rank ``k mod world``. This is expert-parallel training storage: ``full_tensor()`` of an
-  expert moves no bytes. Not produced by :mod:`reference.training`; it exists to show what the
+  expert moves no bytes. Not produced by :mod:`weight_transfer.training`; it exists to show what the
   training layout costs (docs/SIMULATION.md).
 
 ``offloaded=True`` marks every shard as living in host memory (``ParamMeta.offloaded``).
 
-Inference side (:func:`dest_metas`): :func:`engines.engine.engine_tensor_metas` for every
+Inference side (:func:`dest_metas`): :func:`weight_transfer.engines.engine.engine_tensor_metas` for every
 inference rank. Ranks of different replicas hold the same tensors at the same offsets
 (``_plan`` depends on ``rank % tp`` only), so the metas are computed once per TP rank and
-copied with the rank changed. :func:`regions` fakes one :class:`~reference.types.RegionDescriptor`
+copied with the rank changed. :func:`regions` fakes one :class:`~weight_transfer.types.RegionDescriptor`
 per inference rank with transport ``"sim"``.
 
 Tuples shared between ranks (shapes, meshes, placements) are the same objects, which keeps the
@@ -35,9 +35,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from reference.catalog import ModelConfig, param_specs
-from reference.training import expert_id, is_expert_param, shard_box
-from reference.types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor
+from weight_transfer.catalog import ModelConfig, param_specs
+from weight_transfer.training import expert_id, is_expert_param, shard_box
+from weight_transfer.types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor
 
 SHARD0 = "Shard(dim=0)"
 REPLICATE = "Replicate()"
@@ -67,7 +67,7 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     ``dtype`` overrides the BF16 parameters' dtype (e.g. ``"float32"`` masters);
     ``moe_width``: the MoE mesh width of ``two_group`` (nodes per expert sub-mesh; must
     divide ``nodes``; None: all nodes)."""
-    from reference.training import two_group_columns
+    from weight_transfer.training import two_group_columns
 
     if layout not in TRAIN_LAYOUTS:
         raise ValueError(f"unknown training layout {layout!r}; known: {', '.join(TRAIN_LAYOUTS)}")
@@ -130,9 +130,9 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
 
 
 def dest_metas(cfg: ModelConfig, layout: InferenceLayout) -> dict[int, list[DestTensorMeta]]:
-    """Per inference rank, its tensors (:func:`engines.engine.engine_tensor_metas`), computed
+    """Per inference rank, its tensors (:func:`weight_transfer.engines.engine.engine_tensor_metas`), computed
     once per TP rank and copied to the other replicas with the rank changed."""
-    from engines.engine import engine_tensor_metas
+    from weight_transfer.engines.engine import engine_tensor_metas
 
     base = {t: engine_tensor_metas(cfg, layout, t) for t in range(layout.tp)}
     out: dict[int, list[DestTensorMeta]] = {}
@@ -155,6 +155,6 @@ def regions(dests: dict[int, list[DestTensorMeta]], gpus_per_node: int = 8) -> d
 
 def local_bytes(metas: list[ParamMeta]) -> int:
     """Bytes a training rank stores (its shards)."""
-    from reference.types import itemsize
+    from weight_transfer.types import itemsize
 
     return sum(math.prod(m.local_shape) * itemsize(m.dtype) for m in metas)

@@ -1,4 +1,4 @@
-"""The stage-level cost model: executes a :class:`~reference.types.Schedule` on paper.
+"""The stage-level cost model: executes a :class:`~weight_transfer.types.Schedule` on paper.
 
 Semantics are the executor's (reference/executor.py, DESIGN.md "Pipeline"):
 
@@ -20,7 +20,7 @@ Semantics are the executor's (reference/executor.py, DESIGN.md "Pipeline"):
   (the barrier is issued asynchronously after the group's last ``full_tensor()``, so writes
   of group ``g`` overlap it).
 
-Costs (every figure a named field of :class:`~experiments.sim.hardware.Hardware`):
+Costs (every figure a named field of :class:`~weight_transfer.experiments.sim.hardware.Hardware`):
 
 - ``h2d``: the rank's shard bytes / ``pcie_gbs``;
 - ``full_tensor()``: a ring all-gather of ``S`` bytes over the ``n`` ranks that hold shards
@@ -51,7 +51,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from reference.types import ParamMeta, Schedule, itemsize, numel
+from weight_transfer.types import ParamMeta, Schedule, itemsize, numel
 
 from .hardware import Hardware
 
@@ -563,7 +563,7 @@ def sglang_pp_broadcast(first: dict[str, ParamMeta], hw: Hardware, n_infer: int,
     then ``load_weights`` of every tensor on every worker (per bucket, after it arrives; not
     overlapped with the next broadcast). ``bucket_bytes``: assumption (1 GiB). Floor: the
     whole model through one inference NIC."""
-    from reference.training import is_expert_param
+    from weight_transfer.training import is_expert_param
 
     step = hw.collective_step_us * 1e-6
     layer_of = {}

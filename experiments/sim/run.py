@@ -1,13 +1,13 @@
-"""``python -m experiments simulate <config>``: synthesize metadata, run the real planner, run
+"""``weight-transfer simulate <config>``: synthesize metadata, run the real planner, run
 the cost model for each method, print an nccl-tests style table, append rows to
 results/simulated.csv (``simulated=True``).
 
 Examples::
 
-    python -m experiments simulate --list
-    python -m experiments simulate kimi_k2_256xh100_to_128xh100_fp8
-    python -m experiments simulate qwen3_235b_128_to_32 --no-csv
-    python -m experiments simulate kimi_k2_256xh100_to_128xh100_fp8 --bench-planner   # time + peak RSS
+    weight-transfer simulate --list
+    weight-transfer simulate kimi_k2_256xh100_to_128xh100_fp8
+    weight-transfer simulate qwen3_235b_128_to_32 --no-csv
+    weight-transfer simulate kimi_k2_256xh100_to_128xh100_fp8 --bench-planner   # time + peak RSS
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reference.catalog import load_config, param_specs, total_bytes
-from reference.plan import build_recipes, plan
+from weight_transfer.catalog import load_config, param_specs, total_bytes
+from weight_transfer.plan import build_recipes, gc_paused, plan
 
+from ..paths import project_dir
 from . import metadata, model
 from .configs import CONFIGS, SimConfig, get_config
 
-DEFAULT_CSV = Path(__file__).resolve().parents[2] / "results" / "simulated.csv"
+DEFAULT_CSV = project_dir() / "results" / "simulated.csv"
 
 
 @dataclass
@@ -50,7 +51,7 @@ def _maxrss() -> int:
 
 def _cpu_seconds() -> float:
     """CPU seconds of this process and its reaped children (``plan()`` may check in a forked
-    child: :data:`reference.plan.checks.PARALLEL_CHECKS_MIN_RECORDS`)."""
+    child: :data:`weight_transfer.plan.checks.PARALLEL_CHECKS_MIN_RECORDS`)."""
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + ch.ru_utime + ch.ru_stime
 
@@ -61,7 +62,8 @@ def build(cfg: SimConfig):
     tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
                               offloaded=cfg.offloaded, moe_width=cfg.moe_width)
     dm = metadata.dest_metas(mcfg, cfg.layout)
-    rs = build_recipes(mcfg, cfg.layout)
+    with gc_paused():  # a planning process of its own (millions of small acyclic objects)
+        rs = build_recipes(mcfg, cfg.layout)
     return mcfg, tm, dm, rs
 
 
@@ -74,7 +76,7 @@ def gantt_ranks(cfg: SimConfig) -> list[int]:
 
 def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
     """Everything ``simulate`` does except printing and CSV. ``sensitivity``: also re-run the
-    cost model on the same schedule with every :data:`~experiments.sim.hardware.SENSITIVITY`
+    cost model on the same schedule with every :data:`~weight_transfer.experiments.sim.hardware.SENSITIVITY`
     parameter and the watermark halved and doubled (``extra["sensitivity"]``: rows of
     parameter, factor, value, seconds)."""
     t0 = time.perf_counter()
@@ -92,7 +94,8 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
             log(f"# planning {len(rs)} recipes ...")
             gc.collect()
             c0, w0 = _cpu_seconds(), time.perf_counter()
-            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, local_writes=cfg.local_writes)
+            sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, local_writes=cfg.local_writes,
+                         parallel_checks=None, pause_gc=True)
             out.plan_seconds, out.plan_cpu_seconds = time.perf_counter() - w0, _cpu_seconds() - c0
             out.plan_summary = sched.summary()
             recv_total = sched.total_bytes
@@ -123,7 +126,7 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
         del tm, dm, rs, first
     if "ckpt_engine_broadcast" in cfg.methods:
         per_inst = [metadata.region_bytes(ms) for ms in
-                    (__import__("engines.engine", fromlist=["x"]).engine_tensor_metas(mcfg, cfg.layout, t)
+                    (__import__("weight_transfer.engines.engine", fromlist=["x"]).engine_tensor_metas(mcfg, cfg.layout, t)
                      for t in range(cfg.layout.tp))]
         n_tensors = len(param_specs(mcfg)) * (2 if cfg.layout.quant else 1)
         out.results.append(model.ckpt_engine_broadcast(sum(per_inst), n_tensors, cfg.n_infer, hw))
@@ -250,7 +253,7 @@ def format_table(sr: SimRun) -> str:
 
 def rows(sr: SimRun) -> list[dict]:
     """Tidy rows, docs/PERFORMANCE.md columns plus the simulation's."""
-    from experiments.env import git_sha
+    from weight_transfer.experiments.env import git_sha
 
     cfg = sr.cfg
     mcfg = load_config(cfg.model, **cfg.overrides)
@@ -293,13 +296,13 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto") ->
     (``plan(parallel_checks=None / True / False)``), to compare the two on the same day.
 
     ``received=True`` first passes every rank's list through pickle, as
-    :func:`reference.control.put` / ``get`` deliver it to the controller: each rank then holds
+    :func:`weight_transfer.control.put` / ``get`` deliver it to the controller: each rank then holds
     its own copies of shapes and meshes, which the consistency checks compare by value."""
     code = (
         "import gc, json, pickle, resource, time\n"
-        "from experiments.sim.configs import get_config\n"
-        "from experiments.sim.run import _cpu_seconds, build\n"
-        "from reference.plan import plan\n"
+        "from weight_transfer.experiments.sim.configs import get_config\n"
+        "from weight_transfer.experiments.sim.run import _cpu_seconds, build\n"
+        "from weight_transfer.plan import plan\n"
         f"cfg = get_config({name!r})\n"
         "mcfg, tm, dm, rs = build(cfg)\n"
         f"if {received!r}:\n"
@@ -307,13 +310,13 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto") ->
         "gc.collect()\n"
         "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "c0, w0 = _cpu_seconds(), time.perf_counter()\n"
-        f"s = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, parallel_checks={_CHECKS[checks]!r})\n"
+        f"s = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, parallel_checks={_CHECKS[checks]!r}, pause_gc=True)\n"
         "w, c = time.perf_counter() - w0, _cpu_seconds() - c0\n"
         "rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "rss_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
         "print(json.dumps(dict(wall_s=w, cpu_s=c, rss_before=rss0, rss_peak=rss1, rss_child=rss_child, n_writes=s.n_writes,"
         " n_tasks=s.n_tasks, n_sources=len({m.name for ms in tm.values() for m in ms}), recipes=len(rs))))\n")
-    root = Path(__file__).resolve().parents[2]
+    root = project_dir()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -344,19 +347,10 @@ def format_bench(name: str, runs: list[dict], *, received: bool = False, checks:
 
 
 def main(args) -> int:
-    if getattr(args, "map", False):
-        import pandas as pd
-
-        from .layout_map import layout_map
-
-        rows_ = layout_map(args.config or "kimi_k2_256xh200efa_to_128_dpa_ep32",
-                           log=lambda m: print(m, flush=True))
-        p = Path(args.csv).resolve().parent / "sim_kimi_map.csv"
-        pd.DataFrame(rows_).to_csv(p, index=False)
-        print(f"# map written to {p} (SIMULATED; draw with python -m analysis.simulation)")
-        return 0
+    """``weight-transfer simulate`` (``--map`` is :func:`weight_transfer.experiments.sim.layout_map.main`,
+    which uses this module: the dispatch is in the command, so neither imports the other both ways)."""
     if args.list or not args.config:
-        print("# simulation configs (python -m experiments simulate <name>):")
+        print("# simulation configs (weight-transfer simulate <name>):")
         for n, f in CONFIGS.items():
             print(f"  {n:<48} {(f.__doc__ or '').strip().splitlines()[0]}")
         return 0
@@ -394,7 +388,7 @@ def main(args) -> int:
     if not args.no_csv:
         import pandas as pd
 
-        from experiments.report import append_csv
+        from weight_transfer.experiments.report import append_csv
 
         path = append_csv(rows(sr), args.csv)
         print(f"# rows appended to {path} (simulated=True)")

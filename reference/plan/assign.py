@@ -1,11 +1,11 @@
-"""Step 3 of :mod:`reference.plan`: every (recipe, receiving rank) write to one sender, and the
+"""Step 3 of :mod:`weight_transfer.plan`: every (recipe, receiving rank) write to one sender, and the
 plan's records built from the choices (:func:`assign`).
 
 The sender policy is :func:`least_loaded` (the busiest NIC sets the time). At Kimi-K2 scale
 the plan has about two million writes; choosing their senders one by one in Python, with the
 grouping into tasks and assignments around it, was two thirds of ``plan()``. So the choice
 runs in one call of a C kernel (``_greedy.c``: the policy, nothing else; compiled on first use
-with the system C compiler and cached like :mod:`reference.quant`'s ``_fp8_cpu.c``, falling
+with the system C compiler and cached like :mod:`weight_transfer.quant`'s ``_fp8_cpu.c``, falling
 back to :func:`_greedy_py`, the same loop in Python, when there is no compiler or
 ``WT_PLAN_NATIVE=0``), and the records are built from its output with numpy and C-level
 ``map`` calls, once per distinct object.
@@ -47,7 +47,7 @@ def _declare_greedy(lib: ctypes.CDLL) -> None:
 
 _KERNEL = NativeKernel(Path(__file__).with_name("_greedy.c"), stem="plan_greedy", env="WT_PLAN_NATIVE",
                        flag_sets=(("-O2", "-fPIC", "-shared", "-std=c11"),), declare=_declare_greedy)
-"""``_greedy.c``, built and cached by :class:`reference.native.NativeKernel`."""
+"""``_greedy.c``, built and cached by :class:`weight_transfer.native.NativeKernel`."""
 
 
 def _native():
@@ -166,7 +166,7 @@ def assign(task_defs: list, group_of: list[int], src_bytes: list[int], n_slots: 
            ) -> tuple[dict[int, tuple[Task, ...]], dict[int, int], dict[int, int]]:
     """Choose every write's sender and build the tasks: ``(per_rank, send, recv)``.
 
-    ``task_defs``: :class:`~reference.plan.schedule._TaskDef` in execution order; ``group_of``
+    ``task_defs``: :class:`~weight_transfer.plan.schedule._TaskDef` in execution order; ``group_of``
     and ``src_bytes``: per task definition, its mesh group and the bytes its gathered sources
     hold (0 for a local task). Each (recipe, receiving rank) write of a task, largest first
     (then recipe, then receiver), goes to :func:`least_loaded` of the task's mesh (a gathered

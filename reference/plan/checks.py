@@ -8,7 +8,7 @@ written by no recipe or twice, a source the training side lacks (C3), a training
 recipe reads (C2), an unplanned cast (C8), malformed recipes. :func:`_check_sources` refuses
 training ranks that disagree on a parameter (shape, dtype, mesh, placements), ranks of a mesh
 that did not publish a parameter, and shards that do not tile it. Both raise
-:class:`~reference.types.PlanError`.
+:class:`~weight_transfer.types.PlanError`.
 
 :func:`validate` runs a fast screen first (:mod:`.screen`: each distinct recipe structure
 checked once, what differs per recipe per recipe, the exact cover with numpy) and its
@@ -31,7 +31,7 @@ from typing import Any
 from ..layouts import check_layout
 from ..quant import scale_shape
 from ..types import Box, DestTensorMeta, Output, ParamMeta, PlanError, Recipe, box_flat_range, box_shape, numel
-from .recipes import RecipeSet, _no_gc
+from .recipes import RecipeSet
 from .screen import screen
 from .sources import _check_sources, _index_sources, _IndexUnconfirmed, _SourceIndex  # noqa: F401 (re-exported)
 
@@ -239,7 +239,6 @@ def _check_cover(iv: list[tuple[int, int, str]], n: int, where: str, probs: _Pro
         probs.add("gap", f"destination {where}: elements [{pos}, {n}) written by no recipe")
 
 
-@_no_gc()
 def validate(
     recipeset: RecipeSet,
     sources: Mapping[str, Any],
@@ -264,7 +263,7 @@ def validate(
     ``(rank, name)`` -> :class:`DestTensorMeta`.
 
     Cost is linear in recipes + outputs + destination tensors. A fast screen goes first
-    (:func:`reference.plan.screen.screen`: each distinct recipe structure checked once,
+    (:func:`weight_transfer.plan.screen.screen`: each distinct recipe structure checked once,
     per-recipe names and offsets per recipe, the exact cover with numpy); when it cannot vouch
     for the set, the exhaustive pass (``_validate_all``) finds and names every problem. The
     screen only ever says "no problem" where the exhaustive pass would; it never refuses.
@@ -406,12 +405,11 @@ gives up on the child and checks in-process (the checks take ~2 s CPU at Kimi-K2
 
 def _run_checks(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], ix: _SourceIndex,
                 dests: dict[tuple[int, str], DestTensorMeta], *, confirm_index: bool = False) -> None:
-    """Every check :func:`reference.plan.plan` makes before it returns a schedule; raises PlanError.
+    """Every check :func:`weight_transfer.plan.plan` makes before it returns a schedule; raises PlanError.
     ``confirm_index``: ``ix`` was made with ``exact=False``; raise :class:`_IndexUnconfirmed`
     if it does not hold."""
     _check_sources(train_metas, ix, confirm_index=confirm_index)
-    with _no_gc():
-        _validate(recipes, {n: (tuple(m.global_shape), m.dtype) for n, m in ix.first.items()}, dests)
+    _validate(recipes, {n: (tuple(m.global_shape), m.dtype) for n, m in ix.first.items()}, dests)
 
 
 def _checks_child(fn, conn) -> None:
@@ -424,7 +422,7 @@ def _checks_child(fn, conn) -> None:
         conn.send(("plan-error", str(e)))
     except _IndexUnconfirmed:
         conn.send(("unconfirmed", None))
-    except BaseException:  # noqa: BLE001 -- anything else: the parent checks in-process
+    except BaseException:  # anything else: the parent checks in-process
         conn.send(("crash", traceback.format_exc(limit=8)))
     finally:
         conn.close()

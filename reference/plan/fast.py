@@ -1,12 +1,12 @@
 """Fast constructors of the plan's record types, for the schedule's inner loop.
 
-At Kimi-K2 scale the schedule holds about 1.1 million :class:`~reference.types.WriteSpec`, 500k
-:class:`~reference.types.Assignment` and 500k :class:`~reference.types.Task`. A frozen
+At Kimi-K2 scale the schedule holds about 1.1 million :class:`~weight_transfer.types.WriteSpec`, 500k
+:class:`~weight_transfer.types.Assignment` and 500k :class:`~weight_transfer.types.Task`. A frozen
 dataclass's ``__init__`` goes through ``object.__setattr__`` once per field; these constructors
 allocate with ``object.__new__`` and set the slots through their descriptors directly (and a
 named tuple through ``tuple.__new__``, one C call), making objects equal to the constructed
 ones (``tests/test_planner.py::test_fast_constructors_equal_the_dataclass_ones`` checks it).
-Recipes and pieces (and outputs) come from :func:`reference.types.new_recipe` and friends,
+Recipes and pieces (and outputs) come from :func:`weight_transfer.types.new_recipe` and friends,
 re-exported here as ``_recipe`` / ``_piece``; nothing else in the planner builds these types by hand.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from functools import partial
 from itertools import repeat
 
 from ..types import _NEW, Assignment, Recipe, Task, WriteSpec, _slot_setters
-from ..types import new_piece as _piece  # noqa: F401 (re-exported)
-from ..types import new_recipe as _recipe  # noqa: F401
+from ..types import new_piece as _piece
+from ..types import new_recipe as _recipe
 
 __all__ = ["new_write", "_write_spec", "_assignment", "_task", "_recipe", "_piece", "tasks_of", "assignments_of"]
 
@@ -27,7 +27,7 @@ new_write = partial(tuple.__new__, WriteSpec)
 _A_SET, _T_SET = _slot_setters(Assignment), _slot_setters(Task)
 assert Assignment.__slots__ == ("recipe", "writes")
 assert Task.__slots__ == ("id", "group", "sources", "mesh", "assignments", "source_bytes", "temp_bytes",
-                          "local_sources"), "reference.types.Task changed: update _task"
+                          "local_sources"), "weight_transfer.types.Task changed: update _task"
 
 
 def _write_spec(output: int, dst_rank: int, remote_offset: int, length: int) -> WriteSpec:

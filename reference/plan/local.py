@@ -54,7 +54,7 @@ def _block_dim(rec: Recipe, d: int) -> bool:
 
 
 def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[tuple[Recipe, frozenset[int]]] | None:
-    """``rec`` cut into bands along :func:`~reference.transforms.split_dim`, each with the
+    """``rec`` cut into bands along :func:`~weight_transfer.transforms.split_dim`, each with the
     non-empty set of ranks holding all its rows; None when some band would need rows of
     several ranks (see the module docstring). Bands are as few as possible: consecutive
     stretches held by a common rank stay one band. Bands of a quantized recipe along a
@@ -169,9 +169,9 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
     Candidate senders are sorted rank tuples. ``cache``: a dict kept across the calls of one
     plan (it must not outlive ``owners``): where a recipe is cut (:func:`_cut`) is decided
     once per :func:`_shape_key` -- thousands of Kimi-K2 experts share one -- and only the
-    cutting itself (:func:`~reference.transforms.split_recipe_bands`) is done per recipe.
+    cutting itself (:func:`~weight_transfer.transforms.split_recipe_bands`) is done per recipe.
     ``owner_keys``: source name -> a key equal for two names only when their ``owners`` lists
-    are (:func:`reference.plan.owners.row_owners` gives one); by default the lists themselves."""
+    are (:func:`weight_transfer.plan.owners.row_owners` gives one); by default the lists themselves."""
     ms = frozenset(mesh)
     local, gathered = [], []
     cuts = None

@@ -1,11 +1,11 @@
 """Which training rank holds which rows: the input of shard-local prepare (:mod:`.local`).
 
-At Kimi-K2 scale 256 ranks publish 2.4 million :class:`~reference.types.ParamMeta` records, 2.2
+At Kimi-K2 scale 256 ranks publish 2.4 million :class:`~weight_transfer.types.ParamMeta` records, 2.2
 million of them expert shards. :func:`row_owners` reads their first-row offsets and sizes
 with C-level passes per rank (``map`` over ``attrgetter`` / ``itemgetter``) instead of a
 Python loop over the records, and shares one owner list between the names whose shards sit
 on the same rows of the same ranks (thousands of experts of one shape): a name's *owner key*
-says which list it has, so :func:`reference.plan.local.localize_group` decides once per key
+says which list it has, so :func:`weight_transfer.plan.local.localize_group` decides once per key
 (and shape) where it used to compare 32-entry tuples per recipe.
 
 Ranks publishing the same names in the same order share a :class:`~.sources._NameSequence`

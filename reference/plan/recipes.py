@@ -1,18 +1,18 @@
 """Recipes: Hugging Face checkpoint names -> the inference engine's tensors.
 
-For a model (:class:`~reference.catalog.ModelConfig`) and an inference world
-(:class:`~reference.types.InferenceLayout`) :func:`build_recipes` says, for every parameter
+For a model (:class:`~weight_transfer.catalog.ModelConfig`) and an inference world
+(:class:`~weight_transfer.types.InferenceLayout`) :func:`build_recipes` says, for every parameter
 tensor of every inference rank, which checkpoint tensors (and which slices of them) it is made
 of, and how it is transformed on the way (a cast, or FP8 block quantization). The rules are the
 ones of ``docs/LAYOUTS.md`` (vLLM's names and shard rules), one module per model family in
-:mod:`reference.plan.rules`; they are written from that document alone, independently of
+:mod:`weight_transfer.plan.rules`; they are written from that document alone, independently of
 ``engines/`` (the oracle they are verified against). This module walks a model's layers and
 calls them, and derives what follows from the recipes: fusion groups (the unit a trainer
 materializes together) and the destination tensors they imply.
 
 Granularity
 -----------
-One :class:`~reference.types.Recipe` per (destination tensor, distinct content):
+One :class:`~weight_transfer.types.Recipe` per (destination tensor, distinct content):
 
 - a TP-sharded tensor gets one recipe per TP rank; the DP replicas of that TP rank are extra
   ``ranks`` of the same recipe;
@@ -21,20 +21,20 @@ One :class:`~reference.types.Recipe` per (destination tensor, distinct content):
 - MoE experts get one recipe per expert slot (the box ``[j:j+1, :, :]`` of ``w13_weight`` /
   ``w2_weight``, and the matching box of the ``*_scale_inv`` tensor under FP8); the assembled
   shape is ``[1, N, K]`` and the 2-D source slices fill it (a piece's ``dst_box`` may have extra
-  leading dims of extent 1, see :mod:`reference.transforms`);
-- vocab padding rows (``Vp = ceil(V/64)*64``) are a zero :class:`~reference.types.Piece`.
+  leading dims of extent 1, see :mod:`weight_transfer.transforms`);
+- vocab padding rows (``Vp = ceil(V/64)*64``) are a zero :class:`~weight_transfer.types.Piece`.
 
 Under ``quant="fp8"`` every linear weight is an ``"fp8_block"`` recipe assembled in BF16 (the
 sources are cast to BF16 first, then quantized) with two outputs: the ``float8_e4m3fn`` weight
 and its float32 ``weight_scale_inv``. Everything else is a ``"copy"`` recipe assembled and
 written in ``layout.dtype`` (float32 for DeepSeek's ``e_score_correction_bias``).
 
-Invariants every recipe here satisfies (and :func:`reference.plan.checks.validate` checks):
+Invariants every recipe here satisfies (and :func:`weight_transfer.plan.checks.validate` checks):
 ``outputs[0].box`` has the shape ``recipe.shape``; every output box is flat-contiguous in its
 destination tensor (one byte range per receiving rank); the pieces' ``dst_box`` cover
 ``recipe.shape`` exactly once.
 
-Beyond LAYOUTS.md (vLLM's rule, documented in :mod:`reference.plan.rules.mla`): MLA without
+Beyond LAYOUTS.md (vLLM's rule, documented in :mod:`weight_transfer.plan.rules.mla`): MLA without
 ``q_lora_rank`` gets a row-sharded ``self_attn.q_proj.weight`` and a replicated, unfused
 ``self_attn.kv_a_proj_with_mqa.weight``.
 
@@ -42,15 +42,13 @@ Example::
 
     cfg = load_config("qwen3-0.6b", num_hidden_layers=2)
     rs = build_recipes(cfg, InferenceLayout(tp=2))
-    validate(rs, {p.name: (p.shape, p.dtype) for p in param_specs(cfg)}, dests)  # reference.plan.checks
+    validate(rs, {p.name: (p.shape, p.dtype) for p in param_specs(cfg)}, dests)  # weight_transfer.plan.checks
 """
 from __future__ import annotations
 
-import gc
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import contextmanager
 
 from ..catalog import ModelConfig
 from ..quant import QUANT_BLOCK, cdiv
@@ -70,24 +68,11 @@ __all__ = [
 ]
 
 
-@contextmanager
-def _no_gc():
-    """Pause the cyclic GC while building many small tuples (it would rescan the growing heap
-    over and over; nothing built here is cyclic)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 class RecipeSet:
     """The recipes of one (model, layout), plus the training tensors deliberately left unused.
 
     ``recipes`` are in checkpoint order of their first source. ``ignored`` names training-side
-    tensors that map nowhere on purpose (see :func:`build_recipes`); :func:`~reference.plan.checks.validate` refuses
+    tensors that map nowhere on purpose (see :func:`build_recipes`); :func:`~weight_transfer.plan.checks.validate` refuses
     any other unused source. Lookups (:meth:`for_source`, :meth:`for_rank`) are built lazily.
     """
 
@@ -206,15 +191,14 @@ def build_recipes(
     ``source_dtypes`` (training-side name -> dtype), when given, decides ``ignored``: the
     training tensors that no recipe reads *and* that vLLM skips on purpose (a tied model's
     saved ``lm_head.weight``, ``rotary_emb.inv_freq``, DeepSeek MTP layers). Any other unused
-    tensor is left for :func:`reference.plan.checks.validate` to refuse (C2). Source dtypes do
+    tensor is left for :func:`weight_transfer.plan.checks.validate` to refuse (C2). Source dtypes do
     not change the recipes: every source is cast to the assembled dtype (a planned cast,
-    checked by :func:`reference.plan.checks.validate`).
+    checked by :func:`weight_transfer.plan.checks.validate`).
 
     Raises :class:`PlanError` naming the tensor and sizes when the layout does not divide the
     model (heads, intermediate sizes, experts, padded vocab).
     """
-    with _no_gc():
-        recipes = _build(RecipeBuilder(cfg, layout))
+    recipes = _build(RecipeBuilder(cfg, layout))
     ignored: frozenset[str] = frozenset()
     if source_dtypes:
         used = set()
@@ -229,7 +213,6 @@ def build_recipes(
 # fusion groups
 
 
-@_no_gc()
 def fusion_groups(recipes: Sequence[Recipe] | RecipeSet) -> list[list[Recipe]]:
     """Connected components of recipes that share a source (``q,k,v`` -> every TP rank's
     ``qkv_proj`` recipe; ``gate_e, up_e`` -> the ``w13`` slots of expert ``e``). A group is
@@ -280,7 +263,6 @@ def fusion_groups(recipes: Sequence[Recipe] | RecipeSet) -> list[list[Recipe]]:
 # destination shapes (derived from the recipes)
 
 
-@_no_gc()
 def expected_dests(recipeset: RecipeSet) -> dict[tuple[int, str], tuple[tuple[int, ...], str]]:
     """``(rank, tensor) -> (shape, dtype)`` of every destination tensor the recipes write,
     derived from their output boxes (a tensor's extent is the largest ``stop`` per dim)."""
@@ -321,7 +303,6 @@ def expected_dest_shapes(
     return {name: v for (rk, name), v in expected_dests(sub).items() if rk == rank}
 
 
-@_no_gc()
 def make_dest_metas(
     shapes: Mapping[tuple[int, str], tuple[tuple[int, ...], str]], align: int = 16
 ) -> dict[tuple[int, str], DestTensorMeta]:

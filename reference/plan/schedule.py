@@ -1,22 +1,22 @@
 """The schedule: who sends which bytes to whom, and in what order (steps 2-4 of
-:mod:`reference.plan`), from inputs :mod:`reference.plan.checks` passes (or is checking
+:mod:`weight_transfer.plan`), from inputs :mod:`weight_transfer.plan.checks` passes (or is checking
 concurrently: on inputs the checks would refuse it may raise anything).
 
 1. each fusion group (recipes sharing sources, e.g. q/k/v -> every TP rank's ``qkv_proj``)
    becomes a :class:`_TaskDef`: its sources, its DeviceMesh, its recipes cut into row bands of
    at most ``max_chunk_bytes`` (:func:`_split_big`); recipes whose rows the senders already
    hold -- plain copies, fused row bands, block-FP8 cut on 128-row boundaries -- are cut at
-   shard boundaries instead (:func:`reference.plan.local.localize_group`, a *local* task: no
+   shard boundaries instead (:func:`weight_transfer.plan.local.localize_group`, a *local* task: no
    gather), and only the rest of the group is gathered (``Schedule.gather_bytes``);
 2. task definitions are ordered by mesh group (disjoint meshes run in parallel, groups are
    separated by a barrier; :func:`mesh_groups`), then checkpoint order;
 3. every (recipe, receiving rank) write goes to one sender by one policy,
-   :func:`reference.plan.assign.least_loaded`; each sending rank gets one
-   :class:`~reference.types.Task` per task definition (ranks of the mesh with nothing to send
-   share one, the all-gather is collective) -- :func:`reference.plan.assign.assign`, one C
+   :func:`weight_transfer.plan.assign.least_loaded`; each sending rank gets one
+   :class:`~weight_transfer.types.Task` per task definition (ranks of the mesh with nothing to send
+   share one, the all-gather is collective) -- :func:`weight_transfer.plan.assign.assign`, one C
    kernel call for the choices of the whole plan, then the records built from them.
 
-The record types are built with :mod:`reference.plan.fast` (millions at Kimi-K2 scale).
+The record types are built with :mod:`weight_transfer.plan.fast` (millions at Kimi-K2 scale).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
 
 def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
     """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
-    rank (FP8 bands in whole :data:`~reference.quant.QUANT_BLOCK`-row quantization blocks), each with its output bytes."""
+    rank (FP8 bands in whole :data:`~weight_transfer.quant.QUANT_BLOCK`-row quantization blocks), each with its output bytes."""
     per_rank = recipe.output_nbytes
     if per_rank <= max_chunk_bytes or len(recipe.shape) == 0 or has_runtime_layout(recipe):  # layouts: written whole
         return [(recipe, per_rank)]

@@ -1,4 +1,4 @@
-"""A fast screen in front of :func:`reference.plan.checks.validate`'s exhaustive pass.
+"""A fast screen in front of :func:`weight_transfer.plan.checks.validate`'s exhaustive pass.
 
 :func:`screen` returns True only when the exhaustive pass (``_validate_all``) would find no
 problem; False (or a problem the screen does not take apart) sends the caller to that pass,
@@ -179,7 +179,7 @@ def _table(shapes: list[tuple[int, ...]], width: int) -> tuple[np.ndarray, np.nd
 def _cover(boxes: list, row_g: np.ndarray, row_e: np.ndarray, exp_shapes: list, g_shape: list) -> bool:
     """Every output box (row ``i``: ``boxes[i]`` into group ``row_g[i]``, expected box shape
     ``exp_shapes[row_e[i]]``) has the expected shape, lies inside the group's destination shape
-    and is flat-contiguous there (as :func:`reference.types.box_flat_range` requires), and the
+    and is flat-contiguous there (as :func:`weight_transfer.types.box_flat_range` requires), and the
     boxes' flat ranges tile each group's destination exactly: every element written once."""
     n_rows = len(boxes)
     if not n_rows:

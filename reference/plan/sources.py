@@ -1,10 +1,10 @@
 """The training metadata indexed by name, and its consistency check.
 
-Every training rank publishes one :class:`~reference.types.ParamMeta` per parameter it holds
+Every training rank publishes one :class:`~weight_transfer.types.ParamMeta` per parameter it holds
 (2.4 million records from 256 ranks at Kimi-K2 scale). :func:`_index_sources` indexes them by
 name (the schedule reads the index: one meta per name, each rank's positions);
 :func:`_check_sources` checks them (every rank of a parameter's mesh published it, identically;
-the shards tile it). The check is part of :mod:`reference.plan.checks` (which runs it, in-process
+the shards tile it). The check is part of :mod:`weight_transfer.plan.checks` (which runs it, in-process
 or in a forked child); it lives here beside the index whose layout it reads.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ What it is
 ----------
 ``process_vm_writev(2)`` asks the kernel to copy bytes from this process's address space
 straight into another process's address space. The receiver runs no code at all: it only
-registered its memory once and published :class:`~reference.types.RegionDescriptor` s (pid,
+registered its memory once and published :class:`~weight_transfer.types.RegionDescriptor` s (pid,
 virtual address, length, key). That makes CMA a real one-sided write with the same shape as an
 RDMA WRITE, limited to one host and to CPU memory; it works on any Linux box and in CI, which
 is why it is the reference data plane for tests and single-host runs.
@@ -189,7 +189,7 @@ def _iov(bases: list[int], lens: list[int]) -> array:
 # transport
 
 CmaRegion = Region
-"""The region type (:class:`~reference.transport.base.Region`; this name is kept for imports)."""
+"""The region type (:class:`~weight_transfer.transport.base.Region`; this name is kept for imports)."""
 CmaWriteHandle = CompletedWrite
 """CMA is synchronous: a batch is complete when :meth:`CmaTransport.write` returns."""
 

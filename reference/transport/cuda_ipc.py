@@ -6,7 +6,7 @@ The receiving (inference) process exports its parameter memory once: for a regis
 tensor, ``tensor.untyped_storage()._share_cuda_()`` returns the ``cudaIpcMemHandle_t`` of the
 caching allocator's block that holds it (plus the block size, the storage's offset inside the
 block and torch's cross-process reference-counter handle). Those bytes travel in the
-:class:`~reference.types.RegionDescriptor`'s ``extra`` (``handle``: the tuple
+:class:`~weight_transfer.types.RegionDescriptor`'s ``extra`` (``handle``: the tuple
 ``_share_cuda_`` returned; ``offset``: the tensor's byte offset inside its storage; ``dev``:
 device index; ``uuid``: the GPU's UUID). The sending (training) process opens each handle once
 in :meth:`CudaIpcTransport.connect` (``torch.UntypedStorage._new_shared_cuda``, i.e.
@@ -56,7 +56,7 @@ def cuda_available() -> bool:
 
 
 CudaIpcRegion = Region
-"""The region type (:class:`~reference.transport.base.Region`). Name kept for imports."""
+"""The region type (:class:`~weight_transfer.transport.base.Region`). Name kept for imports."""
 
 
 class CudaIpcWriteHandle(WriteHandle):
@@ -132,7 +132,7 @@ class CudaIpcTransport(Transport):
         x = dict(d.extra)
         try:
             st = torch.UntypedStorage._new_shared_cuda(*x["handle"])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TransportError(f"connect: cudaIpcOpenMemHandle failed for {describe_remote(d)}: {e}") from e
         view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{x['dev']}")
         view.set_(st, x["offset"], (d.length,))

@@ -9,13 +9,13 @@ picks the best path UCX finds: RDMA (``rc``/``dc`` over InfiniBand/RoCE, GPUDire
 clusters, ``cuda_ipc`` between GPUs of one host, cross-memory attach (``cma``) between CPU
 processes of one host, and TCP everywhere else. The same code runs on a laptop and on a cluster.
 
-How it maps onto :class:`~reference.transport.base.Transport`
+How it maps onto :class:`~weight_transfer.transport.base.Transport`
 -------------------------------------------------------------
 - One agent per :class:`NixlTransport`, named ``wt-<host>-<pid>-<random>``: a new name per
   process and run, so a descriptor from another run names an agent this sender never loaded.
 - :meth:`NixlTransport.register` registers the tensor's memory (DRAM for CPU tensors, VRAM for
   CUDA tensors); ``region.descriptor()`` (built on first call) is a
-  :class:`~reference.types.RegionDescriptor` whose ``extra`` carries
+  :class:`~weight_transfer.types.RegionDescriptor` whose ``extra`` carries
   the agent name, the memory type and device id, and the agent's *partial metadata* for that
   one region including its connection info (``get_partial_agent_metadata(reg, True)``, a few
   hundred bytes of opaque bytes). ``key`` is a random 64-bit token, checked by the sender
@@ -113,7 +113,7 @@ def load_nixl():
         try:
             _API = importlib.import_module(mod)
             return _API
-        except ImportError as e:  # noqa: PERF203
+        except ImportError as e:
             errors.append(f"{mod}: {e}")
     raise ImportError(f"{INSTALL_HINT} (tried {'; '.join(errors)})")
 
@@ -132,7 +132,7 @@ def _mem_of(t: torch.Tensor) -> tuple[str, int]:
 
 
 NixlRegion = Region
-"""The region type (:class:`~reference.transport.base.Region`; ``native`` is
+"""The region type (:class:`~weight_transfer.transport.base.Region`; ``native`` is
 ``(NIXL registration list, memory type "DRAM"/"VRAM", device id)``). Name kept for imports."""
 
 
@@ -169,7 +169,7 @@ class NixlWriteHandle(WriteHandle):
         for i in self._pending:
             try:
                 self._agent.release_xfer_handle(self._reqs[i][1])
-            except Exception:  # noqa: BLE001  (a request in flight cannot always be released)
+            except Exception:
                 pass
         self._pending = []
 
@@ -255,7 +255,7 @@ class NixlTransport(Transport):
         cfg = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
         try:
             self.agent = _make_agent(api, self.agent_name, cfg, progress_delay_us)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TransportError(
                 f"NIXL agent {self.agent_name} could not start backends {list(backends)}: "
                 f"{type(e).__name__}: {e} (UCX_TLS={os.environ.get('UCX_TLS')!r}; UCX needs a transport "
@@ -284,7 +284,7 @@ class NixlTransport(Transport):
         addr, n = region.addr, region.length
         try:
             reg = self.agent.register_memory([(addr, n, dev, "")], mem)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TransportError(f"register: NIXL could not register {mem}:{dev} {addr:#x}+{n}: {e}") from e
         return (reg, mem, dev)
 
@@ -301,7 +301,7 @@ class NixlTransport(Transport):
                 table = self._epoch_table()
                 self._table_reg = self.agent.register_memory([(table.addr, table.words.nbytes, 0, "")], "DRAM")
                 self._table_md = bytes(self.agent.get_partial_agent_metadata(self._table_reg, True))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TransportError(f"descriptor: NIXL could not export metadata of {region!r}: {e}") from e
         return self._descriptor(region, key=secrets.randbits(64),
                                 extra=(("agent", self.agent_name), ("mem", mem), ("dev", dev), ("md", bytes(md)),
@@ -321,7 +321,7 @@ class NixlTransport(Transport):
         x = descriptor_extra(d)
         try:
             got = self.agent.add_remote_agent(bytes(x["md"]))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TransportError(f"connect: NIXL refused the metadata of {describe_remote(d)}: {e}") from e
         got = got.decode() if isinstance(got, bytes) else str(got)
         if got != x["agent"]:
@@ -332,7 +332,7 @@ class NixlTransport(Transport):
         if ident not in self._tables:
             try:
                 self.agent.add_remote_agent(bytes(x["epochs_md"]))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise TransportError(f"connect: NIXL refused the epoch-table metadata of {describe_remote(d)}: {e}") from e
             self._tables.add(ident)
         return (got, d.addr)
@@ -363,7 +363,7 @@ class NixlTransport(Transport):
                 h = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(la, "DRAM"),
                                                self.agent.get_xfer_descs(np.asarray(ra, dtype=np.uint64), "DRAM"),
                                                agent)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise TransportError(f"epoch check: NIXL refused reading the epoch table of agent {agent} "
                                      f"({type(e).__name__}: {e}); nothing of the batch was issued") from e
             try:
@@ -377,7 +377,7 @@ class NixlTransport(Transport):
             finally:
                 try:
                     self.agent.release_xfer_handle(h)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
             if state != "DONE":
                 raise TransportError(f"epoch check: reading the epoch table of agent {agent} failed ({state}); "
@@ -389,14 +389,14 @@ class NixlTransport(Transport):
             if r is not None and r[1] is not None:
                 try:
                     self.agent.deregister_memory(r[1])
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
         self._ebuf = self._table_reg = None
         self._tables.clear()
         for a in list(self._agents):
             try:
                 self.agent.remove_remote_agent(a)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         self._agents.clear()
 
@@ -425,7 +425,7 @@ class NixlTransport(Transport):
                 rdl = self.agent.get_xfer_descs(ra, rmem)
                 h = self.agent.initialize_xfer("WRITE", ld, rdl, agent)
                 reqs.append((agent, h, len(g.idx), sum(g.lens)))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             for _, h, _, _ in reqs:
                 self.agent.release_xfer_handle(h)
             raise TransportError(
@@ -438,7 +438,7 @@ class NixlTransport(Transport):
                 for _, h2, _, _ in reqs[k:]:
                     try:
                         self.agent.release_xfer_handle(h2)
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         pass
                 raise TransportError(
                     f"NIXL could not post the WRITE of {nops} ops ({nb} bytes) to agent {agent}; "

@@ -152,7 +152,7 @@ def validate_descriptor(d: RegionDescriptor) -> dict:
 
 
 def check_ops(ops: Sequence[WriteOp], local: dict, remote: dict) -> list[tuple[int, int, int, int]]:
-    """The contract's op checks (:func:`~reference.transport.base.check_batch`) with verbs'
+    """The contract's op checks (:func:`~weight_transfer.transport.base.check_batch`) with verbs'
     lookup key. ``local``: ``id(region) -> region`` of registered regions; ``remote``:
     ``(cm, addr) -> descriptor`` connected. Returns ``[(op index, local addr, remote addr,
     length)]`` for the non-empty ops, in op order. Raises :class:`UnknownRegionError` /

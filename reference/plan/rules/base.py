@@ -1,6 +1,6 @@
 """The recipe builder shared by the per-family rules: one constructor per tensor kind.
 
-A :class:`RecipeBuilder` accumulates the :class:`~reference.types.Recipe` list of one
+A :class:`RecipeBuilder` accumulates the :class:`~weight_transfer.types.Recipe` list of one
 (model, inference layout). Its methods are the shard rules every family uses (vLLM's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding`` / replicated
 tensors, see ``docs/LAYOUTS.md``); the per-family modules (:mod:`.dense`, :mod:`.moe`,
@@ -8,7 +8,7 @@ tensors, see ``docs/LAYOUTS.md``); the per-family modules (:mod:`.dense`, :mod:`
 
 Under ``quant="fp8"`` :meth:`RecipeBuilder.linear` makes an ``"fp8_block"`` recipe assembled
 in BF16 with two outputs (the ``float8_e4m3fn`` weight and its float32 ``weight_scale_inv`` of
-:func:`reference.quant.scale_shape`); everything else is a ``"copy"`` in ``layout.dtype``.
+:func:`weight_transfer.quant.scale_shape`); everything else is a ``"copy"`` in ``layout.dtype``.
 """
 from __future__ import annotations
 
