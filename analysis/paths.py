@@ -1,6 +1,7 @@
-"""Where the analysis reads and writes ``results/``: the checkout it runs from, or the current
-directory when it runs from an installed wheel (whose modules live in site-packages, where no
-results belong). Kept free of torch so that the command line stays fast to start."""
+"""Where the analysis and the harness (``weight_transfer.experiments.paths``) read and write
+``results/``: the checkout they run from, or the current directory when they run from an
+installed wheel (whose modules live in site-packages, where no results belong). Kept free of
+torch so that the command line stays fast to start."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,15 +1,7 @@
-"""Where the harness reads and writes ``results/``: the checkout it runs from, or the current
-directory when it runs from an installed wheel (whose modules live in site-packages, where no
-results belong). Kept free of torch so that the command line stays fast to start."""
+"""Where the harness reads and writes ``results/``: :func:`weight_transfer.analysis.paths.project_dir`
+(the checkout, or the current directory for an installed wheel), shared so both agree."""
 from __future__ import annotations
 
-from pathlib import Path
+from weight_transfer.analysis.paths import project_dir
 
 __all__ = ["project_dir"]
-
-
-def project_dir() -> Path:
-    """The source checkout (the folder holding ``pyproject.toml`` beside ``experiments/``), else
-    the current working directory."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "pyproject.toml").is_file() and (root / "experiments").is_dir() else Path.cwd()
