@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
         rs, tm, dm, kw = inputs(name.removesuffix(GATHER_ALL))
         if gather_all:
             kw["local_writes"] = False
-        sched = plan(rs, tm, dm, **kw)
+        sched = plan(rs, tm, dm, parallel_checks=None, pause_gc=True, **kw)  # as the simulation plans (same schedule)
         t1 = time.perf_counter()
         fp = fingerprint(sched)
         print(f"{name:50s} {fp}  ({sched.n_tasks} tasks, {sched.n_writes} writes; plan {t1 - t0:.1f} s, "
