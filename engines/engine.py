@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_transfer.catalog import ModelConfig
+from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
 
 ALIGN = 16

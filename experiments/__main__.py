@@ -74,7 +74,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     # Every option defaults to None = "as in the base config": the main job's embedded default
     # (weight_transfer.experiments.config.main_job_default) without --model, TrialConfig's defaults with it.
     run.add_argument("--model", default=None,
-                     help="catalog model (reference/configs/*.json); default: the main job's (see README)")
+                     help="catalog model (reference/testing/configs/*.json); default: the main job's (see README)")
     run.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                      help="HF-config override for a smaller variant (repeatable)")
     run.add_argument("--method", default=None, help="reference | rank0_funnel | rpc | all (the three side by side, one table)")

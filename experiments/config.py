@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass, field
 
 from weight_transfer.baselines.options import BaselineOptions
-from weight_transfer.catalog import ModelConfig, load_config
+from weight_transfer.model_config import ModelConfig
 from weight_transfer.options import TransferOptions
+from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout
 
 LOCAL_PROCESSES_PER_CPU = 8
@@ -59,7 +60,7 @@ class TrialConfig(TransferOptions):
     """
 
     model: str = "qwen3-0.6b"
-    """Catalog name (``reference/configs/<model>.json``)."""
+    """Catalog name (``reference/testing/configs/<model>.json``)."""
     overrides: dict = field(default_factory=dict)
     """HF-config overrides for a smaller variant, e.g. ``{"num_hidden_layers": 4}``."""
     n_train: int = 2
@@ -215,7 +216,8 @@ class TrialConfig(TransferOptions):
     def train_specs(self) -> list:
         """The training side's parameters: the catalog's, less ``drop_params``, plus
         ``extra_params``."""
-        from weight_transfer.catalog import ParamSpec, param_specs
+        from weight_transfer.model_config import ParamSpec
+        from weight_transfer.testing.catalog import param_specs
 
         specs = [s for s in param_specs(self.model_config()) if s.name not in set(self.drop_params)]
         return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.extra_params]

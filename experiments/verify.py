@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from weight_transfer.catalog import ModelConfig, param_specs
+from weight_transfer.model_config import ModelConfig
+from weight_transfer.testing.catalog import param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.types import InferenceLayout
-from weight_transfer.weights import SyntheticCheckpoint
 
 
 def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,

@@ -280,8 +280,8 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             live = snapshot(engine, layouts, prompts)
             expected = None
             if live["staging"]:  # staged bytes vs what load_weights makes from the step's checkpoint
-                from weight_transfer.catalog import param_specs
-                from weight_transfer.weights import SyntheticCheckpoint
+                from weight_transfer.testing.catalog import param_specs
+                from weight_transfer.testing.weights import SyntheticCheckpoint
 
                 ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.seed)
                 expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=tp)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from weight_transfer import control
-from weight_transfer.training import build_fsdp_model, collect_metas, load_step, named_dtensors
+from weight_transfer.metadata import collect_metas, named_dtensors
+from weight_transfer.testing.training import build_fsdp_model, load_step
 
 from .config import TrialConfig
 from .methods import serve_active_step
@@ -36,7 +37,7 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from weight_transfer.training import build_dtensor_params, build_two_group_params
+    from weight_transfer.testing.training import build_dtensor_params, build_two_group_params
 
     mcfg = cfg.model_config()
     dev = cfg.device
@@ -160,7 +161,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
                                     world_size=cfg.n_train)
             params = build_training_params(cfg, rank)
             if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
-                from weight_transfer.training import offload_to_host
+                from weight_transfer.metadata import offload_to_host
 
                 params = offload_to_host(params)
             client.publish_meta(collect_metas(params, offloaded=cfg.offload))

@@ -4,7 +4,7 @@ Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
 
 - ``h2d``: copy the task's offloaded source shards from host memory (pinned on CUDA hosts)
   into the device buffers ``full_tensor()`` reads (only when the parameters are offloaded,
-  see :func:`weight_transfer.training.offload_to_host`);
+  see :func:`weight_transfer.metadata.offload_to_host`);
 - ``prepare``: ``full_tensor()`` of each source (a collective over the source's DeviceMesh),
   then each assigned recipe's fusion / slicing / cast / FP8 quantization into contiguous
   output buffers;
@@ -204,7 +204,7 @@ class Executor:
     """Executes a :class:`RankPlan` once per :meth:`run` (see module docstring).
 
     ``params`` maps checkpoint names to this rank's DTensors (an
-    :class:`weight_transfer.training.OffloadedParams` when the shards live in host memory: its
+    :class:`weight_transfer.metadata.OffloadedParams` when the shards live in host memory: its
     ``host`` dict holds the host copies the trainer updates); ``remote`` maps inference rank
     -> its region descriptor (already connected on ``transport``). ``group_barrier`` is called
     as ``group_barrier(async_op=True)`` between mesh groups (e.g. ``dist.barrier`` of the
@@ -232,7 +232,7 @@ class Executor:
         self.host: dict[str, torch.Tensor] = dict(getattr(params, "host", None) or {})
         if offload and not self.host:
             raise ValueError("offload=True but the parameters carry no host copies "
-                             "(build them with weight_transfer.training.offload_to_host)")
+                             "(build them with weight_transfer.metadata.offload_to_host)")
         self.offloaded = bool(self.host)
         groups = [t.group for t in plan.tasks]
         if groups != sorted(groups):

@@ -21,10 +21,10 @@ from weight_transfer.baselines.common import BaselineStats, bucket_size, param_e
 from weight_transfer.baselines.funnel import FunnelController, FunnelInference, FunnelTrainer
 from weight_transfer.baselines.options import BaselineOptions
 from weight_transfer.baselines.rpc import RpcClient, RpcController, RpcError, RpcInference, RpcTrainer
-from weight_transfer.catalog import param_specs
 from weight_transfer.control import ControlError
 from weight_transfer.engines import engine_tensor_metas
 from weight_transfer.experiments.config import TrialConfig
+from weight_transfer.testing.catalog import param_specs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 

@@ -25,10 +25,9 @@ import math
 
 import pytest
 
-from weight_transfer import catalog
-from weight_transfer.catalog import (
-    ARCHITECTURES,
-    ModelConfig,
+from weight_transfer.model_config import ARCHITECTURES, ModelConfig
+from weight_transfer.testing import catalog
+from weight_transfer.testing.catalog import (
     available_models,
     load_config,
     param_specs,

@@ -15,10 +15,10 @@ from functools import partial
 
 import pytest
 
-from weight_transfer.catalog import load_config, param_specs
 from weight_transfer.plan import PlanError, RecipeSet, build_recipes, expected_dests, make_dest_metas, validate
 from weight_transfer.plan.checks import _recipe_ok, _src_meta, _validate_all
 from weight_transfer.plan.screen import screen
+from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.types import InferenceLayout, Output, Piece
 
 N_EXPERTS = 384

@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from weight_transfer.catalog import load_config, param_specs
 from weight_transfer.engines import (
     Engine,
     dequantize_block_fp8,
@@ -18,6 +17,7 @@ from weight_transfer.engines import (
     expected_from_checkpoint,
     quantize_block_fp8,
 )
+from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.types import InferenceLayout
 
 BF16 = torch.bfloat16

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from weight_transfer.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight
+from weight_transfer.metadata import OffloadedParams
 from weight_transfer.timeline import load_trace, task_stages, union_seconds
-from weight_transfer.training import OffloadedParams
 from weight_transfer.transport.base import RemoteGoneError, TransportError, WriteHandle
 from weight_transfer.types import RankPlan, Task
 

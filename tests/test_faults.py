@@ -13,12 +13,12 @@ import torch
 from loopback import Loopback
 
 from weight_transfer import control
-from weight_transfer.catalog import load_config, param_specs
 from weight_transfer.engines import UpdateInProgress, expected_from_checkpoint
 from weight_transfer.engines.engine import GUARD, GUARD_BYTE
 from weight_transfer.experiments.faults import Fault
+from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.types import InferenceLayout
-from weight_transfer.weights import SyntheticCheckpoint
 
 SMALL = dict(num_hidden_layers=1, vocab_size=512, hidden_size=256, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)

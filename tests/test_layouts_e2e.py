@@ -4,9 +4,9 @@ import pytest
 import torch
 from loopback import Loopback
 
-from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.types import InferenceLayout, PlanError
-from weight_transfer.weights import SyntheticCheckpoint
 
 
 def ckpt(cfg, step=1, dtype=None):

@@ -14,11 +14,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_planner import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
 
-from weight_transfer.catalog import load_config, param_specs
 from weight_transfer.engines.engine import expected_from_checkpoint
 from weight_transfer.executor import gather_sources, prepare_outputs
 from weight_transfer.plan import build_recipes, plan
 from weight_transfer.plan.local import localize_recipe
+from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.types import InferenceLayout, Output, Piece, Recipe, torch_dtype
 
 

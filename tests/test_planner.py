@@ -5,10 +5,10 @@ from collections import defaultdict
 
 import pytest
 
-from weight_transfer.catalog import load_config, param_specs
 from weight_transfer.engines.engine import engine_tensor_metas
+from weight_transfer.metadata import shard_box
 from weight_transfer.plan import build_recipes, mesh_groups, plan
-from weight_transfer.training import shard_box
+from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.types import InferenceLayout, ParamMeta, PlanError
 
 SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate_size=512,
@@ -133,7 +133,7 @@ def test_c3_missing_training_parameter_refused_naming_it():
 
 
 def test_c2_extra_training_parameter_refused_naming_it():
-    from weight_transfer.catalog import ParamSpec
+    from weight_transfer.model_config import ParamSpec
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     layout = InferenceLayout(tp=2)
@@ -422,7 +422,7 @@ def test_forked_checks_give_the_same_schedule():
 def test_forked_checks_raise_the_validation_errors(bad):
     """Recipe validation runs in the child too: its PlanError reaches the caller unchanged, also
     when the schedule's construction fails on the same bad input first."""
-    from weight_transfer.catalog import ParamSpec
+    from weight_transfer.model_config import ParamSpec
 
     cfg = load_config("qwen3-0.6b", **SMALL)
     layout = InferenceLayout(tp=2)

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.catalog import load_config, param_specs
 from weight_transfer.engines.vllm.loopback import source_metas
 from weight_transfer.engines.vllm.runtime import retarget, runtime_layout
 from weight_transfer.layouts import apply_layout, parse_layout
 from weight_transfer.plan import PlanError, build_recipes, plan
+from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.transforms import recipe_outputs
 from weight_transfer.types import InferenceLayout
-from weight_transfer.weights import SyntheticCheckpoint
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "vllm_cpu_layouts.json").read_text())
 LAYOUT_OF = {("convert_weight_packed", ()): None, ("cpu_prepack_moe_weight", ("amx",)): "blocked:16x2",

@@ -7,11 +7,11 @@ import socket
 import pytest
 import torch.multiprocessing as tmp
 
-from weight_transfer.catalog import load_config
 from weight_transfer.experiments.sim import metadata, model
 from weight_transfer.experiments.sim.configs import SimConfig, get_config
 from weight_transfer.experiments.sim.hardware import Hardware
 from weight_transfer.plan import RecipeSet, build_recipes, plan
+from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import DestTensorMeta, InferenceLayout, Output, ParamMeta, Piece, Recipe
 
 SMALL = dict(num_hidden_layers=1, num_experts=4, hidden_size=64, moe_intermediate_size=32,
@@ -177,9 +177,9 @@ def test_planner_benchmark_tiny(capsys):
 def test_synthesized_metadata_rank_lists(layout):
     """Built rank by rank (as the controller holds them after unpickling each rank's list):
     each rank lists, in parameter order, every non-expert parameter and exactly its experts."""
-    from weight_transfer.catalog import param_specs
     from weight_transfer.experiments.sim import metadata
-    from weight_transfer.training import expert_id, is_expert_param
+    from weight_transfer.testing.catalog import param_specs
+    from weight_transfer.testing.training import expert_id, is_expert_param
 
     cfg = load_config("qwen3-30b-a3b", **SMALL)
     tm = metadata.train_metas(cfg, 2, 2, layout=layout)
@@ -212,7 +212,8 @@ def _world_rank(rank, world, port, q, moe_width=None):
     import torch
     import torch.distributed as dist
 
-    from weight_transfer.training import build_two_group_params, collect_metas
+    from weight_transfer.metadata import collect_metas
+    from weight_transfer.testing.training import build_two_group_params
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -270,7 +271,7 @@ def test_moe_mesh_width_synthesis(width):
     """Experts on sub-meshes of ``width`` nodes: each expert's mesh has ``width`` ranks on
     distinct nodes, one intra-node rank; the expert sub-meshes tile the world; fabric
     all-gather bytes per rank shrink with the width (none at width 1)."""
-    from weight_transfer.training import expert_id, is_expert_param
+    from weight_transfer.testing.training import expert_id, is_expert_param
 
     cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
     tm = metadata.train_metas(cfg, 4, 2, moe_width=width)
@@ -375,7 +376,7 @@ def test_dp_attention_layout_recipes_and_engine():
     against the stand-in engine's tensors; the planner spreads the replicated tensors over
     the senders (every training rank sends, every inference rank receives the same bytes)."""
     from weight_transfer.engines.engine import engine_tensor_metas
-    from weight_transfer.training import is_expert_param
+    from weight_transfer.testing.training import is_expert_param
 
     cfg = load_config("qwen3-30b-a3b", **{**SMALL, "num_experts": 8})
     dpa = InferenceLayout(tp=4, dp=2, ep=True, quant="fp8", dp_attention=True)

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from weight_transfer.training import shard_box
+from weight_transfer.metadata import shard_box
 
 CASES = [
     ((4096, 16), (30,), [Shard(0)]),          # C12: uneven, 30 ranks

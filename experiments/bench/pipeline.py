@@ -181,7 +181,7 @@ def main(args: PipelineBenchConfig) -> int:
         rows += r
         runs[label] = (r, merged)
 
-    from weight_transfer.catalog import load_config
+    from weight_transfer.testing.catalog import load_config
 
     mcfg = load_config(base["model"], **base["overrides"])
     first = rows[0]

@@ -3,7 +3,7 @@
     weight-transfer bench-quant [--repeats 5] [--device cpu|cuda] [--out results/quant_bench.csv]
 
 Shapes: a 4096x4096 linear weight, and Kimi-K2's expert shapes (``moe_intermediate_size``
-2048, ``hidden_size`` 7168, from reference/configs/kimi-k2.json): the fused ``w13`` slab of one
+2048, ``hidden_size`` 7168, from reference/testing/configs/kimi-k2.json): the fused ``w13`` slab of one
 expert ``[2*2048, 7168]`` and ``w2`` ``[7168, 2048]``. GB/s counts BF16 *input* bytes
 (1e9 B/s); memcpy is a same-size ``copy_`` of the BF16 tensor on the same device in the same
 run. Timed: the fast path of ``weight_transfer.quant`` (the native C kernel on the CPU, Triton on

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.catalog import load_config, param_specs
+from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.transport import WriteOp, make_transport
 
 from ..env import git_sha

@@ -19,13 +19,13 @@ class SimConfig:
 
     name: str
     model: str
-    """Catalog name (reference/configs/<model>.json)."""
+    """Catalog name (reference/testing/configs/<model>.json)."""
     overrides: dict = field(default_factory=dict)
     """HF-config overrides (small variants for tests)."""
     train_nodes: int = 32
     """Training nodes; ranks = train_nodes x hardware.gpus_per_node."""
     train_layout: str = "two_group"
-    """``two_group`` (weight_transfer.training.two_group_mesh_for) or ``expert_whole``
+    """``two_group`` (weight_transfer.testing.training.two_group_mesh_for) or ``expert_whole``
     (experiments/sim/metadata.py)."""
     moe_width: int | None = None
     """MoE mesh width of ``two_group``: training nodes each routed expert is FSDP-sharded

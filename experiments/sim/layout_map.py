@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from weight_transfer.catalog import load_config
+from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout
 
 from .configs import SimConfig, get_config

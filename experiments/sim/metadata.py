@@ -3,20 +3,20 @@
 Training side (:func:`train_metas`): ``nodes x gpus_per_node`` ranks holding the catalog
 model's parameters as DTensors, in one of two layouts:
 
-- ``"two_group"``: exactly :func:`weight_transfer.training.two_group_mesh_for` (two mesh groups):
+- ``"two_group"``: exactly :func:`weight_transfer.testing.training.two_group_mesh_for` (two mesh groups):
   non-expert parameters on the 2-D ``(inter, intra)`` mesh with placements
   ``(Replicate(), Shard(0))`` (sharded over a node's GPUs, replicated across nodes), routed
   expert ``e`` on the sub-mesh of intra-node rank ``e % gpus_per_node`` in node group
   ``(e // gpus_per_node) % (nodes / moe_width)``, ``(Shard(0),)`` across the ``moe_width``
   nodes of that group (``moe_width`` None: all nodes, one group). Each rank publishes the
   parameters whose mesh contains it, in
-  parameter order, with the box :func:`weight_transfer.training.shard_box` gives -- the same
-  :class:`~weight_transfer.types.ParamMeta` that :func:`weight_transfer.training.collect_metas` returns on
+  parameter order, with the box :func:`weight_transfer.metadata.shard_box` gives -- the same
+  :class:`~weight_transfer.types.ParamMeta` that :func:`weight_transfer.metadata.collect_metas` returns on
   a real world (tests/test_simulation.py checks this on a 2x2 gloo world).
 - ``"expert_whole"``: non-expert parameters as above; every routed expert held whole by one
   rank (a 1-rank mesh, ``(Shard(0),)``), the ``k``-th expert tensor triple (in checkpoint order)
   on rank ``k mod world``. This is expert-parallel training storage: ``full_tensor()`` of an
-  expert moves no bytes. Not produced by :mod:`weight_transfer.training`; it exists to show what the
+  expert moves no bytes. Not produced by :mod:`weight_transfer.testing.training`; it exists to show what the
   training layout costs (docs/SIMULATION.md).
 
 ``offloaded=True`` marks every shard as living in host memory (``ParamMeta.offloaded``).
@@ -35,8 +35,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from weight_transfer.catalog import ModelConfig, param_specs
-from weight_transfer.training import expert_id, is_expert_param, shard_box
+from weight_transfer.metadata import shard_box
+from weight_transfer.model_config import ModelConfig
+from weight_transfer.testing.catalog import param_specs
+from weight_transfer.testing.training import expert_id, is_expert_param
 from weight_transfer.types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor
 
 SHARD0 = "Shard(dim=0)"
@@ -67,7 +69,7 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     ``dtype`` overrides the BF16 parameters' dtype (e.g. ``"float32"`` masters);
     ``moe_width``: the MoE mesh width of ``two_group`` (nodes per expert sub-mesh; must
     divide ``nodes``; None: all nodes)."""
-    from weight_transfer.training import two_group_columns
+    from weight_transfer.testing.training import two_group_columns
 
     if layout not in TRAIN_LAYOUTS:
         raise ValueError(f"unknown training layout {layout!r}; known: {', '.join(TRAIN_LAYOUTS)}")

@@ -563,7 +563,7 @@ def sglang_pp_broadcast(first: dict[str, ParamMeta], hw: Hardware, n_infer: int,
     then ``load_weights`` of every tensor on every worker (per bucket, after it arrives; not
     overlapped with the next broadcast). ``bucket_bytes``: assumption (1 GiB). Floor: the
     whole model through one inference NIC."""
-    from weight_transfer.training import is_expert_param
+    from weight_transfer.testing.training import is_expert_param
 
     step = hw.collective_step_us * 1e-6
     layer_of = {}

@@ -22,8 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weight_transfer.catalog import load_config, param_specs, total_bytes
 from weight_transfer.plan import build_recipes, gc_paused, plan
+from weight_transfer.testing.catalog import load_config, param_specs, total_bytes
 
 from ..paths import project_dir
 from . import metadata, model

@@ -1,6 +1,6 @@
 """Recipes: Hugging Face checkpoint names -> the inference engine's tensors.
 
-For a model (:class:`~weight_transfer.catalog.ModelConfig`) and an inference world
+For a model (:class:`~weight_transfer.model_config.ModelConfig`) and an inference world
 (:class:`~weight_transfer.types.InferenceLayout`) :func:`build_recipes` says, for every parameter
 tensor of every inference rank, which checkpoint tensors (and which slices of them) it is made
 of, and how it is transformed on the way (a cast, or FP8 block quantization). The rules are the
@@ -50,7 +50,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..catalog import ModelConfig
+from ..model_config import ModelConfig
 from ..quant import QUANT_BLOCK, cdiv
 from ..types import DestTensorMeta, InferenceLayout, Recipe, itemsize, numel
 from .rules import dense, mla, moe

@@ -12,7 +12,7 @@ in BF16 with two outputs (the ``float8_e4m3fn`` weight and its float32 ``weight_
 """
 from __future__ import annotations
 
-from ...catalog import ModelConfig
+from ...model_config import ModelConfig
 from ...quant import cdiv, scale_shape
 from ...types import InferenceLayout, Output, Piece, PlanError, Recipe, full_box
 

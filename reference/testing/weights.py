@@ -16,7 +16,7 @@ any box) without generating the whole tensor, and at memory speed: a slice here 
 contiguous copy out of the pool plus one XOR over 64-bit words (measured here about 1 GB/s per
 core; ``torch.rand`` was 0.16 GB/s and a per-element integer hash 0.014 GB/s on this machine).
 
-Shapes and dtypes come from :class:`weight_transfer.catalog.ParamSpec` (or any object with
+Shapes and dtypes come from :class:`weight_transfer.model_config.ParamSpec` (or any object with
 ``name``, ``shape``, ``dtype``); dtypes supported: bfloat16, float16, float32.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from .types import Box, box_flat_range, box_shape, box_to_slices, numel, torch_dtype
+from ..types import Box, box_flat_range, box_shape, box_to_slices, numel, torch_dtype
 
 POOL_SIZE = 16_777_259  # a prime, so that the pool's period never lines up with a row length
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}

@@ -1,6 +1,6 @@
 """Model catalog: real public configs -> the training side's parameter list.
 
-Each model is a small JSON file in ``reference/configs/`` holding the fields of its published
+Each model is a small JSON file in ``reference/testing/configs/`` holding the fields of its published
 Hugging Face ``config.json`` that shape the weights, plus ``_source`` (the URL it was taken
 from). :func:`load_config` reads one, applies overrides (fewer layers, experts, a smaller
 vocab...) to get a small variant of the *same architecture*, and :func:`param_specs` lists the
@@ -26,12 +26,11 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).with_name("configs")
+from ..model_config import ModelConfig, ParamSpec
 
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+CONFIG_DIR = Path(__file__).with_name("configs")
 
 # Override keys that are aliases across families: `num_experts` works for DeepSeek too.
 _ALIASES = {"DeepseekV3ForCausalLM": {"num_experts": "n_routed_experts"}}
@@ -40,120 +39,6 @@ _ALIASES = {"DeepseekV3ForCausalLM": {"num_experts": "n_routed_experts"}}
 def available_models() -> list[str]:
     """Names accepted by :func:`load_config` (the JSON file stems)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParamSpec:
-    """One checkpoint tensor: Hugging Face name, global shape, dtype name."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "bfloat16"
-
-    @property
-    def nbytes(self) -> int:
-        from .types import itemsize, numel
-
-        return numel(self.shape) * itemsize(self.dtype)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """A model's published config (``hf``), its catalog ``name`` and the overrides applied.
-
-    Properties expose the fields the weight layout depends on, with the names of the HF
-    config. Raises ValueError on an unknown architecture.
-    """
-
-    name: str
-    hf: dict
-    overrides: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"model {self.name!r}: unknown architecture {self.architecture!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
-
-    def __getitem__(self, key):
-        return self.hf[key]
-
-    def get(self, key, default=None):
-        return self.hf.get(key, default)
-
-    @property
-    def architecture(self) -> str:
-        archs = self.hf.get("architectures") or ["<missing>"]
-        return archs[0]
-
-    @property
-    def source(self) -> str:
-        return self.hf.get("_source", "<unknown>")
-
-    @property
-    def label(self) -> str:
-        """Catalog name plus overrides, e.g. ``qwen3-30b-a3b[num_hidden_layers=2]``."""
-        if not self.overrides:
-            return self.name
-        return self.name + "[" + ",".join(f"{k}={v}" for k, v in self.overrides.items()) + "]"
-
-    # shapes ---------------------------------------------------------------------------------
-    @property
-    def hidden_size(self) -> int:
-        return self.hf["hidden_size"]
-
-    @property
-    def num_layers(self) -> int:
-        return self.hf["num_hidden_layers"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf["vocab_size"]
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return bool(self.hf.get("tie_word_embeddings", False))
-
-    @property
-    def num_heads(self) -> int:
-        return self.hf["num_attention_heads"]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.hf.get("num_key_value_heads", self.num_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hf.get("head_dim") or self.hidden_size // self.num_heads
-
-    @property
-    def is_mla(self) -> bool:
-        return self.architecture == "DeepseekV3ForCausalLM"
-
-    @property
-    def num_experts(self) -> int:
-        """Routed experts per MoE layer (0 for dense models)."""
-        return self.hf.get("num_experts") or self.hf.get("n_routed_experts") or 0
-
-    @property
-    def num_shared_experts(self) -> int:
-        return self.hf.get("n_shared_experts") or 0
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.hf.get("moe_intermediate_size", 0)
-
-    def is_moe_layer(self, i: int) -> bool:
-        """Whether decoder layer ``i`` has routed experts (HF modeling code's rule)."""
-        if self.num_experts == 0:
-            return False
-        if self.architecture == "Qwen3MoeForCausalLM":
-            step = self.hf.get("decoder_sparse_step", 1)
-            return i not in self.hf.get("mlp_only_layers", []) and (i + 1) % step == 0
-        if self.architecture == "DeepseekV3ForCausalLM":
-            return i >= self.hf.get("first_k_dense_replace", 0) and i % self.hf.get("moe_layer_freq", 1) == 0
-        return False
 
 
 def _override_kind(old, new) -> str | None:
