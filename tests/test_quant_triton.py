@@ -6,22 +6,18 @@ Skipped, with the reason, when triton is not installed (``pip install -e .[trito
 
 The interpreter must be chosen before triton is first imported (triton.language's own helpers
 are decorated at import), so the interpreter cases run in a child process: this file run as a
-script (``TRITON_INTERPRET=1 python tests/test_quant_triton.py``) checks every case and prints
+module (``TRITON_INTERPRET=1 python -m tests.test_quant_triton`` from the checkout) checks every case and prints
 one line per case.
 """
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-
-from weight_transfer.quant import (  # noqa: E402
+from tests.helpers import ROOT
+from weight_transfer.quant import (
     quantize_fp8_block,
     quantize_fp8_block_reference,
     scale_shape,
@@ -133,7 +129,7 @@ def main() -> int:
 def test_interpreter_matches_reference():
     pytest.importorskip("triton", reason="triton not installed (pip install -e .[triton])")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, check=False,
+    r = subprocess.run([sys.executable, "-m", "tests.test_quant_triton"], capture_output=True, text=True, env=env, cwd=ROOT, check=False,
                        timeout=500)
     lines = r.stdout.splitlines()
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

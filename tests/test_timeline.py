@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
-from pathlib import Path
 
+from tests.helpers import ROOT
 from weight_transfer.executor import BarrierRecord, StepStats, TaskRecord
 from weight_transfer.timeline import TRACKS, chrome_trace, merge_step_traces, save_rank_trace, task_stages
 
@@ -75,7 +75,7 @@ def test_gantt_png_from_json_only(tmp_path):
 
 
 def test_analysis_imports_no_transfer_code():
-    src = (Path(__file__).resolve().parent.parent / "analysis" / "timeline.py").read_text()
+    src = (ROOT / "analysis" / "timeline.py").read_text()
     mods = set()
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.Import):

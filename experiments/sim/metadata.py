@@ -12,7 +12,7 @@ model's parameters as DTensors, in one of two layouts:
   parameters whose mesh contains it, in
   parameter order, with the box :func:`weight_transfer.metadata.shard_box` gives -- the same
   :class:`~weight_transfer.types.ParamMeta` that :func:`weight_transfer.metadata.collect_metas` returns on
-  a real world (tests/test_simulation.py checks this on a 2x2 gloo world).
+  a real world (tests/experiments/sim/test_run.py checks this on a 2x2 gloo world).
 - ``"expert_whole"``: non-expert parameters as above; every routed expert held whole by one
   rank (a 1-rank mesh, ``(Shard(0),)``), the ``k``-th expert tensor triple (in checkpoint order)
   on rank ``k mod world``. This is expert-parallel training storage: ``full_tensor()`` of an

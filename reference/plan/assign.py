@@ -32,7 +32,7 @@ def least_loaded(cands, send, pl) -> int:
     """THE sender policy: among ``cands``, the rank that sends the fewest bytes so far
     (``send[r]``), ties to the one that sends least to this receiver (``pl[r]``), then the lowest
     rank. The busiest NIC sets the time, so every write goes to the least-busy candidate.
-    ``_greedy.c`` and :func:`_greedy_py` apply it; ``tests/test_planner.py`` checks the kernel
+    ``_greedy.c`` and :func:`_greedy_py` apply it; ``tests/plan/test_plan.py`` checks the kernel
     against this definition."""
     return min(cands, key=lambda r: (send[r], pl[r], r))
 

@@ -5,7 +5,7 @@ At Kimi-K2 scale the schedule holds about 1.1 million :class:`~weight_transfer.t
 dataclass's ``__init__`` goes through ``object.__setattr__`` once per field; these constructors
 allocate with ``object.__new__`` and set the slots through their descriptors directly (and a
 named tuple through ``tuple.__new__``, one C call), making objects equal to the constructed
-ones (``tests/test_planner.py::test_fast_constructors_equal_the_dataclass_ones`` checks it).
+ones (``tests/plan/test_plan.py::test_fast_constructors_equal_the_dataclass_ones`` checks it).
 Recipes and pieces (and outputs) come from :func:`weight_transfer.types.new_recipe` and friends,
 re-exported here as ``_recipe`` / ``_piece``; nothing else in the planner builds these types by hand.
 """

@@ -31,7 +31,7 @@ offsets only. So
 The structure check is the exhaustive one, applied to the first recipe of each structure; the
 per-recipe part reads every recipe, piece, output and destination. A test mutates one expert
 among many (a shifted box, a wrong slice, a source of another shape or dtype, a destination of
-another shape) and asserts the screen says False (tests/test_checks_screen.py).
+another shape) and asserts the screen says False (tests/plan/test_screen.py).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ Semantics
   GPU so a descriptor from another host is refused when its ``host`` differs.
 
 Requirements: a CUDA build of torch, GPUs of one host, same user, no container isolation of
-``/dev/nvidia*`` between the two processes. Tests: ``tests/test_transport_cuda_ipc.py``, marked
+``/dev/nvidia*`` between the two processes. Tests: ``tests/transport/test_cuda_ipc.py``, marked
 ``gpu`` and skipped without CUDA.
 """
 from __future__ import annotations

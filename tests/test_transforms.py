@@ -11,6 +11,7 @@ import ctypes
 import pytest
 import torch
 
+from tests.helpers import ROOT
 from weight_transfer import quant
 from weight_transfer.engines.engine import quantize_block_fp8 as engine_quantize
 from weight_transfer.quant import (
@@ -226,6 +227,6 @@ def test_disabled_by_environment(tmp_path):
             "quantize_fp8_block(torch.ones(3, 3)); print(native_status())")
     env = {"WT_FP8_NATIVE": "0", "PATH": "/usr/bin:/bin", "WT_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False,
-                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+                         cwd=str(ROOT))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "disabled by WT_FP8_NATIVE=0"

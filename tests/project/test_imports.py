@@ -6,11 +6,13 @@ no library module is over 600 lines (DESIGN.md), and no code uses the old top-le
 Every import counts: absolute ones, relative ones (``from .x import y``, and ``from . import x``,
 which names a module, not an attribute), and those inside functions."""
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 FOLDERS = {"reference": "weight_transfer", "engines": "weight_transfer.engines",
            "baselines": "weight_transfer.baselines", "experiments": "weight_transfer.experiments",
            "analysis": "weight_transfer.analysis"}
@@ -165,7 +167,7 @@ def test_a_planted_relative_cycle_is_found(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("def f():\n    from . import b\n    return b\n")
     (pkg / "b.py").write_text("from .a import f\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     files = sorted(pkg.glob("*.py"))
     assert cycles_of(graph_of(files)) == [["weight_transfer.experiments.toy.a", "weight_transfer.experiments.toy.b",
                                            "weight_transfer.experiments.toy.a"]]
@@ -181,4 +183,25 @@ def test_no_old_top_level_names():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
             bad += [f"{p.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in old]
+    assert not bad, bad
+
+
+def test_tests_mirror_the_package_and_import_no_other_test():
+    """Every test module is ``tests/<package path>/test_<module>.py`` (library modules at
+    ``tests/``, a subpackage's under its path, e.g. ``tests/plan/test_local.py`` for
+    ``weight_transfer.plan.local``; ``tests/project`` and ``tests/scripts`` for the checkout
+    itself), and imports no other test module: shared code lives in ``tests/helpers``."""
+    tests = ROOT / "tests"
+    bad = []
+    for p in sorted(tests.rglob("*.py")):
+        rel = p.relative_to(tests)
+        if rel.parts[0] == "helpers" or p.name in ("__init__.py", "conftest.py"):
+            continue
+        if not p.name.startswith("test_"):
+            bad.append(f"{rel}: not a test module and not in tests/helpers")
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{rel}:{node.lineno}: imports {m}" for m in mods
+                    if (m.startswith("tests.") and not m.startswith("tests.helpers")) or m.split(".")[0].startswith("test_")]
     assert not bad, bad

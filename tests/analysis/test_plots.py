@@ -4,13 +4,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 
+from tests.helpers import ROOT
 from weight_transfer.analysis import plots
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def synthetic_rows() -> list[dict]:

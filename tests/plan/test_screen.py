@@ -271,8 +271,7 @@ def test_one_short_shard_among_equal_ranks_is_refused(n_ranks):
     """_check_sources reuses the element counts of a rank whose shard shapes equal an earlier
     rank's (even sharding: one list per name sequence; uneven: a few). One rank whose shard of
     one parameter is a row short must still be refused, naming the parameter."""
-    from test_planner import SMALL, fsdp_metas
-
+    from tests.helpers.planning import SMALL, fsdp_metas
     from weight_transfer.plan.sources import _check_sources, _index_sources
 
     cfg = load_config("qwen3-0.6b", **{**SMALL, "hidden_size": 4096, "num_hidden_layers": 1})

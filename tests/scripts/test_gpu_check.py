@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 CHECK = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl"]
@@ -77,9 +78,9 @@ def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
     assert "bench-quant --device cuda" in r.stdout
     # the tests step: only files with GPU-marked tests, and a skipped GPU test fails it
     tests_cmd = next(l for l in r.stdout.splitlines() if l.startswith("[dry-run] tests"))
-    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
                    if "pytest.mark.gpu" in f.read_text())
-    assert "tests/test_e2e.py" in files and "tests/test_transport_cuda_ipc.py" in files
+    assert "tests/experiments/test_trial.py" in files and "tests/transport/test_cuda_ipc.py" in files
     assert sorted(w for w in tests_cmd.split() if w.startswith("tests/")) == files
     assert "gpu_report.py --junit" in tests_cmd and "-m gpu" in tests_cmd
 

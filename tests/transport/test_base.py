@@ -9,7 +9,7 @@ test process is the sender. "Nothing of the batch was issued" is checked twice: 
 posting hook (``_post``) is never called, and the receiver's bytes are unchanged.
 
 Transport-specific behaviour (CMA's iovec batching, partial copies and errno mapping; NIXL's
-metadata and TCP path; verbs' pure planning functions) stays in tests/test_transport_<name>.py.
+metadata and TCP path; verbs' pure planning functions) stays in tests/transport/test_<name>.py.
 """
 from __future__ import annotations
 
@@ -19,147 +19,21 @@ import pickle
 
 import pytest
 import torch
-from receiver import Receiver
 
+from tests.helpers.transports import (
+    BF16_N,
+    C17_BYTES,
+    C17_NEW,
+    MIB,
+    POISON,
+    TRANSPORTS,
+    _device,
+    _kwargs,
+    start_receiver,
+)
 from weight_transfer.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
-
-MIB = 1 << 20
-POISON = 0xA5
-BF16_N = 257  # odd element count: 514 bytes
-
-
-# ---- which transports are present ------------------------------------------------------------
-
-
-def _nixl_missing() -> str | None:
-    try:
-        from weight_transfer.transport.nixl import load_nixl
-
-        load_nixl()
-    except ImportError as e:
-        return f"NIXL not installed ({e})"
-    return None
-
-
-def _verbs_missing() -> str | None:
-    from weight_transfer.transport import verbs
-
-    try:
-        verbs.load_pyverbs()
-    except ImportError as e:
-        return f"pyverbs not installed ({e})"
-    if not verbs.list_nics():
-        return "no RDMA device (/sys/class/infiniband absent or empty; libibverbs lists none)"
-    return None
-
-
-def _cuda_missing() -> str | None:
-    return None if torch.cuda.is_available() else "needs a CUDA GPU and a CUDA build of torch"
-
-
-def _kwargs(name: str) -> dict:
-    if name == "verbs":
-        from weight_transfer.transport import verbs
-
-        return {"nics": verbs.list_nics()[:1], "listen": ("127.0.0.1", 0)}
-    return {}
-
-
-def _device(name: str) -> str:
-    return "cuda" if name == "cuda_ipc" else "cpu"
-
-
-def _param(name: str, missing, *marks):
-    why = missing() if missing else None
-    return pytest.param(name, id=name, marks=[*marks, *([pytest.mark.skip(reason=why)] if why else [])])
-
-
-TRANSPORTS = [
-    _param("cma", None),
-    _param("nixl", _nixl_missing),
-    _param("verbs", _verbs_missing, pytest.mark.rdma),
-    _param("cuda_ipc", _cuda_missing, pytest.mark.gpu),
-]
-
-
-# ---- the receiver process ----------------------------------------------------------------------
-
-
-C17_BYTES = 64 << 10  # the C17 region: 64 KiB
-C17_NEW = 0x3C  # what the unrelated tensor at a reused address holds
-
-
-def _receiver(conn, name: str, kw: dict) -> None:
-    """Register buffers, publish descriptors, then serve byte dumps until told to exit.
-
-    The C17 commands work on a 64 KiB region ``c17`` cut from ``pool`` (so "free it and put a
-    new tensor at the same address" is deterministic, as a caching allocator reusing a block):
-    ``c17_new`` registers a fresh one (POISON) and answers its descriptor; ``c17_dereg``
-    deregisters it (answers the seconds it took, or the error); ``c17_rereg`` deregisters and
-    registers the same tensor again (new descriptor); ``c17_reuse`` deregisters, drops the
-    tensor and makes an unrelated tensor at the same address holding C17_NEW (answers its
-    address)."""
-    import time
-
-    t = make_transport(name, **kw)
-    dev = _device(name)
-    pool = torch.empty(2 * C17_BYTES, dtype=torch.uint8, device=dev)
-    tensors = {
-        "buf": torch.full((MIB,), POISON, dtype=torch.uint8, device=dev),
-        "bf16": torch.zeros(BF16_N, dtype=torch.bfloat16, device=dev),
-    }
-    regions = {k: t.register(v) for k, v in tensors.items()}
-    conn.send({k: r.descriptor() for k, r in regions.items()})
-    while True:
-        cmd, *args = conn.recv()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        if cmd == "c17_new":
-            if "c17" in regions:
-                t.deregister(regions.pop("c17"))
-            tensors["c17"] = pool[:C17_BYTES].fill_(POISON)
-            regions["c17"] = t.register(tensors["c17"])
-            conn.send(regions["c17"].descriptor())
-        elif cmd == "c17_dereg":
-            if args:
-                t.lease_timeout = args[0]
-            t0 = time.monotonic()
-            try:
-                t.deregister(regions.pop("c17"))
-                conn.send(time.monotonic() - t0)
-            except Exception as e:
-                conn.send(f"{type(e).__name__}: {e}")
-        elif cmd == "c17_rereg":
-            t.deregister(regions.pop("c17"))
-            regions["c17"] = t.register(tensors["c17"])
-            conn.send(regions["c17"].descriptor())
-        elif cmd == "c17_reuse":
-            t.deregister(regions.pop("c17"))
-            del tensors["c17"]
-            tensors["c17"] = pool[:C17_BYTES].fill_(C17_NEW)  # a new tensor on the same block
-            conn.send(tensors["c17"].data_ptr())
-        elif cmd == "bytes":
-            conn.send(tensors[args[0]].view(torch.uint8).cpu().numpy().tobytes())
-        elif cmd == "reset":
-            tensors["buf"].fill_(POISON)
-            tensors["bf16"].zero_()
-            conn.send(True)
-        elif cmd == "reregister":
-            t.deregister(regions[args[0]])
-            regions[args[0]] = t.register(tensors[args[0]])
-            conn.send(regions[args[0]].descriptor())
-        elif cmd == "exit":
-            t.close()
-            conn.send(True)
-            return
-
-
-def start_receiver(name: str) -> Receiver:
-    """A :class:`receiver.Receiver` running :func:`_receiver` for transport ``name``."""
-    return Receiver(_receiver, (name, _kwargs(name)), start_timeout=60, what=f"{name} receiver")
-
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def name(request):

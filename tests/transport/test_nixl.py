@@ -1,5 +1,5 @@
 """NIXL transport: what is specific to NIXL (agent metadata in the descriptor, UCX paths). The
-contract every transport shares runs over NIXL in tests/test_transport_conformance.py.
+contract every transport shares runs over NIXL in tests/transport/test_base.py.
 
 Skipped when NIXL is not installed (CI installs only ``.[dev]``; ``pip install -e '.[nixl]'``
 adds it). The receiver (spawned) creates a NIXL agent with its progress thread, registers a
@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-from receiver import Receiver
 
+from tests.helpers.receiver import Receiver
 from weight_transfer.transport import TransportError, WriteOp, make_transport
 from weight_transfer.types import RegionDescriptor
 

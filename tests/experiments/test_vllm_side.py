@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_QWEN3 = ["--model", "qwen3-0.6b", "--quant", "none", "--tp", "1", "--n-train", "2",
               "--override", "num_hidden_layers=2", "--override", "hidden_size=256", "--override", "intermediate_size=512",
               "--override", "num_attention_heads=4", "--override", "num_key_value_heads=2", "--override", "head_dim=64",

@@ -5,15 +5,11 @@ stands in as the full source, ``to_local()`` as the rank's rows), and every infe
 bytes are compared with (a) the same world planned with ``local_writes=False`` (the published
 gather-all path) and (b) the engine's own ``load_weights`` on the full checkpoint (the oracle).
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_planner import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
-
+from tests.helpers.planning import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
 from weight_transfer.engines.engine import expected_from_checkpoint
 from weight_transfer.executor import gather_sources, prepare_outputs
 from weight_transfer.plan import build_recipes, plan

@@ -3,7 +3,7 @@ same verification as the reference; failure kinds of shared/CASES.md named by id
 client's timeout and error paths against real worker processes.
 
 Fault-injecting variants live in this module and are selected with ``BASELINE_FAULT`` (set
-before the trial; spawned ranks inherit the environment) and ``method="test_baselines:"``.
+before the trial; spawned ranks inherit the environment) and ``method="tests.baselines.test_common:"``.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def landed_bytes(cfg: TrialConfig) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# fault-injecting methods (imported by the spawned ranks as module ``test_baselines``)
+# fault-injecting methods (imported by the spawned ranks as module ``tests.baselines.test_common``)
 
 
 class NoopFunnelTrainer(FunnelTrainer):
@@ -104,7 +104,7 @@ def run_faulty(monkeypatch, fault: str, cfg: TrialConfig):
     from weight_transfer.experiments.trial import run_trial
 
     monkeypatch.setenv("BASELINE_FAULT", fault)
-    return run_trial(dataclasses.replace(cfg, method="test_baselines:"))
+    return run_trial(dataclasses.replace(cfg, method="tests.baselines.test_common:"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,10 +221,10 @@ def test_rpc_c1_c10_c11_versions_bit_exact_then_dead_worker_fails_update(monkeyp
     t0 = time.monotonic()
     cfg = small(steps=3, poison=True)
     with pytest.raises(ControlError, match="step 3") as ei:
-        trial.run_trial(dataclasses.replace(cfg, method="test_baselines:"), progress=seen.append)
+        trial.run_trial(dataclasses.replace(cfg, method="tests.baselines.test_common:"), progress=seen.append)
     assert time.monotonic() - t0 < 110
     assert [r["step"] for r in seen] == [1, 2]
-    check_verified_rows(cfg, seen, "test_baselines:")
+    check_verified_rows(cfg, seen, "tests.baselines.test_common:")
     assert made[0].state().state == "incomplete" and made[0].state().version == 3  # never "2" over changed bytes
     assert int(made[0].store.get("version")) == -1
     # the controller names the dead worker at once (issue 15), before training rank 0's RPC

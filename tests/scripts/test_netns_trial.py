@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("netns_demo", os.path.join(ROOT, "scripts", "netns_demo.py"))
+from tests.helpers import ROOT
+
+spec = importlib.util.spec_from_file_location("netns_demo", ROOT / "scripts" / "netns_demo.py")
 demo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(demo)
 

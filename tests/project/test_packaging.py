@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUP = PYPROJECT["tool"]["setuptools"]
 GENERIC = {"reference", "engines", "baselines", "experiments", "analysis"}

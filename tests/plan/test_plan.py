@@ -1,70 +1,13 @@
 """The static schedule: every destination byte written exactly once, senders inside the
 owning mesh, balanced, deterministic; refusals name the tensors (C3, C12)."""
 import re
-from collections import defaultdict
 
 import pytest
 
-from weight_transfer.engines.engine import engine_tensor_metas
-from weight_transfer.metadata import shard_box
+from tests.helpers.planning import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
 from weight_transfer.plan import build_recipes, mesh_groups, plan
-from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout, ParamMeta, PlanError
-
-SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate_size=512,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-MOE = dict(num_hidden_layers=2, num_experts=16, hidden_size=256, moe_intermediate_size=128,
-           num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000)
-
-
-def fsdp_metas(cfg, n, *, placements=("Shard(dim=0)",), mesh_shape=None, drop=(), extra=()):
-    """What n FSDP ranks publish (mesh of all ranks), computed with shard_box."""
-    mesh_shape = mesh_shape or (n,)
-    specs = [s for s in param_specs(cfg) if s.name not in drop] + list(extra)
-    ranks = list(range(n))
-    mesh = tuple(ranks) if len(mesh_shape) == 1 else tuple(tuple(ranks[i * mesh_shape[1]:(i + 1) * mesh_shape[1]])
-                                                           for i in range(mesh_shape[0]))
-    out = {}
-    for r in ranks:
-        coord = (r,) if len(mesh_shape) == 1 else (r // mesh_shape[1], r % mesh_shape[1])
-        ms = []
-        for s in specs:
-            box = shard_box(s.shape, mesh_shape, coord, placements)
-            ms.append(ParamMeta(name=s.name, global_shape=s.shape, dtype=s.dtype, mesh_ranks=mesh,
-                                placements=placements, local_offset=tuple(a for a, _ in box),
-                                local_shape=tuple(b - a for a, b in box)))
-        out[r] = ms
-    return out
-
-
-def dest_metas(cfg, layout):
-    return {i: engine_tensor_metas(cfg, layout, i) for i in range(layout.world_size)}
-
-
-def check_exact_cover(sched, dests):
-    """Every byte of every destination tensor written exactly once."""
-    writes = defaultdict(list)
-    for rp in sched.rank_plans.values():
-        for t in rp.tasks:
-            assert rp.rank in t.mesh
-            for a in t.assignments:
-                for w in a.writes:
-                    writes[w.dst_rank].append((w.remote_offset, w.remote_offset + w.length))
-    for rank, metas in dests.items():
-        iv = sorted(writes[rank])
-        spans = sorted((m.offset, m.offset + m.nbytes) for m in metas if m.nbytes)
-        # merge adjacent writes; must equal the tensors' spans exactly, no overlap
-        merged = []
-        for a, b in iv:
-            assert not merged or a >= merged[-1][1], f"rank {rank}: overlapping writes at {a}"
-            if merged and a == merged[-1][1]:
-                merged[-1][1] = b
-            else:
-                merged.append([a, b])
-        covered = sum(b - a for a, b in iv)
-        assert covered == sum(b - a for a, b in spans), rank
-        for a, b in iv:  # every write inside one tensor
-            assert any(s <= a and b <= e for s, e in spans), (rank, a, b)
 
 
 @pytest.mark.parametrize("layout", [InferenceLayout(tp=1), InferenceLayout(tp=2), InferenceLayout(tp=4),
@@ -159,7 +102,7 @@ def test_mesh_groups_disjoint_meshes_share_a_group():
 def test_local_writes_read_only_own_rows():
     """Recipes are cut at shard boundaries and sent by a rank that holds the rows, with no
     gather; quantized recipes whose rows change hands inside a 128-row block (3 ranks over
-    256 rows here) keep the gather (tests/test_local_prepare.py covers the aligned case)."""
+    256 rows here) keep the gather (tests/plan/test_local.py covers the aligned case)."""
     cfg = load_config("qwen3-0.6b", **{**SMALL, "vocab_size": 1001})
     for layout in (InferenceLayout(tp=2), InferenceLayout(tp=2, quant="fp8")):
         dests = dest_metas(cfg, layout)
@@ -359,7 +302,6 @@ def test_row_owners_equal_reading_every_record():
     a column-sharded and a 0-d parameter (no owners)."""
     from weight_transfer.plan.owners import local_offset, row_owners
     from weight_transfer.plan.sources import _index_sources
-    from weight_transfer.types import ParamMeta
 
     def meta(name, shape, mesh, pl, off, loc):
         return ParamMeta(name=name, global_shape=shape, dtype="bfloat16", mesh_ranks=mesh, placements=pl,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from weight_transfer.baselines.common import BaselineStats, bucket_bytes, rpc_timeout
 from weight_transfer.baselines.options import DEFAULT_BUCKET_BYTES, BaselineOptions
 from weight_transfer.executor import StepStats
@@ -19,8 +20,6 @@ from weight_transfer.experiments.cli import add_dataclass_options, dataclass_fro
 from weight_transfer.experiments.config import TrialConfig, trial_key
 from weight_transfer.method import UpdateStats
 from weight_transfer.options import TransferOptions
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(kw_only=True, slots=True)
@@ -316,7 +315,7 @@ def test_device_option_reaches_the_config():
 
 def test_cuda_placement_and_training_backend(monkeypatch):
     """Which GPU each rank process takes and which backend the training world uses: pure
-    functions, checked here; the placement itself runs in tests/test_e2e.py's gpu tests."""
+    functions, checked here; the placement itself runs in tests/experiments/test_trial.py's gpu tests."""
     from weight_transfer.experiments.worker import local_cuda_device, local_rank_from_env, training_backend
 
     cfg = TrialConfig(n_train=2, tp=2)

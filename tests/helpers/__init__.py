@@ -1,0 +1,15 @@
+"""Helpers shared by the tests (no test module imports another; they import these).
+
+- :data:`ROOT`: the checkout; :data:`DATA`: ``tests/data`` (recorded fixtures);
+- :mod:`.loopback`: one process holding whole tensors that writes into stand-in engines;
+- :mod:`.receiver`: a spawned receiver process with a request/answer pipe;
+- :mod:`.transports`: the transport-contract receiver every transport suite starts;
+- :mod:`.planning`: FSDP metadata computed with ``shard_box``, exact-cover checks;
+- :mod:`.faults`: fault-matrix helpers.
+"""
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout's root (``tests/helpers/__init__.py`` -> two levels up)."""
+DATA = ROOT / "tests" / "data"
+"""Recorded fixtures (``vllm_cpu_layouts.json``: scripts/record_vllm_cpu_layouts.py)."""
