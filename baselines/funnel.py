@@ -107,14 +107,14 @@ class FunnelTrainer(TrainerSide):
         self.device = next((p.device.type for p in ctx.params.values()), "cpu")
         self.pg = None
         if self.rank == 0:
-            self.pg = make_update_group(ctx.store, 0, 1 + ctx.n_infer, timeout=ctx.transfer.timeout, device=self.device)
+            self.pg = make_update_group(ctx.store, 0, 1 + ctx.n_infer, timeout=ctx.transfer.control.timeout, device=self.device)
             ctx.log(f"funnel: joined the update group as rank 0 of {1 + ctx.n_infer}")
         self.entries = None
         self.buf = None
 
     def _lazy_init(self):
         if self.entries is None:
-            self.entries, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.timeout)
+            self.entries, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.control.timeout)
             self.buckets = plan_buckets(self.entries, bucket_bytes(self.ctx.method_options))
 
     def transfer(self, step: int) -> BaselineStats:
@@ -174,7 +174,7 @@ class FunnelInference(InferenceSide):
         self.ctx = ctx
         self.engine = ctx.engine
         self.device = str(ctx.engine.arena.device)
-        self.pg = make_update_group(ctx.store, 1 + ctx.rank, 1 + ctx.n_infer, timeout=ctx.transfer.timeout,
+        self.pg = make_update_group(ctx.store, 1 + ctx.rank, 1 + ctx.n_infer, timeout=ctx.transfer.control.timeout,
                                     device=self.device)
         ctx.log(f"funnel: joined the update group as rank {1 + ctx.rank} of {1 + ctx.n_infer}")
         self.buf = None

@@ -2,7 +2,7 @@
 contains (``TrialConfig.baseline``) and the CLI sets (``--bucket-bytes``, ``--rpc-timeout``).
 
 The methods receive it as ``ctx.method_options``; the control-plane timeout they also use is
-``ctx.transfer.timeout`` (:class:`weight_transfer.options.TransferOptions`).
+``ctx.transfer.control.timeout`` (:class:`weight_transfer.options.TransferOptions`).
 """
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ class RpcController(ControllerSide):
         wire = sum(e.nbytes for e in entries) * n
         return (f"rpc update_weight: {len(entries)} tensors x {n} worker(s) = {len(entries) * n} RPCs + finish over "
                 f"ZeroMQ; {landed / 1e9:.3f} GB lands, {wire / 1e9:.3f} GB on the wire; "
-                f"timeout {rpc_timeout(ctx.method_options, ctx.transfer.timeout):.0f} s per RPC")
+                f"timeout {rpc_timeout(ctx.method_options, ctx.transfer.control.timeout):.0f} s per RPC")
 
 
 class RpcTrainer(TrainerSide):
@@ -182,15 +182,15 @@ class RpcTrainer(TrainerSide):
         self.client = None
         self.entries = None
         if self.rank == 0:
-            control.wait_keys(ctx.store, {0: KEY_ENDPOINTS}, timeout=max(ctx.transfer.timeout, 600.0), what="rpc endpoints")
+            control.wait_keys(ctx.store, {0: KEY_ENDPOINTS}, timeout=max(ctx.transfer.control.timeout, 600.0), what="rpc endpoints")
             eps = control.get(ctx.store, KEY_ENDPOINTS)
-            self.client = RpcClient(eps, timeout=rpc_timeout(ctx.method_options, ctx.transfer.timeout))
+            self.client = RpcClient(eps, timeout=rpc_timeout(ctx.method_options, ctx.transfer.control.timeout))
             ctx.log(f"rpc: connected to {len(eps)} worker(s): {', '.join(eps.values())}")
 
     def transfer(self, step: int) -> BaselineStats:
         t0 = time.perf_counter()
         if self.entries is None:
-            self.entries, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.timeout)
+            self.entries, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.control.timeout)
         st = BaselineStats(rank=self.rank)
         error = None
         for e, full in gather_to_rank0(self.ctx.params, self.entries, self.rank):
@@ -245,7 +245,7 @@ class RpcInference(InferenceSide):
     def setup(self, ctx):
         self.ctx, self.engine = ctx, ctx.engine
         self.server = RpcServer()
-        self.wait_timeout = max(float(ctx.transfer.timeout), 60.0)
+        self.wait_timeout = max(float(ctx.transfer.control.timeout), 60.0)
         ctx.log(f"rpc: serving update_weight at {self.server.endpoint}")
         return ({"method": "rpc", "endpoint": self.server.endpoint, "worker": f"infer {ctx.rank}"},
                 ctx.engine.tensor_metas())

@@ -12,7 +12,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 
@@ -29,7 +28,7 @@ def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[st
     from .trial import run_trial
 
     out = []
-    oracle = _VllmOracleDir() if cfg.engine == "vllm" else None
+    oracle = _VllmOracleDir() if cfg.run.engine == "vllm" else None
     try:
         for m in methods:
             out.append(_run_one(cfg, m, progress, run_trial))
@@ -70,9 +69,9 @@ def _run_one(cfg, m, progress, run_trial) -> tuple[str, object]:
     from weight_transfer.control import ControlError
     from weight_transfer.types import PlanError
 
-    mcfg = dataclasses.replace(cfg, method=m)
+    mcfg = cfg.replace(method=m)
     if progress:
-        progress(f"# {m}: starting {cfg.n_train} training + {cfg.n_infer} inference processes ...")
+        progress(f"# {m}: starting {cfg.train.n_train} training + {cfg.n_infer} inference processes ...")
     try:
         res = run_trial(mcfg, progress=(lambda r, m=m: progress(
             f"# {m} step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}")) if progress else None)
@@ -105,10 +104,10 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
         f"# host: {env.get('host', '?')}  cpus: {env.get('cpus', '?')}  torch: {env.get('torch', '?')}  "
         f"python: {env.get('python', '?')}  git: {env.get('git_sha', '?')}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
-        f"# training: {cfg.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train_dtype}",
-        f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype}); "
-        f"reference transport: {cfg.transport}",
-        f"# updates per method: {cfg.warmup} warmup + {cfg.steps} measured, every one verified",
+        f"# training: {cfg.train.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train.dtype}",
+        f"# inference: {cfg.n_infer} rank(s), {cfg.inference.describe()} ({cfg.inference.quant or cfg.inference.dtype}); "
+        f"reference transport: {cfg.transfer.transport.name}",
+        f"# updates per method: {cfg.run.warmup} warmup + {cfg.run.steps} measured, every one verified",
     ]
     for m, r in runs:
         lines.append(f"# plan[{m}]: " + (r.schedule_summary if not isinstance(r, BaseException) else "-"))
@@ -153,7 +152,7 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
     n_all = sum(s["all"] for s in sums.values())
     failed = [m for m, r in runs if isinstance(r, BaseException)]
     good = n_ok == n_all and not failed
-    if cfg.engine == "vllm":
+    if cfg.run.engine == "vllm":
         lines.append("# vLLM: the baselines load through vLLM's own in-place reload over collective_rpc "
                      "(initialize_layerwise_reload, model.load_weights, finalize_layerwise_reload); "
                      "times: go -> last write complete and staged layers committed (reference), "
@@ -163,7 +162,7 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
         if cov:
             lines.append(f"# [{m}] " + cov[2:])
     against = ("a fresh vLLM from the step's checkpoint (every addressable runtime byte, staged bytes vs the "
-               "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)" if cfg.engine == "vllm" else "the engine's load_weights")
+               "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)" if cfg.run.engine == "vllm" else "the engine's load_weights")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{n_all} updates over "
                  f"{len(sums)} method(s)" + ("" if good else "  <-- FAILED" + (f" ({', '.join(failed)} did not run)" if failed else "")))
     return "\n".join(lines)

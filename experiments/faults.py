@@ -35,7 +35,7 @@ def small_config(**kw):
     base = dict(model="qwen3-0.6b", overrides={"num_hidden_layers": 2, "vocab_size": 8192}, n_train=2, tp=2,
                 steps=3, warmup=0, timeout=180.0)
     base.update(kw)
-    return TrialConfig(**base)
+    return TrialConfig.from_flat(**base)
 
 
 def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) -> dict:

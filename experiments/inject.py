@@ -69,12 +69,12 @@ class Fault:
 
     def check(self, cfg) -> None:
         """ValueError before any process starts if the fault cannot happen in this trial."""
-        n = {"train": cfg.n_train, "infer": cfg.n_infer, "controller": 1}[self.role]
+        n = {"train": cfg.train.n_train, "infer": cfg.n_infer, "controller": 1}[self.role]
         if self.rank >= n:
             raise ValueError(f"fault {self.spec()}: no {self.role} rank {self.rank} (the trial has {n})")
-        if self.step > cfg.warmup + cfg.steps:
-            raise ValueError(f"fault {self.spec()}: the trial has {cfg.warmup + cfg.steps} updates")
-        if cfg.method != "reference":
+        if self.step > cfg.run.warmup + cfg.run.steps:
+            raise ValueError(f"fault {self.spec()}: the trial has {cfg.run.warmup + cfg.run.steps} updates")
+        if cfg.run.method != "reference":
             raise ValueError(f"fault {self.spec()}: faults are injected into the reference method only")
 
 

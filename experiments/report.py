@@ -30,11 +30,11 @@ def _engine_text(cfg) -> str:
 
 
 def train_layout_text(cfg) -> str:
-    if cfg.train_layout == "fsdp":
-        return f"FSDP2 fully_shard, Shard(0) on DeviceMesh({cfg.n_train},)"
-    a, b = cfg.train_mesh[:2]
-    if cfg.train_layout == "two_group":
-        w = cfg.train_mesh[2] if len(cfg.train_mesh) > 2 else a
+    if cfg.train.layout == "fsdp":
+        return f"FSDP2 fully_shard, Shard(0) on DeviceMesh({cfg.train.n_train},)"
+    a, b = cfg.train.mesh[:2]
+    if cfg.train.layout == "two_group":
+        w = cfg.train.mesh[2] if len(cfg.train.mesh) > 2 else a
         return (f"two mesh groups on a {a}x{b} mesh: non-experts (Replicate, Shard(0)) within a node, "
                 f"experts Shard(0) across {w} node(s) (MoE mesh width {w})")
     return f"[Shard(0), Shard(0)] on DeviceMesh({a}, {b})"
@@ -58,12 +58,12 @@ def format_table(result) -> str:
     cfg, env, rows = result.cfg, result.env, result.rows
     mcfg = cfg.model_config()
     lines = [
-        f"# weight-transfer trial: method={cfg.method} transport={cfg.transport}"
-        + (f" device={cfg.device}" if getattr(cfg, "device", "cpu") != "cpu" else ""),
+        f"# weight-transfer trial: method={cfg.run.method} transport={cfg.transfer.transport.name}"
+        + (f" device={cfg.run.device}" if getattr(cfg, "device", "cpu") != "cpu" else ""),
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
-        f"# training: {cfg.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train_dtype}",
-        f"# inference: {cfg.n_infer} rank(s), {cfg.layout.describe()} ({cfg.quant or cfg.layout.dtype}), "
+        f"# training: {cfg.train.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train.dtype}",
+        f"# inference: {cfg.n_infer} rank(s), {cfg.inference.describe()} ({cfg.inference.quant or cfg.inference.dtype}), "
         f"engine {_engine_text(cfg)}",
         f"# plan: {result.schedule_summary}; computed once in {result.plan_seconds:.3f} s",
         "#",

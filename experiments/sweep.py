@@ -17,7 +17,7 @@ A job with a single task (the debug executor, or ``--single-task``) runs the who
 with :func:`weight_transfer.experiments.trial.run_trial` (ranks spawned as local processes).
 
 Named configs and sweeps are in ``experiments/configs.py``; this module runs any
-:class:`~weight_transfer.experiments.config.Sweep` and does not import them (the CLI, ``experiments/__main__.py``,
+:class:`~weight_transfer.experiments.config.Sweep` and does not import them (the CLI, ``experiments/command.py``,
 looks names up there).
 
 Results: every trial's rows, plus ``trial_key`` (hash of the config), ``sweep``, ``job_id``,
@@ -45,9 +45,9 @@ JOBS_DIR = ROOT / "results" / "runs" / "jobs"
 
 def describe(cfg: TrialConfig) -> str:
     """One short line naming a trial: method, model, world, options."""
-    ov = ",".join(f"{k}={v}" for k, v in cfg.overrides.items())
-    extra = "" if cfg.watermark is None else f" wm={cfg.watermark >> 20}MiB"
-    return f"{cfg.method} {cfg.model}[{ov}] {cfg.n_train}->{cfg.layout.describe()}{extra}"
+    ov = ",".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
+    extra = "" if cfg.transfer.executor.watermark is None else f" wm={cfg.transfer.executor.watermark >> 20}MiB"
+    return f"{cfg.run.method} {cfg.model.name}[{ov}] {cfg.train.n_train}->{cfg.inference.describe()}{extra}"
 
 
 def done_keys(csv: Path) -> set[str]:
@@ -72,7 +72,7 @@ def task_env(cfg: TrialConfig, job_env) -> dict:
     n = job_env.num_tasks
     if n != 1 and n < world_size(cfg):
         raise ValueError(f"job {job_env.job_id} has {n} tasks; this trial needs 1 (local spawn) or at least "
-                         f"{world_size(cfg)} (controller + {cfg.n_train} training + {cfg.n_infer} inference)")
+                         f"{world_size(cfg)} (controller + {cfg.train.n_train} training + {cfg.n_infer} inference)")
     if n == 1:
         role, rank = "trial", 0
     elif job_env.global_rank >= world_size(cfg):  # nodes x tasks_per_node rounded the task count up
@@ -129,7 +129,7 @@ def trial_job(cfg: TrialConfig, folder: str):
     if te["role"] == "controller":
         host = "127.0.0.1" if te["num_nodes"] == 1 else socket.gethostname()
         return run_task(cfg, 0, host, 0, publish=lambda h, p: publish_store(path, h, p))
-    host, port = read_store(path, timeout=max(cfg.timeout, 300.0))
+    host, port = read_store(path, timeout=max(cfg.transfer.control.timeout, 300.0))
     return run_task(cfg, te["global_rank"], host, port)
 
 
@@ -194,10 +194,10 @@ def executor_parameters(cfg: TrialConfig, opt: LaunchOptions) -> dict:
     n = 1 if (opt.single_task or opt.cluster == "debug") else world_size(cfg)
     tpn = opt.tasks_per_node or -(-n // opt.nodes)
     if n > 1 and not (opt.nodes * tpn >= n > (opt.nodes - 1) * tpn):
-        raise ValueError(f"trial needs {n} tasks (controller + {cfg.n_train} training + {cfg.n_infer} inference); "
+        raise ValueError(f"trial needs {n} tasks (controller + {cfg.train.n_train} training + {cfg.n_infer} inference); "
                          f"--nodes {opt.nodes} x --tasks-per-node {tpn} = {opt.nodes * tpn} "
                          f"(surplus tasks idle, but every node must run one of the trial's tasks)")
-    p = {"name": f"wt-{cfg.method}-{trial_key(cfg)}", "timeout_min": opt.time_min, "nodes": opt.nodes,
+    p = {"name": f"wt-{cfg.run.method}-{trial_key(cfg)}", "timeout_min": opt.time_min, "nodes": opt.nodes,
          "tasks_per_node": tpn}
     if opt.gpus_per_node:
         p["gpus_per_node"] = opt.gpus_per_node
@@ -268,7 +268,7 @@ def _collect(job, cfg, key, opt, sweep_name, t0) -> TrialOutcome:
         out.error = "task 0 returned no result"
         return out
     extra = {"trial_key": key, "sweep": sweep_name, "job_id": out.job_id, "cluster": opt.cluster,
-             "train_layout": cfg.train_layout, "pipeline": cfg.pipeline, "offload": cfg.offload,
+             "train_layout": cfg.train.layout, "pipeline": cfg.transfer.executor.pipeline, "offload": cfg.transfer.executor.offload,
              "memcpy_gbps": res.memcpy_gbps}
     out.rows = [{**row, **extra} for row in res.rows]
     if not all(r.get("verified") in (True, None) for r in out.rows):

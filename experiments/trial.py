@@ -111,11 +111,11 @@ def preflight(cfg: TrialConfig) -> None:
 
     cfg.preflight(local=True)  # transport importable, trace dir writable, process count (C18)
     mcfg = cfg.model_config()
-    get_method(cfg.method)
-    build_recipes(mcfg, cfg.layout)
-    for rank in range(min(cfg.n_infer, cfg.tp)):
-        engine_tensor_metas(mcfg, cfg.layout, rank)
-    if cfg.engine == "vllm":
+    get_method(cfg.run.method)
+    build_recipes(mcfg, cfg.inference)
+    for rank in range(min(cfg.n_infer, cfg.inference.tp)):
+        engine_tensor_metas(mcfg, cfg.inference, rank)
+    if cfg.run.engine == "vllm":
         from weight_transfer.engines.vllm import vllm_available
 
         if not vllm_available():
@@ -139,10 +139,10 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     preflight(cfg)
     if fault is not None:
         fault.check(cfg)
-    stall = cfg.timeout if stall is None else stall
+    stall = cfg.transfer.control.timeout if stall is None else stall
     env = environment()
     memcpy = measure_memcpy_gbps()
-    store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.timeout)
+    store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.transfer.control.timeout)
     addr = ("127.0.0.1", store.port)
     ctx = mp.get_context("spawn")
     procs = _Procs()
@@ -150,7 +150,7 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def spawn_training(gen: int, first_step: int) -> None:
-        for r in range(cfg.n_train):
+        for r in range(cfg.train.n_train):
             kw = dict(gen=gen, first_step=first_step, stall=stall, fault=fault if gen == 0 else None, parent=parent)
             procs.train[r] = ctx.Process(target=trainer_main, args=(cfg, r, addr), kwargs=kw,
                                          name=f"train{r}" + (f".{gen}" if gen else ""), daemon=True)
@@ -160,11 +160,11 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
         stop_processes(procs.train.values())
         spawn_training(gen, first_step)
 
-    if cfg.engine == "vllm":  # one process per vLLM instance; vLLM starts its own children (not a daemon)
+    if cfg.run.engine == "vllm":  # one process per vLLM instance; vLLM starts its own children (not a daemon)
         from .vllm_side import vllm_instance_main
 
-        for d in range(cfg.dp):
-            procs.infer[d * cfg.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr),
+        for d in range(cfg.inference.dp):
+            procs.infer[d * cfg.inference.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr),
                                                    kwargs=dict(parent=parent), name=f"vllm{d}")
     else:
         for i in range(cfg.n_infer):
@@ -207,8 +207,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     from weight_transfer.experiments.inject import install_watcher
 
     env = env if env is not None else environment()
-    stall = cfg.timeout if stall is None else stall
-    ctl = control.Controller(store, cfg.n_train, cfg.n_infer, timeout=cfg.timeout,
+    stall = cfg.transfer.control.timeout if stall is None else stall
+    ctl = control.Controller(store, cfg.train.n_train, cfg.n_infer, timeout=cfg.transfer.control.timeout,
                              liveness_train=liveness_train, liveness_infer=liveness_infer, stall=stall)
     addr = (getattr(store, "host", "127.0.0.1"), store.port)
     beat = control.Heartbeat(addr, "controller")
@@ -232,23 +232,23 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         train_metas, infer = ctl.collect()
         t0 = time.perf_counter()
         mcfg = cfg.model_config()
-        ctl_cls, _, infer_cls = get_method(cfg.method)
+        ctl_cls, _, infer_cls = get_method(cfg.run.method)
         cctx = ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg,
-                                 layout=cfg.layout, train_metas=train_metas, infer_payloads=infer)
+                                 layout=cfg.inference, train_metas=train_metas, infer_payloads=infer)
         summary = ctl_cls().setup(cctx)
         commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
         bytes_staged = int(cctx.extra.get("bytes_staged", 0))
         plan_s = time.perf_counter() - t0
         gen, step = 0, 1
-        while step <= cfg.warmup + cfg.steps:
+        while step <= cfg.run.warmup + cfg.run.steps:
             try:
                 ctl.load(step)
-                if cfg.engine == "vllm":  # generation paused in every instance before the first write
+                if cfg.run.engine == "vllm":  # generation paused in every instance before the first write
                     from .vllm_side import KEY_PAUSED
 
-                    control.wait_keys(store, {d * cfg.tp: KEY_PAUSED.format(step=step, instance=d)
-                                              for d in range(cfg.dp)},
-                                      timeout=cfg.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
+                    control.wait_keys(store, {d * cfg.inference.tp: KEY_PAUSED.format(step=step, instance=d)
+                                              for d in range(cfg.inference.dp)},
+                                      timeout=cfg.transfer.control.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
                 seconds, results = ctl.transfer(step, inference_active=infer_cls.active, commit_ranks=commit_ranks)
             except control.ControlError as e:
                 note_failure(e)
@@ -262,28 +262,28 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 ctl.training_restarted()
                 step += 1
                 continue
-            ver = ctl.verified(step) if cfg.verify else {}
-            ok = all(v.get("ok") for v in ver.values()) if cfg.verify else None
+            ver = ctl.verified(step) if cfg.run.verify else {}
+            ok = all(v.get("ok") for v in ver.values()) if cfg.run.verify else None
             stats: list[UpdateStats] = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
             row = {
                 "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "host": env["host"], "method": cfg.method, "model": mcfg.label, "dtype": cfg.quant or "bfloat16",
-                "train_dtype": cfg.train_dtype, "n_train": cfg.n_train, "n_infer": cfg.n_infer,
-                "layout": cfg.layout.describe(), "watermark": cfg.watermark, "transport": cfg.transport,
-                "device": cfg.device, "engine": cfg.engine, "step": step,
-                "warmup": step <= cfg.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
+                "host": env["host"], "method": cfg.run.method, "model": mcfg.label, "dtype": cfg.inference.quant or "bfloat16",
+                "train_dtype": cfg.train.dtype, "n_train": cfg.train.n_train, "n_infer": cfg.n_infer,
+                "layout": cfg.inference.describe(), "watermark": cfg.transfer.executor.watermark, "transport": cfg.transfer.transport.name,
+                "device": cfg.run.device, "engine": cfg.run.engine, "step": step,
+                "warmup": step <= cfg.run.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
                 "wire_bytes": sum(s.wire_bytes for s in stats),
                 "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
                 "write_seconds": ctl.last_write_seconds,
             }
-            if cfg.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
+            if cfg.run.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
                 from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
-                row["vllm_targets"] = cfg.vllm_targets if cfg.method == "reference" else "direct"
+                row["vllm_targets"] = cfg.run.vllm_targets if cfg.run.method == "reference" else "direct"
                 row["vllm_hide_amx"] = os.environ.get(HIDE_AMX_ENV, "") in ("1", "true", "yes")
-            if cfg.method == "reference":  # bytes into staged targets (post-processed by the engine at commit)
+            if cfg.run.method == "reference":  # bytes into staged targets (post-processed by the engine at commit)
                 row["bytes_staged"] = bytes_staged
                 row["bytes_direct"] = row["bytes"] - bytes_staged
             commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
@@ -297,7 +297,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 tot = sum(c["engine_bytes"] for c in covs) or 1
                 for k in ("direct", "staged", "outputs_only"):
                     row[f"check_{k}"] = sum(c[k] * c["engine_bytes"] for c in covs) / tot
-            if cfg.verify and not ok:
+            if cfg.run.verify and not ok:
                 bad = {i: v for i, v in ver.items() if not v.get("ok")}
                 row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "
                                                 f"guards={v.get('guards_written')}{_output_diff_text(v)}"
@@ -331,7 +331,7 @@ def _output_diff_text(v: dict) -> str:
 
 def world_size(cfg: TrialConfig) -> int:
     """Tasks of one trial run as a job: the controller + every training and inference rank."""
-    return 1 + cfg.n_train + cfg.n_infer
+    return 1 + cfg.train.n_train + cfg.n_infer
 
 
 def task_role(cfg: TrialConfig, global_rank: int) -> tuple[str, int]:
@@ -340,11 +340,11 @@ def task_role(cfg: TrialConfig, global_rank: int) -> tuple[str, int]:
     inference ranks."""
     if global_rank == 0:
         return "controller", 0
-    if 1 <= global_rank <= cfg.n_train:
+    if 1 <= global_rank <= cfg.train.n_train:
         return "train", global_rank - 1
     if global_rank < world_size(cfg):
-        return "infer", global_rank - 1 - cfg.n_train
-    raise ValueError(f"task {global_rank}: a trial with n_train={cfg.n_train}, n_infer={cfg.n_infer} "
+        return "infer", global_rank - 1 - cfg.train.n_train
+    raise ValueError(f"task {global_rank}: a trial with n_train={cfg.train.n_train}, n_infer={cfg.n_infer} "
                      f"has {world_size(cfg)} tasks (controller + ranks)")
 
 
@@ -360,7 +360,7 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
     if role == "controller":
         env = environment()
         memcpy = measure_memcpy_gbps()
-        store = control.make_store(store_host, store_port, is_master=True, timeout=cfg.timeout)
+        store = control.make_store(store_host, store_port, is_master=True, timeout=cfg.transfer.control.timeout)
         if publish is not None:
             publish(store_host, store.port)
         try:
@@ -368,16 +368,16 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
         finally:  # the store lives in this task: keep it up until every rank has let go of it
             try:
                 control.wait_keys(store, {g: f"task_exit/{g}" for g in range(1, world_size(cfg))},
-                                  timeout=min(cfg.timeout, 60.0), what="ranks exiting")
+                                  timeout=min(cfg.transfer.control.timeout, 60.0), what="ranks exiting")
             except control.ControlError:
                 pass
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        if role == "infer" and cfg.engine == "vllm":  # one task per vLLM instance runs it; its TP peers idle
-            if rank % cfg.tp == 0:
+        if role == "infer" and cfg.run.engine == "vllm":  # one task per vLLM instance runs it; its TP peers idle
+            if rank % cfg.inference.tp == 0:
                 from .vllm_side import vllm_instance_main
 
-                vllm_instance_main(cfg, rank // cfg.tp, (store_host, store_port))
+                vllm_instance_main(cfg, rank // cfg.inference.tp, (store_host, store_port))
         else:
             from .worker import local_rank_from_env
 

@@ -119,15 +119,15 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
     from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
     from weight_transfer.engines.vllm.verify import snapshot
 
-    path = _oracle_path(mcfg, v, cfg.seed, cfg.tp)
+    path = _oracle_path(mcfg, v, cfg.run.seed, cfg.inference.tp)
     if path is not None and path.exists():
         _log(instance, f"version {v}: fresh-engine snapshot from the oracle cache {path.name}")
         snap = torch.load(path, weights_only=False)
         # ranks of this instance (the cached one may come from instance 0)
-        return {"tensors": {instance * cfg.tp + (r - min(snap["tensors"])): t for r, t in snap["tensors"].items()},
+        return {"tensors": {instance * cfg.inference.tp + (r - min(snap["tensors"])): t for r, t in snap["tensors"].items()},
                 "outputs": snap["outputs"]}
-    fresh_engine = VllmEngine(write_checkpoint(mcfg, root / f"step{v}", step=v, seed=cfg.seed), tp=cfg.tp,
-                              first_rank=instance * cfg.tp, seed=cfg.seed, targets="direct")
+    fresh_engine = VllmEngine(write_checkpoint(mcfg, root / f"step{v}", step=v, seed=cfg.run.seed), tp=cfg.inference.tp,
+                              first_rank=instance * cfg.inference.tp, seed=cfg.run.seed, targets="direct")
     try:
         snap = snapshot(fresh_engine, fresh_engine.runtime_layouts(), prompts)
     finally:
@@ -188,21 +188,21 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
 
     from .methods import get_method, serve_active_step
 
-    tp = cfg.tp
+    tp = cfg.inference.tp
     ranks = [instance * tp + t for t in range(tp)]
-    store = control.make_store(addr[0], addr[1], is_master=False, timeout=cfg.timeout)
-    clients = {r: control.InferenceClient(store, r, timeout=max(cfg.timeout, 600.0)) for r in ranks}
+    store = control.make_store(addr[0], addr[1], is_master=False, timeout=cfg.transfer.control.timeout)
+    clients = {r: control.InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
     mcfg = cfg.model_config()
     root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
     side = loader = None
     engine = None
     try:
-        _, _, infer_cls = get_method(cfg.method)
+        _, _, infer_cls = get_method(cfg.run.method)
         t0 = time.perf_counter()
         # the reference stages what vLLM keeps opaque; a baseline uses vLLM's own reload (nothing staged)
-        engine = VllmEngine(write_checkpoint(mcfg, root / "step0", step=0, seed=cfg.seed), tp=tp,
-                            first_rank=instance * tp, seed=cfg.seed,
-                            targets="direct" if infer_cls.active else cfg.vllm_targets)
+        engine = VllmEngine(write_checkpoint(mcfg, root / "step0", step=0, seed=cfg.run.seed), tp=tp,
+                            first_rank=instance * tp, seed=cfg.run.seed,
+                            targets="direct" if infer_cls.active else cfg.run.vllm_targets)
         _log(instance, f"engine up in {time.perf_counter() - t0:.1f} s (tp={tp}, ranks {ranks})")
         layouts = engine.runtime_layouts()
         lay0 = layouts[ranks[0]]
@@ -212,13 +212,13 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
                            f"{lay0.staged_bytes / 1e6:.1f} MB of staging per rank, direct {lay0.direct_bytes / 1e6:.1f} MB")
         if infer_cls.active:  # a baseline: its inference side, with vLLM's own loading path
             if tp != 1:
-                raise ValueError(f"method {cfg.method!r} with vLLM needs tp 1, got {tp}")
+                raise ValueError(f"method {cfg.run.method!r} with vLLM needs tp 1, got {tp}")
             rank = ranks[0]
             loader = VllmLoadPath(engine, layouts[rank])
             side = infer_cls()
-            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=loader,
+            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=loader,
                                                   store=store, transfer=cfg.transfer, method_options=cfg.baseline,
-                                                  model_config=mcfg, layout=cfg.layout,
+                                                  model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: _log(instance, m)))
             clients[rank].publish_meta(*payload)
         else:
@@ -271,7 +271,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
         engine.reset_prefix_cache()
         engine.resume()
         last, step = v, v + 1
-        if not cfg.verify:
+        if not cfg.run.verify:
             for r in ranks:
                 clients[r].report(v, {"ok": None})
             continue
@@ -283,7 +283,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
                 from weight_transfer.testing.catalog import param_specs
                 from weight_transfer.testing.weights import SyntheticCheckpoint
 
-                ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.seed)
+                ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.run.seed)
                 expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=tp)
             fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
             res = compare_snapshots(live, fresh, staging_expected=expected)

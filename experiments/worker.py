@@ -40,16 +40,16 @@ def build_training_params(cfg: TrialConfig, rank: int) -> dict:
     from weight_transfer.testing.training import build_dtensor_params, build_two_group_params
 
     mcfg = cfg.model_config()
-    dev = cfg.device
-    if cfg.train_layout == "fsdp":
-        mesh = init_device_mesh(dev, (cfg.n_train,), mesh_dim_names=("fsdp",))
-        return named_dtensors(build_fsdp_model(mcfg, mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs()))
-    if cfg.train_layout == "two_group":
-        return build_two_group_params(mcfg, *cfg.train_mesh, dtype_override=cfg.dtype_override, specs=cfg.train_specs(),
+    dev = cfg.run.device
+    if cfg.train.layout == "fsdp":
+        mesh = init_device_mesh(dev, (cfg.train.n_train,), mesh_dim_names=("fsdp",))
+        return named_dtensors(build_fsdp_model(mcfg, mesh, dtype_override=cfg.train.dtype_override, specs=cfg.train_specs()))
+    if cfg.train.layout == "two_group":
+        return build_two_group_params(mcfg, *cfg.train.mesh, dtype_override=cfg.train.dtype_override, specs=cfg.train_specs(),
                                       device=dev)
-    mesh = init_device_mesh(dev, tuple(cfg.train_mesh), mesh_dim_names=("dp_outer", "dp_inner"))
+    mesh = init_device_mesh(dev, tuple(cfg.train.mesh), mesh_dim_names=("dp_outer", "dp_inner"))
     return build_dtensor_params(cfg.train_specs(), lambda s: (mesh, (Shard(0), Shard(0))),
-                                dtype_override=cfg.dtype_override)
+                                dtype_override=cfg.train.dtype_override)
 
 
 def local_rank_from_env() -> int | None:
@@ -76,7 +76,7 @@ def local_cuda_device(cfg: TrialConfig, role: str, rank: int, *, n_devices: int,
         raise ValueError(f"device='cuda' but no CUDA device is visible (torch.cuda.device_count() = {n_devices})")
     if local_rank is not None:
         return local_rank % n_devices
-    return (rank if role == "train" else cfg.n_train + rank) % n_devices
+    return (rank if role == "train" else cfg.train.n_train + rank) % n_devices
 
 
 def training_backend(device: str, device_ids: list[str]) -> str:
@@ -109,7 +109,7 @@ def _agree_backend(cfg: TrialConfig, store, rank: int, gen: int, device: torch.d
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     prefix = f"train_device/{gen}/"
     store.set(f"{prefix}{rank}", uuid.encode())
-    keys = [f"{prefix}{r}" for r in range(cfg.n_train)]
+    keys = [f"{prefix}{r}" for r in range(cfg.train.n_train)]
     store.wait(keys)
     return training_backend("cuda", [store.get(k).decode() for k in keys])
 
@@ -148,28 +148,28 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
     _exit_with_parent(parent)
     torch.set_num_threads(1)
     tag = f"train {rank}"
-    store = _connect(addr, cfg.timeout)
-    hb = control.Heartbeat(addr, f"train{rank}", watch="controller", stall=stall or cfg.timeout)
-    client = control.TrainerClient(store, rank, timeout=max(cfg.timeout, 600.0))
+    store = _connect(addr, cfg.transfer.control.timeout)
+    hb = control.Heartbeat(addr, f"train{rank}", watch="controller", stall=stall or cfg.transfer.control.timeout)
+    client = control.TrainerClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
     try:
         try:
-            device = _setup_cuda(cfg, "train", rank, local_rank) if cfg.device == "cuda" else None
+            device = _setup_cuda(cfg, "train", rank, local_rank) if cfg.run.device == "cuda" else None
             backend = _agree_backend(cfg, store, rank, gen, device)
             if rank == 0 and device is not None:
                 log(tag, f"training world on CUDA, backend {backend!r}")
             dist.init_process_group(backend, store=dist.PrefixStore(f"pg{gen}" if gen else "pg", store), rank=rank,
-                                    world_size=cfg.n_train)
+                                    world_size=cfg.train.n_train)
             params = build_training_params(cfg, rank)
-            if cfg.offload:  # shards live in host memory; the executor's h2d stage copies them in
+            if cfg.transfer.executor.offload:  # shards live in host memory; the executor's h2d stage copies them in
                 from weight_transfer.metadata import offload_to_host
 
                 params = offload_to_host(params)
-            client.publish_meta(collect_metas(params, offloaded=cfg.offload))
-            _, trainer_cls, _ = get_method(cfg.method)
+            client.publish_meta(collect_metas(params, offloaded=cfg.transfer.executor.offload))
+            _, trainer_cls, _ = get_method(cfg.run.method)
             side = trainer_cls()
-            side.setup(TrainerContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, params=params, store=store,
+            side.setup(TrainerContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, params=params, store=store,
                                       transfer=cfg.transfer, method_options=cfg.baseline,
-                                      model_config=cfg.model_config(), layout=cfg.layout,
+                                      model_config=cfg.model_config(), layout=cfg.inference,
                                       log=lambda m: log(tag, m), group_barrier=dist.barrier))
             install_trainer(fault, rank, side, store, log=lambda m: log(tag, m))
         except Exception as e:
@@ -177,7 +177,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             raise
         step = first_step
         while client.next_command(step) == "load":
-            load_step(params, step=step, seed=cfg.seed)
+            load_step(params, step=step, seed=cfg.run.seed)
             client.ready(step)
             client.wait_go(step)
             try:
@@ -219,21 +219,21 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
 
     _exit_with_parent(parent)
     tag = f"infer {rank}"
-    store = _connect(addr, cfg.timeout)
-    hb = control.Heartbeat(addr, f"infer{rank}", watch="controller", stall=stall or cfg.timeout)
-    client = control.InferenceClient(store, rank, timeout=max(cfg.timeout, 600.0))
+    store = _connect(addr, cfg.transfer.control.timeout)
+    hb = control.Heartbeat(addr, f"infer{rank}", watch="controller", stall=stall or cfg.transfer.control.timeout)
+    client = control.InferenceClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
     try:
         try:
             mcfg = cfg.model_config()
-            device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.device == "cuda" else "cpu"
-            engine = Engine(mcfg, cfg.layout, rank, device=device)
-            if cfg.poison:
+            device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.run.device == "cuda" else "cpu"
+            engine = Engine(mcfg, cfg.inference, rank, device=device)
+            if cfg.run.poison:
                 engine.arena.fill_(0xA5)
-            _, _, infer_cls = get_method(cfg.method)
+            _, _, infer_cls = get_method(cfg.run.method)
             side = infer_cls()
-            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.n_train, n_infer=cfg.n_infer, engine=engine,
+            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=engine,
                                                   store=store, transfer=cfg.transfer, method_options=cfg.baseline,
-                                                  model_config=mcfg, layout=cfg.layout,
+                                                  model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: log(tag, m)))
             client.publish_meta(*payload)
         except Exception as e:
@@ -251,10 +251,10 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             if v is None:
                 break
             last = v
-            if cfg.verify:
+            if cfg.run.verify:
                 t0 = time.perf_counter()
-                res = verify_engine(engine, mcfg, cfg.layout, rank, step=v, seed=cfg.seed,
-                                    dtype_override=cfg.dtype_override, gaps=gaps)
+                res = verify_engine(engine, mcfg, cfg.inference, rank, step=v, seed=cfg.run.seed,
+                                    dtype_override=cfg.train.dtype_override, gaps=gaps)
                 res["seconds"] = time.perf_counter() - t0
             else:
                 res = {"ok": None}

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .options import ExecutorOptions
 from .tasks import (
     MemoryGate,
     PostedTask,
@@ -210,24 +211,25 @@ class Executor:
     as ``group_barrier(async_op=True)`` between mesh groups (e.g. ``dist.barrier`` of the
     training world; a callable without ``async_op`` is called synchronously).
 
-    Options: ``pipeline`` (stage threads vs stage-serialized), ``watermark`` (bytes of
-    temporaries in flight, None = unbounded), ``offload`` (require host-offloaded params; the
-    h2d stage runs whenever ``params`` carries host copies), ``trace_dir`` (save each update's
-    timeline as ``step{NNNN}.rank{r}.json``), ``n_groups`` (mesh groups of the whole schedule;
-    agreed by all-reduce if omitted and a process group is up)."""
+    ``options`` (:class:`weight_transfer.options.ExecutorOptions`, default all defaults):
+    ``pipeline`` (stage threads vs stage-serialized), ``watermark`` (bytes of temporaries in
+    flight, None = unbounded), ``offload`` (require host-offloaded params; the h2d stage runs
+    whenever ``params`` carries host copies; ValueError when they carry none), ``trace_dir``
+    (save each update's timeline as ``step{NNNN}.rank{r}.json``). ``n_groups``: mesh groups of
+    the whole schedule (agreed by all-reduce if omitted and a process group is up)."""
 
     def __init__(self, plan: RankPlan, params: dict[str, DTensor], transport: Transport,
-                 remote: dict[int, RegionDescriptor], *, group_barrier=None, write_timeout: float | None = 60.0,
-                 pipeline: bool = True, watermark: int | None = None, offload: bool = False,
-                 trace_dir: str | None = None, n_groups: int | None = None, log=None):
+                 remote: dict[int, RegionDescriptor], *, options: ExecutorOptions | None = None,
+                 group_barrier=None, write_timeout: float | None = 60.0, n_groups: int | None = None, log=None):
+        options = ExecutorOptions() if options is None else options
+        self.options = options
         self.plan, self.params, self.transport, self.remote = plan, params, transport, remote
         self.group_barrier = group_barrier
         self.write_timeout = write_timeout
-        self.pipeline = pipeline
-        if watermark is not None and watermark < 0:
-            raise ValueError(f"watermark={watermark}: must be >= 0 bytes or None")
-        self.watermark = watermark
-        self.trace_dir = trace_dir
+        self.pipeline = options.pipeline
+        self.watermark = options.watermark
+        offload = options.offload
+        self.trace_dir = options.trace_dir
         self.log = log
         self.host: dict[str, torch.Tensor] = dict(getattr(params, "host", None) or {})
         if offload and not self.host:

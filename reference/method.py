@@ -178,8 +178,8 @@ class ReferenceController(ControllerSide):
 
                 recipes = retarget(recipes, runtime)
             sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
-                         max_chunk_bytes=ctx.transfer.max_chunk_bytes, local_writes=ctx.transfer.local_writes,
-                         local_min_bytes=ctx.transfer.local_min_bytes, parallel_checks=None)
+                         max_chunk_bytes=ctx.transfer.plan.max_chunk_bytes, local_writes=ctx.transfer.plan.local_writes,
+                         local_min_bytes=ctx.transfer.plan.local_min_bytes, parallel_checks=None)
         descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
         # an engine with staged targets (e.g. a vLLM layer kept in an opaque kernel handle) commits
         # each update: its own post-processing runs on the staged bytes before the version is published
@@ -199,13 +199,13 @@ class ReferenceTrainer(TrainerSide):
         from .executor import Executor
         from .transport import lease, make_transport
 
-        client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.transfer.timeout, 600.0))
+        client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.transfer.control.timeout, 600.0))
         plan, descriptors = client.get_plan()
-        self.transport = make_transport(ctx.transfer.transport)
+        self.transport = make_transport(ctx.transfer.transport.name)
         lease.attach(self.transport, ctx.store)  # receivers' deregister waits for our batch in flight (C17)
         self.transport.connect(list(descriptors.values()))
-        self.executor = Executor(plan, ctx.params, self.transport, descriptors, group_barrier=ctx.group_barrier,
-                                 **ctx.transfer.executor_options())
+        self.executor = Executor(plan, ctx.params, self.transport, descriptors, options=ctx.transfer.executor,
+                                 group_barrier=ctx.group_barrier)
         ctx.log(f"plan: {len(plan.tasks)} tasks, {plan.n_writes} writes, {plan.send_bytes / 1e9:.3f} GB to send")
 
     def transfer(self, step: int):
@@ -224,7 +224,7 @@ class ReferenceInference(InferenceSide):
     def setup(self, ctx: InferenceContext):
         from .transport import make_transport
 
-        self.transport = make_transport(ctx.transfer.transport)
+        self.transport = make_transport(ctx.transfer.transport.name)
         self.region = self.transport.register(ctx.engine.arena)
         return (self.region.descriptor(), ctx.engine.tensor_metas())
 

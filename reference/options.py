@@ -1,107 +1,142 @@
 """The options of one weight transfer: what the reference method reads, and all it reads.
 
 :class:`TransferOptions` is the typed seam between the reference method and whatever drives it
-(the trial harness in ``experiments/``, a training framework): chunk size, local writes, the
-transport, the control-plane timeout and the executor's options (pipeline, watermark, offload,
-trace). The harness's ``weight_transfer.experiments.config.TrialConfig`` extends it with the trial's model and
-world; the method contexts (:mod:`weight_transfer.method`) carry a plain ``TransferOptions``.
+(the trial harness in ``experiments/``, a training framework). It composes one small options
+object per component:
 
-Config dataclass in torchtitan's style: ``kw_only``, ``slots``, one docstring per field,
-checks in ``__post_init__`` (ValueError naming the field and the value). Checks that depend on
-the host a transfer runs on (the transport's library imports, the trace directory can be
-written) are in :meth:`TransferOptions.preflight`, which a launcher calls before it starts any
-process (C18).
+- :class:`PlanOptions` -- the planner's (chunk size, shard-local prepare), handed to
+  :func:`weight_transfer.plan.plan`;
+- :class:`ExecutorOptions` -- the executor's (pipeline, watermark, offload, trace), handed
+  whole to :class:`weight_transfer.executor.Executor`;
+- :class:`TransportOptions` -- the data plane's back end;
+- :class:`ControlOptions` -- the control plane's timeout.
+
+The harness's ``weight_transfer.experiments.config.TrialConfig`` composes a ``TransferOptions``
+with the trial's model and worlds; the method contexts (:mod:`weight_transfer.method`) carry it.
+
+Config dataclasses in torchtitan's style: ``kw_only``, ``slots``, one docstring per field,
+checks in ``__post_init__`` (ValueError naming the field and the value). A field's
+``metadata`` says how it reads on the command line (``flag``, ``unit``, ``scale``: see
+``weight_transfer.experiments.cli``); the library itself never parses a command line. Checks
+that depend on the host a transfer runs on (the transport's library imports, the trace
+directory can be written) are in :meth:`TransferOptions.preflight`, which a launcher calls
+before it starts any process (C18).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
 
 
 @dataclass(kw_only=True, slots=True)
-class TransferOptions:
-    """How the reference moves weights (bytes, seconds). Every field has a default; the
-    defaults are the README's main job."""
+class PlanOptions:
+    """The planner's options (bytes)."""
 
-    transport: str = "cma"
-    """Data-plane back end (``weight_transfer.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs``
-    or ``cuda_ipc`` (docs/TRANSPORTS.md)."""
-    timeout: float = 120.0
-    """Seconds a control-plane wait may take before the missing ranks are named."""
-    max_chunk_bytes: int = 64 << 20
-    """Recipe outputs larger than this are split into row bands spread over senders (bytes)."""
-    local_writes: bool = True
+    max_chunk_bytes: int = field(default=64 << 20, metadata={"flag": "--max-chunk-mb", "unit": "MiB", "scale": MiB})
+    """Recipe outputs larger than this are split into row bands spread over senders (bytes; on
+    the command line MiB)."""
+    local_writes: bool = field(default=True, metadata={"negate": "--gather-all"})
     """Shard-local prepare: recipes are cut at shard boundaries and made by the ranks that
     already hold the rows, from ``to_local()``, with no ``full_tensor()`` -- plain copies, fused
     row bands (``qkv_proj``, ``gate_up_proj``, ``w13_weight``) and block-FP8 recipes whose cuts
     fall on 128-row block boundaries (:mod:`weight_transfer.plan.local`); only the rest is gathered.
     False gathers every task's sources first (the published design, ``--gather-all``)."""
-    local_min_bytes: int = 256 << 10
+    local_min_bytes: int = field(default=256 << 10, metadata={"unit": "bytes"})
     """A recipe smaller than this (bytes per receiver) whose rows span several ranks is gathered
     rather than cut (norms, biases, a router: one collective for a few KB beats several tiny
     writes per receiver); one held whole by a rank is always local."""
-    pipeline: bool = True
-    """Run the executor's stages concurrently (stage threads with FIFO queues); ``False``
-    runs every stage of a task before the next task starts (stage-serialized)."""
-    watermark: int | None = None
-    """Bytes of temporaries (gathered sources + outputs) the tasks in flight on one training
-    rank may hold; ``None`` = unbounded. A task larger than this runs alone."""
-    offload: bool = False
-    """Training shards live in host memory (pinned on CUDA hosts) and are copied to the device
-    buffer in the executor's ``h2d`` stage; metadata says ``offloaded=True``."""
-    trace_dir: str | None = None
-    """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
-    merges them into ``step{N}.json`` per update."""
 
     def __post_init__(self):
-        TransferOptions.check(self)
-
-    def check(self) -> None:
-        """Raise ValueError naming the first field out of range (called by ``__post_init__``;
-        subclasses call it from theirs): an unknown transport name, a timeout that is not a
-        positive number of seconds, a chunk size < 1 byte, negative byte counts."""
-        from .transport import TRANSPORTS
-
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport={self.transport!r}: unknown; known: {', '.join(sorted(TRANSPORTS))}")
-        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
         if self.max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes}: bytes >= 1")
         if self.local_min_bytes < 0:
             raise ValueError(f"local_min_bytes={self.local_min_bytes}: bytes >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ExecutorOptions:
+    """The executor's options (bytes)."""
+
+    pipeline: bool = field(default=True, metadata={"negate": "--serial"})
+    """Run the executor's stages concurrently (stage threads with FIFO queues); ``False``
+    (``--serial``) runs every stage of a task before the next task starts (stage-serialized)."""
+    watermark: int | None = field(default=None, metadata={"flag": "--watermark-mb", "unit": "MiB", "scale": MiB})
+    """Temporaries (gathered sources + outputs) the tasks in flight on one training rank may
+    hold (bytes; on the command line MiB); none = unbounded. A task larger than this runs alone."""
+    offload: bool = False
+    """Training shards live in host memory (pinned on CUDA hosts) and are copied to the device
+    buffer in the executor's ``h2d`` stage; metadata says ``offloaded=True``."""
+    trace_dir: str | None = field(default=None, metadata={"flag": "--trace", "metavar": "DIR"})
+    """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
+    merges them into ``step{N}.json`` per update (Perfetto, ``weight-transfer timeline``)."""
+
+    def __post_init__(self):
         if self.watermark is not None and self.watermark < 0:
             raise ValueError(f"watermark={self.watermark}: bytes >= 0, or None for unbounded")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportOptions:
+    """The data plane."""
+
+    name: str = field(default="cma", metadata={"flat": "transport"})
+    """Back end (``weight_transfer.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs`` or
+    ``cuda_ipc`` (docs/TRANSPORTS.md)."""
+
+    def __post_init__(self):
+        from .transport import TRANSPORTS
+
+        if self.name not in TRANSPORTS:
+            raise ValueError(f"transport={self.name!r}: unknown; known: {', '.join(sorted(TRANSPORTS))}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ControlOptions:
+    """The control plane (seconds)."""
+
+    timeout: float = field(default=120.0, metadata={"unit": "s"})
+    """Seconds a control-plane wait may take before the missing ranks are named."""
+
+    def __post_init__(self):
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferOptions:
+    """How the reference moves weights: one options object per component. Every field has a
+    default; the defaults are the README's main job."""
+
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    """The planner's options."""
+    executor: ExecutorOptions = field(default_factory=ExecutorOptions)
+    """The executor's options (handed whole to the executor)."""
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    """The data plane's back end."""
+    control: ControlOptions = field(default_factory=ControlOptions)
+    """The control plane's timeout."""
 
     def preflight(self) -> None:
         """Checks that need this host, run before any process starts; raise ValueError with a
         one-line cause: the transport's library is importable here (``nixl``: NIXL's Python
         API; ``verbs``: pyverbs; ``cuda_ipc``: a CUDA torch with a GPU; ``cma``: Linux), and
-        ``trace_dir`` (when set) is a directory this process can create and write a file in."""
-        why = transport_unavailable(self.transport)
+        ``executor.trace_dir`` (when set) is a directory this process can create and write a file in."""
+        why = transport_unavailable(self.transport.name)
         if why:
-            raise ValueError(f"transport {self.transport!r} is not available here: {why}")
-        if self.trace_dir is not None:
+            raise ValueError(f"transport {self.transport.name!r} is not available here: {why}")
+        trace_dir = self.executor.trace_dir
+        if trace_dir is not None:
             try:
-                os.makedirs(self.trace_dir, exist_ok=True)
-                with tempfile.TemporaryFile(dir=self.trace_dir):
+                os.makedirs(trace_dir, exist_ok=True)
+                with tempfile.TemporaryFile(dir=trace_dir):
                     pass
             except OSError as e:
-                raise ValueError(f"trace_dir={self.trace_dir!r} is not writable: {e.strerror or e}") from None
-
-    def transfer_options(self) -> TransferOptions:
-        """A plain :class:`TransferOptions` with this object's values (a subclass such as the
-        harness's TrialConfig hands only these to the method)."""
-        return TransferOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TransferOptions)})
-
-    def executor_options(self) -> dict:
-        """Keyword arguments for :class:`weight_transfer.executor.Executor`."""
-        return {"pipeline": self.pipeline, "watermark": self.watermark, "offload": self.offload,
-                "trace_dir": self.trace_dir}
+                raise ValueError(f"trace_dir={trace_dir!r} is not writable: {e.strerror or e}") from None
 
 
 def transport_unavailable(name: str) -> str | None:

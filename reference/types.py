@@ -225,9 +225,14 @@ class InferenceLayout:
     """
 
     tp: int = 1
+    """Inference tensor-parallel size (ranks per engine instance)."""
     dp: int = 1
+    """Inference replicas (engine instances, each receiving a full copy)."""
     ep: bool = False
+    """Place MoE experts expert-parallel over each instance's TP ranks."""
     quant: Literal["fp8"] | None = None
+    """``None`` (serve BF16; ``none`` on the command line) or ``"fp8"`` (block FP8 e4m3 with
+    ``weight_scale_inv``)."""
     dtype: str = "bfloat16"
     """dtype of the non-quantized tensors on the inference side."""
     dp_attention: bool = False

@@ -11,7 +11,7 @@ Run (as root; needs ``ip netns`` and NIXL)::
 
 Every option of ``weight-transfer run`` is accepted (``--model``, ``--override``,
 ``--n-train``, ``--tp``, ``--dp``, ``--quant``, ``--steps``, ``--watermark-mb``, ``--results``, ...)
-and means the same (``weight_transfer.experiments.__main__.config_from_args``); the transport is always ``nixl``
+and means the same (``weight_transfer.experiments.command.config_from_args``); the transport is always ``nixl``
 and ``--method all`` is refused (one method per launch).
 
 What happens:
@@ -145,7 +145,7 @@ def cleanup_stale(sh) -> list[str]:
 def parse_args(argv: list[str]):
     """(launcher options, the TrialConfig): every ``weight-transfer run`` option is
     parsed by that command's own parser."""
-    from weight_transfer.experiments.__main__ import build_parser
+    from weight_transfer.experiments.command import build_parser
 
     ap = argparse.ArgumentParser(
         prog="netns_trial.py", description=__doc__.split("\n\n")[0],
@@ -164,21 +164,20 @@ def main(argv: list[str] | None = None) -> int:
         return task_main(argv[1:])
     own, args = parse_args(argv)
 
-    import dataclasses
 
-    from weight_transfer.experiments.__main__ import config_from_args
+    from weight_transfer.experiments.command import config_from_args
     from weight_transfer.types import PlanError
 
     try:
         if args.transport not in (None, "nixl"):
             raise ValueError(f"--transport {args.transport}: this launcher moves the weights with nixl only")
-        cfg = dataclasses.replace(config_from_args(args), transport="nixl")
-        if cfg.method == "all":
+        cfg = config_from_args(args).replace(transport="nixl")
+        if cfg.run.method == "all":
             raise ValueError("--method all: one method per launch here (reference, rank0_funnel or rpc)")
         cfg.model_config()
         from weight_transfer.experiments.methods import get_method
 
-        get_method(cfg.method)
+        get_method(cfg.run.method)
     except (ValueError, PlanError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         from weight_transfer.experiments.trial import task_role, world_size
 
         n_tasks = world_size(cfg)
-        print(f"# starting: controller + {cfg.n_train} training rank(s) in {ns_t} ({TRAIN_IP}, {dev_t}), "
+        print(f"# starting: controller + {cfg.train.n_train} training rank(s) in {ns_t} ({TRAIN_IP}, {dev_t}), "
               f"{cfg.n_infer} inference rank(s) in {ns_i} ({INFER_IP}, {dev_i}); NIXL/UCX tcp over the veth",
               file=sys.stderr, flush=True)
         rx0 = demo.rx_bytes(ns_i, dev_i)
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(warm-up included): {written}; crossed the link: {veth_ok}")
     if not own.no_csv:
         print(f"# rows appended to {append_csv(rows, args.results)}")
-    print(f"netns trial: {cfg.model_config().label} {cfg.n_train} -> {cfg.n_infer} ranks, transport nixl over veth: "
+    print(f"netns trial: {cfg.model_config().label} {cfg.train.n_train} -> {cfg.n_infer} ranks, transport nixl over veth: "
           f"verified {n_ok}/{len(rows)}; veth rx {rx} >= {written} bytes written; veth check: {veth_ok}; "
           f"wall {time.perf_counter() - t_start:.1f} s")
     return 0 if all_ok and veth_ok else 1

@@ -61,10 +61,9 @@ def inputs(name: str):
         from weight_transfer.experiments.config import main_job_default
 
         tc = main_job_default()
-        mcfg = tc.model_config() if hasattr(tc, "model_config") else load_config(tc.model, **tc.overrides)
-        layout = tc.layout
-        tm = _fsdp_metas(mcfg, tc.n_train)
-        kw = {"max_chunk_bytes": tc.max_chunk_bytes, "local_writes": tc.local_writes}
+        mcfg, layout = tc.model_config(), tc.inference
+        tm = _fsdp_metas(mcfg, tc.train.n_train)
+        kw = {"max_chunk_bytes": tc.transfer.plan.max_chunk_bytes, "local_writes": tc.transfer.plan.local_writes}
         return build_recipes(mcfg, layout), tm, metadata.dest_metas(mcfg, layout), kw
     from weight_transfer.experiments.sim.configs import get_config
 

@@ -15,6 +15,7 @@ import torch
 
 from weight_transfer.executor import Executor, MemoryGate, StepStats, TaskRecord, peak_in_flight
 from weight_transfer.metadata import OffloadedParams
+from weight_transfer.options import ExecutorOptions
 from weight_transfer.timeline import load_trace, task_stages, union_seconds
 from weight_transfer.transport.base import RemoteGoneError, TransportError, WriteHandle
 from weight_transfer.types import RankPlan, Task
@@ -131,7 +132,7 @@ def test_peak_in_flight_touching_intervals_do_not_overlap():
 @pytest.mark.parametrize("watermark", [None, 250, 100, 1])
 def test_watermark_bounds_peak_temp_bytes(watermark):
     temps = [100, 50, 200, 10, 10, 300, 60, 60, 60, 5]
-    st = SlowExecutor(plan_of(fake_tasks(temps)), {}, None, {}, watermark=watermark).run()
+    st = SlowExecutor(plan_of(fake_tasks(temps)), {}, None, {}, options=ExecutorOptions(watermark=watermark)).run()
     assert len(st.records) == len(temps)
     check_stage_order(st)
     if watermark is None:
@@ -147,8 +148,8 @@ def test_watermark_bounds_peak_temp_bytes(watermark):
 
 def test_pipelined_overlaps_stages_serial_does_not():
     tasks = fake_tasks([10] * 12)
-    piped = SlowExecutor(plan_of(tasks), {}, None, {}, pipeline=True).run()
-    serial = SlowExecutor(plan_of(tasks), {}, None, {}, pipeline=False).run()
+    piped = SlowExecutor(plan_of(tasks), {}, None, {}, options=ExecutorOptions(pipeline=True)).run()
+    serial = SlowExecutor(plan_of(tasks), {}, None, {}, options=ExecutorOptions(pipeline=False)).run()
     check_stage_order(piped)
     check_stage_order(serial)
     assert not serial.pipelined and piped.pipelined
@@ -183,7 +184,8 @@ def make_barrier(log):
 def test_mesh_group_barrier_orders_groups(pipeline):
     log = []
     tasks = fake_tasks([10] * 5, groups=[0, 0, 1, 1, 2])
-    ex = SlowExecutor(plan_of(tasks), {}, None, {}, group_barrier=make_barrier(log), pipeline=pipeline)
+    ex = SlowExecutor(plan_of(tasks), {}, None, {}, group_barrier=make_barrier(log),
+                      options=ExecutorOptions(pipeline=pipeline))
     assert ex.n_groups == 3
     st = ex.run()
     assert [e[:2] for e in log if e[0] == "issue"] == [("issue", 0), ("issue", 1)]
@@ -225,8 +227,8 @@ def test_h2d_copies_host_shard_before_prepare():
 
     tasks = fake_tasks([10, 10], sources=[("a",), ("b",)])
     with pytest.raises(ValueError, match="host copies"):
-        Executor(plan_of(tasks), dev, None, {}, offload=True)
-    st = Spy(plan_of(tasks), params, None, {}, offload=True).run()
+        Executor(plan_of(tasks), dev, None, {}, options=ExecutorOptions(offload=True))
+    st = Spy(plan_of(tasks), params, None, {}, options=ExecutorOptions(offload=True)).run()
     assert st.offloaded
     check_stage_order(st, ("h2d", "prepare", "write", "release"))
     assert torch.equal(seen["a"], host["a"]) and torch.equal(seen["b"], host["b"])
@@ -251,7 +253,7 @@ def test_h2d_on_cuda_side_stream_orders_prepare_after_copy():
                 seen[name] = float(self.params[name].sum())
 
     tasks = fake_tasks([n * 4] * 4, sources=[(k,) for k in dev])
-    ex = Spy(plan_of(tasks), OffloadedParams(dev, host), None, {}, offload=True)
+    ex = Spy(plan_of(tasks), OffloadedParams(dev, host), None, {}, options=ExecutorOptions(offload=True))
     assert ex.cuda and ex._h2d_stream is not None
     st = ex.run()
     check_stage_order(st, ("h2d", "prepare", "write", "release"))
@@ -286,7 +288,7 @@ def test_stage_error_names_stage_and_task_and_does_not_hang():
 
     for pipeline in (True, False):
         with pytest.raises(RuntimeError, match=r"stage write of task 1 .*boom"):
-            Out(plan_of(tasks), {}, FailingTransport(), {}, pipeline=pipeline, watermark=10).run()
+            Out(plan_of(tasks), {}, FailingTransport(), {}, options=ExecutorOptions(pipeline=pipeline, watermark=10)).run()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +430,8 @@ def test_watermark_bounds_batches_in_flight(watermark, most):
         return polls[i] >= 5
 
     tr = AsyncTransport(complete=complete)
-    ex = Outs(plan_of(writing_tasks(8)), {}, tr, _remote(), watermark=watermark, write_timeout=10)
+    ex = Outs(plan_of(writing_tasks(8)), {}, tr, _remote(), options=ExecutorOptions(watermark=watermark),
+              write_timeout=10)
     st = ex.run()
     assert tr.max_outstanding <= most and ex._writes.max_in_flight <= most
     assert st.n_writes == 8 and st.peak_temp_bytes <= watermark
@@ -468,7 +471,7 @@ def test_serial_keeps_one_batch_in_flight():
         return polls[i] >= 3
 
     tr = AsyncTransport(complete=complete)
-    st = Outs(plan_of(writing_tasks(5)), {}, tr, _remote(), pipeline=False).run()
+    st = Outs(plan_of(writing_tasks(5)), {}, tr, _remote(), options=ExecutorOptions(pipeline=False)).run()
     assert tr.max_outstanding == 1 and st.n_writes == 5
     assert tr.registered == tr.deregistered
 
@@ -497,7 +500,7 @@ def small(**kw):
 
     base = dict(model="qwen3-0.6b", overrides=SMALL, n_train=2, tp=2, steps=1, warmup=0, timeout=60)
     base.update(kw)
-    return TrialConfig(**base)
+    return TrialConfig.from_flat(**base)
 
 
 def run(cfg):
@@ -566,7 +569,7 @@ def test_watermark_bounds_peak_in_real_trial(tmp_path):
 @pytest.mark.timeout(120)
 def test_stage_serialized_bit_exact():
     res = run(small(pipeline=False))
-    assert res.cfg.executor_options()["pipeline"] is False
+    assert res.cfg.transfer.executor.pipeline is False
 
 
 @pytest.mark.multiproc

@@ -49,7 +49,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -103,7 +103,7 @@ def tensor_set(cfg) -> list[PeerTensor]:
     from weight_transfer.engines.engine import engine_tensor_metas
     from weight_transfer.plan import build_recipes
 
-    mcfg, layout = cfg.model_config(), cfg.layout
+    mcfg, layout = cfg.model_config(), cfg.inference
     rs = build_recipes(mcfg, layout)
     n = layout.world_size
     replicated = {o.tensor for r in rs.recipes if len(r.ranks) == n for o in r.outputs}
@@ -441,19 +441,19 @@ class PeersBenchConfig:
 def main(a: PeersBenchConfig) -> int:
     """Run each peer in turn, print the table, append ``a.csv``. Returns 0 when every peer that
     ran was verified, 1 otherwise (or when none ran)."""
-    from weight_transfer.experiments.__main__ import _override
+    from weight_transfer.experiments.cli import key_value
     from weight_transfer.experiments.config import TrialConfig, main_job_default
     from weight_transfer.experiments.env import environment, measure_memcpy_gbps
     from weight_transfer.experiments.trial import run_trial
 
     peers = list(a.peers)
-    base = main_job_default() if a.model is None else TrialConfig(model=a.model)
-    ov = dict(base.overrides)
-    ov.update(dict(_override(s) for s in a.override))
-    cfg = replace(base, overrides=ov, quant=None, steps=a.steps, warmup=a.warmup, method="reference",
-                  timeout=max(base.timeout, a.timeout))
+    base = main_job_default() if a.model is None else TrialConfig.from_flat(model=a.model)
+    ov = dict(base.model.overrides)
+    ov.update(dict(key_value(s) for s in a.override))
+    cfg = base.replace(overrides=ov, quant=None, steps=a.steps, warmup=a.warmup, method="reference",
+                       timeout=max(base.transfer.control.timeout, a.timeout))
     tensors = tensor_set(cfg)
-    tp, n_train = cfg.tp, cfg.n_train
+    tp, n_train = cfg.inference.tp, cfg.train.n_train
     nbytes = sum(2 * int(torch.Size(b - a for a, b in t.infer_box(r, tp)).numel()) for t in tensors for r in range(tp))
     env = environment()
     run_id, stamp = uuid.uuid4().hex[:8], dt.datetime.now().isoformat(timespec="seconds")

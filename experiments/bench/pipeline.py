@@ -76,7 +76,7 @@ def run_one(label: str, cfg_kw: dict, trace_root: Path) -> tuple[list[dict], dic
 
     tdir = trace_root / label
     tdir.mkdir(parents=True, exist_ok=True)
-    cfg = TrialConfig(trace_dir=str(tdir), **cfg_kw)
+    cfg = TrialConfig.from_flat(trace_dir=str(tdir), **cfg_kw)
     t0 = time.perf_counter()
     res = run_trial(cfg)
     merged = {int(p.stem[4:]): p for p in merge_step_traces(tdir, remove_parts=True)}
@@ -89,7 +89,7 @@ def run_one(label: str, cfg_kw: dict, trace_root: Path) -> tuple[list[dict], dic
         worst = max(ranks.values(), key=lambda x: x["update_s"])
         rows.append({
             "bench": label, "git_sha": r["git_sha"], "host": r["host"], "model": r["model"], "n_train": r["n_train"],
-            "n_infer": r["n_infer"], "pipeline": cfg.pipeline, "offload": cfg.offload, "watermark": cfg.watermark,
+            "n_infer": r["n_infer"], "pipeline": cfg.transfer.executor.pipeline, "offload": cfg.transfer.executor.offload, "watermark": cfg.transfer.executor.watermark,
             "step": r["step"], "bytes": r["bytes"], "seconds": r["seconds"], "verified": r["verified"],
             "peak_temp_bytes": r["peak_temp_bytes"], "peak_alloc_bytes": r.get("peak_alloc_bytes"),
             "rank_update_s": worst["update_s"],

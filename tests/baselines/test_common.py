@@ -35,12 +35,12 @@ SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate
 def small(**kw) -> TrialConfig:
     base = dict(model="qwen3-0.6b", overrides=SMALL, n_train=2, tp=2, steps=2, warmup=0, timeout=60)
     base.update(kw)
-    return TrialConfig(**base)
+    return TrialConfig.from_flat(**base)
 
 
 def landed_bytes(cfg: TrialConfig) -> int:
     mcfg = cfg.model_config()
-    return sum(m.nbytes for i in range(cfg.n_infer) for m in engine_tensor_metas(mcfg, cfg.layout, i))
+    return sum(m.nbytes for i in range(cfg.n_infer) for m in engine_tensor_metas(mcfg, cfg.inference, i))
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def run_faulty(monkeypatch, fault: str, cfg: TrialConfig):
     from weight_transfer.experiments.trial import run_trial
 
     monkeypatch.setenv("BASELINE_FAULT", fault)
-    return run_trial(dataclasses.replace(cfg, method="tests.baselines.test_common:"))
+    return run_trial(cfg.replace(method="tests.baselines.test_common:"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,8 +183,8 @@ def test_c1_oracle_of_consecutive_steps_differs_in_every_tensor():
 
     cfg = small()
     for rank in range(cfg.n_infer):
-        a = expected_engine(cfg.model_config(), cfg.layout, rank, step=1, seed=cfg.seed).named_parameters()
-        b = expected_engine(cfg.model_config(), cfg.layout, rank, step=2, seed=cfg.seed).named_parameters()
+        a = expected_engine(cfg.model_config(), cfg.inference, rank, step=1, seed=cfg.run.seed).named_parameters()
+        b = expected_engine(cfg.model_config(), cfg.inference, rank, step=2, seed=cfg.run.seed).named_parameters()
         same = [n for n in a if a[n].numel() and torch.equal(a[n].view(-1).view(torch.uint8), b[n].view(-1).view(torch.uint8))]
         assert not same
 
@@ -221,7 +221,7 @@ def test_rpc_c1_c10_c11_versions_bit_exact_then_dead_worker_fails_update(monkeyp
     t0 = time.monotonic()
     cfg = small(steps=3, poison=True)
     with pytest.raises(ControlError, match="step 3") as ei:
-        trial.run_trial(dataclasses.replace(cfg, method="tests.baselines.test_common:"), progress=seen.append)
+        trial.run_trial(cfg.replace(method="tests.baselines.test_common:"), progress=seen.append)
     assert time.monotonic() - t0 < 110
     assert [r["step"] for r in seen] == [1, 2]
     check_verified_rows(cfg, seen, "tests.baselines.test_common:")

@@ -17,9 +17,9 @@ from weight_transfer.baselines.common import BaselineStats, bucket_bytes, rpc_ti
 from weight_transfer.baselines.options import DEFAULT_BUCKET_BYTES, BaselineOptions
 from weight_transfer.executor import StepStats
 from weight_transfer.experiments.cli import add_dataclass_options, dataclass_from_args, field_docs
-from weight_transfer.experiments.config import TrialConfig, trial_key
+from weight_transfer.experiments.config import RunOptions, TrialConfig, trial_key
 from weight_transfer.method import UpdateStats
-from weight_transfer.options import TransferOptions
+from weight_transfer.options import ControlOptions, ExecutorOptions, PlanOptions, TransferOptions, TransportOptions
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,9 +54,11 @@ def test_field_docs_reads_each_fields_docstring_including_inherited_ones():
     assert docs["size"] == "Bytes per thing."
     assert docs["rate"] == "Things per second; None: as fast as possible."
     assert "undocumented" not in docs
-    # TrialConfig inherits TransferOptions' fields: their docstrings come from the base class
-    tdocs = field_docs(TrialConfig)
-    assert tdocs["watermark"].startswith("Bytes of temporaries") and tdocs["tp"].startswith("Inference tensor-parallel")
+    # a composed config's parts document their own fields
+    from weight_transfer.options import ExecutorOptions
+
+    assert field_docs(ExecutorOptions)["watermark"].startswith("Temporaries (gathered sources")
+    assert field_docs(TrialConfig)["transfer"].startswith("The reference method's options")
 
 
 def test_dataclass_options_parse_every_type_and_keep_defaults_when_not_given():
@@ -85,12 +87,12 @@ def test_dataclass_options_refuse_bad_values_with_argparse_or_post_init():
 
 
 def test_baseline_options_are_settable_from_the_cli():
-    from weight_transfer.experiments.__main__ import build_parser, config_from_args
+    from weight_transfer.experiments.command import build_parser, config_from_args
 
     argv = ["run", "--method", "rank0_funnel", "--bucket-bytes", "1048576", "--rpc-timeout", "7.5"]
     cfg = config_from_args(build_parser(argv).parse_args(argv))
     assert cfg.baseline == BaselineOptions(bucket_bytes=1 << 20, rpc_timeout=7.5)
-    assert bucket_bytes(cfg.baseline) == 1 << 20 and rpc_timeout(cfg.baseline, cfg.timeout) == 7.5
+    assert bucket_bytes(cfg.baseline) == 1 << 20 and rpc_timeout(cfg.baseline, cfg.transfer.control.timeout) == 7.5
     argv = ["run", "--method", "rpc"]
     cfg = config_from_args(build_parser(argv).parse_args(argv))
     assert cfg.baseline == BaselineOptions()
@@ -99,9 +101,10 @@ def test_baseline_options_are_settable_from_the_cli():
 
 
 def test_baseline_options_change_the_trial_key_only_when_set():
-    a = TrialConfig(method="rank0_funnel")
-    assert trial_key(a) == trial_key(dataclasses.replace(a, baseline=BaselineOptions()))
-    assert trial_key(a) != trial_key(dataclasses.replace(a, baseline=BaselineOptions(bucket_bytes=1 << 20)))
+    a = TrialConfig.from_flat(method="rank0_funnel")
+    assert trial_key(a) == trial_key(a.replace(baseline=BaselineOptions()))
+    assert trial_key(a) != trial_key(a.replace(baseline=BaselineOptions(bucket_bytes=1 << 20)))
+    assert trial_key(a) != trial_key(a.replace(bucket_bytes=1 << 20))
     with pytest.raises(ValueError, match="bucket_bytes=0"):
         BaselineOptions(bucket_bytes=0)
 
@@ -120,17 +123,53 @@ def test_the_funnel_reads_its_bucket_size_from_the_method_options(monkeypatch):
     assert "in 1 bucket(s)" in funnel.FunnelController().setup(ctx)
 
 
-def test_trial_config_hands_the_methods_plain_transfer_options():
-    cfg = TrialConfig(watermark=1 << 20, pipeline=False, transport="cma", timeout=30.0, max_chunk_bytes=4096)
+def test_trial_config_composes_its_parts_and_hands_the_methods_the_transfer_options():
+    cfg = TrialConfig.from_flat(watermark=1 << 20, pipeline=False, transport="cma", timeout=30.0, max_chunk_bytes=4096)
     t = cfg.transfer
     assert type(t) is TransferOptions
-    assert (t.watermark, t.pipeline, t.timeout, t.max_chunk_bytes) == (1 << 20, False, 30.0, 4096)
-    assert t.executor_options() == cfg.executor_options() == {"pipeline": False, "watermark": 1 << 20,
-                                                              "offload": False, "trace_dir": None}
+    assert t.executor == ExecutorOptions(pipeline=False, watermark=1 << 20)
+    assert (t.transport.name, t.control.timeout, t.plan.max_chunk_bytes) == ("cma", 30.0, 4096)
+    # each part checks its own fields, named; the trial checks across parts
     with pytest.raises(ValueError, match="max_chunk_bytes=0"):
-        TrialConfig(max_chunk_bytes=0)
+        TrialConfig.from_flat(max_chunk_bytes=0)
     with pytest.raises(ValueError, match="watermark=-1"):
-        TransferOptions(watermark=-1)
+        ExecutorOptions(watermark=-1)
+    with pytest.raises(ValueError, match="transport='tcp': unknown"):
+        TransportOptions(name="tcp")
+    with pytest.raises(ValueError, match="timeout=0"):
+        ControlOptions(timeout=0)
+    with pytest.raises(ValueError, match="cuda_ipc.*needs device='cuda'"):
+        cfg.replace(transport="cuda_ipc")
+    with pytest.raises(TypeError, match="no option named 'watermark_mb'"):
+        cfg.replace(watermark_mb=4)
+    # flat names in and out: the CSV columns and trial-key names of the flat config it replaced
+    assert cfg.flat()["watermark"] == 1 << 20 and cfg.replace(watermark=None).transfer.executor.watermark is None
+    assert TrialConfig.from_flat(**cfg.flat()) == cfg
+    for part in ("model", "train", "inference", "transfer", "baseline", "run"):
+        assert dataclasses.is_dataclass(getattr(cfg, part)), part
+    for cls in (TrialConfig, TransferOptions, ExecutorOptions, PlanOptions, TransportOptions, ControlOptions):
+        assert hasattr(cls, "__slots__") and all(f.kw_only for f in dataclasses.fields(cls)), cls
+
+
+OLD_KEYS = {
+    "ci_cpu_regression": ["55a53ab31278", "99cfae05a76b", "6c801be2762f"],
+    "qwen3_cpu_watermark": ["ca44defb8d66", "6312045a5441", "ad31181cf466", "c0d926df2b82"],
+    "qwen3_30b_a3b_cpu_layouts": ["6f0078907fc3", "657db805d515", "751bcc33b875", "f0b44e406f14", "273e5ba2b049",
+                                  "980814c99a7b", "fa7f73f63b13", "648e5bbd5b4a"],
+}
+"""Trial keys of named sweeps as the flat TrialConfig (021ba5b, before the composition) made them."""
+
+
+def test_trial_keys_are_those_of_the_flat_config():
+    """The flat names and values of the composed config hash to the keys the flat class made
+    (issue 24: sweep CSVs keep their columns and keys, so resumed sweeps and the analysis find
+    their rows): the default trial, the main job, and every trial of three named sweeps."""
+    from weight_transfer.experiments.config import main_job_default
+    from weight_transfer.experiments.configs import get_sweep
+
+    assert trial_key(TrialConfig()) == "99c2ce5942a4" and trial_key(main_job_default()) == "ec37f64c0aa7"
+    for name, keys in OLD_KEYS.items():
+        assert [trial_key(t) for t in get_sweep(name).trials] == keys, name
 
 
 def test_reference_and_baseline_stats_share_one_protocol():
@@ -184,7 +223,7 @@ def refused(monkeypatch, capsys):
     one stderr line after checking exit status 2, a single ``error:`` line and no process."""
     import multiprocessing.process
 
-    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.command import main
 
     started = []
 
@@ -259,13 +298,13 @@ def test_c18_sweeps_get_the_same_checks(monkeypatch, tmp_path):
     from weight_transfer.experiments import sweep as S
 
     with pytest.raises(ValueError, match="transport='bogus'"):
-        TrialConfig(transport="bogus")
+        TrialConfig.from_flat(transport="bogus")
     with pytest.raises(ValueError, match="timeout=-1"):
-        TrialConfig(timeout=-1)
+        TrialConfig.from_flat(timeout=-1)
     with pytest.raises(ValueError, match="wants an integer"):
-        TrialConfig(overrides={"num_hidden_layers": "abc"})
+        TrialConfig.from_flat(overrides={"num_hidden_layers": "abc"})
     monkeypatch.setattr(S, "make_executor", lambda *a: pytest.fail("a job was submitted"))
-    sweep = S.Sweep(name="c18", trials=[TrialConfig(tp=1, dp=1000)])
+    sweep = S.Sweep(name="c18", trials=[TrialConfig.from_flat(tp=1, dp=1000)])
     with pytest.raises(ValueError, match="exceed this machine's cap"):
         S.run_sweep(sweep, S.LaunchOptions(cluster="local", folder=tmp_path), results_dir=tmp_path, progress=False)
 
@@ -293,24 +332,24 @@ def test_device_cuda_needs_a_transport_into_device_memory(refused):
 
 def test_device_field_checks_and_trial_key():
     with pytest.raises(ValueError, match="device='tpu': cpu or cuda"):
-        TrialConfig(device="tpu")
+        TrialConfig.from_flat(device="tpu")
     with pytest.raises(ValueError, match="device='cuda' with method='rpc'"):
-        TrialConfig(device="cuda", transport="nixl", method="rpc")
+        TrialConfig.from_flat(device="cuda", transport="nixl", method="rpc")
     # built anywhere (a sweep's config on a login node); the GPU is checked in preflight, where the ranks start
-    cfg = TrialConfig(device="cuda", transport="cuda_ipc")
-    assert cfg.device == "cuda" and "device" in field_docs(TrialConfig)
+    cfg = TrialConfig.from_flat(device="cuda", transport="cuda_ipc")
+    assert cfg.run.device == "cuda" and "device" in field_docs(RunOptions)
     # the default device leaves the keys of rows recorded before the field existed as they were
     assert trial_key(TrialConfig()) == "99c2ce5942a4"
-    assert trial_key(cfg) != trial_key(dataclasses.replace(cfg, device="cpu", transport="nixl"))
+    assert trial_key(cfg) != trial_key(cfg.replace(device="cpu", transport="nixl"))
 
 
 def test_device_option_reaches_the_config():
-    from weight_transfer.experiments.__main__ import build_parser, config_from_args
+    from weight_transfer.experiments.command import build_parser, config_from_args
 
     args = build_parser(["run"]).parse_args(["run", "--device", "cuda", "--transport", "cuda_ipc"])
     cfg = config_from_args(args)
-    assert (cfg.device, cfg.transport, cfg.model) == ("cuda", "cuda_ipc", "qwen3-30b-a3b")
-    assert config_from_args(build_parser(["run"]).parse_args(["run"])).device == "cpu"
+    assert (cfg.run.device, cfg.transfer.transport.name, cfg.model.name) == ("cuda", "cuda_ipc", "qwen3-30b-a3b")
+    assert config_from_args(build_parser(["run"]).parse_args(["run"])).run.device == "cpu"
 
 
 def test_cuda_placement_and_training_backend(monkeypatch):
@@ -318,7 +357,7 @@ def test_cuda_placement_and_training_backend(monkeypatch):
     functions, checked here; the placement itself runs in tests/experiments/test_trial.py's gpu tests."""
     from weight_transfer.experiments.worker import local_cuda_device, local_rank_from_env, training_backend
 
-    cfg = TrialConfig(n_train=2, tp=2)
+    cfg = TrialConfig.from_flat(n_train=2, tp=2)
     # one GPU (the H200 check): every process shares device 0
     assert {local_cuda_device(cfg, role, r, n_devices=1) for role in ("train", "infer") for r in range(2)} == {0}
     # one GPU per process: training ranks first, then inference ranks

@@ -2,7 +2,6 @@
 cluster: the sbatch script and a faked JobEnvironment), results and reruns, progress."""
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 
@@ -17,7 +16,7 @@ from weight_transfer.experiments.trial import TrialResult, run_controller, run_t
 
 def tiny(**kw) -> TrialConfig:
     kw.setdefault("steps", 1)
-    return TrialConfig(model="qwen3-0.6b", overrides={"num_hidden_layers": 1, "vocab_size": 1024}, n_train=1, tp=1, **kw)
+    return TrialConfig.from_flat(model="qwen3-0.6b", overrides={"num_hidden_layers": 1, "vocab_size": 1024}, n_train=1, tp=1, **kw)
 
 
 # ---------------------------------------------------------------- configs
@@ -35,9 +34,9 @@ def test_every_named_config_and_sweep_is_valid():
         assert len(set(keys)) == len(keys), f"{name}: duplicate trials"
         for t in sw.trials:
             t.model_config()
-    assert {t.method for t in C.ci_cpu_regression().trials} == set(C.METHODS)
-    assert {t.watermark for t in C.qwen3_cpu_watermark().trials} >= {None, 4 << 20}
-    assert len({(t.n_train, t.n_infer) for t in C.qwen3_cpu_world().trials}) >= 4
+    assert {t.run.method for t in C.ci_cpu_regression().trials} == set(C.METHODS)
+    assert {t.transfer.executor.watermark for t in C.qwen3_cpu_watermark().trials} >= {None, 4 << 20}
+    assert len({(t.train.n_train, t.n_infer) for t in C.qwen3_cpu_world().trials}) >= 4
 
 
 def test_get_sweep_accepts_config_names_and_names_unknown():
@@ -47,7 +46,7 @@ def test_get_sweep_accepts_config_names_and_names_unknown():
 
 
 def test_list_cli(capsys):
-    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.command import main
 
     assert main(["sweep", "--list"]) == 0
     out = capsys.readouterr().out
@@ -58,16 +57,16 @@ def test_list_cli(capsys):
 def test_trial_key_is_stable_and_ignores_timeout():
     a = tiny()
     assert S.trial_key(a) == S.trial_key(tiny()) and len(S.trial_key(a)) == 12
-    assert S.trial_key(a) == S.trial_key(dataclasses.replace(a, timeout=5.0))
-    assert S.trial_key(a) != S.trial_key(dataclasses.replace(a, method="rpc"))
-    assert S.trial_key(a) != S.trial_key(dataclasses.replace(a, watermark=1 << 20))
+    assert S.trial_key(a) == S.trial_key(a.replace(timeout=5.0))
+    assert S.trial_key(a) != S.trial_key(a.replace(method="rpc"))
+    assert S.trial_key(a) != S.trial_key(a.replace(watermark=1 << 20))
 
 
 # ---------------------------------------------------------------- tasks of a trial job
 
 
 def test_task_roles():
-    cfg = TrialConfig(n_train=2, tp=2, dp=2)
+    cfg = TrialConfig.from_flat(n_train=2, tp=2, dp=2)
     assert world_size(cfg) == 7
     roles = [task_role(cfg, g) for g in range(7)]
     assert roles == [("controller", 0), ("train", 0), ("train", 1), ("infer", 0), ("infer", 1), ("infer", 2),
@@ -89,7 +88,7 @@ def test_task_env_from_a_faked_slurm_job_environment(monkeypatch):
         monkeypatch.setenv(k, v)
     env = submitit.JobEnvironment()
     assert env.cluster == "slurm"
-    cfg = TrialConfig(model="qwen3-8b", n_train=8, tp=8)
+    cfg = TrialConfig.from_flat(model="qwen3-8b", n_train=8, tp=8)
     te = S.task_env(cfg, env)
     assert te["role"] == "infer" and te["rank"] == 3  # 12 = 1 + 8 + 3
     assert te["job_id"] == "4242" and te["node"] == 1 and te["local_rank"] == 3
@@ -99,7 +98,7 @@ def test_task_env_from_a_faked_slurm_job_environment(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "17")
     assert S.task_env(cfg, submitit.JobEnvironment())["role"] == "idle"
     with pytest.raises(ValueError, match="at least 33"):
-        S.task_env(TrialConfig(n_train=16, tp=8, dp=2), submitit.JobEnvironment())
+        S.task_env(TrialConfig.from_flat(n_train=16, tp=8, dp=2), submitit.JobEnvironment())
 
 
 def test_store_address_is_published_in_the_job_folder(tmp_path):
@@ -117,7 +116,7 @@ def test_slurm_parameters_and_sbatch_script(tmp_path):
     with slurm mocked by submitit's own test helper (no cluster)."""
     from submitit.slurm.test_slurm import mocked_slurm
 
-    cfg = TrialConfig(model="qwen3-8b", n_train=8, tp=8)
+    cfg = TrialConfig.from_flat(model="qwen3-8b", n_train=8, tp=8)
     opt = S.LaunchOptions(cluster="slurm", folder=tmp_path, nodes=2, gpus_per_node=8, partition="h100",
                           time_min=20, cpus_per_task=10, slurm_extra={"account": "rl"})
     p = S.executor_parameters(cfg, opt)
@@ -137,7 +136,7 @@ def test_slurm_parameters_and_sbatch_script(tmp_path):
 
 
 def test_bad_placement_is_refused():
-    cfg = TrialConfig(n_train=2, tp=2)  # 5 tasks
+    cfg = TrialConfig.from_flat(n_train=2, tp=2)  # 5 tasks
     with pytest.raises(ValueError, match="needs 5 tasks"):
         S.executor_parameters(cfg, S.LaunchOptions(cluster="slurm", nodes=2, tasks_per_node=2))
     with pytest.raises(ValueError, match="every node"):
@@ -153,8 +152,8 @@ def test_bad_placement_is_refused():
 
 
 def _fake_result(cfg: TrialConfig, *, verified=True) -> TrialResult:
-    rows = [{"run_id": "r", "method": cfg.method, "model": "m", "n_train": cfg.n_train, "n_infer": cfg.n_infer,
-             "layout": cfg.layout.describe(), "watermark": cfg.watermark, "step": s, "warmup": s == 1,
+    rows = [{"run_id": "r", "method": cfg.run.method, "model": "m", "n_train": cfg.train.n_train, "n_infer": cfg.n_infer,
+             "layout": cfg.inference.describe(), "watermark": cfg.transfer.executor.watermark, "step": s, "warmup": s == 1,
              "bytes": 1000, "seconds": 0.5, "verified": verified, "peak_temp_bytes": 10} for s in (1, 2)]
     return TrialResult(cfg, rows, "plan", 0.0, 1.0, {})
 
@@ -165,8 +164,8 @@ def test_sweep_writes_rows_reports_failures_and_skips_on_rerun(tmp_path, monkeyp
     calls = []
 
     def fake(cfg, folder):
-        calls.append(cfg.method)
-        if cfg.method == "rpc":
+        calls.append(cfg.run.method)
+        if cfg.run.method == "rpc":
             raise RuntimeError("rpc worker died")
         return _fake_result(cfg)
 
@@ -193,7 +192,7 @@ def test_sweep_writes_rows_reports_failures_and_skips_on_rerun(tmp_path, monkeyp
 
 
 def test_sweep_cli_exit_status_and_bad_options(tmp_path, monkeypatch, capsys):
-    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.command import main
 
     assert main(["sweep", "qwen3_cpu_small", "--cluster", "slurm", "--nodes", "2", "--tasks-per-node", "1"]) == 2
     assert "needs" in capsys.readouterr().err

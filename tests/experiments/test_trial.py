@@ -18,7 +18,7 @@ SMALL = dict(num_hidden_layers=2, vocab_size=1000, hidden_size=256, intermediate
 def small(**kw):
     base = dict(model="qwen3-0.6b", overrides=SMALL, n_train=2, tp=2, steps=2, warmup=0, timeout=60)
     base.update(kw)
-    return TrialConfig(**base)
+    return TrialConfig.from_flat(**base)
 
 
 def assert_all_verified(res, n):
@@ -48,7 +48,7 @@ def test_c11_poisoned_regions_restored_and_noop_fails_verification():
 
 def test_c12_uneven_and_empty_shards_3_ranks():
     """3 FSDP ranks: every dim splits unevenly; DeepSeek's router bias [4] leaves rank 2 empty."""
-    cfg = TrialConfig(model="deepseek-v3", n_train=3, tp=2, steps=1, warmup=0, timeout=60,
+    cfg = TrialConfig.from_flat(model="deepseek-v3", n_train=3, tp=2, steps=1, warmup=0, timeout=60,
                       overrides=dict(num_hidden_layers=2, first_k_dense_replace=1, num_experts=4, hidden_size=128,
                                      intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
                                      num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,

@@ -31,7 +31,7 @@ def test_every_subpackage_is_mapped():
 
 def test_console_script_runs():
     exe = Path(sys.executable).with_name("weight-transfer")
-    assert PYPROJECT["project"]["scripts"]["weight-transfer"] == "weight_transfer.experiments.__main__:main"
+    assert PYPROJECT["project"]["scripts"]["weight-transfer"] == "weight_transfer.experiments.command:main"
     if not exe.exists():
         pytest.skip(f"the console script is not installed next to {sys.executable} (pip install -e .)")
     r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)

@@ -53,8 +53,8 @@ def test_cpu_moe_layers_found_by_their_prepacking_kernel():
 @pytest.mark.parametrize("method", ["rank0_funnel", "rpc", "all"])
 def test_vllm_baselines_need_tp1(method):
     with pytest.raises(ValueError, match="--tp 1"):
-        TrialConfig(engine="vllm", method=method, tp=2, quant=None)
-    TrialConfig(engine="vllm", method=method, tp=1, quant=None)
+        TrialConfig.from_flat(engine="vllm", method=method, tp=2, quant=None)
+    TrialConfig.from_flat(engine="vllm", method=method, tp=1, quant=None)
 
 
 def test_cpu_bind_lists_split_the_allowed_cpus():

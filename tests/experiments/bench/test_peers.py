@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weight_transfer.engines.engine import engine_tensor_metas
-from weight_transfer.experiments.__main__ import main as cli_main
+from weight_transfer.experiments.command import main as cli_main
 from weight_transfer.experiments.bench.peers import PEERS, PeersBenchConfig, main, pattern, tensor_set
 from weight_transfer.experiments.config import TrialConfig
 
@@ -15,10 +15,10 @@ TINY = dict(num_hidden_layers=1, vocab_size=512, hidden_size=128, intermediate_s
 
 
 def test_tensor_set_lands_the_engines_bytes():
-    cfg = TrialConfig(model="qwen3-30b-a3b", overrides=dict(TINY, num_experts=4, moe_intermediate_size=64), tp=2)
+    cfg = TrialConfig.from_flat(model="qwen3-30b-a3b", overrides=dict(TINY, num_experts=4, moe_intermediate_size=64), tp=2)
     ts = tensor_set(cfg)
     for r in range(2):
-        metas = {m.name: m for m in engine_tensor_metas(cfg.model_config(), cfg.layout, r)}
+        metas = {m.name: m for m in engine_tensor_metas(cfg.model_config(), cfg.inference, r)}
         assert {t.name for t in ts} == set(metas)
         for t in ts:
             shape = tuple(b - a for a, b in t.infer_box(r, 2))

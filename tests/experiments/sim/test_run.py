@@ -133,7 +133,7 @@ def test_dest_metas_equal_engine_for_every_rank():
 
 
 def test_baselines_and_cli_tiny(tmp_path):
-    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.command import main
 
     csv = tmp_path / "sim.csv"
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--csv", str(csv)]) == 0
@@ -160,7 +160,7 @@ def test_planner_benchmark_tiny(capsys):
     """--bench-planner plans in fresh subprocesses, on synthesized and on pickled (as
     received) metadata, checks in-process or forked, and reports min / median / max (and the
     checks' child's peak RSS when there is one)."""
-    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.command import main
 
     assert main(["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
@@ -312,12 +312,12 @@ def test_two_group_moe_width_real_run_bit_exact():
 
     moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
                intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    cfg = TrialConfig(model="qwen3-30b-a3b", overrides=moe, n_train=4, train_layout="two_group", train_mesh=(2, 2, 1),
+    cfg = TrialConfig.from_flat(model="qwen3-30b-a3b", overrides=moe, n_train=4, train_layout="two_group", train_mesh=(2, 2, 1),
                       tp=2, ep=True, quant="fp8", steps=1, warmup=0, timeout=300)
     res = run_trial(cfg)
     assert res.rows and all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
     with pytest.raises(ValueError, match="must divide"):
-        TrialConfig(model="qwen3-30b-a3b", n_train=4, train_layout="two_group", train_mesh=(2, 2, 3))
+        TrialConfig.from_flat(model="qwen3-30b-a3b", n_train=4, train_layout="two_group", train_mesh=(2, 2, 3))
 
 
 def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
@@ -325,7 +325,7 @@ def test_sensitivity_gantt_and_byte_table_tiny(tmp_path, capsys):
     schedule; the per-GPU byte table and the Gantt rows of the recorded ranks are written."""
     import pandas as pd
 
-    from weight_transfer.experiments.__main__ import main
+    from weight_transfer.experiments.command import main
     from weight_transfer.experiments.sim.hardware import SENSITIVITY
 
     csv = tmp_path / "sim.csv"
@@ -413,7 +413,7 @@ def test_dp_attention_real_run_bit_exact():
 
     moe = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, vocab_size=1000, hidden_size=128,
                intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    res = run_trial(TrialConfig(model="qwen3-30b-a3b", overrides=moe, n_train=2, tp=2, dp=2, ep=True, dp_attention=True,
+    res = run_trial(TrialConfig.from_flat(model="qwen3-30b-a3b", overrides=moe, n_train=2, tp=2, dp=2, ep=True, dp_attention=True,
                                 quant="fp8", steps=1, warmup=0, timeout=300))
     assert res.rows and all(r["verified"] is True for r in res.rows), [r.get("verify_error") for r in res.rows]
     assert all("DPA+EP2" in r["layout"] for r in res.rows)
@@ -446,13 +446,13 @@ def test_layout_map_tiny(tmp_path):
 
 def test_cli_dp_attention_and_moe_width_parse():
     """``run --dp-attention --ep`` and ``--train-mesh NxGxW`` reach the TrialConfig."""
-    from weight_transfer.experiments.__main__ import build_parser, config_from_args
+    from weight_transfer.experiments.command import build_parser, config_from_args
 
     args = build_parser().parse_args(["run", "--model", "qwen3-30b-a3b", "--n-train", "4", "--train-layout", "two_group",
                                       "--train-mesh", "2x2x1", "--tp", "2", "--ep", "--dp-attention", "--quant", "fp8"])
     cfg = config_from_args(args)
-    assert cfg.train_mesh == (2, 2, 1) and cfg.dp_attention and cfg.layout.dp_attention
-    assert cfg.layout.describe() == "DPA+EP2-fp8"
+    assert cfg.train.mesh == (2, 2, 1) and cfg.inference.dp_attention and cfg.inference.dp_attention
+    assert cfg.inference.describe() == "DPA+EP2-fp8"
 
 
 def _write_spans(res):

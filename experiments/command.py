@@ -1,0 +1,267 @@
+"""The one command: ``weight-transfer {run,simulate,sweep,faults,bench-quant,bench-pipeline,bench-transports,bench-peers,analyze,timeline}``
+(the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
+
+Examples::
+
+    weight-transfer run                                  # the README's main job
+    weight-transfer run --model qwen3-30b-a3b --override num_hidden_layers=2 \\
+        --override num_experts=16 --tp 2 --ep --quant fp8 --steps 3
+    weight-transfer run --n-train 4 --tp 2 --dp 2 --train-dtype float32
+    weight-transfer run --method all --override num_hidden_layers=2 --steps 3   # reference vs baselines
+    weight-transfer run --watermark-mb 64 --offload --trace results/runs/trace   # pipeline options
+    weight-transfer run --device cuda --transport cuda_ipc   # every rank on the GPU (docs/GPU.md)
+    weight-transfer run --serial                         # stage-serialized executor
+    weight-transfer sweep --list                         # named sweeps (docs/SWEEPS.md)
+    weight-transfer sweep qwen3_cpu_small --cluster local
+    weight-transfer run --method rank0_funnel --bucket-bytes 67108864   # baselines' options
+    weight-transfer bench-quant --repeats 3                # benchmarks (experiments/bench/)
+    weight-transfer bench-pipeline --steps 2 --watermarks-mb 256,64,0 --offload
+    weight-transfer bench-transports --mib 64 --transports memcpy,cma
+    weight-transfer faults --quick                       # fault matrix subset (docs/FAULTS.md)
+    weight-transfer bench-peers --peers reference,awex,mooncake   # docs/PEERS.md
+    weight-transfer analyze                              # results CSVs -> results/summary.md + PNGs
+    weight-transfer timeline results/runs/trace/step0002.json -o timeline.png   # one update's pipeline
+
+Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
+status 2 and a one-line ``error:`` message before any byte is written; a bad option value
+(an override of the wrong kind or without ``=``, an unknown or uninstalled transport, an
+unwritable ``--trace``, a timeout <= 0, more rank processes than this machine's cap) before
+any process starts (C18).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .paths import project_dir
+
+DEFAULT_RESULTS = project_dir() / "results" / "runs" / "trials.csv"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a bad command line is refused with one ``error:`` line (and a
+    pointer to ``--help``) instead of the usage block: exit status 2 (C18)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The one CLI: ``run``, ``simulate``, ``sweep`` and the benchmarks (``bench-*``, their
+    options generated from their config dataclasses by :mod:`weight_transfer.experiments.cli`). A benchmark's
+    module (torch, pandas) is imported only when ``argv`` (default ``sys.argv[1:]``) selects it."""
+    from .bench import BENCHMARKS
+    from .cli import add_dataclass_options
+
+    ap = _Parser(prog="weight-transfer", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    from .config import OPTION_META, TrialConfig, main_job_default
+
+    run = sub.add_parser("run", help="run one trial: controller + training world + inference world, verified",
+                         description="Run one trial: controller + training world + inference world, every update "
+                                     "verified. Every option is a field of TrialConfig's parts "
+                                     "(weight_transfer.experiments.config); without --model the defaults are the "
+                                     "main job's (README), shown here.")
+    # every option defaults to None = "as in the base config": the main job's embedded default
+    # (main_job_default) without --model, TrialConfig's defaults with it
+    add_dataclass_options(run, TrialConfig, meta=OPTION_META, defaults=main_job_default().flat())
+    run.add_argument("--results", default=str(DEFAULT_RESULTS), help="CSV to append tidy rows to (default: %(default)s)")
+    sim = sub.add_parser("simulate", help="at-scale prediction: real planner on synthesized metadata + cost model "
+                                          "(docs/SIMULATION.md)")
+    sim.add_argument("config", nargs="?", help="named simulation config (see --list)")
+    sim.add_argument("--list", action="store_true", help="list the simulation configs")
+    sim.add_argument("--no-csv", action="store_true", help="do not append rows to the CSV")
+    sim.add_argument("--gather-all", action="store_true",
+                     help="plan with full_tensor() of every source (the published executor) instead of shard-local prepare")
+    sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
+    sim.add_argument("--bench-planner", action="store_true",
+                     help="time plan() and its peak RSS, each run in a fresh subprocess")
+    sim.add_argument("--moe-width", type=int, default=None,
+                     help="override the config's MoE mesh width (two_group: nodes per expert sub-mesh); the row's "
+                          "config name gets a _w<W> suffix")
+    sim.add_argument("--layers", type=int, default=None,
+                     help="truncate the model to this many decoder layers (a quicker look; the row's config name gets "
+                          "an _L<N> suffix)")
+    sim.add_argument("--map", action="store_true",
+                     help="Kimi-K2 map: predicted time against MoE mesh width x inference layout "
+                          "(results/sim_kimi_map.csv; extrapolated from truncated models, see experiments/sim/layout_map.py)")
+    sim.add_argument("--sensitivity", action="store_true",
+                     help="also re-run the cost model with every assumed parameter halved and doubled (same schedule)")
+    sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")
+    sim.add_argument("--received", action="store_true",
+                     help="--bench-planner on metadata pickled per rank, as the controller receives it")
+    sim.add_argument("--checks", choices=("auto", "forked", "in-process"), default="auto",
+                     help="--bench-planner: plan(parallel_checks=None / True / False); auto forks the checks "
+                          "at Kimi-K2 scale")
+    sw = sub.add_parser("sweep", help="run a named sweep with submitit: one job per trial, its tasks the ranks "
+                                      "(docs/SWEEPS.md)")
+    sw.add_argument("name", nargs="?", help="sweep or named config (see --list)")
+    sw.add_argument("--list", action="store_true", help="list the sweeps and named configs")
+    sw.add_argument("--cluster", choices=["local", "slurm", "debug"], default="local",
+                    help="local: processes on this machine; slurm: sbatch; debug: in-process, one task")
+    sw.add_argument("--nodes", type=int, default=1, help="nodes per trial job")
+    sw.add_argument("--tasks-per-node", type=int, default=None,
+                    help="default: the trial's 1 + n_train + n_infer tasks over --nodes")
+    sw.add_argument("--gpus-per-node", type=int, default=0)
+    sw.add_argument("--cpus-per-task", type=int, default=None)
+    sw.add_argument("--partition", default=None, help="SLURM partition")
+    sw.add_argument("--time", type=int, default=30, help="time limit per trial job (minutes)")
+    sw.add_argument("--parallel", type=int, default=1, help="trial jobs in flight at once")
+    sw.add_argument("--single-task", action="store_true", help="one task per trial that spawns its ranks locally")
+    sw.add_argument("--slurm-extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra sbatch option, e.g. account=rl (repeatable)")
+    sw.add_argument("--folder", default=str(DEFAULT_RESULTS.parent / "jobs"), help="submitit job folder (logs)")
+    sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent), help="rows -> DIR/<sweep>.csv")
+    sw.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    from .faults import add_arguments as fault_arguments
+
+    fault_arguments(sub.add_parser("faults", help="fault matrix: {kill, raise, stop} x {training, inference, "
+                                                  "controller} x {early, middle, late} (docs/FAULTS.md)"))
+    # analysis's own command lines, behind the one command (analysis imports no transfer code)
+    for name, help_ in (("analyze", "results CSVs -> results/summary.md and PNG plots (weight_transfer.analysis)"),
+                        ("timeline", "draw one update's pipeline from a --trace Chrome trace (weight_transfer.analysis.timeline)")):
+        a = sub.add_parser(name, help=help_, add_help=False)
+        a.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see weight-transfer NAME --help)")
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, cls_name, help_) in BENCHMARKS.items():
+        b = sub.add_parser(name, help=help_, description=f"{help_} ({module}; options: {cls_name})")
+        if name == chosen:
+            import importlib
+
+            cls = getattr(importlib.import_module(module), cls_name)
+            add_dataclass_options(b, cls)
+            b.set_defaults(bench=(module, cls))
+    return ap
+
+
+def config_from_args(args):
+    """The TrialConfig a ``run`` command line means: the main job's default
+    (:func:`weight_transfer.experiments.config.main_job_default`) when ``--model`` is not given
+    (``--override`` then adds to its overrides), else ``TrialConfig`` with that model; every
+    given option replaces the base's value (:func:`weight_transfer.experiments.cli.dataclass_from_args`)."""
+    from .cli import given, replace_flat
+    from .config import TrialConfig, main_job_default
+
+    flat = given(TrialConfig, args)
+    if args.model is None:
+        base = main_job_default()
+        if "overrides" in flat:
+            flat["overrides"] = {**base.model.overrides, **flat["overrides"]}
+    else:
+        base = TrialConfig.from_flat(model=args.model)
+    return replace_flat(base, **flat) if flat else base
+
+
+def sweep_main(args) -> int:
+    """``weight-transfer sweep``: list, or run a named sweep / config with submitit."""
+
+    from .configs import get_sweep, list_text
+    from .sweep import LaunchOptions, executor_parameters, format_summary, run_sweep
+
+    if args.list or not args.name:
+        print(list_text())
+        return 0
+    try:
+        sweep = get_sweep(args.name)
+        extra = dict(kv.split("=", 1) for kv in args.slurm_extra)
+        opt = LaunchOptions(cluster=args.cluster, folder=Path(args.folder), nodes=args.nodes,
+                            tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+                            cpus_per_task=args.cpus_per_task, partition=args.partition, time_min=args.time,
+                            parallel=args.parallel, single_task=args.single_task, slurm_extra=extra)
+        for cfg in sweep.trials:
+            executor_parameters(cfg, opt)
+            if opt.cluster != "slurm":
+                cfg.preflight(local=True)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"# sweep {sweep.name}: {len(sweep)} trials on cluster={opt.cluster}; rows -> "
+          f"{Path(args.results_dir) / (sweep.name + '.csv')}; job logs in {opt.folder}", file=sys.stderr)
+    summary = run_sweep(sweep, opt, results_dir=Path(args.results_dir), progress=not args.no_progress)
+    print(format_summary(summary))
+    return 0 if not summary.failed else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("analyze", "timeline"):  # handed whole to analysis's parsers (their own --help)
+        if argv[0] == "analyze":
+            from weight_transfer.analysis.__main__ import main as analyze_main
+
+            return analyze_main(argv[1:])
+        from weight_transfer.analysis.timeline import main as timeline_main
+
+        return timeline_main(argv[1:])
+    args = build_parser(argv).parse_args(argv)
+    if args.cmd == "simulate":
+        if getattr(args, "map", False):
+            from .sim.layout_map import main as map_main
+
+            return map_main(args)
+        from .sim.run import main as simulate_main
+
+        return simulate_main(args)
+    if args.cmd == "faults":
+        from .faults import main as faults_main
+
+        return faults_main(args)
+    if args.cmd == "sweep":
+        return sweep_main(args)
+    if args.cmd.startswith("bench-"):
+        import importlib
+
+        from .cli import dataclass_from_args
+
+        module, cls = args.bench
+        try:
+            bcfg = dataclass_from_args(cls, args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return importlib.import_module(module).main(bcfg)
+    from weight_transfer.control import ControlError
+    from weight_transfer.types import PlanError
+
+    from .report import append_csv, format_table
+    from .trial import run_trial
+
+    try:
+        cfg = config_from_args(args)  # TrialConfig.__post_init__: names, ranges, model overrides
+        cfg.model_config()
+        cfg.preflight(local=True)  # before any process: transport importable, trace dir, process count
+        if cfg.run.method == "all":  # reference and baselines side by side (experiments/compare.py)
+            from .compare import run_all
+
+            return run_all(cfg, results_path=args.results)
+        from .methods import get_method
+
+        get_method(cfg.run.method)
+        from .trial import preflight
+
+        preflight(cfg)
+        print(f"# starting: {cfg.train.n_train} training + {cfg.n_infer} inference processes ...", file=sys.stderr, flush=True)
+        result = run_trial(cfg, progress=lambda r: print(
+            f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}", file=sys.stderr, flush=True))
+    except (ValueError, PlanError, ControlError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        rest = str(e).splitlines()[1:]
+        for line in rest[:20]:
+            print(f"       {line}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    path = append_csv(result.rows, args.results)
+    if cfg.transfer.executor.trace_dir:
+        from weight_transfer.timeline import merge_step_traces
+
+        merged = merge_step_traces(cfg.transfer.executor.trace_dir, remove_parts=True)
+        if merged:
+            print(f"# timelines (Chrome trace, one per update): {merged[0].parent}/step*.json; "
+                  f"draw one with: weight-transfer timeline {merged[-1]} -o timeline.png")
+    print(f"# rows appended to {path}")
+    return 0 if all(r["verified"] in (True, None) for r in result.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
