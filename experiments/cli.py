@@ -41,6 +41,7 @@ import inspect
 import textwrap
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @functools.cache
@@ -198,6 +199,8 @@ def _parser_for(tp, name: str, scale=None):
         return parse_scaled
     if tp in (int, float, str):
         return tp
+    if tp is Path:
+        return Path
     if origin is typing.Literal:
         return str
     raise TypeError(f"field {name!r}: type {tp!r} has no command-line form")
@@ -230,17 +233,19 @@ def _shown(default, md) -> str | None:
 def add_dataclass_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, *,
                           exclude: typing.Iterable[str] = (), dest_prefix: str = "",
                           groups: bool = True, meta: dict[str, dict] | None = None,
-                          defaults: dict | None = None) -> None:
+                          defaults: dict | None = None, namespace_defaults: bool = False) -> None:
     """Add one option per leaf field of dataclass ``cls`` (see module docstring) to ``parser``,
     destination ``dest_prefix + flat name``: help = the field's docstring, its unit and its
-    default; every option's parsed default is ``None`` ("not given"), so
-    :func:`dataclass_from_args` keeps the config's own default. With ``groups`` each composed
+    default; an option not given is absent from the parsed namespace (``argparse.SUPPRESS``;
+    a given value may be None, ``--quant none``), so :func:`dataclass_from_args` keeps the
+    config's own default. With ``groups`` each composed
     part gets an argument group titled by its class docstring's first line. ``exclude``: flat
     names to leave out; ``meta``: per flat name, metadata that replaces the field's own (for a
     part whose class is not the command line's, e.g. the library's ``InferenceLayout``);
     ``defaults``: the defaults ``--help`` shows, by flat name (default: ``cls()``'s, or the
-    fields' own when ``cls()`` cannot be built). Raises TypeError for a leaf type with no
-    command-line form."""
+    fields' own when ``cls()`` cannot be built); ``namespace_defaults``: an option not given
+    parses to its default instead of being absent (for code that reads ``args.<name>``).
+    Raises TypeError for a leaf type with no command-line form."""
     made: dict = {}
     if defaults is None:
         try:
@@ -267,12 +272,13 @@ def add_dataclass_options(parser: argparse.ArgumentParser | argparse._ArgumentGr
             help_ += f" [{md['unit']}]"
         flags = [md.get("flag", _flag(lf.flat)), *md.get("aliases", ())]
         dest = dest_prefix + lf.flat
+        absent = default if namespace_defaults else argparse.SUPPRESS
         if tp is bool:
             help_ += f" (default: {'on' if default else 'off'})"
-            target.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+            target.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=absent,
                                 help=help_.replace("%", "%%"))
             if md.get("negate"):
-                target.add_argument(md["negate"], dest=dest, action="store_false", default=None,
+                target.add_argument(md["negate"], dest=dest, action="store_false", default=absent,
                                     help=f"the same as {flags[0].replace('--', '--no-', 1)}")
             continue
         shown = _shown(default, md)
@@ -283,14 +289,15 @@ def add_dataclass_options(parser: argparse.ArgumentParser | argparse._ArgumentGr
         help_ = help_.replace("%", "%%")
         metavar = md.get("metavar", (md.get("unit") if md.get("scale") else None) or lf.flat.upper())
         if md.get("append"):
-            target.add_argument(*flags, dest=dest, action="append", type=md.get("parse", key_value), default=None,
+            target.add_argument(*flags, dest=dest, action="append", type=md.get("parse", key_value),
+                                default=None if namespace_defaults else argparse.SUPPRESS,
                                 metavar=md.get("metavar", "KEY=VALUE"), help=help_ + " (repeatable)")
             continue
         choices = md.get("choices")
         if choices is None and "parse" not in md and typing.get_origin(tp) is typing.Literal:
             choices = [a for a in typing.get_args(tp) if a is not None]
         conv = md.get("parse") or _parser_for(tp, lf.flat, md.get("scale"))
-        target.add_argument(*flags, dest=dest, type=conv, default=None, choices=choices,
+        target.add_argument(*flags, dest=dest, type=conv, default=absent, choices=choices,
                             metavar=None if choices else metavar, help=help_)
 
 
@@ -299,8 +306,10 @@ def given(cls, args: argparse.Namespace, *, dest_prefix: str = "") -> dict:
     ``append`` option's ``KEY=VALUE`` items as a dict)."""
     out = {}
     for lf in leaves(cls):
-        v = getattr(args, dest_prefix + lf.flat, None)
-        if v is None:
+        if not hasattr(args, dest_prefix + lf.flat):
+            continue
+        v = getattr(args, dest_prefix + lf.flat)
+        if v is None and lf.field.metadata.get("append"):
             continue
         out[lf.flat] = dict(v) if lf.field.metadata.get("append") else v
     return out

@@ -70,49 +70,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="at-scale prediction: real planner on synthesized metadata + cost model "
                                           "(docs/SIMULATION.md)")
     sim.add_argument("config", nargs="?", help="named simulation config (see --list)")
-    sim.add_argument("--list", action="store_true", help="list the simulation configs")
-    sim.add_argument("--no-csv", action="store_true", help="do not append rows to the CSV")
-    sim.add_argument("--gather-all", action="store_true",
-                     help="plan with full_tensor() of every source (the published executor) instead of shard-local prepare")
-    sim.add_argument("--csv", default=str(DEFAULT_RESULTS.parent.parent / "simulated.csv"), help="CSV to append rows to")
-    sim.add_argument("--bench-planner", action="store_true",
-                     help="time plan() and its peak RSS, each run in a fresh subprocess")
-    sim.add_argument("--moe-width", type=int, default=None,
-                     help="override the config's MoE mesh width (two_group: nodes per expert sub-mesh); the row's "
-                          "config name gets a _w<W> suffix")
-    sim.add_argument("--layers", type=int, default=None,
-                     help="truncate the model to this many decoder layers (a quicker look; the row's config name gets "
-                          "an _L<N> suffix)")
-    sim.add_argument("--map", action="store_true",
-                     help="Kimi-K2 map: predicted time against MoE mesh width x inference layout "
-                          "(results/sim_kimi_map.csv; extrapolated from truncated models, see experiments/sim/layout_map.py)")
-    sim.add_argument("--sensitivity", action="store_true",
-                     help="also re-run the cost model with every assumed parameter halved and doubled (same schedule)")
-    sim.add_argument("--repeat", type=int, default=3, help="--bench-planner runs (min / median / max reported)")
-    sim.add_argument("--received", action="store_true",
-                     help="--bench-planner on metadata pickled per rank, as the controller receives it")
-    sim.add_argument("--checks", choices=("auto", "forked", "in-process"), default="auto",
-                     help="--bench-planner: plan(parallel_checks=None / True / False); auto forks the checks "
-                          "at Kimi-K2 scale")
+    from .sim.options import SimulateOptions
+
+    add_dataclass_options(sim, SimulateOptions, namespace_defaults=True)
     sw = sub.add_parser("sweep", help="run a named sweep with submitit: one job per trial, its tasks the ranks "
                                       "(docs/SWEEPS.md)")
     sw.add_argument("name", nargs="?", help="sweep or named config (see --list)")
+    from .sweep import LaunchOptions
+
     sw.add_argument("--list", action="store_true", help="list the sweeps and named configs")
-    sw.add_argument("--cluster", choices=["local", "slurm", "debug"], default="local",
-                    help="local: processes on this machine; slurm: sbatch; debug: in-process, one task")
-    sw.add_argument("--nodes", type=int, default=1, help="nodes per trial job")
-    sw.add_argument("--tasks-per-node", type=int, default=None,
-                    help="default: the trial's 1 + n_train + n_infer tasks over --nodes")
-    sw.add_argument("--gpus-per-node", type=int, default=0)
-    sw.add_argument("--cpus-per-task", type=int, default=None)
-    sw.add_argument("--partition", default=None, help="SLURM partition")
-    sw.add_argument("--time", type=int, default=30, help="time limit per trial job (minutes)")
-    sw.add_argument("--parallel", type=int, default=1, help="trial jobs in flight at once")
-    sw.add_argument("--single-task", action="store_true", help="one task per trial that spawns its ranks locally")
-    sw.add_argument("--slurm-extra", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra sbatch option, e.g. account=rl (repeatable)")
-    sw.add_argument("--folder", default=str(DEFAULT_RESULTS.parent / "jobs"), help="submitit job folder (logs)")
-    sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent), help="rows -> DIR/<sweep>.csv")
+    add_dataclass_options(sw, LaunchOptions, namespace_defaults=True)
+    sw.add_argument("--results-dir", default=str(DEFAULT_RESULTS.parent.parent),
+                    help="rows -> DIR/<sweep>.csv (default: %(default)s)")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     from .faults import add_arguments as fault_arguments
 
@@ -145,12 +114,12 @@ def config_from_args(args):
     from .config import TrialConfig, main_job_default
 
     flat = given(TrialConfig, args)
-    if args.model is None:
+    if "model" not in flat:
         base = main_job_default()
         if "overrides" in flat:
             flat["overrides"] = {**base.model.overrides, **flat["overrides"]}
     else:
-        base = TrialConfig.from_flat(model=args.model)
+        base = TrialConfig.from_flat(model=flat["model"])
     return replace_flat(base, **flat) if flat else base
 
 
@@ -165,11 +134,9 @@ def sweep_main(args) -> int:
         return 0
     try:
         sweep = get_sweep(args.name)
-        extra = dict(kv.split("=", 1) for kv in args.slurm_extra)
-        opt = LaunchOptions(cluster=args.cluster, folder=Path(args.folder), nodes=args.nodes,
-                            tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
-                            cpus_per_task=args.cpus_per_task, partition=args.partition, time_min=args.time,
-                            parallel=args.parallel, single_task=args.single_task, slurm_extra=extra)
+        from .cli import dataclass_from_args
+
+        opt = dataclass_from_args(LaunchOptions, args)
         for cfg in sweep.trials:
             executor_parameters(cfg, opt)
             if opt.cluster != "slurm":

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 from .inject import ACTIONS, ROLES, WHENS, Fault, InjectedFault, install_trainer, install_watcher  # noqa: F401
 
@@ -203,12 +204,27 @@ def main(args) -> int:
     return 0 if all(named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out") for f, r in rows) else 1
 
 
+@dataclass(kw_only=True, slots=True)
+class FaultsOptions:
+    """Options of ``weight-transfer faults``: which rows, and their deadlines."""
+
+    quick: bool = False
+    """Run 3 rows only (a training rank raising, an inference rank killed, a training rank stopped)."""
+    only: tuple[str, ...] = field(default=(), metadata={"metavar": "SPEC,..."})
+    """Run these faults, ``action:role:rank:when:step`` each, comma-separated (e.g. ``stop:controller:0:late:2``)."""
+    stall: float = field(default=5.0, metadata={"unit": "s"})
+    """Seconds without a heartbeat before a rank is named."""
+    limit: float = field(default=180.0, metadata={"unit": "s"})
+    """Seconds a row may take before it is killed."""
+    verbose: bool = False
+    """Print each row's stderr tail."""
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help=f"3 rows: {', '.join(QUICK)}")
-    ap.add_argument("--only", action="append", default=[], metavar="SPEC", help="run this fault (repeatable)")
-    ap.add_argument("--stall", type=float, default=5.0, help="seconds without a heartbeat before a rank is named")
-    ap.add_argument("--limit", type=float, default=180.0, help="seconds a row may take before it is killed")
-    ap.add_argument("--verbose", action="store_true", help="print each row's stderr tail")
+    """``weight-transfer faults``'s options, generated from :class:`FaultsOptions`."""
+    from .cli import add_dataclass_options
+
+    add_dataclass_options(ap, FaultsOptions, namespace_defaults=True)
 
 
 if __name__ == "__main__":

@@ -154,9 +154,9 @@ class _Failure:
 class LaunchOptions:
     """How each trial job is placed (``weight-transfer sweep`` options)."""
 
-    cluster: str = "local"
-    """``local`` (processes on this machine), ``slurm``, or ``debug`` (in-process, one task)."""
-    folder: Path = JOBS_DIR
+    cluster: str = field(default="local", metadata={"choices": ("local", "slurm", "debug")})
+    """``local`` (processes on this machine), ``slurm`` (sbatch), or ``debug`` (in-process, one task)."""
+    folder: Path = field(default=JOBS_DIR, metadata={"metavar": "DIR"})
     """submitit folder: job pickles, logs (``%j_%t_log.out/err``), store addresses."""
     nodes: int = 1
     """Nodes per trial job."""
@@ -168,14 +168,14 @@ class LaunchOptions:
     """CPUs per task (SLURM ``--cpus-per-task``)."""
     partition: str | None = None
     """SLURM partition."""
-    time_min: int = 30
+    time_min: int = field(default=30, metadata={"flag": "--time", "unit": "minutes"})
     """Time limit per trial job (minutes)."""
     parallel: int = 1
     """Trial jobs in flight at once (1 on a small box; more on a cluster)."""
     single_task: bool = False
     """Run each trial as one task that spawns its ranks locally (like the debug executor)."""
-    slurm_extra: dict = field(default_factory=dict)
-    """Extra sbatch options, e.g. ``{"account": "rl", "qos": "high"}``."""
+    slurm_extra: dict = field(default_factory=dict, metadata={"append": True, "parse": lambda s: tuple(s.split("=", 1))})
+    """Extra sbatch options, ``KEY=VALUE`` each (e.g. ``account=rl``; ``{"account": "rl"}``)."""
 
     def __post_init__(self):
         if self.cluster not in ("local", "slurm", "debug"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from weight_transfer.engines.engine import engine_tensor_metas
-from weight_transfer.experiments.command import main as cli_main
 from weight_transfer.experiments.bench.peers import PEERS, PeersBenchConfig, main, pattern, tensor_set
+from weight_transfer.experiments.command import main as cli_main
 from weight_transfer.experiments.config import TrialConfig
 
 TINY = dict(num_hidden_layers=1, vocab_size=512, hidden_size=128, intermediate_size=256,
