@@ -24,6 +24,7 @@ from weight_transfer.baselines.rpc import RpcClient, RpcController, RpcError, Rp
 from weight_transfer.control import ControlError
 from weight_transfer.engines import engine_tensor_metas
 from weight_transfer.experiments.config import TrialConfig
+from weight_transfer.options import ControlOptions, TransferOptions
 from weight_transfer.testing.catalog import param_specs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -60,7 +61,7 @@ class NoopRpcTrainer(RpcTrainer):
 
     def transfer(self, step):
         if self.entries is None:
-            _, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.timeout)
+            _, self.landed = read_common(self.ctx.store, timeout=self.ctx.transfer.control.timeout)
             self.entries = []
         return super().transfer(step)
 
@@ -263,7 +264,7 @@ class _RecordingEngine:
 
 def _worker(rank: int, conn) -> None:
     eng = _RecordingEngine()
-    ctx = SimpleNamespace(rank=rank, engine=eng, store=_FakeStore(), transfer=SimpleNamespace(timeout=30.0),
+    ctx = SimpleNamespace(rank=rank, engine=eng, store=_FakeStore(), transfer=TransferOptions(control=ControlOptions(timeout=30.0)),
                           log=lambda m: None)
     side = RpcInference()
     desc, _ = side.setup(ctx)
