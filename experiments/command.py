@@ -31,7 +31,10 @@ any process starts (C18).
 from __future__ import annotations
 
 import argparse
+import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .paths import project_dir
@@ -137,6 +140,13 @@ def sweep_main(args) -> int:
         from .cli import dataclass_from_args
 
         opt = dataclass_from_args(LaunchOptions, args)
+        from .report import check_output_dir
+
+        check_output_dir(args.results_dir, "--results-dir")  # C25: before any job is submitted
+        check_output_dir(opt.folder, "--folder")
+        if opt.cluster == "slurm" and not shutil.which("sbatch"):
+            raise ValueError("--cluster slurm: no sbatch on PATH (a SLURM client is needed here; "
+                             "scripts/slurm_local.sh start runs a one-node cluster on this machine)")
         for cfg in sweep.trials:
             executor_parameters(cfg, opt)
             if opt.cluster != "slurm":
@@ -151,8 +161,42 @@ def sweep_main(args) -> int:
     return 0 if not summary.failed else 1
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: raised in the main thread, so the trial's cleanup runs (the
+    controller marks an update in flight incomplete, every child process is stopped)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, _frame):
+    raise Interrupted(signum)
+
+
 def main(argv=None) -> int:
+    """The ``weight-transfer`` command. Returns the exit status: 0 done (every update verified),
+    1 a failure at run time, 2 bad input (one ``error:`` line, nothing started), 130 / 143
+    interrupted by SIGINT / SIGTERM (one ``error:`` line naming the signal; children stopped)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    else:
+        old = {}
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"error: interrupted by {signal.Signals(signum).name}: stopped every process of this command; "
+              "an update in flight is marked incomplete, rows of finished updates are in the results file",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in ("analyze", "timeline"):  # handed whole to analysis's parsers (their own --help)
         if argv[0] == "analyze":
             from weight_transfer.analysis.__main__ import main as analyze_main
@@ -163,6 +207,17 @@ def main(argv=None) -> int:
         return timeline_main(argv[1:])
     args = build_parser(argv).parse_args(argv)
     if args.cmd == "simulate":
+        from .cli import dataclass_from_args
+        from .report import check_output_file
+        from .sim.options import SimulateOptions
+
+        try:
+            opts = dataclass_from_args(SimulateOptions, args)  # ranges checked before any planning
+            if not (opts.no_csv or opts.list):
+                check_output_file(opts.csv, "--csv")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if getattr(args, "map", False):
             from .sim.layout_map import main as map_main
 
@@ -191,13 +246,14 @@ def main(argv=None) -> int:
     from weight_transfer.control import ControlError
     from weight_transfer.types import PlanError
 
-    from .report import append_csv, format_table
+    from .report import append_csv, check_output_file, format_table
     from .trial import run_trial
 
     try:
         cfg = config_from_args(args)  # TrialConfig.__post_init__: names, ranges, model overrides
         cfg.model_config()
         cfg.preflight(local=True)  # before any process: transport importable, trace dir, process count
+        check_output_file(args.results, "--results")  # C25: refused before any process starts
         if cfg.run.method == "all":  # reference and baselines side by side (experiments/compare.py)
             from .compare import run_all
 
@@ -209,8 +265,15 @@ def main(argv=None) -> int:
 
         preflight(cfg)
         print(f"# starting: {cfg.train.n_train} training + {cfg.n_infer} inference processes ...", file=sys.stderr, flush=True)
-        result = run_trial(cfg, progress=lambda r: print(
-            f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}", file=sys.stderr, flush=True))
+
+        def on_row(r: dict) -> None:  # each row is in the CSV as soon as its update finished (C25)
+            append_csv([r], args.results)
+            print(f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}", file=sys.stderr, flush=True)
+
+        result = run_trial(cfg, progress=on_row)
+    except OSError as e:  # a results file that failed mid-run: the rows before are in it
+        print(f"error: {e.strerror or e}", file=sys.stderr)
+        return 1
     except (ValueError, PlanError, ControlError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         rest = str(e).splitlines()[1:]
@@ -218,7 +281,7 @@ def main(argv=None) -> int:
             print(f"       {line}", file=sys.stderr)
         return 2
     print(format_table(result))
-    path = append_csv(result.rows, args.results)
+    path = Path(args.results)
     if cfg.transfer.executor.trace_dir:
         from weight_transfer.timeline import merge_step_traces
 

@@ -114,13 +114,146 @@ def format_table(result) -> str:
     return "\n".join(lines)
 
 
+MIN_FREE_BYTES = 1 << 20
+"""An output path is refused before any work when its file system has less free space than
+this (1 MiB: a few thousand result rows)."""
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any process starts, a results file that could not be written (C25):
+    ValueError naming ``what`` (the option) and the path when it is not a regular file (a
+    directory, ``/dev/full``, a FIFO), cannot be created or appended to, or its file system has
+    less than :data:`MIN_FREE_BYTES` free. Creates the parent directories; the file itself is
+    opened for append and closed (nothing is written). Returns the path."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        kind = "a directory" if p.is_dir() else "not a regular file"
+        raise ValueError(f"{what} {str(p)!r} is {kind}; give a file path (rows are appended to it)")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {str(p)!r} cannot be written: {e.strerror or e}") from None
+    _check_free(p.parent, what, p)
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any process starts, an output directory that could not be written:
+    ValueError naming ``what`` and the path when it is a file, cannot be created, a file cannot
+    be created in it, or it has less than :data:`MIN_FREE_BYTES` free. Returns the path."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a file, not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        import tempfile
+
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {str(p)!r} cannot be written: {e.strerror or e}") from None
+    _check_free(p, what, p)
+    return p
+
+
+def _check_free(d: Path, what: str, p: Path) -> None:
+    st = os.statvfs(d)
+    free = st.f_bavail * st.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise ValueError(f"{what} {str(p)!r}: only {free} bytes free on its file system "
+                         f"(at least {MIN_FREE_BYTES} wanted)")
+
+
 def append_csv(rows: list[dict], path: str | os.PathLike) -> Path:
-    """Append tidy rows to ``path`` (created with a header if absent; columns unioned)."""
+    """Append tidy rows to ``path`` (created with a header if absent; columns unioned), never
+    losing a row already there (C25):
+
+    - rows whose columns are the file's (the common case) are appended in place as one write,
+      flushed and fsynced; a write that fails (a full disk) is truncated back so the file ends
+      at its last complete row;
+    - rows with a column the file lacks rewrite the file into a temporary sibling, fsynced, then
+      renamed over it (:func:`os.replace`, atomic): if that fails the old file stays whole.
+
+    Raises OSError naming the path and how many rows it holds. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame(rows)
+    if not rows:
+        return path
     if path.exists() and path.stat().st_size > 0:
+        with open(path, newline="") as f:
+            header = f.readline().rstrip("\r\n").split(",")
+        if set(df.columns) <= set(header) and header == list(dict.fromkeys(header)):
+            text = df.reindex(columns=header).to_csv(index=False, header=False)
+            _append_text(path, text)
+            return path
         old = pd.read_csv(path)
         df = pd.concat([old, df], ignore_index=True)
-    df.to_csv(path, index=False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with _signals_held():
+        _replace_whole(df, tmp, path, len(rows))
     return path
+
+
+def _replace_whole(df, tmp: Path, path: Path, n_rows: int) -> None:
+    """Write ``df`` to ``tmp``, fsync, rename over ``path``; OSError names the path."""
+    try:
+        with open(tmp, "w", newline="") as f:
+            df.to_csv(f, index=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"appending {n_rows} row(s) to {path} failed ({e.strerror or e}); "
+                      f"the rows written before are intact in {path}") from e
+
+
+def _signals_held():
+    """SIGINT and SIGTERM held back (delivered when the block ends) while a row is written, so
+    an interrupt never tears a row (a no-op outside the main thread, where Python delivers no
+    signal handlers anyway)."""
+    import contextlib
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def held():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return held()
+
+
+def _append_text(path: Path, text: str) -> None:
+    """Append ``text`` (unbuffered, every byte or none), fsynced; on failure truncate back to
+    the previous end and raise OSError naming the path."""
+    with _signals_held():
+        _append_bytes(path, text.encode())
+
+
+def _append_bytes(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass
+            raise OSError(e.errno, f"appending a row to {path} failed ({e.strerror or e}); "
+                          f"the rows written before are intact in {path}") from e
+    finally:
+        os.close(fd)

@@ -40,3 +40,11 @@ class SimulateOptions:
     checks: str = field(default="auto", metadata={"choices": ("auto", "forked", "in-process")})
     """``--bench-planner``: ``plan(parallel_checks=None / True / False)``; ``auto`` forks the
     checks at Kimi-K2 scale."""
+
+    def __post_init__(self):
+        for name in ("moe_width", "layers"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {v}: must be >= 1")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat {self.repeat}: must be >= 1")

@@ -62,6 +62,16 @@ def _override_kind(old, new) -> str | None:
     return None
 
 
+POSITIVE = frozenset({
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "num_experts", "n_routed_experts", "num_experts_per_tok",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step",
+    "moe_layer_freq",
+})
+"""Config fields that are sizes or counts: an override must keep them >= 1 (``hidden_size=-1``,
+``num_hidden_layers=0`` and ``num_experts=0`` on a MoE model are refused, naming the override)."""
+
+
 def load_config(name: str, **overrides) -> ModelConfig:
     """Load catalog model ``name`` (see :func:`available_models`), with HF-config overrides.
 
@@ -85,6 +95,17 @@ def load_config(name: str, **overrides) -> ModelConfig:
         if want:
             raise ValueError(f"model {name!r}: override {k}={v!r} wants {want} (the config has {hf[key]!r})")
         hf[key] = v
+    for k, v in overrides.items():
+        key = aliases.get(k, k)
+        if key in POSITIVE and isinstance(v, int) and v < 1:
+            raise ValueError(f"model {name!r}: override {k}={v!r}: {key} must be >= 1")
+    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    if arch != "Qwen3ForCausalLM" and ("num_experts" in overrides or "n_routed_experts" in overrides) and not experts:
+        raise ValueError(f"model {name!r}: override num_experts={experts!r}: a MoE model needs at least one expert")
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"model {name!r}: num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv} (GQA groups must be whole)")
     if "num_experts_per_tok" in hf and hf.get("num_experts_per_tok", 0) > (hf.get("num_experts") or hf.get("n_routed_experts") or 0):
         hf["num_experts_per_tok"] = hf.get("num_experts") or hf.get("n_routed_experts")
     return ModelConfig(name=name, hf=hf, overrides=dict(overrides))

@@ -89,3 +89,152 @@ def test_watermark_mb_reaches_the_executor_options():
     ex, plan = cfg.transfer.executor, cfg.transfer.plan
     assert (ex.watermark, ex.pipeline, plan.local_writes, plan.max_chunk_bytes) == (16 << 20, False, False, 1 << 19)
     assert cfg.inference.quant is None and cfg.model.name == "qwen3-30b-a3b"
+
+
+# ---- the command as a user runs it: bad outputs refused, rows kept, signals (C25, issue 27) ----
+
+TINY = ["--model", "qwen3-0.6b", "--quant", "none", "--tp", "1", "--n-train", "1", "--warmup", "0",
+        "--override", "num_hidden_layers=1", "--override", "hidden_size=256", "--override", "intermediate_size=512",
+        "--override", "num_attention_heads=4", "--override", "num_key_value_heads=2", "--override", "head_dim=64",
+        "--override", "vocab_size=1024"]
+
+
+def _start(args, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "weight_transfer.experiments", "run", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _lines_until(p, prefix: str, timeout: float = 120.0) -> list[str]:
+    import time
+
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stderr.readline()
+        if not line:
+            break
+        seen.append(line.rstrip("\n"))
+        if line.startswith(prefix):
+            return seen
+    raise AssertionError(f"no line {prefix!r} within {timeout} s; got {seen[-10:]}")
+
+
+def test_c25_results_dev_full_refused_before_any_process(tmp_path):
+    p = _start([*TINY, "--results", "/dev/full"], tmp_path)
+    err = p.stderr.read()
+    assert p.wait(60) == 2
+    assert err.splitlines() == ["error: --results '/dev/full' is not a regular file; give a file path "
+                                "(rows are appended to it)"], err
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_c25_disk_fills_mid_run_rows_before_are_in_the_csv(tmp_path):
+    """A results file on a 2 MiB tmpfs, filled by another writer after the first update: the
+    run ends with one ``error:`` line saying where the rows are, exit 1, and the CSV holds
+    every update finished before the disk filled, whole."""
+    import os
+    import subprocess
+
+    import pandas as pd
+
+    d = tmp_path / "tmpfs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        p = _start([*TINY, "--steps", "200", "--results", str(d / "trials.csv")], tmp_path)
+        seen = _lines_until(p, "# step 2:")
+        fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)  # another writer fills the file system
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        rest = p.stderr.read().splitlines()
+        rc = p.wait(120)
+        steps = [line for line in seen + rest if line.startswith("# step ")]
+        assert rc == 1, rest[-5:]
+        assert rest[-1].startswith("error: appending a row to ") and "intact in" in rest[-1], rest[-5:]
+        df = pd.read_csv(d / "trials.csv")
+        assert len(df) == len(steps) >= 2 and df["verified"].astype(bool).all()  # a step is printed once in the CSV
+        assert list(df["step"]) == list(range(1, len(df) + 1))
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_mid_run_one_error_line_and_no_process_left(tmp_path, sig, code):
+    """SIGINT / SIGTERM to ``weight-transfer run`` mid-trial: exit 128 + the signal, one
+    ``error:`` line naming it (no traceback), every process of the command gone, and the rows of
+    the updates that finished in the CSV."""
+    import os
+    import signal
+
+    import pandas as pd
+
+    from tests.helpers.processes import kill_session, wait_none_left
+
+    p = _start([*TINY, "--steps", "500", "--results", str(tmp_path / "trials.csv")], tmp_path)
+    try:
+        _lines_until(p, "# step 2:")
+        os.kill(p.pid, getattr(signal, sig))
+        rest = p.stderr.read().splitlines()
+        assert p.wait(60) == code, rest[-5:]
+        errors = [line for line in rest if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: interrupted by {sig}"), rest[-8:]
+        assert not any("Traceback" in line for line in rest), rest[-20:]
+        assert wait_none_left(p.pid, 30) == []
+        assert len(pd.read_csv(tmp_path / "trials.csv")) >= 2
+    finally:
+        kill_session(p.pid)
+
+
+BAD_INPUT = [
+    (["simulate", "tiny_qwen3_moe_2x2", "--layers", "0"], "--layers 0: must be >= 1"),
+    (["simulate", "tiny_qwen3_moe_2x2", "--layers", "-3"], "--layers -3: must be >= 1"),
+    (["simulate", "tiny_qwen3_moe_2x2", "--moe-width", "0"], "--moe-width 0: must be >= 1"),
+    (["simulate", "tiny_qwen3_moe_2x2", "--bench-planner", "--repeat", "0"], "--repeat 0: must be >= 1"),
+    (["simulate", "tiny_qwen3_moe_2x2", "--csv", "/dev/full"], "--csv '/dev/full' is not a regular file"),
+    (["run", "--override", "num_experts=0"], "override num_experts=0: num_experts must be >= 1"),
+    (["run", "--override", "hidden_size=-1"], "override hidden_size=-1: hidden_size must be >= 1"),
+    (["run", "--override", "num_hidden_layers=0"], "num_hidden_layers must be >= 1"),
+    (["run", "--override", "vocab_size=1000000000000"], "GB available; use smaller overrides"),
+    (["run", "--override", "num_key_value_heads=3"], "not a multiple of num_key_value_heads=3"),
+    (["run", "--train-mesh", "abc"], "argument --train-mesh: wants AxB or AxBxW (integers), got 'abc'"),
+    (["run", "--results", "/dev/full"], "--results '/dev/full' is not a regular file"),
+    (["sweep", "ci_cpu_regression", "--results-dir", "/dev/null"], "--results-dir '/dev/null' is a file"),
+    (["sweep", "ci_cpu_regression", "--cluster", "slurm"], "--cluster slurm: no sbatch on PATH"),
+]
+
+
+@pytest.mark.parametrize("argv,want", BAD_INPUT, ids=[" ".join(a)[:60] for a, _ in BAD_INPUT])
+def test_bad_input_refused_before_work_with_one_error_line(argv, want, capsys, monkeypatch, tmp_path):
+    """Issue 27 item 3: every option and override checked before any process starts or any
+    planning: exit 2, one ``error:`` line naming the option or the override."""
+    import shutil
+
+    from weight_transfer.experiments.command import main
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "sbatch" else real_which(name, *a, **k))
+    if argv[0] == "sweep" and "--folder" not in argv:
+        argv = [*argv, "--folder", str(tmp_path / "jobs")]
+    import contextlib
+
+    rc = None
+    with pytest.raises(SystemExit) if "--train-mesh" in argv else contextlib.nullcontext() as e:  # argparse exits
+        rc = main(argv)
+    rc = e.value.code if e is not None else rc
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and want in err[0], err
+

@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.processes import kill_session, tagged, wait_none_left
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -27,32 +27,6 @@ TINY_QWEN3 = ["--model", "qwen3-0.6b", "--quant", "none", "--tp", "1", "--n-trai
               "--override", "vocab_size=1024"]
 
 
-def tagged(sid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process of session ``sid`` (the command is started as
-    a session leader; its children, vLLM's and orphans reparented to pid 1 stay in its session:
-    nothing here calls ``setsid``). Not the environment: vLLM's ``setproctitle`` overwrites the
-    memory ``/proc/<pid>/environ`` reads. Zombies are skipped (no memory; their parent reaps them)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] == "Z" or int(fields[3]) != sid:
-                continue
-            out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def wait_none_left(sid: int, seconds: float = 30.0) -> list:
-    deadline = time.monotonic() + seconds
-    while (left := tagged(sid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
 @pytest.fixture()
 def session_reaper():
     """Kills every process of the sessions a test started, whatever the test's outcome (a failed
@@ -60,11 +34,7 @@ def session_reaper():
     sids: list[int] = []
     yield sids.append
     for sid in sids:
-        for pid, _ in tagged(sid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_session(sid)
 
 
 def start(args: list[str], tmp_path) -> subprocess.Popen:
