@@ -40,7 +40,7 @@ def test_c1_c10_consecutive_versions_bit_exact():
 def test_c11_poisoned_regions_restored_and_noop_fails_verification():
     res = run_trial(small(steps=1, poison=True))
     assert_all_verified(res, 1)
-    bad = run_trial(small(steps=1, poison=True, method="faults:"))
+    bad = run_trial(small(steps=1, poison=True, method="tests.helpers.faults:"))
     assert [r["verified"] for r in bad.rows] == [False]
     assert bad.rows[0]["bytes"] == 0
     assert "mismatch" in bad.rows[0]["verify_error"] or "qkv_proj" in bad.rows[0]["verify_error"]

@@ -5,7 +5,9 @@
 - :mod:`.receiver`: a spawned receiver process with a request/answer pipe;
 - :mod:`.transports`: the transport-contract receiver every transport suite starts;
 - :mod:`.planning`: FSDP metadata computed with ``shard_box``, exact-cover checks;
-- :mod:`.faults`: fault-matrix helpers.
+- :mod:`.faults`: fault-injecting methods (``method="tests.helpers.faults:"``);
+- :mod:`.processes`: a command's processes found by their session;
+- :mod:`.slurm`: driving sweeps on the local SLURM cluster (scripts/slurm_local.sh).
 """
 from pathlib import Path
 
