@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -249,6 +250,58 @@ class SweepSummary:
         return [o for o in self.outcomes if not o.ok]
 
 
+def slurm_queued(job_ids) -> set[str] | None:
+    """Which of ``job_ids`` are still in SLURM's queue (pending, running or completing), from
+    ``squeue``; None when squeue does not answer."""
+    try:
+        p = subprocess.run(["squeue", "-h", "--me", "-o", "%i"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return None
+    queued = {ln.strip() for ln in p.stdout.splitlines() if ln.strip()}
+    return {str(j) for j in job_ids if str(j) in queued}
+
+
+def next_finished(jobs: list, cluster: str, poll: float):
+    """The first of ``jobs`` to finish. SLURM: the first to leave the queue (``squeue``), so a
+    trial's tasks have all exited before the next trial starts and a job that died without
+    results is seen too; submitit's own check needs ``sacct``, which a cluster without
+    accounting storage (scripts/slurm_local.sh's) does not answer, and would wait forever for
+    a task that was killed before writing its result (a poll where squeue does not answer asks
+    submitit). Elsewhere: ``submitit.helpers.as_completed``. Checked every ``poll`` s (SLURM:
+    at least 1 s, to spare the controller)."""
+    import submitit.helpers
+
+    if cluster != "slurm":
+        return next(submitit.helpers.as_completed(jobs, poll_frequency=poll))
+    while True:
+        queued = slurm_queued([j.job_id for j in jobs])
+        for j in jobs:
+            if j.done() if queued is None else str(j.job_id) not in queued:
+                return j
+        time.sleep(max(poll, 1.0))
+
+
+RESULT_GRACE_S = 15.0
+"""How long a SLURM job that has left the queue may still lack a task's result file (a shared
+file system's caching) before the trial fails."""
+
+
+def slurm_results(job, grace: float | None = None) -> list:
+    """Every task's result of a SLURM job that has left the queue, like ``job.results()`` but
+    without its wait (see :func:`next_finished`): a task without a result file after
+    ``grace`` s (default :data:`RESULT_GRACE_S`) is an error naming it and its log."""
+    tasks = [job.task(i) for i in range(job.num_tasks)]
+    deadline = time.monotonic() + (RESULT_GRACE_S if grace is None else grace)
+    while missing := [i for i, t in enumerate(tasks) if not t.paths.result_pickle.exists()]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"job {job.job_id} left the queue without a result from task(s) "
+                               f"{', '.join(map(str, missing))} (killed? time limit?); log: {tasks[missing[0]].paths.stderr}")
+        time.sleep(0.5)
+    return [t.result() for t in tasks]
+
+
 def _collect(job, cfg, key, opt, sweep_name, t0) -> TrialOutcome:
     out = TrialOutcome(cfg=cfg, key=key, job_id=str(job.job_id), seconds=time.monotonic() - t0)
     try:
@@ -256,7 +309,7 @@ def _collect(job, cfg, key, opt, sweep_name, t0) -> TrialOutcome:
     except Exception:
         pass
     try:
-        res = job.results()[0]
+        res = (slurm_results(job) if opt.cluster == "slurm" else job.results())[0]
     except Exception as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         out.error = lines[-1] if lines else type(e).__name__
@@ -282,8 +335,8 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
     """Run every trial of ``sweep`` not yet in ``results_dir/<sweep>.csv``, ``opt.parallel`` jobs
     at a time, with a rich progress bar (trials done / failed, elapsed). Rows are appended as
     each trial finishes, so an interrupted sweep keeps what it measured. Completion is waited
-    for with ``submitit.helpers.as_completed`` (checked every ``poll`` seconds)."""
-    import submitit.helpers
+    for with :func:`next_finished` (checked every ``poll`` seconds; on SLURM until the job has
+    left the queue)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -321,7 +374,7 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
                 bar.update(tid, now=describe(cfg))
                 job = make_executor(cfg, opt).submit(fn, cfg, str(opt.folder))
                 running.append((job, cfg, k, time.monotonic()))
-            done = next(submitit.helpers.as_completed([r[0] for r in running], poll_frequency=poll))
+            done = next_finished([r[0] for r in running], opt.cluster, poll)
             i = next(i for i, r in enumerate(running) if r[0] is done)
             job, cfg, k, t0 = running.pop(i)
             out = _collect(job, cfg, k, opt, sweep.name, t0)

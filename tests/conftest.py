@@ -7,7 +7,9 @@ instead of every module repeating its own ``skipif``:
 - ``rdma``: needs pyverbs and an RDMA device (``ibv_get_device_list`` non-empty);
 - ``nixl``: needs NIXL's Python package (``nixl``, ``nixl_cu12`` or ``nixl_cu13``; ``pip install -e .[nixl]``);
 - ``vllm``: needs the ``vllm`` package (``make vllm``);
-- ``triton``: needs the ``triton`` package (run on CPU with ``TRITON_INTERPRET=1``).
+- ``triton``: needs the ``triton`` package (run on CPU with ``TRITON_INTERPRET=1``);
+- ``slurm``: needs a SLURM cluster: ``sbatch`` on PATH and ``sinfo`` showing an idle (or
+  partly allocated) node (``bash scripts/slurm_local.sh start`` makes one on this machine).
 
 A marked test never fakes its hardware: it runs where the thing exists and is skipped, with
 the reason, where it does not.
@@ -50,6 +52,25 @@ def _no_rdma_reason() -> str | None:
     return None
 
 
+@functools.cache
+def _no_slurm_reason() -> str | None:
+    import shutil
+    import subprocess
+
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "no SLURM cluster: sbatch/sinfo not on PATH (bash scripts/slurm_local.sh start)"
+    try:
+        p = subprocess.run(["sinfo", "-h", "-t", "idle,mix", "-o", "%N"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"no SLURM cluster: sinfo failed ({e})"
+    if p.returncode != 0:
+        why = p.stderr.strip().splitlines() or [f"exit status {p.returncode}"]
+        return f"no SLURM cluster: sinfo failed ({why[-1]})"
+    if not p.stdout.strip():
+        return "no idle SLURM node (sinfo; bash scripts/slurm_local.sh start)"
+    return None
+
+
 _REASONS = {
     "gpu": _no_cuda_reason,
     "rdma": _no_rdma_reason,
@@ -57,6 +78,7 @@ _REASONS = {
                      else "nixl not installed (pip install -e .[nixl])"),
     "vllm": lambda: None if _has("vllm") else "vllm not installed (make vllm)",
     "triton": lambda: None if _has("triton") else "triton not installed (pip install -e .[triton])",
+    "slurm": _no_slurm_reason,
 }
 
 
