@@ -1,20 +1,38 @@
-"""Compare the data planes available on this machine, beside memcpy, in one run.
+"""Compare the data planes available on this machine, beside memcpy, in one run, in the shape
+of nccl-tests: every transport against memcpy at 1 and 2 threads over message sizes from 4 KiB
+to 256 MiB, and the cost of registering memory, separately.
 
     .venv/bin/weight-transfer bench-transports                # all that work here
-    .venv/bin/weight-transfer bench-transports --mib 64 --repeats 2 --transports cma
+    .venv/bin/weight-transfer bench-transports --mib 64 --repeats 2 --transports memcpy,cma
 
-Cases: ``large`` (one op of ``--mib`` MiB) and the default model's tensors (``qwen3-0.6b``:
-one write per checkpoint tensor, BF16, into one packed receiver arena, as a trial's engine
-arena). Rows: ``memcpy`` (``torch`` ``copy_`` in one process, the floor), ``cma``
-(``process_vm_writev``), ``nixl`` (UCX's default choice on one host: CMA puts, TCP wire-up),
-``nixl-tcp`` (``UCX_TLS=tcp`` over loopback). Each transport row writes from this process into a
-spawned receiver that registered its buffer once; ``time_s`` is the best of ``--repeats`` timed
-batches after one warm-up batch (the warm-up also makes connections), from ``write()`` to
-``wait()`` returning. Every row is verified: the receiver's SHA-256 equals the expected
-image's. A transport that cannot run here is listed in the footer with the reason.
+Three tables, each row verified (the receiver's SHA-256 equals the expected image's):
 
-Output: an nccl-tests-style table on stdout and ``results/transports.csv`` (raw bytes and
-seconds; GB/s = bytes / seconds / 1e9, see docs/PERFORMANCE.md).
+1. **Sizes** (``size``): per message size ``S`` (``--min-kib`` .. ``--max-mib``, x4 steps), a
+   batch of ``ceil(--window-mib / S)`` writes of ``S`` bytes each into distinct offsets of the
+   receiver's region, at 1 and 2 threads (``--threads``): 2 threads split the batch in halves,
+   each posted by its own thread on its own transport object (transports are not thread-safe;
+   the kernel copies of ``process_vm_writev`` and torch's ``copy_`` release the GIL, so two
+   threads can keep both cores copying). Columns: time per batch, latency per message
+   (time / messages / threads-in-parallel), algbw (bytes / time) and busbw (= algbw: a
+   point-to-point write moves each byte once), and ``%memcpy``: algbw against the same-run
+   memcpy at the same size and threads (the floor).
+2. **Cases**: ``large`` (one op of ``--mib`` MiB) and the default model's tensors
+   (``qwen3-0.6b``: one write per checkpoint tensor, BF16, into one packed receiver arena, as a
+   trial's engine arena), one thread.
+3. **Registration** (``register``): seconds to register (and publish a descriptor of) a region
+   of 1 MiB, 64 MiB and ``--mib`` MiB, per transport, the best of ``--repeats``; the executor
+   today registers each task's outputs per update, so this is the cost a pooled, registered-once
+   design removes.
+
+Rows: ``memcpy`` (``torch`` ``copy_`` in one process, the floor), ``cma`` (``process_vm_writev``),
+``nixl`` (UCX's default choice on one host: CMA puts, TCP wire-up), ``nixl-tcp``
+(``UCX_TLS=tcp`` over loopback). Each transport row writes from this process into a spawned
+receiver that registered its buffer once; times are the best of ``--repeats`` timed batches
+after one warm-up batch (the warm-up also makes connections), from ``write()`` to ``wait()``
+returning. A transport that cannot run here is listed in the footer with the reason.
+
+Output: the tables on stdout and ``results/transports.csv`` (raw bytes and seconds, one row per
+(transport, case, threads, message size); GB/s = bytes / seconds / 1e9, see docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -25,6 +43,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -140,6 +159,169 @@ def bench_transport(name, ops, src, nbytes, repeats):
             pr.kill()
 
 
+def size_cases(min_kib: int, max_mib: int, window_mib: int) -> dict[int, list[tuple[int, int, int]]]:
+    """message size -> a batch of writes of that size covering ``max(window, size)`` bytes of
+    a packed source and a packed destination (distinct offsets, no overlap)."""
+    out, size = {}, min_kib << 10
+    while size <= max_mib << 20:
+        n = max(1, -(-(window_mib << 20) // size))
+        out[size] = [(i * size, i * size, size) for i in range(n)]
+        size *= 4
+    return out
+
+
+def _split(ops, threads: int) -> list[list]:
+    """``ops`` cut into ``threads`` contiguous halves (thirds, ...) of near-equal count."""
+    k = -(-len(ops) // threads)
+    return [ops[i:i + k] for i in range(0, len(ops), k)][:threads]
+
+
+class _Gang:
+    """``len(fns)`` threads started once; :meth:`run` has each call its function once, at the
+    same time, and returns when all are done (so a timed batch does not include thread
+    start-up); the first failure is re-raised. :meth:`close` ends the threads."""
+
+    def __init__(self, fns):
+        self.fns, self.errs, self.stop = fns, [], False
+        self.go, self.done = threading.Barrier(len(fns) + 1), threading.Barrier(len(fns) + 1)
+        self.threads = [threading.Thread(target=self._loop, args=(f,), daemon=True) for f in fns]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, f):
+        while True:
+            self.go.wait()
+            if self.stop:
+                return
+            try:
+                f()
+            except BaseException as e:  # re-raised by run()
+                self.errs.append(e)
+            self.done.wait()
+
+    def run(self) -> None:
+        self.go.wait()
+        self.done.wait()
+        if self.errs:
+            raise self.errs[0]
+
+    def close(self) -> None:
+        self.stop = True
+        self.go.wait()
+        for t in self.threads:
+            t.join()
+
+
+def _timed(fns, repeats: int) -> list[float]:
+    """Seconds per batch: ``fns`` run at once (one thread each; inline when there is one),
+    ``repeats`` timed after one warm-up."""
+    gang = _Gang(fns) if len(fns) > 1 else None
+    times = []
+    try:
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            if gang is None:
+                fns[0]()
+            else:
+                gang.run()
+            if r:
+                times.append(time.perf_counter() - t0)
+    finally:
+        if gang is not None:
+            gang.close()
+    return times
+
+
+def bench_memcpy_threads(ops, src, dst, repeats, threads: int):
+    """Seconds per batch (``repeats`` timed after one warm-up), ``threads`` threads each
+    copying its part of ``ops`` with ``copy_``."""
+    def part(po):
+        def go():
+            for so, do, n in po:
+                dst[do:do + n].copy_(src[so:so + n])
+        return go
+    return _timed([part(po) for po in _split(ops, threads)], repeats)
+
+
+class _Rx:
+    """A spawned receiver of transport ``name`` holding one registered region of ``nbytes``
+    (POISON-filled): ``desc``, ``reset()``, ``sha()``, ``close()``."""
+
+    def __init__(self, name: str, nbytes: int):
+        ctx = mp.get_context("spawn")
+        self.p, c = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver, args=(c, name, nbytes), daemon=True)
+        self.proc.start()
+        if not self.p.poll(120):
+            self.close()
+            raise RuntimeError("receiver did not start")
+        self.desc = self.p.recv()
+
+    def _ask(self, cmd):
+        self.p.send(cmd)
+        return self.p.recv()
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+    def sha(self) -> str:
+        return self._ask("sha")
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self._ask("exit")
+        except (OSError, EOFError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def timed_writes(name, desc, ops, src, repeats, threads: int) -> list[float]:
+    """Seconds per batch (``repeats`` timed after one warm-up) of ``ops`` from ``src`` into the
+    region ``desc``, ``threads`` threads each posting its part on its own transport object."""
+    os.environ.update(_env_for(name))
+    kw = {"progress_thread": False} if _kind(name) == "nixl" else {}
+    ts, batches = [], []
+    try:
+        for po in _split(ops, threads):
+            t = make_transport(_kind(name), **kw)
+            ts.append(t)
+            t.connect([desc])
+            loc = t.register(src)
+            batches.append((t, [WriteOp(loc, so, desc, do, n) for so, do, n in po]))
+        return _timed([lambda t=t, w=w: t.write(w).wait(300) for t, w in batches], repeats)
+    finally:
+        for t in ts:
+            t.close()
+        os.environ.pop("UCX_TLS", None)
+
+
+def registration_seconds(name: str, nbytes: int, repeats: int) -> float:
+    """Best of ``repeats``: seconds to ``register`` a fresh ``nbytes`` host tensor and publish its
+    descriptor on transport ``name`` (``memcpy``: 0, nothing to register), deregistered after."""
+    if name == "memcpy":
+        return 0.0
+    os.environ.update(_env_for(name))
+    kw = {"progress_thread": False} if _kind(name) == "nixl" else {}
+    t = make_transport(_kind(name), **kw)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf[::4096] = 0  # touch every page first: registration, not page faults, is timed
+            t0 = time.perf_counter()
+            r = t.register(buf)
+            r.descriptor()
+            best = min(best, time.perf_counter() - t0)
+            t.deregister(r)
+        return best
+    finally:
+        t.close()
+        os.environ.pop("UCX_TLS", None)
+
+
 @dataclass(kw_only=True, slots=True)
 class TransportBenchConfig:
     """Options of ``weight-transfer bench-transports``."""
@@ -152,6 +334,14 @@ class TransportBenchConfig:
     """Timed batches per row (after one warm-up); best and median reported."""
     transports: tuple[str, ...] = ALL
     """Rows to run, comma-separated: memcpy, cma, nixl, nixl-tcp."""
+    min_kib: int = 4
+    """Smallest message of the size sweep (KiB); sizes grow x4 up to ``max_mib``."""
+    max_mib: int = 256
+    """Largest message of the size sweep (MiB)."""
+    window_mib: int = 64
+    """Bytes one batch of the size sweep covers (MiB): ``window / size`` messages per batch."""
+    threads: tuple[int, ...] = (1, 2)
+    """Sender threads of the size sweep, comma-separated (each its own transport object)."""
     csv: str = "results/transports.csv"
     """CSV the rows are written to (overwritten); empty: none."""
 
@@ -161,13 +351,25 @@ class TransportBenchConfig:
             raise ValueError(f"transports {bad}: known {', '.join(ALL)}")
         if self.mib < 1 or self.repeats < 1:
             raise ValueError(f"mib={self.mib}, repeats={self.repeats}: both >= 1")
+        if self.min_kib < 1 or self.max_mib < 1 or self.window_mib < 1 or (self.min_kib << 10) > (self.max_mib << 20):
+            raise ValueError(f"min_kib={self.min_kib}, max_mib={self.max_mib}, window_mib={self.window_mib}: "
+                             "all >= 1 and min_kib KiB <= max_mib MiB")
+        if not self.threads or min(self.threads) < 1:
+            raise ValueError(f"threads={self.threads}: one or more counts >= 1")
+
+
+def _image_sha(ops, src: torch.Tensor, nbytes: int) -> str:
+    return _image(ops, src, nbytes)
+
+
+def _size_label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def main(a: TransportBenchConfig) -> int:
-    """Run every row, print the table, write ``a.csv``; 0 if every row ran and verified."""
+    """Run every table, print it, write ``a.csv``; 0 if every row ran and verified."""
     torch.set_num_threads(1)
     names = list(a.transports)
-    cs = cases(a.mib, a.model)
     run_id, sha, stamp, host = uuid.uuid4().hex[:8], git_sha(), dt.datetime.now().isoformat(timespec="seconds"), socket.gethostname()
     try:
         from importlib.metadata import version
@@ -179,20 +381,77 @@ def main(a: TransportBenchConfig) -> int:
     print(f"# host {host}: {os.cpu_count()} cpus, {platform.system()} {platform.release()}, python {platform.python_version()}, "
           f"torch {torch.__version__}, nixl-cu12 {nixl_v}")
     print(f"# best of {a.repeats} timed batches after 1 warm-up; nixl = UCX's choice (CMA put, TCP wire-up), nixl-tcp = UCX_TLS=tcp; "
-          f"memcpy = torch copy_ in one process")
+          f"memcpy = torch copy_ in one process, the floor; busbw = algbw (point to point)")
+    rows, skipped = [], {}
+
+    def row(name, case, threads, msg, ops, nbytes, times, ok):
+        best, med = min(times), sorted(times)[len(times) // 2]
+        r = dict(run_id=run_id, git_sha=sha, timestamp=stamp, host=host, transport=name, case=case, threads=threads,
+                 msg_bytes=msg, ops=ops, bytes=nbytes, seconds=f"{best:.6f}", seconds_median=f"{med:.6f}",
+                 repeats=a.repeats, verified=ok)
+        rows.append(r)
+        return best, med
+
+    # 1. sizes x threads
+    sizes = size_cases(a.min_kib, a.max_mib, a.window_mib)
+    span = max(max(do + n for _, do, n in ops) for ops in sizes.values())
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 256, (span,), dtype=torch.uint8, generator=g)
+    want = {s: _image_sha(ops, src, span) for s, ops in sizes.items()}
     print("#")
-    hdr = f"# {'transport':>10} {'case':>12} {'ops':>6} {'bytes':>12} {'time':>9} {'median':>9} {'algbw':>7} {'verified':>8}"
-    units = f"# {'':>10} {'':>12} {'(#)':>6} {'(B)':>12} {'(s)':>9} {'(s)':>9} {'(GB/s)':>7} {'':>8}"
-    print(hdr)
-    print(units)
-    rows, skipped = [], []
-    for cname, ops in cs.items():
+    print(f"# [1] message sizes: batches of writes covering {a.window_mib} MiB (or one message), threads {a.threads}")
+    print(f"# {'transport':>10} {'threads':>7} {'size':>8} {'msgs':>6} {'bytes':>11} {'time':>9} {'lat/msg':>9} "
+          f"{'algbw':>7} {'busbw':>7} {'%memcpy':>7} {'verified':>8}")
+    print(f"# {'':>10} {'(#)':>7} {'':>8} {'(#)':>6} {'(B)':>11} {'(s)':>9} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
+          f"{'':>7} {'':>8}")
+    floor: dict[tuple[int, int], float] = {}
+    for name in names:
+        try:
+            if name == "memcpy":
+                dst = torch.full((span,), POISON, dtype=torch.uint8)
+                rx = None
+            else:
+                rx = _Rx(name, span)
+            for size, ops in sizes.items():
+                nbytes = sum(n for *_, n in ops)
+                for th in a.threads:
+                    if rx is None:
+                        dst.fill_(POISON)
+                        times = bench_memcpy_threads(ops, src, dst, a.repeats, th)
+                        got = hashlib.sha256(dst.numpy().tobytes()).hexdigest()
+                    else:
+                        rx.reset()
+                        times = timed_writes(name, rx.desc, ops, src, a.repeats, th)
+                        got = rx.sha()
+                    ok = got == want[size]
+                    best, _ = row(name, "size", th, size, len(ops), nbytes, times, ok)
+                    bw = nbytes / best / 1e9
+                    if name == "memcpy":
+                        floor[(size, th)] = bw
+                    pct = f"{100 * bw / floor[(size, th)]:.0f}%" if (size, th) in floor else "-"
+                    lat = best / max(1, -(-len(ops) // th)) * 1e6
+                    print(f"  {name:>10} {th:>7} {_size_label(size):>8} {len(ops):>6} {nbytes:>11} {best:>9.4f} "
+                          f"{lat:>9.1f} {bw:>7.2f} {bw:>7.2f} {pct:>7} {'ok' if ok else 'WRONG':>8}", flush=True)
+            if rx is not None:
+                rx.close()
+            else:
+                del dst
+        except Exception as e:
+            skipped[name] = f"{type(e).__name__}: {e}"
+    del src
+
+    # 2. the large op and the model's tensors, one thread
+    print("#")
+    print("# [2] cases: one large op; one write per checkpoint tensor into a packed arena (one thread)")
+    print(f"# {'transport':>10} {'case':>12} {'ops':>6} {'bytes':>12} {'time':>9} {'median':>9} {'algbw':>7} {'verified':>8}")
+    print(f"# {'':>10} {'':>12} {'(#)':>6} {'(B)':>12} {'(s)':>9} {'(s)':>9} {'(GB/s)':>7} {'':>8}")
+    for cname, ops in cases(a.mib, a.model).items():
         nbytes = max(do + n for _, do, n in ops)
         g = torch.Generator().manual_seed(1)
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-        want = _image(ops, src, nbytes)
+        want_c = _image(ops, src, nbytes)
         for name in names:
-            if name in {s[0] for s in skipped}:
+            if name in skipped:
                 continue
             try:
                 if name == "memcpy":
@@ -203,18 +462,35 @@ def main(a: TransportBenchConfig) -> int:
                 else:
                     times, got = bench_transport(name, ops, src, nbytes, a.repeats)
             except Exception as e:
-                skipped.append((name, f"{type(e).__name__}: {e}"))
+                skipped[name] = f"{type(e).__name__}: {e}"
                 continue
-            best, med = min(times), sorted(times)[len(times) // 2]
-            ok = got == want
-            row = dict(run_id=run_id, git_sha=sha, timestamp=stamp, host=host, transport=name, case=cname, ops=len(ops),
-                       bytes=nbytes, seconds=f"{best:.6f}", seconds_median=f"{med:.6f}", repeats=a.repeats, verified=ok)
-            rows.append(row)
+            ok = got == want_c
+            best, med = row(name, cname, 1, 0, len(ops), nbytes, times, ok)
             print(f"  {name:>10} {cname:>12} {len(ops):>6} {nbytes:>12} {best:>9.4f} {med:>9.4f} "
                   f"{nbytes / best / 1e9:>7.2f} {'ok' if ok else 'WRONG':>8}", flush=True)
+        del src
+
+    # 3. registration
+    print("#")
+    print("# [3] registration: register() + descriptor() of a fresh (paged-in) host tensor, best of "
+          f"{a.repeats}")
+    print(f"# {'transport':>10} {'bytes':>12} {'time':>10} {'per GiB':>10}")
+    print(f"# {'':>10} {'(B)':>12} {'(s)':>10} {'(s)':>10}")
+    for name in names:
+        if name in skipped or name == "memcpy":
+            continue
+        for nbytes in sorted({1 << 20, 64 << 20, a.mib << 20}):
+            try:
+                sec = registration_seconds(name, nbytes, a.repeats)
+            except Exception as e:
+                skipped[name] = f"{type(e).__name__}: {e}"
+                break
+            row(name, "register", 1, nbytes, 1, nbytes, [sec], True)
+            print(f"  {name:>10} {nbytes:>12} {sec:>10.6f} {sec / nbytes * (1 << 30):>10.6f}", flush=True)
+
     allok = all(r["verified"] for r in rows)
     print(f"# Out of bounds values : {sum(not r['verified'] for r in rows)} {'OK' if allok else 'FAILED'}")
-    for name, why in skipped:
+    for name, why in skipped.items():
         print(f"# not run: {name}: {why}")
     if a.csv:
         os.makedirs(os.path.dirname(a.csv) or ".", exist_ok=True)
@@ -224,4 +500,3 @@ def main(a: TransportBenchConfig) -> int:
             w.writerows(rows)
         print(f"# results: {a.csv} ({len(rows)} rows)")
     return 0 if allok and rows else 1
-
