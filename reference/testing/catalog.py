@@ -102,10 +102,6 @@ def load_config(name: str, **overrides) -> ModelConfig:
     experts = hf.get("num_experts") or hf.get("n_routed_experts")
     if arch != "Qwen3ForCausalLM" and ("num_experts" in overrides or "n_routed_experts" in overrides) and not experts:
         raise ValueError(f"model {name!r}: override num_experts={experts!r}: a MoE model needs at least one expert")
-    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
-    if heads and kv and heads % kv:
-        raise ValueError(f"model {name!r}: num_attention_heads={heads} is not a multiple of "
-                         f"num_key_value_heads={kv} (GQA groups must be whole)")
     if "num_experts_per_tok" in hf and hf.get("num_experts_per_tok", 0) > (hf.get("num_experts") or hf.get("n_routed_experts") or 0):
         hf["num_experts_per_tok"] = hf.get("num_experts") or hf.get("n_routed_experts")
     return ModelConfig(name=name, hf=hf, overrides=dict(overrides))
