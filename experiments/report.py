@@ -22,7 +22,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def _engine_text(cfg) -> str:
-    if getattr(cfg, "engine", "stand-in") == "vllm":
+    if cfg.run.engine == "vllm":
         from weight_transfer.engines.vllm import vllm_version
 
         return f"{vllm_version() or 'vllm'} (unmodified; runtime layout reported by the engine; verified vs a fresh vLLM)"
@@ -59,7 +59,7 @@ def format_table(result) -> str:
     mcfg = cfg.model_config()
     lines = [
         f"# weight-transfer trial: method={cfg.run.method} transport={cfg.transfer.transport.name}"
-        + (f" device={cfg.run.device}" if getattr(cfg, "device", "cpu") != "cpu" else ""),
+        + (f" device={cfg.run.device}" if cfg.run.device != "cpu" else ""),
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
         f"# training: {cfg.train.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train.dtype}",
@@ -92,6 +92,11 @@ def format_table(result) -> str:
             f"# bytes per update: {meas[0]['bytes']} ({meas[0]['bytes'] / 1e9:.3f} GB); algbw at p50: "
             f"{meas[0]['bytes'] / med / 1e9:.3f} GB/s",
         ]
+    if meas and meas[-1].get("trainer_copy_bytes") is not None:
+        c = meas[-1]["trainer_copy_bytes"]
+        lines.append(f"# trainers copied outside the writes: {c} B per update ({100 * c / max(1, meas[-1]['bytes']):.1f}% "
+                     "of the bytes written: full_tensor() gathers and outputs in buffers of their own; 0 = every "
+                     "write straight from a shard)")
     if staged and meas:
         b, bs = meas[0]["bytes"], meas[0]["bytes_staged"]
         cs = [r.get("commit_seconds", 0.0) for r in meas]
@@ -105,7 +110,7 @@ def format_table(result) -> str:
         lines.append(cov)
     against = ("a fresh vLLM from the step's checkpoint (every addressable runtime byte, staged bytes vs the "
                "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)"
-               if getattr(result.cfg, "engine", "stand-in") == "vllm" else "the engine's load_weights")
+               if result.cfg.run.engine == "vllm" else "the engine's load_weights")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(rows)} updates"
                  + ("" if n_ok == len(rows) else "  <-- FAILED"))
     for r in rows:

@@ -276,6 +276,10 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
                 "wire_bytes": sum(s.wire_bytes for s in stats),
                 "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
+                # bytes the training ranks copied outside the writes (reference: gathered sources +
+                # outputs in buffers of their own; None for methods that do not say)
+                "trainer_copy_bytes": (sum(s.gather_bytes + s.copy_bytes for s in stats)
+                                       if all(hasattr(s, "copy_bytes") for s in stats) else None),
                 "write_seconds": ctl.last_write_seconds,
             }
             if cfg.run.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown

@@ -106,6 +106,12 @@ class TaskRecord:
     send_bytes: int = 0
     alloc_bytes: int = 0
     """Bytes of tensors this task actually allocated (gathered sources and outputs)."""
+    gather_bytes: int = 0
+    """Bytes ``full_tensor()`` gathered into new buffers on this rank for this task."""
+    copy_bytes: int = 0
+    """Bytes of this task's outputs in buffers of their own (a cast, a quantization, a fused
+    ``cat``, a ``.contiguous()`` of a strided slice): outputs that are views of this rank's
+    shards or of the gathered sources cost no copy."""
     h2d_bytes: int = 0
     label: str = ""
     gate_wait: float = 0.0
@@ -160,6 +166,18 @@ class StepStats:
     def wire_bytes(self) -> int:
         """Payload bytes moved: one-sided writes move exactly what lands (``bytes_sent``)."""
         return self.bytes_sent
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes ``full_tensor()`` gathered into new buffers on this rank this update."""
+        return sum(r.gather_bytes for r in self.records)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of outputs this rank built in buffers of their own this update (see
+        :attr:`TaskRecord.copy_bytes`); with :attr:`gather_bytes`, what the trainer copies
+        outside the writes themselves."""
+        return sum(r.copy_bytes for r in self.records)
 
     def wall(self, t: float) -> float:
         """Wall-clock seconds of a ``perf_counter`` time ``t`` of this rank."""
@@ -365,7 +383,11 @@ class Executor:
             ev.record(torch.cuda.current_stream(self.device))
             w.ready_event = ev
         gathered = [full[n] for n in task.sources if isinstance(self.params.get(n), DTensor)]
-        w.rec.alloc_bytes = unique_nbytes(gathered + [o for os_ in outs for o in os_])
+        flat_outs = [o for os_ in outs for o in os_]
+        w.rec.alloc_bytes = unique_nbytes(gathered + flat_outs)
+        w.rec.gather_bytes = unique_nbytes(gathered)
+        have = {t.untyped_storage().data_ptr() for t in full.values() if t.numel()}
+        w.rec.copy_bytes = unique_nbytes([o for o in flat_outs if o.numel() and o.untyped_storage().data_ptr() not in have])
         w.full, w.outputs = full, outs
         t1 = time.perf_counter()
         w.rec.stages["prepare"] = (t0, t1)

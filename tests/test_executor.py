@@ -590,3 +590,18 @@ def test_two_mesh_groups_with_barrier_bit_exact(tmp_path):
         assert g0 and g1
         assert b["ts"] >= max(e["ts"] for e in g0)                      # after the group's last full_tensor
         assert min(e["ts"] for e in g1) >= b["ts"] + b["dur"] - 1e-3    # next group waits on it
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_trainer_copy_bytes_counts_gathers_and_new_buffers_not_shard_views():
+    """``trainer_copy_bytes`` (issue 29 item 2): bytes the training ranks copy outside the
+    writes. With every source gathered (``local_writes=False``) at least every byte written was
+    gathered first; shard-local prepare copies less; block FP8 builds its outputs in buffers of
+    their own; never more than gathered + written."""
+    gather = run(small(local_writes=False, quant=None)).rows[0]
+    local = run(small(quant=None)).rows[0]
+    fp8 = run(small(quant="fp8")).rows[0]
+    assert gather["trainer_copy_bytes"] >= gather["bytes"]
+    assert 0 <= local["trainer_copy_bytes"] < gather["trainer_copy_bytes"]
+    assert fp8["trainer_copy_bytes"] > 0
