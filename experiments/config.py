@@ -267,7 +267,7 @@ class TrialConfig:
         one-line cause. :meth:`TransferOptions.preflight` (the transport can run here, the
         trace directory is writable), a CUDA torch with a GPU for ``device=cuda``, and, when
         the ranks are to start on this machine (``local``), ``n_train + n_infer`` within
-        :func:`local_process_cap`."""
+        :func:`local_process_cap`, then :meth:`memory_estimate` within the available memory."""
         if self.run.device == "cuda":
             import torch
 
@@ -276,24 +276,25 @@ class TrialConfig:
                                  f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
                                  "run on a GPU host with a CUDA build of torch (docs/GPU.md)")
         self.transfer.preflight()
-        if local:
-            self._check_memory()
         n_train, inf = self.train.n_train, self.inference
         if local and n_train + self.n_infer > local_process_cap():
             raise ValueError(f"{n_train} training + {self.n_infer} inference processes (tp={inf.tp} x "
                              f"dp={inf.dp}) exceed this machine's cap of {local_process_cap()} "
                              f"(max({LOCAL_PROCESSES_MIN}, {LOCAL_PROCESSES_PER_CPU} x {os.cpu_count()} CPUs)); "
                              f"run a world this size on a cluster (sweep --cluster slurm)")
+        if local:
+            self._check_memory()
 
     def memory_estimate(self) -> int:
-        """Bytes a trial on one machine holds at least: the training copy (in ``train_dtype``),
-        every inference replica (BF16; FP8 counted as BF16, an upper bound) and the
-        verifier's oracle of one inference rank: ``(train + dp + 1) x`` the BF16 checkpoint."""
+        """Bytes a trial on one machine holds at least: the training copy (in ``train_dtype``)
+        and every inference replica (``dp`` copies of the BF16 checkpoint; FP8 replicas count
+        as BF16): a lower bound (temporaries, the verifier's per-tensor oracle and the
+        processes' own memory come on top), so a refusal is never wrong."""
         from weight_transfer.testing.catalog import total_bytes
 
         bf16 = total_bytes(self.model_config())
         train = bf16 * (2 if self.train.dtype == "float32" else 1)
-        return train + bf16 * (self.inference.dp + 1)
+        return train + bf16 * self.inference.dp
 
     def _check_memory(self) -> None:
         """ValueError naming the model and its overrides when :meth:`memory_estimate` exceeds
@@ -306,8 +307,8 @@ class TrialConfig:
             return
         need = self.memory_estimate()
         if need > avail:
-            raise ValueError(f"model {self.model_config().label} needs about {need / 1e9:.1f} GB here (training copy, "
-                             f"{self.inference.dp} inference replica(s), the verifier's oracle) but this machine has "
+            raise ValueError(f"model {self.model_config().label} needs at least {need / 1e9:.1f} GB here (training copy "
+                             f"and {self.inference.dp} inference replica(s)) but this machine has "
                              f"{avail / 1e9:.1f} GB available; use smaller overrides (--override ...) or a cluster")
 
     def train_specs(self) -> list:
