@@ -26,6 +26,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# the tests marked `long` (deselected by `make test`): the SLURM time-limit and node-lost rows
+test-long: setup
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+
 lint: setup
 	$(PY) -m ruff check .
 

@@ -23,11 +23,16 @@ looks names up there).
 Results: every trial's rows, plus ``trial_key`` (hash of the config), ``sweep``, ``job_id``,
 ``cluster`` and the executor options, are appended to ``results/<sweep>.csv``. A rerun skips
 trials whose key is already there. A failed trial prints its log path and the sweep goes on.
+On SLURM, a job that ends without every task's result fails its trial with the way SLURM ended
+it first (``cancelled: ...``, ``time limit: ...``, ``node lost: ...``; a job SLURM does not end
+is cancelled at the sweep's own deadline: ``no end from SLURM: ...``): docs/SWEEPS.md,
+"Failures under SLURM".
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -207,8 +212,18 @@ def executor_parameters(cfg: TrialConfig, opt: LaunchOptions) -> dict:
     if opt.cluster == "slurm":
         if opt.partition:
             p["slurm_partition"] = opt.partition
-        if opt.slurm_extra:
-            p["slurm_additional_parameters"] = dict(opt.slurm_extra)
+        # No early warning signal: submitit asks for USR2 90 s before the time limit
+        # (`--signal=USR2@90`); SLURM sends it up to a minute earlier still, so with a short
+        # --time it reaches tasks that have not yet installed submitit's handler (USR2's default
+        # action kills them: every trial of `--time 1` died of it at start), and otherwise only
+        # task 0 acts on it (a trial is not checkpointable: it raises "timed-out and not
+        # checkpointable" and the ranks wait for a controller that is gone). With a delay of 0
+        # SLURM sends nothing: a trial runs to its limit and SLURM ends it (state TIMEOUT).
+        p["slurm_signal_delay_s"] = 0
+        # Not requeued (node failure, preemption): a requeued job would start over in the same
+        # job folder, its ranks finding the first run's store.json; the trial fails with the
+        # SLURM state named instead (NODE_FAIL, PREEMPTED) and a rerun of the sweep runs it again.
+        p["slurm_additional_parameters"] = {"no_requeue": True, **dict(opt.slurm_extra)}
     return p
 
 
@@ -230,6 +245,9 @@ class TrialOutcome:
     error: str = ""
     log: str = ""
     seconds: float = 0.0
+    slurm_state: str = ""
+    """SLURM: the job's state when the sweep last saw it (COMPLETED, CANCELLED, TIMEOUT, NODE_FAIL,
+    ...; OVERDUE: cancelled by the sweep at its deadline); '' elsewhere or when not known."""
 
     @property
     def ok(self) -> bool:
@@ -250,35 +268,142 @@ class SweepSummary:
         return [o for o in self.outcomes if not o.ok]
 
 
-def slurm_queued(job_ids) -> set[str] | None:
-    """Which of ``job_ids`` are still in SLURM's queue (pending, running or completing), from
-    ``squeue``; None when squeue does not answer."""
+SLURM_ENDED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                         "BOOT_FAIL", "DEADLINE"})
+"""``squeue`` states of a job that has ended (``-t all`` lists them for ``MinJobAge`` seconds:
+300 by default, 30 on scripts/slurm_local.sh's cluster; then the job is gone from squeue)."""
+
+SLURM_END_NAMES = {"CANCELLED": "cancelled", "TIMEOUT": "time limit", "NODE_FAIL": "node lost",
+                   "PREEMPTED": "preempted", "OUT_OF_MEMORY": "out of memory", "BOOT_FAIL": "node failed to boot",
+                   "DEADLINE": "deadline", "FAILED": "failed"}
+"""The first words of a trial's error when its SLURM job ended in that state without its results."""
+
+SLURM_DEADLINE_MARGIN_S = 120.0
+"""The sweep's own deadline for a SLURM job: ``--time`` plus this many seconds after the sweep
+first saw it running. SLURM ends a job at its limit itself, up to ~30 s late (its periodic
+check) plus ``KillWait`` (30 s by default, 10 s on scripts/slurm_local.sh's cluster); a job
+still listed past this deadline is one SLURM has lost track of (slurmctld or the node's
+slurmd not answering): the sweep cancels it and fails the trial ("no end from SLURM")."""
+
+ENDED_GRACE_S = 2.0
+"""The result grace (:data:`RESULT_GRACE_S`) for a job SLURM says it ended (cancelled, time
+limit, node lost, ...): its killed tasks write no result, so there is little to wait for."""
+
+
+@dataclass
+class SlurmJob:
+    """What the sweep has seen of one SLURM job: the state, reason and nodes ``squeue`` last
+    showed, when it was first seen running (monotonic), whether it has left ``squeue -t all``
+    altogether, and ``overdue``: the state it was in when the sweep cancelled it at its
+    deadline, ``deadline_s`` seconds after it started (:meth:`SlurmWatch.overdue`)."""
+
+    job_id: str
+    submitted: float
+    state: str = ""
+    reason: str = ""
+    nodes: str = ""
+    started: float | None = None
+    gone: bool = False
+    overdue: str = ""
+    deadline_s: float = 0.0
+
+
+def slurm_states(job_ids) -> dict[str, tuple[str, str, str]] | None:
+    """``{job id: (state, reason, nodes)}`` for those of ``job_ids`` that ``squeue -t all`` lists
+    (pending, running, completing, and ended ones for ``MinJobAge``); None when squeue does not
+    answer."""
     try:
-        p = subprocess.run(["squeue", "-h", "--me", "-o", "%i"], capture_output=True, text=True, timeout=60)
+        p = subprocess.run(["squeue", "-h", "--me", "-t", "all", "-o", "%i|%T|%r|%N"], capture_output=True,
+                           text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     if p.returncode != 0:
         return None
-    queued = {ln.strip() for ln in p.stdout.splitlines() if ln.strip()}
-    return {str(j) for j in job_ids if str(j) in queued}
+    ids, out = {str(j) for j in job_ids}, {}
+    for ln in p.stdout.splitlines():
+        f = ln.strip().split("|")
+        if len(f) == 4 and f[0] in ids:
+            out[f[0]] = (f[1], f[2], f[3])
+    return out
 
 
-def next_finished(jobs: list, cluster: str, poll: float):
-    """The first of ``jobs`` to finish. SLURM: the first to leave the queue (``squeue``), so a
-    trial's tasks have all exited before the next trial starts and a job that died without
-    results is seen too; submitit's own check needs ``sacct``, which a cluster without
-    accounting storage (scripts/slurm_local.sh's) does not answer, and would wait forever for
-    a task that was killed before writing its result (a poll where squeue does not answer asks
-    submitit). Elsewhere: ``submitit.helpers.as_completed``. Checked every ``poll`` s (SLURM:
-    at least 1 s, to spare the controller)."""
+class SlurmWatch:
+    """The sweep's SLURM jobs, one ``squeue`` per poll for all of them (:func:`next_finished`),
+    with a deadline per job of ``time_min`` + :data:`SLURM_DEADLINE_MARGIN_S` after it was
+    first seen running (None: no deadline)."""
+
+    def __init__(self, time_min: float | None = None, margin: float | None = None):
+        self.time_min = time_min
+        self._margin = margin
+        self.jobs: dict[str, SlurmJob] = {}
+
+    @property
+    def margin(self) -> float:
+        """Seconds past ``time_min`` (default: :data:`SLURM_DEADLINE_MARGIN_S`, read at each check)."""
+        return SLURM_DEADLINE_MARGIN_S if self._margin is None else self._margin
+
+    def add(self, job) -> SlurmJob:
+        return self.jobs.setdefault(str(job.job_id), SlurmJob(str(job.job_id), time.monotonic()))
+
+    def get(self, job) -> SlurmJob | None:
+        return self.jobs.get(str(job.job_id))
+
+    def poll(self, jobs) -> bool:
+        """Update every job of ``jobs`` from one squeue; False when squeue did not answer."""
+        states = slurm_states([j.job_id for j in jobs])
+        if states is None:
+            return False
+        now = time.monotonic()
+        for j in jobs:
+            s = self.add(j)
+            if str(j.job_id) not in states:
+                s.gone = True
+                continue
+            s.state, s.reason, nodes = states[str(j.job_id)]
+            s.nodes = nodes or s.nodes
+            if s.started is None and s.state not in SLURM_ENDED and s.state not in ("PENDING", "CONFIGURING"):
+                s.started = now
+        return True
+
+    def overdue(self, s: SlurmJob) -> bool:
+        """Past its deadline (counted from when it was first seen running; from its submission
+        if squeue never answered about it): cancel it (``scancel``, best effort) and say so."""
+        if self.time_min is None or s.overdue:
+            return bool(s.overdue)
+        start = s.started if s.started is not None else (s.submitted if not s.state else None)
+        if start is None or time.monotonic() < start + self.time_min * 60 + self.margin:
+            return False
+        s.overdue, s.deadline_s = s.state or "unknown to squeue", self.time_min * 60 + self.margin
+        try:
+            subprocess.run(["scancel", s.job_id], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return True
+
+
+def next_finished(jobs: list, cluster: str, poll: float, watch: SlurmWatch | None = None):
+    """The first of ``jobs`` to finish. SLURM: the first to leave the queue (``squeue``: gone,
+    or in an ended state, :data:`SLURM_ENDED`), so a trial's tasks have all exited before the
+    next trial starts and a job that died without results is seen too; submitit's own check
+    needs ``sacct``, which a cluster without accounting storage (scripts/slurm_local.sh's) does
+    not answer, and would wait forever for a task that was killed before writing its result
+    (a poll where squeue does not answer asks submitit). Or the first past its deadline
+    (``watch``: :meth:`SlurmWatch.overdue`; it is cancelled). ``watch`` keeps what squeue
+    showed, to name how a job ended (:func:`slurm_end`). Elsewhere:
+    ``submitit.helpers.as_completed``. Checked every ``poll`` s (SLURM: at least 1 s, to spare
+    the controller)."""
     import submitit.helpers
 
     if cluster != "slurm":
         return next(submitit.helpers.as_completed(jobs, poll_frequency=poll))
+    watch = watch if watch is not None else SlurmWatch()
     while True:
-        queued = slurm_queued([j.job_id for j in jobs])
+        answered = watch.poll(jobs)
         for j in jobs:
-            if j.done() if queued is None else str(j.job_id) not in queued:
+            s = watch.add(j)
+            if (s.gone or s.state in SLURM_ENDED) if answered else j.done():
+                return j
+            if watch.overdue(s):
                 return j
         time.sleep(max(poll, 1.0))
 
@@ -287,30 +412,119 @@ RESULT_GRACE_S = 15.0
 """How long a SLURM job that has left the queue may still lack a task's result file (a shared
 file system's caching) before the trial fails."""
 
+_LOG_END = re.compile(r"\*\*\* (?:JOB|STEP) (\d+)(?:\.\S+)? ON (\S+) CANCELLED AT (\S+)(?: DUE TO ([A-Z ]+?))?(?:,[^*]*)? \*\*\*")
+_LOG_CAUSE = {None: "CANCELLED", "TIME LIMIT": "TIMEOUT", "NODE FAILURE": "NODE_FAIL", "PREEMPTION": "PREEMPTED"}
 
-def slurm_results(job, grace: float | None = None) -> list:
+
+def slurm_log_end(job) -> str:
+    """How SLURM ended ``job`` by its own line in the task logs (slurmstepd's ``*** JOB 12 ON
+    node CANCELLED AT ... [DUE TO TIME LIMIT | NODE FAILURE | PREEMPTION][, ...] ***``): CANCELLED,
+    TIMEOUT, NODE_FAIL or PREEMPTED; '' when there is none. For a job squeue no longer lists."""
+    for i in range(job.num_tasks):
+        try:
+            with open(job.task(i).paths.stderr, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - (64 << 10)))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        for m in _LOG_END.finditer(text):
+            if m.group(1) == str(job.job_id):
+                return _LOG_CAUSE.get(m.group(4), "CANCELLED")
+    return ""
+
+
+def _node_state(nodes: str) -> str:
+    """``sinfo``'s state and reason of ``nodes`` ("down*: Not responding"); '' if it does not answer."""
+    try:
+        p = subprocess.run(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %T: %E"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "; ".join(ln.strip() for ln in p.stdout.splitlines() if ln.strip()) if p.returncode == 0 else ""
+
+
+def slurm_end(job, s: SlurmJob | None, time_min: float | None = None) -> tuple[str, str]:
+    """``(state, words)``: how SLURM ended ``job``, if not by its tasks finishing. The state
+    is squeue's last (``s``), else :func:`slurm_log_end`'s ("... , from its log"), or
+    ``OVERDUE`` (the sweep cancelled it at its deadline); the words begin with its name
+    (:data:`SLURM_END_NAMES`: "cancelled", "time limit", "node lost", ...; "no end from SLURM"
+    for OVERDUE). ``("", "")`` when SLURM says it completed or nothing is known."""
+    jid = str(job.job_id)
+    if s is not None and s.overdue:
+        ran = time.monotonic() - (s.started if s.started is not None else s.submitted)
+        return "OVERDUE", (f"no end from SLURM: job {jid} was still {s.overdue} {ran:.0f} s after it started, past "
+                           f"the sweep's deadline ({s.deadline_s:.0f} s: its time limit + a margin for SLURM to end it); "
+                           "the sweep cancelled it (scancel)")
+    if s is not None and s.state in SLURM_ENDED:
+        state, where = s.state, ""
+    else:  # squeue no longer lists it (MinJobAge passed) or did not answer
+        state, where = slurm_log_end(job), ", from its log"
+    if state in ("", "COMPLETED"):
+        return "", ""
+    name = SLURM_END_NAMES.get(state, state.lower())
+    how = {"CANCELLED": f"job {jid} was cancelled (scancel) before its tasks ended",
+           "TIMEOUT": f"job {jid} ran past its time limit" + (f" (--time {time_min:g} min)" if time_min else "")
+                      + " and SLURM ended it",
+           "NODE_FAIL": f"job {jid} lost its node {s.nodes if s is not None and s.nodes else ''}".rstrip()
+                        + " (its slurmd stopped answering); SLURM ends the job's processes there once it is back",
+           "FAILED": f"job {jid} ended with a non-zero exit status (a task or the batch script)",
+           }.get(state, f"job {jid} ended {state}")
+    if state == "NODE_FAIL" and s is not None and s.nodes and (ns := _node_state(s.nodes)):
+        how += f"; sinfo: {ns}"
+    return state, f"{name}: {how} (SLURM state {state}{where})"
+
+
+class SlurmTrialError(RuntimeError):
+    """A SLURM job without every task's result; ``state``: how SLURM ended it (:func:`slurm_end`; '' if not known)."""
+
+    def __init__(self, message: str, state: str = ""):
+        super().__init__(message)
+        self.state = state
+
+
+def slurm_results(job, grace: float | None = None, watched: SlurmJob | None = None,
+                  time_min: float | None = None) -> list:
     """Every task's result of a SLURM job that has left the queue, like ``job.results()`` but
     without its wait (see :func:`next_finished`): a task without a result file after
-    ``grace`` s (default :data:`RESULT_GRACE_S`) is an error naming it and its log."""
+    ``grace`` s (default :data:`RESULT_GRACE_S`; :data:`ENDED_GRACE_S` when squeue showed it
+    ended other than COMPLETED, 0 when the sweep cancelled it at its deadline) is a
+    :class:`SlurmTrialError` naming how SLURM ended the job (:func:`slurm_end`), the tasks
+    and the first one's log."""
     tasks = [job.task(i) for i in range(job.num_tasks)]
-    deadline = time.monotonic() + (RESULT_GRACE_S if grace is None else grace)
+    g = RESULT_GRACE_S if grace is None else grace
+    if watched is not None and watched.overdue:
+        g = 0.0
+    elif watched is not None and watched.state in SLURM_ENDED and watched.state != "COMPLETED":
+        g = min(g, ENDED_GRACE_S)
+    deadline = time.monotonic() + g
     while missing := [i for i, t in enumerate(tasks) if not t.paths.result_pickle.exists()]:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"job {job.job_id} left the queue without a result from task(s) "
-                               f"{', '.join(map(str, missing))} (killed? time limit?); log: {tasks[missing[0]].paths.stderr}")
+            state, words = slurm_end(job, watched, time_min)
+            what = (f"{words}, without a result from task(s) " if words else
+                    f"job {job.job_id} left the queue without a result from task(s) ")
+            raise SlurmTrialError(f"{what}{', '.join(map(str, missing))}"
+                                  f"{'' if words else ' (killed? time limit?)'}; log: {tasks[missing[0]].paths.stderr}",
+                                  state)
         time.sleep(0.5)
     return [t.result() for t in tasks]
 
 
-def _collect(job, cfg, key, opt, sweep_name, t0) -> TrialOutcome:
+def _collect(job, cfg, key, opt, sweep_name, t0, watch: SlurmWatch | None = None) -> TrialOutcome:
     out = TrialOutcome(cfg=cfg, key=key, job_id=str(job.job_id), seconds=time.monotonic() - t0)
     try:
         out.log = str(job.paths.stderr)
     except Exception:
         pass
+    watched = watch.get(job) if watch is not None else None
+    if watched is not None:
+        out.slurm_state = "OVERDUE" if watched.overdue else watched.state
     try:
-        res = (slurm_results(job) if opt.cluster == "slurm" else job.results())[0]
+        res = (slurm_results(job, watched=watched, time_min=opt.time_min) if opt.cluster == "slurm"
+               else job.results())[0]
     except Exception as e:
+        if isinstance(e, SlurmTrialError) and e.state:
+            out.slurm_state = e.state
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         out.error = lines[-1] if lines else type(e).__name__
         return out
@@ -368,16 +582,21 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
         tid = bar.add_task(sweep.name, total=summary.total, completed=summary.skipped, done=0, failed=0,
                            skipped=summary.skipped, now="")
         running: list = []  # (job, cfg, key, t0), at most opt.parallel
+        watch = SlurmWatch(opt.time_min) if opt.cluster == "slurm" else None
         while pending or running:
             while pending and len(running) < opt.parallel:
                 cfg, k = pending.pop(0)
                 bar.update(tid, now=describe(cfg))
                 job = make_executor(cfg, opt).submit(fn, cfg, str(opt.folder))
                 running.append((job, cfg, k, time.monotonic()))
-            done = next_finished([r[0] for r in running], opt.cluster, poll)
+                if watch is not None:
+                    watch.add(job)
+            done = next_finished([r[0] for r in running], opt.cluster, poll, watch)
             i = next(i for i, r in enumerate(running) if r[0] is done)
             job, cfg, k, t0 = running.pop(i)
-            out = _collect(job, cfg, k, opt, sweep.name, t0)
+            out = _collect(job, cfg, k, opt, sweep.name, t0, watch)
+            if watch is not None:
+                watch.jobs.pop(str(job.job_id), None)
             summary.outcomes.append(out)
             if out.rows:
                 append_csv(out.rows, csv)

@@ -101,9 +101,9 @@ SlurmdPidFile=$RUN/slurmd.pid
 SlurmctldLogFile=$LOG/slurmctld.log
 SlurmdLogFile=$LOG/slurmd.log
 SlurmctldTimeout=30
-SlurmdTimeout=60
+SlurmdTimeout=30
 InactiveLimit=0
-KillWait=10
+KillWait=5
 MinJobAge=30
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
