@@ -404,8 +404,16 @@ def main(a: TransportBenchConfig) -> int:
           f"{'algbw':>7} {'busbw':>7} {'%memcpy':>7} {'verified':>8}")
     print(f"# {'':>10} {'(#)':>7} {'':>8} {'(#)':>6} {'(B)':>11} {'(s)':>9} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
           f"{'':>7} {'':>8}")
+    from weight_transfer.options import transport_unavailable
+
+    for name in names:  # a back end whose library is missing is listed, not started (no receiver to wait for)
+        why = None if name == "memcpy" else transport_unavailable(_kind(name))
+        if why:
+            skipped[name] = why
     floor: dict[tuple[int, int], float] = {}
     for name in names:
+        if name in skipped:
+            continue
         try:
             if name == "memcpy":
                 dst = torch.full((span,), POISON, dtype=torch.uint8)
