@@ -6,7 +6,7 @@ The methods receive it as ``ctx.method_options``; the control-plane timeout they
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 """Funnel bucket size (bytes): tensors are packed into flat buffers of at most this size, the
@@ -20,12 +20,12 @@ half the control-plane timeout so that the error reaches the controller first)."
 class BaselineOptions:
     """Options of the rank-0 funnel and the per-tensor RPC baselines."""
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int = field(default=DEFAULT_BUCKET_BYTES, metadata={"unit": "bytes"})
     """Rank-0 funnel: largest flat broadcast bucket (bytes); a larger tensor gets a bucket of
     its own."""
-    rpc_timeout: float | None = None
+    rpc_timeout: float | None = field(default=None, metadata={"unit": "s"})
     """RPC baseline: seconds one ``update_weight`` RPC may wait for every worker's reply;
-    None: min(60 s, half the control-plane timeout), at least 1 s."""
+    not given: min(60 s, half the control-plane timeout), at least 1 s."""
 
     def __post_init__(self):
         if self.bucket_bytes < 1:

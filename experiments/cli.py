@@ -38,6 +38,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -164,6 +165,13 @@ def build_flat(cls, **flat):
 # ---- the command line ------------------------------------------------------------------------
 
 
+def plain(doc: str) -> str:
+    """A docstring as ``--help`` text: Sphinx roles (``:func:`~a.b```) become their target's
+    last name, double backticks are dropped."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), doc)
+    return doc.replace("``", "")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -267,7 +275,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser | argparse._ArgumentGr
         default = defaults[lf.flat] if lf.flat in defaults else (
             f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None))
-        help_ = field_docs(lf.owner).get(f.name, "")
+        help_ = plain(field_docs(lf.owner).get(f.name, ""))
         if md.get("unit"):
             help_ += f" [{md['unit']}]"
         flags = [md.get("flag", _flag(lf.flat)), *md.get("aliases", ())]

@@ -72,7 +72,8 @@ class ModelOptions:
     without it runs the main job (see README)."""
     overrides: dict = field(default_factory=dict, metadata={"flag": "--override", "append": True})
     """HF-config overrides for a smaller variant of the same architecture, e.g.
-    ``num_hidden_layers=4``."""
+    ``num_hidden_layers=4``. Without ``--model`` they add to the main job's (shown as the
+    default); with ``--model`` they start from none."""
 
     def config(self) -> ModelConfig:
         """The catalog config with the overrides (ValueError naming a bad name or override)."""

@@ -95,8 +95,9 @@ def format_table(result) -> str:
     if meas and meas[-1].get("trainer_copy_bytes") is not None:
         c = meas[-1]["trainer_copy_bytes"]
         lines.append(f"# trainers copied outside the writes: {c} B per update ({100 * c / max(1, meas[-1]['bytes']):.1f}% "
-                     "of the bytes written: full_tensor() gathers and outputs in buffers of their own; 0 = every "
-                     "write straight from a shard)")
+                     "of the bytes written: full_tensor() gathers, plus outputs built in buffers of their own -- "
+                     "casts, FP8 quantization, fused bands, .contiguous() of strided TP slices; 0 = every write "
+                     "straight from a shard)")
     if staged and meas:
         b, bs = meas[0]["bytes"], meas[0]["bytes_staged"]
         cs = [r.get("commit_seconds", 0.0) for r in meas]
