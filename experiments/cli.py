@@ -328,6 +328,4 @@ def dataclass_from_args(cls, args: argparse.Namespace, *, dest_prefix: str = "",
     replace the values of ``base`` (default: ``cls()``'s); ``fixed`` flat names are set as
     they are. Raises whatever the configs' ``__post_init__`` raise for a bad value (ValueError)."""
     flat = {**given(cls, args, dest_prefix=dest_prefix), **fixed}
-    if base is None and all(len(lf.path) == 1 for lf in leaves(cls)):
-        return cls(**{lf.field.name: flat[lf.flat] for lf in leaves(cls) if lf.flat in flat})
     return replace_flat(cls() if base is None else base, **flat)

@@ -109,56 +109,6 @@ def _image(ops, src: torch.Tensor, nbytes: int) -> str:
     return hashlib.sha256(img.numpy().tobytes()).hexdigest()
 
 
-def bench_memcpy(ops, src, dst, repeats):
-    times = []
-    for r in range(repeats + 1):
-        t0 = time.perf_counter()
-        for so, do, n in ops:
-            dst[do:do + n].copy_(src[so:so + n])
-        if r:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def bench_transport(name, ops, src, nbytes, repeats):
-    ctx = mp.get_context("spawn")
-    p, c = ctx.Pipe()
-    env_before = {k: os.environ.get(k) for k in ("UCX_TLS",)}
-    pr = ctx.Process(target=_receiver, args=(c, name, nbytes), daemon=True)
-    pr.start()
-    try:
-        if not p.poll(120):
-            raise RuntimeError("receiver did not start")
-        d = p.recv()
-        os.environ.update(_env_for(name))
-        kw = {"progress_thread": False} if _kind(name) == "nixl" else {}
-        t = make_transport(_kind(name), **kw)
-        t.connect([d])
-        loc = t.register(src)
-        wops = [WriteOp(loc, so, d, do, n) for so, do, n in ops]
-        times = []
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            t.write(wops).wait(300)
-            if r:
-                times.append(time.perf_counter() - t0)
-        p.send("sha")
-        sha = p.recv()
-        t.close()
-        p.send("exit")
-        p.recv()
-        return times, sha
-    finally:
-        for k, v in env_before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        pr.join(10)
-        if pr.is_alive():
-            pr.kill()
-
-
 def size_cases(min_kib: int, max_mib: int, window_mib: int) -> dict[int, list[tuple[int, int, int]]]:
     """message size -> a batch of writes of that size covering ``max(window, size)`` bytes of
     a packed source and a packed destination (distinct offsets, no overlap)."""
@@ -298,6 +248,17 @@ def timed_writes(name, desc, ops, src, repeats, threads: int) -> list[float]:
         os.environ.pop("UCX_TLS", None)
 
 
+def bench_transport(name, ops, src, nbytes, repeats) -> tuple[list[float], str]:
+    """One thread's :func:`timed_writes` of ``ops`` into a fresh receiver of ``nbytes``; returns
+    (seconds per batch, the receiver's SHA-256 afterwards)."""
+    rx = _Rx(name, nbytes)
+    try:
+        times = timed_writes(name, rx.desc, ops, src, repeats, 1)
+        return times, rx.sha()
+    finally:
+        rx.close()
+
+
 def registration_seconds(name: str, nbytes: int, repeats: int) -> float:
     """Best of ``repeats``: seconds to ``register`` a fresh ``nbytes`` host tensor and publish its
     descriptor on transport ``name`` (``memcpy``: 0, nothing to register), deregistered after."""
@@ -358,10 +319,6 @@ class TransportBenchConfig:
             raise ValueError(f"threads={self.threads}: one or more counts >= 1")
 
 
-def _image_sha(ops, src: torch.Tensor, nbytes: int) -> str:
-    return _image(ops, src, nbytes)
-
-
 def _size_label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
@@ -397,7 +354,7 @@ def main(a: TransportBenchConfig) -> int:
     span = max(max(do + n for _, do, n in ops) for ops in sizes.values())
     g = torch.Generator().manual_seed(1)
     src = torch.randint(0, 256, (span,), dtype=torch.uint8, generator=g)
-    want = {s: _image_sha(ops, src, span) for s, ops in sizes.items()}
+    want = {s: _image(ops, src, span) for s, ops in sizes.items()}
     print("#")
     print(f"# [1] message sizes: batches of writes covering {a.window_mib} MiB (or one message), threads {a.threads}")
     print(f"# {'transport':>10} {'threads':>7} {'size':>8} {'msgs':>6} {'bytes':>11} {'time':>9} {'lat/msg':>9} "
@@ -464,7 +421,7 @@ def main(a: TransportBenchConfig) -> int:
             try:
                 if name == "memcpy":
                     dst = torch.full((nbytes,), POISON, dtype=torch.uint8)
-                    times = bench_memcpy(ops, src, dst, a.repeats)
+                    times = bench_memcpy_threads(ops, src, dst, a.repeats, 1)
                     got = hashlib.sha256(dst.numpy().tobytes()).hexdigest()
                     del dst
                 else:
