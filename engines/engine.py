@@ -64,12 +64,12 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from weight_transfer.control import UpdateInProgress, read_consistent  # noqa: F401 -- re-exported (they live in the library)
 from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
 
@@ -323,51 +323,6 @@ def engine_tensor_metas(cfg: ModelConfig, layout: InferenceLayout, rank: int) ->
 
 # --------------------------------------------------------------------------------------------
 # reading under the version protocol
-
-
-class UpdateInProgress(RuntimeError):
-    """No complete version of the weights could be read: an update is being written, or the
-    last one failed (the bytes are a mix). ``state`` is the last state seen."""
-
-    def __init__(self, state, msg: str):
-        super().__init__(msg)
-        self.state = state
-
-
-def read_consistent(state: Callable[[], object], read: Callable[[], object], *, wait: bool = True,
-                    timeout: float = 30.0, poll: float = 0.005):
-    """A seqlock read of weights that are written in place by one-sided writes.
-
-    ``state()`` returns the published state of the weights (e.g.
-    ``weight_transfer.control.InferenceClient.state``: anything with a ``complete`` attribute whose
-    equality means "no transition in between": the control plane's ``WeightsState`` carries a
-    sequence number that moves at every transition). ``read()`` reads the bytes (copies them,
-    or runs a forward pass). The read counts only if the state was complete before it and is
-    the same after it: the writers publish "writing" before their first byte and "complete"
-    only after their last, so no byte changed in between. Otherwise it is retried; while the
-    state is not complete, ``wait=False`` raises :class:`UpdateInProgress` at once, ``wait=True``
-    polls every ``poll`` seconds up to ``timeout``. Returns ``(state, read())``.
-
-    This is the pause side of pause/resume: readers wait (or report "update in progress")
-    while an update writes in place; memory cost nothing. A serving engine (the stand-in here,
-    a vLLM worker extension) brackets each forward step with the same two ``state()`` reads and
-    discards a step whose states differ. A double-buffered option (two weight sets, writes to
-    the inactive one, flipped at publish) would let readers run during an update at the cost
-    of a second copy of every parameter (2x the arena bytes per inference rank); it is not
-    built here."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s0 = state()
-        if getattr(s0, "complete", False):
-            out = read()
-            s1 = state()
-            if s1 == s0:
-                return s0, out
-            s0 = s1
-        if not wait or time.monotonic() >= deadline:
-            raise UpdateInProgress(s0, f"no complete version to read (weights: {s0})"
-                                       + ("" if not wait else f" within {timeout:.0f} s"))
-        time.sleep(poll)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ v``); after any failure it publishes ``incomplete v`` (the bytes are a mix: no c
 is present) until a later update completes. Every transition increments a sequence number, and
 versions only increase (:class:`VersionError` otherwise), so a reader that sees the same
 ``complete v`` state before and after reading saw no write in between (a seqlock:
-:func:`weight_transfer.engines.engine.read_consistent`). A waiter for a version that was skipped or whose
+:func:`read_consistent`). A waiter for a version that was skipped or whose
 update failed gets :class:`VersionError` / :class:`ControlError`, not a hang.
 
 Liveness: waits take a timeout and name the ranks that did not answer; a ``liveness`` callback
@@ -199,6 +199,55 @@ def report_fatal(store: dist.Store, name: str, cause: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# consistent reads of weights written in place
+
+
+class UpdateInProgress(RuntimeError):
+    """No complete version of the weights could be read: an update is being written, or the
+    last one failed (the bytes are a mix). ``state`` is the last state seen."""
+
+    def __init__(self, state, msg: str):
+        super().__init__(msg)
+        self.state = state
+
+
+def read_consistent(state: Callable[[], object], read: Callable[[], object], *, wait: bool = True,
+                    timeout: float = 30.0, poll: float = 0.005):
+    """A seqlock read of weights that are written in place by one-sided writes.
+
+    ``state()`` returns the published state of the weights (e.g.
+    ``:meth:`InferenceClient.state```: anything with a ``complete`` attribute whose
+    equality means "no transition in between": the control plane's ``WeightsState`` carries a
+    sequence number that moves at every transition). ``read()`` reads the bytes (copies them,
+    or runs a forward pass). The read counts only if the state was complete before it and is
+    the same after it: the writers publish "writing" before their first byte and "complete"
+    only after their last, so no byte changed in between. Otherwise it is retried; while the
+    state is not complete, ``wait=False`` raises :class:`UpdateInProgress` at once, ``wait=True``
+    polls every ``poll`` seconds up to ``timeout``. Returns ``(state, read())``.
+
+    This is the pause side of pause/resume: readers wait (or report "update in progress")
+    while an update writes in place; memory cost nothing. A serving engine (the stand-in here,
+    a vLLM worker extension) brackets each forward step with the same two ``state()`` reads and
+    discards a step whose states differ. A double-buffered option (two weight sets, writes to
+    the inactive one, flipped at publish) would let readers run during an update at the cost
+    of a second copy of every parameter (2x the arena bytes per inference rank); it is not
+    built here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s0 = state()
+        if getattr(s0, "complete", False):
+            out = read()
+            s1 = state()
+            if s1 == s0:
+                return s0, out
+            s0 = s1
+        if not wait or time.monotonic() >= deadline:
+            raise UpdateInProgress(s0, f"no complete version to read (weights: {s0})"
+                                       + ("" if not wait else f" within {timeout:.0f} s"))
+        time.sleep(poll)
+
+
+# --------------------------------------------------------------------------------------------
 # the controller
 
 
@@ -344,7 +393,8 @@ class Controller:
         self._wait({r: f"step/{step}/ready/{r}" for r in range(self.n_train)}, f"step {step} weights")
 
     def transfer(self, step: int, *, inference_active: bool = False,
-                 commit_ranks: tuple[int, ...] = ()) -> tuple[float, dict[int, dict]]:
+                 commit_ranks: tuple[int, ...] = (),
+                 commit: Callable[[int], object] | None = None) -> tuple[float, dict[int, dict]]:
         """Publish ``writing step``, send "go", wait for every trainer's completion (and every
         inference rank's, for methods active on the inference side), then, if ``commit_ranks``
         is not empty, ask those inference ranks to commit (``step/{step}/commit``: an engine
@@ -352,7 +402,11 @@ class Controller:
         wait for each one's ``committed`` report, then publish ``complete step``. Returns
         (seconds from go to the last completion or commit, per-rank results; inference ranks
         keyed ``("infer", i)``, commits ``("commit", i)``; :attr:`last_write_seconds` holds go to
-        the last trainer completion). If any rank fails, dies or stalls, raises ControlError at
+        the last trainer completion). ``commit`` (a callable of the step), if given, runs after
+        that, once every write completed: a commit driven from here instead of through the store
+        (the vLLM backend's ``update_weights`` call); its return value is kept as
+        ``results[("commit", "call")]`` and an exception it raises fails the update like a
+        rank's. If any rank fails, dies or stalls, raises ControlError at
         once naming it ("training 1: ...", "inference 0: commit failed: ...") and publishes
         ``incomplete step``: the version is never published over bytes a commit did not finish."""
         self.begin(step)
@@ -375,6 +429,11 @@ class Controller:
                            poll=0.001)
                 results.update({("commit", i): get(self.store, f"step/{step}/committed/{i}") for i in commit_ranks})
                 failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
+            if not failed and commit is not None:
+                try:
+                    results[("commit", "call")] = {"ok": True, "error": "", "stats": commit(step)}
+                except Exception as e:
+                    raise ControlError(f"commit failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
             seconds = time.perf_counter() - t0
             self.last_write_seconds = write_seconds
             if failed:  # root cause first (a dead process before the ranks that echo it)
@@ -443,7 +502,7 @@ class InferenceClient:
 
     def state(self) -> WeightsState:
         """The published :class:`WeightsState` (pass this method as the ``state`` callable of
-        :func:`weight_transfer.engines.engine.read_consistent`)."""
+        :func:`read_consistent`)."""
         return read_state(self.store)
 
     def version(self) -> int | None:

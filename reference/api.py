@@ -1,0 +1,595 @@
+"""The public API: the reference inside your own trainer and your own inference engine.
+
+Three objects, one per role; each talks to the others only through a ``torch.distributed``
+``TCPStore`` (the control plane, :mod:`weight_transfer.control`) and one-sided writes (the data
+plane, :mod:`weight_transfer.transport`)::
+
+    # the store: one master, anywhere every process can reach (here: the launching process)
+    store = weight_transfer.serve_store("0.0.0.0", 0)          # store.port: the port picked
+
+    # every inference rank: register its tensors once; nothing runs here per update
+    rx = weight_transfer.Receiver(engine_tensors, rank=i, store=(host, port))
+    state, weights = rx.read_consistent(lambda: copy_or_forward())   # never a mixed version
+
+    # every training rank, after its FSDP2 module exists
+    coord = weight_transfer.Coordinator((host, port), n_train=2, n_infer=2, model_config=cfg,
+                                        layout=InferenceLayout(tp=2)) if rank == 0 else None
+    tx = weight_transfer.Sender(model, rank=rank, world_size=2, store=(host, port), coordinator=coord)
+    for step in ...:
+        loss.backward(); optimizer.step()
+        stats = tx.push(version=step)         # every rank; returns when version ``step`` is published
+
+- :class:`Sender`: one per training rank, built once from an FSDP2 module or a
+  ``{checkpoint name: DTensor}`` mapping (plain tensors with ``world_size == 1``). It publishes
+  its parameters' metadata (global shape, dtype, DeviceMesh, placements, its shard's box: no
+  byte moves), receives its part of the static schedule once, and on every :meth:`Sender.push`
+  replays it through the pipelined executor (``full_tensor()`` only where a recipe needs rows
+  of other ranks, fusion, cast -- an fp32 master with bf16 served weights is a planned cast --
+  and FP8 block quantization, one-sided writes).
+- :class:`Coordinator`: plans once against the receivers' registered layouts (and a live
+  engine's runtime layout, when one was published), then per update publishes ``writing v``,
+  says "go", waits until every write of every rank completed (and every engine commit), and
+  only then publishes ``complete v``; any failure publishes ``incomplete v`` and names role,
+  rank and cause. It lives in training rank 0 (pass it to that rank's :class:`Sender`) or in a
+  process of its own (:meth:`Coordinator.serve`).
+- :class:`Receiver`: one per inference rank, for any engine's named tensors: registers their
+  memory once (one region spanning them), publishes the region descriptor and the tensors'
+  metadata (inference-side names), and offers the version state and seqlock reads
+  (:meth:`Receiver.read_consistent`).
+
+The harness (``weight_transfer.experiments``) is one user of these objects, the vLLM
+weight-transfer backend (``weight_transfer.engines.vllm.backend``) another, and
+``examples/train_and_push.py`` a third.
+
+Errors: bad arguments raise ``ValueError``/``TypeError`` naming the argument before any byte
+moves; a plan the receivers cannot take raises :class:`weight_transfer.plan.PlanError` naming the
+tensor; a failed, dead or stalled rank raises :class:`weight_transfer.control.ControlError`
+naming role, rank and cause, within the control timeout; a version that does not increase
+raises :class:`weight_transfer.control.VersionError`.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import control
+from .options import TransferOptions
+from .types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor, Schedule, dtype_name
+
+__all__ = ["Sender", "Receiver", "Coordinator", "UpdateResult", "serve_store", "connect_store", "StoreLike"]
+
+StoreLike = "dist.Store | tuple[str, int] | str"
+"""A control-plane store: a ``torch.distributed.Store``, ``(host, port)`` or ``"host:port"``."""
+
+PUSH_KEY = "push/{n}"
+"""Training rank 0 -> a coordinator in its own process: the version of the ``n``-th push (ASCII)."""
+ENGINE_KEY = "meta/engine"
+"""An inference side that knows the model may publish ``{"hf_config": dict, "layout":
+InferenceLayout, "name": str}`` here (the vLLM backend does); a :class:`Coordinator` built
+without ``model_config`` / ``layout`` reads them from it."""
+
+
+def serve_store(host: str = "0.0.0.0", port: int = 0, *, timeout: float = 600.0) -> dist.TCPStore:
+    """Start the control-plane store (a ``TCPStore`` master) in this process and return it;
+    ``port=0`` picks a free port (read ``store.port``). Keep the object alive as long as the job
+    runs. ``timeout``: seconds a store call may block."""
+    return control.make_store(host, port, is_master=True, timeout=timeout)
+
+
+def connect_store(store, *, timeout: float = 600.0) -> dist.Store:
+    """A client of the control-plane store: ``store`` as a ``torch.distributed.Store`` (returned
+    as is), ``(host, port)`` or ``"host:port"``. ValueError for anything else."""
+    if isinstance(store, dist.Store):
+        return store
+    if isinstance(store, str) and ":" in store:
+        host, _, port = store.rpartition(":")
+        store = (host, port)
+    if isinstance(store, (tuple, list)) and len(store) == 2 and str(store[1]).isdigit():
+        return control.make_store(str(store[0]), int(store[1]), is_master=False, timeout=timeout)
+    raise ValueError(f"store={store!r}: a torch.distributed.Store, (host, port) or 'host:port'")
+
+
+def _named_params(params) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` from an ``nn.Module`` (``named_parameters()``: checkpoint names; a
+    tied weight once, under its first name) or a mapping. TypeError for anything else."""
+    if isinstance(params, torch.nn.Module):
+        out = dict(params.named_parameters())
+    elif isinstance(params, Mapping):
+        out = dict(params)
+    else:
+        raise TypeError(f"params: an nn.Module or a mapping name -> DTensor/tensor, not {type(params).__name__}")
+    if not out:
+        raise ValueError("params: no parameters")
+    bad = [n for n, t in out.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"params: {bad[:3]} are not tensors")
+    return out
+
+
+def _whole_metas(params: dict[str, torch.Tensor], rank: int) -> list[ParamMeta]:
+    """Metadata of plain tensors held whole by one training rank (a 1-rank mesh)."""
+    return [ParamMeta(name=n, global_shape=tuple(t.shape), dtype=dtype_name(t.dtype), mesh_ranks=(rank,),
+                      placements=("Shard(dim=0)",), local_offset=(0,) * t.dim(), local_shape=tuple(t.shape))
+            for n, t in params.items()]
+
+
+# --------------------------------------------------------------------------------------------
+# the coordinator
+
+
+@dataclass(kw_only=True)
+class UpdateResult:
+    """One completed update, as the coordinator saw it. Bytes are bytes, seconds wall seconds."""
+
+    version: int
+    """The version now published complete."""
+    seconds: float
+    """From "go" to the last write completion or engine commit (the update's transfer time)."""
+    write_seconds: float
+    """From "go" to the last training rank's completion."""
+    bytes: int
+    """Bytes that landed in inference memory (sum over training ranks)."""
+    n_writes: int
+    """One-sided writes posted (sum over training ranks)."""
+    stats: dict[int, Any] = field(default_factory=dict)
+    """Training rank -> its :class:`weight_transfer.method.UpdateStats`."""
+    commits: dict = field(default_factory=dict)
+    """Engine commits: ``("commit", i)`` -> inference rank ``i``'s report, ``("commit", "call")``
+    -> what a commit callable returned."""
+
+    @property
+    def gbps(self) -> float:
+        """Algorithm bandwidth of the update: ``bytes / seconds / 1e9`` (GB/s)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
+
+
+class Coordinator:
+    """Plans once, then drives every update and publishes the weight versions.
+
+    ``store``: the control-plane store (see :func:`connect_store`); ``n_train`` / ``n_infer``:
+    training and inference ranks (each publishes its metadata once); ``model_config``: the
+    model (:class:`weight_transfer.model_config.ModelConfig`, a Hugging Face ``config.json`` path
+    or its dict); ``layout``: the inference side's parallelism and quantization
+    (:class:`weight_transfer.types.InferenceLayout`). Without them both come from an inference side
+    that published :data:`ENGINE_KEY` (the vLLM backend). ``options``: the transfer's
+    (:class:`weight_transfer.options.TransferOptions`); ``timeout``: seconds any rank may take to
+    answer (default ``options.control.timeout``); ``liveness_train`` / ``liveness_infer``:
+    callables returning ``{rank: reason}`` for ranks known dead (a launcher's view; optional);
+    ``stall``: heartbeat deadline in seconds (None: no heartbeat monitor).
+
+    Raises ValueError for non-positive world sizes."""
+
+    def __init__(self, store, *, n_train: int, n_infer: int, model_config=None, layout: InferenceLayout | None = None,
+                 options: TransferOptions | None = None, timeout: float | None = None,
+                 liveness_train: Callable[[], dict] | None = None, liveness_infer: Callable[[], dict] | None = None,
+                 stall: float | None = None, log: Callable[[str], None] | None = None):
+        if n_train < 1 or n_infer < 1:
+            raise ValueError(f"Coordinator: n_train={n_train}, n_infer={n_infer}: both >= 1")
+        self.options = options if options is not None else TransferOptions()
+        self.timeout = self.options.control.timeout if timeout is None else timeout
+        self.store = connect_store(store, timeout=max(self.timeout, 600.0))
+        self.n_train, self.n_infer = n_train, n_infer
+        self.model_config = _model_config(model_config) if model_config is not None else None
+        self.layout = layout
+        self.log = log or (lambda m: None)
+        self.ctl = control.Controller(self.store, n_train, n_infer, timeout=self.timeout, liveness_train=liveness_train,
+                                      liveness_infer=liveness_infer, stall=stall)
+        self.schedule: Schedule | None = None
+        self.commit_ranks: tuple[int, ...] = ()
+        """Inference ranks whose engine commits each update (staged targets)."""
+        self.bytes_staged = 0
+        """Bytes per update into staged targets (post-processed by the engine at commit)."""
+        self.plan_seconds: float | None = None
+        self._served = 0
+
+    def plan(self) -> Schedule:
+        """Once: wait for every rank's metadata, build the recipes (aimed at a live engine's
+        runtime layout where one was published), compute the static schedule and hand each
+        training rank its part. Returns the :class:`weight_transfer.types.Schedule`. Raises
+        PlanError naming what cannot be planned (the ranks waiting for their part then fail
+        with it), ControlError when a rank does not publish within the timeout."""
+        if self.schedule is not None:
+            return self.schedule
+        t0 = time.perf_counter()
+        try:
+            train_metas, infer_payloads = self.ctl.collect()
+            if self.model_config is None or self.layout is None:
+                if not self.store.check([ENGINE_KEY]):
+                    raise ValueError("Coordinator: no model_config/layout given and no inference side published "
+                                     f"{ENGINE_KEY!r}")
+                eng = control.get(self.store, ENGINE_KEY)
+                self.model_config = self.model_config or _model_config(eng["hf_config"], name=eng.get("name"))
+                self.layout = self.layout or eng["layout"]
+            self.schedule, extra = plan_against(self.store, self.model_config, self.layout, train_metas,
+                                                infer_payloads, self.options)
+        except BaseException as e:
+            self.ctl.shutdown(reason=f"coordinator: plan failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raise
+        self.commit_ranks, self.bytes_staged = extra["commit_ranks"], extra["bytes_staged"]
+        self.plan_seconds = time.perf_counter() - t0
+        self.log(f"plan: {self.schedule.summary()} ({self.plan_seconds:.2f} s)")
+        return self.schedule
+
+    def update(self, version: int, *, commit: Callable[[int], object] | None = None,
+               before_go: Callable[[int], None] | None = None) -> UpdateResult:
+        """One update to ``version``: wait until every training rank is ready (it called
+        :meth:`Sender.push`), run ``before_go(version)`` if given (e.g. wait for the engines to
+        pause), publish ``writing version``, "go", wait for every write, the engines' commits
+        (staged targets, through the store) and ``commit(version)`` if given, then publish
+        ``complete version``. Raises ControlError naming the failure (the weights are then
+        published ``incomplete``), VersionError if ``version`` does not increase."""
+        self.plan()
+        cur = self.ctl.state()
+        if version <= cur.version:
+            raise control.VersionError(f"version {version} refused: the weights are {cur}; versions only increase")
+        self.ctl.load(version)
+        if before_go is not None:
+            before_go(version)
+        seconds, results = self.ctl.transfer(version, commit_ranks=self.commit_ranks, commit=commit)
+        stats = {r: res["stats"] for r, res in results.items() if not isinstance(r, tuple)}
+        commits = {r: res.get("stats") for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"}
+        return UpdateResult(version=version, seconds=seconds, write_seconds=self.ctl.last_write_seconds or seconds,
+                            bytes=sum(s.bytes_sent for s in stats.values()),
+                            n_writes=sum(s.n_writes for s in stats.values()), stats=stats, commits=commits)
+
+    def serve(self, *, count: int | None = None, commit: Callable[[int], object] | None = None) -> list[UpdateResult]:
+        """The coordinator in a process of its own: plan, then run each update training rank 0
+        asks for (its :meth:`Sender.push` without a local coordinator publishes the version
+        under :data:`PUSH_KEY`) until ``count`` updates ran or the store says shutdown. Returns
+        the results; raises as :meth:`update`."""
+        self.plan()
+        out = []
+        while count is None or len(out) < count:
+            key = PUSH_KEY.format(n=self._served)
+            for _ in control.backoff(None, 0.01):
+                if self.store.check([key]):
+                    break
+                if self.store.check(["shutdown"]):
+                    return out
+            version = int(self.store.get(key).decode())
+            self._served += 1
+            out.append(self.update(version, commit=commit))
+        return out
+
+    def state(self) -> control.WeightsState:
+        """The published :class:`weight_transfer.control.WeightsState`."""
+        return self.ctl.state()
+
+    def shutdown(self, reason: str | None = None) -> None:
+        """Tell every rank the job ends (``reason``: an abort reason every waiter raises with)."""
+        self.ctl.shutdown(reason)
+
+
+def _model_config(mc, *, name: str | None = None):
+    from .model_config import ModelConfig
+
+    if isinstance(mc, ModelConfig):
+        return mc
+    if isinstance(mc, Mapping):
+        return ModelConfig(name=name or str(mc.get("_name_or_path") or mc.get("model_type") or "model"), hf=dict(mc))
+    return ModelConfig.from_file(mc)
+
+
+def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict, infer_payloads: dict,
+                 options: TransferOptions) -> tuple[Schedule, dict]:
+    """The coordinator's planning step on its own (the harness's controller calls it): recipes
+    for ``model_config`` on ``layout`` (fp32 sources to bf16 destinations are a cast), aimed at
+    the runtime layouts inference ranks published under
+    :data:`weight_transfer.method.RUNTIME_KEY` (refused, named, where a runtime tensor cannot be
+    written), the static schedule, and each training rank's part published under ``plan/{r}``.
+    Returns ``(schedule, {"commit_ranks", "bytes_staged"})``."""
+    from .method import runtime_layouts
+    from .plan import build_recipes, gc_paused, plan
+
+    sources = {m.name: m.dtype for ms in train_metas.values() for m in ms}
+    with gc_paused():
+        recipes = build_recipes(model_config, layout, source_dtypes=sources)
+        runtime = runtime_layouts(store, infer_payloads)
+        if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
+            from .retarget import retarget
+
+            recipes = retarget(recipes, runtime)
+        sched = plan(recipes, train_metas, {i: metas for i, (_, metas) in infer_payloads.items()},
+                     max_chunk_bytes=options.plan.max_chunk_bytes, local_writes=options.plan.local_writes,
+                     local_min_bytes=options.plan.local_min_bytes, parallel_checks=None)
+    descriptors = {i: desc for i, (desc, _) in infer_payloads.items()}
+    for r, rp in sched.rank_plans.items():
+        control.put(store, f"plan/{r}", (rp, descriptors))
+    extra = {"commit_ranks": tuple(sorted(i for i, lay in runtime.items() if getattr(lay, "needs_commit", False))),
+             "bytes_staged": sum(getattr(lay, "staged_bytes", 0) for lay in runtime.values())}
+    return sched, extra
+
+
+# --------------------------------------------------------------------------------------------
+# the training side
+
+
+class Sender:
+    """One training rank's side: publish metadata once, take its part of the schedule once,
+    write one-sidedly on every :meth:`push`.
+
+    ``params``: an FSDP2 module (``named_parameters()``: checkpoint names, DTensors) or a mapping
+    ``{checkpoint name: DTensor}``; plain tensors only with ``world_size == 1`` (this rank holds
+    them whole). The bytes sent are those the parameters hold at :meth:`push` (after
+    ``optimizer.step()``); nothing is copied in between. ``rank`` / ``world_size``: this rank in
+    the training world (explicit, as vLLM's ``TrainerInitInfo``: a trainer has several process
+    groups). ``store``: see :func:`connect_store`. ``coordinator``: on the rank that hosts it (rank
+    0), the :class:`Coordinator`; :meth:`push` then also drives the update and returns its
+    :class:`UpdateResult` in ``last_update``. ``options``: :class:`TransferOptions` (the
+    coordinator's should be the same). ``group_barrier``: the barrier between mesh groups
+    (default ``torch.distributed.barrier`` when a default process group exists and more than one
+    rank trains). ``offloaded``: the shards live in host memory
+    (:class:`weight_transfer.metadata.OffloadedParams`). ``publish``: publish the metadata now
+    (False when the caller already did).
+
+    Raises TypeError / ValueError for bad ``params`` or ranks, before anything is published."""
+
+    def __init__(self, params, *, rank: int, world_size: int, store, coordinator: Coordinator | None = None,
+                 options: TransferOptions | None = None, group_barrier: Callable[[], None] | None = None,
+                 timeout: float | None = None, log: Callable[[str], None] | None = None, publish: bool = True):
+        from torch.distributed.tensor import DTensor
+
+        from .metadata import collect_metas
+
+        if not (0 <= rank < world_size):
+            raise ValueError(f"Sender: rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        self.params = params if isinstance(params, Mapping) and hasattr(params, "host") else _named_params(params)
+        self.rank, self.world_size = rank, world_size
+        self.options = options if options is not None else TransferOptions()
+        self.timeout = self.options.control.timeout if timeout is None else timeout
+        self.coordinator = coordinator
+        self.log = log or (lambda m: None)
+        dts = [isinstance(t, DTensor) for t in self.params.values()]
+        if all(dts):
+            metas = collect_metas(self.params, offloaded=self.options.executor.offload)
+        elif not any(dts) and world_size == 1:
+            metas = _whole_metas(self.params, rank)
+        else:
+            raise TypeError("Sender: params must all be DTensors (an FSDP2 module), or all plain tensors with "
+                            f"world_size == 1 (got world_size={world_size}, {sum(dts)} of {len(dts)} DTensors)")
+        if group_barrier is None and world_size > 1 and dist.is_initialized():
+            group_barrier = dist.barrier
+        self.group_barrier = group_barrier
+        self.store = connect_store(store, timeout=max(self.timeout, 600.0))
+        self.client = control.TrainerClient(self.store, rank, timeout=max(self.timeout, 600.0))
+        self.metas = metas
+        if publish:
+            self.client.publish_meta(metas)
+        self.executor = self.transport = None
+        self.last_update: UpdateResult | None = None
+        self._pushes = 0
+
+    def plan(self) -> None:
+        """Once (the first :meth:`push` calls it): get this rank's part of the schedule (the
+        coordinator plans once every rank published), connect the transport to every
+        receiver's region, and build the executor. Raises ControlError when no plan comes
+        within the timeout, the coordinator's PlanError when it is hosted here."""
+        if self.executor is not None:
+            return
+        from .executor import Executor
+        from .transport import lease, make_transport
+
+        if self.coordinator is not None:
+            self.coordinator.plan()
+        rank_plan, descriptors = self.client.get_plan()
+        self.transport = make_transport(self.options.transport.name)
+        lease.attach(self.transport, self.store)  # receivers' deregister waits for our batch in flight (C17)
+        self.transport.connect(list(descriptors.values()))
+        self.executor = Executor(rank_plan, self.params, self.transport, descriptors, options=self.options.executor,
+                                 group_barrier=self.group_barrier)
+        self.log(f"plan: {len(rank_plan.tasks)} tasks, {rank_plan.n_writes} writes, "
+                 f"{rank_plan.send_bytes / 1e9:.3f} GB to send")
+
+    def send(self, version: int):
+        """Run this rank's writes of the update to ``version`` now, outside the push protocol
+        (a caller whose own control loop already said "go", e.g. the harness). Returns this
+        rank's :class:`weight_transfer.executor.StepStats`; raises the executor's error."""
+        self.plan()
+        return self.executor.run(version)
+
+    def push(self, version: int):
+        """After ``optimizer.step()``, on every training rank: say this rank is ready for
+        ``version``, wait for "go", write, report. On the coordinator's rank the update is
+        driven here too and :attr:`last_update` holds its :class:`UpdateResult` once ``complete
+        version`` is published (this call returns then); other ranks return once their own
+        writes completed. Returns this rank's :class:`weight_transfer.executor.StepStats`.
+
+        Raises ControlError when the update failed anywhere (naming role, rank and cause; the
+        weights are then published ``incomplete`` and a later push may restore them),
+        VersionError when ``version`` does not increase, the executor's error for a write
+        that failed here (after reporting it, so every other rank fails fast)."""
+        self.plan()
+        self.client.ready(version)
+        if self.rank == 0 and self.coordinator is None:
+            self.store.set(PUSH_KEY.format(n=self._pushes), str(version).encode())  # a coordinator of its own
+        self._pushes += 1
+        box: dict = {}
+        thread = None
+        if self.coordinator is not None:
+            def drive():
+                try:
+                    box["result"] = self.coordinator.update(version)
+                except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+                    box["error"] = e
+            thread = threading.Thread(target=drive, name=f"wt-coordinator-v{version}", daemon=True)
+            thread.start()
+        try:
+            self._wait_go(version, box)
+            try:
+                stats = self.executor.run(version)
+            except Exception as e:
+                self.client.done(version, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                raise
+            self.client.done(version, ok=True, stats=stats)
+        finally:
+            if thread is not None:
+                thread.join()
+        if "error" in box:
+            raise box["error"]
+        self.last_update = box.get("result")
+        return stats
+
+    def _wait_go(self, version: int, box: dict) -> None:
+        """Wait for "go" of ``version``; raise the hosted coordinator's error at once when it
+        failed before saying go (a version refused, a rank that never got ready)."""
+        key = f"step/{version}/go"
+        deadline = time.monotonic() + max(self.timeout, 600.0)
+        for _ in control.backoff(None, 0.001):
+            if self.store.check([key]):
+                return
+            if "error" in box:
+                raise box["error"]
+            if self.store.check(["abort"]):
+                raise control.ControlError(f"go {version}: aborted: {self.store.get('abort').decode()}")
+            if time.monotonic() > deadline:
+                raise control.ControlError(f"training {self.rank}: no go for version {version} within "
+                                           f"{max(self.timeout, 600.0):.0f} s")
+
+    def close(self) -> None:
+        """Release the transport (the receivers' regions stay theirs)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+# --------------------------------------------------------------------------------------------
+# the inference side
+
+
+def _span_view(base: int, length: int) -> torch.Tensor:
+    """A ``uint8`` CPU tensor viewing ``[base, base + length)`` of this process's memory in
+    place (no copy; the caller keeps the memory alive)."""
+    import numpy as np
+
+    buf = (ctypes.c_uint8 * length).from_address(base)
+    view = torch.from_numpy(np.ctypeslib.as_array(buf))
+    view._wt_buffer = buf  # type: ignore[attr-defined] -- keep the ctypes object alive with the view
+    return view
+
+
+class Receiver:
+    """One inference rank's side, for any engine's named tensors: register their memory once,
+    publish the region descriptor and the tensors' metadata, then read versions. Passive:
+    nothing runs here per update.
+
+    ``tensors``: ``{inference-side name: tensor}`` -- the engine's parameters as it computes
+    with them (contiguous, distinct, non-overlapping; on the CPU for the ``cma`` transport).
+    One region spans them all, from the lowest ``data_ptr`` to the highest end: writes are
+    planned only into the tensors, and the transport refuses any write outside the region.
+    ``rank``: this inference rank; ``store``: see :func:`connect_store`; ``transport``: the
+    back end's name (``cma``, ``verbs``, ``cuda_ipc``, ...); ``runtime``: a runtime layout to
+    plan against instead of ``tensors``' own (see :mod:`weight_transfer.retarget`); ``publish``:
+    publish now (False: call :meth:`publish` later).
+
+    Raises ValueError naming the tensor that is empty, non-contiguous or overlaps another."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None, *, rank: int, store,
+                 transport: str = "cma", timeout: float = 600.0, runtime=None, publish: bool = True,
+                 region: torch.Tensor | None = None, metas: list[DestTensorMeta] | None = None):
+        from .transport import make_transport
+
+        self.rank, self.timeout = rank, timeout
+        if region is not None:  # an arena the caller allocated, with its tensors' metadata
+            if metas is None:
+                raise ValueError("Receiver: region= needs metas=")
+            self.metas, view = list(metas), region
+        else:
+            if not tensors:
+                raise ValueError("Receiver: no tensors to register")
+            self.metas, view = self._span(tensors)
+        self.transport = make_transport(transport)
+        self.region = self.transport.register(view)
+        self.runtime = runtime
+        self.store = connect_store(store, timeout=max(timeout, 600.0))
+        self.client = control.InferenceClient(self.store, rank, timeout=max(timeout, 600.0))
+        if publish:
+            self.publish()
+
+    @classmethod
+    def from_arena(cls, arena: torch.Tensor, metas: list[DestTensorMeta], **kw) -> Receiver:
+        """A receiver for an engine whose tensors are views into one ``uint8`` ``arena``
+        (``metas``: their :class:`weight_transfer.types.DestTensorMeta`, offsets into it), e.g.
+        :class:`weight_transfer.engines.Engine`."""
+        return cls(region=arena, metas=metas, **kw)
+
+    def _span(self, tensors: Mapping[str, torch.Tensor]) -> tuple[list[DestTensorMeta], torch.Tensor]:
+        spans = []
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                raise ValueError(f"Receiver: {name!r} is empty or not a tensor")
+            if not t.is_contiguous():
+                raise ValueError(f"Receiver: {name!r} is not contiguous (stride {tuple(t.stride())}); "
+                                 "one-sided writes need its bytes in one run")
+            spans.append((t.data_ptr(), t.numel() * t.element_size(), name, t))
+        spans.sort(key=lambda s: s[0])
+        for (a, n, na, _), (b, _, nb, _) in zip(spans, spans[1:]):
+            if a + n > b:
+                raise ValueError(f"Receiver: tensors {na!r} and {nb!r} overlap; refusing to register aliased memory")
+        base = spans[0][0]
+        length = max(a + n for a, n, _, _ in spans) - base
+        devs = {str(t.device) for *_, t in spans}
+        if len(devs) != 1:
+            raise ValueError(f"Receiver: tensors on several devices {sorted(devs)}; one region per device")
+        metas = [DestTensorMeta(rank=self.rank, name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype),
+                                offset=a - base, nbytes=n) for a, n, name, t in spans]
+        storages = {t.untyped_storage().data_ptr() for *_, t in spans}
+        if len(storages) == 1:  # one allocation: view its bytes (keeps the storage alive)
+            t0 = spans[0][3]
+            st = t0.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=t0.device).set_(st, 0, (st.nbytes(),), (1,))
+            start = base - st.data_ptr()
+            return metas, whole[start:start + length]
+        if devs != {"cpu"}:
+            raise ValueError("Receiver: tensors in several allocations must be on the CPU (one address span)")
+        self._keep = [t for *_, t in spans]  # the span view does not own the memory
+        return metas, _span_view(base, length)
+
+    def publish(self) -> None:
+        """Publish ``(descriptor, metas)`` under ``meta/infer/{rank}`` (and the runtime layout,
+        when one was given), once; the coordinator plans against it."""
+        if self.runtime is not None:
+            from .method import RUNTIME_KEY
+
+            control.put(self.store, RUNTIME_KEY.format(rank=self.rank), self.runtime)
+        self.client.publish_meta(self.descriptor, self.metas)
+
+    @property
+    def descriptor(self) -> RegionDescriptor:
+        """The registered region's descriptor (host, address, length, key, epoch)."""
+        return self.region.descriptor()
+
+    def state(self) -> control.WeightsState:
+        """The published :class:`weight_transfer.control.WeightsState` (``writing``, ``complete``,
+        ``incomplete`` with the version and a sequence number)."""
+        return self.client.state()
+
+    def version(self) -> int | None:
+        """The complete version these tensors hold; -1 before any update; None while one is
+        written or after a failed one."""
+        return self.client.version()
+
+    def wait_version(self, version: int, *, timeout: float | None = None) -> control.WeightsState:
+        """Block until ``complete version`` is published; raises as
+        :meth:`weight_transfer.control.InferenceClient.wait_version` (skipped: VersionError;
+        failed: ControlError; timeout)."""
+        return self.client.wait_version(version, timeout=timeout)
+
+    def read_consistent(self, read: Callable[[], Any], *, wait: bool = True, timeout: float = 30.0):
+        """``(state, read())`` where no write happened during ``read`` and ``state`` is
+        complete (a seqlock over the published state: :func:`weight_transfer.control.read_consistent`).
+        Raises :class:`weight_transfer.control.UpdateInProgress` when no complete version can be
+        read (at once with ``wait=False``, after ``timeout`` seconds otherwise)."""
+        return control.read_consistent(self.state, read, wait=wait, timeout=timeout)
+
+    def close(self) -> None:
+        """Deregister the region (waits for any sender's batch in flight, C17) and release the transport."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
