@@ -63,13 +63,14 @@ from . import control
 from .options import TransferOptions
 from .types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor, Schedule, dtype_name
 
-__all__ = ["Sender", "Receiver", "Coordinator", "UpdateResult", "serve_store", "connect_store", "StoreLike"]
-
-StoreLike = "dist.Store | tuple[str, int] | str"
-"""A control-plane store: a ``torch.distributed.Store``, ``(host, port)`` or ``"host:port"``."""
+__all__ = ["Sender", "Receiver", "Coordinator", "UpdateResult", "serve_store", "connect_store", "plan_against",
+           "PUSH_KEY", "WORLD_KEY", "ENGINE_KEY"]
 
 PUSH_KEY = "push/{n}"
 """Training rank 0 -> a coordinator in its own process: the version of the ``n``-th push (ASCII)."""
+WORLD_KEY = "meta/world"
+"""The coordinator publishes ``{"n_train", "n_infer"}`` here (pickled) when it starts: how many
+training ranks report each update (an engine that commits checks every one of them itself)."""
 ENGINE_KEY = "meta/engine"
 """An inference side that knows the model may publish ``{"hf_config": dict, "layout":
 InferenceLayout, "name": str}`` here (the vLLM backend does); a :class:`Coordinator` built
@@ -181,6 +182,7 @@ class Coordinator:
         self.log = log or (lambda m: None)
         self.ctl = control.Controller(self.store, n_train, n_infer, timeout=self.timeout, liveness_train=liveness_train,
                                       liveness_infer=liveness_infer, stall=stall)
+        control.put(self.store, WORLD_KEY, {"n_train": n_train, "n_infer": n_infer})
         self.schedule: Schedule | None = None
         self.commit_ranks: tuple[int, ...] = ()
         """Inference ranks whose engine commits each update (staged targets)."""
