@@ -418,7 +418,7 @@ class Sender:
             def drive():
                 try:
                     box["result"] = self.coordinator.update(version)
-                except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+                except BaseException as e:  # re-raised in the caller's thread
                     box["error"] = e
             thread = threading.Thread(target=drive, name=f"wt-coordinator-v{version}", daemon=True)
             thread.start()
