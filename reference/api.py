@@ -396,7 +396,8 @@ class Sender:
         self.plan()
         return self.executor.run(version)
 
-    def push(self, version: int):
+    def push(self, version: int, *, commit: Callable[[int], object] | None = None,
+             before_go: Callable[[int], None] | None = None):
         """After ``optimizer.step()``, on every training rank: say this rank is ready for
         ``version``, wait for "go", write, report. On the coordinator's rank the update is
         driven here too and :attr:`last_update` holds its :class:`UpdateResult` once ``complete
@@ -406,7 +407,9 @@ class Sender:
         Raises ControlError when the update failed anywhere (naming role, rank and cause; the
         weights are then published ``incomplete`` and a later push may restore them),
         VersionError when ``version`` does not increase, the executor's error for a write
-        that failed here (after reporting it, so every other rank fails fast)."""
+        that failed here (after reporting it, so every other rank fails fast). ``commit`` and
+        ``before_go``: handed to :meth:`Coordinator.update` on the coordinator's rank (ignored
+        elsewhere), e.g. an engine's commit call once every write completed."""
         self.plan()
         self.client.ready(version)
         if self.rank == 0 and self.coordinator is None:
@@ -417,7 +420,7 @@ class Sender:
         if self.coordinator is not None:
             def drive():
                 try:
-                    box["result"] = self.coordinator.update(version)
+                    box["result"] = self.coordinator.update(version, commit=commit, before_go=before_go)
                 except BaseException as e:  # re-raised in the caller's thread
                     box["error"] = e
             thread = threading.Thread(target=drive, name=f"wt-coordinator-v{version}", daemon=True)
