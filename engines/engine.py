@@ -350,15 +350,21 @@ class Engine:
 
     ``rank`` is the inference rank (replica ``rank // tp``, TP rank ``rank % tp``); replicas
     hold identical bytes. ``device`` is where the arena lives (CPU by default).
+    ``allocate`` (optional): ``allocate(nbytes, device=device)`` returns the flat ``uint8``
+    buffer the arena (with its guard bytes) lives in, for a transport that can only publish
+    memory it allocated (``Transport.allocate`` of ``shm``: a shared segment the senders map);
+    by default ``torch.empty``.
     Raises ValueError naming the tensor and sizes when the layout does not divide the model.
     """
 
-    def __init__(self, cfg: ModelConfig, layout: InferenceLayout, rank: int, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: ModelConfig, layout: InferenceLayout, rank: int, device: str | torch.device = "cpu",
+                 allocate=None):
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.tp_rank = rank % layout.tp
         plan = _plan(cfg, layout, rank)
         total = -(-(plan[-1][1] + plan[-1][2]) // ALIGN) * ALIGN if plan else 0
-        self._buffer = torch.full((total + 2 * GUARD,), GUARD_BYTE, dtype=torch.uint8, device=device)
+        alloc = allocate or (lambda n, device: torch.empty((n,), dtype=torch.uint8, device=device))
+        self._buffer = alloc(total + 2 * GUARD, device=device).fill_(GUARD_BYTE)
         """The arena with :data:`GUARD` guard bytes on each side."""
         self.arena = self._buffer[GUARD:GUARD + total]
         """Every parameter of this rank, back to back (16-byte aligned offsets); the region a

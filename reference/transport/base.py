@@ -36,6 +36,18 @@ What lives here, written once for every back end
   any byte moves. ``deregister`` releases memory only after every sender holding a lease there
   left the batch it was in (:mod:`.lease`: the protocol and its race window).
 
+Memory a receiver publishes
+---------------------------
+:meth:`Transport.allocate` returns a flat ``uint8`` tensor of memory this back end can register
+*and publish*. For most back ends any tensor on a device they handle can be published (the
+default allocates with ``torch.empty``), so an engine may register the tensors it already has.
+A back end that can only publish memory it allocated itself says so with
+``publishes_allocated_only = True`` (``shm``: a shared segment the senders map; an arbitrary
+tensor of the receiver's heap cannot be mapped by another process): a receiver (an engine's
+arena, a staging buffer) must then allocate through :meth:`Transport.allocate` and register a
+view of it, and ``descriptor()`` of any other region raises ValueError saying so. Senders
+register any tensor as a *local* source region on every back end (their memory is only read).
+
 What a back end implements (the hooks, all prefixed ``_``): ``_check_device`` (which tensors it
 registers), ``_register`` / ``_deregister`` (native registration), ``_describe`` (the
 descriptor's key and ``extra``), ``_check_descriptor`` / ``_connect`` / ``_disconnect``
@@ -334,6 +346,21 @@ class Transport(abc.ABC):
     Not thread-safe: one writer thread per transport."""
 
     name: str = "?"
+    publishes_allocated_only: bool = False
+    """True when only memory from :meth:`allocate` can be published (its ``descriptor()``); see
+    "Memory a receiver publishes" in the module docstring."""
+
+    @classmethod
+    def allocate(cls, nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """A flat ``uint8`` tensor of ``nbytes`` bytes (>= 1) on ``device`` that this back end can
+        register and publish: what a receiver's engine allocates its arena (or staging buffers)
+        with, and the executor its output pool. The default is ``torch.empty`` (any memory can be
+        published); back ends with ``publishes_allocated_only`` return their own (shared) memory.
+        Its contents are undefined. ValueError for ``nbytes < 1`` or a device the back end
+        cannot publish from."""
+        if nbytes < 1:
+            raise ValueError(f"{cls.__name__}.allocate: nbytes={nbytes}, need >= 1")
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def __init__(self, host: str | None = None):
         self.host = host if host is not None else socket.gethostname()
