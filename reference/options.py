@@ -85,8 +85,8 @@ class TransportOptions:
     """The data plane."""
 
     name: str = field(default="cma", metadata={"flat": "transport"})
-    """Back end (``weight_transfer.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs`` or
-    ``cuda_ipc`` (docs/TRANSPORTS.md)."""
+    """Back end (``weight_transfer.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs``,
+    ``cuda_ipc`` or ``shm`` (docs/TRANSPORTS.md)."""
 
     def __post_init__(self):
         from .transport import TRANSPORTS
@@ -124,7 +124,7 @@ class TransferOptions:
     def preflight(self) -> None:
         """Checks that need this host, run before any process starts; raise ValueError with a
         one-line cause: the transport's library is importable here (``nixl``: NIXL's Python
-        API; ``verbs``: pyverbs; ``cuda_ipc``: a CUDA torch with a GPU; ``cma``: Linux), and
+        API; ``verbs``: pyverbs; ``cuda_ipc``: a CUDA torch with a GPU; ``cma``, ``shm``: Linux), and
         ``executor.trace_dir`` (when set) is a directory this process can create and write a file in."""
         why = transport_unavailable(self.transport.name)
         if why:
@@ -151,6 +151,8 @@ def transport_unavailable(name: str) -> str | None:
     try:
         if name == "cma":
             return None if sys.platform.startswith("linux") else f"process_vm_writev needs Linux, not {sys.platform}"
+        if name == "shm":
+            return None if hasattr(os, "memfd_create") else f"memfd_create needs Linux, not {sys.platform}"
         if name == "nixl":
             from .transport.nixl import load_nixl
 

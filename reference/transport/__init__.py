@@ -10,6 +10,9 @@ posts and waits. Back ends (docs/TRANSPORTS.md has install notes):
 - ``verbs``: pyverbs RC queue pairs with RDMA WRITE (:mod:`.verbs`); needs an RDMA device.
 - ``cuda_ipc``: CUDA IPC handles, device-to-device copies between GPUs of one host
   (:mod:`.cuda_ipc`).
+- ``shm``: shared memory (:mod:`.shm`), a ``memcpy`` into the receiver's memory mapped once by
+  each sender, CPU memory of one host; the receiver allocates what it publishes through
+  ``ShmTransport.allocate`` (``publishes_allocated_only``); no dependency.
 
 The modules import their optional libraries only when a transport is built, so
 ``make_transport`` raises an ImportError that says what to install when one is missing.
@@ -36,6 +39,7 @@ from .base import (
 from .cma import CmaRegion, CmaTransport
 from .cuda_ipc import CudaIpcTransport
 from .nixl import NixlTransport
+from .shm import ShmTransport
 from .verbs import VerbsTransport
 
 TRANSPORTS: dict[str, type[Transport]] = {
@@ -43,6 +47,7 @@ TRANSPORTS: dict[str, type[Transport]] = {
     "nixl": NixlTransport,
     "verbs": VerbsTransport,
     "cuda_ipc": CudaIpcTransport,
+    "shm": ShmTransport,
 }
 """Back ends known to :func:`make_transport`, by name."""
 
@@ -67,6 +72,7 @@ __all__ = [
     "CmaTransport",
     "CudaIpcTransport",
     "NixlTransport",
+    "ShmTransport",
     "VerbsTransport",
     "PermissionDeniedError",
     "Region",

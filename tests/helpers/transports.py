@@ -1,7 +1,9 @@
 """The transport-contract receiver: a spawned process that builds one transport, registers a
 1 MiB uint8 buffer of POISON and a bf16 tensor (on the GPU for ``cuda_ipc``), publishes their
 descriptors and then only answers requests (bytes, re-register, the C17 region commands). Used
-by tests/transport/test_base.py (every transport) and tests/transport/test_cma.py (C17)."""
+by tests/transport/test_base.py (every transport), tests/transport/test_cma.py and
+tests/transport/test_shm.py (C17). Its memory comes from the transport's ``allocate`` (plain
+``torch.empty`` for most; a shared segment for ``shm``, which can publish nothing else)."""
 from __future__ import annotations
 
 import pytest
@@ -57,6 +59,11 @@ def _device(name: str) -> str:
     return "cuda" if name == "cuda_ipc" else "cpu"
 
 
+def alloc(t, n: int, dtype=torch.uint8, device: str = "cpu") -> torch.Tensor:
+    """``n`` elements of ``dtype`` in memory transport ``t`` can publish (``t.allocate``)."""
+    return t.allocate(n * dtype.itemsize, device=device).view(dtype)
+
+
 def _param(name: str, missing, *marks):
     why = missing() if missing else None
     return pytest.param(name, id=name, marks=[*marks, *([pytest.mark.skip(reason=why)] if why else [])])
@@ -64,6 +71,7 @@ def _param(name: str, missing, *marks):
 
 TRANSPORTS = [
     _param("cma", None),
+    _param("shm", None),
     _param("nixl", _nixl_missing),
     _param("verbs", _verbs_missing, pytest.mark.rdma),
     _param("cuda_ipc", _cuda_missing, pytest.mark.gpu),
@@ -91,10 +99,10 @@ def _receiver(conn, name: str, kw: dict) -> None:
 
     t = make_transport(name, **kw)
     dev = _device(name)
-    pool = torch.empty(2 * C17_BYTES, dtype=torch.uint8, device=dev)
+    pool = alloc(t, 2 * C17_BYTES, device=dev)
     tensors = {
-        "buf": torch.full((MIB,), POISON, dtype=torch.uint8, device=dev),
-        "bf16": torch.zeros(BF16_N, dtype=torch.bfloat16, device=dev),
+        "buf": alloc(t, MIB, device=dev).fill_(POISON),
+        "bf16": alloc(t, BF16_N, torch.bfloat16, dev).zero_(),
     }
     regions = {k: t.register(v) for k, v in tensors.items()}
     conn.send({k: r.descriptor() for k, r in regions.items()})

@@ -29,6 +29,7 @@ from tests.helpers.transports import (
     TRANSPORTS,
     _device,
     _kwargs,
+    alloc,
     start_receiver,
 )
 from weight_transfer.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
@@ -92,7 +93,7 @@ def _wait(h) -> int:
 
 
 def test_register_and_descriptor(tx):
-    x = torch.zeros(1000, dtype=torch.bfloat16, device=_device(tx.name))
+    x = alloc(tx, 1000, torch.bfloat16, _device(tx.name)).zero_()  # memory it can publish
     r = tx.register(x)
     d = r.descriptor()
     assert (d.transport, d.addr, d.length, d.pid) == (tx.name, x.data_ptr(), 2000, os.getpid())
@@ -102,6 +103,24 @@ def test_register_and_descriptor(tx):
     tx.deregister(r)
     assert r.tensor is None
     tx.deregister(r)  # idempotent
+
+
+def test_allocate_gives_publishable_memory_and_refuses_what_it_cannot(tx):
+    """``allocate(nbytes)``: a flat uint8 tensor the back end can register and publish; a back end
+    that publishes only its own memory (``publishes_allocated_only``) refuses the descriptor of
+    any other tensor, naming ``allocate``, but registers it as a local source region."""
+    dev = _device(tx.name)
+    buf = tx.allocate(4096, device=dev)
+    assert buf.dtype == torch.uint8 and tuple(buf.shape) == (4096,) and buf.device.type == dev
+    assert tx.register(buf[64:1088]).descriptor().length == 1024
+    with pytest.raises(ValueError, match="nbytes"):
+        tx.allocate(0, device=dev)
+    other = tx.register(torch.zeros(64, dtype=torch.uint8, device=dev))  # a local source: always accepted
+    if tx.publishes_allocated_only:
+        with pytest.raises(ValueError, match=r"allocate\(nbytes\)"):
+            other.descriptor()
+    else:
+        assert other.descriptor().length == 64
 
 
 def test_register_refuses_bad_tensors(tx):
