@@ -8,10 +8,24 @@ Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
 - ``prepare``: ``full_tensor()`` of each source (a collective over the source's DeviceMesh),
   then each assigned recipe's fusion / slicing / cast / FP8 quantization into contiguous
   output buffers;
-- ``write``: register the outputs, post every one-sided write of the task as one batch; once
-  the batch completed, deregister (recorded interval: post -> completion);
-- ``release``: drop the task's temporaries (gathered sources and outputs) and return its
-  temporary bytes to the watermark.
+- ``write``: post every one-sided write of the task as one batch, from memory registered once
+  (recorded interval: post -> completion);
+- ``release``: drop the task's temporaries (gathered sources and outputs), give its output pool
+  chunk back and return its temporary bytes to the watermark.
+
+*Registered once.* The memory the writes read from is registered when the executor is built,
+never per update (:class:`weight_transfer.tasks.RegisteredMemory`): an output that is a view
+of this rank's own shard (a plain recipe of a local task) is written straight from the shard's
+storage, registered whole; every other output (fused, cast, FP8-quantized, in a runtime layout,
+or cut from a gathered source) is built by prepare directly in a slot of a preallocated output
+pool (one registered buffer, reused across updates; sized by the watermark: the watermark plus
+the largest task's chunk, or :data:`weight_transfer.tasks.POOL_DEFAULT` without one). A task
+takes its chunk when it is admitted and gives it back at release, after its batch completed, so
+no slot is rewritten under a write in flight; a task waits for pool space only when the chunks
+in flight fill the pool (a task larger than the rest runs once the earlier ones released: no
+deadlock). :attr:`Executor.setup_stats` says what registering cost (regions, bytes, seconds,
+per transport). The shards must be updated in place (optimizer steps, ``copy_``): a write whose
+shard was re-allocated since setup is refused, naming it.
 
 Pipelined execution (the default, ``pipeline=True``): one thread per stage, each with a FIFO
 queue. Tasks enter the first stage in plan order; when a stage finishes the task at the head
@@ -22,8 +36,9 @@ does not wait for a task's batch before it posts the next: it keeps the posted b
 hands a task to release, so the writes of several tasks are in flight at once, bounded by the
 watermark alone (a task's temporary bytes stay held until its writes completed). This is the
 published executor's behaviour (Perplexity, Lequn Chen, 2025-09-17: "No need to wait for RDMA
-to finish"). Every transport call (register, post, poll, wait, deregister) stays on the write
-thread (transports are not thread-safe); each batch's ``write_timeout`` counts from its post.
+to finish"). Every transport call of an update (post, poll, wait) stays on the write
+thread (transports are not thread-safe; registration happened before any stage thread
+existed); each batch's ``write_timeout`` counts from its post.
 CMA's writes are synchronous, so on CPU at most one batch is in flight. On a CUDA device
 the h2d thread copies on a side stream and records an event that prepare's stream waits on;
 prepare records an event the write stage synchronizes before posting (guarded: CPU runs do
@@ -58,7 +73,10 @@ carries the matching wall-clock origin so ranks line up. Intervals of one stage 
 
 *Errors.* The first error of any stage aborts the update and is raised naming the stage and the
 task (a gone receiver: the inference rank). After it no batch is posted; the batches still in
-flight are waited for (each up to its deadline) and every region is deregistered. :meth:`run`
+flight are waited for (each up to its deadline) and their pool chunks given back; a batch that
+timed out may still be in flight, so its pool is replaced (registered again, the old buffer
+kept unused) before the next update. The lease and epoch checks (C17) are the transport's, per
+batch, whatever memory the batch reads. :meth:`run`
 returns only after every posted batch completed, so a rank's reported success implies all its
 writes completed (what the control plane requires of every rank before it publishes). With ``trace_dir`` each update is
 saved as a Chrome trace per rank (:mod:`weight_transfer.timeline`).
@@ -79,10 +97,12 @@ from .options import ExecutorOptions
 from .tasks import (
     MemoryGate,
     PostedTask,
+    RegisteredMemory,
+    SetupStats,
     WritesInFlight,
     complete_task,
     gather_sources,
-    post_outputs,
+    post_ops,
     prepare_outputs,
     unique_nbytes,
 )
@@ -109,13 +129,15 @@ class TaskRecord:
     gather_bytes: int = 0
     """Bytes ``full_tensor()`` gathered into new buffers on this rank for this task."""
     copy_bytes: int = 0
-    """Bytes of this task's outputs in buffers of their own (a cast, a quantization, a fused
-    ``cat``, a ``.contiguous()`` of a strided slice): outputs that are views of this rank's
-    shards or of the gathered sources cost no copy."""
+    """Bytes of this task's outputs built in buffers of their own (output pool slots: a cast,
+    a quantization, a fused ``cat``, a ``.contiguous()`` of a strided slice, a slice of a
+    gathered source copied into its slot): outputs that are views of this rank's shards cost no
+    copy."""
     h2d_bytes: int = 0
     label: str = ""
     gate_wait: float = 0.0
-    """Seconds the task waited at the watermark gate before its first stage."""
+    """Seconds the task waited at the watermark gate (and for output pool space) before its
+    first stage."""
 
     @property
     def start(self) -> float:
@@ -198,10 +220,24 @@ class StepStats:
 # the executor
 
 
+def _built_bytes(outs: list[list[torch.Tensor]], full: dict[str, torch.Tensor]) -> int:
+    """Bytes of the outputs that are not views of a source in ``full`` (this rank's shards or
+    the gathered sources): each distinct output once, by its own bytes (pool slots share one
+    storage)."""
+    have = {t.untyped_storage().data_ptr() for t in full.values() if t.numel()}
+    seen, n = set(), 0
+    for os_ in outs:
+        for o in os_:
+            if o.numel() and o.untyped_storage().data_ptr() not in have and o.data_ptr() not in seen:
+                seen.add(o.data_ptr())
+                n += o.nbytes
+    return n
+
+
 class _Work:
     """A task on its way through the stages."""
 
-    __slots__ = ("task", "rec", "index", "full", "outputs", "h2d_event", "ready_event", "admitted")
+    __slots__ = ("task", "rec", "index", "full", "outputs", "h2d_event", "ready_event", "admitted", "pool_off")
 
     def __init__(self, task: Task, index: int):
         self.task, self.index = task, index
@@ -209,7 +245,7 @@ class _Work:
         if len(task.sources) > 1:
             label += f" +{len(task.sources) - 1}"
         self.rec = TaskRecord(task.id, task.group, temp_bytes=task.temp_bytes, send_bytes=task.send_bytes, label=label)
-        self.full = self.outputs = self.h2d_event = self.ready_event = None
+        self.full = self.outputs = self.h2d_event = self.ready_event = self.pool_off = None
         self.admitted = False
 
 
@@ -234,11 +270,18 @@ class Executor:
     flight, None = unbounded), ``offload`` (require host-offloaded params; the h2d stage runs
     whenever ``params`` carries host copies; ValueError when they carry none), ``trace_dir``
     (save each update's timeline as ``step{NNNN}.rank{r}.json``). ``n_groups``: mesh groups of
-    the whole schedule (agreed by all-reduce if omitted and a process group is up)."""
+    the whole schedule (agreed by all-reduce if omitted and a process group is up).
+
+    The constructor registers the memory the writes read from with ``transport``, once
+    (:class:`weight_transfer.tasks.RegisteredMemory`; the module docstring): the shard storages
+    of plain recipes and an output pool of ``pool_bytes`` bytes (default: sized by the
+    watermark). :attr:`setup_stats` (:class:`weight_transfer.tasks.SetupStats`) says what it
+    cost; :meth:`close` deregisters (``transport.close()`` does too)."""
 
     def __init__(self, plan: RankPlan, params: dict[str, DTensor], transport: Transport,
                  remote: dict[int, RegionDescriptor], *, options: ExecutorOptions | None = None,
-                 group_barrier=None, write_timeout: float | None = 60.0, n_groups: int | None = None, log=None):
+                 group_barrier=None, write_timeout: float | None = 60.0, n_groups: int | None = None, log=None,
+                 pool_bytes: int | None = None):
         options = ExecutorOptions() if options is None else options
         self.options = options
         self.plan, self.params, self.transport, self.remote = plan, params, transport, remote
@@ -264,6 +307,15 @@ class Executor:
         self._h2d_stream = torch.cuda.Stream(device=self.device) if (self.cuda and self.offloaded) else None
         self._barrier_async = self._accepts_async(group_barrier)
         self._runs = 0
+        self.memory = RegisteredMemory(plan.tasks, params, transport, device=self.device, watermark=self.watermark,
+                                       pool_bytes=pool_bytes)
+        self.setup_stats: SetupStats = self.memory.stats
+        """What registering the write memory once cost (regions, bytes, seconds); see
+        :meth:`SetupStats.summary` for the one-line form."""
+
+    def close(self) -> None:
+        """Deregister the memory registered at setup (after the last update)."""
+        self.memory.close()
 
     # -- setup helpers
 
@@ -334,8 +386,11 @@ class Executor:
     # -- stages
 
     def _admit(self, w: _Work, abort: threading.Event | None) -> None:
-        w.rec.gate_wait = self._gate.acquire(w.task.temp_bytes, abort)
+        t0 = time.perf_counter()
+        self._gate.acquire(w.task.temp_bytes, abort)
         w.admitted = True
+        w.pool_off = self.memory.acquire(w.index, abort)  # this task's output pool chunk
+        w.rec.gate_wait = time.perf_counter() - t0
 
     def _h2d(self, w: _Work, abort=None) -> None:
         self._admit(w, abort)
@@ -377,17 +432,15 @@ class Executor:
             full = gather_sources(task, self.params)
             if self._last_of_group.get(task.group) == w.index:
                 self._issue_barriers_through(task.group)
-            outs = prepare_outputs(task, full)
+            outs = prepare_outputs(task, full, into=self.memory.buffers(w.index, w.pool_off))
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             w.ready_event = ev
         gathered = [full[n] for n in task.sources if isinstance(self.params.get(n), DTensor)]
-        flat_outs = [o for os_ in outs for o in os_]
-        w.rec.alloc_bytes = unique_nbytes(gathered + flat_outs)
         w.rec.gather_bytes = unique_nbytes(gathered)
-        have = {t.untyped_storage().data_ptr() for t in full.values() if t.numel()}
-        w.rec.copy_bytes = unique_nbytes([o for o in flat_outs if o.numel() and o.untyped_storage().data_ptr() not in have])
+        w.rec.copy_bytes = _built_bytes(outs, full)
+        w.rec.alloc_bytes = w.rec.gather_bytes + w.rec.copy_bytes
         w.full, w.outputs = full, outs
         t1 = time.perf_counter()
         w.rec.stages["prepare"] = (t0, t1)
@@ -396,10 +449,13 @@ class Executor:
             self._alloc_peak = max(self._alloc_peak, self._alloc_now)
 
     def _post_write(self, w: _Work) -> PostedTask:
-        """Post ``w``'s batch (after its outputs are ready on the device); do not wait."""
+        """Post ``w``'s batch (after its outputs are ready on the device) from the memory
+        registered at setup; do not wait."""
         if w.ready_event is not None:
             w.ready_event.synchronize()
-        return post_outputs(w.task, w.outputs, self.transport, self.remote, self.write_timeout, item=w)
+        ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote)
+        w.rec.copy_bytes += copied
+        return post_ops(w.task, ops, self.transport, self.remote, self.write_timeout, item=w)
 
     def _write_done(self, p: PostedTask, n: int, st: StepStats) -> None:
         """Account a completed batch: bytes, ops, and the write stage's (post, completion)."""
@@ -410,7 +466,12 @@ class Executor:
     def _write(self, w: _Work, st: StepStats) -> None:
         """Stage-serialized write: post the batch and wait for it (the next task waits)."""
         p = self._post_write(w)
-        self._write_done(p, complete_task(p, self.transport, self.remote, block=True), st)
+        try:
+            n = complete_task(p, self.transport, self.remote, block=True)
+        except TimeoutError:
+            self.memory.suspect = True  # its writes may still read the pool
+            raise
+        self._write_done(p, n, st)
 
     def _write_loop(self, q_in, q_out, abort: threading.Event, errors: list, st: StepStats) -> None:
         """The pipelined write stage: post each task's batch as soon as it arrives, with the
@@ -422,14 +483,17 @@ class Executor:
         memory). At the end of the stream every batch is waited for. The first error (a
         refused post, a failed write, a batch past its timeout, counted from its post) aborts
         the update; no batch is posted after it, the batches still in flight are waited for
-        (each up to its deadline) and every region is deregistered."""
+        (each up to its deadline) before their pool chunks are given back."""
         fl = self._writes = WritesInFlight(self.transport, self.remote, self.write_timeout)
 
         def fail(w: _Work, e: BaseException) -> None:
             errors.append(("write", w.task.id, w.rec.label, e))
             abort.set()
+            left = fl.abandon()
+            if fl.timed_out:
+                self.memory.suspect = True  # a batch may still read the pool: replace it next update
             self._drop(w)
-            for p in fl.abandon():
+            for p in left:
                 q_out.put(p.item)  # release drops it (abort is set) and frees its gate bytes
 
         def reap(block: bool) -> None:
@@ -468,8 +532,14 @@ class Executor:
             reap(False)
 
     def _drop(self, w: _Work) -> None:
-        """Skip ``w`` after an abort: give its admitted bytes back to the gate, so the first
-        stage waiting there is not left blocked."""
+        """Skip ``w`` after an abort: give its admitted bytes back to the gate (and its pool
+        chunk back), so the first stage waiting there is not left blocked."""
+        self._give_back(w)
+
+    def _give_back(self, w: _Work) -> None:
+        if w.pool_off is not None:
+            self.memory.release(w.index, w.pool_off)
+            w.pool_off = None
         if w.admitted:
             self._gate.release(w.task.temp_bytes)
             w.admitted = False
@@ -480,8 +550,7 @@ class Executor:
         with self._lock:
             self._alloc_now -= w.rec.alloc_bytes
         w.rec.stages["release"] = (t0, time.perf_counter())  # before the gate opens: intervals stay disjoint
-        self._gate.release(w.task.temp_bytes)
-        w.admitted = False
+        self._give_back(w)
 
     # -- running
 
@@ -502,6 +571,7 @@ class Executor:
         st = StepStats(rank=self.plan.rank, watermark=self.watermark, pipelined=self.pipeline,
                        offloaded=self.offloaded, step=step)
         self._gate = MemoryGate(self.watermark)
+        self.memory.reset()
         self._lock = threading.Lock()
         self._alloc_now = self._alloc_peak = 0
         self._next_barrier = 0

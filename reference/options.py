@@ -67,7 +67,9 @@ class ExecutorOptions:
     (``--serial``) runs every stage of a task before the next task starts (stage-serialized)."""
     watermark: int | None = field(default=None, metadata={"flag": "--watermark-mb", "unit": "MiB", "scale": MiB})
     """Temporaries (gathered sources + outputs) the tasks in flight on one training rank may
-    hold (bytes; on the command line MiB); none = unbounded. A task larger than this runs alone."""
+    hold (bytes; on the command line MiB); none = unbounded. A task larger than this runs alone.
+    It also sizes the executor's output pool, registered once: the watermark plus the largest
+    task's built outputs (none: 256 MiB, at least the largest task's, at most the plan's)."""
     offload: bool = False
     """Training shards live in host memory (pinned on CUDA hosts) and are copied to the device
     buffer in the executor's ``h2d`` stage; metadata says ``offloaded=True``."""

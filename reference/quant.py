@@ -73,7 +73,8 @@ def scale_shape(shape: tuple[int, ...], block: int = QUANT_BLOCK) -> tuple[int, 
 
 
 def quantize_fp8_block(
-    x: torch.Tensor, block: int = QUANT_BLOCK, *, impl: str = "auto"
+    x: torch.Tensor, block: int = QUANT_BLOCK, *, impl: str = "auto",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[..., N, K]`` to FP8 e4m3 with one float32 scale per ``block x block``
     block of the last two dims.
@@ -88,17 +89,24 @@ def quantize_fp8_block(
     the same bytes (the module docstring says what each is). Raises ``ValueError`` for fewer
     than 2 dims or an unknown ``impl``, ``RuntimeError`` when a named ``impl`` is unavailable
     here (the message says why).
+
+    ``out``: ``(q, scale)`` tensors to write the result into (contiguous, the shapes and dtypes
+    above, on ``x``'s device; e.g. views of the executor's registered output pool) and return;
+    the CPU paths write there directly, the GPU paths copy their result in. ValueError when
+    they do not match.
     """
     if x.dim() < 2:
         raise ValueError(f"quantize_fp8_block: need >= 2 dims, got shape {tuple(x.shape)}")
     if impl not in IMPLS:
         raise ValueError(f"quantize_fp8_block: impl {impl!r} is not one of {IMPLS}")
+    if out is not None:
+        _check_out(x, block, out)
     if impl == "torch" or x.numel() == 0:
-        return quantize_fp8_block_reference(x, block)
+        return _into(out, *quantize_fp8_block_reference(x, block, out=out))
     if x.device.type == "cpu" and impl in ("auto", "native"):
         lib = _native_lib()
         if lib is not None:
-            return _quantize_native(lib, x, block)
+            return _quantize_native(lib, x, block, out)
         if impl == "native":
             raise RuntimeError(f"quantize_fp8_block: native CPU kernel unavailable: {native_status()}")
     elif x.device.type == "cuda" and impl in ("auto", "triton"):
@@ -108,22 +116,43 @@ def quantize_fp8_block(
             if impl == "triton":
                 raise RuntimeError(f"quantize_fp8_block: triton unavailable: {e}") from e
         else:
-            return quantize_fp8_block_triton(x, block)
+            return _into(out, *quantize_fp8_block_triton(x, block))
     elif impl != "auto":
         raise RuntimeError(f"quantize_fp8_block: impl {impl!r} does not run on {x.device}")
-    return quantize_fp8_block_reference(x, block)
+    return _into(out, *quantize_fp8_block_reference(x, block, out=out))
+
+
+def _check_out(x: torch.Tensor, block: int, out) -> None:
+    """``out`` is ``(q, scale)`` of the result's shapes and dtypes, contiguous, on ``x``'s device."""
+    q, s = out
+    want = ((tuple(x.shape), torch.float8_e4m3fn), (scale_shape(tuple(x.shape), block), torch.float32))
+    for name, t, (shape, dt) in zip(("q", "scale"), (q, s), want):
+        if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"quantize_fp8_block: out {name} is {tuple(t.shape)} {t.dtype} on {t.device} "
+                             f"(contiguous: {t.is_contiguous()}), need {shape} {dt} contiguous on {x.device}")
+
+
+def _into(out, q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, s)``, or ``out`` with them copied in (skipped when they already are ``out``)."""
+    if out is None:
+        return q, s
+    for dst, src in zip(out, (q, s)):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+    return out
 
 
 def quantize_fp8_block_reference(
-    x: torch.Tensor, block: int = QUANT_BLOCK
+    x: torch.Tensor, block: int = QUANT_BLOCK, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference arithmetic in torch ops (the oracle of the fast paths): on the CPU one
     128-row band at a time (:func:`_quantize_banded`), elsewhere vectorized over all blocks.
-    Same arguments and returns as :func:`quantize_fp8_block`."""
+    Same arguments and returns as :func:`quantize_fp8_block` (``out``: the CPU path writes
+    there; elsewhere the caller copies)."""
     if x.dim() < 2:
         raise ValueError(f"quantize_fp8_block: need >= 2 dims, got shape {tuple(x.shape)}")
     if x.device.type == "cpu":
-        return _quantize_banded(x, block)
+        return _quantize_banded(x, block, out)
     *lead, N, K = x.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
     xf = x.to(torch.float32)
@@ -170,8 +199,9 @@ def native_status() -> str:
     return _KERNEL.status()
 
 
-def _quantize_native(lib: ctypes.CDLL, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU, through the C kernel; bands it flags (inf/NaN inside) are redone by the reference."""
+def _quantize_native(lib: ctypes.CDLL, x: torch.Tensor, block: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU, through the C kernel; bands it flags (inf/NaN inside) are redone by the reference.
+    ``out``: ``(q, scale)`` written in place (checked by the caller)."""
     *lead, N, K = x.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -180,8 +210,11 @@ def _quantize_native(lib: ctypes.CDLL, x: torch.Tensor, block: int) -> tuple[tor
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     L = x3.shape[0]
-    q = torch.empty((L, N, K), dtype=torch.float8_e4m3fn)
-    scale = torch.empty((L, nb, kb), dtype=torch.float32)
+    if out is None:
+        q = torch.empty((L, N, K), dtype=torch.float8_e4m3fn)
+        scale = torch.empty((L, nb, kb), dtype=torch.float32)
+    else:
+        q, scale = out[0].view(L, N, K), out[1].view(L, nb, kb)
     bad = torch.empty((L, nb), dtype=torch.uint8)
     if x3.dtype == torch.bfloat16:
         fn, acc = lib.fp8_block_bf16, torch.empty(K, dtype=torch.int16)
@@ -198,15 +231,19 @@ def _quantize_native(lib: ctypes.CDLL, x: torch.Tensor, block: int) -> tuple[tor
     return q.reshape(*lead, N, K), scale.reshape(*lead, nb, kb)
 
 
-def _quantize_banded(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_banded(x: torch.Tensor, block: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference, CPU: the same arithmetic one 128-row band at a time, in reused float32
     buffers that stay in cache (5x the whole-tensor version's throughput on this project's
-    CPUs; same bytes, tested). GPUs take the vectorized path."""
+    CPUs; same bytes, tested). GPUs take the vectorized path. ``out``: ``(q, scale)`` written
+    in place."""
     *lead, N, K = x.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
     x3 = x.reshape(-1, N, K)
-    q = torch.empty((x3.shape[0], N, K), dtype=torch.float8_e4m3fn)
-    scale = torch.empty((x3.shape[0], nb, kb), dtype=torch.float32)
+    if out is None:
+        q = torch.empty((x3.shape[0], N, K), dtype=torch.float8_e4m3fn)
+        scale = torch.empty((x3.shape[0], nb, kb), dtype=torch.float32)
+    else:
+        q, scale = out[0].view(x3.shape[0], N, K), out[1].view(x3.shape[0], nb, kb)
     buf = torch.zeros(block, kb * block, dtype=torch.float32)
     tmp = torch.empty_like(buf)
     for l in range(x3.shape[0]):

@@ -2,8 +2,12 @@
 
 :func:`assemble` builds a :class:`~weight_transfer.types.Recipe`'s tensor (``recipe.shape``, dtype
 ``recipe.assembled_dtype``) piece by piece; :func:`apply_transform` makes the outputs that are
-written to the inference ranks; :func:`recipe_outputs` does both. :func:`split_recipe` cuts a
-big recipe into row bands so the planner can spread one tensor over several senders.
+written to the inference ranks; :func:`recipe_outputs` does both, into buffers it allocates or
+into buffers the caller hands it (``out=``: the executor's registered output pool, so the
+writes read memory registered once). :func:`output_view` says when a recipe's output is a view
+of one source (a plain recipe: the write reads the source's own memory, nothing is built).
+:func:`split_recipe` cuts a big recipe into row bands so the planner can spread one tensor
+over several senders.
 
 Piece semantics: ``assembled[dst_box] = source[src_box]``, cast to the assembled dtype with
 ``copy_`` (round to nearest even, the same as ``.to(dtype)``). The source slice's shape equals
@@ -20,14 +24,51 @@ from collections.abc import Callable
 import torch
 
 from .layouts import IDENTITY, apply_layout
-from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block
+from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block, scale_shape
 from .types import Box, Recipe, new_output, new_piece, new_recipe, torch_dtype
 
-__all__ = ["assemble", "apply_transform", "recipe_outputs", "split_recipe"]
+__all__ = ["assemble", "apply_transform", "output_nbytes", "output_view", "recipe_outputs", "source_view",
+           "split_recipe"]
 
 
 def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
+
+
+def source_view(recipe: Recipe, get_source: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    """The view of one source that :func:`assemble` hands out instead of copying: the recipe
+    is one piece covering its whole shape, and that piece's slice of the source is contiguous
+    in the assembled dtype (a row band of an embedding, a norm). None otherwise."""
+    shape = tuple(recipe.shape)
+    if len(recipe.pieces) == 1 and recipe.pieces[0].source is not None:
+        p = recipe.pieces[0]
+        if p.dst_box == tuple((0, n) for n in shape):
+            v = get_source(p.source)[_slices(p.src_box)]
+            if v.dtype == torch_dtype(recipe.assembled_dtype) and v.is_contiguous() and v.numel() == math.prod(shape):
+                return v.view(shape)
+    return None
+
+
+def output_view(recipe: Recipe, get_source: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    """The recipe's one output when it *is* a view of a source (:func:`source_view`, a
+    ``"copy"`` into the same dtype, identity layout): what :func:`recipe_outputs` returns for
+    it without building anything. None when the output is built (fused, cast, quantized,
+    rearranged, or a strided slice)."""
+    if recipe.transform != "copy" or len(recipe.outputs) != 1:
+        return None
+    o = recipe.outputs[0]
+    if o.layout != IDENTITY or o.dtype != recipe.assembled_dtype:
+        return None
+    return source_view(recipe, get_source)
+
+
+def output_nbytes(recipe: Recipe) -> list[int]:
+    """Bytes of each output :func:`apply_transform` makes (``"copy"``: the assembled shape in
+    the output dtype; ``"fp8_block"``: the FP8 weight and its float32 scales)."""
+    n = math.prod(recipe.shape)
+    if recipe.transform == "fp8_block":
+        return [n, 4 * math.prod(scale_shape(tuple(recipe.shape)))]
+    return [n * torch_dtype(o.dtype).itemsize for o in recipe.outputs]
 
 
 def assemble(
@@ -43,14 +84,12 @@ def assemble(
     """
     dt = torch_dtype(recipe.assembled_dtype)
     shape = tuple(recipe.shape)
-    if out is None and len(recipe.pieces) == 1 and recipe.pieces[0].source is not None:
+    if out is None:
         # zero copy: the recipe is one contiguous slice of one source in the right dtype (a row
         # band of an embedding, a norm): hand out the view, the write reads the source directly
-        p = recipe.pieces[0]
-        if p.dst_box == tuple((0, n) for n in shape):
-            v = get_source(p.source)[_slices(p.src_box)]
-            if v.dtype == dt and v.is_contiguous() and v.numel() == math.prod(shape):
-                return v.view(shape)
+        v = source_view(recipe, get_source)
+        if v is not None:
+            return v
     if out is None:
         dev = None
         for p in recipe.pieces:
@@ -94,9 +133,48 @@ def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tenso
     return [t if o.layout == IDENTITY else apply_layout(t, o.layout) for t, o in zip(out, recipe.outputs)]
 
 
-def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`assemble` then :func:`apply_transform`."""
-    return apply_transform(recipe, assemble(recipe, get_source))
+def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor],
+                   out: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """:func:`assemble` then :func:`apply_transform`.
+
+    ``out`` (optional): one flat ``uint8`` buffer per output (None: allocate that one), each
+    exactly :func:`output_nbytes` bytes; the outputs are built in them and returned as typed
+    views of them, with the same bytes as without ``out``. A ``"copy"`` in the assembled dtype
+    is assembled straight into its buffer, a cast is cast into it, FP8 block quantization
+    writes weight and scales there (:func:`weight_transfer.quant.quantize_fp8_block`); only an
+    output in a runtime layout other than identity is built first and copied in. ValueError
+    when a buffer's size does not match."""
+    if out is None or all(b is None for b in out):
+        return apply_transform(recipe, assemble(recipe, get_source))
+    sizes = output_nbytes(recipe)
+    if len(out) != len(sizes):
+        raise ValueError(f"recipe_outputs {recipe.name!r}: {len(out)} buffers for {len(sizes)} outputs")
+    dev = out[0].device if out[0] is not None else out[-1].device
+    bufs = [torch.empty(n, dtype=torch.uint8, device=dev) if b is None else b for b, n in zip(out, sizes)]
+    for o, b, n in zip(recipe.outputs, bufs, sizes):
+        if b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != n:
+            raise ValueError(f"recipe_outputs {recipe.name!r}: buffer for {o.tensor} is {tuple(b.shape)} {b.dtype}, "
+                             f"need ({n},) uint8")
+    shape = tuple(recipe.shape)
+    if any(o.layout != IDENTITY for o in recipe.outputs):  # built first, then copied in
+        made = apply_transform(recipe, assemble(recipe, get_source))
+        for b, t in zip(bufs, made):
+            b.copy_(t.contiguous().view(-1).view(torch.uint8))
+        return [b.view(t.dtype).view(t.shape) for b, t in zip(bufs, made)]
+    if recipe.transform == "copy":
+        (o,) = recipe.outputs
+        dst = bufs[0].view(torch_dtype(o.dtype)).view(shape)
+        if o.dtype == recipe.assembled_dtype:
+            assemble(recipe, get_source, out=dst)
+        else:
+            dst.copy_(assemble(recipe, get_source))  # the cast: copy_ rounds as .to() does
+        return [dst]
+    if recipe.transform == "fp8_block":
+        q = bufs[0].view(torch.float8_e4m3fn).view(shape)
+        s = bufs[1].view(torch.float32).view(scale_shape(shape))
+        quantize_fp8_block(assemble(recipe, get_source), out=(q, s))
+        return [q, s]
+    raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -262,11 +262,16 @@ def test_h2d_on_cuda_side_stream_orders_prepare_after_copy():
 
 
 class FailingTransport:
+    """Registers (at setup), refuses every batch."""
+
     def register(self, t):
-        raise RuntimeError("boom")
+        return _Region(t)
 
     def deregister(self, r):
         pass
+
+    def write(self, ops):
+        raise RuntimeError("boom")
 
 
 def test_stage_error_names_stage_and_task_and_does_not_hang():
@@ -288,7 +293,8 @@ def test_stage_error_names_stage_and_task_and_does_not_hang():
 
     for pipeline in (True, False):
         with pytest.raises(RuntimeError, match=r"stage write of task 1 .*boom"):
-            Out(plan_of(tasks), {}, FailingTransport(), {}, options=ExecutorOptions(pipeline=pipeline, watermark=10)).run()
+            Out(plan_of(tasks), {}, FailingTransport(), _remote(), options=ExecutorOptions(pipeline=pipeline,
+                                                                                          watermark=10)).run()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +324,8 @@ class AsyncTransport:
         self.n_posted = 0
 
     def _call(self, *ev):
-        self.threads.add(threading.current_thread().name)
+        if ev[0] != "register":  # registration happens at setup, on the thread building the executor
+            self.threads.add(threading.current_thread().name)
         self.log.append(ev)
 
     def register(self, t):
@@ -397,9 +404,15 @@ def _remote(dst=0, pid=4242):
     return {dst: SimpleNamespace(pid=pid)}
 
 
-def check_transport_use(tr: AsyncTransport):
-    assert tr.threads == {"rank0-write"}, tr.threads       # one thread touches the transport
-    assert tr.registered == tr.deregistered                 # every region deregistered
+def check_transport_use(tr: AsyncTransport, ex: Executor | None = None, thread: str = "rank0-write"):
+    assert tr.threads == {thread}, tr.threads              # one thread touches the transport during updates
+    kinds = [e[0] for e in tr.log]
+    n_reg = kinds.count("register")
+    assert n_reg >= 1 and kinds[:n_reg] == ["register"] * n_reg   # registered once, at setup, before any post
+    assert "deregister" not in kinds                        # nothing deregistered per update
+    if ex is not None:
+        ex.close()
+        assert tr.registered == tr.deregistered             # close() deregisters what setup registered
 
 
 def test_next_batch_posted_while_earlier_in_flight():
@@ -412,7 +425,7 @@ def test_next_batch_posted_while_earlier_in_flight():
     assert tr.max_outstanding == n and ex._writes.max_in_flight == n
     assert (st.n_writes, st.bytes_sent) == (n, 8 * n)
     check_stage_order(st)
-    check_transport_use(tr)
+    check_transport_use(tr, ex)
     w = [r.stages["write"] for r in st.records]
     assert all(b[0] < a[1] for a, b in zip(w, w[1:]))   # write intervals overlap ...
     assert st.stage_busy()["write"] == pytest.approx(union_seconds(w))   # ... and busy counts their union
@@ -435,7 +448,7 @@ def test_watermark_bounds_batches_in_flight(watermark, most):
     st = ex.run()
     assert tr.max_outstanding <= most and ex._writes.max_in_flight <= most
     assert st.n_writes == 8 and st.peak_temp_bytes <= watermark
-    check_transport_use(tr)
+    check_transport_use(tr, ex)
 
 
 @pytest.mark.parametrize("how", ["fail", "gone", "timeout"])
@@ -459,7 +472,7 @@ def test_failed_batch_aborts_names_task_posts_nothing_after(how):
     surfaced = kinds.index("timeout" if how == "timeout" else "fail")
     assert "post" not in kinds[surfaced:]
     assert tr.n_posted < n
-    check_transport_use(tr)
+    check_transport_use(tr, ex)
 
 
 def test_serial_keeps_one_batch_in_flight():
@@ -471,9 +484,10 @@ def test_serial_keeps_one_batch_in_flight():
         return polls[i] >= 3
 
     tr = AsyncTransport(complete=complete)
-    st = Outs(plan_of(writing_tasks(5)), {}, tr, _remote(), options=ExecutorOptions(pipeline=False)).run()
+    ex = Outs(plan_of(writing_tasks(5)), {}, tr, _remote(), options=ExecutorOptions(pipeline=False))
+    st = ex.run()
     assert tr.max_outstanding == 1 and st.n_writes == 5
-    assert tr.registered == tr.deregistered
+    check_transport_use(tr, ex, thread=threading.current_thread().name)  # stage-serialized: the caller's thread
 
 
 def test_stage_busy_is_union_of_intervals():
@@ -605,3 +619,174 @@ def test_trainer_copy_bytes_counts_gathers_and_new_buffers_not_shard_views():
     assert gather["trainer_copy_bytes"] >= gather["bytes"]
     assert 0 <= local["trainer_copy_bytes"] < gather["trainer_copy_bytes"]
     assert fp8["trainer_copy_bytes"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# memory registered once (issue 29 item 1): shard storages and the output pool, at setup
+
+from tests.helpers.loopback import Loopback  # noqa: E402
+from weight_transfer.tasks import OutputPool  # noqa: E402
+
+TINY = dict(num_hidden_layers=1, vocab_size=500, hidden_size=256, intermediate_size=256,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+
+
+def _ckpt(cfg, step):
+    from weight_transfer.testing.catalog import param_specs
+    from weight_transfer.testing.weights import SyntheticCheckpoint
+
+    return {n: t for n, t in SyntheticCheckpoint(param_specs(cfg), step=step, seed=0)}
+
+
+def _counting(tr):
+    """Count ``register`` / ``deregister`` calls on transport ``tr`` (instance attributes)."""
+    calls = {"register": 0, "deregister": 0}
+    for name in calls:
+        real = getattr(tr, name)
+
+        def counted(*a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*a)
+
+        setattr(tr, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm"])
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_memory_registered_at_setup_never_inside_an_update(transport, quant):
+    """Every ``transport.register`` call of the sender happens while the executor is built:
+    three updates register (and deregister) nothing, and each is bit-exact. Plain recipes are
+    written from the shards' storages, the rest from the pool; the counts and bytes are in
+    ``setup_stats``."""
+    from weight_transfer.testing.catalog import load_config
+    from weight_transfer.types import InferenceLayout
+
+    cfg = load_config("qwen3-0.6b", **TINY)
+    lb = Loopback(cfg, InferenceLayout(tp=2, quant=quant), transport=transport)
+    calls = _counting(lb.tx)
+    ex = lb.setup(_ckpt(cfg, 1))
+    at_setup = calls["register"]
+    s = ex.setup_stats
+    assert at_setup == s.n_regions == s.source_regions + 1 >= 2 and s.transport == transport
+    assert s.registered_bytes == s.source_bytes + s.pool_bytes and s.register_seconds > 0
+    assert 0 < s.pooled_bytes <= s.pool_bytes or quant is None
+    assert "registered once" in s.summary() and f"{s.n_regions} regions" in s.summary()
+    for step in (1, 2, 3):
+        src = _ckpt(cfg, step)
+        st = lb.transfer(src)
+        assert lb.verify(src) == [], step
+        assert st.bytes_sent == sum(m.nbytes for e in lb.engines for m in e.tensor_metas())
+    assert calls == {"register": at_setup, "deregister": 0}  # zero inside the three updates
+    ex.close()
+    assert calls["deregister"] == at_setup
+
+
+def test_fake_transport_registers_at_setup_only_over_three_updates():
+    tr = AsyncTransport()
+    ex = Outs(plan_of(writing_tasks(6)), {}, tr, _remote(), write_timeout=10)
+    n = [e[0] for e in tr.log].count("register")
+    assert n == 1 and ex.setup_stats.n_regions == 1 and ex.setup_stats.pool_bytes >= 6 * 64  # one pool, 64 B slots
+    for _ in range(3):
+        st = ex.run()
+        assert st.n_writes == 6
+        assert ex.memory.pool.in_use == 0
+    kinds = [e[0] for e in tr.log]
+    assert kinds.count("register") == n and "deregister" not in kinds
+    check_transport_use(tr, ex)
+
+
+def test_C17_holds_for_pooled_buffers():
+    """The epoch check still refuses a stale descriptor before any byte moves, whatever memory
+    the batch reads: after the receiver re-registered its arena the update fails naming the
+    stale region, every pool chunk is given back, the arena is untouched; once the sender has
+    the new descriptor the next update is bit-exact, still without a registration."""
+    from weight_transfer.testing.catalog import load_config
+    from weight_transfer.types import InferenceLayout
+
+    cfg = load_config("qwen3-0.6b", **TINY)
+    lb = Loopback(cfg, InferenceLayout(tp=2, quant="fp8"))
+    calls = _counting(lb.tx)
+    lb.transfer(_ckpt(cfg, 1))
+    n = calls["register"]
+    lb.rx.deregister(lb.regions[0])  # the receiver re-registers rank 0's arena: a new epoch
+    lb.regions[0] = lb.rx.register(lb.engines[0].arena)
+    before = lb.engines[0].arena.clone()
+    with pytest.raises(RuntimeError, match="StaleRegionError: .*owner publishes 0: the receiver deregistered it"):
+        lb.transfer(_ckpt(cfg, 2))
+    assert lb.executor.memory.pool.in_use == 0
+    assert torch.equal(lb.engines[0].arena, before)  # nothing written into the re-registered arena
+    lb.desc[0] = lb.regions[0].descriptor()  # the control plane hands the new descriptor
+    lb.tx.connect([lb.desc[0]])
+    src = _ckpt(cfg, 3)
+    lb.transfer(src)
+    assert lb.verify(src) == [] and calls["register"] == n
+
+
+@pytest.mark.parametrize("how", ["watermark", "pool"])
+def test_task_larger_than_the_watermark_or_pool_runs_alone(how):
+    """A watermark below every task (each runs alone), or a pool holding exactly the largest
+    task's chunk (tasks wait for pool space, in plan order): updates complete, bit-exact; the
+    pool never holds more than it has."""
+    from weight_transfer.testing.catalog import load_config
+    from weight_transfer.types import InferenceLayout
+
+    cfg = load_config("qwen3-0.6b", **TINY)
+    layout = InferenceLayout(tp=2, quant="fp8")
+    if how == "watermark":
+        lb = Loopback(cfg, layout, options=ExecutorOptions(watermark=1))
+    else:
+        probe = Loopback(cfg, layout)
+        most = max(probe.setup(_ckpt(cfg, 1)).memory.chunk)
+        lb = Loopback(cfg, layout, pool_bytes=most)
+    for step in (1, 2):
+        src = _ckpt(cfg, step)
+        st = lb.transfer(src)
+        assert lb.verify(src) == []
+        pool = lb.executor.memory.pool
+        assert pool.peak <= pool.nbytes and pool.in_use == 0
+    if how == "watermark":
+        assert pool.nbytes == max(lb.executor.memory.chunk) + 1 and pool.peak == max(lb.executor.memory.chunk)
+        recs = st.records
+        assert all(b.start >= a.end for a, b in zip(recs, recs[1:]))
+
+
+def test_a_shard_reallocated_after_setup_is_refused_naming_it():
+    from weight_transfer.testing.catalog import load_config
+    from weight_transfer.types import InferenceLayout
+
+    cfg = load_config("qwen3-0.6b", **TINY)
+    lb = Loopback(cfg, InferenceLayout(tp=2))
+    ex = lb.setup(_ckpt(cfg, 1))
+    name = "model.norm.weight"  # a plain recipe: written from the shard itself
+    lb.sources[name] = lb.sources[name].clone()  # not in place: a new storage
+    with pytest.raises(RuntimeError, match="storage changed since the executor was built; update shards in place"):
+        ex.run()
+
+
+def test_output_pool_ring():
+    pool = OutputPool(torch.zeros(100, dtype=torch.uint8), None)
+    a, b = pool.acquire(40), pool.acquire(40)
+    assert (a, b) == (0, 40) and pool.in_use == 80
+    ab = threading.Event()
+    ab.set()
+    with pytest.raises(RuntimeError, match="aborted while waiting for output pool space"):
+        pool.acquire(30, ab)  # 20 left at the end, 0 at the start
+    pool.release(0, 40)
+    c = pool.acquire(30)  # wraps to the start
+    assert c == 0
+    pool.release(0, 30)  # out of order: reclaimed once the earlier chunk (at 40) is given back
+    assert pool._fit(60) is None
+    pool.release(40, 40)
+    assert pool.in_use == 0 and pool.acquire(100) == 0  # a chunk as large as the pool, alone
+    got = []
+    th = threading.Thread(target=lambda: got.append(pool.acquire(10)))
+    th.start()
+    time.sleep(0.1)
+    assert not got  # waits for space ...
+    pool.release(0, 100)
+    th.join(5)
+    assert got == [0]  # ... and gets it once the earlier task released
+    with pytest.raises(RuntimeError, match="pool holds 100"):
+        pool.acquire(101)
+    assert pool.acquire(0) == 0  # nothing to hold

@@ -5,7 +5,15 @@ live in this process too, and the one-sided writes go through ``process_vm_write
 process's own pid -- the same syscall, bounds checks and region descriptors as across
 processes. Fast enough to run every layout case of shared/CASES.md on its own inputs
 (distinct fill values, odd shapes) instead of synthetic weights.
+
+Like a trainer, the loopback keeps one set of source tensors and one executor for its life:
+the first ``transfer(sources)`` copies ``sources`` into tensors of its own (same shapes,
+strides and dtypes) and builds the executor (which registers their memory once); later
+transfers copy the new values in place and run the same executor, so no update registers.
+``transport`` names the back end (``cma``; ``shm``: the engines' arenas are allocated through it).
 """
+import torch
+
 from weight_transfer.engines import Engine, expected_from_checkpoint
 from weight_transfer.executor import Executor
 from weight_transfer.plan import build_recipes, plan
@@ -24,28 +32,46 @@ class Loopback:
     plans (once) and runs one update; ``verify(sources)`` compares every rank's bytes with
     the engine's own load_weights of the same sources."""
 
-    def __init__(self, cfg, layout, *, poison=True, max_chunk_bytes=64 << 20):
+    def __init__(self, cfg, layout, *, poison=True, max_chunk_bytes=64 << 20, transport="cma", options=None,
+                 **executor_kw):
         self.cfg, self.layout = cfg, layout
-        self.engines = [Engine(cfg, layout, r) for r in range(layout.world_size)]
+        self.rx = make_transport(transport)
+        allocate = self.rx.allocate if self.rx.publishes_allocated_only else None
+        self.engines = [Engine(cfg, layout, r, allocate=allocate) for r in range(layout.world_size)]
         if poison:
             for e in self.engines:
                 e.arena.fill_(0xA5)
-        self.rx = make_transport("cma")
-        self.desc = {r: self.rx.register(e.arena).descriptor() for r, e in enumerate(self.engines)}
-        self.tx = make_transport("cma")
+        self.regions = {r: self.rx.register(e.arena) for r, e in enumerate(self.engines)}
+        self.desc = {r: reg.descriptor() for r, reg in self.regions.items()}
+        self.tx = make_transport(transport)
         self.tx.connect(list(self.desc.values()))
         self.max_chunk_bytes = max_chunk_bytes
-        self.schedule = None
+        self.options, self.executor_kw = options, executor_kw
+        self.schedule = self.executor = self.sources = None
 
     def plan(self, sources):
         return plan(build_recipes(self.cfg, self.layout, source_dtypes={n: dtype_name(t.dtype) for n, t in sources.items()}),
                     source_metas(sources),
                     {r: e.tensor_metas() for r, e in enumerate(self.engines)}, max_chunk_bytes=self.max_chunk_bytes)
 
-    def transfer(self, sources):
-        if self.schedule is None:
+    def setup(self, sources):
+        """Plan once and build the executor (it registers its memory now) over tensors of our own
+        holding ``sources``; returns the executor."""
+        if self.executor is None:
             self.schedule = self.plan(sources)
-        return Executor(self.schedule.rank_plans[0], sources, self.tx, self.desc).run()
+            self.sources = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t) for n, t in sources.items()}
+            self.executor = Executor(self.schedule.rank_plans[0], self.sources, self.tx, self.desc, options=self.options,
+                                     **self.executor_kw)
+        return self.executor
+
+    def transfer(self, sources):
+        """One update carrying ``sources`` (the first one plans and builds the executor)."""
+        if self.executor is None:
+            self.setup(sources)
+        else:
+            for n, t in sources.items():
+                self.sources[n].copy_(t)  # the trainer updates its shards in place
+        return self.executor.run()
 
     def verify(self, sources):
         """[(rank, tensor name)] that differ from the oracle (empty when bit-exact)."""
