@@ -1,0 +1,182 @@
+"""The public API (weight_transfer.api): Sender / Coordinator / Receiver in one process (whole
+tensors, a 1-rank training world, the stand-in engine as the receiver, real CMA writes into
+this process), every byte checked against the engine's own load_weights; the coordinator in
+training rank 0 and in its own thread (``serve``); bad input refused before anything moves;
+a failed write publishes ``incomplete`` and the next push restores a complete version.
+The multi-process path (2 FSDP2 ranks -> 2 inference ranks) is examples/train_and_push.py,
+run by tests/project/test_examples.py."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import weight_transfer as wt
+from weight_transfer.engines import Engine, expected_from_checkpoint
+from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
+
+CFG = load_config("qwen3-0.6b", num_hidden_layers=1, vocab_size=1024)
+LAYOUT = wt.InferenceLayout(tp=1)
+
+
+def _weights(step: int, dtype=None) -> dict[str, torch.Tensor]:
+    ck = SyntheticCheckpoint(param_specs(CFG), step=step, seed=3)
+    return {n: ck[n].clone().to(dtype) if dtype else ck[n].clone() for n in ck.names()}
+
+
+def _same(engine: Engine, weights: dict[str, torch.Tensor]) -> int:
+    """Bytes checked; asserts every byte of every engine tensor equals a fresh engine's
+    load_weights of ``weights``."""
+    want = expected_from_checkpoint(CFG, LAYOUT, 0, weights.__getitem__, list(weights)).named_parameters()
+    got = engine.named_parameters()
+    assert set(got) == set(want)
+    n = 0
+    for name, t in got.items():
+        assert torch.equal(t.view(-1).view(torch.uint8), want[name].view(-1).view(torch.uint8)), name
+        n += t.numel() * t.element_size()
+    assert n == sum(m.nbytes for m in engine.tensor_metas())  # every byte of the engine
+    return n
+
+
+@pytest.fixture
+def world():
+    store = wt.serve_store("127.0.0.1", 0)
+    addr = ("127.0.0.1", store.port)
+    engine = Engine(CFG, LAYOUT, 0)
+    engine.arena.fill_(0xA5)
+    rx = wt.Receiver.from_arena(engine.arena, engine.tensor_metas(), rank=0, store=addr)
+    yield store, addr, engine, rx
+    rx.close()
+
+
+def test_push_with_the_coordinator_on_rank_0_updates_every_byte_and_the_version(world):
+    store, addr, engine, rx = world
+    coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT)
+    params = _weights(1)
+    tx = wt.Sender(params, rank=0, world_size=1, store=addr, coordinator=coord)
+    assert rx.version() == -1
+    for step in (1, 2, 3):
+        new = _weights(step)
+        for n, t in params.items():
+            t.copy_(new[n])  # the "optimizer step": in place, the plan stays valid
+        stats = tx.push(step)
+        assert rx.version() == step and rx.state().complete
+        up = tx.last_update
+        assert up.version == step and up.bytes == stats.bytes_sent == sum(m.nbytes for m in engine.tensor_metas())
+        assert up.seconds > 0 and up.n_writes == stats.n_writes > 0
+        _same(engine, new)
+    with pytest.raises(wt.VersionError, match="versions only increase"):
+        tx.push(3)
+    state, copy = rx.read_consistent(lambda: engine.arena.clone())
+    assert state.complete and state.version == 3 and torch.equal(copy, engine.arena)
+    tx.close()
+
+
+def test_fp32_master_to_bf16_engine_is_a_planned_cast(world):
+    store, addr, engine, rx = world
+    coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT)
+    master = _weights(5, torch.float32)
+    tx = wt.Sender(master, rank=0, world_size=1, store=addr, coordinator=coord)
+    tx.push(1)
+    recipes = [a.recipe for rp in coord.schedule.rank_plans.values() for t in rp.tasks for a in t.assignments]
+    assert {m.dtype for m in tx.metas} == {"float32"}  # the master's shards, as published ...
+    assert {o.dtype for r in recipes for o in r.outputs} == {"bfloat16"}  # ... cast where the recipe assembles
+    _same(engine, master)  # the engine's load_weights casts the fp32 tensors the same way
+    tx.close()
+
+
+def test_coordinator_in_its_own_process_serves_rank_0s_pushes(world):
+    store, addr, engine, rx = world
+    coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT)
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", coord.serve(count=2)), daemon=True)
+    th.start()
+    params = _weights(1)
+    tx = wt.Sender(params, rank=0, world_size=1, store=addr)  # no coordinator here
+    tx.push(10)
+    new = _weights(2)
+    for n, t in params.items():
+        t.copy_(new[n])
+    tx.push(20)
+    th.join(60)
+    assert [r.version for r in out["r"]] == [10, 20] and tx.last_update is None
+    assert rx.wait_version(20).version == 20
+    _same(engine, new)
+    tx.close()
+
+
+def test_a_failed_write_publishes_incomplete_and_the_next_push_restores(world, monkeypatch):
+    store, addr, engine, rx = world
+    coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT, timeout=20)
+    params = _weights(1)
+    tx = wt.Sender(params, rank=0, world_size=1, store=addr, coordinator=coord)
+    tx.push(1)
+    tx.plan()
+    real = tx.executor.run
+
+    def broken(step=None):
+        raise RuntimeError("injected: NIC gone")
+    monkeypatch.setattr(tx.executor, "run", broken)
+    with pytest.raises(RuntimeError, match="NIC gone"):
+        tx.push(2)
+    s = rx.state()
+    assert s.state == "incomplete" and s.version == 2 and rx.version() is None
+    with pytest.raises(wt.UpdateInProgress):
+        rx.read_consistent(lambda: None, wait=False)
+    monkeypatch.setattr(tx.executor, "run", real)
+    new = _weights(3)
+    for n, t in params.items():
+        t.copy_(new[n])
+    tx.push(3)
+    assert rx.version() == 3
+    _same(engine, new)
+    tx.close()
+
+
+def test_receiver_of_named_tensors_spans_them_and_refuses_aliases():
+    store = wt.serve_store("127.0.0.1", 0)
+    a, b = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(8, 4)
+    rx = wt.Receiver({"a": a, "b": b}, rank=0, store=store)
+    metas = {m.name: m for m in rx.metas}
+    assert metas["a"].nbytes == 128 and metas["b"].nbytes == 128
+    d = rx.descriptor
+    lo = min(a.data_ptr(), b.data_ptr())
+    assert d.addr == lo and d.length >= 256
+    rx.close()
+    base = torch.zeros(100)
+    one = wt.Receiver({"x": base[:10], "y": base[50:60]}, rank=1, store=store)  # views of one storage
+    assert {m.name: m.offset for m in one.metas} == {"x": 0, "y": 200}
+    one.close()
+    with pytest.raises(ValueError, match="overlap"):
+        wt.Receiver({"x": base[:10], "y": base[5:20]}, rank=2, store=store)
+    with pytest.raises(ValueError, match="not contiguous"):
+        wt.Receiver({"t": torch.zeros(4, 4).t()}, rank=2, store=store)
+    with pytest.raises(ValueError, match="no tensors"):
+        wt.Receiver({}, rank=2, store=store)
+
+
+def test_bad_arguments_are_refused_before_anything_is_published():
+    store = wt.serve_store("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="rank=2, world_size=2"):
+        wt.Sender({"w": torch.zeros(2)}, rank=2, world_size=2, store=store)
+    with pytest.raises(TypeError, match="all be DTensors"):
+        wt.Sender({"w": torch.zeros(2)}, rank=0, world_size=2, store=store)
+    with pytest.raises(TypeError, match="nn.Module or a mapping"):
+        wt.Sender([torch.zeros(2)], rank=0, world_size=1, store=store)
+    with pytest.raises(ValueError, match="n_train=0"):
+        wt.Coordinator(store, n_train=0, n_infer=1)
+    with pytest.raises(ValueError, match="store="):
+        wt.connect_store("nowhere")
+    assert not store.check(["meta/train/0"])
+
+
+def test_the_package_root_exports_the_api_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, weight_transfer as wt; assert 'weight_transfer.api' not in sys.modules; "
+            "wt.Sender; assert 'weight_transfer.api' in sys.modules; "
+            "assert all(hasattr(wt, n) for n in wt.__all__)")
+    subprocess.run([sys.executable, "-c", code], check=True)
