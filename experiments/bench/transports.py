@@ -20,14 +20,15 @@ Three tables, each row verified (the receiver's SHA-256 equals the expected imag
    (``qwen3-0.6b``: one write per checkpoint tensor, BF16, into one packed receiver arena, as a
    trial's engine arena), one thread.
 3. **Registration** (``register``): seconds to register (and publish a descriptor of) a region
-   of 1 MiB, 64 MiB and ``--mib`` MiB, per transport, the best of ``--repeats``; the executor
-   today registers each task's outputs per update, so this is the cost a pooled, registered-once
-   design removes.
+   of 1 MiB, 64 MiB and ``--mib`` MiB, per transport, the best of ``--repeats``: what the
+   executor pays once at setup for its shard storages and output pool (``Executor.setup_stats``),
+   and what it paid per task per update before it registered once.
 
 Rows: ``memcpy`` (``torch`` ``copy_`` in one process, the floor), ``cma`` (``process_vm_writev``),
-``nixl`` (UCX's default choice on one host: CMA puts, TCP wire-up), ``nixl-tcp``
-(``UCX_TLS=tcp`` over loopback). Each transport row writes from this process into a spawned
-receiver that registered its buffer once; times are the best of ``--repeats`` timed batches
+``shm`` (a ``memcpy`` into the receiver's shared segment, mapped once), ``nixl`` (UCX's default
+choice on one host: CMA puts, TCP wire-up), ``nixl-tcp`` (``UCX_TLS=tcp`` over loopback). Each
+transport row writes from this process into a spawned receiver that allocated its buffer
+through the transport (``Transport.allocate``) and registered it once; times are the best of ``--repeats`` timed batches
 after one warm-up batch (the warm-up also makes connections), from ``write()`` to ``wait()``
 returning. A transport that cannot run here is listed in the footer with the reason.
 
@@ -56,7 +57,7 @@ from weight_transfer.transport import WriteOp, make_transport
 from ..env import git_sha
 
 POISON = 0xA5
-ALL = ("memcpy", "cma", "nixl", "nixl-tcp")
+ALL = ("memcpy", "cma", "shm", "nixl", "nixl-tcp")
 
 
 def _env_for(name: str) -> dict:
@@ -71,7 +72,7 @@ def _receiver(conn, name: str, nbytes: int) -> None:
     os.environ.update(_env_for(name))
     torch.set_num_threads(1)
     t = make_transport(_kind(name))
-    buf = torch.full((nbytes,), POISON, dtype=torch.uint8)
+    buf = t.allocate(nbytes).fill_(POISON)  # memory the transport can publish (shm: a shared segment)
     r = t.register(buf)
     conn.send(r.descriptor())
     while True:
@@ -260,8 +261,9 @@ def bench_transport(name, ops, src, nbytes, repeats) -> tuple[list[float], str]:
 
 
 def registration_seconds(name: str, nbytes: int, repeats: int) -> float:
-    """Best of ``repeats``: seconds to ``register`` a fresh ``nbytes`` host tensor and publish its
-    descriptor on transport ``name`` (``memcpy``: 0, nothing to register), deregistered after."""
+    """Best of ``repeats``: seconds to ``register`` a fresh ``nbytes`` host tensor (from the
+    transport's ``allocate``, not timed) and publish its descriptor on transport ``name``
+    (``memcpy``: 0, nothing to register), deregistered after."""
     if name == "memcpy":
         return 0.0
     os.environ.update(_env_for(name))
@@ -270,7 +272,7 @@ def registration_seconds(name: str, nbytes: int, repeats: int) -> float:
     try:
         best = float("inf")
         for _ in range(repeats):
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf = t.allocate(nbytes)
             buf[::4096] = 0  # touch every page first: registration, not page faults, is timed
             t0 = time.perf_counter()
             r = t.register(buf)
@@ -294,7 +296,7 @@ class TransportBenchConfig:
     repeats: int = 3
     """Timed batches per row (after one warm-up); best and median reported."""
     transports: tuple[str, ...] = ALL
-    """Rows to run, comma-separated: memcpy, cma, nixl, nixl-tcp."""
+    """Rows to run, comma-separated: memcpy, cma, shm, nixl, nixl-tcp."""
     min_kib: int = 4
     """Smallest message of the size sweep (KiB); sizes grow x4 up to ``max_mib``."""
     max_mib: int = 256
@@ -338,6 +340,7 @@ def main(a: TransportBenchConfig) -> int:
     print(f"# host {host}: {os.cpu_count()} cpus, {platform.system()} {platform.release()}, python {platform.python_version()}, "
           f"torch {torch.__version__}, nixl-cu12 {nixl_v}")
     print(f"# best of {a.repeats} timed batches after 1 warm-up; nixl = UCX's choice (CMA put, TCP wire-up), nixl-tcp = UCX_TLS=tcp; "
+          "shm = memcpy into the receiver's segment, mapped once; "
           f"memcpy = torch copy_ in one process, the floor; busbw = algbw (point to point)")
     rows, skipped = [], {}
 
