@@ -330,6 +330,14 @@ def test_device_cuda_needs_a_transport_into_device_memory(refused):
                                                   "--method", "rank0_funnel")
 
 
+def test_shm_transport_refused_for_trials_before_any_process(refused):
+    """``--transport shm`` needs the engine's arena allocated through the transport, which the
+    trial's inference ranks do not do yet: refused with one line naming what is missing."""
+    msg = refused("run", "--transport", "shm")
+    assert "transport='shm' is not wired into trials yet" in msg and "Engine(..., allocate=" in msg
+    assert "device='cuda' with transport='shm'" in refused("run", "--device", "cuda", "--transport", "shm")
+
+
 def test_device_field_checks_and_trial_key():
     with pytest.raises(ValueError, match="device='tpu': cpu or cuda"):
         TrialConfig.from_flat(device="tpu")
