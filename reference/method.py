@@ -163,70 +163,68 @@ def runtime_layouts(store, infer_payloads: dict) -> dict:
 
 
 class ReferenceController(ControllerSide):
-    """Builds the recipes, computes the schedule once, hands each training rank its part."""
+    """The coordinator's planning step (:func:`weight_transfer.api.plan_against`): recipes,
+    retargeting at published runtime layouts, the schedule once, each rank's part."""
 
     def setup(self, ctx: ControllerContext) -> str:
-        from . import control
-        from .plan import build_recipes, gc_paused, plan
+        from .api import plan_against
 
-        sources = {m.name: m.dtype for ms in ctx.train_metas.values() for m in ms}
-        with gc_paused():  # the controller's own process: its GC to pause, its checks to fork (auto)
-            recipes = build_recipes(ctx.model_config, ctx.layout, source_dtypes=sources)
-            runtime = runtime_layouts(ctx.store, ctx.infer_payloads)
-            if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
-                from .retarget import retarget
-
-                recipes = retarget(recipes, runtime)
-            sched = plan(recipes, ctx.train_metas, {i: metas for i, (_, metas) in ctx.infer_payloads.items()},
-                         max_chunk_bytes=ctx.transfer.plan.max_chunk_bytes, local_writes=ctx.transfer.plan.local_writes,
-                         local_min_bytes=ctx.transfer.plan.local_min_bytes, parallel_checks=None)
-        descriptors = {i: desc for i, (desc, _) in ctx.infer_payloads.items()}
+        sched, extra = plan_against(ctx.store, ctx.model_config, ctx.layout, ctx.train_metas, ctx.infer_payloads,
+                                    ctx.transfer)
         # an engine with staged targets (e.g. a vLLM layer kept in an opaque kernel handle) commits
         # each update: its own post-processing runs on the staged bytes before the version is published
-        ctx.extra["commit_ranks"] = tuple(sorted(i for i, lay in runtime.items() if getattr(lay, "needs_commit", False)))
-        ctx.extra["bytes_staged"] = sum(getattr(lay, "staged_bytes", 0) for lay in runtime.values())
-        for r, rp in sched.rank_plans.items():
-            control.put(ctx.store, f"plan/{r}", (rp, descriptors))
-        ctx.extra["schedule"] = sched
+        ctx.extra.update(extra, schedule=sched)
         return sched.summary()
 
 
 class ReferenceTrainer(TrainerSide):
-    """Runs this rank's :class:`~weight_transfer.types.RankPlan` with the executor."""
+    """A :class:`weight_transfer.api.Sender` whose writes the harness's own step loop triggers
+    (:meth:`weight_transfer.api.Sender.send`); the harness published the metadata already."""
 
     def setup(self, ctx: TrainerContext) -> None:
-        from . import control
-        from .executor import Executor
-        from .transport import lease, make_transport
+        from .api import Sender
 
-        client = control.TrainerClient(ctx.store, ctx.rank, timeout=max(ctx.transfer.control.timeout, 600.0))
-        plan, descriptors = client.get_plan()
-        self.transport = make_transport(ctx.transfer.transport.name)
-        lease.attach(self.transport, ctx.store)  # receivers' deregister waits for our batch in flight (C17)
-        self.transport.connect(list(descriptors.values()))
-        self.executor = Executor(plan, ctx.params, self.transport, descriptors, options=ctx.transfer.executor,
-                                 group_barrier=ctx.group_barrier)
-        ctx.log(f"plan: {len(plan.tasks)} tasks, {plan.n_writes} writes, {plan.send_bytes / 1e9:.3f} GB to send")
+        self.sender = Sender(ctx.params, rank=ctx.rank, world_size=ctx.n_train, store=ctx.store, options=ctx.transfer,
+                             group_barrier=ctx.group_barrier, log=ctx.log, publish=False)
+        self.sender.plan()
+
+    @property
+    def executor(self):
+        """The sender's :class:`weight_transfer.executor.Executor` (fault injection wraps its stages)."""
+        return self.sender.executor
+
+    @property
+    def transport(self):
+        return self.sender.transport
 
     def transfer(self, step: int):
-        return self.executor.run()
+        return self.sender.send(step)
 
     def teardown(self) -> None:
-        self.transport.close()
+        self.sender.close()
 
 
 class ReferenceInference(InferenceSide):
-    """Registers the engine's parameter memory once and publishes (descriptor, tensor metas).
-    Passive: nothing runs here per step."""
+    """A :class:`weight_transfer.api.Receiver` over the engine's arena: registers the memory
+    once and returns (descriptor, tensor metas) for the harness to publish. Passive: nothing
+    runs here per step."""
 
     active = False
 
     def setup(self, ctx: InferenceContext):
-        from .transport import make_transport
+        from .api import Receiver
 
-        self.transport = make_transport(ctx.transfer.transport.name)
-        self.region = self.transport.register(ctx.engine.arena)
-        return (self.region.descriptor(), ctx.engine.tensor_metas())
+        self.receiver = Receiver.from_arena(ctx.engine.arena, ctx.engine.tensor_metas(), rank=ctx.rank, store=ctx.store,
+                                            transport=ctx.transfer.transport.name, publish=False)
+        return (self.receiver.descriptor, self.receiver.metas)
+
+    @property
+    def transport(self):
+        return self.receiver.transport
+
+    @property
+    def region(self):
+        return self.receiver.region
 
     def teardown(self) -> None:
-        self.transport.close()
+        self.receiver.close()
