@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     note = f"  [{df['host'].iloc[0]}]" if "host" in df and len(df) and df["host"].nunique() == 1 else ""
     for name, fn in (("latency_vs_size.png", plots.plot_latency_vs_size),
                      ("bandwidth_vs_ranks.png", plots.plot_bandwidth_vs_ranks),
-                     ("watermark.png", plots.plot_watermark)):
-        p = fn(s, out / name, title_note=note)
+                     ("watermark.png", plots.plot_watermark), ("phases.png", plots.plot_phases)):
+        p = fn(df if fn is plots.plot_phases else s, out / name, title_note=note)
         print(f"# {name}: " + (f"wrote {p}" if p else "skipped (not enough data in these results)"))
         if p:
             wrote.append(p)

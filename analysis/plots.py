@@ -203,6 +203,41 @@ def _fmt_wm(w) -> str:
     return "-" if pd.isna(w) else f"{w / 2**20:g} MiB"
 
 
+PHASES = ("h2d", "prepare", "write", "release", "barrier", "commit", "publish")
+"""The per-phase columns of the results (``phase_<name>_s``, docs/PERFORMANCE.md)."""
+
+
+def plot_phases(df: pd.DataFrame, path, *, title_note: str = "") -> Path | None:
+    """A stacked bar per (method, model): the median over measured updates of each phase's busy
+    seconds (``phase_*_s``), beside the median update time (a black tick): stages overlap in
+    the pipeline, so the stack can exceed the update time. None when the results carry no
+    phase columns (rows recorded before they existed)."""
+    cols = [f"phase_{p}_s" for p in PHASES if f"phase_{p}_s" in df]
+    if not cols or df[cols].dropna(how="all").empty:
+        return None
+    d = df.dropna(subset=cols, how="all")
+    g = d.groupby(["method", "model"], sort=False)
+    med = g[cols].median().fillna(0.0)
+    upd = g["seconds"].median()
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(med) + 3), 4.2))
+    x = range(len(med))
+    bottom = [0.0] * len(med)
+    for c in cols:
+        vals = med[c].tolist()
+        if not any(vals):
+            continue
+        ax.bar(x, vals, bottom=bottom, label=c.removeprefix("phase_").removesuffix("_s"))
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.scatter(list(x), upd.tolist(), marker="_", s=400, color="black", zorder=3, label="update time (p50)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"{m}\n{mod}" for m, mod in med.index], fontsize=7)
+    ax.set_ylabel("seconds (p50 over updates)")
+    ax.set_title(f"Per-phase busy seconds{title_note}", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
 def summary_markdown(s: pd.DataFrame, *, sources: list[str] = (), env: str = "") -> str:
     """A markdown table, a row per trial configuration, plus each world's speedup of the
     reference over the baselines (p50 ratios measured in the same results)."""

@@ -71,27 +71,36 @@ def format_table(result) -> str:
     staged = any(r.get("bytes_staged") for r in rows)
     st_h = (f" {'staged':>12} {'commit':>8}", f" {'(B)':>12} {'(s)':>8}") if staged else ("", "")
     lines += [
-        f"{'step':>6} {'bytes':>14}{st_h[0]} {'time':>10} {'algbw':>8} {'writes':>8} {'peak_tmp':>10} {'verified':>9}",
-        f"{'':>6} {'(B)':>14}{st_h[1]} {'(s)':>10} {'(GB/s)':>8} {'':>8} {'(MB)':>10} {'':>9}",
+        f"{'step':>6} {'bytes':>14}{st_h[0]} {'time':>10} {'algbw':>8} {'prepare':>8} {'write':>8} {'publish':>8} "
+        f"{'writes':>7} {'peak_tmp':>9} {'verified':>9}",
+        f"{'':>6} {'(B)':>14}{st_h[1]} {'(s)':>10} {'(GB/s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'':>7} {'(MB)':>9} "
+        f"{'':>9}",
     ]
     for r in rows:
         v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
-        note = "  (warmup)" if r["warmup"] else ""
+        note = "  (cold)" if r["step"] == rows[0]["step"] and r["warmup"] else "  (warmup)" if r["warmup"] else ""
         st = f" {r.get('bytes_staged', 0):>12} {r.get('commit_seconds', 0.0):>8.4f}" if staged else ""
         lines.append(f"{r['step']:>6} {r['bytes']:>14}{st} {r['seconds']:>10.4f} {r['bytes'] / r['seconds'] / 1e9:>8.3f} "
-                     f"{r['n_writes']:>8} {r['peak_temp_bytes'] / 1e6:>10.1f} {v:>9}{note}")
+                     f"{r.get('phase_prepare_s', 0.0):>8.4f} {r.get('phase_write_s', 0.0):>8.4f} "
+                     f"{r.get('phase_publish_s', 0.0):>8.4f} "
+                     f"{r['n_writes']:>7} {r['peak_temp_bytes'] / 1e6:>9.1f} {v:>9}{note}")
     meas = [r for r in rows if not r["warmup"]]
     secs = [r["seconds"] for r in meas]
     n_ok = sum(1 for r in rows if r["verified"])
+    if rows and rows[0]["warmup"]:
+        c = rows[0]
+        lines += ["#", f"# cold first update (step {c['step']}, reported, not in the warm statistics): {c['seconds']:.4f} s "
+                       f"({c['bytes'] / c['seconds'] / 1e9:.3f} GB/s)"]
     if meas:
         med = statistics.median(secs)
         lines += [
             "#",
-            f"# measured updates: {len(meas)}; seconds p50 {med:.4f}  p99 {percentile(secs, 99):.4f}  "
-            f"min {min(secs):.4f}  max {max(secs):.4f}",
+            f"# measured (warm) updates: {len(meas)}; seconds p50 {med:.4f}  p95 {percentile(secs, 95):.4f}  "
+            f"p99 {percentile(secs, 99):.4f}  min {min(secs):.4f}  max {max(secs):.4f}",
             f"# bytes per update: {meas[0]['bytes']} ({meas[0]['bytes'] / 1e9:.3f} GB); algbw at p50: "
             f"{meas[0]['bytes'] / med / 1e9:.3f} GB/s",
         ]
+        lines += phase_lines(meas, result.memcpy_gbps)
     if meas and meas[-1].get("trainer_copy_bytes") is not None:
         c = meas[-1]["trainer_copy_bytes"]
         lines.append(f"# trainers copied outside the writes: {c} B per update ({100 * c / max(1, meas[-1]['bytes']):.1f}% "
@@ -118,6 +127,31 @@ def format_table(result) -> str:
         if r.get("verify_error"):
             lines.append(f"#   step {r['step']}: {r['verify_error']}")
     return "\n".join(lines)
+
+
+def phase_lines(meas: list[dict], memcpy_gbps: float | None) -> list[str]:
+    """Footer lines from the per-phase columns of the warm rows (``experiments.trial.phase_columns``):
+    the p50 busy seconds of each phase, the slowest sender and receiver with their GB/s against
+    the same-run memcpy, and the extra memory per side. [] when the rows have no phase columns."""
+    if not meas or "phase_write_s" not in meas[0]:
+        return []
+    med = {p: statistics.median(r.get(f"phase_{p}_s", 0.0) or 0.0 for r in meas)
+           for p in ("h2d", "prepare", "write", "release", "barrier", "commit", "publish")}
+    out = ["# phases, p50 busy seconds (largest over ranks; stages overlap in the pipeline, so they do not add up): "
+           + "  ".join(f"{p} {v:.4f}" for p, v in med.items())]
+    slow = max(meas, key=lambda r: r["seconds"])
+    ref = f" = {100 * slow['sender_gbps_min'] / memcpy_gbps:.0f}% of memcpy" if memcpy_gbps and slow.get("sender_gbps_min") else ""
+    line = (f"# slowest sender (slowest update): training {slow['slowest_sender']}, {slow['slowest_sender_s']:.4f} s"
+            + (f", lowest per-sender {slow['sender_gbps_min']:.3f} GB/s{ref}" if slow.get("sender_gbps_min") else ""))
+    if slow.get("slowest_receiver") is not None:
+        line += (f"; busiest receiver: inference {slow['slowest_receiver']}, {slow['receiver_gbps_min']:.3f} GB/s"
+                 + (f" = {100 * slow['receiver_gbps_min'] / memcpy_gbps:.0f}% of memcpy" if memcpy_gbps else ""))
+    out.append(line)
+    te = max(r.get("train_extra_bytes", 0) or 0 for r in meas)
+    ie = max(r.get("infer_extra_bytes", 0) or 0 for r in meas)
+    out.append(f"# extra memory per process: training peak {te / 1e6:.1f} MB (gathered sources + outputs of tasks in "
+               f"flight); inference {ie / 1e6:.1f} MB (staging for staged targets; one-sided writes land in place)")
+    return out
 
 
 MIN_FREE_BYTES = 1 << 20

@@ -236,6 +236,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         cctx = ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg,
                                  layout=cfg.inference, train_metas=train_metas, infer_payloads=infer)
         summary = ctl_cls().setup(cctx)
+        sched = cctx.extra.get("schedule")  # the reference's static schedule (None for the baselines)
+        recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
         commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
         bytes_staged = int(cctx.extra.get("bytes_staged", 0))
         plan_s = time.perf_counter() - t0
@@ -282,6 +284,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                                        if all(hasattr(s, "copy_bytes") for s in stats) else None),
                 "write_seconds": ctl.last_write_seconds,
             }
+            row.update(phase_columns(stats, seconds, ctl.last_write_seconds, results, recv_bytes, bytes_staged,
+                                     cfg.n_infer))
             if cfg.run.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
                 from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
@@ -318,6 +322,51 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     finally:
         beat.stop()
     return TrialResult(cfg, rows, summary, plan_s, memcpy_gbps, env)
+
+
+PHASES = ("h2d", "prepare", "write", "release", "barrier", "commit", "publish")
+"""The per-phase columns of a row (``phase_<name>_s``, docs/PERFORMANCE.md)."""
+
+
+def phase_columns(stats: list, seconds: float, write_seconds: float | None, results: dict, recv_bytes: dict,
+                  bytes_staged: int, n_infer: int) -> dict:
+    """The report's per-phase and per-process columns of one update (seconds, bytes):
+
+    - ``phase_{h2d,prepare,write,release}_s``: busy seconds of that executor stage (the union
+      of its tasks' intervals; prepare = ``full_tensor()`` + fusion + cast/quantization), the
+      largest over training ranks; ``phase_barrier_s``: seconds a rank waited at mesh-group
+      barriers (largest over ranks). Stages overlap in the pipeline: they do not add up to
+      ``seconds``. Methods without stages (the baselines) leave them 0.
+    - ``phase_commit_s``: the slowest engine commit (staged targets; 0 without);
+      ``phase_publish_s``: the rest of the update after the last write and the commit (the
+      controller's completion checks and the version publish).
+    - ``slowest_sender`` / ``slowest_sender_s`` / ``sender_gbps_min``: the training rank whose
+      part took longest, its seconds, and the lowest per-sender GB/s (its bytes over its seconds).
+    - ``slowest_receiver`` / ``receiver_gbps_min``: the inference rank receiving the most bytes
+      (receivers are passive: their bytes land over the whole update) and its GB/s over the
+      update's seconds (None without a schedule).
+    - ``train_extra_bytes``: the largest peak of bytes allocated by tasks in flight on a training
+      rank; ``infer_extra_bytes``: bytes an inference rank holds beyond the engine's own weights
+      for the transfer (the staging of staged targets; 0 for in-place one-sided writes)."""
+    busy = [s.stage_busy() for s in stats]
+    out = {f"phase_{p}_s": max((b.get(p, 0.0) for b in busy), default=0.0) for p in ("h2d", "prepare", "write", "release")}
+    out["phase_barrier_s"] = max((sum(br.waited[1] - br.waited[0] for br in getattr(s, "barriers", []) if br.waited)
+                                  for s in stats), default=0.0)
+    commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
+    out["phase_commit_s"] = max((c.get("seconds", 0.0) for c in commits if isinstance(c, dict)), default=0.0)
+    ws = write_seconds if write_seconds is not None else seconds
+    out["phase_publish_s"] = max(0.0, seconds - ws - out["phase_commit_s"])
+    slow = max(stats, key=lambda s: s.seconds)
+    out["slowest_sender"], out["slowest_sender_s"] = slow.rank, slow.seconds
+    out["sender_gbps_min"] = min((s.bytes_sent / s.seconds / 1e9 for s in stats if s.seconds > 0), default=None)
+    if recv_bytes:
+        i, b = max(recv_bytes.items(), key=lambda kv: (kv[1], -kv[0]))
+        out["slowest_receiver"], out["receiver_gbps_min"] = i, b / seconds / 1e9 if seconds > 0 else None
+    else:
+        out["slowest_receiver"] = out["receiver_gbps_min"] = None
+    out["train_extra_bytes"] = max(s.peak_alloc_bytes for s in stats)
+    out["infer_extra_bytes"] = bytes_staged // max(1, n_infer)
+    return out
 
 
 def _output_diff_text(v: dict) -> str:

@@ -86,3 +86,10 @@ def test_analysis_imports_no_transfer_code():
             "m.startswith('weight_transfer.analysis')); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_phases_plot_is_a_stacked_bar_per_method_and_model(tmp_path):
+    df = pd.DataFrame([{"method": m, "model": "tiny", "seconds": 1.0, "phase_prepare_s": 0.4, "phase_write_s": 0.5,
+                        "phase_publish_s": 0.01} for m in ("reference", "rank0_funnel")])
+    assert plots.plot_phases(df, tmp_path / "phases.png").stat().st_size > 1000
+    assert plots.plot_phases(df.drop(columns=[c for c in df if c.startswith("phase_")]), tmp_path / "none.png") is None

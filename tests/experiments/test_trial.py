@@ -123,3 +123,53 @@ def test_gpu_cuda_ipc_every_process_on_the_gpu(kw):
     res = run_trial(small(device="cuda", transport="cuda_ipc", steps=2, **kw))
     assert_all_verified(res, 2)
     assert all(r["device"] == "cuda" and r["transport"] == "cuda_ipc" for r in res.rows)
+
+
+def test_phase_columns_from_the_ranks_stats():
+    """The report's per-phase and per-process columns (issue 28 item 4) from two ranks' stats."""
+    from weight_transfer.executor import BarrierRecord, StepStats, TaskRecord
+    from weight_transfer.experiments.trial import phase_columns
+
+    def rank(r, secs, sent, prep, write, wait):
+        st = StepStats(rank=r, bytes_sent=sent, seconds=secs, peak_alloc_bytes=100 * (r + 1))
+        rec = TaskRecord(0, 0, temp_bytes=1, send_bytes=sent, label="t")
+        rec.stages.update(prepare=(0.0, prep), write=(prep, prep + write))
+        st.records.append(rec)
+        st.barriers.append(BarrierRecord(0, 0.0, (0.0, wait)))
+        return st
+
+    stats = [rank(0, 1.0, 4_000_000_000, 0.3, 0.6, 0.05), rank(1, 2.0, 2_000_000_000, 0.5, 1.2, 0.1)]
+    results = {("commit", 0): {"ok": True, "stats": {"seconds": 0.25}}}
+    out = phase_columns(stats, 2.5, 2.0, results, {0: 3_000_000_000, 1: 3_000_000_000}, 1000, 2)
+    assert out["phase_prepare_s"] == 0.5 and out["phase_write_s"] == pytest.approx(1.2)
+    assert out["phase_barrier_s"] == 0.1 and out["phase_commit_s"] == 0.25
+    assert out["phase_publish_s"] == pytest.approx(0.25) and out["phase_h2d_s"] == 0.0
+    assert out["slowest_sender"] == 1 and out["slowest_sender_s"] == 2.0 and out["sender_gbps_min"] == pytest.approx(1.0)
+    assert out["slowest_receiver"] == 0 and out["receiver_gbps_min"] == pytest.approx(1.2)
+    assert out["train_extra_bytes"] == 200 and out["infer_extra_bytes"] == 500
+    none = phase_columns(stats, 2.5, None, {}, {}, 0, 2)
+    assert none["slowest_receiver"] is None and none["phase_publish_s"] == 0.0  # no write time known: nothing after it
+
+
+def test_table_shows_the_cold_update_phases_and_percentiles():
+    from types import SimpleNamespace
+
+    from weight_transfer.experiments.config import TrialConfig
+    from weight_transfer.experiments.report import format_table
+
+    cfg = TrialConfig.from_flat(model="qwen3-0.6b", overrides={"num_hidden_layers": 1, "vocab_size": 1024})
+    base = dict(bytes=1_000_000_000, n_writes=10, peak_temp_bytes=1, verified=True, phase_prepare_s=0.1,
+                phase_write_s=0.2, phase_publish_s=0.01, slowest_sender=1, slowest_sender_s=0.4, sender_gbps_min=1.0,
+                slowest_receiver=0, receiver_gbps_min=2.0, train_extra_bytes=5e6, infer_extra_bytes=0)
+    rows = [dict(base, step=1, warmup=True, seconds=2.0)] + [dict(base, step=s, warmup=False, seconds=0.5)
+                                                             for s in (2, 3, 4)]
+    env = {"host": "h", "cpus": 2, "torch": "t", "python": "p", "git_sha": "g"}
+    res = SimpleNamespace(cfg=cfg, env=env, rows=rows, schedule_summary="s", plan_seconds=0.1, memcpy_gbps=4.0)
+    text = format_table(res)
+    first = next(line for line in text.splitlines() if line.split()[:1] == ["1"])
+    assert first.endswith("(cold)") and "prepare" in text and "publish" in text
+    assert "# cold first update (step 1, reported, not in the warm statistics): 2.0000 s" in text
+    assert "p95 0.5000" in text and "max 0.5000" in text
+    assert "phases, p50 busy seconds" in text and "prepare 0.1000" in text
+    assert "slowest sender (slowest update): training 1" in text and "25% of memcpy" in text
+    assert "busiest receiver: inference 0, 2.000 GB/s = 50% of memcpy" in text
