@@ -386,8 +386,11 @@ class Sender:
         self.transport.connect(list(descriptors.values()))
         self.executor = Executor(rank_plan, self.params, self.transport, descriptors, options=self.options.executor,
                                  group_barrier=self.group_barrier)
+        su = getattr(self.executor, "setup_stats", None)
+        reg = (f"; registered once: {su.n_regions} region(s), {su.registered_bytes / 1e6:.1f} MB in "
+               f"{su.register_seconds * 1e3:.1f} ms ({su.transport})" if su is not None else "")
         self.log(f"plan: {len(rank_plan.tasks)} tasks, {rank_plan.n_writes} writes, "
-                 f"{rank_plan.send_bytes / 1e9:.3f} GB to send")
+                 f"{rank_plan.send_bytes / 1e9:.3f} GB to send{reg}")
 
     def send(self, version: int):
         """Run this rank's writes of the update to ``version`` now, outside the push protocol
@@ -458,7 +461,11 @@ class Sender:
                                            f"{max(self.timeout, 600.0):.0f} s")
 
     def close(self) -> None:
-        """Release the transport (the receivers' regions stay theirs)."""
+        """Deregister the memory the writes read from (registered once at :meth:`plan`) and
+        release the transport (the receivers' regions stay theirs)."""
+        if self.executor is not None and hasattr(self.executor, "close"):
+            self.executor.close()
+            self.executor = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
