@@ -14,18 +14,12 @@ Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
   chunk back and return its temporary bytes to the watermark.
 
 *Registered once.* The memory the writes read from is registered when the executor is built,
-never per update (:class:`weight_transfer.tasks.RegisteredMemory`): an output that is a view
-of this rank's own shard (a plain recipe of a local task) is written straight from the shard's
-storage, registered whole; every other output (fused, cast, FP8-quantized, in a runtime layout,
-or cut from a gathered source) is built by prepare directly in a slot of a preallocated output
-pool (one registered buffer, reused across updates; sized by the watermark: the watermark plus
-the largest task's chunk, or :data:`weight_transfer.tasks.POOL_DEFAULT` without one). A task
-takes its chunk when it is admitted and gives it back at release, after its batch completed, so
-no slot is rewritten under a write in flight; a task waits for pool space only when the chunks
-in flight fill the pool (a task larger than the rest runs once the earlier ones released: no
-deadlock). :attr:`Executor.setup_stats` says what registering cost (regions, bytes, seconds,
-per transport). The shards must be updated in place (optimizer steps, ``copy_``): a write whose
-shard was re-allocated since setup is refused, naming it.
+never per update (:mod:`weight_transfer.memory`): plain recipes are written from the shards' own
+storages (updated in place by the trainer), everything else is built by prepare straight into
+a slot of a preallocated output pool, taken at admission and given back at release, after the
+task's batch completed; a task waits for pool space only while the chunks in flight fill it.
+:attr:`Executor.setup_stats` says what registering cost. The records of an update
+(:class:`TaskRecord`, :class:`BarrierRecord`, :class:`StepStats`) live in :mod:`weight_transfer.records`.
 
 Pipelined execution (the default, ``pipeline=True``): one thread per stage, each with a FIFO
 queue. Tasks enter the first stage in plan order; when a stage finishes the task at the head
@@ -87,18 +81,17 @@ import inspect
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .memory import RegisteredMemory, SetupStats, built_bytes
 from .options import ExecutorOptions
+from .records import BarrierRecord, StepStats, TaskRecord
 from .tasks import (
     MemoryGate,
     PostedTask,
-    RegisteredMemory,
-    SetupStats,
     WritesInFlight,
     complete_task,
     gather_sources,
@@ -106,7 +99,7 @@ from .tasks import (
     prepare_outputs,
     unique_nbytes,
 )
-from .timeline import peak_in_flight, union_seconds
+from .timeline import peak_in_flight
 from .transport.base import Transport
 from .types import RankPlan, RegionDescriptor, Task
 
@@ -114,124 +107,9 @@ STAGES = ("h2d", "prepare", "write", "release")
 """Stage names in pipeline order."""
 
 
-@dataclass
-class TaskRecord:
-    """Stage timestamps of one task on one rank (``time.perf_counter`` seconds)."""
-
-    task: int
-    group: int
-    stages: dict[str, tuple[float, float]] = field(default_factory=dict)
-    temp_bytes: int = 0
-    """Planned temporary bytes (:attr:`weight_transfer.types.Task.temp_bytes`)."""
-    send_bytes: int = 0
-    alloc_bytes: int = 0
-    """Bytes of tensors this task actually allocated (gathered sources and outputs)."""
-    gather_bytes: int = 0
-    """Bytes ``full_tensor()`` gathered into new buffers on this rank for this task."""
-    copy_bytes: int = 0
-    """Bytes of this task's outputs built in buffers of their own (output pool slots: a cast,
-    a quantization, a fused ``cat``, a ``.contiguous()`` of a strided slice, a slice of a
-    gathered source copied into its slot): outputs that are views of this rank's shards cost no
-    copy."""
-    h2d_bytes: int = 0
-    label: str = ""
-    gate_wait: float = 0.0
-    """Seconds the task waited at the watermark gate (and for output pool space) before its
-    first stage."""
-
-    @property
-    def start(self) -> float:
-        return min(a for a, _ in self.stages.values())
-
-    @property
-    def end(self) -> float:
-        return max(b for _, b in self.stages.values())
-
-
-@dataclass
-class BarrierRecord:
-    """One mesh-group barrier on this rank: issued after group ``group``'s last
-    ``full_tensor()``; ``waited`` is the (start, end) of the wait before the next group's first
-    prepare (None if no later task of this rank needed it; then it was waited at step end)."""
-
-    group: int
-    issued: float
-    waited: tuple[float, float] | None = None
-
-
-@dataclass
-class StepStats:
-    """What one rank did in one update (implements :class:`weight_transfer.method.UpdateStats`)."""
-
-    rank: int
-    bytes_sent: int = 0
-    n_writes: int = 0
-    seconds: float = 0.0
-    peak_temp_bytes: int = 0
-    """Peak of planned temporary bytes of tasks in flight (first stage start .. release end)."""
-    peak_alloc_bytes: int = 0
-    """Peak of bytes actually allocated by tasks in flight (prepare end .. release end)."""
-    peak_device_bytes: int | None = None
-    """CUDA only: ``max_memory_allocated`` above the level at step start."""
-    watermark: int | None = None
-    pipelined: bool = True
-    offloaded: bool = False
-    step: int = 0
-    t_start: float = 0.0
-    """``perf_counter`` at the start of the update; stage times are on the same clock."""
-    wall_start: float = 0.0
-    """``time.time()`` at ``t_start``: converts stage times to wall clock (:meth:`wall`)."""
-    records: list[TaskRecord] = field(default_factory=list)
-    barriers: list[BarrierRecord] = field(default_factory=list)
-
-    @property
-    def wire_bytes(self) -> int:
-        """Payload bytes moved: one-sided writes move exactly what lands (``bytes_sent``)."""
-        return self.bytes_sent
-
-    @property
-    def gather_bytes(self) -> int:
-        """Bytes ``full_tensor()`` gathered into new buffers on this rank this update."""
-        return sum(r.gather_bytes for r in self.records)
-
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes of outputs this rank built in buffers of their own this update (see
-        :attr:`TaskRecord.copy_bytes`); with :attr:`gather_bytes`, what the trainer copies
-        outside the writes themselves."""
-        return sum(r.copy_bytes for r in self.records)
-
-    def wall(self, t: float) -> float:
-        """Wall-clock seconds of a ``perf_counter`` time ``t`` of this rank."""
-        return self.wall_start + (t - self.t_start)
-
-    def stage_busy(self) -> dict[str, float]:
-        """Seconds each stage was busy: the length of the *union* of its tasks' intervals, not
-        their sum (the ``write`` intervals of different tasks overlap when several tasks'
-        writes are in flight; a sum would count that time twice)."""
-        per: dict[str, list[tuple[float, float]]] = {}
-        for r in self.records:
-            for s, ab in r.stages.items():
-                per.setdefault(s, []).append(ab)
-        return {s: union_seconds(iv) for s, iv in per.items()}
-
-
 # --------------------------------------------------------------------------------------------
 # the executor
 
-
-def _built_bytes(outs: list[list[torch.Tensor]], full: dict[str, torch.Tensor]) -> int:
-    """Bytes of the outputs that are not views of a source in ``full`` (this rank's shards or
-    the gathered sources): each distinct output once, by its own bytes (pool slots share one
-    storage)."""
-    have = {t.untyped_storage().data_ptr() for t in full.values() if t.numel()}
-    seen, n = set(), 0
-    for os_ in outs:
-        for o in os_:
-            if o.numel() and o.untyped_storage().data_ptr() not in have and o.data_ptr() not in seen:
-                seen.add(o.data_ptr())
-                n += o.nbytes
-    return n
 
 
 class _Work:
@@ -272,11 +150,9 @@ class Executor:
     (save each update's timeline as ``step{NNNN}.rank{r}.json``). ``n_groups``: mesh groups of
     the whole schedule (agreed by all-reduce if omitted and a process group is up).
 
-    The constructor registers the memory the writes read from with ``transport``, once
-    (:class:`weight_transfer.tasks.RegisteredMemory`; the module docstring): the shard storages
-    of plain recipes and an output pool of ``pool_bytes`` bytes (default: sized by the
-    watermark). :attr:`setup_stats` (:class:`weight_transfer.tasks.SetupStats`) says what it
-    cost; :meth:`close` deregisters (``transport.close()`` does too)."""
+    The constructor registers the write memory with ``transport`` once
+    (:class:`weight_transfer.memory.RegisteredMemory`; ``pool_bytes``: the output pool's size,
+    default sized by the watermark); :meth:`close` deregisters it (``transport.close()`` does too)."""
 
     def __init__(self, plan: RankPlan, params: dict[str, DTensor], transport: Transport,
                  remote: dict[int, RegionDescriptor], *, options: ExecutorOptions | None = None,
@@ -439,7 +315,7 @@ class Executor:
             w.ready_event = ev
         gathered = [full[n] for n in task.sources if isinstance(self.params.get(n), DTensor)]
         w.rec.gather_bytes = unique_nbytes(gathered)
-        w.rec.copy_bytes = _built_bytes(outs, full)
+        w.rec.copy_bytes = built_bytes(outs, full)
         w.rec.alloc_bytes = w.rec.gather_bytes + w.rec.copy_bytes
         w.full, w.outputs = full, outs
         t1 = time.perf_counter()

@@ -625,7 +625,6 @@ def test_trainer_copy_bytes_counts_gathers_and_new_buffers_not_shard_views():
 # memory registered once (issue 29 item 1): shard storages and the output pool, at setup
 
 from tests.helpers.loopback import Loopback  # noqa: E402
-from weight_transfer.tasks import OutputPool  # noqa: E402
 
 TINY = dict(num_hidden_layers=1, vocab_size=500, hidden_size=256, intermediate_size=256,
             num_attention_heads=8, num_key_value_heads=2, head_dim=32)
@@ -762,31 +761,3 @@ def test_a_shard_reallocated_after_setup_is_refused_naming_it():
     lb.sources[name] = lb.sources[name].clone()  # not in place: a new storage
     with pytest.raises(RuntimeError, match="storage changed since the executor was built; update shards in place"):
         ex.run()
-
-
-def test_output_pool_ring():
-    pool = OutputPool(torch.zeros(100, dtype=torch.uint8), None)
-    a, b = pool.acquire(40), pool.acquire(40)
-    assert (a, b) == (0, 40) and pool.in_use == 80
-    ab = threading.Event()
-    ab.set()
-    with pytest.raises(RuntimeError, match="aborted while waiting for output pool space"):
-        pool.acquire(30, ab)  # 20 left at the end, 0 at the start
-    pool.release(0, 40)
-    c = pool.acquire(30)  # wraps to the start
-    assert c == 0
-    pool.release(0, 30)  # out of order: reclaimed once the earlier chunk (at 40) is given back
-    assert pool._fit(60) is None
-    pool.release(40, 40)
-    assert pool.in_use == 0 and pool.acquire(100) == 0  # a chunk as large as the pool, alone
-    got = []
-    th = threading.Thread(target=lambda: got.append(pool.acquire(10)))
-    th.start()
-    time.sleep(0.1)
-    assert not got  # waits for space ...
-    pool.release(0, 100)
-    th.join(5)
-    assert got == [0]  # ... and gets it once the earlier task released
-    with pytest.raises(RuntimeError, match="pool holds 100"):
-        pool.acquire(101)
-    assert pool.acquire(0) == 0  # nothing to hold

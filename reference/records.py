@@ -1,0 +1,113 @@
+"""What one training rank did in one update: per-task stage records, mesh-group barriers and
+the update's totals (:class:`StepStats`, what :meth:`weight_transfer.executor.Executor.run`
+returns; re-exported by :mod:`weight_transfer.executor`). Times are ``time.perf_counter``
+seconds, sizes bytes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .timeline import union_seconds
+
+__all__ = ["BarrierRecord", "StepStats", "TaskRecord"]
+
+
+@dataclass
+class TaskRecord:
+    """Stage timestamps of one task on one rank (``time.perf_counter`` seconds)."""
+
+    task: int
+    group: int
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict)
+    temp_bytes: int = 0
+    """Planned temporary bytes (:attr:`weight_transfer.types.Task.temp_bytes`)."""
+    send_bytes: int = 0
+    alloc_bytes: int = 0
+    """Bytes of tensors this task actually allocated (gathered sources and outputs)."""
+    gather_bytes: int = 0
+    """Bytes ``full_tensor()`` gathered into new buffers on this rank for this task."""
+    copy_bytes: int = 0
+    """Bytes of this task's outputs built in buffers of their own (output pool slots: a cast,
+    a quantization, a fused ``cat``, a ``.contiguous()`` of a strided slice, a slice of a
+    gathered source copied into its slot): outputs that are views of this rank's shards cost no
+    copy."""
+    h2d_bytes: int = 0
+    label: str = ""
+    gate_wait: float = 0.0
+    """Seconds the task waited at the watermark gate (and for output pool space) before its
+    first stage."""
+
+    @property
+    def start(self) -> float:
+        return min(a for a, _ in self.stages.values())
+
+    @property
+    def end(self) -> float:
+        return max(b for _, b in self.stages.values())
+
+
+@dataclass
+class BarrierRecord:
+    """One mesh-group barrier on this rank: issued after group ``group``'s last
+    ``full_tensor()``; ``waited`` is the (start, end) of the wait before the next group's first
+    prepare (None if no later task of this rank needed it; then it was waited at step end)."""
+
+    group: int
+    issued: float
+    waited: tuple[float, float] | None = None
+
+
+@dataclass
+class StepStats:
+    """What one rank did in one update (implements :class:`weight_transfer.method.UpdateStats`)."""
+
+    rank: int
+    bytes_sent: int = 0
+    n_writes: int = 0
+    seconds: float = 0.0
+    peak_temp_bytes: int = 0
+    """Peak of planned temporary bytes of tasks in flight (first stage start .. release end)."""
+    peak_alloc_bytes: int = 0
+    """Peak of bytes actually allocated by tasks in flight (prepare end .. release end)."""
+    peak_device_bytes: int | None = None
+    """CUDA only: ``max_memory_allocated`` above the level at step start."""
+    watermark: int | None = None
+    pipelined: bool = True
+    offloaded: bool = False
+    step: int = 0
+    t_start: float = 0.0
+    """``perf_counter`` at the start of the update; stage times are on the same clock."""
+    wall_start: float = 0.0
+    """``time.time()`` at ``t_start``: converts stage times to wall clock (:meth:`wall`)."""
+    records: list[TaskRecord] = field(default_factory=list)
+    barriers: list[BarrierRecord] = field(default_factory=list)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Payload bytes moved: one-sided writes move exactly what lands (``bytes_sent``)."""
+        return self.bytes_sent
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes ``full_tensor()`` gathered into new buffers on this rank this update."""
+        return sum(r.gather_bytes for r in self.records)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of outputs this rank built in buffers of their own this update (see
+        :attr:`TaskRecord.copy_bytes`); with :attr:`gather_bytes`, what the trainer copies
+        outside the writes themselves."""
+        return sum(r.copy_bytes for r in self.records)
+
+    def wall(self, t: float) -> float:
+        """Wall-clock seconds of a ``perf_counter`` time ``t`` of this rank."""
+        return self.wall_start + (t - self.t_start)
+
+    def stage_busy(self) -> dict[str, float]:
+        """Seconds each stage was busy: the length of the *union* of its tasks' intervals, not
+        their sum (the ``write`` intervals of different tasks overlap when several tasks'
+        writes are in flight; a sum would count that time twice)."""
+        per: dict[str, list[tuple[float, float]]] = {}
+        for r in self.records:
+            for s, ab in r.stages.items():
+                per.setdefault(s, []).append(ab)
+        return {s: union_seconds(iv) for s, iv in per.items()}
