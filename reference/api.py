@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from . import control
 from .options import TransferOptions
+from .store import connect_store, runtime_layouts, serve_store
 from .types import InferenceLayout, ParamMeta, Schedule, dtype_name
 
 __all__ = ["Sender", "Receiver", "Coordinator", "UpdateResult", "serve_store", "connect_store", "plan_against",
@@ -74,26 +75,6 @@ ENGINE_KEY = "meta/engine"
 """An inference side that knows the model may publish ``{"hf_config": dict, "layout":
 InferenceLayout, "name": str}`` here (the vLLM backend does); a :class:`Coordinator` built
 without ``model_config`` / ``layout`` reads them from it."""
-
-
-def serve_store(host: str = "0.0.0.0", port: int = 0, *, timeout: float = 600.0) -> dist.TCPStore:
-    """Start the control-plane store (a ``TCPStore`` master) in this process and return it;
-    ``port=0`` picks a free port (read ``store.port``). Keep the object alive as long as the job
-    runs. ``timeout``: seconds a store call may block."""
-    return control.make_store(host, port, is_master=True, timeout=timeout)
-
-
-def connect_store(store, *, timeout: float = 600.0) -> dist.Store:
-    """A client of the control-plane store: ``store`` as a ``torch.distributed.Store`` (returned
-    as is), ``(host, port)`` or ``"host:port"``. ValueError for anything else."""
-    if isinstance(store, dist.Store):
-        return store
-    if isinstance(store, str) and ":" in store:
-        host, _, port = store.rpartition(":")
-        store = (host, port)
-    if isinstance(store, (tuple, list)) and len(store) == 2 and str(store[1]).isdigit():
-        return control.make_store(str(store[0]), int(store[1]), is_master=False, timeout=timeout)
-    raise ValueError(f"store={store!r}: a torch.distributed.Store, (host, port) or 'host:port'")
 
 
 def _named_params(params) -> dict[str, torch.Tensor]:
@@ -283,10 +264,9 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
     """The coordinator's planning step on its own (the harness's controller calls it): recipes
     for ``model_config`` on ``layout`` (fp32 sources to bf16 destinations are a cast), aimed at
     the runtime layouts inference ranks published under
-    :data:`weight_transfer.method.RUNTIME_KEY` (refused, named, where a runtime tensor cannot be
+    :data:`weight_transfer.store.RUNTIME_KEY` (refused, named, where a runtime tensor cannot be
     written), the static schedule, and each training rank's part published under ``plan/{r}``.
     Returns ``(schedule, {"commit_ranks", "bytes_staged"})``."""
-    from .method import runtime_layouts
     from .plan import build_recipes, gc_paused, plan
 
     sources = {m.name: m.dtype for ms in train_metas.values() for m in ms}

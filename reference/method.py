@@ -147,19 +147,7 @@ class InferenceSide(abc.ABC):
 # the reference: one-sided writes, static schedule
 
 
-RUNTIME_KEY = "meta/infer_runtime/{rank}"
-"""Store key under which an inference rank may publish its engine's runtime layout (an object
-with ``targets`` / ``refused``, see :mod:`weight_transfer.retarget`; e.g. a live vLLM,
-``experiments/vllm_side.py``)."""
-
-
-def runtime_layouts(store, infer_payloads: dict) -> dict:
-    """Inference rank -> published runtime layout, for the ranks that published one ({} when
-    none did: the engine's load layout is its runtime layout)."""
-    from . import control
-
-    keys = {i: RUNTIME_KEY.format(rank=i) for i in infer_payloads}
-    return {i: control.get(store, k) for i, k in keys.items() if store.check([k])}
+from .store import RUNTIME_KEY, runtime_layouts  # noqa: E402,F401 -- part of this module's API
 
 
 class ReferenceController(ControllerSide):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import control
-from .api import connect_store
+from .store import RUNTIME_KEY, connect_store
 from .types import DestTensorMeta, RegionDescriptor, dtype_name
 
 __all__ = ["Receiver"]
@@ -107,8 +107,6 @@ class Receiver:
         """Publish ``(descriptor, metas)`` under ``meta/infer/{rank}`` (and the runtime layout,
         when one was given), once; the coordinator plans against it."""
         if self.runtime is not None:
-            from .method import RUNTIME_KEY
-
             control.put(self.store, RUNTIME_KEY.format(rank=self.rank), self.runtime)
         self.client.publish_meta(self.descriptor, self.metas)
 
