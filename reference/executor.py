@@ -81,6 +81,7 @@ import inspect
 import queue
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -188,10 +189,13 @@ class Executor:
         self.setup_stats: SetupStats = self.memory.stats
         """What registering the write memory once cost (regions, bytes, seconds); see
         :meth:`SetupStats.summary` for the one-line form."""
+        self._close = weakref.finalize(self, self.memory.close)  # an executor dropped unclosed: no leak
 
     def close(self) -> None:
-        """Deregister the memory registered at setup (after the last update)."""
-        self.memory.close()
+        """Deregister the memory registered at setup (after the last update; also done when the
+        executor is garbage-collected, so one built per update leaks nothing, but registers
+        every time: build it once)."""
+        self._close()
 
     # -- setup helpers
 
