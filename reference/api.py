@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import control
+from . import control, membership
 from .options import TransferOptions
 from .store import connect_store, runtime_layouts, serve_store
 from .types import InferenceLayout, ParamMeta, Schedule, dtype_name
@@ -169,7 +169,17 @@ class Coordinator:
         self.bytes_staged = 0
         """Bytes per update into staged targets (post-processed by the engine at commit)."""
         self.plan_seconds: float | None = None
+        self.members: set[int] = set(range(n_infer))
+        """Inference ranks in the current plan (C24: engines may join and leave between updates)."""
+        self.epoch = 0
+        """The plan's epoch: 0 the first plan, +1 at each membership change."""
+        self.replans: list[dict] = []
+        """One entry per membership change: ``{"version", "epoch", "members", "gone", "joined", "seconds"}``."""
+        self.liveness_infer = liveness_infer
         self._served = 0
+        self._joins_seen = 0
+        self._train_metas: dict = {}
+        self._payloads: dict = {}
 
     def plan(self) -> Schedule:
         """Once: wait for every rank's metadata, build the recipes (aimed at a live engine's
@@ -189,8 +199,12 @@ class Coordinator:
                 eng = control.get(self.store, ENGINE_KEY)
                 self.model_config = self.model_config or _model_config(eng["hf_config"], name=eng.get("name"))
                 self.layout = self.layout or eng["layout"]
+            _, self._joins_seen = membership.new_joins(self.store, 0)  # the initial ranks' announcements
             self.schedule, extra = plan_against(self.store, self.model_config, self.layout, train_metas,
                                                 infer_payloads, self.options)
+            self._train_metas, self._payloads = train_metas, dict(infer_payloads)
+            for i in infer_payloads:
+                membership.set_member(self.store, i, 0)
         except BaseException as e:
             self.ctl.shutdown(reason=f"coordinator: plan failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raise
@@ -212,14 +226,72 @@ class Coordinator:
         if version <= cur.version:
             raise control.VersionError(f"version {version} refused: the weights are {cur}; versions only increase")
         self.ctl.load(version)
+        self._follow_membership(version)
         if before_go is not None:
             before_go(version)
-        seconds, results = self.ctl.transfer(version, commit_ranks=self.commit_ranks, commit=commit)
+        try:
+            seconds, results = self.ctl.transfer(version, commit_ranks=self.commit_ranks, commit=commit)
+        except control.ControlError as e:
+            gone = self._gone()
+            if gone:  # name the engines whose loss failed the update (C15); the next update plans without them
+                raise control.ControlError(f"{e}; inference rank(s) {sorted(gone)} gone (process no longer runs, "
+                                           "left or stalled): planned without them from the next update") from e
+            raise
         stats = {r: res["stats"] for r, res in results.items() if not isinstance(r, tuple)}
         commits = {r: res.get("stats") for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"}
         return UpdateResult(version=version, seconds=seconds, write_seconds=self.ctl.last_write_seconds or seconds,
                             bytes=sum(s.bytes_sent for s in stats.values()),
                             n_writes=sum(s.n_writes for s in stats.values()), stats=stats, commits=commits)
+
+    def _gone(self) -> set[int]:
+        """Members that left, died or stalled (:mod:`weight_transfer.membership`)."""
+        gone = membership.left(self.store, self.members)
+        gone |= {i for i in self.members if membership.process_gone(self._payloads[i][0])}
+        if self.liveness_infer is not None:
+            gone |= {i for i in self.liveness_infer() if i in self.members}
+        if self.ctl.monitor is not None:
+            gone |= {k[1] for k in self.ctl.monitor.stalled() if isinstance(k, tuple) and k[1] in self.members}
+        return gone
+
+    def _follow_membership(self, version: int) -> None:
+        """Before the "go" of ``version``: drop members that are gone, take ranks that joined
+        (a newcomer, or a member that re-registered: fresh memory), and when the membership
+        changed recompute the plan for it (a new epoch the senders follow before they write)
+        and mark each newcomer a member from ``version`` on. ControlError when no inference
+        rank is left."""
+        gone = self._gone()
+        joins, self._joins_seen = membership.new_joins(self.store, self._joins_seen)
+        added = {}
+        for r in dict.fromkeys(joins):
+            payload = control.get(self.store, f"meta/infer/{r}")
+            if r in self.members and r not in gone and payload[0] == self._payloads[r][0]:
+                continue  # the registration already planned against
+            if membership.process_gone(payload[0]) or self.store.check([f"infer/leave/{r}"]):
+                continue
+            added[r] = payload
+        if not gone and not added:
+            return
+        members = (self.members - gone) | set(added)
+        if not members:
+            raise control.ControlError(f"version {version}: no inference rank left (gone: {sorted(gone)})")
+        payloads = {r: added.get(r) or self._payloads[r] for r in members}
+        t0 = time.perf_counter()
+        sched, extra = plan_against(self.store, self.model_config, self.layout, self._train_metas, payloads,
+                                    self.options, epoch=self.epoch + 1)
+        self.epoch += 1
+        for r in gone - set(added):
+            membership.drop_member(self.store, r)
+        for r in added:
+            membership.set_member(self.store, r, version)
+        self.store.set(membership.EPOCH_KEY, str(self.epoch).encode())
+        self.schedule, self.members, self._payloads = sched, members, payloads
+        self.commit_ranks, self.bytes_staged = extra["commit_ranks"], extra["bytes_staged"]
+        self.ctl.n_infer = max(self.ctl.n_infer, max(members) + 1)
+        rec = {"version": version, "epoch": self.epoch, "members": sorted(members), "gone": sorted(gone - set(added)),
+               "joined": sorted(added), "seconds": time.perf_counter() - t0}
+        self.replans.append(rec)
+        self.log(f"membership before version {version}: {rec['members']} (gone {rec['gone']}, joined {rec['joined']}); "
+                 f"replanned in {rec['seconds']:.3f} s: {sched.summary()}")
 
     def serve(self, *, count: int | None = None, commit: Callable[[int], object] | None = None) -> list[UpdateResult]:
         """The coordinator in a process of its own: plan, then run each update training rank 0
@@ -260,18 +332,21 @@ def _model_config(mc, *, name: str | None = None):
 
 
 def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict, infer_payloads: dict,
-                 options: TransferOptions) -> tuple[Schedule, dict]:
+                 options: TransferOptions, *, epoch: int = 0) -> tuple[Schedule, dict]:
     """The coordinator's planning step on its own (the harness's controller calls it): recipes
     for ``model_config`` on ``layout`` (fp32 sources to bf16 destinations are a cast), aimed at
     the runtime layouts inference ranks published under
     :data:`weight_transfer.store.RUNTIME_KEY` (refused, named, where a runtime tensor cannot be
     written), the static schedule, and each training rank's part published under ``plan/{r}``.
-    Returns ``(schedule, {"commit_ranks", "bytes_staged"})``."""
+    Returns ``(schedule, {"commit_ranks", "bytes_staged"})``. ``epoch``: the plan's epoch
+    (0 the first plan, ``plan/{r}``; later ones after a membership change,
+    :func:`weight_transfer.membership.plan_key`)."""
     from .plan import build_recipes, gc_paused, plan
 
     sources = {m.name: m.dtype for ms in train_metas.values() for m in ms}
     with gc_paused():
         recipes = build_recipes(model_config, layout, source_dtypes=sources)
+        recipes = only_ranks(recipes, set(infer_payloads))
         runtime = runtime_layouts(store, infer_payloads)
         if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
             from .retarget import retarget
@@ -282,10 +357,24 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
                      local_min_bytes=options.plan.local_min_bytes, parallel_checks=None)
     descriptors = {i: desc for i, (desc, _) in infer_payloads.items()}
     for r, rp in sched.rank_plans.items():
-        control.put(store, f"plan/{r}", (rp, descriptors))
+        control.put(store, membership.plan_key(epoch, r), (rp, descriptors))
     extra = {"commit_ranks": tuple(sorted(i for i, lay in runtime.items() if getattr(lay, "needs_commit", False))),
              "bytes_staged": sum(getattr(lay, "staged_bytes", 0) for lay in runtime.values())}
     return sched, extra
+
+
+def only_ranks(recipes, ranks: set[int]):
+    """``recipes`` (a :class:`weight_transfer.plan.RecipeSet`) writing only to inference ``ranks``:
+    the fleet's current members when it is smaller than the layout (engines that left, replicas
+    not started yet, C24). The same set when every rank of the layout is a member."""
+    from .plan import RecipeSet
+    from .types import new_recipe
+
+    if all(k in ranks for r in recipes for k in r.ranks):
+        return recipes
+    kept = [new_recipe(r.name, tuple(k for k in r.ranks if k in ranks), r.shape, r.assembled_dtype, r.pieces,
+                       r.transform, r.outputs) for r in recipes if any(k in ranks for k in r.ranks)]
+    return RecipeSet(kept, recipes.ignored, layout=recipes.layout, model=recipes.model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +433,8 @@ class Sender:
         if publish:
             self.client.publish_meta(metas)
         self.executor = self.transport = None
+        self.epoch = 0
+        """The plan epoch this rank runs (a membership change of the receivers starts a new one)."""
         self.last_update: UpdateResult | None = None
         self._pushes = 0
 
@@ -354,12 +445,19 @@ class Sender:
         within the timeout, the coordinator's PlanError when it is hosted here."""
         if self.executor is not None:
             return
+        if self.coordinator is not None:
+            self.coordinator.plan()
+        if self.epoch == 0:
+            rank_plan, descriptors = self.client.get_plan()
+        else:  # reopened after close(): the plan of the epoch this rank follows
+            rank_plan, descriptors = control.get(self.store, membership.plan_key(self.epoch, self.rank))
+        self._build(rank_plan, descriptors)
+
+    def _build(self, rank_plan, descriptors) -> None:
+        """Connect a transport to ``descriptors`` and build the executor of ``rank_plan``."""
         from .executor import Executor
         from .transport import lease, make_transport
 
-        if self.coordinator is not None:
-            self.coordinator.plan()
-        rank_plan, descriptors = self.client.get_plan()
         self.transport = make_transport(self.options.transport.name)
         lease.attach(self.transport, self.store)  # receivers' deregister waits for our batch in flight (C17)
         self.transport.connect(list(descriptors.values()))
@@ -407,21 +505,39 @@ class Sender:
                     box["error"] = e
             thread = threading.Thread(target=drive, name=f"wt-coordinator-v{version}", daemon=True)
             thread.start()
+        local: BaseException | None = None
         try:
             self._wait_go(version, box)
+            self._follow_plan()
             try:
                 stats = self.executor.run(version)
             except Exception as e:
                 self.client.done(version, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                raise
-            self.client.done(version, ok=True, stats=stats)
+                local = e
+            else:
+                self.client.done(version, ok=True, stats=stats)
         finally:
             if thread is not None:
                 thread.join()
-        if "error" in box:
-            raise box["error"]
+        if "error" in box:  # the coordinator's account names the root cause (a dead engine, another rank)
+            raise box["error"] from local
+        if local is not None:
+            raise local
         self.last_update = box.get("result")
         return stats
+
+    def _follow_plan(self) -> None:
+        """After "go": when the coordinator published a new plan epoch (the receivers changed),
+        release this rank's registrations and connections and rebuild from its new part."""
+        if not self.store.check([membership.EPOCH_KEY]):
+            return
+        epoch = int(self.store.get(membership.EPOCH_KEY).decode())
+        if epoch == self.epoch:
+            return
+        rank_plan, descriptors = control.get(self.store, membership.plan_key(epoch, self.rank))
+        self.close()
+        self._build(rank_plan, descriptors)
+        self.epoch = epoch
 
     def _wait_go(self, version: int, box: dict) -> None:
         """Wait for "go" of ``version``; raise the hosted coordinator's error at once when it

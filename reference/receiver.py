@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import control
+from . import control, membership
 from .store import RUNTIME_KEY, connect_store
 from .types import DestTensorMeta, RegionDescriptor, dtype_name
 
@@ -109,6 +109,7 @@ class Receiver:
         if self.runtime is not None:
             control.put(self.store, RUNTIME_KEY.format(rank=self.rank), self.runtime)
         self.client.publish_meta(self.descriptor, self.metas)
+        membership.announce_join(self.store, self.rank)  # a rank that joins later is planned in before its first go
 
     @property
     def descriptor(self) -> RegionDescriptor:
@@ -117,19 +118,43 @@ class Receiver:
 
     def state(self) -> control.WeightsState:
         """The published :class:`weight_transfer.control.WeightsState` (``writing``, ``complete``,
-        ``incomplete`` with the version and a sequence number)."""
-        return self.client.state()
+        ``incomplete`` with the version and a sequence number) as this rank holds it: ``none``
+        while the rank is not in the plan or the published version predates the first update
+        that included it (a rank that joined later never reads a version it did not receive,
+        C24)."""
+        s = self.client.state()
+        since = membership.member_since(self.store, self.rank)
+        if since is None and not self.store.check(["meta/world"]):
+            return s  # no Coordinator keeps the membership (e.g. the harness's own controller): the global state
+        if since is None or s.version < since:
+            return control.WeightsState(s.seq, "none", -1)
+        return s
 
     def version(self) -> int | None:
-        """The complete version these tensors hold; -1 before any update; None while one is
-        written or after a failed one."""
-        return self.client.version()
+        """The complete version these tensors hold; -1 before this rank's first update; None
+        while one is written or after a failed one."""
+        s = self.state()
+        return s.version if s.state in ("complete", "none") else None
 
     def wait_version(self, version: int, *, timeout: float | None = None) -> control.WeightsState:
-        """Block until ``complete version`` is published; raises as
-        :meth:`weight_transfer.control.InferenceClient.wait_version` (skipped: VersionError;
-        failed: ControlError; timeout)."""
-        return self.client.wait_version(version, timeout=timeout)
+        """Block until this rank holds ``complete version`` and return that state. Raises
+        VersionError when ``version`` was skipped (a later one is written or complete),
+        ControlError when the update to it failed, on shutdown, or after ``timeout`` seconds
+        (default: the receiver's)."""
+        timeout = self.timeout if timeout is None else timeout
+        for expired in control.backoff(timeout, 0.01):
+            s = self.state()
+            if s.complete and s.version == version:
+                return s
+            if s.version > version:
+                raise control.VersionError(f"[infer {self.rank}] version {version} was skipped: the weights are {s}")
+            if s.state == "incomplete" and s.version == version:
+                raise control.ControlError(f"[infer {self.rank}] the update to version {version} failed; weights are {s}")
+            if self.store.check(["shutdown"]):
+                raise control.ControlError(f"[infer {self.rank}] shut down while waiting for version {version} ({s})")
+            if expired:
+                raise control.ControlError(f"[infer {self.rank}] version {version} not published within "
+                                           f"{timeout:.0f} s (weights: {s})")
 
     def read_consistent(self, read: Callable[[], Any], *, wait: bool = True, timeout: float = 30.0):
         """``(state, read())`` where no write happened during ``read`` and ``state`` is
@@ -139,7 +164,13 @@ class Receiver:
         return control.read_consistent(self.state, read, wait=wait, timeout=timeout)
 
     def close(self) -> None:
-        """Deregister the region (waits for any sender's batch in flight, C17) and release the transport."""
+        """Announce leaving (the coordinator plans without this rank from its next update),
+        deregister the region (waits for any sender's batch in flight, C17) and release the
+        transport."""
         if self.transport is not None:
+            try:
+                membership.announce_leave(self.store, self.rank)
+            except Exception:  # the store may be gone at the end of a job
+                pass
             self.transport.close()
             self.transport = None
