@@ -37,6 +37,9 @@ class SimulateOptions:
     """``--bench-planner`` runs (min / median / max reported)."""
     received: bool = False
     """``--bench-planner`` on metadata pickled per rank, as the controller receives it."""
+    replan_without: int = 0
+    """``--bench-planner``: time the replan after this many inference ranks left (C24: the
+    schedule recomputed for the remaining membership only)."""
     checks: str = field(default="auto", metadata={"choices": ("auto", "forked", "in-process")})
     """``--bench-planner``: ``plan(parallel_checks=None / True / False)``; ``auto`` forks the
     checks at Kimi-K2 scale."""
@@ -46,5 +49,7 @@ class SimulateOptions:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {v}: must be >= 1")
+        if self.replan_without < 0:
+            raise ValueError(f"--replan-without {self.replan_without}: must be >= 0")
         if self.repeat < 1:
             raise ValueError(f"--repeat {self.repeat}: must be >= 1")

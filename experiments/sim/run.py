@@ -286,7 +286,7 @@ _CHECKS = {"auto": None, "forked": True, "in-process": False}
 """``--checks`` -> ``plan(parallel_checks=...)``"""
 
 
-def bench_planner(name: str, *, received: bool = False, checks: str = "auto") -> dict:
+def bench_planner(name: str, *, received: bool = False, checks: str = "auto", without: int = 0) -> dict:
     """Plan ``name`` in a fresh subprocess (so the first-call cost -- fresh memory pages --
     is counted, as in a controller that plans once); wall / CPU seconds of ``plan()`` alone,
     the subprocess's peak RSS (metadata included) and the part added while planning, and the
@@ -297,7 +297,11 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto") ->
 
     ``received=True`` first passes every rank's list through pickle, as
     :func:`weight_transfer.control.put` / ``get`` deliver it to the controller: each rank then holds
-    its own copies of shapes and meshes, which the consistency checks compare by value."""
+    its own copies of shapes and meshes, which the consistency checks compare by value.
+
+    ``without=N``: the replan after a membership change (C24): the last ``N`` inference ranks
+    left, so the recipes are restricted to the others (:func:`weight_transfer.api.only_ranks`,
+    timed with ``plan()``) and planned for that membership only."""
     code = (
         "import gc, json, pickle, resource, time\n"
         "from weight_transfer.experiments.sim.configs import get_config\n"
@@ -310,6 +314,10 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto") ->
         "gc.collect()\n"
         "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "c0, w0 = _cpu_seconds(), time.perf_counter()\n"
+        f"if {without!r}:\n"
+        "    from weight_transfer.api import only_ranks\n"
+        f"    keep = set(sorted(dm)[:len(dm) - {without!r}])\n"
+        "    rs, dm = only_ranks(rs, keep), {k: v for k, v in dm.items() if k in keep}\n"
         f"s = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, parallel_checks={_CHECKS[checks]!r}, pause_gc=True)\n"
         "w, c = time.perf_counter() - w0, _cpu_seconds() - c0\n"
         "rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
@@ -380,8 +388,12 @@ def main(args) -> int:
         cfg = replace(cfg, name=f"{cfg.name}_gather_all", local_writes=False,
                       label=f"{cfg.label} [full_tensor() of every source, as the published executor]")
     if args.bench_planner:
-        runs = [bench_planner(cfg.name, received=args.received, checks=args.checks) for _ in range(max(1, args.repeat))]
+        without = getattr(args, "replan_without", 0) or 0
+        runs = [bench_planner(cfg.name, received=args.received, checks=args.checks, without=without)
+                for _ in range(max(1, args.repeat))]
         print(format_bench(cfg.name, runs, received=args.received, checks=args.checks))
+        if without:
+            print(f"# (a replan: {without} inference rank(s) left, the schedule recomputed for the others only, C24)")
         return 0
     sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), sensitivity=getattr(args, "sensitivity", False))
     print(format_table(sr))
