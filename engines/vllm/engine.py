@@ -119,11 +119,14 @@ class VllmEngine:
 
     ``model_dir``: checkpoint directory; ``first_rank``: the inference rank of its TP rank 0
     in the trial (instance ``d`` of TP ``T`` has ``first_rank = d * T``); ``max_model_len``:
-    tokens per sequence. Raises whatever ``vllm.LLM`` raises when it cannot start.
+    tokens per sequence; ``weight_transfer_config``: vLLM's (e.g. ``{"backend": "one_sided"}``,
+    :mod:`weight_transfer.engines.vllm.backend`; the extension's reads then see that backend's
+    staging tensors). Raises whatever ``vllm.LLM`` raises when it cannot start.
     """
 
     def __init__(self, model_dir: str, *, tp: int = 1, first_rank: int = 0, seed: int = 0,
-                 max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4, targets: str = "auto"):
+                 max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4, targets: str = "auto",
+                 weight_transfer_config: dict | None = None):
         if targets not in TARGETS:
             raise ValueError(f"VllmEngine: targets={targets!r}; one of {', '.join(TARGETS)}")
         self.targets = targets
@@ -137,7 +140,8 @@ class VllmEngine:
         self.model_dir, self.tp, self.first_rank = model_dir, tp, first_rank
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
                        dtype="bfloat16", max_model_len=max_model_len, seed=seed, max_num_seqs=max_num_seqs,
-                       enable_prefix_caching=True, worker_extension_cls=EXTENSION)
+                       enable_prefix_caching=True, worker_extension_cls=EXTENSION,
+                       weight_transfer_config=weight_transfer_config)
 
     # ---------------------------------------------------------------------------- metadata
     def reports(self) -> list[dict]:

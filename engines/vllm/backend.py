@@ -1,0 +1,685 @@
+"""``one_sided``: the reference as a backend of vLLM's own weight-transfer API.
+
+vLLM 0.32 (``vllm/distributed/weight_transfer``) splits a weight sync into a **worker engine**,
+built inside every vLLM worker from ``WeightTransferConfig(backend=...)``, and a **trainer
+engine** built in every training process, which drives the inference side through a
+four-method client (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``: the offline ``LLM``, ``AsyncLLM``, the HTTP
+routes). This module registers both under :data:`BACKEND` (``register()``, idempotent; the
+``vllm.general_plugins`` entry point in pyproject.toml runs it in every vLLM process)::
+
+    # inference: an unmodified vLLM
+    llm = LLM(model_dir, weight_transfer_config={"backend": "one_sided"})
+    #   or: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+    #           --weight-transfer-config '{"backend": "one_sided"}'
+
+    # every training rank (FSDP2 module: DTensors; world_size 1: plain tensors too)
+    from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo, LLMClient
+    info = OneSidedTrainerInitInfo(rank=rank, world_size=world)
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm),   # or HTTPVLLMWeightSyncClient(url)
+                                                    source=ModuleSource(model))
+    for step in ...:
+        loss.backward(); optimizer.step()
+        eng.send_weights()            # every rank; version 1, 2, ... (or send_weights(version=v))
+
+What happens (the reference's protocol, :mod:`weight_transfer.api`):
+
+- ``trainer_init``: training rank 0 starts the control-plane store (``store_port=0``: a free
+  port, broadcast to the other ranks over the default process group) and calls
+  ``client.init_weight_transfer_engine`` with :class:`OneSidedInitInfo` (the side channel: the
+  store's address; vLLM's API has no return path). In every worker,
+  :meth:`OneSidedWeightTransferEngine.init_transfer_engine` reports the runtime tensors (after
+  ``process_weights_after_loading``), stages the layers vLLM keeps opaque (oneDNN handles on CPUs
+  without AMX: C22), registers the destination span once (one CMA region) and publishes its
+  descriptor, destination metadata and :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout`;
+  worker 0 also publishes the HF config and layout (:data:`weight_transfer.api.ENGINE_KEY`).
+  Rank 0 then builds the :class:`weight_transfer.api.Coordinator` (model and layout from the
+  engine), every rank its :class:`weight_transfer.api.Sender`, and the plan is made once against
+  the runtime layout: what cannot be targeted is refused here, in the trainer, naming the
+  tensor and vLLM's step (:class:`weight_transfer.plan.PlanError`).
+- ``send_weights``: every rank ``Sender.push(v)``; once all are ready, rank 0 calls
+  ``client.start_weight_update()``, says "go", every rank writes its part one-sidedly into the
+  workers' memory, and once every write completed rank 0 calls
+  ``client.update_weights({"version": v})`` -- each worker checks in the store, on its own, that
+  every training rank reported ``ok`` for ``v``, then re-runs vLLM's post-processing for its
+  staged layers -- and ``client.finish_weight_update(weight_version=str(v))``: vLLM labels
+  outputs ``v``. Only then is ``complete v`` published in the store.
+- A failed update (a training rank raising or dying mid-update, a commit failing): the store
+  says ``incomplete v``, the workers refuse ``update_weights(v)`` (naming the rank), and vLLM's
+  weight version becomes :data:`INCOMPLETE` (``"incomplete:v"``), never ``v`` and never the old
+  label over mixed bytes (C14); a later update restores a complete version.
+
+Trainer processes need no accelerator (CPU-only is fine); the workers run vLLM's own code only
+(nothing patched). The prefix cache: vLLM keeps KV blocks computed with the old weights; the
+client adapters here (:class:`LLMClient`, :class:`AsyncLLMClient`) reset it at
+``finish_weight_update``; over HTTP call ``/reset_prefix_cache`` (or pause with ``clear_cache``).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    materialize_full_tensor,
+)
+from vllm.distributed.weight_transfer.base import ParamMeta as VllmParamMeta
+
+from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worker, before the model is built
+
+__all__ = ["BACKEND", "INCOMPLETE", "register", "OneSidedInitInfo", "OneSidedUpdateInfo",
+           "OneSidedWeightTransferEngine", "OneSidedTrainerInitInfo", "OneSidedTrainerEngine", "DTensorSource",
+           "LLMClient", "AsyncLLMClient", "transfer_options", "hf_config_dict"]
+
+BACKEND = "one_sided"
+"""The name both vLLM registries know this backend by (``weight_transfer_config={"backend": BACKEND}``)."""
+INCOMPLETE = "incomplete:{version}"
+"""vLLM's weight version after a failed update to ``version``: the bytes are a mix, so no
+complete version is present (C14); outputs carry this label until a later update completes."""
+TARGETS = ("auto", "staged", "direct")
+"""As :data:`weight_transfer.engines.vllm.engine.TARGETS`."""
+
+
+def register() -> None:
+    """Register :data:`BACKEND` in ``WeightTransferEngineFactory`` and
+    ``WeightTransferTrainerFactory``. Idempotent (vLLM runs general plugins once per process,
+    and importing this module registers too)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, cls in ((WeightTransferEngineFactory, OneSidedWeightTransferEngine),
+                         (WeightTransferTrainerFactory, OneSidedTrainerEngine)):
+        if BACKEND in getattr(factory, "_registry", {}):
+            continue
+        try:
+            factory.register_engine(BACKEND, cls)
+        except ValueError:  # registered meanwhile (another thread): the same class
+            pass
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e)
+    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
+
+
+# ============================================================================ worker side
+
+
+def hf_config_dict(hf_config) -> dict:
+    """The model's Hugging Face config as a dict, as vLLM holds it (``hf_config.to_dict()``), with
+    each ``attribute_map`` alias added under its published name too: transformers 5 writes
+    canonical names (``num_local_experts`` for Qwen3-MoE's ``num_experts``), the planner reads
+    the published ``config.json`` names."""
+    d = hf_config.to_dict()
+    for alias, canon in (getattr(hf_config, "attribute_map", None) or {}).items():
+        if canon in d and alias not in d:
+            d[alias] = d[canon]
+    return d
+
+
+
+@dataclass
+class OneSidedInitInfo(WeightTransferInitInfo):
+    """What training rank 0 hands every worker (``init_weight_transfer_engine(init_info)``):
+    the side channel vLLM's API lacks.
+
+    ``store_host`` / ``store_port``: the control-plane store (a ``TCPStore`` in training rank 0)
+    the worker connects to and publishes its region descriptor, destination metadata and
+    runtime layout in; ``first_rank``: the inference rank of this deployment's worker 0 (worker
+    ``w`` of data-parallel replica ``d`` is inference rank ``first_rank + d * world_size + w``);
+    ``targets``: ``"auto"`` (staged only where vLLM keeps the runtime bytes opaque), ``"staged"``
+    (every post-processed layer staged) or ``"direct"`` (nothing staged: opaque layers are refused
+    at plan time), as :class:`weight_transfer.engines.vllm.VllmEngine`; ``transport``: the data
+    plane the trainers write with (``"cma"`` on one host); ``timeout``: seconds a store call may
+    block. ValueError (vLLM's ``parse_init_info`` passes it on) for a bad value."""
+
+    store_host: str
+    store_port: int
+    first_rank: int = 0
+    targets: str = "auto"
+    transport: str = "cma"
+    timeout: float = 120.0
+
+    def __post_init__(self):
+        if not isinstance(self.store_host, str) or not self.store_host:
+            raise ValueError(f"store_host={self.store_host!r}: a host name or address")
+        if not isinstance(self.store_port, int) or not 0 < self.store_port < 65536:
+            raise ValueError(f"store_port={self.store_port!r}: a TCP port 1..65535")
+        if not isinstance(self.first_rank, int) or self.first_rank < 0:
+            raise ValueError(f"first_rank={self.first_rank!r}: an inference rank >= 0")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets={self.targets!r}: one of {', '.join(TARGETS)}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
+
+
+@dataclass
+class OneSidedUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights(update_info={"version": v})``: commit the update to version ``v``
+    (whose bytes the trainers wrote one-sidedly)."""
+
+    version: int
+
+    def __post_init__(self):
+        try:
+            self.version = int(self.version)
+        except (TypeError, ValueError):
+            raise ValueError(f"version={self.version!r}: an int") from None
+
+
+class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]):
+    """The worker engine (one per vLLM worker; vLLM builds it in ``Worker.load_model`` after
+    ``process_weights_after_loading``). Passive on the data plane: the trainers write into its
+    registered memory; per update it only checks and commits. See the module docstring.
+
+    Attributes: :attr:`targets` (the :class:`~weight_transfer.engines.vllm.worker_state.WorkerTargets`
+    of this worker, shared with ``WeightTransferExtension`` when both run), :attr:`layout` (the
+    :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout` published), :attr:`rank` (this
+    worker's inference rank), :attr:`version` (the last version committed)."""
+
+    init_info_cls = OneSidedInitInfo
+    update_info_cls = OneSidedUpdateInfo
+    supports_draft_weight_update = False  # a draft model's memory is not registered
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.tp_rank = self._tp_rank()
+        self.local_rank = self._local_rank()
+        self.targets = WorkerTargets(model, vllm_config, self.tp_rank)
+        self.receiver = None
+        self.layout = None
+        self.rank: int | None = None
+        self.store = None
+        self.version: int | None = None
+        self.last_commit: dict | None = None
+        self._active: int | None = None
+
+    def _tp_rank(self) -> int:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:
+            return 0
+
+    def _local_rank(self) -> int:
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            return int(get_world_group().rank_in_group)
+        except Exception:
+            return self.tp_rank
+
+    def _who(self) -> str:
+        return f"inference {self.rank if self.rank is not None else '?'} (vLLM worker pid {os.getpid()})"
+
+    # ------------------------------------------------------------------ once
+    def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
+        """Report, stage, register once, publish (see the module docstring). RuntimeError when
+        already initialized (``shutdown_weight_transfer_engine`` first) or for a parallel layout
+        this backend does not plan (pipeline parallelism)."""
+        from weight_transfer import control
+        from weight_transfer.api import ENGINE_KEY, Receiver, connect_store
+        from weight_transfer.types import InferenceLayout
+
+        from .runtime import opaque_layers, post_processed_layers, runtime_layout
+
+        if self.receiver is not None:
+            raise RuntimeError(f"{self._who()}: the one_sided engine is initialized already; "
+                               "shutdown_weight_transfer_engine first")
+        pc = self.parallel_config
+        if getattr(pc, "pipeline_parallel_size", 1) != 1:
+            raise RuntimeError(f"{self._who()}: pipeline_parallel_size={pc.pipeline_parallel_size}: the one_sided "
+                               "backend plans tensor/expert/data-parallel layouts only")
+        dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
+        rank = init_info.first_rank + dp_index * int(pc.world_size) + self.local_rank
+        self.rank = rank
+        store = connect_store((init_info.store_host, init_info.store_port), timeout=max(init_info.timeout, 60.0))
+        report = self.targets.report()
+        if init_info.targets != "direct" and not self.targets.staged:
+            mods = (opaque_layers if init_info.targets == "auto" else post_processed_layers)(report)
+            if mods:
+                self.targets.stage(mods)
+                report = self.targets.report()
+        lay = runtime_layout(report, rank)
+        if not lay.targets:
+            raise RuntimeError(f"{self._who()}: no runtime tensor to write (every weight refused: "
+                               f"{lay.refused[:3]})")
+        view = WorkerTargets.span_view(lay.base, lay.length)
+        rx = Receiver(region=view, metas=lay.dest_metas(), rank=rank, store=store, transport=init_info.transport,
+                      timeout=max(init_info.timeout, 60.0), runtime=lay, publish=False)
+        lay.registered = rx.descriptor
+        if rank == 0:  # the deployment's first worker says what the model is (the coordinator plans from it)
+            mc = self.model_config
+            quant = getattr(mc, "quantization", None)
+            if quant not in (None, "fp8"):
+                rx.close()
+                raise RuntimeError(f"{self._who()}: quantization={quant!r}: the one_sided backend plans BF16 "
+                                   "or block-FP8 ('fp8') weights")
+            layout = InferenceLayout(tp=int(pc.tensor_parallel_size), dp=int(getattr(pc, "data_parallel_size", 1)),
+                                     ep=bool(getattr(pc, "enable_expert_parallel", False)), quant=quant,
+                                     dtype=str(mc.dtype).removeprefix("torch."))
+            control.put(store, ENGINE_KEY, {
+                "hf_config": hf_config_dict(mc.hf_config), "layout": layout,
+                "name": str(getattr(mc, "served_model_name", None) or mc.model),
+                "n_workers": int(pc.world_size) * int(getattr(pc, "data_parallel_size", 1)),
+                "vllm": __import__("vllm").__version__})
+        rx.publish()
+        self.receiver, self.layout, self.store = rx, lay, store
+
+    # ------------------------------------------------------------------ per update
+    def start_weight_update(self) -> None:
+        """Begin an update: refuses (RuntimeError naming the tensor) when a destination tensor
+        is no longer where it was registered (vLLM reloaded or rebuilt the layer since
+        ``init_weight_transfer_engine``): no byte may be written there."""
+        if self.receiver is None:
+            raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
+        tensors = self.targets.runtime_tensors()
+        for t in self.layout.targets:
+            now = tensors.get(t.name)
+            if now is None or now.data_ptr() != t.data_ptr or now.numel() * now.element_size() != t.nbytes:
+                where = "gone" if now is None else f"now {now.data_ptr():#x}+{now.numel() * now.element_size()}"
+                raise RuntimeError(f"{self._who()}: the model's layout changed since init_weight_transfer_engine: "
+                                   f"{t.name} was {t.data_ptr:#x}+{t.nbytes}, {where}; refusing the update "
+                                   "(shutdown_weight_transfer_engine and init again)")
+        self._active = -1
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """:meth:`receive_weights`; the base class's ``torch.accelerator.synchronize()`` only on
+        an accelerator (it raises on a CPU-only host)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu" and torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: OneSidedUpdateInfo) -> None:
+        """Commit version ``update_info.version``: check in the store, independently of the
+        caller, that every training rank (:data:`weight_transfer.api.WORLD_KEY`) reported its
+        writes of that version ``ok`` and that the update is the one being written, then re-run
+        vLLM's post-processing for the staged layers (:meth:`WorkerTargets.commit`). Raises
+        RuntimeError naming the training rank that did not report or failed (the weights are
+        then not one version: vLLM must not label them ``v``)."""
+        from weight_transfer import control
+        from weight_transfer.api import WORLD_KEY
+
+        if self.receiver is None:
+            raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
+        v = update_info.version
+        store = self.store
+        refused = f"{self._who()}: update_weights(version={v}) refused"
+        if not store.check([WORLD_KEY]):
+            raise RuntimeError(f"{refused}: no coordinator published {WORLD_KEY!r}")
+        n_train = int(control.get(store, WORLD_KEY)["n_train"])
+        for r in range(n_train):
+            key = f"step/{v}/done/{r}"
+            if not store.check([key]):
+                raise RuntimeError(f"{refused}: training {r} has not reported its writes of version {v} "
+                                   f"(weights: {control.read_state(store)})")
+            res = control.get(store, key)
+            if not res["ok"]:
+                raise RuntimeError(f"{refused}: training {r} failed: {res['error']}")
+        state = control.read_state(store)
+        if state.state != "writing" or state.version != v:
+            reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
+            raise RuntimeError(f"{refused}: the store says the weights are {state}, not 'writing {v}'"
+                               + (f" ({reason})" if reason and state.state == "incomplete" else ""))
+        try:
+            stats = self.targets.commit() if self.targets.staged else {"seconds": 0.0, "layers": 0, "bytes": 0}
+        except Exception as e:
+            control.put(store, f"step/{v}/committed/{self.rank}", {"ok": False, "error": _first_line(e), "stats": None})
+            raise
+        control.put(store, f"step/{v}/committed/{self.rank}", {"ok": True, "error": "", "stats": stats})
+        self.version, self.last_commit, self._active = v, stats, v
+
+    def finish_weight_update(self) -> None:
+        """Bookkeeping only (vLLM sets the weight version after this returns)."""
+        self._active = None
+
+    def shutdown(self) -> None:
+        """Release the registration (waits for a sender's batch in flight); idempotent. The
+        staging tensors stay (vLLM's post-processing reads them only at a commit)."""
+        rx, self.receiver = self.receiver, None
+        if rx is not None:
+            rx.close()
+        self.targets.release()
+        self.layout, self.store, self._active = None, None, None
+
+
+# ============================================================================ trainer side
+
+
+class DTensorSource(WeightSource):
+    """A ``WeightSource`` over a training rank's own parameters: an ``nn.Module`` (FSDP2:
+    DTensors) or a mapping ``{checkpoint name: DTensor | tensor}``. The one-sided backend reads
+    the shards in place (``to_local()``, ``full_tensor()`` only where a recipe needs rows of
+    other ranks); iterating yields full tensors like vLLM's ``ModuleSource`` (a collective for
+    DTensors), for other backends."""
+
+    def __init__(self, params) -> None:
+        if not isinstance(params, (torch.nn.Module, Mapping)):
+            raise TypeError(f"DTensorSource: an nn.Module or a mapping name -> tensor, not {type(params).__name__}")
+        self.params = params
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return dict(self.params.named_parameters()) if isinstance(self.params, torch.nn.Module) else dict(self.params)
+
+    def metadata(self) -> list[VllmParamMeta]:
+        return [VllmParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named().items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, t in self.named().items():
+            yield n, materialize_full_tensor(t)
+
+
+def _params_of(source):
+    if isinstance(source, DTensorSource):
+        return source.params
+    if isinstance(source, ModuleSource):
+        return source._module
+    if source is None:
+        raise TypeError("one_sided trainer_init: source= is required (ModuleSource(model) or DTensorSource(params))")
+    raise TypeError(f"one_sided trainer_init: source {type(source).__name__} materializes full tensors; the one-sided "
+                    "backend writes from the shards: pass ModuleSource(model) or DTensorSource(module_or_mapping)")
+
+
+def transfer_options(options=None):
+    """A :class:`weight_transfer.options.TransferOptions` from ``None`` (the defaults), a
+    ``TransferOptions``, or a dict of flat overrides (a leaf field's name, or its ``flat``
+    name: ``{"transport": "cma", "watermark": 64 << 20, "timeout": 60}``). TypeError names an
+    unknown key; ValueError comes from the options' own checks."""
+    from weight_transfer.options import TransferOptions
+
+    if options is None:
+        return TransferOptions()
+    if isinstance(options, TransferOptions):
+        return options
+    if not isinstance(options, Mapping):
+        raise TypeError(f"options: a dict of TransferOptions overrides or a TransferOptions, not {type(options).__name__}")
+    base = TransferOptions()
+    where: dict[str, tuple[str, str]] = {}
+    for part in dataclasses.fields(base):
+        for leaf in dataclasses.fields(getattr(base, part.name)):
+            where[leaf.metadata.get("flat", leaf.name)] = (part.name, leaf.name)
+    unknown = sorted(k for k in options if k not in where)
+    if unknown:
+        raise TypeError(f"options: no TransferOptions field {', '.join(map(repr, unknown))}; known: {', '.join(sorted(where))}")
+    changes: dict[str, dict] = {}
+    for k, v in options.items():
+        part, leaf = where[k]
+        changes.setdefault(part, {})[leaf] = v
+    return dataclasses.replace(base, **{p: dataclasses.replace(getattr(base, p), **c) for p, c in changes.items()})
+
+
+@dataclass
+class OneSidedTrainerInitInfo(TrainerInitInfo):
+    """Every training rank's init info (``WeightTransferTrainerFactory.trainer_init``).
+
+    ``rank`` (keyword, from vLLM's base): this training rank; ``world_size``: training ranks
+    (each calls ``trainer_init`` and ``send_weights``); ``store_host`` / ``store_port``: where
+    training rank 0 starts the control-plane store and where the vLLM workers and other ranks
+    reach it (``store_port=0``: a free port, sent to the other ranks with
+    ``torch.distributed.broadcast_object_list`` over the default process group, which must exist
+    when ``world_size > 1``); ``n_infer``: inference ranks (None: every worker of the engine the
+    client drives, as it reports); ``options``: :func:`transfer_options` (a dict of flat
+    ``TransferOptions`` overrides, a ``TransferOptions``, or None); ``timeout``: seconds any rank
+    may take to answer (None: ``options``' control timeout); ``targets``: the workers' targets
+    (:class:`OneSidedInitInfo`)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    world_size: int = 1
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    n_infer: int | None = None
+    options: Any = None
+    timeout: float | None = None
+    targets: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r}: training ranks >= 1")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank!r}: 0 <= rank < world_size={self.world_size}")
+        if not isinstance(self.store_port, int) or not 0 <= self.store_port < 65536:
+            raise ValueError(f"store_port={self.store_port!r}: a TCP port (0: a free one)")
+        if self.n_infer is not None and (not isinstance(self.n_infer, int) or self.n_infer < 1):
+            raise ValueError(f"n_infer={self.n_infer!r}: inference ranks >= 1, or None (from the engine)")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r}: seconds > 0, or None")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets={self.targets!r}: one of {', '.join(TARGETS)}")
+        transfer_options(self.options)  # unknown keys / bad values refused here, before any process is reached
+
+
+def _coordinator_cls():
+    """A :class:`weight_transfer.api.Coordinator` whose staged-layer commits are the engine's
+    ``update_weights`` (the commit callable), not the store protocol (``step/{v}/commit``)."""
+    from weight_transfer.api import Coordinator
+
+    class EngineCommitCoordinator(Coordinator):
+        engine_commit_ranks: tuple[int, ...] = ()
+
+        def plan(self):
+            sched = super().plan()
+            if self.commit_ranks:
+                self.engine_commit_ranks, self.commit_ranks = self.commit_ranks, ()
+            return sched
+
+    return EngineCommitCoordinator
+
+
+class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]):
+    """The trainer engine (one per training rank). Built by :meth:`trainer_init`; per update
+    :meth:`send_weights`. Attributes: :attr:`sender` (this rank's :class:`weight_transfer.api.Sender`),
+    :attr:`coordinator` (rank 0), :attr:`store`, :attr:`version` (the last version sent or
+    attempted), :attr:`last_result` (rank 0: the last :class:`weight_transfer.api.UpdateResult`)."""
+
+    init_info_cls = OneSidedTrainerInitInfo
+
+    def __init__(self, *, client, source=None, is_sender: bool = True, info: OneSidedTrainerInitInfo | None = None,
+                 store=None, sender=None, coordinator=None) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info, self.store, self.sender, self.coordinator = info, store, sender, coordinator
+        self.version = 0
+        self.last_result = None
+
+    @classmethod
+    def trainer_init(cls, init_info: OneSidedTrainerInitInfo, *, client, source=None) -> OneSidedTrainerEngine:
+        """Rendezvous (see the module docstring) and plan once. Raises RuntimeError naming the
+        inference side when ``client.init_weight_transfer_engine`` fails (e.g. the server is
+        not up), :class:`weight_transfer.plan.PlanError` naming a tensor the plan cannot
+        target, ControlError when a rank does not answer within the timeout, TypeError for a
+        ``source`` the backend cannot write from."""
+        import torch.distributed as dist
+
+        from weight_transfer import control
+        from weight_transfer.api import ENGINE_KEY, Sender, connect_store, serve_store
+
+        params = _params_of(source)
+        opts = transfer_options(init_info.options)
+        timeout = float(init_info.timeout if init_info.timeout is not None else opts.control.timeout)
+        rank, world = init_info.rank, init_info.world_size
+        host, port = init_info.store_host, init_info.store_port
+        store = None
+        if rank == 0:
+            store = serve_store(host, port, timeout=max(timeout, 60.0))
+            port = int(store.port)
+        if world > 1 and init_info.store_port == 0:
+            if not dist.is_initialized():
+                raise RuntimeError(f"training {rank}: store_port=0 with world_size={world} needs the default process "
+                                   "group to send rank 0's store address (or give store_port)")
+            box = [(host, port)]
+            dist.broadcast_object_list(box, src=0)
+            host, port = box[0]
+        if store is None:
+            store = connect_store((host, port), timeout=max(timeout, 60.0))
+        coordinator = None
+        if rank == 0:
+            worker_info = {"store_host": host, "store_port": port, "first_rank": 0, "targets": init_info.targets,
+                           "transport": opts.transport.name, "timeout": timeout}
+            try:
+                try:
+                    client.init_weight_transfer_engine(worker_info)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"training 0: the inference side did not initialize the {BACKEND!r} backend "
+                        f"(client.init_weight_transfer_engine via {type(client).__name__}): {_first_line(e)}. "
+                        "Is vLLM up and started with weight_transfer_config={'backend': 'one_sided'} "
+                        "(server: --weight-transfer-config '{\"backend\": \"one_sided\"}', VLLM_SERVER_DEV_MODE=1)?"
+                    ) from e
+                if not store.check([ENGINE_KEY]):
+                    raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published "
+                                       f"{ENGINE_KEY!r}: is the engine's backend {BACKEND!r}?")
+                eng = control.get(store, ENGINE_KEY)
+                n_infer = init_info.n_infer or int(eng["n_workers"])
+                coordinator = _coordinator_cls()(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout)
+            except BaseException as e:
+                store.set("abort", f"training 0: trainer_init failed: {_first_line(e)}".encode())  # other ranks stop
+                raise
+        sender = Sender(params, rank=rank, world_size=world, store=store, coordinator=coordinator, options=opts,
+                        timeout=timeout)
+        self = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info, store=store,
+                   sender=sender, coordinator=coordinator)
+        sender.plan()  # plan once, now: a refusal (PlanError naming the tensor and vLLM's step) reaches the trainer here
+        return self
+
+    def send_weights(self, version: int | None = None):
+        """One update, on every training rank (see the module docstring): ``version`` (None:
+        the last one + 1, from 1). Returns this rank's :class:`weight_transfer.executor.StepStats`
+        (rank 0: :attr:`last_result` holds the update's :class:`weight_transfer.api.UpdateResult`).
+        Raises what failed -- ControlError naming role and rank, the executor's error on the
+        rank it happened on, RuntimeError from the client -- after vLLM's weight version was set
+        to :data:`INCOMPLETE` (rank 0)."""
+        v = self.version + 1 if version is None else int(version)
+        if v <= self.version:
+            from weight_transfer.control import VersionError
+
+            raise VersionError(f"send_weights(version={v}): versions only increase (last: {self.version})")
+        self.version = v
+        if not self.is_sender:
+            return self.sender.push(v)
+        client = self.client
+        started = {"ok": False}
+
+        def before_go(ver: int) -> None:
+            try:
+                client.start_weight_update()
+            except Exception as e:
+                why = f"inference: start_weight_update failed: {_first_line(e)}"
+                self.store.set("abort", why.encode())  # the other ranks wait for "go": stop them now
+                raise RuntimeError(f"training 0: {why}") from e
+            started["ok"] = True
+
+        def commit(ver: int) -> dict:
+            t0 = time.perf_counter()
+            client.update_weights({"version": ver})
+            t1 = time.perf_counter()
+            client.finish_weight_update(weight_version=str(ver))
+            return {"update_weights_s": t1 - t0, "finish_weight_update_s": time.perf_counter() - t1}
+
+        try:
+            stats = self.sender.push(v, commit=commit, before_go=before_go)
+        except BaseException:
+            if started["ok"]:
+                self._mark_incomplete(v)
+            raise
+        self.last_result = self.sender.last_update
+        return stats
+
+    def _mark_incomplete(self, v: int) -> None:
+        """After a failed update: vLLM's weight version :data:`INCOMPLETE`, closing the update
+        session whether or not the workers closed it (their ``update_weights`` raising closes it)."""
+        label = INCOMPLETE.format(version=v)
+        try:
+            self.client.finish_weight_update(weight_version=label)
+            return
+        except Exception:
+            pass
+        try:
+            self.client.start_weight_update()
+            self.client.finish_weight_update(weight_version=label)
+        except Exception as e:  # the original error is what the caller needs; say this one too
+            print(f"[rank 0] one_sided: could not set vLLM's weight version to {label!r}: {_first_line(e)}",
+                  file=sys.stderr, flush=True)
+
+    def shutdown(self) -> None:
+        """Release this rank's transport (rank 0: and tell every rank the job ends)."""
+        if self.sender is not None:
+            self.sender.close()
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+
+
+# ============================================================================ clients
+
+
+class LLMClient:
+    """A ``VLLMWeightSyncClient`` over an offline ``vllm.LLM`` in this process (vLLM ships HTTP
+    and Ray clients only): each call is the ``LLM`` method of the same name.
+    ``finish_weight_update`` also resets the prefix cache (``reset_prefix_cache``: cached KV
+    blocks were computed with the old weights, C21) unless ``reset_prefix_cache=False``."""
+
+    def __init__(self, llm, *, reset_prefix_cache: bool = True) -> None:
+        self.llm, self.reset = llm, reset_prefix_cache
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        if self.reset and self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset the prefix cache after the update")
+
+
+class AsyncLLMClient:
+    """A ``VLLMWeightSyncClient`` over a ``vllm.v1.engine.async_llm.AsyncLLM`` whose event loop
+    runs in another thread (``loop``): each call runs the coroutine of the same name there and
+    waits. ``finish_weight_update`` also resets the prefix cache with
+    ``reset_running_requests=True`` (requests kept across a ``pause_generation(mode="keep")`` are
+    recomputed under the new weights, so no cached block holds old-weight KV: C21, C23) unless
+    ``reset_prefix_cache=False``. ``timeout``: seconds per call."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, *, reset_prefix_cache: bool = True,
+                 timeout: float = 300.0) -> None:
+        self.engine, self.loop, self.reset, self.timeout = engine, loop, reset_prefix_cache, timeout
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._run(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        self._run(self.engine.start_weight_update())
+
+    def update_weights(self, update_info) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run(self.engine.finish_weight_update(weight_version))
+        if self.reset and self._run(self.engine.reset_prefix_cache(reset_running_requests=True)) is False:
+            raise RuntimeError("vLLM refused to reset the prefix cache after the update")
+
+
+register()
