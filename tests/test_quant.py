@@ -94,3 +94,20 @@ def test_dequantize_roundtrip():
 def test_rejects_1d():
     with pytest.raises(ValueError):
         quantize_fp8_block(torch.ones(5))
+
+
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_out_buffers_written_in_place_same_bytes(impl):
+    """``out=(q, scale)``: the result lands in the given buffers (the executor's pool slots),
+    byte-identical to the allocating call; wrong shapes or dtypes are refused."""
+    x = torch.randn(2, 200, 300).to(torch.bfloat16)
+    q0, s0 = quantize_fp8_block(x, impl=impl)
+    q = torch.full(x.shape, 7, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.full(scale_shape(tuple(x.shape)), 7.0)
+    q1, s1 = quantize_fp8_block(x, impl=impl, out=(q, s))
+    assert q1.data_ptr() == q.data_ptr() and s1.data_ptr() == s.data_ptr()
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s.view(torch.int32), s0.view(torch.int32))
+    with pytest.raises(ValueError, match="out scale is"):
+        quantize_fp8_block(x, out=(q, torch.empty(1)))
+    with pytest.raises(ValueError, match="out q is"):
+        quantize_fp8_block(x, out=(q.view(torch.uint8), s))

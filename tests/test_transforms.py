@@ -230,3 +230,41 @@ def test_disabled_by_environment(tmp_path):
                          cwd=str(ROOT))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "disabled by WT_FP8_NATIVE=0"
+
+
+# ---- recipe_outputs(out=): outputs built in given buffers (the executor's output pool) ---------
+
+
+@pytest.mark.parametrize("quant,dtype", [(None, None), (None, "float32"), ("fp8", None)])
+def test_recipe_outputs_into_buffers_same_bytes(quant, dtype):
+    """Every recipe of a small model (plain copies, fused bands, casts from fp32 masters, block
+    FP8), built into flat uint8 buffers of ``output_nbytes`` each, gives the same bytes as the
+    allocating call; ``output_view`` is exactly the recipes whose output is a source's view."""
+    from weight_transfer.plan import build_recipes
+    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.weights import SyntheticCheckpoint
+    from weight_transfer.transforms import output_nbytes, output_view, recipe_outputs
+    from weight_transfer.types import InferenceLayout, dtype_name
+
+    cfg = load_config("qwen3-0.6b", num_hidden_layers=1, vocab_size=500, hidden_size=256, intermediate_size=256,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    src = {n: t for n, t in SyntheticCheckpoint(param_specs(cfg), step=1, seed=0, dtype_override=dtype)}
+    recipes = build_recipes(cfg, InferenceLayout(tp=2, quant=quant), source_dtypes={n: dtype_name(t.dtype) for n, t in src.items()})
+    views = 0
+    recipes = list(recipes)
+    for r in recipes:
+        want = recipe_outputs(r, src.__getitem__)
+        sizes = output_nbytes(r)
+        assert sizes == [t.nbytes for t in want], r.name
+        v = output_view(r, src.__getitem__)
+        if v is not None:
+            views += 1
+            assert v.data_ptr() == want[0].data_ptr(), r.name  # the output *is* the view
+        bufs = [torch.full((n,), 0x5A, dtype=torch.uint8) for n in sizes]
+        got = recipe_outputs(r, src.__getitem__, out=bufs)
+        for g, w, b in zip(got, want, bufs):
+            assert g.data_ptr() == b.data_ptr() and g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), r.name
+            assert torch.equal(b, w.contiguous().view(-1).view(torch.uint8)), r.name
+    assert views > 0 or dtype == "float32"
+    with pytest.raises(ValueError, match="need"):
+        recipe_outputs(recipes[0], src.__getitem__, out=[torch.empty(1, dtype=torch.uint8)] * len(recipes[0].outputs))
