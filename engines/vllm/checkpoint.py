@@ -1,5 +1,6 @@
 """A Hugging Face checkpoint directory that an unmodified vLLM can load: ``config.json`` +
-``model.safetensors`` with the synthetic weights of one training step.
+``model.safetensors`` with the synthetic weights of one training step (:func:`write_checkpoint`),
+or with given tensors (:func:`write_checkpoint_tensors`: a real training step's weights).
 
 The weights are :class:`weight_transfer.testing.weights.SyntheticCheckpoint` (the same bytes the training
 ranks hold at that step), in Hugging Face names and BF16 (float32 for DeepSeek's router
@@ -28,7 +29,7 @@ from weight_transfer.model_config import ModelConfig
 from weight_transfer.testing.catalog import param_specs
 from weight_transfer.testing.weights import SyntheticCheckpoint
 
-__all__ = ["hf_config", "write_checkpoint", "checkpoint_tensors"]
+__all__ = ["hf_config", "write_checkpoint", "write_checkpoint_tensors", "checkpoint_tensors"]
 
 
 def hf_config(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
@@ -56,11 +57,22 @@ def write_checkpoint(cfg: ModelConfig, path: str | Path, *, step: int, seed: int
     """Write ``config.json`` and ``model.safetensors`` for step ``step`` into ``path`` (created)
     and return it as a string. Overwrites existing files. Raises ImportError when
     ``safetensors`` is missing (install the ``.[vllm]`` extra)."""
+    return write_checkpoint_tensors(cfg, path, checkpoint_tensors(cfg, step=step, seed=seed),
+                                    max_position_embeddings=max_position_embeddings)
+
+
+def write_checkpoint_tensors(cfg: ModelConfig, path: str | Path, tensors, *,
+                             max_position_embeddings: int | None = 4096) -> str:
+    """Write ``config.json`` (:func:`hf_config`) and ``model.safetensors`` holding the given
+    ``tensors`` (``{Hugging Face name: tensor}``, e.g. a training step's gathered weights cast
+    to bf16, as served) into ``path`` (created) and return it as a string. Tensors are written
+    as given (dtype included; made contiguous, on the CPU). Overwrites existing files."""
     from safetensors.torch import save_file
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     (p / "config.json").write_text(json.dumps(hf_config(cfg, max_position_embeddings=max_position_embeddings),
                                               indent=1))
-    save_file(checkpoint_tensors(cfg, step=step, seed=seed), str(p / "model.safetensors"), metadata={"format": "pt"})
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, str(p / "model.safetensors"),
+              metadata={"format": "pt"})
     return str(p)
