@@ -469,12 +469,15 @@ def _coordinator_cls():
 
     class EngineCommitCoordinator(Coordinator):
         engine_commit_ranks: tuple[int, ...] = ()
+        """The ranks with staged targets (each plan, a replan after a membership change too)."""
 
-        def plan(self):
-            sched = super().plan()
-            if self.commit_ranks:
-                self.engine_commit_ranks, self.commit_ranks = self.commit_ranks, ()
-            return sched
+        @property
+        def commit_ranks(self) -> tuple[int, ...]:
+            return ()  # the commit callable (update_weights) commits every worker
+
+        @commit_ranks.setter
+        def commit_ranks(self, ranks) -> None:
+            self.engine_commit_ranks = tuple(ranks)
 
     return EngineCommitCoordinator
 

