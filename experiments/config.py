@@ -226,14 +226,6 @@ class TrialConfig:
                 raise ValueError(f"engine=vllm: method {run.method!r} is wired for --tp 1 (one vLLM worker per "
                                  "instance, use --dp for more); use --tp 1")
         self._check_device()
-        if tr.transport.name == "shm" and run.method in ("reference", "all"):
-            # the inference ranks build the stand-in engine's arena before the method's setup
-            # (worker.py: Engine(...) without allocate=): shm can publish only memory it allocated
-            raise ValueError("transport='shm' is not wired into trials yet: it publishes only memory "
-                             "ShmTransport.allocate made, and the inference ranks allocate the engine's arena "
-                             "themselves (experiments/worker.py would pass Engine(..., allocate=ShmTransport.allocate)); "
-                             "use --transport cma, or shm through the library (weight_transfer.transport.shm) "
-                             "and bench-transports")
         self.model.config()  # validates the model name and the overrides (names and kinds)
 
     # ---- flat names: the command line's options, the sweep CSVs' columns ----------------------

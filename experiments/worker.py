@@ -226,7 +226,12 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
         try:
             mcfg = cfg.model_config()
             device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.run.device == "cuda" else "cpu"
-            engine = Engine(mcfg, cfg.inference, rank, device=device)
+            from weight_transfer.transport import TRANSPORTS
+
+            T = TRANSPORTS.get(cfg.transfer.transport.name)
+            # a transport that publishes only memory it allocated (shm) allocates the reference's arena
+            alloc = T.allocate if (cfg.run.method == "reference" and getattr(T, "publishes_allocated_only", False)) else None
+            engine = Engine(mcfg, cfg.inference, rank, device=device, allocate=alloc)
             if cfg.run.poison:
                 engine.arena.fill_(0xA5)
             _, _, infer_cls = get_method(cfg.run.method)

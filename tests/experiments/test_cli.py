@@ -330,11 +330,8 @@ def test_device_cuda_needs_a_transport_into_device_memory(refused):
                                                   "--method", "rank0_funnel")
 
 
-def test_shm_transport_refused_for_trials_before_any_process(refused):
-    """``--transport shm`` needs the engine's arena allocated through the transport, which the
-    trial's inference ranks do not do yet: refused with one line naming what is missing."""
-    msg = refused("run", "--transport", "shm")
-    assert "transport='shm' is not wired into trials yet" in msg and "Engine(..., allocate=" in msg
+def test_shm_transport_on_cuda_is_refused_before_any_process(refused):
+    """``--transport shm`` maps host memory the receiver allocated: not for GPU arenas."""
     assert "device='cuda' with transport='shm'" in refused("run", "--device", "cuda", "--transport", "shm")
 
 

@@ -84,6 +84,14 @@ def test_world_that_cannot_shard_is_refused():
         run_trial(small(tp=3, steps=1))
 
 
+def test_shm_transport_trial_bit_exact():
+    """``--transport shm``: the inference ranks allocate the engine's arena through the
+    transport (a sealed memfd each sender maps once); every byte verified."""
+    res = run_trial(small(steps=2, transport="shm"))
+    assert_all_verified(res, 2)
+    assert {r["transport"] for r in res.rows} == {"shm"}
+
+
 def test_gather_all_and_local_writes_agree():
     """The published design (full_tensor() of every source) and local writes (copies sent from
     the ranks' own shards) both land bit-exact, uneven shards included."""
