@@ -65,7 +65,7 @@ class OneSidedUpdater:
         self.engine.pause()
         try:
             t1 = time.perf_counter()
-            stats = Executor(self.schedule.rank_plans[0], sources, self.tx, self.descriptors).run()
+            stats = self._executor(sources).run()
             t2 = time.perf_counter()
             commit = self.engine.commit()
             self.engine.reset_prefix_cache()
@@ -75,6 +75,21 @@ class OneSidedUpdater:
                 "write_seconds": t2 - t1, "commit_seconds": max(c["seconds"] for c in commit),
                 "bytes_staged": sum(lay.staged_bytes for lay in self.layouts.values())}
 
+    def _executor(self, sources: dict[str, torch.Tensor]) -> Executor:
+        """The executor of the plan, built once (its memory registered once) and kept while the
+        sources are the same storages; rebuilt (the old one's registrations released) when a
+        caller hands tensors in other memory."""
+        key = tuple((n, t.untyped_storage().data_ptr()) for n, t in sources.items())
+        if getattr(self, "_ex", None) is None or self._ex_key != key:
+            if getattr(self, "_ex", None) is not None:
+                self._ex.close()
+            self._ex = Executor(self.schedule.rank_plans[0], sources, self.tx, self.descriptors)
+            self._ex_key = key
+        return self._ex
+
     def close(self) -> None:
+        if getattr(self, "_ex", None) is not None:
+            self._ex.close()
+            self._ex = None
         self.tx.close()
 
