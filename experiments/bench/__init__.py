@@ -16,6 +16,6 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "bench-transports": ("weight_transfer.experiments.bench.transports", "TransportBenchConfig",
                          "one-sided write bandwidth of each transport beside memcpy"),
     "bench-peers": ("weight_transfer.experiments.bench.peers", "PeersBenchConfig",
-                    "the same tensor set and world through the reference, awex and Mooncake, verified (docs/PEERS.md)"),
+                    "the same tensor set and world through the reference, awex, Mooncake and torchstore, verified (docs/PEERS.md)"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""

@@ -2,7 +2,9 @@
 
     weight-transfer bench-peers                       # the default, every peer installed
     weight-transfer bench-peers --peers reference,mooncake --steps 3
+    weight-transfer bench-peers --peers reference,torchstore --torchstore-transports shm
     pip install -e '.[peers]'                               # awex + Mooncake (docs/PEERS.md)
+    bash scripts/install_torchstore.sh                      # torchstore, its own venv (docs/PEERS.md)
 
 World: 2 training processes -> 2 inference processes (one TP=2 engine), BF16, the main job's
 default model (``weight_transfer.experiments.config.main_job_default`` with ``quant=None``; ``--model`` and
@@ -25,7 +27,17 @@ Rows (each a fresh set of processes, run one after the other in this command):
 - ``mooncake``: the Mooncake transfer engine alone over TCP, the transport floor with no
   resharding: training rank ``r`` holds inference rank ``r``'s image and writes it with one
   ``batch_transfer_sync_write`` per update (one op per engine tensor, memory registered once).
-- ``torchstore``: skipped unless importable (0.1.2 pins ``torch==2.9.0`` and ``torchmonarch``).
+- ``torchstore``: meta-pytorch/torchstore (git, pinned in ``scripts/install_torchstore.sh``) with
+  torchmonarch 0.7.0, one row per transport it has on a CPU machine (``--torchstore-transports``):
+  shared memory (its same-host default), monarch RDMA over its TCP fallback, DirectWeightSync
+  (one-hop reads of the trainers' registered shards, same fallback), gloo, monarch RPC. The
+  trainer ranks hold FSDP's even ``dim 0`` shards as DTensors and ``ts.put_batch`` them, the
+  generators ``ts.get_batch`` their TP DTensors in place (torchstore reshards), same keys every
+  update, one storage volume per trainer in the trainer's process. torchstore's 0.1.2 release
+  pins ``torch==2.9.0``, so it lives in its own virtual environment (default
+  ``/opt/wt-torchstore``, the project's torch 2.13.0); this command runs that row in that
+  interpreter as a subprocess (``experiments/bench/torchstore_peer.py``, whose docstring says
+  what it does), with the same tensor set, pattern and verification.
 
 Every peer row is verified: each step's bytes are a pattern of (tensor, global index, step)
 that the receivers recompute on their own and compare bit for bit (as int16, so NaN patterns
@@ -41,11 +53,15 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import json
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -54,6 +70,10 @@ from dataclasses import dataclass
 import torch
 
 PEERS = ("reference", "awex", "mooncake", "torchstore")
+TORCHSTORE_TRANSPORTS = ("shm", "direct_tcp", "rdma_tcp", "gloo", "rpc")  # torchstore_peer.TRANSPORTS
+TORCHSTORE_LABEL = {"shm": "shm, same keys", "direct_tcp": "direct, rdma tcp fallback", "rdma_tcp": "rdma tcp fallback",
+                    "gloo": "gloo", "rpc": "monarch rpc"}
+TORCHSTORE_VENV = "/opt/wt-torchstore"  # scripts/install_torchstore.sh
 _P = (7919, 104729, 1299709, 15485863)  # per-dimension pattern multipliers (primes)
 
 
@@ -368,10 +388,83 @@ def _mooncake_rank(store, role, rank, tensors, n_train, tp, n_steps):
 
 
 # --------------------------------------------------------------------------------------------
+# torchstore: its own interpreter, experiments/bench/torchstore_peer.py as a subprocess
+
+
+def torchstore_python(explicit: str = "") -> str | None:
+    """The interpreter that imports torchstore and monarch: ``explicit``, else
+    ``$WT_TORCHSTORE_PYTHON``, else ``/opt/wt-torchstore/bin/python`` (the install script's
+    default), else this interpreter if it has torchstore; None if none exists."""
+    from importlib.util import find_spec
+
+    explicit = explicit or os.environ.get("WT_TORCHSTORE_PYTHON", "")
+    if explicit:
+        return explicit if os.path.exists(explicit) else None
+    default = os.path.join(TORCHSTORE_VENV, "bin", "python")
+    if os.path.exists(default):
+        return default
+    return sys.executable if find_spec("torchstore") and find_spec("monarch") else None
+
+
+def _torchstore_probe(py: str) -> tuple[str | None, dict]:
+    """(None, versions) if ``py`` imports torchstore and monarch, else (why not, {})."""
+    code = ("import json, importlib.metadata as m, torchstore, monarch.actor, torch; "
+            "print(json.dumps({d: m.version(d) for d in ('torchstore', 'torchmonarch', 'torch')}))")
+    try:
+        r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{py}: {type(e).__name__}: {e}", {}
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"{py} cannot import torchstore/monarch ({tail}); scripts/install_torchstore.sh (docs/PEERS.md)", {}
+    try:
+        vers = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        vers = {}
+    commit = os.path.join(os.path.dirname(os.path.dirname(py)), "torchstore.commit")
+    if os.path.exists(commit):
+        vers["commit"] = open(commit).read().strip()[:7]
+    return None, vers
+
+
+def _run_torchstore(py: str, transport: str, tensors, n_train: int, tp: int, steps: int, warmup: int,
+                    timeout: float) -> tuple[list[float | str], list[dict]]:
+    """One torchstore row: the runner in torchstore's interpreter, its own process group (killed
+    whole on a timeout). Returns per update its seconds or the verification error, and the
+    per-update put/get phases."""
+    runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchstore_peer.py")
+    with tempfile.TemporaryDirectory(prefix="wt-torchstore-") as d:
+        spec, out, log = (os.path.join(d, x) for x in ("spec.json", "out.json", "log.txt"))
+        with open(spec, "w") as f:
+            json.dump(dict(tensors=[[t.tid, t.name, list(t.global_shape), t.tp_dim] for t in tensors], n_train=n_train,
+                           tp=tp, steps=steps, warmup=warmup, transport=transport, timeout=timeout), f)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
+        with open(log, "w") as lf:
+            p = subprocess.Popen([py, runner, spec, out], stdout=lf, stderr=subprocess.STDOUT, cwd=d, env=env,
+                                 start_new_session=True)
+            try:
+                rc = p.wait(timeout=120 + timeout * (steps + warmup + 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                raise RuntimeError(f"torchstore {transport}: no result within {120 + timeout * (steps + warmup + 1):.0f} s") from None
+            finally:
+                try:  # monarch's proc meshes are children of the runner: none may outlive it
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        res = json.load(open(out)) if os.path.exists(out) else {}
+        if "seconds" not in res:  # the runner writes its numbers before it exits
+            why = res.get("failed") or (open(log).read().strip().splitlines() or [f"exit {rc}"])[-1]
+            raise RuntimeError(f"torchstore {transport}: {why}")
+    return [float(x) if isinstance(x, (int, float)) else str(x) for x in res["seconds"]], res.get("phases", [])
+
+
+# --------------------------------------------------------------------------------------------
 # the command
 
 
-def _available(peer: str) -> str | None:
+def _available(peer: str, ts_python: str = "") -> str | None:
     """None if ``peer`` can run here, else why not."""
     from importlib import import_module
     from importlib.metadata import PackageNotFoundError, version
@@ -384,16 +477,16 @@ def _available(peer: str) -> str | None:
         elif peer == "mooncake":
             import_module("mooncake.engine")
         elif peer == "torchstore":
-            import_module("torchstore")
+            py = torchstore_python(ts_python)
+            if py is None:
+                where = ts_python or os.environ.get("WT_TORCHSTORE_PYTHON") or TORCHSTORE_VENV + "/bin/python"
+                return (f"not installed: no {where} (torchstore 0.1.2 pins "
+                        "torch==2.9.0, so it gets its own environment: scripts/install_torchstore.sh, docs/PEERS.md)")
+            return _torchstore_probe(py)[0]
     except (PackageNotFoundError, ImportError) as e:
-        if peer == "torchstore":
-            return (f"not installed ({e}): torchstore 0.1.2 pins torch==2.9.0 and torchmonarch==0.1.2, which "
-                    "this project's torch excludes; not part of .[peers]")
         if isinstance(e, PackageNotFoundError):
             return f"not installed ({e}); pip install -e '.[peers]' (docs/PEERS.md)"
         return f"cannot import ({e}); pip install -e '.[peers]', apt-get install libibverbs1 (docs/PEERS.md)"
-    if peer == "torchstore":
-        return "no runner here: torchstore needs torchmonarch actors; not measured by this command"
     return None
 
 
@@ -426,6 +519,10 @@ class PeersBenchConfig:
     """Seconds one update (or a rank's start) may take before the peer is reported failed."""
     csv: str = "results/peers.csv"
     """CSV the tidy rows are appended to (raw bytes and seconds); empty for none."""
+    torchstore_transports: tuple[str, ...] = TORCHSTORE_TRANSPORTS
+    """torchstore rows, one per transport, comma-separated (shm, direct_tcp, rdma_tcp, gloo, rpc)."""
+    torchstore_python: str = ""
+    """Interpreter with torchstore + torchmonarch; default $WT_TORCHSTORE_PYTHON, else /opt/wt-torchstore/bin/python."""
 
     def __post_init__(self):
         if self.steps < 1 or self.warmup < 0:
@@ -433,6 +530,9 @@ class PeersBenchConfig:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
+        bad = [t for t in self.torchstore_transports if t not in TORCHSTORE_TRANSPORTS]
+        if bad or not self.torchstore_transports:
+            raise ValueError(f"unknown torchstore transport(s) {bad}; choose from {', '.join(TORCHSTORE_TRANSPORTS)}")
         for kv in self.override:
             if "=" not in kv:
                 raise ValueError(f"override {kv!r}: wants KEY=VALUE")
@@ -459,26 +559,41 @@ def main(a: PeersBenchConfig) -> int:
     run_id, stamp = uuid.uuid4().hex[:8], dt.datetime.now().isoformat(timespec="seconds")
     mcfg = cfg.model_config()
     print(f"# bench-peers: the same tensor set and world through each system; run {run_id}, git {env['git_sha']}, {stamp}")
+    ts_py, ts_vers = torchstore_python(a.torchstore_python), {}
+    if "torchstore" in peers and ts_py:
+        ts_vers = _torchstore_probe(ts_py)[1]
+    ts_desc = (f"torchstore {ts_vers.get('commit') or ts_vers.get('torchstore', '-')} (torchmonarch "
+               f"{ts_vers.get('torchmonarch', '-')}, torch {ts_vers.get('torch', '-')}, {ts_py})") if ts_vers else "torchstore -"
     print(f"# host {env['host']}: {env['cpus']} cpus, torch {env['torch']}, python {env['python']}; "
-          f"awex {_version('awex')}, mooncake-transfer-engine {_version('mooncake-transfer-engine')}")
+          f"awex {_version('awex')}, mooncake-transfer-engine {_version('mooncake-transfer-engine')}, {ts_desc}")
     print(f"# model: {mcfg.label}; {n_train} training ranks -> {tp} inference ranks (TP={tp}), BF16, "
           f"{len(tensors)} engine tensors, {nbytes} B per update")
     print(f"# {a.warmup} warm-up + {a.steps} measured updates per peer, every update verified bit-exact; "
           f"time = 'go' to the last rank done")
     print("#")
-    print(f"# {'peer':>10} {'transport':>22} {'bytes':>12} {'p50':>8} {'min':>8} {'max':>8} {'algbw':>7} "
+    print(f"# {'peer':>10} {'transport':>26} {'bytes':>12} {'p50':>8} {'min':>8} {'max':>8} {'algbw':>7} "
           f"{'%memcpy':>8} {'ref/peer':>8} {'verified':>9}")
-    print(f"# {'':>10} {'':>22} {'(B)':>12} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(GB/s)':>7} {'':>8} {'(x)':>8} {'':>9}")
+    print(f"# {'':>10} {'':>26} {'(B)':>12} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(GB/s)':>7} {'':>8} {'(x)':>8} {'':>9}")
     rows, skipped, memcpys = [], [], []
     transport = {"reference": "cma (process_vm_writev)", "awex": "mooncake tcp, reads", "mooncake": "tcp, writes, 1 pair/rank"}
-    for peer in peers:
-        why = None if peer == "reference" else _available(peer)
-        if why:
-            skipped.append((peer, why))
+    jobs = [(p, t) for p in peers for t in (a.torchstore_transports if p == "torchstore" else (None,))]
+    why_not: dict[str, str | None] = {}
+    for peer, ts_tr in jobs:
+        if peer not in why_not:
+            why_not[peer] = None if peer == "reference" else _available(peer, a.torchstore_python)
+            if why_not[peer]:
+                skipped.append((peer, why_not[peer]))
+        if why_not[peer]:
             continue
+        label = TORCHSTORE_LABEL[ts_tr] if ts_tr else transport.get(peer, "-")
         memcpys.append(measure_memcpy_gbps())
+        phases: list[dict] = []
         try:
-            if peer == "reference":
+            if peer == "torchstore":
+                secs, phases = _run_torchstore(ts_py, ts_tr, tensors, n_train, tp, a.steps, a.warmup, a.timeout)
+                warm = [i < a.warmup for i in range(len(secs))]
+                got_bytes = nbytes
+            elif peer == "reference":
                 res = run_trial(cfg)
                 secs = [float(r["seconds"]) if r["verified"] else (r.get("verify_error") or "not verified")
                         for r in res.rows]
@@ -489,26 +604,28 @@ def main(a: PeersBenchConfig) -> int:
                 warm = [i < a.warmup for i in range(len(secs))]
                 got_bytes = nbytes
         except Exception as e:
-            skipped.append((peer, f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"))
+            skipped.append((peer if not ts_tr else f"{peer} {ts_tr}",
+                            f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"))
             continue
         meas = [x for x, w in zip(secs, warm) if not w]
         ok = all(isinstance(x, float) for x in secs)
         times = [x for x in meas if isinstance(x, float)]
-        rows.append(dict(peer=peer, transport=transport.get(peer, "-"), bytes=got_bytes, times=times, ok=ok,
-                         errors=[x for x in secs if not isinstance(x, float)], memcpy=memcpys[-1]))
+        rows.append(dict(peer=peer, transport=label, bytes=got_bytes, times=times, ok=ok,
+                         errors=[x for x in secs if not isinstance(x, float)], memcpy=memcpys[-1],
+                         phases=[ph for ph, w in zip(phases, warm) if not w], cold=secs[0] if secs else None))
     mem = statistics.median(memcpys) if memcpys else measure_memcpy_gbps()
     ref = next((r for r in rows if r["peer"] == "reference" and r["times"]), None)
     ref_gbps = ref["bytes"] / statistics.median(ref["times"]) / 1e9 if ref else None
     out_rows = []
     for r in rows:
         if not r["times"]:
-            print(f"  {r['peer']:>10} {r['transport']:>22} {r['bytes']:>12} {'-':>8} {'-':>8} {'-':>8} {'-':>7} {'-':>8} "
+            print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {'-':>8} {'-':>8} {'-':>8} {'-':>7} {'-':>8} "
                   f"{'-':>8} {'NO':>9}")
             continue
         p50 = statistics.median(r["times"])
         gbps = r["bytes"] / p50 / 1e9
         ratio = f"{ref_gbps / gbps:.2f}" if ref_gbps else "-"
-        print(f"  {r['peer']:>10} {r['transport']:>22} {r['bytes']:>12} {p50:>8.3f} {min(r['times']):>8.3f} "
+        print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {p50:>8.3f} {min(r['times']):>8.3f} "
               f"{max(r['times']):>8.3f} {gbps:>7.3f} {100 * gbps / mem:>7.1f}% {ratio:>8} {'yes' if r['ok'] else 'NO':>9}")
         for i, s in enumerate(r["times"]):
             out_rows.append(dict(run_id=run_id, git_sha=env["git_sha"], timestamp=stamp, host=env["host"], peer=r["peer"],
@@ -516,6 +633,18 @@ def main(a: PeersBenchConfig) -> int:
                                  bytes=r["bytes"], seconds=f"{s:.6f}", memcpy_gbps=f"{r['memcpy']:.3f}", verified=r["ok"]))
     print("#")
     print(f"# memcpy on this machine (same run, 1 thread, 256 MiB, median of {len(memcpys)}): {mem:.2f} GB/s")
+    ts_rows = [r for r in rows if r["peer"] == "torchstore" and r["times"] and r["ok"]]
+    for r in ts_rows:
+        put = statistics.median(ph["put"] for ph in r["phases"]) if r["phases"] else float("nan")
+        get = statistics.median(ph["get"] for ph in r["phases"]) if r["phases"] else float("nan")
+        cold = f"{r['cold']:.3f} s" if isinstance(r["cold"], float) else "-"
+        print(f"# torchstore {r['transport']}: p50 put {put:.3f} s (trainers) + get {get:.3f} s (generators); "
+              f"cold first update {cold}")
+    if ts_rows and ref_gbps:
+        best = min(ts_rows, key=lambda r: statistics.median(r["times"]))
+        best_gbps = best["bytes"] / statistics.median(best["times"]) / 1e9
+        print(f"# reference / best torchstore ({best['transport']}): {ref_gbps / best_gbps:.2f}x "
+              f"({ref_gbps:.3f} vs {best_gbps:.3f} GB/s, same run, both verified)")
     n_bad = sum(not r["ok"] for r in rows)
     print(f"# verified bit-exact: {len(rows) - n_bad}/{len(rows)} peers" + ("" if not n_bad else "  <-- FAILED"))
     for r in rows:

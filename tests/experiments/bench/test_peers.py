@@ -1,12 +1,13 @@
 """bench-peers: the tensor set, the receivers' independent pattern, and (where the peers are
-installed) a tiny end-to-end run of each peer, verified."""
+installed) a tiny end-to-end run of each peer, verified. torchstore lives in its own
+environment (scripts/install_torchstore.sh); its test is skipped, with the reason, without it."""
 import importlib.util
 
 import pytest
 import torch
 
 from weight_transfer.engines.engine import engine_tensor_metas
-from weight_transfer.experiments.bench.peers import PEERS, PeersBenchConfig, main, pattern, tensor_set
+from weight_transfer.experiments.bench.peers import PEERS, PeersBenchConfig, _available, main, pattern, tensor_set
 from weight_transfer.experiments.command import main as cli_main
 from weight_transfer.experiments.config import TrialConfig
 
@@ -42,7 +43,15 @@ def test_unknown_peer_is_refused(capsys):
     assert "unknown peer" in capsys.readouterr().err
 
 
+def test_unknown_torchstore_transport_and_missing_interpreter():
+    with pytest.raises(ValueError, match="unknown torchstore transport"):
+        PeersBenchConfig(torchstore_transports=("nvlink",))
+    why = _available("torchstore", "/nonexistent/wt-torchstore/bin/python")
+    assert why.startswith("not installed") and "install_torchstore.sh" in why
+
+
 @pytest.mark.multiproc
+@pytest.mark.peers
 @pytest.mark.parametrize("peer", [p for p in PEERS if p != "torchstore"])
 def test_peer_runs_verified(peer, capsys):
     if peer == "awex" and importlib.util.find_spec("awex") is None:
@@ -54,3 +63,20 @@ def test_peer_runs_verified(peer, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "verified bit-exact: 1/1 peers" in out
+
+
+@pytest.mark.multiproc
+@pytest.mark.peers
+def test_torchstore_runs_verified(capsys):
+    """torchstore's shared-memory row, 2 updates of a small model, each verified on the receivers."""
+    why = _available("torchstore")
+    if why:
+        pytest.skip(f"torchstore: {why}")
+    rc = main(PeersBenchConfig(peers=("torchstore",), torchstore_transports=("shm",), model="qwen3-0.6b", steps=2,
+                               warmup=0, csv="", override=tuple(f"{k}={v}" for k, v in TINY.items())))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "verified bit-exact: 1/1 peers" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("torchstore"))
+    assert "shm, same keys" in row and row.split()[-1] == "yes", row
+    assert "p50 put" in out and "not run" not in out
