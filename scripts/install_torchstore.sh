@@ -81,6 +81,7 @@ echo "installing torchstore ${SHA:0:7} from $SOURCE and torchmonarch==$TORCHMONA
 # torchstore's own dependencies (its pyproject: pygtrie, portpicker, torch, torchmonarch==0.4.1), the
 # monarch pin replaced by $TORCHMONARCH; torch stays the one installed above.
 "$PY" -m pip install -q "torchmonarch==$TORCHMONARCH" pygtrie portpicker
+# pip then reports "torchstore ... requires torchmonarch==0.4.1, but you have torchmonarch 0.7.0": expected
 "$PY" -m pip install -q --no-deps --force-reinstall "$src"
 echo "$SHA" > "$VENV/torchstore.commit"
 
@@ -90,4 +91,8 @@ if ! check; then
     exit 1
 fi
 "$PY" -c "import importlib.metadata as m; print('ok:', ', '.join(f'{d} {m.version(d)}' for d in ('torchstore', 'torchmonarch', 'torch')))"
-echo "torchstore ${SHA:0:7} installed in $VENV; weight-transfer bench-peers finds $PY (or set WT_TORCHSTORE_PYTHON)"
+if [ "$VENV" = /opt/wt-torchstore ]; then
+    echo "torchstore ${SHA:0:7} installed in $VENV; weight-transfer bench-peers finds $PY"
+else
+    echo "torchstore ${SHA:0:7} installed in $VENV; run bench-peers with WT_TORCHSTORE_PYTHON=$PY (or --torchstore-python)"
+fi
