@@ -1,4 +1,4 @@
-"""The one command: ``weight-transfer {run,simulate,sweep,faults,bench-quant,bench-pipeline,bench-transports,bench-peers,analyze,timeline}``
+"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,bench-quant,bench-pipeline,bench-transports,bench-peers,analyze,timeline}``
 (the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
 
 Examples::
@@ -11,6 +11,8 @@ Examples::
     weight-transfer run --watermark-mb 64 --offload --trace results/runs/trace   # pipeline options
     weight-transfer run --device cuda --transport cuda_ipc   # every rank on the GPU (docs/GPU.md)
     weight-transfer run --serial                         # stage-serialized executor
+    weight-transfer rl --steps 30                        # an RL loop on vLLM that learns (examples/rl_loop.py)
+    weight-transfer rl --lr 1e-5 --steps 20 --changes    # what one step changes (docs/DELTA.md)
     weight-transfer sweep --list                         # named sweeps (docs/SWEEPS.md)
     weight-transfer sweep qwen3_cpu_small --cluster local
     weight-transfer run --method rank0_funnel --bucket-bytes 67108864   # baselines' options
@@ -70,6 +72,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     # (main_job_default) without --model, TrialConfig's defaults with it
     add_dataclass_options(run, TrialConfig, meta=OPTION_META, defaults=main_job_default().flat())
     run.add_argument("--results", default=str(DEFAULT_RESULTS), help="CSV to append tidy rows to (default: %(default)s)")
+    rl = sub.add_parser("rl", help="an RL loop on an unmodified vLLM, pushed one-sidedly after every step and verified "
+                                    "(examples/rl_loop.py)",
+                        description="2 FSDP2 training ranks, vLLM (one_sided backend) sampling a group per prompt, "
+                                    "GRPO-clipped policy gradient, AdamW, a push after every step verified against a "
+                                    "reload oracle, the end against a fresh vLLM (examples/rl_loop.py; options: "
+                                    "weight_transfer.experiments.rl.RLOptions).")
+    from .rl import RLOptions
+
+    add_dataclass_options(rl, RLOptions)
     sim = sub.add_parser("simulate", help="at-scale prediction: real planner on synthesized metadata + cost model "
                                           "(docs/SIMULATION.md)")
     sim.add_argument("config", nargs="?", help="named simulation config (see --list)")
@@ -225,6 +236,17 @@ def _main(argv: list[str]) -> int:
         from .sim.run import main as simulate_main
 
         return simulate_main(args)
+    if args.cmd == "rl":
+        from .cli import dataclass_from_args
+        from .rl import RLOptions
+        from .rl import main as rl_main
+
+        try:
+            opts = dataclass_from_args(RLOptions, args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return rl_main(opts)
     if args.cmd == "faults":
         from .faults import main as faults_main
 

@@ -29,7 +29,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i].strip()
             i += 1
-            for m in re.finditer(r"weight-transfer ((?:run|sweep|simulate|faults|bench-[a-z]+)(?: [^`|#&;]*)?)", line):
+            for m in re.finditer(r"weight-transfer ((?:run|rl|sweep|simulate|faults|bench-[a-z]+)(?: [^`|#&;]*)?)", line):
                 cmd = m.group(1).strip()
                 if PLACEHOLDER.search(cmd) or "--help" in cmd:
                     continue
@@ -71,7 +71,7 @@ def test_run_help_lists_every_option_with_its_default(capsys):
         assert text in help_, text
 
 
-@pytest.mark.parametrize("sub", ["sweep", "simulate", "faults", "bench-quant", "bench-pipeline", "bench-transports",
+@pytest.mark.parametrize("sub", ["rl", "sweep", "simulate", "faults", "bench-quant", "bench-pipeline", "bench-transports",
                                  "bench-peers"])
 def test_every_subcommand_has_help_with_defaults(sub, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,476 @@
+"""The pieces of ``examples/rl_loop.py`` (an RL loop on an unmodified vLLM, updated one-sidedly
+after every step) and the ``weight-transfer rl`` subcommand that runs it.
+
+    weight-transfer rl                                  # 30 steps at lr 5e-4: the reward rises
+    weight-transfer rl --lr 1e-5 --steps 20 --changes   # what one step changes (docs/DELTA.md)
+    python examples/rl_loop.py --steps 3                # the same program, read top to bottom
+
+The task (:class:`ParityTask`): a prompt is two tokens ``a, b`` drawn from ``values`` token
+ids; the reward is 1 when the first generated token's parity equals the parity of ``a + b``
+(a random policy earns 0.5, and the answer depends on both prompt tokens). Every step samples
+``group`` answers per prompt of all ``values**2`` prompts with vLLM (temperature 1, the sampled
+token's logprob from vLLM: ``raw_logprobs`` = the logprobs the rollout policy sampled from),
+normalizes rewards within each group (:func:`group_advantages`), and takes one AdamW step on
+the PPO-clipped policy gradient with the importance ratio of the trainer's fp32 logprob over
+vLLM's bf16 rollout logprob (:func:`clipped_pg_loss`).
+
+Verification (:class:`OracleCheck`): the oracle is a second, plain vLLM in training rank 1's
+process, loaded through vLLM's own in-place reload path (``wt_reload_begin`` /
+``wt_load_weights`` / ``wt_reload_finish``: ``model.load_weights`` and the same
+post-processing as a fresh load) with the same step's gathered bf16 weights; after every push
+every addressable runtime tensor of the live engine (the direct targets and packed copies of
+its runtime layout) must equal the oracle's byte for byte (digests exchanged over the training
+ranks' gloo group), and its staging tensors what ``load_weights`` makes of those weights: every
+byte the push wrote. Chosen over a fresh engine per step because it is independent of the
+one-sided path (vLLM's own loader and post-processing) and costs one engine start, not one per
+step; at the end a fresh vLLM from the final checkpoint (:func:`final_check`) checks the bytes
+once more. Greedy tokens and logprobs are compared with both and recorded (see
+:class:`OracleCheck` for why they are not required to be equal).
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .paths import project_dir
+
+__all__ = ["RLOptions", "ParityTask", "group_advantages", "clipped_pg_loss", "rollout", "served_weights",
+           "OracleCheck", "StepLog", "change_rows", "magnitude_rows", "save_changes", "final_check", "broadcast", "options_from_argv", "main"]
+
+RESULTS = project_dir() / "results"
+CHANGES_CSV = "rl_changes.csv"
+"""Item 2's tidy table (one row per lr x step x kind x granularity), in ``out_dir``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RLOptions:
+    """The RL loop's options (``weight-transfer rl --help``; ``examples/rl_loop.py`` takes the same flags)."""
+
+    steps: int = 30
+    """Optimizer steps; each: a rollout of the current version, one AdamW step, one push (version + 1)."""
+    lr: float = 5e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default)."""
+    group: int = 8
+    """Samples per prompt (the group its advantages are normalized in)."""
+    values: int = 4
+    """Distinct prompt tokens: the prompts are all values**2 pairs (a, b) of token ids first_token .. + values - 1."""
+    first_token: int = 100
+    """Token id of the first prompt value."""
+    clip: float = 0.2
+    """PPO clip range of the importance ratio: [1 - clip, 1 + clip]."""
+    model: str = "qwen3-0.6b"
+    """Catalog model (Qwen3 architecture; dense)."""
+    layers: int = 2
+    """num_hidden_layers override."""
+    vocab: int = 8192
+    """vocab_size override."""
+    seed: int = 0
+    """Model init and sampling seed."""
+    changes: bool = False
+    """Measure what each step changes (weight_transfer.changes on the gathered weights, rank 0) and write out_dir/rl_changes.csv rows for this lr."""
+    verify: bool = True
+    """Check every push against the reload oracle (a second vLLM in rank 1) and the final weights against a fresh vLLM."""
+    out_dir: str = field(default=str(RESULTS), metadata={"metavar": "DIR"})
+    """Where rl_<tag>.csv, rl_<tag>.png (and rl_changes.csv) go."""
+    tag: str = ""
+    """Run name in file names (default: lr<lr>)."""
+    timeout: float = 300.0
+    """Seconds a push may take before the update fails."""
+
+    def __post_init__(self):
+        for name in ("steps", "group", "values", "layers", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: at least 1")
+        if self.group < 2:
+            raise ValueError(f"--group {self.group}: at least 2 (advantages are normalized within a group)")
+        if not self.lr > 0 or not 0 < self.clip < 1 or self.timeout <= 0:
+            raise ValueError(f"--lr {self.lr} > 0, 0 < --clip {self.clip} < 1, --timeout {self.timeout} > 0")
+        if self.first_token + self.values > self.vocab:
+            raise ValueError(f"--first-token {self.first_token} + --values {self.values} > --vocab {self.vocab}")
+
+    @property
+    def name(self) -> str:
+        return self.tag or f"lr{self.lr:g}"
+
+    @property
+    def n_prompts(self) -> int:
+        return self.values ** 2
+
+    def model_config(self):
+        from weight_transfer.testing.catalog import load_config
+
+        return load_config(self.model, num_hidden_layers=self.layers, vocab_size=self.vocab)
+
+
+def options_from_argv(argv: list[str] | None = None, prog: str = "rl_loop.py") -> RLOptions:
+    """:class:`RLOptions` from a command line (the flags ``weight-transfer rl`` has)."""
+    import argparse
+
+    from .cli import add_dataclass_options, dataclass_from_args
+
+    ap = argparse.ArgumentParser(prog=prog, description=RLOptions.__doc__)
+    add_dataclass_options(ap, RLOptions)
+    return dataclass_from_args(RLOptions, ap.parse_args(argv))
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------ the task
+
+
+class ParityTask:
+    """Prompts ``[a, b]`` (every pair of ``values`` token ids); reward 1 when the first answer
+    token's parity equals ``(a + b) % 2``. A random policy earns 0.5."""
+
+    def __init__(self, o: RLOptions):
+        import torch
+
+        v = torch.arange(o.first_token, o.first_token + o.values)
+        self.prompts = torch.cartesian_prod(v, v)  # [values**2, 2]
+
+    def reward(self, prompts, answers):
+        """``prompts`` [P, 2], ``answers`` [P, G, T] token ids -> rewards [P, G] (float 0/1)."""
+        want = prompts.sum(1) % 2
+        return (answers[:, :, 0] % 2 == want[:, None]).float()
+
+
+def group_advantages(rewards, eps: float = 1e-6):
+    """GRPO's group-normalized advantages: ``(r - mean) / (std + eps)`` within each group
+    (row of ``rewards`` [P, G]); a group whose rewards are all equal has advantage 0."""
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)
+    return (rewards - mean) / (std + eps)
+
+
+def rollout(llm, prompts, *, group: int, max_tokens: int = 1, seed: int = 0) -> dict:
+    """``group`` samples per prompt from an offline ``vllm.LLM`` (temperature 1, no top-k/p, so
+    vLLM's raw logprobs are the sampling distribution's). Returns ``{"answers": [P, G, T] token
+    ids, "logprobs": [P, G, T] float32 (vLLM's), "versions": the set of each sample's weight-version
+    spans as vLLM reports them, ``((version, start, end), ...)``, "seconds"}``; each request's seed is ``seed + its index`` (vLLM gives sample ``i``
+    of a request ``seed + i``)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    reqs = [TokensPrompt(prompt_token_ids=[int(x) for x in p]) for p in prompts]
+    sps = [SamplingParams(n=group, temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                          seed=seed + 1000 * i) for i in range(len(reqs))]
+    outs = llm.generate(reqs, sps, use_tqdm=False)
+    answers = torch.zeros(len(reqs), group, max_tokens, dtype=torch.long)
+    logprobs = torch.zeros(len(reqs), group, max_tokens)
+    versions = set()
+    for i, o in enumerate(outs):
+        assert len(o.outputs) == group, (i, len(o.outputs))
+        for j, c in enumerate(o.outputs):
+            answers[i, j] = torch.tensor(c.token_ids)
+            logprobs[i, j] = torch.tensor([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
+            versions.add(tuple((w.version, w.start, w.end) for w in (c.weight_versions or [])))
+    return {"answers": answers, "logprobs": logprobs, "versions": versions, "seconds": time.perf_counter() - t0}
+
+
+def clipped_pg_loss(model, prompts, answers, old_logprobs, adv, clip: float):
+    """PPO/GRPO clipped policy-gradient loss (token mean) of ``model`` on its share: ``prompts``
+    [N, Lp], ``answers`` / ``old_logprobs`` (vLLM's) [N, T], ``adv`` [N]. The ratio is
+    ``exp(logp_train - logp_vllm)``. Returns ``(loss, stats)`` with ``stats``: the largest
+    ``|log ratio|`` (bf16 serving vs the fp32 master: small when vLLM computes with the pushed
+    weights) and the fraction of tokens clipped."""
+    import torch
+
+    lp_len, t = prompts.shape[1], answers.shape[1]
+    logits = model(input_ids=torch.cat([prompts, answers], 1)).logits[:, lp_len - 1: lp_len - 1 + t]
+    logp = logits.float().log_softmax(-1).gather(-1, answers[..., None])[..., 0]
+    log_ratio = logp - old_logprobs
+    ratio = log_ratio.exp()
+    a = adv[:, None]
+    loss = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a).mean()
+    clipped = ((ratio - 1).abs() > clip).float().mean()
+    return loss, {"logratio_max": float(log_ratio.detach().abs().max()), "clip_frac": float(clipped)}
+
+
+# --------------------------------------------------------------------------- weights and checks
+
+
+def served_weights(model) -> dict:
+    """``{Hugging Face name: bf16 tensor}``: every parameter gathered (``full_tensor()``, a
+    collective: every training rank calls it) and cast as the engine serves it."""
+    import torch
+
+    out = {}
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[n] = full.detach().to(torch.bfloat16)
+    return out
+
+
+def _digest(t) -> str:
+    import torch
+
+    b = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(b, digest_size=16).hexdigest() + f":{t.dtype}:{tuple(t.shape)}"
+
+
+def engine_kwargs() -> dict:
+    """The vLLM settings of the live engine and the oracle beyond :class:`weight_transfer.engines.vllm.VllmEngine`'s
+    defaults: every sample of a step in one batch (16 prompts x 8)."""
+    return {"max_num_seqs": 128}
+
+
+class OracleCheck:
+    """After every push: the live engine (rank 0) against the oracle (rank 1), see the module
+    docstring. Every training rank builds one and calls it with the step's
+    :func:`served_weights` (a collective over the default process group). Checked:
+
+    - ``bytes``: every addressable runtime tensor of the live engine's runtime layout
+      (``RuntimeLayout.check``: direct targets, packed copies) equals the oracle's;
+    - ``staging``: the staging tensors of the layers vLLM keeps opaque (on an AMX host the
+      linears over 1 MiB: oneDNN handles; the backend writes their checkpoint-layout staging
+      tensors and vLLM re-runs its post-processing at commit) equal what the stand-in engine's
+      ``load_weights`` makes of the served weights (``verify.staging_oracle``);
+    - ``outputs`` (recorded, not required): greedy tokens and logprobs for
+      ``verify.fixed_prompts`` against the oracle's. Not required because on this host (AMX,
+      linears over 1 MiB on oneDNN, tied lm_head) the oracle's own outputs are not what its
+      bytes say after vLLM's reload path: in the 30-step run its greedy tokens differed from
+      the live engine's for 13 versions and its logprobs by up to 4 nats afterwards, while the
+      live engine's runtime bytes equalled it every step and a fresh vLLM from the final
+      checkpoint agreed with the live engine (tokens identical, logprobs 1.2e-6 nats apart);
+      see docs/DELTA.md, "Verification". What does bound the live engine's opaque state every
+      step is the rollout's importance ratio (``logratio_max`` of :func:`clipped_pg_loss`:
+      vLLM's bf16 logprobs of its own samples against the fp32 master's: at most 0.033 there)."""
+
+    def __init__(self, rank: int, engine, cfg):
+        from weight_transfer.engines.vllm.runtime import runtime_layout
+        from weight_transfer.engines.vllm.verify import fixed_prompts
+
+        self.rank, self.engine, self.cfg = rank, engine, cfg
+        self.prompts = fixed_prompts(cfg.vocab_size)
+        names = None
+        if rank == 0:
+            self.layout = runtime_layout(engine.reports()[0], 0)
+            names = sorted(self.layout.check)
+        self.names = broadcast(names)  # the live engine's runtime tensors, as vLLM reports them
+
+    def __call__(self, served: dict) -> dict:
+        """``{"ok" (bytes and staging equal), "bytes_ok", "staging_ok", "tokens_ok", "bytes"
+        (compared), "mismatched": [names], "logprob_ulps", "logprob_maxdiff" (nats; None when the
+        tokens differ), "seconds"}`` (the same on every rank)."""
+        import torch.distributed as dist
+
+        from weight_transfer.engines.vllm.runtime import STAGING_SUFFIX
+        from weight_transfer.engines.vllm.verify import outputs_equal, staging_oracle
+
+        t0 = time.perf_counter()
+        if self.rank == 1:
+            self.engine.reload(list(served.items()))  # vLLM's own load_weights + post-processing
+        got = self.engine.read(self.names)[0]
+        mine = {n: _digest(t) for n, t in got.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in got.values())
+        outs = self.engine.generate(self.prompts, max_tokens=6)
+        staging_ok, bad_staging = None, []
+        if self.rank == 0 and self.layout.staging_names():
+            stg = self.engine.read(sorted(self.layout.staging_names()))[0]
+            want = staging_oracle(self.cfg, {0: self.layout}, served.__getitem__, list(served), tp=1)[0]
+            for n, t in stg.items():
+                e = want.get(n.removesuffix(STAGING_SUFFIX))
+                if e is None or _digest(t) != _digest(e):
+                    bad_staging.append(n)
+            staging_ok = not bad_staging
+            nbytes += sum(t.numel() * t.element_size() for t in stg.values())
+        both = [None, None]
+        dist.all_gather_object(both, (mine, outs, staging_ok, bad_staging, nbytes))
+        (live, live_out, staging_ok, bad_staging, nbytes), (oracle, oracle_out, *_) = both
+        bad = sorted(n for n in set(live) | set(oracle) if live.get(n) != oracle.get(n))
+        _, ulps = outputs_equal(live_out, oracle_out)
+        tokens_ok = ulps != float("inf")
+        bytes_ok = not bad and len(live) == len(self.names)
+        return {"ok": bytes_ok and staging_ok is not False, "bytes_ok": bytes_ok, "staging_ok": staging_ok,
+                "tokens_ok": tokens_ok, "logprob_maxdiff": logprob_maxdiff(live_out, oracle_out), "bytes": nbytes, "mismatched": bad + bad_staging,
+                "logprob_ulps": ulps, "seconds": time.perf_counter() - t0}
+
+
+def logprob_maxdiff(a, b) -> float | None:
+    """Largest ``|logprob|`` difference (nats) of two generations ``[(tokens, logprobs)]`` with
+    identical tokens; None when the tokens differ."""
+    if len(a) != len(b) or any(list(ta) != list(tb) for (ta, _), (tb, _) in zip(a, b)):
+        return None
+    return max((abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb)), default=0.0)
+
+
+def broadcast(obj, src: int = 0):
+    """``obj`` of rank ``src`` on every rank (``broadcast_object_list``)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def final_check(live, cfg, served: dict, workdir: str | Path) -> dict:
+    """The live engine against a fresh vLLM started from the final weights' checkpoint (in a
+    process of its own, :mod:`weight_transfer.engines.vllm.oracle`): every addressable runtime
+    byte, and greedy tokens and logprobs for :func:`weight_transfer.engines.vllm.verify.fixed_prompts`
+    (:func:`weight_transfer.engines.vllm.verify.compare_snapshots`). Returns its result plus
+    ``tokens_ok`` (greedy tokens identical; ``outputs_ok`` also wants the logprobs within
+    ``verify.LOGPROB_ULPS``, see :class:`OracleCheck` for why neither is required),
+    ``logprob_maxdiff`` (nats) and ``seconds``."""
+    from weight_transfer.engines.vllm.checkpoint import write_checkpoint_tensors
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+    from weight_transfer.engines.vllm.runtime import runtime_layout
+    from weight_transfer.engines.vllm.verify import compare_snapshots, fixed_prompts, snapshot
+
+    t0 = time.perf_counter()
+    workdir = Path(workdir)
+    ckpt = write_checkpoint_tensors(cfg, workdir / "final", served)
+    prompts = fixed_prompts(cfg.vocab_size)
+    fresh = fresh_snapshots_subprocess({"final": {"dir": ckpt, "prompts": prompts, "hide_amx": False}},
+                                       workdir / "fresh.pt", wait=False)
+    lays = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in live.reports()}
+    mine = snapshot(live, lays, prompts)
+    other = fresh()["final"]
+    res = compare_snapshots(mine, other)
+    res["tokens_ok"] = res["logprob_ulps"] is not None and res["logprob_ulps"] != float("inf")
+    res["logprob_maxdiff"] = logprob_maxdiff(mine["outputs"], other["outputs"])
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+# ------------------------------------------------------------------------------------ records
+
+
+COLUMNS = ["run", "lr", "step", "rollout_version", "reward_mean", "loss", "logratio_max", "clip_frac",
+           "pushed_version", "push_seconds", "push_call_seconds", "push_bytes", "push_writes", "verified",
+           "verified_bytes", "oracle_tokens_equal", "oracle_logprob_ulps", "oracle_logprob_maxdiff", "rollout_s", "train_s", "verify_s", "changes_s", "step_s", "final_bytes_ok",
+           "final_tokens_ok", "final_logprob_ulps", "final_logprob_maxdiff", "timestamp"]
+
+
+class StepLog:
+    """One CSV row per step (rank 0), written as it happens: ``out_dir/rl_<tag>.csv`` (step 0:
+    the push of the initial weights, no rollout)."""
+
+    def __init__(self, o: RLOptions):
+        self.path = Path(o.out_dir) / f"rl_{o.name}.csv"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.o, self.rows = o, []
+        with open(self.path, "w", newline="") as f:
+            csv.writer(f).writerow(COLUMNS)
+
+    def add(self, **row) -> dict:
+        row = {"run": self.o.name, "lr": self.o.lr, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), **row}
+        self.rows.append(row)
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerow(row)
+        return row
+
+    def finish(self, **final) -> None:
+        """Put the final check's result on the last row (rewrites the file) and draw the plot."""
+        self.rows[-1].update(final)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(self.rows)
+        try:
+            from weight_transfer.analysis.rl import plot_run
+
+            plot_run(self.path, self.path.with_suffix(".png"))
+        except Exception as e:  # a plot is not worth failing a verified run for
+            print(f"# plot skipped: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def change_rows(lr: float, step: int, old: dict, new: dict) -> list[dict]:
+    """Item 2's tidy rows: :func:`weight_transfer.changes.changes_by_kind` between two served
+    versions, one row per kind x granularity (``scales``: FP8 ``weight_scale_inv`` entries; its
+    delta bytes are part of each FP8 granularity's)."""
+    from weight_transfer.changes import GRANULARITIES, changes_by_kind
+
+    rows = []
+    for kind, c in changes_by_kind(old, new).items():
+        for g in (*GRANULARITIES, "scales"):
+            full = c.full_bytes["bf16" if g.startswith("bf16") else "fp8"]
+            rows.append({"lr": lr, "step": step, "kind": kind, "granularity": g, "changed": c.changed[g],
+                         "total": c.total[g], "fraction": c.fraction(g),
+                         "delta_bytes": c.delta_bytes.get(g, ""), "full_bytes": full})
+    return rows
+
+
+CHANGE_COLUMNS = ["lr", "step", "kind", "granularity", "changed", "total", "fraction", "delta_bytes", "full_bytes"]
+
+
+def write_change_rows(path: str | Path, lr: float, rows: list[dict]) -> None:
+    """Replace ``lr``'s rows of ``path`` (tidy CSV, :data:`CHANGE_COLUMNS`) by ``rows``."""
+    path = Path(path)
+    keep = []
+    if path.exists():
+        with open(path, newline="") as f:
+            keep = [r for r in csv.DictReader(f) if not math.isclose(float(r["lr"]), lr)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, CHANGE_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(keep + rows)
+
+
+def magnitude_rows(weights: dict, lrs=(1e-6, 1e-5)) -> list[dict]:
+    """Per tensor kind: element count, std, median ``|w|``, median bf16 spacing (ulp) at ``|w|``,
+    and for each lr the fraction of bf16 elements a step of exactly ``lr`` per element would
+    change if the fp32 master sat anywhere within its bf16 cell (``mean(min(1, lr / ulp))``;
+    Adam's first step is ``lr * sign(g)``)."""
+    import torch
+
+    from weight_transfer.changes import tensor_kind
+
+    by: dict[str, list] = {}
+    for n, t in weights.items():
+        by.setdefault(tensor_kind(n), []).append(t.detach().float().reshape(-1))
+    out = []
+    for kind, ts in sorted(by.items()):
+        w = torch.cat(ts)
+        a = w.abs()
+        ulp = torch.where(a > 0, 2.0 ** (torch.floor(torch.log2(a.clamp_min(1e-30))) - 7), torch.tensor(2.0 ** -133))
+        row = {"kind": kind, "numel": w.numel(), "std": float(w.std()), "median_abs": float(a.median()),
+               "median_ulp": float(ulp.median())}
+        for lr in lrs:
+            row[f"pred_frac_lr{lr:g}"] = float((lr / ulp).clamp(max=1).mean())
+        out.append(row)
+    return out
+
+
+def save_changes(o: RLOptions, rows: list[dict], initial: dict) -> None:
+    """Write this lr's :func:`change_rows` into ``out_dir/rl_changes.csv`` (other lrs' rows
+    kept) and :func:`magnitude_rows` of the initial weights into ``out_dir/rl_magnitudes.csv``."""
+    out = Path(o.out_dir)
+    write_change_rows(out / CHANGES_CSV, o.lr, rows)
+    mags = magnitude_rows(initial)
+    with open(out / "rl_magnitudes.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(mags[0]))
+        w.writeheader()
+        w.writerows(mags)
+
+
+# -------------------------------------------------------------------------------- subcommand
+
+
+def load_example():
+    """``examples/rl_loop.py`` of the checkout, imported as module ``rl_loop`` (its trainer
+    function must be importable by name in the spawned training ranks). FileNotFoundError
+    when this install has no checkout around it."""
+    ex = project_dir() / "examples"
+    if not (ex / "rl_loop.py").is_file():
+        raise FileNotFoundError(f"{ex / 'rl_loop.py'}: weight-transfer rl runs the example of a source checkout")
+    if str(ex) not in sys.path:
+        sys.path.insert(0, str(ex))
+    import rl_loop
+
+    return rl_loop
+
+
+def main(o: RLOptions) -> int:
+    """``weight-transfer rl``: run ``examples/rl_loop.py`` with these options."""
+    return load_example().run(o)
+

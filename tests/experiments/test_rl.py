@@ -1,0 +1,137 @@
+"""The RL loop's pieces without an engine (weight_transfer.experiments.rl, analysis/rl.py): the
+task's rewards, group-normalized advantages, the clipped policy-gradient loss, options and
+flags, item 2's tidy rows and their summary. The loop itself on vLLM: tests/engines/vllm/test_rl_loop.py."""
+from __future__ import annotations
+
+import csv
+import types
+
+import pytest
+import torch
+
+from weight_transfer.experiments import rl
+
+
+def test_parity_task_rewards_and_prompts():
+    o = rl.RLOptions(values=3, first_token=10)
+    task = rl.ParityTask(o)
+    assert task.prompts.shape == (9, 2) and task.prompts.min() == 10 and task.prompts.max() == 12
+    prompts = torch.tensor([[10, 11], [10, 12]])                    # sums 21 (odd), 22 (even)
+    answers = torch.tensor([[[3], [4], [5]], [[3], [4], [6]]])      # [P=2, G=3, T=1]
+    assert task.reward(prompts, answers).tolist() == [[1, 0, 1], [0, 1, 1]]
+
+
+def test_group_advantages():
+    r = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    a = rl.group_advantages(r)
+    assert torch.allclose(a[0].mean(), torch.tensor(0.0)) and a[0, 0] > 0 > a[0, 1]
+    assert torch.allclose(a[0].std(), torch.tensor(1.0), atol=1e-4)
+    assert torch.equal(a[1], torch.zeros(4))                         # no signal in an all-equal group
+
+
+class _Tiny(torch.nn.Module):
+    """logits = a table lookup: position t's logits depend on token t only."""
+
+    def __init__(self, vocab=8):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab) * 0.1)
+
+    def forward(self, input_ids):
+        return types.SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_clipped_pg_loss_on_policy_is_the_policy_gradient():
+    torch.manual_seed(0)
+    m = _Tiny()
+    prompts = torch.tensor([[1, 2], [3, 4]])
+    answers = torch.tensor([[5], [6]])
+    with torch.no_grad():
+        old = m(torch.cat([prompts, answers], 1)).logits[:, 1].log_softmax(-1).gather(1, answers)
+    adv = torch.tensor([1.0, -1.0])
+    loss, st = rl.clipped_pg_loss(m, prompts, answers, old, adv, clip=0.2)
+    assert abs(loss.item()) < 1e-6 and st["logratio_max"] < 1e-6 and st["clip_frac"] == 0.0
+    loss.backward()
+    g = m.table.grad.clone()
+    m.table.grad = None
+    lp = m(torch.cat([prompts, answers], 1)).logits[:, 1].log_softmax(-1).gather(1, answers)[:, 0]
+    (-(adv * lp).mean()).backward()
+    assert torch.allclose(g, m.table.grad)                            # ratio 1: the REINFORCE gradient
+
+
+def test_clipped_pg_loss_clips():
+    m = _Tiny()
+    prompts, answers = torch.tensor([[1, 2]]), torch.tensor([[5]])
+    with torch.no_grad():
+        lp = m(torch.cat([prompts, answers], 1)).logits[:, 1].log_softmax(-1).gather(1, answers)
+    # the rollout policy gave the token less probability: ratio e^0.5 > 1.2, positive advantage -> clipped, no gradient
+    loss, st = rl.clipped_pg_loss(m, prompts, answers, lp - 0.5, torch.tensor([1.0]), clip=0.2)
+    assert st["clip_frac"] == 1.0 and abs(st["logratio_max"] - 0.5) < 1e-5
+    loss.backward()
+    assert torch.count_nonzero(m.table.grad) == 0
+    assert loss.item() == pytest.approx(-1.2)
+
+
+def test_options_and_flags():
+    o = rl.options_from_argv(["--steps", "3", "--lr", "1e-6", "--changes", "--tag", "x"])
+    assert (o.steps, o.lr, o.changes, o.verify, o.name) == (3, 1e-6, True, True, "x")
+    assert rl.RLOptions(lr=1e-5).name == "lr1e-05"
+    for bad in ({"group": 1}, {"lr": 0.0}, {"clip": 1.5}, {"steps": 0}, {"first_token": 8190, "values": 4}):
+        with pytest.raises(ValueError):
+            rl.RLOptions(**bad)
+    cfg = rl.RLOptions().model_config()
+    assert cfg.hf["num_hidden_layers"] == 2 and cfg.vocab_size == 8192
+
+
+def test_command_line_rl_help():
+    from weight_transfer.experiments.command import build_parser
+
+    ap = build_parser(["rl", "--help"])
+    sub = next(a for a in ap._actions if a.dest == "cmd").choices["rl"]
+    flags = {s for a in sub._actions for s in a.option_strings}
+    assert {"--steps", "--lr", "--group", "--changes", "--no-verify", "--out-dir"} <= flags
+    from weight_transfer.experiments.command import main
+
+    assert main(["rl", "--group", "1"]) == 2                          # refused before any process
+
+
+def test_change_rows_tidy_csv_and_summary(tmp_path):
+    torch.manual_seed(0)
+    old = {"model.layers.0.self_attn.q_proj.weight": torch.randn(256, 256) * 0.02,
+           "model.layers.0.input_layernorm.weight": torch.ones(256),
+           "model.embed_tokens.weight": torch.randn(64, 256) * 0.02}
+    new = {n: t.clone() for n, t in old.items()}
+    new["model.layers.0.self_attn.q_proj.weight"][0, 0] += 0.01       # one element of one 128x128 block
+    rows = rl.change_rows(1e-5, 1, old, new)
+    by = {(r["kind"], r["granularity"]): r for r in rows}
+    assert by[("attention", "bf16_elems")]["changed"] == 1 and by[("attention", "fp8_blocks")]["changed"] >= 1
+    assert by[("norms", "bf16_elems")]["changed"] == 0 and by[("embeddings", "bf16_rows")]["changed"] == 0
+    assert by[("all", "bf16_elems")]["total"] == 256 * 256 + 256 + 64 * 256
+    path = tmp_path / "rl_changes.csv"
+    rl.write_change_rows(path, 1e-5, rows)
+    rl.write_change_rows(path, 1e-6, rl.change_rows(1e-6, 1, old, old))
+    rl.write_change_rows(path, 1e-5, rows)                            # replaces 1e-5's rows, keeps 1e-6's
+    got = list(csv.DictReader(open(path)))
+    assert len(got) == 2 * len(rows) and list(got[0]) == rl.CHANGE_COLUMNS
+    from weight_transfer.analysis.rl import changes_markdown, changes_summary, plot_changes
+
+    s = changes_summary(path)
+    assert set(s["lr"]) == {1e-5, 1e-6}
+    md = changes_markdown(path)
+    assert "**lr 1e-05**" in md and "| attention |" in md and "fp8_blocks" in md
+    assert plot_changes(path, tmp_path / "c.png").stat().st_size > 0
+
+
+def test_magnitude_rows_predict_bf16_changes():
+    torch.manual_seed(0)
+    w = {"model.layers.0.mlp.up_proj.weight": torch.randn(512, 512) * 0.02,
+         "model.norm.weight": torch.ones(512)}
+    rows = {r["kind"]: r for r in rl.magnitude_rows(w, lrs=(1e-6, 1e-5))}
+    assert rows["norms"]["median_ulp"] == 2.0 ** -7 and rows["norms"]["median_abs"] == 1.0
+    mlp = rows["mlp"]
+    assert 0.018 < mlp["std"] < 0.022
+    assert mlp["pred_frac_lr1e-06"] < mlp["pred_frac_lr1e-05"] < 1
+    # measured: one step of exactly lr on every element changes about the predicted fraction
+    x = w["model.layers.0.mlp.up_proj.weight"]
+    for lr in (1e-6, 1e-5):
+        changed = (x.to(torch.bfloat16) != (x + lr).to(torch.bfloat16)).float().mean().item()
+        assert changed == pytest.approx(mlp[f"pred_frac_lr{lr:g}"], rel=0.15)
