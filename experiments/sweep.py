@@ -614,6 +614,43 @@ def format_summary(s: SweepSummary) -> str:
     ok = len(s.outcomes) - len(s.failed)
     lines = [f"# sweep {s.sweep}: {s.total} trials: {ok} ran ok, {len(s.failed)} failed, {s.skipped} skipped "
              f"(already in {s.csv}); {s.seconds:.0f} s"]
+    table = trials_table([o for o in s.outcomes if o.rows])
+    if table:
+        lines += table
     for o in s.failed:
         lines.append(f"#   FAILED {describe(o.cfg)} [{o.key}]: {o.error}; log: {o.log}")
     return "\n".join(lines)
+
+
+def trials_table(outcomes: list[TrialOutcome]) -> list[str]:
+    """The sweep's per-trial table (the report benchmark users compare, docs/PERFORMANCE.md):
+    the cold first update apart, p50 / p95 / max over the warm ones, algbw at p50, the p50 of
+    the prepare and write phases, the slowest sender with its GB/s, and whether every update
+    verified. One line per trial that produced rows; [] when none did."""
+    import statistics
+
+    from .report import percentile
+
+    if not outcomes:
+        return []
+    out = ["#", f"# {'trial':<44} {'cold':>7} {'p50':>7} {'p95':>7} {'max':>7} {'algbw':>7} {'prep':>7} {'write':>7} "
+                f"{'slowest sender':>16} {'verified':>9}",
+           f"# {'':<44} {'(s)':>7} {'(s)':>7} {'(s)':>7} {'(s)':>7} {'(GB/s)':>7} {'(s)':>7} {'(s)':>7} "
+           f"{'(rank, GB/s)':>16} {'':>9}"]
+    for o in outcomes:
+        warm = [r for r in o.rows if not r.get("warmup")] or o.rows
+        cold = next((r for r in o.rows if r.get("warmup")), None)
+        secs = [r["seconds"] for r in warm]
+        p50 = statistics.median(secs)
+
+        def med(k, warm=warm):
+            vals = [r[k] for r in warm if r.get(k) is not None]
+            return statistics.median(vals) if vals else float("nan")
+        slow = max(warm, key=lambda r: r["seconds"])
+        snd = (f"{slow['slowest_sender']}, {slow['sender_gbps_min']:.3f}" if slow.get("sender_gbps_min") is not None
+               else "-")
+        ver = all(r.get("verified") for r in o.rows)
+        out.append(f"  {describe(o.cfg)[:44]:<44} {cold['seconds'] if cold else float('nan'):>7.3f} {p50:>7.3f} "
+                   f"{percentile(secs, 95):>7.3f} {max(secs):>7.3f} {warm[0]['bytes'] / p50 / 1e9:>7.3f} "
+                   f"{med('phase_prepare_s'):>7.3f} {med('phase_write_s'):>7.3f} {snd:>16} {'yes' if ver else 'NO':>9}")
+    return out

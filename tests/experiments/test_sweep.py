@@ -184,7 +184,12 @@ def test_sweep_writes_rows_reports_failures_and_skips_on_rerun(tmp_path, monkeyp
     assert set(df["trial_key"]) == {S.trial_key(trials[0]), S.trial_key(trials[1])}
     for col in ("sweep", "job_id", "cluster", "memcpy_gbps"):
         assert df[col].notna().all(), col
-    assert "FAILED" in S.format_summary(s)
+    summary = S.format_summary(s)
+    assert "FAILED" in summary
+    # the per-trial table: cold update apart, warm p50/p95/max, phases, slowest sender, verified
+    assert "cold" in summary and "p95" in summary and "slowest sender" in summary
+    trial_lines = [line for line in summary.splitlines() if line.startswith("  ")]
+    assert len(trial_lines) == 2 and all(line.split()[-1] == "yes" for line in trial_lines)
     # rerun: the two trials in the CSV are skipped, the failed one runs again
     calls.clear()
     s2 = S.run_sweep(sweep, opt, results_dir=tmp_path, progress=False, poll=0.01)
