@@ -35,6 +35,10 @@ What lives here, written once for every back end
   a closed MR) and a region whose epoch differs is refused -> :class:`StaleRegionError`, before
   any byte moves. ``deregister`` releases memory only after every sender holding a lease there
   left the batch it was in (:mod:`.lease`: the protocol and its race window).
+- the lease (:mod:`.lease`): ``connect`` takes one at every receiving transport through the
+  descriptor's own lease channel (nothing for the caller to do); ``write`` refuses a batch to a
+  receiver where it holds none (:class:`LeaseRequiredError`) and holds it from before the epoch
+  check until the bytes were copied. Verbs (``revocation = "nic"``) needs none.
 
 Memory a receiver publishes
 ---------------------------
@@ -67,11 +71,12 @@ from dataclasses import dataclass
 import torch
 
 from ..types import RegionDescriptor
+from . import lease
 
 __all__ = [
     "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError",
     "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
-    "describe_remote", "LeaseTimeoutError", "StaleRegionError",
+    "describe_remote", "LeaseRequiredError", "LeaseTimeoutError", "StaleRegionError",
 ]
 
 
@@ -97,6 +102,12 @@ class StaleRegionError(UnknownRegionError):
 class LeaseTimeoutError(TransportError):
     """``deregister`` waited ``lease_timeout`` seconds for a sender still inside a batch that
     started before the revocation; the region's memory stays referenced (not released)."""
+
+
+class LeaseRequiredError(TransportError):
+    """This sender holds no lease at a receiver of the batch, so the receiver's ``deregister``
+    could not wait for the batch: it is refused before any byte moves (issue 27 item 5). The
+    message names the receiver and why no lease could be taken."""
 
 
 class RemoteGoneError(TransportError):
@@ -192,6 +203,8 @@ class WriteHandle(abc.ABC):
     def _timeout_message(self, timeout: float) -> str:
         return f"{type(self).__name__}: batch not complete after {timeout} s"
 
+
+WriteHandle.register(lease.LeasedHandle)
 
 class CompletedWrite(WriteHandle):
     """A batch that was complete when :meth:`Transport.write` returned (CMA is synchronous; an
@@ -341,11 +354,11 @@ def _bounds_msg(i: int, loc: Region, c: RegionDescriptor, lo: int, ro: int, n: i
 
 
 class Transport(abc.ABC):
-    """One process's endpoint of a data plane. ``host`` defaults to ``socket.gethostname()``.
-
-    Not thread-safe: one writer thread per transport."""
+    """One process's endpoint of a data plane (``host``: ``socket.gethostname()``). Not thread-safe."""
 
     name: str = "?"
+    revocation: str = "lease"
+    """How ``deregister`` stops writes: ``"lease"`` (epoch check + lease; none: refused) or ``"nic"``."""
     publishes_allocated_only: bool = False
     """True when only memory from :meth:`allocate` can be published (its ``descriptor()``); see
     "Memory a receiver publishes" in the module docstring."""
@@ -368,13 +381,12 @@ class Transport(abc.ABC):
         self._local: dict[int, Region] = {}  # id(region) -> region
         self._remote: dict[Hashable, RegionDescriptor] = {}  # _remote_key(desc) -> desc
         self._epochs = None  # EpochTable, made on the first published descriptor
-        self._lease_store = None  # the control plane, set by lease.attach (senders)
+        self._leases: dict = {}  # receiver's table id -> lease.HostLease, or lease.LeaseUnavailable
         self.lease_timeout = 30.0
         """Seconds ``deregister`` waits for senders inside a batch (:mod:`.lease`)."""
         self._held: list[torch.Tensor] = []  # memory not released after a lease timeout
 
     # ---- registration -----------------------------------------------------------------------
-
     def register(self, tensor: torch.Tensor) -> Region:
         """Register a contiguous tensor of >= 1 byte on a device this back end handles; the
         tensor must outlive the region (the region references it) and keep its storage.
@@ -431,8 +443,8 @@ class Transport(abc.ABC):
     def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
         """Accept remote regions as write targets (once, from the control plane). Every
         descriptor is checked before any is accepted: ValueError for another transport or a
-        malformed descriptor (and the back end's own checks). Connecting a descriptor for a
-        region already connected with another key replaces it (the newer registration wins)."""
+        malformed descriptor (and the back end's own checks). A newer registration of a connected
+        region replaces it. Takes this sender's lease at each receiving transport (:mod:`.lease`)."""
         for d in descriptors:
             if not isinstance(d, RegionDescriptor):
                 raise ValueError(f"connect: expected RegionDescriptor, got {type(d).__name__}")
@@ -445,16 +457,18 @@ class Transport(abc.ABC):
                 raise ValueError(f"connect: malformed descriptor {d}")
         for d in descriptors:
             self._remote[self._connect(d)] = d
+            if self.revocation == "lease":
+                lease.take(self, d)
 
     def close(self) -> None:
-        """Release every registration and connection."""
+        """Release every registration, lease and connection."""
         for r in list(self._local.values()):
             self.deregister(r)
+        lease.release_all(self)
         self._disconnect()
         self._remote.clear()
 
     # ---- data path --------------------------------------------------------------------------
-
     def check(self, ops: Sequence[WriteOp]) -> Batch:
         """The checks of :meth:`write` alone (:func:`check_batch` over this transport's regions)."""
         return check_batch(ops, self._local, self._remote, self._remote_key, self._group_key)
@@ -466,13 +480,38 @@ class Transport(abc.ABC):
         batch = self.check(ops)
         if not batch.groups:
             return CompletedWrite(0)
-        lease = self._lease_enter(batch)
+        held = self._lease_enter(batch)  # before the epochs are read; left once the bytes are copied
         try:
             self.check_epochs(batch.remotes.values())
-            return self._post(batch, ops)
-        finally:
-            if lease is not None:
-                self._lease_exit(lease)
+            h = self._post(batch, ops)
+        except BaseException:
+            lease.leave(held)
+            raise
+        if not held or h.done():
+            lease.leave(held)
+            return h
+        return lease.LeasedHandle(h, held)
+
+    def _lease_enter(self, batch: Batch) -> list:
+        """Enter this sender's leases at the batch's receivers, then fence (:mod:`.lease`). Raises
+        :class:`LeaseRequiredError` (or the cause's type) naming a receiver where it holds none."""
+        if self.revocation != "lease":
+            return []
+        held = []
+        for d, i in batch.remotes.values():
+            x = self._leases.get(lease.table_ident(d)) if d.epoch else False
+            if x is False:
+                continue
+            if x is None or isinstance(x, Exception):
+                why = x.args[0] if x is not None else "it was never connected through connect()"
+                cls = globals()[getattr(x, "cls", None) or "LeaseRequiredError"]
+                raise cls(
+                    f"{'op ' + str(i) if isinstance(i, int) else i}: no lease at the receiver of {describe_remote(d)}: "
+                    f"{why}. Without one its deregister could not wait for this batch, so nothing of the batch was "
+                    "issued (a lease is taken in connect(); reconnect after freeing a slot)")
+            if x not in held:
+                held.append(x)
+        return lease.enter(held)
 
     def check_epochs(self, remotes) -> None:
         """Refuse remote regions whose owner no longer publishes their descriptor's epoch: the
@@ -518,15 +557,16 @@ class Transport(abc.ABC):
         slot, epoch = self._epoch_table().publish()
         region._slot = slot
         extra = tuple(extra) + (("epochs", (self._epochs.addr, slot, self._epochs.ident)),)
+        chan = lease.lease_channel(self._epochs)
+        if chan is not None:
+            extra += (("lease", chan),)
         return RegionDescriptor(transport=self.name, host=self.host, pid=self.pid, addr=region.addr,
                                 length=region.length, key=key, extra=extra, epoch=epoch)
 
     def _epoch_table(self):
         """This transport's :class:`~.lease.EpochTable` (made on first use)."""
         if self._epochs is None:
-            from .lease import EpochTable
-
-            self._epochs = EpochTable()
+            self._epochs = lease.EpochTable()
         return self._epochs
 
     def _check_descriptor(self, d: RegionDescriptor) -> None:
@@ -556,10 +596,4 @@ class Transport(abc.ABC):
         None when the back end's hardware enforces revocation itself."""
         return None
 
-    def _lease_enter(self, batch: Batch):
-        """Mark this sender inside a batch at every receiver of ``batch`` where it holds a
-        lease, before the epochs are read; return a token for :meth:`_lease_exit` (None: none)."""
-        return None
 
-    def _lease_exit(self, token) -> None:
-        """Mark this sender out of the batch (its bytes were all copied)."""

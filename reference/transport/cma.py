@@ -34,9 +34,10 @@ Semantics
 - Regions have a lifetime (C17, :mod:`.lease`): before each batch the receiver's published
   epoch of every remote region is read from the receiver's own memory (one
   ``process_vm_readv`` per receiving process) and a region it deregistered or re-registered
-  is refused, whatever this sender had connected. With :func:`.lease.attach` (a TCPStore) the
-  sender also holds a lease at each receiver (two more small ``process_vm_writev`` per batch),
-  so a receiver's ``deregister`` waits for a batch in flight before releasing the memory.
+  is refused, whatever this sender had connected. The sender also holds a lease at each
+  receiver, taken in ``connect`` (:mod:`.lease`, :mod:`.base`: two stores into its mapping of
+  the receiver's table per batch), so a receiver's ``deregister`` waits for a batch in flight
+  before releasing the memory; a batch to a receiver where it holds none is refused.
 - Not thread-safe: one writer thread per transport.
 
 Requirements
@@ -110,7 +111,7 @@ from .base import (
     _unknown_msg,
     describe_remote,
 )
-from .lease import LEASE_SLOTS, EpochTable, take_lease_slot
+from .lease import EpochTable
 
 __all__ = ["CmaTransport", "CmaRegion", "CmaWriteHandle", "IOV_MAX"]
 
@@ -168,16 +169,6 @@ def _process_vm_readv(pid: int, liov: int, nl: int, riov: int, nr: int) -> int:
     return _call(_readv, pid, liov, nl, riov, nr)
 
 
-def _poke(pid: int, addr: int, words: tuple[int, ...]) -> None:
-    """Write int64 ``words`` at ``addr`` in process ``pid`` (lease words; one
-    ``process_vm_writev``, not through the patchable data-path function). OSError on failure."""
-    buf = (ctypes.c_int64 * len(words))(*words)
-    n = 8 * len(words)
-    liov, riov = _iov([ctypes.addressof(buf)], [n]), _iov([addr], [n])
-    if _call(_writev, pid, liov.buffer_info()[0], 1, riov.buffer_info()[0], 1) != n:
-        raise OSError(_errno.EIO, f"short lease write to pid {pid}")
-
-
 def _iov(bases: list[int], lens: list[int]) -> array:
     flat = [0] * (2 * len(bases))
     flat[0::2] = bases
@@ -209,10 +200,6 @@ class CmaTransport(Transport):
 
     name = "cma"
 
-    def __init__(self, host: str | None = None):
-        super().__init__(host)
-        self._leases: dict[str, list | None] = {}  # receiver's table id -> [pid, seq address, seq]
-
     # ---- hooks of the contract ----------------------------------------------------------------
 
     def _check_device(self, tensor: torch.Tensor) -> None:
@@ -239,56 +226,8 @@ class CmaTransport(Transport):
                 "writes into it could not be checked against its owner's registration"
             )
 
-    def _connect(self, d: RegionDescriptor):
-        """With a control plane attached (:func:`.lease.attach`), take a lease slot in the
-        receiver's epoch table, once per receiving transport, and write ``(pid, seq=0)`` there."""
-        if self._lease_store is not None:
-            table, _, ident = dict(d.extra)["epochs"]
-            leases = self._leases
-            if ident not in leases:
-                i = take_lease_slot(self._lease_store, ident)
-                if i < LEASE_SLOTS:
-                    at = table + EpochTable.lease_offset(i)
-                    _poke(d.pid, at, (self.pid, 0))
-                    leases[ident] = [d.pid, at + 8, 0]
-                else:
-                    leases[ident] = None  # no lease there: the window of lease.py applies
-        return self._remote_key(d)
-
-    def _disconnect(self) -> None:
-        """Give every lease slot back (``(0, 0)``; best effort: a receiver may be gone)."""
-        leases, self._leases = self._leases, {}
-        for lease in leases.values():
-            if lease is not None:
-                try:
-                    _poke(lease[0], lease[1] - 8, (0, 0))
-                except OSError:
-                    pass
-
     def _published_epochs(self, remotes: list[RegionDescriptor]) -> list[int]:
         return read_published_epochs(remotes)
-
-    def _lease_enter(self, batch: Batch):
-        leases = self._leases
-        if not leases:
-            return None
-        held = []
-        for d, _ in batch.remotes.values():
-            x = dict(d.extra).get("epochs")
-            lease = leases.get(x[2]) if x else None
-            if lease is not None and lease not in held:
-                lease[2] += 1  # odd: inside a batch
-                _poke(lease[0], lease[1], (lease[2],))
-                held.append(lease)
-        return held or None
-
-    def _lease_exit(self, held) -> None:
-        for lease in held:
-            lease[2] += 1  # even: out of the batch
-            try:
-                _poke(lease[0], lease[1], (lease[2],))
-            except OSError:
-                pass  # the receiver is gone: nothing to release
 
     def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> CompletedWrite:
         """Copy every group (one per receiving pid) with <= IOV_MAX iovecs per syscall,

@@ -26,41 +26,61 @@ The protocol
   the MRs, so the NIC refuses the old rkey (``IBV_WC_REM_ACCESS_ERR``) before a byte lands.
 - **The lease.** The check alone leaves a window: a batch whose check passed just before the
   revocation may still be copying when the receiver frees the memory. To close it, every
-  sender holds a lease slot in the receiver's table: ``(pid, seq)`` words it writes with the
-  data path (CMA: ``process_vm_writev``). Per batch it makes ``seq`` odd *before* reading the
-  epochs and even again after its last byte was copied. ``deregister`` (after writing 0 into
-  the epoch slot) scans the lease slots in its own memory and waits until every sender whose
-  ``seq`` was odd has moved on (any change of ``seq`` means that batch ended; a later batch
-  reads the revoked epoch) or is dead (``kill(pid, 0)`` fails); only then is the memory
-  released. A sender stuck past ``lease_timeout`` seconds makes ``deregister`` raise
+  sender holds a lease slot in the receiver's table: ``(pid, seq)`` words it writes through its
+  own mapping of the table. Per batch it makes ``seq`` odd *before* reading the epochs and even
+  again after its last byte was copied (for a back end whose copies complete after ``write``
+  returned, CUDA IPC or NIXL, when its handle reports them complete). ``deregister`` (after
+  writing 0 into the epoch slot) scans the lease slots in its own memory and waits until every
+  sender whose ``seq`` was odd has moved on (any change of ``seq`` means that batch ended; a
+  later batch reads the revoked epoch) or is dead (``kill(pid, 0)`` fails); only then is the
+  memory released. A sender stuck past ``lease_timeout`` seconds makes ``deregister`` raise
   :class:`~.base.LeaseTimeoutError` naming its pid, and the region's tensor stays referenced
   by the transport (never freed under a possible writer).
+- **The lease is part of the transport** (issue 27 item 5: "the safe path is the only path").
+  The table lives in a sealed shared-memory segment (``memfd``) and every descriptor names it
+  (``extra["lease"] = (fd, inode, device, size, table offset)``: its own lease channel). A
+  sender's :meth:`~.base.Transport.connect` opens the receiver's segment through
+  ``/proc/<pid>/fd/<fd>`` (same uid: what CMA's ptrace right and shm's mapping need anyway),
+  maps it and claims a slot under ``flock`` on that file (the atomic step the data path cannot
+  give: two senders claiming at once are serialized by the kernel; a slot is free when its pid
+  word is 0 or names a dead process, so slots of exited senders are reused), once per
+  receiving transport, with no control plane. :meth:`~.base.Transport.write` refuses a batch
+  to a receiver where this sender holds no lease (:class:`~.base.LeaseRequiredError`, naming
+  why: all :data:`LEASE_SLOTS` slots held by live senders, the segment could not be opened, a
+  receiver on another host): one place, :mod:`.base`, for every back end whose revocation is
+  checked in software (cma, shm, cuda_ipc, nixl). Verbs is the exception: deregistration closes
+  the MRs and the NIC refuses the old rkey, so no window exists to close.
 
 Why these choices
 -----------------
 The hot path needs no control-plane round trip: the lease and epoch words travel with the same
 kernel copy as the data (two extra small syscalls per batch per receiver, a few microseconds).
-The control plane is used once per (sender, receiver) pair, to hand out lease slots: unique
-slot numbers need an atomic counter, which ``process_vm_writev`` cannot provide and torch's
-``TCPStore.add`` can (:func:`attach`). Reading the table through the store instead would cost a
-round trip per batch and still leave the window.
+Claiming a slot needs one atomic step, which neither ``process_vm_writev`` nor a plain store
+gives; ``flock`` on the receiver's table segment does, on the same host, without a control
+plane (an earlier version took slot numbers from ``TCPStore.add`` in :func:`attach`: a caller
+who did not attach a store held no lease, and in 25 of 50 runs a batch landed after
+``deregister`` returned). Reading the table through a store instead would cost a round trip
+per batch and still leave the window.
 
 Race window, precisely
 ----------------------
-Sender: store ``seq`` odd (a kernel copy into the receiver), then load the epochs (a kernel
-copy from the receiver). Receiver: store 0 into the epoch slot, a full fence (a locked
+Sender: store ``seq`` odd (a store into its mapping of the receiver's table), a full fence,
+then load the epochs (a kernel copy from the receiver for CMA, a load from the mapping for shm). Receiver: store 0 into the epoch slot, a full fence (a locked
 read-modify-write), then load the lease words. Either the sender's epoch load sees 0 (the
 batch is refused) or the receiver's load sees the odd ``seq`` (it waits for the batch). This
 holds on x86-64 (TSO; every ``process_vm_*`` call takes the mm lock with a locked
 instruction). On weaker memory models the fences of both sides are the kernel's and CPython's
 lock operations, which order acquire/release only: there the window is not proven closed.
-Without a lease (no store attached to the sender, or the table's 256 lease slots taken) the
-window is one batch: one already checked when the revocation happened may complete into
-released memory. A sender that dies mid-batch leaves ``seq`` odd; its pid no longer exists,
+There is no write without a lease: a sender that cannot hold one at a receiver (the table's
+256 slots all held by live senders, a receiver on another host over NIXL) has its batches to
+that receiver refused before any byte moves. A sender that dies mid-batch leaves ``seq`` odd; its pid no longer exists,
 so it is not waited for (a reused pid is waited for until ``lease_timeout``).
 """
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import mmap
 import os
 import secrets
 import threading
@@ -69,7 +89,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["EpochTable", "attach", "take_lease_slot", "REGION_SLOTS", "LEASE_SLOTS"]
+from .segment import _F_GET_SEALS, _SEALS, _allocate, allocated_segment
+
+__all__ = ["EpochTable", "HostLease", "LeasedHandle", "LeaseUnavailable", "attach", "claim_host_lease",
+           "REGION_SLOTS", "LEASE_SLOTS"]
 
 REGION_SLOTS = 1024
 """Regions one transport can publish at once (slots are reused after deregistration)."""
@@ -102,7 +125,12 @@ class EpochTable:
     token naming it in the control plane."""
 
     def __init__(self):
-        self.words = torch.zeros(1 + REGION_SLOTS + 2 * LEASE_SLOTS, dtype=torch.int64)
+        n = 1 + REGION_SLOTS + 2 * LEASE_SLOTS
+        try:  # a sealed memfd segment: senders map it to hold their leases (the module docstring)
+            self.words = _allocate(8 * n).view(torch.int64)
+            self.words.zero_()
+        except OSError:  # no memfd on this system: no sender can hold a lease here
+            self.words = torch.zeros(n, dtype=torch.int64)
         self.addr = self.words.data_ptr()
         self.ident = secrets.token_hex(8)
         self._free = list(range(REGION_SLOTS - 1, -1, -1))
@@ -164,20 +192,216 @@ class EpochTable:
         return []
 
 
-def take_lease_slot(store, ident: str) -> int:
-    """A lease slot number at the receiving transport whose table is ``ident``, unique among
-    its senders (``TCPStore.add`` on ``wt/transport/lease/<ident>``); may exceed
-    :data:`LEASE_SLOTS` (then the sender holds no lease there)."""
-    return int(store.add(f"wt/transport/lease/{ident}", 1)) - 1
+def lease_channel(table: EpochTable) -> tuple | None:
+    """What a descriptor carries so that a sender can take a lease at ``table``:
+    ``(fd, inode, device, size, offset of the table in the segment)``, or None when the table
+    is not in a shared segment (no ``memfd`` on this system)."""
+    seg = allocated_segment(table.addr, table.words.nbytes)
+    return None if seg is None else (seg.fd, seg.ino, seg.dev, seg.size, table.addr - seg.addr)
 
 
-def attach(transport, store, lease_timeout: float | None = None) -> None:
-    """Give ``transport`` the control plane (a ``torch.distributed.TCPStore`` or any store with
-    ``add``): as a sender it takes a lease slot at every receiver it connects afterwards, so a
-    receiver's ``deregister`` waits for its batch in flight (see the module docstring). Call it
-    before ``connect``. ``lease_timeout`` (seconds) bounds a receiver's wait in ``deregister``
-    (default 30)."""
-    transport._lease_store = store
+class LeaseUnavailable(Exception):
+    """Why a sender holds no lease at a receiver: ``args[0]`` the reason, ``cls`` the name of
+    the :mod:`.base` error a write there raises (default ``LeaseRequiredError``)."""
+
+    def __init__(self, reason: str, cls: str | None = None):
+        super().__init__(reason)
+        self.cls = cls
+
+
+class HostLease:
+    """This sender's lease slot at one receiving transport of this host: its mapping of the
+    receiver's table segment and the ``(pid, seq)`` words of its slot. ``enter`` / ``exit``
+    bracket a batch (nested batches in flight keep ``seq`` odd until the last one ended)."""
+
+    __slots__ = ("owner", "slot", "_mm", "_pid", "_seq", "depth", "__weakref__")
+
+    def __init__(self, owner: int, slot: int, mm: mmap.mmap, off: int):
+        self.owner, self.slot, self._mm, self.depth = owner, slot, mm, 0
+        at = off + EpochTable.lease_offset(slot)
+        self._pid = ctypes.c_int64.from_buffer(mm, at)
+        self._seq = ctypes.c_int64.from_buffer(mm, at + 8)
+
+    def enter(self) -> None:
+        """Mark a batch in flight (``seq`` odd) before the epochs are read; the caller fences."""
+        if self.depth == 0:
+            self._seq.value += 1
+        self.depth += 1
+
+    def exit(self) -> None:
+        """The batch's bytes were all copied: ``seq`` even again when no batch is in flight."""
+        self.depth -= 1
+        if self.depth == 0:
+            self._seq.value += 1
+
+    def release(self) -> None:
+        """Give the slot back (``(0, 0)``) and unmap; idempotent."""
+        if self._mm is None:
+            return
+        self._seq.value = 0
+        self._pid.value = 0
+        self._pid = self._seq = None
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:  # a ctypes view still exported (interpreter shutdown): let GC unmap it
+            pass
+
+
+def claim_host_lease(desc, me: int) -> HostLease:
+    """Take a lease slot at the receiving transport that published ``desc`` (a descriptor with
+    ``extra["lease"]``, its owner on this host): open the owner's table segment through
+    ``/proc/<pid>/fd/<fd>``, check it is the file the descriptor names and sealed, map it, and
+    under ``flock`` on it take the first slot whose pid word is 0 or names a dead process, then
+    write ``(me, seq=0)`` there. Raises :class:`LeaseUnavailable` saying why not."""
+    chan = None
+    for k, v in desc.extra:
+        if k == "lease":
+            chan = v
+    if not (isinstance(chan, tuple) and len(chan) == 5):
+        raise LeaseUnavailable("its descriptor names no lease channel (extra['lease']): a descriptor from an "
+                               "older build, or its owner's system has no memfd")
+    fd, ino, dev, size, off = chan
+    path = f"/proc/{desc.pid}/fd/{fd}"
+    try:
+        f = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LeaseUnavailable(f"{path} does not exist: receiver pid {desc.pid} is gone or on another host "
+                               "(a lease needs the receiver on this host)", "RemoteGoneError") from None
+    except PermissionError as e:
+        raise LeaseUnavailable(f"opening {path} refused ({e.strerror}): a lease needs the receiver's uid and a "
+                               "dumpable receiver process", "PermissionDeniedError") from None
+    try:
+        st = os.fstat(f)
+        if (st.st_ino, st.st_dev) != (ino, dev) or st.st_size < size:
+            raise LeaseUnavailable(f"{path} is another file than the descriptor's lease segment (inode "
+                                   f"{st.st_ino}, the descriptor names {ino}): the receiver is gone or on "
+                                   "another host", "RemoteGoneError")
+        if fcntl.fcntl(f, _F_GET_SEALS) & _SEALS != _SEALS:
+            raise LeaseUnavailable(f"{path} is not sealed against shrinking: a receiver could truncate it under "
+                                   "this sender's lease words")
+        mm = mmap.mmap(f, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        fcntl.flock(f, fcntl.LOCK_EX)  # one claim at a time among this receiver's senders
+        try:
+            words = (ctypes.c_int64 * (2 * LEASE_SLOTS)).from_buffer(mm, off + EpochTable.lease_offset(0))
+            try:
+                for i in range(LEASE_SLOTS):
+                    pid = words[2 * i]
+                    if pid == 0 or not pid_alive(pid):
+                        words[2 * i + 1] = 0  # seq first: a dead sender's odd seq is never read as ours
+                        words[2 * i] = me
+                        break
+                else:
+                    held = sorted({words[2 * j] for j in range(LEASE_SLOTS)})
+                    raise LeaseUnavailable(
+                        f"all {LEASE_SLOTS} lease slots of its table are held by live senders (pids "
+                        f"{held[:8]}{'...' if len(held) > 8 else ''}); close a sender's transport to free one")
+            finally:
+                del words
+        except BaseException:
+            mm.close()
+            raise
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        os.close(f)
+    return HostLease(desc.pid, i, mm, off)
+
+
+def take(transport, d) -> None:
+    """``transport`` (a sender) holds a lease at the transport that published ``d`` (once
+    per receiving transport); on failure it remembers why (a write there is refused with it)."""
+    ident = table_ident(d)
+    if ident is None or ident in transport._leases:
+        return
+    if d.host != transport.host:
+        transport._leases[ident] = LeaseUnavailable(
+            f"the receiver is on host {d.host!r}, this is {transport.host!r}: a lease is taken through the "
+            "receiver's shared table segment, on one host only")
+        return
+    try:
+        transport._leases[ident] = claim_host_lease(d, transport.pid)
+    except LeaseUnavailable as e:
+        transport._leases[ident] = e
+
+
+def enter(held: list) -> list:
+    """Mark a batch in flight at every lease of ``held``, then a full fence (the lease stores
+    before the epoch loads: the race window above); returns ``held``."""
+    for x in held:
+        x.enter()
+    fence()
+    return held
+
+
+def leave(held: list) -> None:
+    """The batch's bytes were all copied (or it failed): leave every lease of ``held``."""
+    for x in held:
+        x.exit()
+
+
+def release_all(transport) -> None:
+    """Give back every lease ``transport`` holds."""
+    leases, transport._leases = transport._leases, {}
+    for x in leases.values():
+        if not isinstance(x, Exception):
+            x.release()
+
+
+def table_ident(d) -> str | None:
+    """The id of the epoch table (receiving transport) that published ``d``, or None."""
+    if isinstance(d.extra, tuple):
+        for kv in d.extra:
+            if isinstance(kv, tuple) and len(kv) == 2 and kv[0] == "epochs" and isinstance(kv[1], tuple):
+                return kv[1][2] if len(kv[1]) == 3 else None
+    return None
+
+
+class LeasedHandle:
+    """The handle of a batch still in flight when ``write`` returned (CUDA IPC, NIXL): leaves
+    the batch's leases once it reports completion (or failure), so a receiver's
+    ``deregister`` waits for the copies, not only for their posting. A
+    :class:`~.base.WriteHandle` (registered there; this module imports nothing of base)."""
+
+    __slots__ = ("_h", "_held", "nbytes")
+
+    def __init__(self, h, held: list):
+        self._h, self._held, self.nbytes = h, held, h.nbytes
+
+    def _leave(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            leave(held)
+
+    def done(self) -> bool:
+        try:
+            d = self._h.done()
+        except BaseException:
+            self._leave()
+            raise
+        if d:
+            self._leave()
+        return d
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            n = self._h.wait(timeout)
+        except TimeoutError:
+            raise  # still in flight: the lease stays held
+        except BaseException:
+            self._leave()
+            raise
+        self._leave()
+        return n
+
+
+def attach(transport, store=None, lease_timeout: float | None = None) -> None:
+    """Set ``transport.lease_timeout`` (seconds a receiver's ``deregister`` waits for a sender
+    inside a batch; default 30). A sender needs nothing else: it takes its lease at every
+    receiver it connects through the descriptor's own lease channel (the module docstring).
+    ``store`` is accepted for callers of the earlier API, which took lease slots from a
+    TCPStore, and not used."""
+    del store
     if lease_timeout is not None:
         if lease_timeout <= 0:
             raise ValueError(f"lease_timeout {lease_timeout} must be > 0 seconds")

@@ -52,9 +52,9 @@ Semantics
   too, which senders map at connect; the epoch check before each batch is a load from it (no
   syscall), the lease words are stores into it, ordered by a full fence (:func:`.lease.fence`)
   between the lease store and the epoch loads (x86-64; the same argument as CMA's, with plain
-  stores and loads in place of kernel copies). So a receiver's ``deregister`` revokes the epoch
-  and waits for a sender inside a batch, and a stale or revoked descriptor is refused before any
-  byte moves.
+  stores and loads in place of kernel copies; the lease is :mod:`.base`'s, taken in ``connect``
+  for every back end). So a receiver's ``deregister`` revokes the epoch and waits for a sender
+  inside a batch, and a stale or revoked descriptor is refused before any byte moves.
 - A receiver that exited is detected before each batch (a ``pidfd`` per receiving process,
   polled once: no pid reuse) and raises :class:`RemoteGoneError`; nothing is copied. A batch
   that was copying when the receiver died completes into memory no process reads any more (the
@@ -72,14 +72,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno as _errno
 import fcntl
 import mmap
 import os
 import secrets
 import select
-import threading
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -96,14 +93,12 @@ from .base import (
     WriteOp,
     describe_remote,
 )
-from .lease import LEASE_SLOTS, EpochTable, fence, pid_alive, take_lease_slot
+from .lease import EpochTable, pid_alive
+from .segment import _F_GET_SEALS, _SEALS, _allocate, allocated_segment
 
 __all__ = ["ShmTransport", "allocated_segment"]
 
 # Linux's values (fcntl has the names on Linux only; the module must import everywhere)
-_F_ADD_SEALS, _F_GET_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033), getattr(fcntl, "F_GET_SEALS", 1034)
-_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1)
-_PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -118,74 +113,6 @@ _memmove = ctypes.memmove
 def _memcpy(dst: int, src: int, n: int) -> None:
     """Copy ``n`` bytes from address ``src`` to ``dst`` (module level so tests can patch it)."""
     _memmove(dst, src, n)
-
-
-# --------------------------------------------------------------------------------------------
-# segments this process allocated
-
-
-class _Segment:
-    """One memfd mapped here: its fd, inode, device, size (bytes) and address."""
-
-    __slots__ = ("fd", "ino", "dev", "size", "addr", "__weakref__")
-
-    def __init__(self, fd: int, size: int, addr: int):
-        st = os.fstat(fd)
-        self.fd, self.ino, self.dev, self.size, self.addr = fd, st.st_ino, st.st_dev, size, addr
-
-
-_SEGMENTS: dict[int, _Segment] = {}  # address -> segment (this process's, alive)
-_LOCK = threading.Lock()
-
-
-def _forget(addr: int, fd: int) -> None:
-    """The segment's mapping was freed (its last tensor is gone): close the file."""
-    with _LOCK:
-        _SEGMENTS.pop(addr, None)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def _allocate(nbytes: int) -> torch.Tensor:
-    if not hasattr(os, "memfd_create"):
-        raise OSError(_errno.ENOSYS, "the shm transport needs Linux (os.memfd_create)")
-    size = -(-nbytes // _PAGE) * _PAGE
-    fd = os.memfd_create(f"weight_transfer.shm.{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds mm: unmapped when its last view is gone
-    addr = whole.data_ptr()
-    with _LOCK:
-        _SEGMENTS[addr] = _Segment(fd, size, addr)
-    weakref.finalize(mm, _forget, addr, fd)
-    return whole[:nbytes]
-
-
-def allocated_segment(addr: int, length: int) -> _Segment | None:
-    """The live segment of this process holding ``[addr, addr + length)``, or None."""
-    with _LOCK:
-        for s in _SEGMENTS.values():
-            if s.addr <= addr and addr + length <= s.addr + s.size:
-                return s
-    return None
-
-
-class _SharedEpochTable(EpochTable):
-    """An :class:`~.lease.EpochTable` whose words live in a shared segment, so senders read the
-    epochs and write their lease words through their own mapping of it."""
-
-    def __init__(self):
-        super().__init__()
-        words = _allocate(self.words.nbytes).view(torch.int64)
-        words.zero_()
-        self.words, self.addr = words, words.data_ptr()
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,7 +148,6 @@ class ShmTransport(Transport):
         self._dst: dict[tuple, int] = {}  # remote key -> address here of the region's first byte
         self._tables: dict[str, int] = {}  # receiver's table id -> address here of its epoch words
         self._pidfds: dict[int, int] = {}  # receiving pid -> pidfd (-1: use kill(pid, 0))
-        self._leases: dict[str, list | None] = {}  # table id -> [address here of seq, seq]
 
     # ---- memory a receiver publishes ----------------------------------------------------------
 
@@ -246,11 +172,6 @@ class ShmTransport(Transport):
                 f"ShmTransport.register needs a CPU tensor, got device {tensor.device} "
                 "(shared memory is host memory; use the CUDA IPC or verbs transport for GPU memory)"
             )
-
-    def _epoch_table(self):
-        if self._epochs is None:
-            self._epochs = _SharedEpochTable()
-        return self._epochs
 
     def _describe(self, region: Region) -> RegionDescriptor:
         seg = allocated_segment(region.addr, region.length)
@@ -326,8 +247,7 @@ class ShmTransport(Transport):
 
     def _connect(self, d: RegionDescriptor):
         """Map the descriptor's segment and its owner's epoch table (once per segment / table),
-        open a pidfd of the receiver, and with a control plane attached (:func:`.lease.attach`)
-        take a lease slot in the receiver's table (once per receiving transport)."""
+        and open a pidfd of the receiver (the lease is taken by :meth:`.base.Transport.connect`)."""
         what = describe_remote(d)
         fd, ino, dev, size = _seg_field(d, "seg")
         m = self._map(d.pid, fd, ino, dev, size, what)
@@ -340,26 +260,12 @@ class ShmTransport(Transport):
                 self._pidfds[d.pid] = os.pidfd_open(d.pid)
             except (AttributeError, OSError):
                 self._pidfds[d.pid] = -1
-        if self._lease_store is not None and ident not in self._leases:
-            i = take_lease_slot(self._lease_store, ident)
-            if i < LEASE_SLOTS:
-                at = self._tables[ident] + EpochTable.lease_offset(i)
-                ctypes.c_int64.from_address(at + 8).value = 0
-                ctypes.c_int64.from_address(at).value = self.pid
-                self._leases[ident] = [at + 8, 0]
-            else:
-                self._leases[ident] = None  # no lease there: the window of lease.py applies
         k = self._remote_key(d)
         self._dst[k] = m.base + _seg_field(d, "offset")
         return k
 
     def _disconnect(self) -> None:
-        """Give the lease slots back, unmap every segment, close the pidfds."""
-        leases, self._leases = self._leases, {}
-        for lease in leases.values():
-            if lease is not None:
-                ctypes.c_int64.from_address(lease[0] - 8).value = 0
-                ctypes.c_int64.from_address(lease[0]).value = 0
+        """Unmap every segment, close the pidfds."""
         maps, self._maps = self._maps, {}
         for m in maps.values():
             _libc.munmap(m.base, m.size)
@@ -381,26 +287,6 @@ class ShmTransport(Transport):
             base = self._tables.get(ident)
             out.append(0 if base is None else ctypes.c_int64.from_address(base + EpochTable.epoch_offset(slot)).value)
         return out
-
-    def _lease_enter(self, batch: Batch):
-        leases = self._leases
-        if not leases:
-            return None
-        held = []
-        for d, _ in batch.remotes.values():
-            x = _seg_field(d, "epochs")
-            lease = leases.get(x[2]) if x else None
-            if lease is not None and lease not in held:
-                lease[1] += 1  # odd: inside a batch
-                ctypes.c_int64.from_address(lease[0]).value = lease[1]
-                held.append(lease)
-        fence()  # the lease stores before the epoch loads (lease.py: race window)
-        return held or None
-
-    def _lease_exit(self, held) -> None:
-        for lease in held:  # x86-64 keeps the copies' stores before this one
-            lease[1] += 1  # even: out of the batch
-            ctypes.c_int64.from_address(lease[0]).value = lease[1]
 
     def _check_alive(self, pid: int) -> None:
         fd = self._pidfds.get(pid, -1)

@@ -221,6 +221,7 @@ class VerbsTransport(Transport):
     """One process's RDMA endpoint over the selected NICs (see the module docstring)."""
 
     name = "verbs"
+    revocation = "nic"  # deregistration closes the MRs: the NIC refuses the old rkey (no lease needed)
 
     def __init__(self, host: str | None = None, *, nics: Sequence[str] | str | None = None, port: int = 1,
                  gid_index: int | None = None, listen: tuple[str, int] = ("0.0.0.0", 0),

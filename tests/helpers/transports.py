@@ -6,6 +6,8 @@ tests/transport/test_shm.py (C17). Its memory comes from the transport's ``alloc
 ``torch.empty`` for most; a shared segment for ``shm``, which can publish nothing else)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -94,7 +96,10 @@ def _receiver(conn, name: str, kw: dict) -> None:
     deregisters it (answers the seconds it took, or the error); ``c17_rereg`` deregisters and
     registers the same tensor again (new descriptor); ``c17_reuse`` deregisters, drops the
     tensor and makes an unrelated tensor at the same address holding C17_NEW (answers its
-    address)."""
+    address); ``race_dereg`` waits the given seconds (busy, to land inside a sender's stream of
+    batches), deregisters, and at once overwrites the region's memory with C17_NEW (its reuse;
+    answers the seconds deregister took); ``fill_leases`` / ``clear_leases`` mark every free lease
+    slot of its table held by itself (a live pid) / free them again."""
     import time
 
     t = make_transport(name, **kw)
@@ -125,6 +130,29 @@ def _receiver(conn, name: str, kw: dict) -> None:
                 conn.send(time.monotonic() - t0)
             except Exception as e:
                 conn.send(f"{type(e).__name__}: {e}")
+        elif cmd == "race_dereg":
+            t_end = time.monotonic() + args[0]
+            while time.monotonic() < t_end:
+                pass
+            t0 = time.monotonic()
+            t.deregister(regions.pop("c17"))
+            took = time.monotonic() - t0
+            tensors["c17"].fill_(C17_NEW)  # deregister returned: the memory is the receiver's again
+            conn.send(took)
+        elif cmd in ("fill_leases", "clear_leases"):
+            from weight_transfer.transport.lease import LEASE_SLOTS, REGION_SLOTS
+
+            lw = t._epoch_table().words[1 + REGION_SLOTS:].view(LEASE_SLOTS, 2)
+            mine = args[0] if args else []
+            if cmd == "fill_leases":
+                free = [i for i in range(LEASE_SLOTS) if lw[i, 0] == 0]
+                for i in free:
+                    lw[i, 0] = os.getpid()
+                conn.send(free)
+            else:
+                for i in mine:
+                    lw[i] = 0
+                conn.send(True)
         elif cmd == "c17_rereg":
             t.deregister(regions.pop("c17"))
             regions["c17"] = t.register(tensors["c17"])
