@@ -43,7 +43,7 @@ def plot_run(csv_path, png_path) -> Path:
     a.set_xlabel("step (rollout of weight version = step)")
     a.set_ylabel("reward")
     a.set_ylim(0, 1.02)
-    a.set_title(f"{df['run'].iloc[0]}: lr {df['lr'].iloc[0]:g}")
+    a.set_title(f"RL loop ({df['run'].iloc[0]}): reward, lr {df['lr'].iloc[0]:g}")
     a.legend(fontsize=7, loc="lower right")
     b.plot(df["pushed_version"], df["push_seconds"], marker="o", ms=3, label="push (go -> complete)")
     if "push_call_seconds" in df:
@@ -118,7 +118,7 @@ def changes_markdown(csv_path) -> str:
         lines.append("| kind | " + " | ".join(cols) + " |")
         lines.append("|---|" + "---:|" * len(cols))
         for kind, dk in d.groupby("kind", observed=True):
-            m = {str(r.granularity): r.fraction_median for r in dk.itertuples()}
+            m = {str(r.granularity): (r.fraction_median if r.total else float("nan")) for r in dk.itertuples()}
             lines.append(f"| {kind} | " + " | ".join(_pct(m.get(c, float("nan"))) for c in cols) + " |")
         da = d[d["kind"].astype(str) == "all"]
         m = {str(r.granularity): r.delta_ratio_median for r in da.itertuples()}

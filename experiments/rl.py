@@ -446,7 +446,7 @@ def save_changes(o: RLOptions, rows: list[dict], initial: dict) -> None:
     kept) and :func:`magnitude_rows` of the initial weights into ``out_dir/rl_magnitudes.csv``."""
     out = Path(o.out_dir)
     write_change_rows(out / CHANGES_CSV, o.lr, rows)
-    mags = magnitude_rows(initial)
+    mags = magnitude_rows(initial, lrs=(1e-6, 1e-5, 1e-4, 5e-4))
     with open(out / "rl_magnitudes.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(mags[0]))
         w.writeheader()
