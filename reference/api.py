@@ -218,7 +218,8 @@ class Coordinator:
         """One update to ``version``: wait until every training rank is ready (it called
         :meth:`Sender.push`), run ``before_go(version)`` if given (e.g. wait for the engines to
         pause), publish ``writing version``, "go", wait for every write, the engines' commits
-        (staged targets, through the store) and ``commit(version)`` if given, then publish
+        (staged targets, through the store) or, if given, ``commit(version)`` instead (a caller
+        that commits the engines itself, e.g. through vLLM's ``update_weights``), then publish
         ``complete version``. Raises ControlError naming the failure (the weights are then
         published ``incomplete``), VersionError if ``version`` does not increase."""
         self.plan()
@@ -228,9 +229,17 @@ class Coordinator:
         self.ctl.load(version)
         self._follow_membership(version)
         if before_go is not None:
-            before_go(version)
+            try:
+                before_go(version)
+            except Exception as e:  # the ranks waiting for go fail at once with the reason (not at their timeout)
+                reason = f"coordinator: before go of version {version}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.store.set(f"step/{version}/failed", b"1")
+                self.store.set(f"step/{version}/why", reason.encode())
+                raise control.ControlError(reason) from e
+        # a commit callable replaces the store-driven commits of staged engines (it commits them itself)
+        commit_ranks = () if commit is not None else self.commit_ranks
         try:
-            seconds, results = self.ctl.transfer(version, commit_ranks=self.commit_ranks, commit=commit)
+            seconds, results = self.ctl.transfer(version, commit_ranks=commit_ranks, commit=commit)
         except control.ControlError as e:
             gone = self._gone()
             if gone:  # name the engines whose loss failed the update (C15); the next update plans without them
@@ -551,6 +560,8 @@ class Sender:
                 raise box["error"]
             if self.store.check(["abort"]):
                 raise control.ControlError(f"go {version}: aborted: {self.store.get('abort').decode()}")
+            if self.store.check([f"step/{version}/why"]):  # the coordinator failed the update before go
+                raise control.ControlError(self.store.get(f"step/{version}/why").decode())
             if time.monotonic() > deadline:
                 raise control.ControlError(f"training {self.rank}: no go for version {version} within "
                                            f"{max(self.timeout, 600.0):.0f} s")
