@@ -53,6 +53,17 @@ def _mesh(s: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"wants AxB or AxBxW (integers), got {s!r}") from None
 
 
+def _fractions(s: str) -> tuple[float, ...]:
+    """``0.01`` -> ``(0.01,)``; ``0,1,0.01`` -> ``(0.0, 1.0, 0.01)``; ``""`` -> ``()`` (the
+    ``--change-fraction`` option)."""
+    import argparse
+
+    try:
+        return tuple(float(x) for x in s.split(",")) if s else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants fractions in [0, 1], comma-separated, got {s!r}") from None
+
+
 def _quant(s: str) -> str | None:
     """``fp8`` -> ``"fp8"``, ``none`` -> None (the ``--quant`` option)."""
     return None if s == "none" else s
@@ -167,10 +178,18 @@ class RunOptions:
     verify: bool = True
     """Compare every inference rank with the engine's own load_weights after every update
     (``--no-verify``: not for results you report)."""
+    change_fraction: tuple[float, ...] = field(default=(), metadata={"parse": _fractions, "metavar": "F[,F...]"})
+    """Synthetic steps that change only this fraction of every tensor's elements (uniformly
+    scattered, deterministic by ``seed``; several values are cycled step by step, e.g.
+    ``0,1,0.01``: nothing, everything, 1%); empty: every element changes every step
+    (:mod:`weight_transfer.testing.weights`). The input of ``--delta`` measurements."""
 
     def __post_init__(self):
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1, warmup >= 0")
+        self.change_fraction = tuple(self.change_fraction)
+        if any(not (0.0 <= f <= 1.0) for f in self.change_fraction):
+            raise ValueError(f"change_fraction={self.change_fraction}: fractions in [0, 1]")
         if self.engine not in ("stand-in", "vllm"):
             raise ValueError(f"engine={self.engine!r}: stand-in or vllm")
         if self.vllm_targets not in ("auto", "staged", "direct"):
@@ -222,6 +241,8 @@ class TrialConfig:
                 raise ValueError(f"engine=vllm: transport {tr.transport.name!r} not wired (cma only)")
             if tr.control.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
                 self.transfer = dataclasses.replace(tr, control=ControlOptions(timeout=900.0))
+            if run.change_fraction:
+                raise ValueError("engine=vllm: --change-fraction is not wired for vLLM's checkpoints; use the stand-in")
             if run.method in ("rank0_funnel", "rpc", "all") and self.inference.tp != 1:
                 raise ValueError(f"engine=vllm: method {run.method!r} is wired for --tp 1 (one vLLM worker per "
                                  "instance, use --dp for more); use --tp 1")
@@ -348,7 +369,9 @@ KEY_EXCLUDE = ("timeout", "trace_dir")
 """Config fields that do not change what a trial measures, left out of its key."""
 
 
-KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16"}
+KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16",
+                "delta": False, "delta_granularity": 128, "delta_merge_gap": 4096, "delta_max_bytes": None,
+                "change_fraction": ()}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match."""
 

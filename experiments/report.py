@@ -70,6 +70,9 @@ def format_table(result) -> str:
     ]
     staged = any(r.get("bytes_staged") for r in rows)
     st_h = (f" {'staged':>12} {'commit':>8}", f" {'(B)':>12} {'(s)':>8}") if staged else ("", "")
+    delta = any(r.get("delta") for r in rows)  # --delta: bytes actually written beside the update's bytes
+    if delta:
+        st_h = (f" {'delta_bytes':>14}" + st_h[0], f" {'(B)':>14}" + st_h[1])
     lines += [
         f"{'step':>6} {'bytes':>14}{st_h[0]} {'time':>10} {'algbw':>8} {'prepare':>8} {'write':>8} {'publish':>8} "
         f"{'writes':>7} {'peak_tmp':>9} {'verified':>9}",
@@ -80,6 +83,10 @@ def format_table(result) -> str:
         v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
         note = "  (cold)" if r["step"] == rows[0]["step"] and r["warmup"] else "  (warmup)" if r["warmup"] else ""
         st = f" {r.get('bytes_staged', 0):>12} {r.get('commit_seconds', 0.0):>8.4f}" if staged else ""
+        if delta:
+            st = f" {r.get('delta_bytes', r['bytes']):>14}" + st
+            if r.get("delta", "delta") != "delta":
+                note += f"  ({r['delta']})"
         lines.append(f"{r['step']:>6} {r['bytes']:>14}{st} {r['seconds']:>10.4f} {r['bytes'] / r['seconds'] / 1e9:>8.3f} "
                      f"{r.get('phase_prepare_s', 0.0):>8.4f} {r.get('phase_write_s', 0.0):>8.4f} "
                      f"{r.get('phase_publish_s', 0.0):>8.4f} "
@@ -101,6 +108,12 @@ def format_table(result) -> str:
             f"{meas[0]['bytes'] / med / 1e9:.3f} GB/s",
         ]
         lines += phase_lines(meas, result.memcpy_gbps)
+        if delta:
+            db = [r.get("delta_bytes", r["bytes"]) for r in meas]
+            lines.append(f"# delta updates: bytes written p50 {statistics.median(db):.0f} "
+                         f"({100 * statistics.median(db) / max(1, meas[0]['bytes']):.2f}% of the update's bytes); "
+                         f"shadow on the trainers {meas[0].get('delta_shadow_bytes', 0) / 1e6:.1f} MB; full updates at "
+                         f"steps {[r['step'] for r in rows if r.get('delta', 'delta') != 'delta']}")
     if meas and meas[-1].get("trainer_copy_bytes") is not None:
         c = meas[-1]["trainer_copy_bytes"]
         lines.append(f"# trainers copied outside the writes: {c} B per update ({100 * c / max(1, meas[-1]['bytes']):.1f}% "

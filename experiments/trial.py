@@ -71,6 +71,22 @@ class _Procs:
         return [p.pid for p in self.infer.values() if p.name.startswith("vllm") and p.pid is not None]
 
 
+
+def _update_bytes(stats) -> int:
+    """The update's bytes: what a full update writes (the plan's, also with ``--delta``: then
+    ``delta_bytes`` is what was written); the bytes that landed for methods that do not say."""
+    return sum((getattr(s, "full_bytes", 0) or s.bytes_sent) if getattr(s, "delta", "") else s.bytes_sent
+               for s in stats)
+
+
+def _delta_mode(stats) -> str:
+    """``""`` without ``--delta``; ``delta`` when every training rank wrote a delta; else the
+    first rank's ``full: <why>``."""
+    modes = [getattr(s, "delta", "") for s in stats]
+    if not any(modes):
+        return ""
+    return next((m for m in modes if m != "delta"), "delta")
+
 def stop_processes(ps, grace: float = 0.5, groups=()) -> None:
     """End every process of ``ps`` and reap it: SIGTERM, ``grace`` seconds, then SIGKILL (a
     stopped process keeps SIGTERM pending; SIGKILL ends it). Returns once none is left; then
@@ -273,7 +289,10 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "train_dtype": cfg.train.dtype, "n_train": cfg.train.n_train, "n_infer": cfg.n_infer,
                 "layout": cfg.inference.describe(), "watermark": cfg.transfer.executor.watermark, "transport": cfg.transfer.transport.name,
                 "device": cfg.run.device, "engine": cfg.run.engine, "step": step,
-                "warmup": step <= cfg.run.warmup, "bytes": sum(s.bytes_sent for s in stats), "seconds": seconds,
+                "warmup": step <= cfg.run.warmup, "bytes": _update_bytes(stats), "seconds": seconds,
+                # bytes actually written (less than ``bytes`` with --delta; equal without it)
+                "delta_bytes": sum(s.bytes_sent for s in stats), "delta": _delta_mode(stats),
+                "delta_shadow_bytes": sum(getattr(s, "delta_shadow_bytes", 0) for s in stats),
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
                 "wire_bytes": sum(s.wire_bytes for s in stats),

@@ -24,11 +24,12 @@ from weight_transfer.types import InferenceLayout
 
 
 def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
-                    dtype_override: str | None = None):
-    """A fresh engine loaded through ``load_weights`` with the full checkpoint of ``step``."""
+                    dtype_override: str | None = None, change=None):
+    """A fresh engine loaded through ``load_weights`` with the full checkpoint of ``step``
+    (``change``: the run's per-step change fractions, :mod:`weight_transfer.testing.weights`)."""
     from weight_transfer.engines import expected_from_checkpoint
 
-    ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override)
+    ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override, change=change)
     return expected_from_checkpoint(mcfg, layout, rank, ckpt.__getitem__, ckpt.names())
 
 
@@ -52,11 +53,11 @@ def compare_engines(live, expected, *, max_report: int = 5) -> dict:
 
 
 def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
-                  dtype_override: str | None = None, gaps=None) -> dict:
+                  dtype_override: str | None = None, gaps=None, change=None) -> dict:
     """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``:
     ``{"ok", "bytes_checked", "mismatches", ...}`` plus ``gaps_written`` (changed gap spans)
     and ``guards_written`` (:meth:`Engine.guard_damage`) when not empty."""
-    exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override)
+    exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override, change=change)
     res = compare_engines(engine, exp)
     damage = engine.guard_damage() if hasattr(engine, "guard_damage") else []
     if damage:

@@ -177,7 +177,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             raise
         step = first_step
         while client.next_command(step) == "load":
-            load_step(params, step=step, seed=cfg.run.seed)
+            load_step(params, step=step, seed=cfg.run.seed, change=cfg.run.change_fraction or None)
             client.ready(step)
             client.wait_go(step)
             try:
@@ -259,6 +259,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             if cfg.run.verify:
                 t0 = time.perf_counter()
                 res = verify_engine(engine, mcfg, cfg.inference, rank, step=v, seed=cfg.run.seed,
+                                    change=cfg.run.change_fraction or None,
                                     dtype_override=cfg.train.dtype_override, gaps=gaps)
                 res["seconds"] = time.perf_counter() - t0
             else:

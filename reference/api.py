@@ -483,6 +483,7 @@ class Sender:
         (a caller whose own control loop already said "go", e.g. the harness). Returns this
         rank's :class:`weight_transfer.executor.StepStats`; raises the executor's error."""
         self.plan()
+        check_published(self.executor, self.store)  # delta: full after a version not published complete (C26)
         return self.executor.run(version)
 
     def push(self, version: int, *, commit: Callable[[int], object] | None = None,
@@ -518,6 +519,7 @@ class Sender:
         try:
             self._wait_go(version, box)
             self._follow_plan()
+            check_published(self.executor, self.store)  # delta: full after a version not published complete (C26)
             try:
                 stats = self.executor.run(version)
             except Exception as e:
@@ -577,4 +579,5 @@ class Sender:
             self.transport = None
 
 
+from .delta import check_published  # noqa: E402 -- delta updates (ExecutorOptions.delta)
 from .receiver import Receiver  # noqa: E402 -- the inference side, re-exported here

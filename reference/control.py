@@ -359,6 +359,7 @@ class Controller:
         self.store.set("weights", new.encode())
         if state == "complete":
             self.store.set("version", str(version).encode())
+            self.store.set(f"complete/{version}", b"1")  # persistent: delta senders check it (C26)
         return new
 
     def begin(self, version: int) -> WeightsState:

@@ -189,6 +189,17 @@ class Executor:
         self.setup_stats: SetupStats = self.memory.stats
         """What registering the write memory once cost (regions, bytes, seconds); see
         :meth:`SetupStats.summary` for the one-line form."""
+        self.delta = None
+        """:class:`weight_transfer.delta.DeltaState` with ``options.delta`` (the shadow and the
+        full-or-delta decision), else None."""
+        if options.delta:
+            from .delta import DeltaState
+
+            self.delta = DeltaState(self.memory.places, device=self.device, granularity=options.delta_granularity,
+                                    merge_gap=options.delta_merge_gap, max_bytes=options.delta_max_bytes,
+                                    rank=plan.rank)
+            self._say(f"delta updates: shadow of {self.delta.shadow_bytes / 1e6:.1f} MB "
+                      f"(granularity {options.delta_granularity} B, merge gap {options.delta_merge_gap} B)")
         self._close = weakref.finalize(self, self.memory.close)  # an executor dropped unclosed: no leak
 
     def close(self) -> None:
@@ -333,7 +344,7 @@ class Executor:
         registered at setup; do not wait."""
         if w.ready_event is not None:
             w.ready_event.synchronize()
-        ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote)
+        ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote, self.delta)
         w.rec.copy_bytes += copied
         return post_ops(w.task, ops, self.transport, self.remote, self.write_timeout, item=w)
 
@@ -449,7 +460,20 @@ class Executor:
         self._runs += 1
         step = self._runs if step is None else step
         st = StepStats(rank=self.plan.rank, watermark=self.watermark, pipelined=self.pipeline,
-                       offloaded=self.offloaded, step=step)
+                       offloaded=self.offloaded, step=step, full_bytes=self.plan.send_bytes)
+        if self.delta is not None:
+            st.delta = f"full: {self.delta.reason}" if self.delta.begin(self.remote) else "delta"
+            st.delta_shadow_bytes = self.delta.shadow_bytes
+            try:
+                out = self._run(st, step)
+            except BaseException:
+                self.delta.end(step, ok=False)
+                raise
+            self.delta.end(step, ok=True)
+            return out
+        return self._run(st, step)
+
+    def _run(self, st: StepStats, step: int) -> StepStats:
         self._gate = MemoryGate(self.watermark)
         self.memory.reset()
         self._lock = threading.Lock()

@@ -327,18 +327,21 @@ class RegisteredMemory:
         return out
 
     def ops(self, index: int, task: Task, outputs: list[list[torch.Tensor]], off: int,
-            remote: dict[int, RegionDescriptor]) -> tuple[list[WriteOp], int]:
+            remote: dict[int, RegionDescriptor], delta=None) -> tuple[list[WriteOp], int]:
         """The batch of task ``index`` (``off``: its pool chunk): every write as a
         :class:`WriteOp` from the registered memory holding its output. An output the plan pools
         but which was built elsewhere (a caller's own prepare) is copied into its slot first.
         Returns (ops, bytes copied so). RuntimeError when an output's size differs from the
         plan's writes, or a view-of-shard output is not inside the storage registered for it (the
-        shard was re-allocated since setup: shards must be updated in place)."""
+        shard was re-allocated since setup: shards must be updated in place). ``delta``
+        (:class:`weight_transfer.delta.DeltaState`): each output's writes carry only the runs
+        that changed since the last update (none when nothing did), one op per run and receiver."""
         ops: list[WriteOp] = []
         copied = 0
-        for a, outs, places in zip(task.assignments, outputs, self.places[index]):
-            locs = []
+        for ai, (a, outs, places) in enumerate(zip(task.assignments, outputs, self.places[index])):
+            locs, runs = [], []
             for k, p in enumerate(places):
+                runs.append(None)
                 if p is None:
                     locs.append(None)
                     continue
@@ -355,6 +358,8 @@ class RegisteredMemory:
                             f"{p.region.length} bytes): the parameter's storage changed since the executor was "
                             "built; update shards in place (copy_, optimizer steps), or build a new executor")
                     locs.append((p.region, lo))
+                    if delta is not None and o.is_contiguous():
+                        runs[k] = delta.runs((index, ai, k), o.view(-1).view(torch.uint8))
                 else:
                     lo = off + p.rel
                     slot = self.pool.buffer[lo:lo + p.nbytes]
@@ -362,6 +367,8 @@ class RegisteredMemory:
                         slot.copy_(o.contiguous().view(-1).view(torch.uint8))
                         copied += p.nbytes
                     locs.append((self.pool.region, lo))
+                    if delta is not None:
+                        runs[k] = delta.runs((index, ai, k), slot)
             for w in a.writes:
                 if w.length:
                     reg, lo = locs[w.output]
@@ -369,7 +376,11 @@ class RegisteredMemory:
                     if d is None:
                         raise RuntimeError(f"task {task.id}: {a.recipe.name} writes to inference rank {w.dst_rank}, "
                                            f"which has no region descriptor here (known: {sorted(remote)})")
-                    ops.append(WriteOp(reg, lo, d, w.remote_offset, w.length))
+                    r = runs[w.output]
+                    if r is None:
+                        ops.append(WriteOp(reg, lo, d, w.remote_offset, w.length))
+                    else:
+                        ops += [WriteOp(reg, lo + s, d, w.remote_offset + s, n) for s, n in r]
         return ops, copied
 
     def close(self) -> None:

@@ -76,10 +76,31 @@ class ExecutorOptions:
     trace_dir: str | None = field(default=None, metadata={"flag": "--trace", "metavar": "DIR"})
     """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
     merges them into ``step{N}.json`` per update (Perfetto, ``weight-transfer timeline``)."""
+    delta: bool = False
+    """Delta updates (:mod:`weight_transfer.delta`): each update writes only the byte runs of each
+    output that differ from what this sender wrote there last (exact comparison against a shadow
+    copy, one per byte of the rank's outputs); the first update, and the one after a failed or
+    incomplete update or a re-registered receiver, is full (C26)."""
+    delta_granularity: int = field(default=128, metadata={"unit": "bytes"})
+    """Block size the delta comparison works in (bytes, counted from each output's first byte):
+    a changed byte sends its whole block."""
+    delta_merge_gap: int = field(default=4096, metadata={"unit": "bytes"})
+    """Changed runs separated by at most this many unchanged bytes are written as one op (bytes;
+    an op costs about as much as 12 KiB of bytes on a 2-core CPU, docs/DELTA.md)."""
+    delta_max_bytes: int | None = field(default=None, metadata={"flag": "--delta-max-mb", "unit": "MiB", "scale": MiB})
+    """Most bytes of shadow copy one training rank may hold for delta updates (bytes; on the
+    command line MiB); a plan needing more is refused when the executor is built. None: no bound
+    (the shadow is the rank's output bytes, printed at setup)."""
 
     def __post_init__(self):
         if self.watermark is not None and self.watermark < 0:
             raise ValueError(f"watermark={self.watermark}: bytes >= 0, or None for unbounded")
+        if self.delta_granularity < 1:
+            raise ValueError(f"delta_granularity={self.delta_granularity}: bytes >= 1")
+        if self.delta_merge_gap < 0:
+            raise ValueError(f"delta_merge_gap={self.delta_merge_gap}: bytes >= 0")
+        if self.delta_max_bytes is not None and self.delta_max_bytes < 0:
+            raise ValueError(f"delta_max_bytes={self.delta_max_bytes}: bytes >= 0, or None for unbounded")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -80,6 +80,14 @@ class StepStats:
     """``time.time()`` at ``t_start``: converts stage times to wall clock (:meth:`wall`)."""
     records: list[TaskRecord] = field(default_factory=list)
     barriers: list[BarrierRecord] = field(default_factory=list)
+    full_bytes: int = 0
+    """Bytes a full update of this rank writes (the plan's); ``bytes_sent`` is what was written
+    (less with delta updates)."""
+    delta: str = ""
+    """Delta updates (:mod:`weight_transfer.delta`): ``""`` off, ``"delta"``, or ``"full: <why>"``
+    (the first update, after a failed one, a re-registered receiver, ...)."""
+    delta_shadow_bytes: int = 0
+    """Bytes of this rank's shadow copy of its last-written outputs (0 without delta updates)."""
 
     @property
     def wire_bytes(self) -> int:

@@ -180,3 +180,51 @@ def test_the_package_root_exports_the_api_lazily():
             "wt.Sender; assert 'weight_transfer.api' in sys.modules; "
             "assert all(hasattr(wt, n) for n in wt.__all__)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_delta_pushes_and_C26_full_after_a_version_not_published_complete(world):
+    """``TransferOptions(executor=ExecutorOptions(delta=True))``: the first push is full, a 1%
+    step writes less, every push bit-exact; a push whose writes all landed but whose commit
+    failed (the version is published ``incomplete``) makes the next push full (C26), and a
+    failed write does too."""
+    from weight_transfer.options import ExecutorOptions, TransferOptions
+
+    store, addr, engine, rx = world
+    opts = TransferOptions(executor=ExecutorOptions(delta=True))
+    coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT, timeout=20, options=opts)
+    change = (1.0, 0.01, 0.0, 0.0, 0.01)
+
+    def weights(step):
+        ck = SyntheticCheckpoint(param_specs(CFG), step=step, seed=3, change=change)
+        return {n: ck[n] for n in ck.names()}
+
+    params = {n: t.clone() for n, t in weights(1).items()}
+    tx = wt.Sender(params, rank=0, world_size=1, store=addr, coordinator=coord, options=opts)
+
+    def step(v, **kw):
+        new = weights(v)
+        for n, t in params.items():
+            t.copy_(new[n])
+        return tx.push(v, **kw), new
+
+    st, new = step(1)
+    full = sum(m.nbytes for m in engine.tensor_metas())
+    assert st.delta == "full: first update" and st.bytes_sent == full
+    _same(engine, new)
+    st, new = step(2)
+    assert st.delta == "delta" and 0 < st.bytes_sent < full and tx.last_update.bytes == st.bytes_sent
+    _same(engine, new)
+
+    def failing_commit(v):
+        raise RuntimeError("injected: the engine's commit failed")
+
+    with pytest.raises(Exception, match="commit failed"):
+        step(3, commit=failing_commit)
+    assert rx.state().state == "incomplete"
+    st, new = step(4)  # nothing changed since 3, but 3 was never published complete
+    assert st.delta == "full: version 3 was not published complete" and st.bytes_sent == full
+    _same(engine, new)
+    st, new = step(5)
+    assert st.delta == "delta" and st.bytes_sent < full
+    _same(engine, new)
+    tx.close()

@@ -181,3 +181,24 @@ def test_table_shows_the_cold_update_phases_and_percentiles():
     assert "phases, p50 busy seconds" in text and "prepare 0.1000" in text
     assert "slowest sender (slowest update): training 1" in text and "25% of memcpy" in text
     assert "busiest receiver: inference 0, 2.000 GB/s = 50% of memcpy" in text
+
+
+def test_delta_trial_every_update_bit_exact_nothing_everything_partial():
+    """``run --delta --change-fraction 1,0,1,0.01`` on the stand-in engine (issue 26 item 3): the
+    first update is full, the step where nothing changed writes no byte, the one where
+    everything changed writes (nearly) every byte, the 1% one less; ``bytes`` stays the update's
+    size and ``delta_bytes`` says what was written; every update verified against a fresh oracle."""
+    res = run_trial(small(steps=4, delta=True, change_fraction=(1.0, 0.0, 1.0, 0.01), quant="fp8"))
+    assert_all_verified(res, 4)
+    rows = res.rows
+    full = rows[0]["bytes"]
+    assert all(r["bytes"] == full for r in rows)
+    assert rows[0]["delta"] == "full: first update" and rows[0]["delta_bytes"] == full
+    assert rows[1]["delta"] == "delta" and rows[1]["delta_bytes"] == 0
+    assert rows[2]["delta"] == "delta" and 0.95 * full < rows[2]["delta_bytes"] <= full
+    assert rows[3]["delta"] == "delta" and 0 < rows[3]["delta_bytes"] < full
+    assert rows[0]["delta_shadow_bytes"] > 0
+    from weight_transfer.experiments.report import format_table
+
+    text = format_table(res)
+    assert "delta_bytes" in text and "delta updates: bytes written p50" in text
