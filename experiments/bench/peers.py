@@ -69,6 +69,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weight_transfer.experiments.report import percentile
+
 PEERS = ("reference", "awex", "mooncake", "torchstore")
 TORCHSTORE_TRANSPORTS = ("shm", "direct_tcp", "rdma_tcp", "gloo", "rpc")  # torchstore_peer.TRANSPORTS
 TORCHSTORE_LABEL = {"shm": "shm, same keys", "direct_tcp": "direct, rdma tcp fallback", "rdma_tcp": "rdma tcp fallback",
@@ -571,10 +573,12 @@ def main(a: PeersBenchConfig) -> int:
     print(f"# {a.warmup} warm-up + {a.steps} measured updates per peer, every update verified bit-exact; "
           f"time = 'go' to the last rank done")
     print("#")
-    print(f"# {'peer':>10} {'transport':>26} {'bytes':>12} {'p50':>8} {'min':>8} {'max':>8} {'algbw':>7} "
-          f"{'%memcpy':>8} {'ref/peer':>8} {'verified':>9}")
-    print(f"# {'':>10} {'':>26} {'(B)':>12} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(GB/s)':>7} {'':>8} {'(x)':>8} {'':>9}")
+    print(f"# {'peer':>10} {'transport':>26} {'bytes':>12} {'cold':>8} {'p50':>8} {'p95':>8} {'min':>8} {'max':>8} "
+          f"{'algbw':>7} {'%memcpy':>8} {'ref/peer':>8} {'verified':>9}")
+    print(f"# {'':>10} {'':>26} {'(B)':>12} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(GB/s)':>7} {'':>8} "
+          f"{'(x)':>8} {'':>9}")
     rows, skipped, memcpys = [], [], []
+    ref_rows: list[dict] = []
     transport = {"reference": "cma (process_vm_writev)", "awex": "mooncake tcp, reads", "mooncake": "tcp, writes, 1 pair/rank"}
     jobs = [(p, t) for p in peers for t in (a.torchstore_transports if p == "torchstore" else (None,))]
     why_not: dict[str, str | None] = {}
@@ -599,6 +603,7 @@ def main(a: PeersBenchConfig) -> int:
                         for r in res.rows]
                 warm = [r["warmup"] for r in res.rows]
                 got_bytes = res.rows[0]["bytes"]
+                ref_rows = [r for r in res.rows if not r["warmup"]]
             else:
                 secs = _run_world(peer, tensors, n_train, tp, a.steps, a.warmup, a.timeout)
                 warm = [i < a.warmup for i in range(len(secs))]
@@ -619,13 +624,15 @@ def main(a: PeersBenchConfig) -> int:
     out_rows = []
     for r in rows:
         if not r["times"]:
-            print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {'-':>8} {'-':>8} {'-':>8} {'-':>7} {'-':>8} "
-                  f"{'-':>8} {'NO':>9}")
+            print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
+                  f"{'-':>8} {'-':>7} {'-':>8} {'-':>8} {'NO':>9}")
             continue
         p50 = statistics.median(r["times"])
         gbps = r["bytes"] / p50 / 1e9
         ratio = f"{ref_gbps / gbps:.2f}" if ref_gbps else "-"
-        print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {p50:>8.3f} {min(r['times']):>8.3f} "
+        cold = f"{r['cold']:>8.3f}" if isinstance(r["cold"], float) else f"{'-':>8}"
+        print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {cold} {p50:>8.3f} "
+              f"{percentile(r['times'], 95):>8.3f} {min(r['times']):>8.3f} "
               f"{max(r['times']):>8.3f} {gbps:>7.3f} {100 * gbps / mem:>7.1f}% {ratio:>8} {'yes' if r['ok'] else 'NO':>9}")
         for i, s in enumerate(r["times"]):
             out_rows.append(dict(run_id=run_id, git_sha=env["git_sha"], timestamp=stamp, host=env["host"], peer=r["peer"],
@@ -633,6 +640,10 @@ def main(a: PeersBenchConfig) -> int:
                                  bytes=r["bytes"], seconds=f"{s:.6f}", memcpy_gbps=f"{r['memcpy']:.3f}", verified=r["ok"]))
     print("#")
     print(f"# memcpy on this machine (same run, 1 thread, 256 MiB, median of {len(memcpys)}): {mem:.2f} GB/s")
+    if ref_rows:  # the reference's own phases, slowest sender and receiver, extra memory (docs/PERFORMANCE.md)
+        from weight_transfer.experiments.report import phase_lines
+
+        print("\n".join(line.replace("# ", "# reference: ", 1) for line in phase_lines(ref_rows, mem)))
     ts_rows = [r for r in rows if r["peer"] == "torchstore" and r["times"] and r["ok"]]
     for r in ts_rows:
         put = statistics.median(ph["put"] for ph in r["phases"]) if r["phases"] else float("nan")

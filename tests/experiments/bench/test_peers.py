@@ -63,6 +63,9 @@ def test_peer_runs_verified(peer, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "verified bit-exact: 1/1 peers" in out
+    assert "cold" in out and "p95" in out
+    if peer == "reference":  # its own phases, slowest sender and receiver, extra memory
+        assert "# reference: phases, p50 busy seconds" in out and "# reference: slowest sender" in out
 
 
 @pytest.mark.multiproc
