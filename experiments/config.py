@@ -246,6 +246,9 @@ class TrialConfig:
             if run.method in ("rank0_funnel", "rpc", "all") and self.inference.tp != 1:
                 raise ValueError(f"engine=vllm: method {run.method!r} is wired for --tp 1 (one vLLM worker per "
                                  "instance, use --dp for more); use --tp 1")
+        if tr.executor.delta and run.method != "reference":
+            raise ValueError(f"delta=True with method={run.method!r}: delta updates are the reference method's "
+                             "(its executor keeps the shadow); the baselines always send everything")
         self._check_device()
         self.model.config()  # validates the model name and the overrides (names and kinds)
 

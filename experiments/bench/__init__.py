@@ -6,6 +6,7 @@ Subcommands of the one CLI, their options generated from each module's config da
     weight-transfer bench-pipeline     # pipelined vs serialized, watermark (bench/pipeline.py)
     weight-transfer bench-transports   # transports vs memcpy               (bench/transports.py)
     weight-transfer bench-peers        # reference vs awex, Mooncake (same tensors)  (bench/peers.py)
+    weight-transfer bench-delta        # full vs delta updates, change fractions  (bench/delta.py)
 """
 from __future__ import annotations
 
@@ -17,5 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                          "one-sided write bandwidth of each transport beside memcpy"),
     "bench-peers": ("weight_transfer.experiments.bench.peers", "PeersBenchConfig",
                     "the same tensor set and world through the reference, awex, Mooncake and torchstore, verified (docs/PEERS.md)"),
+    "bench-delta": ("weight_transfer.experiments.bench.delta", "DeltaBenchConfig",
+                    "full vs delta updates on the main job at given change fractions, verified (docs/DELTA.md)"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""

@@ -1,0 +1,207 @@
+"""Full against delta updates (issue 26 item 4, first half), on the README's main job.
+
+For each change fraction (synthetic steps that change that fraction of every tensor's
+elements, uniformly scattered: ``--change-fraction``), two real trials with the same steps
+and seed: one with full updates, one with ``--delta``; every update of both verified bit-exact
+against a fresh oracle. Per trial the warm updates' p50 seconds and the bytes written per
+update; delta's ratio to full, and where delta stops paying (the smallest fraction at which
+its p50 is no better than full's).
+
+Prints an nccl-tests-style table, writes ``results/delta_bench.csv`` (one row per trial and
+measured update: raw ``bytes``, ``delta_bytes``, ``seconds``, the phase columns).
+
+    weight-transfer bench-delta                                # 0.1%, 1%, 10%, 50% on the main job
+    weight-transfer bench-delta --fractions 0.01 --steps 2 --merge-gaps 0,4096
+    weight-transfer bench-delta --ops-only                     # the cost of one op by size (cma, shm)
+
+The op table (first, or alone with ``--ops-only``; ``results/delta_ops.csv``) is what the
+granularity and the merge gap are chosen from: many writes of one size from a 64 MiB region into
+another process's, each op built, checked and posted through the real transport, its seconds per
+op and GB/s.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+
+from ..config import TrialConfig, main_job_default
+from ..paths import project_dir
+from ..trial import run_trial
+
+ROOT = project_dir()
+
+
+@dataclass(kw_only=True, slots=True)
+class DeltaBenchConfig:
+    """Options of ``weight-transfer bench-delta``."""
+
+    fractions: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5)
+    """Change fractions per step (comma-separated), each a pair of trials (full, delta)."""
+    merge_gaps: tuple[int, ...] = (4096,)
+    """``delta_merge_gap`` values (bytes, comma-separated): one delta trial per value and fraction."""
+    granularity: int = 128
+    """``delta_granularity`` (bytes) of the delta trials."""
+    transport: str = "cma"
+    """Transport of every trial."""
+    steps: int = 3
+    """Measured updates per trial."""
+    warmup: int = 1
+    """Updates before the measured ones (the first is full in the delta trial too)."""
+    override: tuple[str, ...] = ()
+    """HF-config overrides ``KEY=VALUE``, comma-separated, on top of the main job's (tests use a
+    smaller model)."""
+    out: str = str(ROOT / "results" / "delta_bench.csv")
+    """CSV of one row per trial and measured update (overwritten); empty: none."""
+    ops_only: bool = False
+    """Only the op table (the cost of one op by size on cma and shm), no trials."""
+    ops_out: str = str(ROOT / "results" / "delta_ops.csv")
+    """CSV of the op table (overwritten); empty: none."""
+
+    def __post_init__(self):
+        if not self.fractions or any(not 0 <= f <= 1 for f in self.fractions):
+            raise ValueError(f"fractions={self.fractions}: at least one, each in [0, 1]")
+        if any(g < 0 for g in self.merge_gaps) or not self.merge_gaps:
+            raise ValueError(f"merge_gaps={self.merge_gaps}: at least one, bytes >= 0")
+        for kv in self.override:
+            if "=" not in kv:
+                raise ValueError(f"override {kv!r}: wants KEY=VALUE")
+        if self.steps < 1 or self.warmup < 1:
+            raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1 and warmup >= 1 (the "
+                             "first update of a delta trial is full)")
+
+
+def _rx(conn, name: str) -> None:
+    from weight_transfer.transport import make_transport
+
+    t = make_transport(name)
+    buf = t.allocate(64 << 20)
+    buf.zero_()
+    conn.send(t.register(buf).descriptor())
+    conn.recv()
+    t.close()
+
+
+def op_costs(transports=("cma", "shm"), sizes=(64, 128, 256, 1024, 4096, 16384, 65536), repeats: int = 3) -> list[dict]:
+    """Seconds per op of batches of equal-size ops (spread over a 64 MiB region) into a spawned
+    receiver, per transport and size: WriteOp building + the base checks + posting, best of
+    ``repeats``."""
+    import multiprocessing as mp
+
+    import torch
+
+    from weight_transfer.transport import WriteOp, make_transport
+
+    out = []
+    for name in transports:
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_rx, args=(b, name), daemon=True)
+        p.start()
+        try:
+            d = a.recv()
+            t = make_transport(name)
+            t.connect([d])
+            ls = t.register(torch.randint(0, 255, (64 << 20,), dtype=torch.uint8))
+            for g in sizes:
+                n = min(16384, (64 << 20) // (2 * g))
+                stride = (64 << 20) // n
+                best = float("inf")
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    t.write([WriteOp(ls, i * stride, d, i * stride, g) for i in range(n)]).wait()
+                    best = min(best, time.perf_counter() - t0)
+                out.append({"transport": name, "op_bytes": g, "ops": n, "us_per_op": best * 1e6 / n,
+                            "gbps": n * g / best / 1e9})
+            t.close()
+        finally:
+            a.send(1)
+            p.join(10)
+    return out
+
+
+def _ops_table(rows: list[dict]) -> list[str]:
+    lines = ["# one op = WriteOp + base checks + post, ops spread over a 64 MiB region of another process",
+             f"{'transport':>9} {'op size':>8} {'ops':>6} {'per op':>8} {'bandwidth':>10}",
+             f"{'':>9} {'(B)':>8} {'':>6} {'(us)':>8} {'(GB/s)':>10}"]
+    for r in rows:
+        lines.append(f"{r['transport']:>9} {r['op_bytes']:>8} {r['ops']:>6} {r['us_per_op']:>8.2f} {r['gbps']:>10.3f}")
+    return lines
+
+
+def _trial(base: TrialConfig, **kw) -> list[dict]:
+    res = run_trial(base.replace(**kw))
+    bad = [r["step"] for r in res.rows if r["verified"] is not True]
+    if bad:
+        raise RuntimeError(f"bench-delta: updates {bad} not verified ({kw})")
+    return [r for r in res.rows if not r["warmup"]]
+
+
+def main(args: DeltaBenchConfig) -> int:
+    """Run the op table and the trials, print the tables, write ``args.ops_out`` and ``args.out``."""
+    import ast
+
+    ops = op_costs()
+    print("\n".join(["# weight-transfer bench-delta: the cost of one op", *_ops_table(ops)]), flush=True)
+    if args.ops_out:
+        pd.DataFrame(ops).to_csv(args.ops_out, index=False)
+    if args.ops_only:
+        return 0
+
+    base = main_job_default()
+    over = dict(base.model.overrides)
+    for kv in args.override:
+        k, v = kv.split("=", 1)
+        try:
+            over[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            over[k] = v
+    base = base.replace(steps=args.steps, warmup=args.warmup, transport=args.transport,
+                        delta_granularity=args.granularity, overrides=over)
+    mcfg = base.model_config()
+    t_all = time.perf_counter()
+    rows: list[dict] = []
+    summary = []
+    for f in args.fractions:
+        runs = [("full", dict(delta=False))] + [(f"delta gap={g}", dict(delta=True, delta_merge_gap=g))
+                                                 for g in args.merge_gaps]
+        got = {}
+        for label, kw in runs:
+            t0 = time.perf_counter()
+            meas = _trial(base, change_fraction=(f,), **kw)
+            for r in meas:
+                rows.append({**r, "bench": label, "change_fraction": f, "delta_merge_gap": kw.get("delta_merge_gap")})
+            p50 = statistics.median(r["seconds"] for r in meas)
+            wrote = statistics.median(r["delta_bytes"] for r in meas)
+            got[label] = (p50, wrote, meas[0]["bytes"], meas[0].get("n_writes"))
+            print(f"# {label:>16} at {f:g}: p50 {p50:.4f} s, {wrote / 1e9:.4f} GB written "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        full_s = got["full"][0]
+        for label, (p50, wrote, total, nw) in got.items():
+            summary.append((f, label, p50, wrote, total, nw, full_s / p50))
+    lines = [
+        "# weight-transfer bench-delta: full vs delta updates (every update verified bit-exact)",
+        f"# model: {mcfg.label}; {base.train.n_train} training ranks -> {base.inference.describe()} "
+        f"({base.inference.quant or 'bf16'}); transport {args.transport}; granularity {args.granularity} B; "
+        f"{args.steps} measured updates per trial after {args.warmup} warm-up",
+        "# synthetic steps: that fraction of every tensor's elements changes per step, uniformly scattered",
+        "#",
+        f"{'fraction':>9} {'mode':>16} {'p50':>9} {'written':>14} {'of full':>8} {'writes':>9} {'speedup':>8}",
+        f"{'':>9} {'':>16} {'(s)':>9} {'(B)':>14} {'(%)':>8} {'':>9} {'(x)':>8}",
+    ]
+    for f, label, p50, wrote, total, nw, sp in summary:
+        lines.append(f"{f:>9g} {label:>16} {p50:>9.4f} {wrote:>14.0f} {100 * wrote / total:>8.2f} {nw or 0:>9} "
+                     f"{sp:>8.2f}")
+    stops = [f for f, label, p50, *_ in summary if label != "full" and p50 >= next(
+        s[2] for s in summary if s[0] == f and s[1] == "full")]
+    pays = sorted({f for f, label, p50, *_ in summary if label != "full"} - set(stops))
+    lines += ["#", f"# delta p50 below full p50 at fractions {pays or 'none'}; no better than full at "
+                   f"{sorted(set(stops)) or 'none'} (where delta stops paying)",
+              f"# total {time.perf_counter() - t_all:.0f} s"]
+    print("\n".join(lines))
+    if args.out:
+        pd.DataFrame(rows).to_csv(args.out, index=False)
+        print(f"# rows: {args.out}")
+    return 0
