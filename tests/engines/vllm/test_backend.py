@@ -738,6 +738,7 @@ def async_world(checkpoints, tmp_path_factory):
     w.trainer.shutdown()
 
 
+@pytest.mark.long  # its own vLLM engine (1.5-2 min here): outside CI's 25-minute budget, make test-long
 def test_c23_async_llm_requests_in_flight(async_world, tmp_path_factory):
     """C23: every request in flight when the update started finishes (none aborted), with two
     weight-version spans split where the update happened: the tokens before equal step 0's
@@ -847,6 +848,7 @@ class Server:
         self.log.close()
 
 
+@pytest.mark.long  # its own vLLM engine (1.5-2 min here): outside CI's 25-minute budget, make test-long
 def test_http_server_updated_by_vllms_http_client(checkpoints, oracle, tmp_path_factory):
     """vLLM's RLHF HTTP flow with only the backend name and the trainer init info changed:
     ``/pause``, ``trainer_init`` + ``send_weights`` through vLLM's ``HTTPVLLMWeightSyncClient``,
