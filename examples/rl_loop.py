@@ -58,7 +58,7 @@ def train(rank, port, o, engine, workdir):
         u = push.last_result if rank == 0 else None        # rank 0: the update as the coordinator saw it
         return served, {"pushed_version": version, "push_call_seconds": call, "verified": res["ok"],
                         "verified_bytes": res["bytes"], "verify_s": res["seconds"],
-                        "oracle_tokens_equal": res.get("tokens_ok"), "oracle_logprob_ulps": res.get("logprob_ulps"),
+                        "oracle_outputs_equal": res.get("outputs_ok"), "oracle_logprob_ulps": res.get("logprob_ulps"),
                         "oracle_logprob_maxdiff": res.get("logprob_maxdiff"), **({"push_seconds": u.seconds,
                         "push_bytes": u.bytes, "push_writes": u.n_writes} if u else {})}
 
@@ -90,16 +90,16 @@ def train(rank, port, o, engine, workdir):
             rl.log(rank, f"step {step}: reward {r['reward_mean']:.3f} (version {step}), loss {r['loss']:+.4f}, "
                          f"push v{step + 1} {r['push_bytes'] / 1e6:.1f} MB in {r['push_seconds']:.3f} s, "
                          f"{'verified' if r['verified'] else 'unverified'}, step {r['step_s']:.1f} s")
+    fin = rl.final_check(rank, check, cfg, served, workdir) if o.verify else {}   # a fresh vLLM, in rank 1
     push.shutdown()
     if rank == 0:
-        fin = rl.final_check(engine, cfg, served, workdir) if o.verify else {}
-        if fin: rl.log(0, f"final, against a fresh vLLM from the final checkpoint: runtime bytes "
-                          f"{'equal' if fin['bytes_ok'] else 'DIFFER'}, greedy tokens {'equal' if fin['tokens_ok'] else 'differ'}"
-                          f" (logprobs {fin['logprob_maxdiff']} nats apart; {fin['seconds']:.0f} s)")
-        out.finish(final_bytes_ok=fin.get("bytes_ok"), final_tokens_ok=fin.get("tokens_ok"),
+        if fin: rl.log(0, f"final, against a fresh vLLM from the final checkpoint: runtime and staging bytes "
+                          f"{'equal' if fin['bytes_ok'] and fin['staging_ok'] is not False else 'DIFFER'}, greedy tokens and "
+                          f"logprobs {'equal' if fin['outputs_ok'] else 'differ'} (max {fin['logprob_maxdiff']} nats; {fin['seconds']:.0f} s)")
+        out.finish(final_bytes_ok=fin.get("bytes_ok"), final_outputs_ok=fin.get("outputs_ok"),
                    final_logprob_ulps=fin.get("logprob_ulps"), final_logprob_maxdiff=fin.get("logprob_maxdiff"))
         if o.changes: rl.save_changes(o, changes, first)
-        assert not fin or fin["bytes_ok"], fin.get("mismatches")
+    assert not fin or fin["ok"], f"the engine's bytes differ from a fresh vLLM's: {fin}"
     dist.destroy_process_group()
 
 

@@ -23,9 +23,8 @@ its runtime layout) must equal the oracle's byte for byte (digests exchanged ove
 ranks' gloo group), and its staging tensors what ``load_weights`` makes of those weights: every
 byte the push wrote. Chosen over a fresh engine per step because it is independent of the
 one-sided path (vLLM's own loader and post-processing) and costs one engine start, not one per
-step; at the end a fresh vLLM from the final checkpoint (:func:`final_check`) checks the bytes
-once more. Greedy tokens and logprobs are compared with both and recorded (see
-:class:`OracleCheck` for why they are not required to be equal).
+step; greedy tokens and logprobs are compared too and recorded (see :class:`OracleCheck`); at
+the end a fresh vLLM from the final checkpoint (:func:`final_check`) gets the same comparison.
 """
 from __future__ import annotations
 
@@ -235,16 +234,16 @@ class OracleCheck:
       linears over 1 MiB: oneDNN handles; the backend writes their checkpoint-layout staging
       tensors and vLLM re-runs its post-processing at commit) equal what the stand-in engine's
       ``load_weights`` makes of the served weights (``verify.staging_oracle``);
-    - ``outputs`` (recorded, not required): greedy tokens and logprobs for
-      ``verify.fixed_prompts`` against the oracle's. Not required because on this host (AMX,
-      linears over 1 MiB on oneDNN, tied lm_head) the oracle's own outputs are not what its
-      bytes say after vLLM's reload path: in the 30-step run its greedy tokens differed from
-      the live engine's for 13 versions and its logprobs by up to 4 nats afterwards, while the
-      live engine's runtime bytes equalled it every step and a fresh vLLM from the final
-      checkpoint agreed with the live engine (tokens identical, logprobs 1.2e-6 nats apart);
-      see docs/DELTA.md, "Verification". What does bound the live engine's opaque state every
-      step is the rollout's importance ratio (``logratio_max`` of :func:`clipped_pg_loss`:
-      vLLM's bf16 logprobs of its own samples against the fp32 master's: at most 0.033 there)."""
+    - ``outputs`` (recorded; ``ok`` is the two byte checks): greedy tokens and logprobs for
+      ``verify.fixed_prompts`` against the oracle's (``verify.outputs_equal``: tokens identical,
+      logprobs within ``verify.LOGPROB_ULPS``), the only check that reaches the opaque oneDNN
+      state itself. Both engines drop their prefix cache first and compute the prompts from
+      scratch: vLLM's reload path keeps KV blocks computed with the previous version (C21), and
+      a cache hit is computed in another batch. Not required: two engines holding the same
+      bytes here now and then differ by one bf16 rounding of a logit (2^-6 nats; measured in
+      docs/DELTA.md, "Verification"), which can flip a greedy token of a near-uniform model.
+
+    :func:`final_check` runs the same comparison against a fresh vLLM."""
 
     def __init__(self, rank: int, engine, cfg):
         from weight_transfer.engines.vllm.runtime import runtime_layout
@@ -258,18 +257,23 @@ class OracleCheck:
             names = sorted(self.layout.check)
         self.names = broadcast(names)  # the live engine's runtime tensors, as vLLM reports them
 
-    def __call__(self, served: dict) -> dict:
-        """``{"ok" (bytes and staging equal), "bytes_ok", "staging_ok", "tokens_ok", "bytes"
-        (compared), "mismatched": [names], "logprob_ulps", "logprob_maxdiff" (nats; None when the
-        tokens differ), "seconds"}`` (the same on every rank)."""
+    def __call__(self, served: dict, *, reload: bool = True) -> dict:
+        """``{"ok", "bytes_ok", "staging_ok", "outputs_ok", "tokens_ok", "bytes" (compared),
+        "mismatched": [names], "logprob_ulps", "logprob_maxdiff" (nats; None when the tokens
+        differ), "seconds"}`` (the same on every rank). ``reload=False``: rank 1's engine already
+        holds ``served`` (:func:`final_check`)."""
         import torch.distributed as dist
 
         from weight_transfer.engines.vllm.runtime import STAGING_SUFFIX
         from weight_transfer.engines.vllm.verify import outputs_equal, staging_oracle
 
         t0 = time.perf_counter()
-        if self.rank == 1:
+        if self.rank == 1 and reload:
             self.engine.reload(list(served.items()))  # vLLM's own load_weights + post-processing
+        # both engines compute the prompts from scratch: a prefix-cache hit would reuse KV blocks
+        # computed with the previous version (the reload path does not drop them, C21) or, on
+        # the live engine, computed in another batch than the oracle's
+        self.engine.reset_prefix_cache()
         got = self.engine.read(self.names)[0]
         mine = {n: _digest(t) for n, t in got.items()}
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
@@ -288,11 +292,11 @@ class OracleCheck:
         dist.all_gather_object(both, (mine, outs, staging_ok, bad_staging, nbytes))
         (live, live_out, staging_ok, bad_staging, nbytes), (oracle, oracle_out, *_) = both
         bad = sorted(n for n in set(live) | set(oracle) if live.get(n) != oracle.get(n))
-        _, ulps = outputs_equal(live_out, oracle_out)
+        outputs_ok, ulps = outputs_equal(live_out, oracle_out)
         tokens_ok = ulps != float("inf")
         bytes_ok = not bad and len(live) == len(self.names)
-        return {"ok": bytes_ok and staging_ok is not False, "bytes_ok": bytes_ok, "staging_ok": staging_ok,
-                "tokens_ok": tokens_ok, "logprob_maxdiff": logprob_maxdiff(live_out, oracle_out), "bytes": nbytes, "mismatched": bad + bad_staging,
+        return {"ok": bytes_ok and staging_ok is not False, "bytes_ok": bytes_ok,
+                "staging_ok": staging_ok, "outputs_ok": outputs_ok, "tokens_ok": tokens_ok, "logprob_maxdiff": logprob_maxdiff(live_out, oracle_out), "bytes": nbytes, "mismatched": bad + bad_staging,
                 "logprob_ulps": ulps, "seconds": time.perf_counter() - t0}
 
 
@@ -313,31 +317,28 @@ def broadcast(obj, src: int = 0):
     return box[0]
 
 
-def final_check(live, cfg, served: dict, workdir: str | Path) -> dict:
-    """The live engine against a fresh vLLM started from the final weights' checkpoint (in a
-    process of its own, :mod:`weight_transfer.engines.vllm.oracle`): every addressable runtime
-    byte, and greedy tokens and logprobs for :func:`weight_transfer.engines.vllm.verify.fixed_prompts`
-    (:func:`weight_transfer.engines.vllm.verify.compare_snapshots`). Returns its result plus
-    ``tokens_ok`` (greedy tokens identical; ``outputs_ok`` also wants the logprobs within
-    ``verify.LOGPROB_ULPS``, see :class:`OracleCheck` for why neither is required),
-    ``logprob_maxdiff`` (nats) and ``seconds``."""
+def final_check(rank: int, check: OracleCheck, cfg, served: dict, workdir: str | Path) -> dict:
+    """The live engine against a fresh vLLM started from the final weights' checkpoint, on
+    both training ranks (a collective): rank 1 closes the oracle, writes the checkpoint
+    (:func:`weight_transfer.engines.vllm.checkpoint.write_checkpoint_tensors`) and starts a
+    plain vLLM from it with the live engine's settings (a multi-process engine like the live
+    one); then :class:`OracleCheck`'s comparison: every addressable runtime byte, the staging
+    bytes against ``load_weights``, greedy tokens and logprobs. Returns its result plus
+    ``seconds``."""
+    from weight_transfer.engines.vllm import VllmEngine
     from weight_transfer.engines.vllm.checkpoint import write_checkpoint_tensors
-    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
-    from weight_transfer.engines.vllm.runtime import runtime_layout
-    from weight_transfer.engines.vllm.verify import compare_snapshots, fixed_prompts, snapshot
 
     t0 = time.perf_counter()
-    workdir = Path(workdir)
-    ckpt = write_checkpoint_tensors(cfg, workdir / "final", served)
-    prompts = fixed_prompts(cfg.vocab_size)
-    fresh = fresh_snapshots_subprocess({"final": {"dir": ckpt, "prompts": prompts, "hide_amx": False}},
-                                       workdir / "fresh.pt", wait=False)
-    lays = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in live.reports()}
-    mine = snapshot(live, lays, prompts)
-    other = fresh()["final"]
-    res = compare_snapshots(mine, other)
-    res["tokens_ok"] = res["logprob_ulps"] is not None and res["logprob_ulps"] != float("inf")
-    res["logprob_maxdiff"] = logprob_maxdiff(mine["outputs"], other["outputs"])
+    fresh = None
+    try:
+        if rank == 1:
+            check.engine.close()
+            ckpt = write_checkpoint_tensors(cfg, Path(workdir) / "final", served)
+            fresh = check.engine = VllmEngine(ckpt, targets="direct", **engine_kwargs())
+        res = check(served, reload=False)
+    finally:
+        if fresh is not None:
+            fresh.close()
     res["seconds"] = time.perf_counter() - t0
     return res
 
@@ -347,8 +348,8 @@ def final_check(live, cfg, served: dict, workdir: str | Path) -> dict:
 
 COLUMNS = ["run", "lr", "step", "rollout_version", "reward_mean", "loss", "logratio_max", "clip_frac",
            "pushed_version", "push_seconds", "push_call_seconds", "push_bytes", "push_writes", "verified",
-           "verified_bytes", "oracle_tokens_equal", "oracle_logprob_ulps", "oracle_logprob_maxdiff", "rollout_s", "train_s", "verify_s", "changes_s", "step_s", "final_bytes_ok",
-           "final_tokens_ok", "final_logprob_ulps", "final_logprob_maxdiff", "timestamp"]
+           "verified_bytes", "oracle_outputs_equal", "oracle_logprob_ulps", "oracle_logprob_maxdiff", "rollout_s", "train_s", "verify_s", "changes_s", "step_s", "final_bytes_ok",
+           "final_outputs_ok", "final_logprob_ulps", "final_logprob_maxdiff", "timestamp"]
 
 
 class StepLog:
