@@ -69,8 +69,6 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.experiments.report import percentile
-
 PEERS = ("reference", "awex", "mooncake", "torchstore")
 TORCHSTORE_TRANSPORTS = ("shm", "direct_tcp", "rdma_tcp", "gloo", "rpc")  # torchstore_peer.TRANSPORTS
 TORCHSTORE_LABEL = {"shm": "shm, same keys", "direct_tcp": "direct, rdma tcp fallback", "rdma_tcp": "rdma tcp fallback",
@@ -543,9 +541,11 @@ class PeersBenchConfig:
 def main(a: PeersBenchConfig) -> int:
     """Run each peer in turn, print the table, append ``a.csv``. Returns 0 when every peer that
     ran was verified, 1 otherwise (or when none ran)."""
+    # imported here: torchstore's own environment loads this file by path for PeerTensor/pattern only
     from weight_transfer.experiments.cli import key_value
     from weight_transfer.experiments.config import TrialConfig, main_job_default
     from weight_transfer.experiments.env import environment, measure_memcpy_gbps
+    from weight_transfer.experiments.report import percentile
     from weight_transfer.experiments.trial import run_trial
 
     peers = list(a.peers)
