@@ -61,7 +61,7 @@ import torch.distributed as dist
 from . import control, membership
 from .options import TransferOptions
 from .store import connect_store, runtime_layouts, serve_store
-from .types import InferenceLayout, ParamMeta, Schedule, dtype_name
+from .types import InferenceLayout, Schedule
 
 __all__ = ["Sender", "Receiver", "Coordinator", "UpdateResult", "serve_store", "connect_store", "plan_against",
            "PUSH_KEY", "WORLD_KEY", "ENGINE_KEY"]
@@ -92,13 +92,6 @@ def _named_params(params) -> dict[str, torch.Tensor]:
     if bad:
         raise TypeError(f"params: {bad[:3]} are not tensors")
     return out
-
-
-def _whole_metas(params: dict[str, torch.Tensor], rank: int) -> list[ParamMeta]:
-    """Metadata of plain tensors held whole by one training rank (a 1-rank mesh)."""
-    return [ParamMeta(name=n, global_shape=tuple(t.shape), dtype=dtype_name(t.dtype), mesh_ranks=(rank,),
-                      placements=("Shard(dim=0)",), local_offset=(0,) * t.dim(), local_shape=tuple(t.shape))
-            for n, t in params.items()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,7 +408,7 @@ class Sender:
                  timeout: float | None = None, log: Callable[[str], None] | None = None, publish: bool = True):
         from torch.distributed.tensor import DTensor
 
-        from .metadata import collect_metas
+        from .metadata import collect_metas, whole_metas
 
         if not (0 <= rank < world_size):
             raise ValueError(f"Sender: rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
@@ -429,7 +422,7 @@ class Sender:
         if all(dts):
             metas = collect_metas(self.params, offloaded=self.options.executor.offload)
         elif not any(dts) and world_size == 1:
-            metas = _whole_metas(self.params, rank)
+            metas = whole_metas(self.params, rank)
         else:
             raise TypeError("Sender: params must all be DTensors (an FSDP2 module), or all plain tensors with "
                             f"world_size == 1 (got world_size={world_size}, {sum(dts)} of {len(dts)} DTensors)")

@@ -551,14 +551,17 @@ class InferenceClient:
                 raise ControlError(f"[infer {self.rank}] no new version after {last} within {self.timeout:.0f} s "
                                    f"(weights: {s})")
 
-    def wait_version(self, version: int, *, timeout: float | None = None, poll: float = 0.01) -> WeightsState:
+    def wait_version(self, version: int, *, timeout: float | None = None, poll: float = 0.01,
+                     state: Callable[[], WeightsState] | None = None) -> WeightsState:
         """Block until ``complete version`` is published and return that state. Raises
         VersionError at once if ``version`` was skipped (a later version is being written or
         complete), ControlError if the update to it failed (weights incomplete), on shutdown,
-        or after ``timeout`` seconds (default: the client's)."""
+        or after ``timeout`` seconds (default: the client's). ``state``: where to read the
+        weights' state (default :meth:`state`; a receiver passes its per-rank view, C24)."""
         timeout = self.timeout if timeout is None else timeout
+        state = self.state if state is None else state
         for expired in backoff(timeout, poll):
-            s = self.state()
+            s = state()
             if s.complete and s.version == version:
                 return s
             if s.version > version and s.state != "none":

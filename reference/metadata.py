@@ -82,6 +82,15 @@ def named_dtensors(model_or_params) -> dict[str, DTensor]:
     return {n: p for n, p in model_or_params.named_parameters()}
 
 
+def whole_metas(params: dict[str, torch.Tensor], rank: int = 0) -> list[ParamMeta]:
+    """Metadata of plain tensors that training rank ``rank`` holds whole (a 1-rank mesh):
+    what a trainer without DTensors publishes (the public API's ``Sender`` with
+    ``world_size == 1``, the vLLM loopback updater)."""
+    return [ParamMeta(name=n, global_shape=tuple(t.shape), dtype=dtype_name(t.dtype), mesh_ranks=(rank,),
+                      placements=("Shard(dim=0)",), local_offset=(0,) * t.dim(), local_shape=tuple(t.shape))
+            for n, t in params.items()]
+
+
 def collect_metas(params: dict[str, DTensor], *, offloaded: bool = False) -> list[ParamMeta]:
     """Metadata this rank publishes once, in parameter order (``offloaded`` is set for
     :class:`OffloadedParams` whatever the argument says)."""

@@ -12,10 +12,10 @@ from . import control, membership
 from .store import RUNTIME_KEY, connect_store
 from .types import DestTensorMeta, RegionDescriptor, dtype_name
 
-__all__ = ["Receiver"]
+__all__ = ["Receiver", "span_view"]
 
 
-def _span_view(base: int, length: int) -> torch.Tensor:
+def span_view(base: int, length: int) -> torch.Tensor:
     """A ``uint8`` CPU tensor viewing ``[base, base + length)`` of this process's memory in
     place (no copy; the caller keeps the memory alive)."""
     import numpy as np
@@ -101,7 +101,7 @@ class Receiver:
         if devs != {"cpu"}:
             raise ValueError("Receiver: tensors in several allocations must be on the CPU (one address span)")
         self._keep = [t for *_, t in spans]  # the span view does not own the memory
-        return metas, _span_view(base, length)
+        return metas, span_view(base, length)
 
     def publish(self) -> None:
         """Publish ``(descriptor, metas)`` under ``meta/infer/{rank}`` (and the runtime layout,
@@ -141,20 +141,7 @@ class Receiver:
         VersionError when ``version`` was skipped (a later one is written or complete),
         ControlError when the update to it failed, on shutdown, or after ``timeout`` seconds
         (default: the receiver's)."""
-        timeout = self.timeout if timeout is None else timeout
-        for expired in control.backoff(timeout, 0.01):
-            s = self.state()
-            if s.complete and s.version == version:
-                return s
-            if s.version > version:
-                raise control.VersionError(f"[infer {self.rank}] version {version} was skipped: the weights are {s}")
-            if s.state == "incomplete" and s.version == version:
-                raise control.ControlError(f"[infer {self.rank}] the update to version {version} failed; weights are {s}")
-            if self.store.check(["shutdown"]):
-                raise control.ControlError(f"[infer {self.rank}] shut down while waiting for version {version} ({s})")
-            if expired:
-                raise control.ControlError(f"[infer {self.rank}] version {version} not published within "
-                                           f"{timeout:.0f} s (weights: {s})")
+        return self.client.wait_version(version, timeout=self.timeout if timeout is None else timeout, state=self.state)
 
     def read_consistent(self, read: Callable[[], Any], *, wait: bool = True, timeout: float = 30.0):
         """``(state, read())`` where no write happened during ``read`` and ``state`` is

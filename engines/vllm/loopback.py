@@ -14,6 +14,7 @@ import time
 import torch
 
 from weight_transfer.executor import Executor
+from weight_transfer.metadata import whole_metas
 from weight_transfer.plan import build_recipes, plan
 from weight_transfer.transport import make_transport
 from weight_transfer.types import InferenceLayout, ParamMeta, dtype_name
@@ -25,9 +26,7 @@ __all__ = ["OneSidedUpdater", "source_metas"]
 
 def source_metas(sources: dict[str, torch.Tensor]) -> dict[int, list[ParamMeta]]:
     """Training rank 0 holding every tensor whole (a 1-rank mesh)."""
-    return {0: [ParamMeta(name=n, global_shape=tuple(t.shape), dtype=dtype_name(t.dtype), mesh_ranks=(0,),
-                          placements=("Shard(dim=0)",), local_offset=(0,) * t.dim(), local_shape=tuple(t.shape))
-                for n, t in sources.items()]}
+    return {0: whole_metas(sources, 0)}
 
 
 class OneSidedUpdater:

@@ -308,17 +308,10 @@ class WorkerTargets:
 
     @staticmethod
     def span_view(base: int, length: int) -> torch.Tensor:
-        """A ``uint8`` tensor viewing ``[base, base + length)`` of this process's memory in place
-        (no copy: ``data_ptr == base``); the ctypes buffer is kept alive with the view. The
-        caller keeps the memory itself alive (the model's tensors)."""
-        import ctypes
+        """:func:`weight_transfer.receiver.span_view`: ``[base, base + length)`` viewed in place."""
+        from weight_transfer.receiver import span_view
 
-        import numpy as np
-
-        buf = (ctypes.c_uint8 * length).from_address(base)
-        view = torch.from_numpy(np.ctypeslib.as_array(buf))
-        view._wt_buffer = buf  # type: ignore[attr-defined]
-        return view
+        return span_view(base, length)
 
     def register(self, spans: dict[int, tuple[int, int]]):
         """Register, in this worker, the byte range ``spans[tp_rank] = (base, length)`` that

@@ -16,15 +16,14 @@ import torch
 
 from weight_transfer.engines import Engine, expected_from_checkpoint
 from weight_transfer.executor import Executor
+from weight_transfer.metadata import whole_metas
 from weight_transfer.plan import build_recipes, plan
 from weight_transfer.transport import make_transport
-from weight_transfer.types import ParamMeta, dtype_name
+from weight_transfer.types import dtype_name
 
 
 def source_metas(sources):
-    return {0: [ParamMeta(name=n, global_shape=tuple(t.shape), dtype=dtype_name(t.dtype), mesh_ranks=(0,),
-                          placements=("Shard(dim=0)",), local_offset=(0,) * t.dim(), local_shape=tuple(t.shape))
-                for n, t in sources.items()]}
+    return {0: whole_metas(sources, 0)}
 
 
 class Loopback:
