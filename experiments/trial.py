@@ -255,6 +255,13 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         sched = cctx.extra.get("schedule")  # the reference's static schedule (None for the baselines)
         recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
         commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
+        if cfg.run.engine == "vllm" and not infer_cls.active:
+            # vLLM's one_sided backend (experiments/vllm_side.py): every worker's update_weights
+            # checks the update and commits it (staged layers or not) before the version is published
+            from weight_transfer.api import WORLD_KEY
+
+            control.put(store, WORLD_KEY, {"n_train": cfg.train.n_train, "n_infer": cfg.n_infer})
+            commit_ranks = tuple(range(cfg.n_infer))
         bytes_staged = int(cctx.extra.get("bytes_staged", 0))
         plan_s = time.perf_counter() - t0
         gen, step = 0, 1
@@ -309,6 +316,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
                 row["vllm_targets"] = cfg.run.vllm_targets if cfg.run.method == "reference" else "direct"
+                # how the bytes reach vLLM: its weight-transfer API with the one_sided backend, or its reload path
+                row["vllm_path"] = "one_sided" if not infer_cls.active else "reload"
                 row["vllm_hide_amx"] = os.environ.get(HIDE_AMX_ENV, "") in ("1", "true", "yes")
             if cfg.run.method == "reference":  # bytes into staged targets (post-processed by the engine at commit)
                 row["bytes_staged"] = bytes_staged

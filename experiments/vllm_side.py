@@ -1,15 +1,37 @@
 """The inference side of a trial when the engine is an unmodified vLLM (``--engine vllm``).
 
 One process per vLLM instance (inference ranks ``d*tp .. d*tp+tp-1``): it writes the step-0
-checkpoint, starts :class:`weight_transfer.engines.vllm.VllmEngine`, and publishes for each of its ranks the
-CMA region descriptor and the destination metadata *read from the running engine* (after
-``process_weights_after_loading``), plus the :class:`weight_transfer.engines.vllm.runtime.RuntimeLayout` under
-``meta/infer_runtime/{rank}`` so the controller plans against the runtime layout
-(:func:`weight_transfer.retarget.retarget`). Per update, only control-plane calls reach vLLM:
-``pause`` when the controller announces the step (before any write), ``reset_prefix_cache`` and
-``resume`` once the version is published. Verification by vLLM itself: a fresh engine started
-from that step's checkpoint; every runtime tensor byte and the greedy tokens + logprobs of fixed
-prompts (one longer than two KV blocks) must be equal.
+checkpoint and starts :class:`weight_transfer.engines.vllm.VllmEngine`.
+
+The reference goes through vLLM's own weight-transfer API with this project's backend
+(:mod:`weight_transfer.engines.vllm.backend`): the engine is started with
+``weight_transfer_config={"backend": "one_sided"}`` and driven with vLLM's four calls through
+:class:`weight_transfer.engines.vllm.backend.LLMClient`. ``init_weight_transfer_engine`` hands
+every worker the trial's store (:class:`~weight_transfer.engines.vllm.backend.OneSidedInitInfo`:
+host, port, ``first_rank = d * tp``, ``--vllm-targets``, the transport); each worker's engine
+reports its runtime tensors (after ``process_weights_after_loading``), stages what vLLM keeps
+opaque, registers its memory once and publishes the region descriptor, the destination metadata
+and the :class:`weight_transfer.engines.vllm.runtime.RuntimeLayout` (``meta/infer_runtime/{rank}``),
+so the controller plans against the runtime layout (:func:`weight_transfer.retarget.retarget`)
+and the training ranks (:class:`weight_transfer.api.Sender`) write one-sidedly into it. Per
+update: ``pause`` and ``start_weight_update`` when the controller announces the step (before any
+write; the worker refuses when a destination moved since init); once every write of the step
+completed (the controller's ``step/{s}/commit``) ``update_weights({"version": s})`` -- each
+worker checks in the store that every training rank reported its writes of ``s`` ok, re-runs
+vLLM's post-processing for its staged layers and reports its commit (``step/{s}/committed/{i}``)
+-- then ``finish_weight_update(weight_version=str(s))``; after a failed update
+``finish_weight_update("incomplete:s")`` (never ``s`` over mixed bytes). ``reset_prefix_cache``
+and ``resume`` once the version is published. Every worker commits every update (the controller
+waits for each one's report), staged layers or not.
+
+Verification by vLLM itself: a fresh engine started from that step's checkpoint; every runtime
+tensor byte and the greedy tokens + logprobs of fixed prompts (one longer than two KV blocks)
+must be equal, the staged bytes must equal what ``load_weights`` makes from the checkpoint, and
+vLLM's weight version (``LLM.get_weight_version``) must be the published one. The live bytes
+are read with :meth:`weight_transfer.engines.vllm.VllmEngine.read` (``collective_rpc`` into
+:mod:`weight_transfer.engines.vllm.extension`, which reads through the backend's own
+:class:`~weight_transfer.engines.vllm.worker_state.WorkerTargets`): the harness's check, no part of
+the update.
 
 Baselines (``--method rank0_funnel|rpc``, ``--tp 1``): the method's own inference side
 (:class:`weight_transfer.baselines.funnel.FunnelInference`, :class:`weight_transfer.baselines.rpc.RpcInference`) runs in this
@@ -17,8 +39,9 @@ process with :class:`VllmLoadPath` as its engine: every ``load_weights`` call be
 ``collective_rpc`` into the worker's ``model.load_weights`` inside vLLM's in-place reload
 (``initialize_layerwise_reload`` before the first tensor of an update,
 ``finalize_layerwise_reload`` at ``process_weights_after_loading``; see
-:mod:`weight_transfer.engines.vllm.extension`), the path verl / OpenRLHF / TRL use. Verification is the same
-as for the reference.
+:mod:`weight_transfer.engines.vllm.extension`), the path verl / OpenRLHF / TRL use; the engine has no
+weight-transfer backend. Verification is the same as for the reference (the weight version
+aside: vLLM's reload path does not set one).
 
 Oracle cache: when ``WT_VLLM_ORACLE_DIR`` is set (``--method all`` sets it for its run), the
 fresh engine's snapshot of a step is saved there and reused by the next method's trial of the
@@ -178,11 +201,83 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def _init_backend(engine, cfg, instance: int, addr: tuple[str, int], store, ranks: list[int]):
+    """``init_weight_transfer_engine`` of the ``one_sided`` backend in every worker of ``engine``
+    (see the module docstring); returns ``(client, {rank: RuntimeLayout})``, the layouts as the
+    workers published them (each with its registered region). RuntimeError naming the rank when
+    a worker published nothing."""
+    from weight_transfer.engines.vllm.backend import LLMClient
+
+    client = LLMClient(engine.llm, reset_prefix_cache=False)  # the harness resets after publishing
+    client.init_weight_transfer_engine({
+        "store_host": addr[0], "store_port": int(addr[1]), "first_rank": instance * cfg.inference.tp,
+        "targets": cfg.run.vllm_targets, "transport": cfg.transfer.transport.name,
+        "timeout": float(cfg.transfer.control.timeout)})
+    missing = [r for r in ranks if not store.check([KEY_RUNTIME.format(rank=r)])]
+    if missing:
+        raise RuntimeError(f"vLLM instance {instance}: init_weight_transfer_engine returned but inference rank(s) "
+                           f"{missing} published no runtime layout (is the engine's backend 'one_sided'?)")
+    return client, {r: control.get(store, KEY_RUNTIME.format(rank=r)) for r in ranks}
+
+
+def _wait_commit_or_failed(store, step: int, poll: float = 0.001) -> str:
+    """The backend's commit point of ``step``: ``"commit"`` once the controller asks for it
+    (every write completed), ``"failed"`` when the update was published incomplete instead,
+    ``"shutdown"`` when the job ends first."""
+    for _ in control.backoff(None, poll):
+        if store.check([f"step/{step}/commit"]):
+            return "commit"
+        s = control.read_state(store)
+        if s.state == "incomplete" and s.version == step:
+            return "failed"
+        if store.check(["shutdown"]):
+            return "shutdown"
+    return "shutdown"  # pragma: no cover (backoff(None) never ends)
+
+
+def _commit_through_backend(client, store, step: int, ranks: list[int], instance: int) -> bool:
+    """``update_weights({"version": step})`` then ``finish_weight_update(str(step))``. Each worker
+    reports its own commit in the store; a rank whose worker raised before reporting (a check
+    that refused) is reported failed here, with vLLM's error, so the controller fails the update
+    naming it at once. After a failure vLLM's weight version becomes ``incomplete:step``. True
+    when committed."""
+    from weight_transfer.engines.vllm.backend import INCOMPLETE
+
+    try:
+        client.update_weights({"version": step})
+    except Exception as e:
+        traceback.print_exc()
+        why = f"update_weights failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        for r in ranks:
+            if not store.check([f"step/{step}/committed/{r}"]):
+                control.InferenceClient(store, r).committed(step, ok=False, error=why)
+        _label(client, INCOMPLETE.format(version=step), instance)
+        return False
+    client.finish_weight_update(weight_version=str(step))
+    return True
+
+
+def _label(client, label: str, instance: int) -> None:
+    """Close vLLM's update session with weight version ``label`` (after a failed update: the
+    workers' ``update_weights`` raising may have closed it already; then open one to label)."""
+    try:
+        client.finish_weight_update(weight_version=label)
+        return
+    except Exception:
+        pass
+    try:
+        client.start_weight_update()
+        client.finish_weight_update(weight_version=label)
+    except Exception as e:
+        _log(instance, f"could not set vLLM's weight version to {label!r}: {type(e).__name__}: {e}")
+
+
 def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | None = None) -> None:
     """vLLM instance ``instance`` of the trial (see module docstring). Runs in a process group
     of its own (:func:`own_process_group`): no vLLM process outlives it."""
     own_process_group(parent)
     from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
+    from weight_transfer.engines.vllm.backend import BACKEND, INCOMPLETE
     from weight_transfer.engines.vllm.verify import compare_snapshots, coverage, fixed_prompts, snapshot, staging_oracle
     from weight_transfer.method import InferenceContext
 
@@ -194,17 +289,26 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
     clients = {r: control.InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
     mcfg = cfg.model_config()
     root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
-    side = loader = None
+    side = loader = wt = None
     engine = None
     try:
         _, _, infer_cls = get_method(cfg.run.method)
         t0 = time.perf_counter()
-        # the reference stages what vLLM keeps opaque; a baseline uses vLLM's own reload (nothing staged)
-        engine = VllmEngine(write_checkpoint(mcfg, root / "step0", step=0, seed=cfg.run.seed), tp=tp,
-                            first_rank=instance * tp, seed=cfg.run.seed,
-                            targets="direct" if infer_cls.active else cfg.run.vllm_targets)
-        _log(instance, f"engine up in {time.perf_counter() - t0:.1f} s (tp={tp}, ranks {ranks})")
-        layouts = engine.runtime_layouts()
+        ck0 = write_checkpoint(mcfg, root / "step0", step=0, seed=cfg.run.seed)
+        if infer_cls.active:  # a baseline: vLLM's own reload path, no weight-transfer backend, nothing staged
+            engine = VllmEngine(ck0, tp=tp, first_rank=instance * tp, seed=cfg.run.seed, targets="direct")
+        else:  # the reference: vLLM's weight-transfer API with the one_sided backend
+            engine = VllmEngine(ck0, tp=tp, first_rank=instance * tp, seed=cfg.run.seed, targets="direct",
+                                weight_transfer_config={"backend": BACKEND})
+        _log(instance, f"engine up in {time.perf_counter() - t0:.1f} s (tp={tp}, ranks {ranks}"
+                       f"{'' if infer_cls.active else f', weight transfer backend {BACKEND!r}'})")
+        if infer_cls.active:
+            layouts = engine.runtime_layouts()
+        else:
+            t0 = time.perf_counter()
+            wt, layouts = _init_backend(engine, cfg, instance, addr, store, ranks)
+            _log(instance, f"init_weight_transfer_engine: {time.perf_counter() - t0:.2f} s (every worker reported, "
+                           f"staged, registered and published its layout)")
         lay0 = layouts[ranks[0]]
         if lay0.staged:
             _log(instance, f"staged {len(lay0.staged)} layer(s) vLLM post-processes "
@@ -221,11 +325,6 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
                                                   model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: _log(instance, m)))
             clients[rank].publish_meta(*payload)
-        else:
-            for r in ranks:
-                lay = layouts[r]
-                control.put(store, KEY_RUNTIME.format(rank=r), lay)
-                clients[r].publish_meta(lay.descriptor(), lay.dest_metas())
     except Exception as e:
         store.set("abort", f"vLLM instance {instance} failed during setup: {type(e).__name__}: {e}".encode())
         traceback.print_exc()
@@ -233,7 +332,6 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             engine.close()  # no vLLM process outlives a failed setup
         shutil.rmtree(root, ignore_errors=True)
         raise
-    needs_commit = side is None and any(layouts[r].needs_commit for r in ranks)
     prompts = fixed_prompts(mcfg.vocab_size)
     last, step = -1, 1
     while True:
@@ -245,6 +343,14 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             time.sleep(0.005)
         else:
             engine.pause()
+            if wt is not None:  # vLLM's update session; the workers refuse if a destination moved since init
+                try:
+                    wt.start_weight_update()
+                except Exception as e:
+                    traceback.print_exc()
+                    store.set("abort", f"inference {ranks[0]} (vLLM instance {instance}): start_weight_update of "
+                                       f"version {step} failed: {type(e).__name__}: {str(e).splitlines()[0]}".encode())
+                    break
             store.set(KEY_PAUSED.format(step=step, instance=instance), b"1")
         if store.check(["shutdown"]) and not store.check([key]):
             break
@@ -254,17 +360,17 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
                     break
             finally:
                 loader.end()
-        elif needs_commit:  # staged targets: vLLM re-processes them once every write of the step landed
-            if not clients[ranks[0]].wait_commit(step):
+        else:  # the backend commits every update: update_weights, finish_weight_update
+            what = _wait_commit_or_failed(store, step)
+            if what == "shutdown":
+                _label(wt, INCOMPLETE.format(version=step), instance)
                 break
-            try:
-                res = engine.commit()
-                for r, c in zip(ranks, res):
-                    clients[r].committed(step, ok=True, stats=c)
-            except Exception as e:  # reported: the controller fails the update, naming us
-                traceback.print_exc()
-                for r in ranks:
-                    clients[r].committed(step, ok=False, error=f"{type(e).__name__}: {e}")
+            if what == "failed" or not _commit_through_backend(wt, store, step, ranks, instance):
+                if what == "failed":
+                    _label(wt, INCOMPLETE.format(version=step), instance)
+                engine.resume()
+                step += 1  # the controller fails the trial or goes on with the next step
+                continue
         v = clients[ranks[0]].wait_version_after(last)
         if v is None:
             break
@@ -288,6 +394,12 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
             res = compare_snapshots(live, fresh, staging_expected=expected)
             res["coverage"] = coverage({r: layouts[r] for r in ranks}, res)
+            if wt is not None:  # vLLM's own label of the weights: the version published, set by finish_weight_update
+                res["weight_version"] = engine.llm.get_weight_version()
+                if res["weight_version"] != str(v):
+                    res["ok"] = False
+                    res["mismatches"] = [*res["mismatches"],
+                                         f"vLLM's weight version {res['weight_version']!r}, published {v}"]
             del live, fresh, expected
         except Exception as e:
             traceback.print_exc()
@@ -296,15 +408,21 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
         cov = res.get("coverage") or {}
         lp = res.get("logprob_ulps")
         lp = "" if lp is None else f" (logprobs {'bit-identical' if lp == 0 else f'within {lp:.0f} ulp'})"
+        wv = "" if "weight_version" not in res else f", weight version {res['weight_version']!r}"
         _log(instance, f"version {v}: bytes {'ok' if res.get('bytes_ok') else 'MISMATCH'}"
                        f"{'' if res.get('staging_ok') is None else ', staging ' + ('ok' if res['staging_ok'] else 'MISMATCH')}"
                        f", outputs {'ok' if res.get('outputs_ok') else 'MISMATCH'}"
-                       f"{lp}"
+                       f"{lp}{wv}"
                        f" vs a fresh vLLM "
                        f"({res['seconds']:.0f} s; byte check {100 * cov.get('direct', 0):.1f}% of the engine's bytes)")
         for r in ranks:
             clients[r].report(v, res)
     if side is not None:
         side.teardown()
+    if wt is not None:
+        try:
+            engine.llm.shutdown_weight_transfer_engine()  # releases the workers' registrations
+        except Exception as e:
+            _log(instance, f"shutdown_weight_transfer_engine: {type(e).__name__}: {e}")
     engine.close()
     shutil.rmtree(root, ignore_errors=True)  # the step checkpoints written for this trial
