@@ -235,14 +235,13 @@ def _wait_commit_or_failed(store, step: int, poll: float = 0.001) -> str:
     return "shutdown"  # pragma: no cover (backoff(None) never ends)
 
 
-def _commit_through_backend(client, store, step: int, ranks: list[int], instance: int) -> bool:
-    """``update_weights({"version": step})`` then ``finish_weight_update(str(step))``. Each worker
-    reports its own commit in the store; a rank whose worker raised before reporting (a check
-    that refused) is reported failed here, with vLLM's error, so the controller fails the update
-    naming it at once. After a failure vLLM's weight version becomes ``incomplete:step``. True
-    when committed."""
-    from weight_transfer.engines.vllm.backend import INCOMPLETE
-
+def _commit_through_backend(client, store, step: int, ranks: list[int], instance: int, failed_label: str) -> bool:
+    """``update_weights({"version": step})`` then ``finish_weight_update(str(step))`` through
+    ``client`` (a ``VLLMWeightSyncClient``). Each worker reports its own commit in the store; a
+    rank of ``ranks`` whose worker raised before reporting (a check that refused) is reported
+    failed here, with vLLM's error, so the controller fails the update naming it at once. After
+    a failure vLLM's weight version becomes ``failed_label`` (``incomplete:step``). True when
+    committed."""
     try:
         client.update_weights({"version": step})
     except Exception as e:
@@ -251,7 +250,7 @@ def _commit_through_backend(client, store, step: int, ranks: list[int], instance
         for r in ranks:
             if not store.check([f"step/{step}/committed/{r}"]):
                 control.InferenceClient(store, r).committed(step, ok=False, error=why)
-        _label(client, INCOMPLETE.format(version=step), instance)
+        _label(client, failed_label, instance)
         return False
     client.finish_weight_update(weight_version=str(step))
     return True
@@ -365,7 +364,8 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             if what == "shutdown":
                 _label(wt, INCOMPLETE.format(version=step), instance)
                 break
-            if what == "failed" or not _commit_through_backend(wt, store, step, ranks, instance):
+            if what == "failed" or not _commit_through_backend(wt, store, step, ranks, instance,
+                                                               INCOMPLETE.format(version=step)):
                 if what == "failed":
                     _label(wt, INCOMPLETE.format(version=step), instance)
                 engine.resume()
