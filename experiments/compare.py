@@ -86,7 +86,7 @@ def _summary(res) -> dict:
     p50 = statistics.median(secs)
     return {
         "bytes": meas[0]["bytes"], "wire": meas[0].get("wire_bytes", meas[0]["bytes"]), "p50": p50,
-        "p99": percentile(secs, 99), "gbps": meas[0]["bytes"] / p50 / 1e9, "n": len(meas),
+        "p95": percentile(secs, 95), "p99": percentile(secs, 99), "gbps": meas[0]["bytes"] / p50 / 1e9, "n": len(meas),
         "ok": sum(1 for r in res.rows if r["verified"]), "all": len(res.rows),
         "peak": max(r["peak_temp_bytes"] for r in res.rows),
         "staged": meas[0].get("bytes_staged"), "commit": statistics.median(
@@ -114,8 +114,8 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
     lines += [
         "#",
         f"{'method':>14} {'bytes':>13} {'direct':>12} {'staged':>12} {'wire_bytes':>13} {'p50':>9} {'commit':>8} "
-        f"{'p99':>9} {'algbw':>8} {'x_ref':>8} {'peak_tmp':>9} {'verified':>9}",
-        f"{'':>14} {'(B)':>13} {'(B)':>12} {'(B)':>12} {'(B)':>13} {'(s)':>9} {'(s)':>8} {'(s)':>9} {'(GB/s)':>8} "
+        f"{'p95':>9} {'p99':>9} {'algbw':>8} {'x_ref':>8} {'peak_tmp':>9} {'verified':>9}",
+        f"{'':>14} {'(B)':>13} {'(B)':>12} {'(B)':>12} {'(B)':>13} {'(s)':>9} {'(s)':>8} {'(s)':>9} {'(s)':>9} {'(GB/s)':>8} "
         f"{'(slower)':>8} {'(MB)':>9} {'':>9}",
     ]
     sums = {m: _summary(r) for m, r in runs if not isinstance(r, BaseException)}
@@ -129,7 +129,7 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
         x = f"{s['p50'] / ref['p50']:8.2f}" if ref else f"{'-':>8}"
         d, st = ((s["bytes"] - s["staged"], s["staged"]) if s["staged"] is not None else ("-", "-"))
         c = f"{s['commit']:>8.4f}" if s["commit"] is not None else f"{'-':>8}"
-        lines.append(f"{m:>14} {s['bytes']:>13} {d:>12} {st:>12} {s['wire']:>13} {s['p50']:>9.4f} {c} {s['p99']:>9.4f} "
+        lines.append(f"{m:>14} {s['bytes']:>13} {d:>12} {st:>12} {s['wire']:>13} {s['p50']:>9.4f} {c} {s['p95']:>9.4f} {s['p99']:>9.4f} "
                      f"{s['gbps']:>8.3f} {x} {s['peak'] / 1e6:>9.1f} {str(s['ok']) + '/' + str(s['all']):>9}")
     lines += [
         "#",
@@ -153,10 +153,11 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
     failed = [m for m, r in runs if isinstance(r, BaseException)]
     good = n_ok == n_all and not failed
     if cfg.run.engine == "vllm":
-        lines.append("# vLLM: the baselines load through vLLM's own in-place reload over collective_rpc "
-                     "(initialize_layerwise_reload, model.load_weights, finalize_layerwise_reload); "
-                     "times: go -> last write complete and staged layers committed (reference), "
-                     "go -> reload finished (baselines)")
+        lines.append("# vLLM: the reference goes through vLLM's weight-transfer API with the one_sided backend "
+                     "(start_weight_update, one-sided writes, update_weights, finish_weight_update); the baselines "
+                     "load through vLLM's own in-place reload over collective_rpc (initialize_layerwise_reload, "
+                     "model.load_weights, finalize_layerwise_reload); times: go -> last write complete and every "
+                     "worker's update_weights committed (reference), go -> reload finished (baselines)")
     for m, r in runs:
         cov = None if isinstance(r, BaseException) else coverage_line(r.rows)
         if cov:
