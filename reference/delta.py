@@ -33,29 +33,112 @@ When the receiver may not hold what the shadow says (case C26), the next update 
   the region was re-registered);
 - :meth:`DeltaState.invalidate` (a caller that knows better).
 
-Why these defaults (measured on the 2-core CI VM, ``weight-transfer bench-delta``; see
-docs/DELTA.md): one op costs about 2.5-3.5 us of Python (the WriteOp, the base checks, the iovec
-or memcpy) whatever its size, while a byte costs about 0.2 ns (4-5 GB/s), so an op is worth
-about 12 KiB of bytes here. ``granularity`` 128 bytes is the FP8 row of
-:mod:`weight_transfer.changes` (and 64 bf16 elements): finer blocks cost compare work for no
-fewer ops once runs are merged; ``merge_gap`` 4 KiB keeps the op count bounded (at most one op
-per 4 KiB of output and receiver) while writing at most 4 KiB of unchanged bytes per gap.
+Granularity and merge gap (``granularity`` 8 bytes, ``merge_gap`` 0; chosen from the RL loop's
+measured change fractions, docs/DELTA.md). A real RL step at lr 1e-6 changes ~1.2-1.3% of the bf16
+elements and ~0.11% of the FP8 ones, uniformly scattered; a block of ``g`` bytes then changes with
+probability ``1 - (1 - p)^(g / element size)``, and that is the fraction of bytes a delta writes:
+
+=========  ===================  ======================  ==========================
+block (B)  bf16 bytes, p=1.28%   FP8 bytes, p=0.11%      runs per MB (bf16, gap 0)
+=========  ===================  ======================  ==========================
+2          1.3%                 (0.2%)                  ~6300
+8          5.0%                 0.9%                    ~5900
+16         9.8%                 1.7%                    ~5500
+128        56%                  13%                     ~1900
+=========  ===================  ======================  ==========================
+
+So the 128-byte rows of issue 26's first delta carried ~55% of a bf16 update; 16 bytes sits at
+the 10% line, 8 bytes (4 bf16 or 8 FP8 elements, one 64-bit word) halves it while the number of
+runs -- about one per changed element either way -- barely moves. The comparison is native code
+(``_delta.c``, :func:`changed_runs_native`): one pass over the output and its shadow, whole
+64-byte chunks skipped at once when equal, the shadow updated in the same pass, the runs written
+into int64 start/length arrays (no Python per run); the transports post such arrays as one op
+(:class:`weight_transfer.transport.base.RunsOp`: ``process_vm_writev`` with 1024 iovecs per
+call from C for cma, a C loop of memcpy into the receiver's mapping for shm).
+
+``op_cost_bytes`` is the transport's cost of one more segment, in bytes at its bandwidth
+(:attr:`weight_transfer.transport.base.Transport.segment_cost_bytes`: cma ~1 KiB, the kernel pins
+the remote pages of every iovec; shm 64 B): an output whose runs would cost more than writing it
+whole (``runs x op_cost_bytes + changed bytes >= its size``) is written whole (the comparison
+stops as soon as that is certain). ``op_cost_bytes=0`` never falls back (fewest bytes).
+
 """
 from __future__ import annotations
 
+import ctypes
+import time
+from pathlib import Path
+
 import torch
 
-__all__ = ["DeltaState", "changed_runs", "check_published", "COMPLETE_KEY"]
+from .native import NativeKernel
+
+__all__ = ["DeltaState", "changed_runs", "changed_runs_native", "check_published", "native_status",
+           "COMPLETE_KEY"]
 
 COMPLETE_KEY = "complete/{version}"
 """Control-plane key the coordinator sets when it publishes ``complete version`` (persistent:
 later states overwrite ``weights``, not this)."""
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (flat uint8) viewed as the widest integers its address and length allow."""
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.wt_delta_runs.argtypes = [P, P, I, I, I, P, P, I, P]
+    lib.wt_delta_runs.restype = I
+    lib.wt_check_segments.argtypes = [P, P, I, I, P]
+    lib.wt_check_segments.restype = I
+    lib.wt_scatter.argtypes = [P, P, P, P, I]
+    lib.wt_scatter.restype = I
+    lib.wt_cma_write.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, P, P, I, P, P]
+    lib.wt_cma_write.restype = I
+
+
+_CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
+KERNEL = NativeKernel(Path(__file__).with_name("_delta.c"), stem="delta", env="WT_DELTA_NATIVE",
+                      flag_sets=(_CFLAGS, tuple(f for f in _CFLAGS if f != "-march=native")), declare=_declare)
+"""The native comparison and segment writers (``_delta.c``; ``WT_DELTA_NATIVE=0`` disables it:
+the comparison then runs in torch and segments are posted one op each)."""
+
+
+def native_status() -> str:
+    """``"ok"`` when the native kernel is loaded, else why not."""
+    return KERNEL.status()
+
+
+class Runs:
+    """Byte runs of one output as two int64 CPU tensors ``starts`` and ``lens`` (bytes from the
+    output's first byte; ascending, disjoint, non-empty). Iterates as ``(start, length)`` pairs
+    and compares equal to such a list (for tests); ``nbytes``: bytes the runs cover."""
+
+    __slots__ = ("starts", "lens", "nbytes")
+
+    def __init__(self, starts: torch.Tensor, lens: torch.Tensor, nbytes: int | None = None):
+        self.starts, self.lens = starts, lens
+        self.nbytes = int(lens.sum()) if nbytes is None else nbytes
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def __iter__(self):
+        return iter(zip(self.starts.tolist(), self.lens.tolist()))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Runs):
+            other = list(other)
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"Runs({len(self)} runs, {self.nbytes} bytes)"
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _words(t: torch.Tensor, g: int) -> torch.Tensor:
+    """``t`` (flat uint8, whole ``g``-byte blocks) viewed as the widest integers that divide a
+    block and that its address allows."""
     for dt, k in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if t.numel() % k == 0 and t.data_ptr() % k == 0:
+        if g % k == 0 and t.numel() % k == 0 and t.data_ptr() % k == 0:
             return t.view(dt)
     return t
 
@@ -68,7 +151,7 @@ def changed_blocks(new: torch.Tensor, old: torch.Tensor, granularity: int) -> to
     body = (n // g) * g
     parts = []
     if body:
-        a, b = _words(new[:body]), _words(old[:body])
+        a, b = _words(new[:body], g), _words(old[:body], g)
         parts.append((a != b).view(n // g, -1).any(1))
     if body < n:
         parts.append(torch.ne(new[body:], old[body:]).any().view(1))
@@ -97,6 +180,44 @@ def changed_runs(new: torch.Tensor, old: torch.Tensor, granularity: int = 128,
     return [(a, b - a) for a, b in zip(s, e)]
 
 
+def changed_runs_native(new: torch.Tensor, old: torch.Tensor, granularity: int = 8, merge_gap: int = 0, *,
+                     update: bool = True, max_runs: int | None = None) -> Runs | None:
+    """The runs of :func:`changed_runs` as :class:`Runs` (vectorized: the native kernel, else
+    torch), and with ``update`` the shadow ``old`` made equal to ``new`` (flat uint8 CPU tensors of
+    one length). ``max_runs``: None (returned) when there would be more runs than that (then
+    ``old`` is refreshed whole when ``update``)."""
+    n = new.numel()
+    if n == 0:
+        return Runs(_EMPTY, _EMPTY, 0)
+    lib = KERNEL.lib() if new.device.type == "cpu" and update else None
+    cap = (n + granularity - 1) // granularity // 2 + 1 + (merge_gap == 0)
+    if max_runs is not None:
+        cap = min(cap, max_runs)
+    if lib is not None:
+        st = torch.empty(cap, dtype=torch.int64)
+        ln = torch.empty(cap, dtype=torch.int64)
+        tot = ctypes.c_int64(0)
+        m = lib.wt_delta_runs(new.data_ptr(), old.data_ptr(), n, granularity, merge_gap, st.data_ptr(),
+                              ln.data_ptr(), cap, ctypes.byref(tot))
+        if m < 0:
+            old.copy_(new)
+            return None
+        return Runs(st[:m], ln[:m], tot.value)
+    m = changed_blocks(new, old, granularity)
+    idx = m.nonzero().flatten()
+    if idx.numel() == 0:
+        return Runs(_EMPTY, _EMPTY, 0)
+    gap_blocks = max(0, merge_gap // granularity)
+    brk = ((idx[1:] - idx[:-1]) > gap_blocks + 1).nonzero().flatten()
+    starts = torch.cat([idx[:1], idx[brk + 1]]) * granularity
+    ends = ((torch.cat([idx[brk], idx[-1:]]) + 1) * granularity).clamp_(max=n)
+    if update:
+        old.copy_(new)
+    if max_runs is not None and starts.numel() > max_runs:
+        return None
+    return Runs(starts.cpu(), (ends - starts).cpu())
+
+
 class DeltaState:
     """One executor's delta bookkeeping: the shadow of every output its writes read, and whether
     the next update must be full (the module docstring). ``places``: the executor's
@@ -104,11 +225,17 @@ class DeltaState:
     output: None or an object with ``nbytes``). Raises ValueError when the shadow would exceed
     ``max_bytes``."""
 
-    def __init__(self, places, *, device, granularity: int = 128, merge_gap: int = 4096,
-                 max_bytes: int | None = None, rank: int = 0):
-        if granularity < 1 or merge_gap < 0:
-            raise ValueError(f"delta: granularity={granularity} (bytes >= 1), merge_gap={merge_gap} (bytes >= 0)")
-        self.granularity, self.merge_gap = granularity, merge_gap
+    def __init__(self, places, *, device, granularity: int = 8, merge_gap: int = 0,
+                 max_bytes: int | None = None, rank: int = 0, op_cost_bytes: int = 0):
+        if granularity < 1 or merge_gap < 0 or op_cost_bytes < 0:
+            raise ValueError(f"delta: granularity={granularity} (bytes >= 1), merge_gap={merge_gap} (bytes >= 0), "
+                             f"op_cost_bytes={op_cost_bytes} (bytes >= 0)")
+        self.granularity, self.merge_gap, self.op_cost_bytes = granularity, merge_gap, op_cost_bytes
+        self.seconds = 0.0
+        """Seconds this update spent comparing, building runs and updating the shadow (reset by
+        :meth:`begin`)."""
+        self.whole = 0
+        """Outputs of this update written whole by the cost model (reset by :meth:`begin`)."""
         self._at: dict[tuple[int, int, int], tuple[int, int]] = {}
         off = 0
         for i, per_a in enumerate(places):
@@ -148,6 +275,7 @@ class DeltaState:
         self._sig = sig
         self.full = self.full_reason is not None
         self.reason = self.full_reason
+        self.seconds, self.whole = 0.0, 0
         self.full_reason = "an update in progress did not finish"  # cleared by end(ok=True)
         return self.full
 
@@ -159,29 +287,31 @@ class DeltaState:
         else:
             self.full_reason = f"the update to version {version} failed"
 
-    def runs(self, key: tuple[int, int, int], data: torch.Tensor) -> list[tuple[int, int]] | None:
+    def runs(self, key: tuple[int, int, int], data: torch.Tensor) -> Runs | None:
         """The runs of output ``key`` (task index, assignment, output) to write now, its bytes
-        ``data`` (flat uint8, ``nbytes`` of the plan): None for the whole output (a full
-        update), else the changed runs (possibly none). The shadow takes ``data``'s changed
-        bytes (all of them in a full update)."""
+        ``data`` (flat uint8, ``nbytes`` of the plan): None for the whole output (a full update,
+        or runs that would cost more than the whole output: ``op_cost_bytes``), else the changed
+        runs as :class:`Runs` (possibly none). The shadow takes ``data``'s changed bytes (all
+        of them in a full update)."""
         at = self._at.get(key)
         if at is None:
             return None
-        off, n = at
-        old = self.shadow[off:off + n]
-        if self.full:
-            old.copy_(data)
-            return None
-        g = self.granularity
-        runs = changed_runs(data, old, g, self.merge_gap)
-        if runs:
-            changed = sum(r[1] for r in runs)
-            if changed * 4 > n or len(runs) > 64:
+        t0 = time.perf_counter()
+        try:
+            off, n = at
+            old = self.shadow[off:off + n]
+            if self.full:
                 old.copy_(data)
-            else:
-                for s, m in runs:
-                    old[s:s + m].copy_(data[s:s + m])
-        return runs
+                return None
+            c = self.op_cost_bytes
+            seg = changed_runs_native(data, old, self.granularity, self.merge_gap,
+                                   max_runs=n // c + 1 if c else None)
+            if seg is None or (c and len(seg) * c + seg.nbytes >= n):
+                self.whole += 1
+                return None
+            return seg
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def check_published(executor, store) -> None:

@@ -194,12 +194,15 @@ class Executor:
         full-or-delta decision), else None."""
         if options.delta:
             from .delta import DeltaState
+            from .transport.runs import segment_cost_bytes
 
+            cost = options.delta_op_cost if options.delta_op_cost is not None else segment_cost_bytes(self.transport)
             self.delta = DeltaState(self.memory.places, device=self.device, granularity=options.delta_granularity,
                                     merge_gap=options.delta_merge_gap, max_bytes=options.delta_max_bytes,
-                                    rank=plan.rank)
+                                    op_cost_bytes=cost, rank=plan.rank)
             self._say(f"delta updates: shadow of {self.delta.shadow_bytes / 1e6:.1f} MB "
-                      f"(granularity {options.delta_granularity} B, merge gap {options.delta_merge_gap} B)")
+                      f"(granularity {options.delta_granularity} B, merge gap {options.delta_merge_gap} B, "
+                      f"run cost {cost} B)")
         self._close = weakref.finalize(self, self.memory.close)  # an executor dropped unclosed: no leak
 
     def close(self) -> None:
@@ -470,6 +473,7 @@ class Executor:
                 self.delta.end(step, ok=False)
                 raise
             self.delta.end(step, ok=True)
+            st.delta_compare_s, st.delta_whole = self.delta.seconds, self.delta.whole
             return out
         return self._run(st, step)
 

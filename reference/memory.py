@@ -335,7 +335,8 @@ class RegisteredMemory:
         plan's writes, or a view-of-shard output is not inside the storage registered for it (the
         shard was re-allocated since setup: shards must be updated in place). ``delta``
         (:class:`weight_transfer.delta.DeltaState`): each output's writes carry only the runs
-        that changed since the last update (none when nothing did), one op per run and receiver."""
+        that changed since the last update (none when nothing did): one
+        :class:`weight_transfer.transport.runs.RunsOp` per output and receiver."""
         ops: list[WriteOp] = []
         copied = 0
         for ai, (a, outs, places) in enumerate(zip(task.assignments, outputs, self.places[index])):
@@ -379,8 +380,10 @@ class RegisteredMemory:
                     r = runs[w.output]
                     if r is None:
                         ops.append(WriteOp(reg, lo, d, w.remote_offset, w.length))
-                    else:
-                        ops += [WriteOp(reg, lo + s, d, w.remote_offset + s, n) for s, n in r]
+                    elif len(r):
+                        from .transport.runs import RunsOp
+
+                        ops.append(RunsOp(reg, lo, d, w.remote_offset, w.length, r.starts, r.lens))
         return ops, copied
 
     def close(self) -> None:

@@ -88,6 +88,12 @@ class StepStats:
     (the first update, after a failed one, a re-registered receiver, ...)."""
     delta_shadow_bytes: int = 0
     """Bytes of this rank's shadow copy of its last-written outputs (0 without delta updates)."""
+    delta_compare_s: float = 0.0
+    """Seconds of this update spent comparing outputs with the shadow, building the runs and
+    updating the shadow (inside the write stage; 0 without delta updates)."""
+    delta_whole: int = 0
+    """Outputs of a delta update written whole because their runs would cost more (the cost
+    model of :mod:`weight_transfer.delta`)."""
 
     @property
     def wire_bytes(self) -> int:

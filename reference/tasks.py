@@ -90,16 +90,20 @@ class PostedTask:
 def post_ops(task: Task, ops: list[WriteOp], transport: Transport, remote: dict[int, RegionDescriptor],
              timeout: float | None = None, item=None) -> PostedTask:
     """Post ``ops`` (every write of ``task``, from memory already registered, e.g.
-    :meth:`weight_transfer.memory.RegisteredMemory.ops`) as one batch; do not wait. The batch's timeout (seconds)
-    counts from now. Raises the transport's error (a :class:`RemoteGoneError` names the
+    :meth:`weight_transfer.memory.RegisteredMemory.ops`; delta runs as
+    :class:`weight_transfer.transport.runs.RunsOp`, counted one write per run) as one batch; do
+    not wait. The batch's timeout (seconds) counts from now. Raises the transport's error (a :class:`RemoteGoneError` names the
     inference rank); nothing of a refused batch was issued
     (:meth:`weight_transfer.transport.base.Transport.write`)."""
+    from .transport import runs
+
     t0 = time.perf_counter()
     try:
-        handle = transport.write(ops) if ops else CompletedWrite(0)
+        handle = runs.write(transport, ops) if ops else CompletedWrite(0)
     except RemoteGoneError as e:
         raise _name_gone(task, remote, e) from e
-    return PostedTask(task, handle, [], len(ops), t0, None if timeout is None else t0 + timeout, item, timeout)
+    return PostedTask(task, handle, [], runs.op_count(ops), t0, None if timeout is None else t0 + timeout, item,
+                      timeout)
 
 
 def post_outputs(task: Task, outputs: list[list[torch.Tensor]], transport: Transport,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.loopback import Loopback
-from weight_transfer.delta import DeltaState, changed_runs, check_published
+from weight_transfer.delta import DeltaState, changed_runs, changed_runs_native, check_published, native_status
 from weight_transfer.options import ExecutorOptions
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.testing.weights import SyntheticCheckpoint
@@ -89,8 +89,10 @@ def test_shadow_bytes_bound_and_decisions():
     assert d.runs((0, 0, 0), x) == []  # nothing changed
     y = x.clone()
     y[5] ^= 1
-    assert d.runs((0, 0, 0), y) == [(0, 100)]
+    assert d.runs((0, 0, 0), y) == [(0, 8)]  # the 8-byte block holding byte 5
     assert d.runs((0, 0, 0), y) == []  # the shadow took the change
+    y[40:100] ^= 1
+    assert d.runs((0, 0, 0), y) == [(40, 60)]
     d.end(2, ok=False)
     assert d.begin(remote) and "failed" in d.reason  # C26: after a failed update
     d.end(3, ok=True)
@@ -132,10 +134,13 @@ def _ckpt(cfg, step, change):
 def test_delta_updates_bit_exact_nothing_everything_and_partial(transport, quant):
     """Steps 1..6 of the schedule (1, 0, 1, 0.01, 0.3, 0): the first update is full; a step where
     nothing changed writes no byte; one where everything changed writes every byte; partial
-    steps write less; every update bit-exact against a fresh oracle of that step."""
+    steps write less; every update bit-exact against a fresh oracle of that step. At the default
+    8-byte blocks (runs posted from C as RunsOps), no cost-model fallback (``delta_op_cost=0``:
+    every output's runs are written)."""
     cfg = load_config("qwen3-0.6b", **TINY)
     change = (1.0, 0.0, 1.0, 0.01, 0.3, 0.0)
-    lb = Loopback(cfg, InferenceLayout(tp=2, quant=quant), transport=transport, options=ExecutorOptions(delta=True))
+    opts = ExecutorOptions(delta=True, delta_op_cost=0)
+    lb = Loopback(cfg, InferenceLayout(tp=2, quant=quant), transport=transport, options=opts)
     full = None
     seen = []
     for step in range(1, 7):
@@ -213,7 +218,7 @@ def test_delta_max_bytes_refuses_a_plan_whose_shadow_is_larger():
 
 
 def test_options_refuse_bad_delta_values():
-    for kw in (dict(delta_granularity=0), dict(delta_merge_gap=-1), dict(delta_max_bytes=-5)):
+    for kw in (dict(delta_granularity=0), dict(delta_merge_gap=-1), dict(delta_max_bytes=-5), dict(delta_op_cost=-1)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             ExecutorOptions(**kw)
 
@@ -234,3 +239,121 @@ def test_change_fraction_steps_change_that_fraction_and_any_slice_agrees():
     plain = flat_range("w", 0, 5000, step=7, seed=1, dtype=torch.bfloat16)
     ones = flat_range("w", 0, 5000, step=7, seed=1, dtype=torch.bfloat16, change=(1.0,))
     assert torch.equal(plain.view(torch.int16), ones.view(torch.int16))
+
+
+# ---- the native runs, the batched run writes, the cost model --------------------------------------
+
+
+def test_native_runs_equal_the_python_reference_and_update_the_shadow():
+    """The C pass (``_delta.c``) gives exactly :func:`changed_runs`' runs at every granularity
+    and gap (odd lengths, short tail blocks, granularities that are no word size), and leaves the
+    shadow equal to the new bytes; nothing changed -> no run; everything changed -> one run."""
+    if native_status() != "ok":
+        pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    g = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        old = _u8(n, trial)
+        new = old.clone()
+        k = int(torch.randint(0, 40, (1,), generator=g))
+        new[torch.randint(0, n, (k,), generator=g)] ^= 0x11
+        gran = (1, 2, 3, 8, 16, 64, 128, 100)[trial % 8]
+        gap = (0, 8, 100, 256)[trial // 8 % 4]
+        want = changed_runs(new, old, gran, gap)
+        shadow = old.clone()
+        got = changed_runs_native(new, shadow, gran, gap)
+        assert got == want, (n, gran, gap)
+        assert got.nbytes == sum(m for _, m in want)
+        assert torch.equal(shadow, new)
+    x = _u8(4099)
+    assert changed_runs_native(x, x.clone(), 8) == []
+    assert changed_runs_native(x, x ^ 0xFF, 8) == [(0, 4099)]
+    # more runs than allowed: None, and the shadow refreshed whole
+    y = x.clone()
+    y[::16] ^= 1
+    shadow = x.clone()
+    assert changed_runs_native(y, shadow, 8, max_runs=10) is None and torch.equal(shadow, y)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("transport", ["cma", "shm"])
+def test_runs_op_writes_exactly_its_runs_and_refuses_a_run_outside_its_span(transport, native, monkeypatch):
+    """A RunsOp lands exactly its runs (other bytes untouched) on cma and shm, from C and (no
+    native kernel) one op per run; a run outside its span, an empty run or malformed arrays
+    refuse the whole batch before any byte moves."""
+    from weight_transfer import delta
+    from weight_transfer.transport import make_transport
+    from weight_transfer.transport.base import BoundsError, WriteOp
+    from weight_transfer.transport.runs import RunsOp, op_count, write
+
+    if not native:
+        monkeypatch.setattr(delta.KERNEL, "lib", lambda: None)
+    elif native_status() != "ok":
+        pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    rx, tx = make_transport(transport), make_transport(transport)
+    arena = rx.allocate(1 << 16) if rx.publishes_allocated_only else torch.empty(1 << 16, dtype=torch.uint8)
+    arena.fill_(0xA5)
+    d = rx.register(arena).descriptor()
+    tx.connect([d])
+    src = _u8(1 << 16, 9)
+    loc = tx.register(src)
+    starts = torch.tensor([0, 100, 5000, 9000], dtype=torch.int64)
+    lens = torch.tensor([8, 50, 1, 1000], dtype=torch.int64)
+    ops = [RunsOp(loc, 1024, d, 2048, 10000, starts, lens), WriteOp(loc, 0, d, 60000, 16)]
+    assert op_count(ops) == 5
+    assert write(tx, ops).wait() == 8 + 50 + 1 + 1000 + 16
+    want = torch.full((1 << 16,), 0xA5, dtype=torch.uint8)
+    for s, n in zip(starts.tolist(), lens.tolist()):
+        want[2048 + s:2048 + s + n] = src[1024 + s:1024 + s + n]
+    want[60000:60016] = src[:16]
+    assert torch.equal(arena, want)
+    before = arena.clone()
+    bad = [(torch.tensor([9999], dtype=torch.int64), torch.tensor([2], dtype=torch.int64)),  # leaves the span
+           (torch.tensor([-1], dtype=torch.int64), torch.tensor([2], dtype=torch.int64)),
+           (torch.tensor([10], dtype=torch.int64), torch.tensor([0], dtype=torch.int64)),  # empty
+           (torch.tensor([10], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))]
+    for st, ln in bad:
+        with pytest.raises(BoundsError, match="op 1"):
+            write(tx, [WriteOp(loc, 0, d, 0, 16), RunsOp(loc, 0, d, 0, 10000, st, ln)])
+    with pytest.raises(BoundsError):  # the span itself leaves the remote region
+        write(tx, [RunsOp(loc, 0, d, (1 << 16) - 100, 10000, starts[:1], lens[:1])])
+    assert torch.equal(arena, before)  # nothing of a refused batch was written
+    tx.close()
+    rx.close()
+
+
+def test_cost_model_writes_an_output_whole_when_its_runs_cost_more():
+    """``op_cost_bytes``: runs x cost + bytes >= the output -> the whole output (None), the shadow
+    refreshed; a few runs -> the runs."""
+    d = DeltaState([[[_P(4096)]]], device="cpu", op_cost_bytes=1024)
+    remote = {0: _Desc(1)}
+    d.begin(remote)
+    x = _u8(4096)
+    assert d.runs((0, 0, 0), x) is None
+    d.end(1, ok=True)
+    d.begin(remote)
+    y = x.clone()
+    y[100] ^= 1
+    assert d.runs((0, 0, 0), y) == [(96, 8)] and d.whole == 0
+    y[::512] ^= 1  # 8 runs x 1024 > 4096: whole
+    assert d.runs((0, 0, 0), y) is None and d.whole == 1
+    assert d.runs((0, 0, 0), y) == []  # the shadow was refreshed
+
+
+def test_delta_at_the_transport_cost_is_bit_exact():
+    """The default options (8-byte blocks, the transport's run cost: outputs whose runs cost more
+    are written whole) through the loopback: bit-exact every update, a sparse step writes less
+    than full, nothing changed writes nothing."""
+    cfg = load_config("qwen3-0.6b", **TINY)
+    change = (1.0, 0.0005, 0.0)
+    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True))
+    seen = []
+    for step in range(1, 4):
+        src = _ckpt(cfg, step, change)
+        st = lb.transfer(src)
+        assert lb.verify(src) == [], (step, st.delta)
+        seen.append((st.delta, st.bytes_sent, st.full_bytes))
+    assert seen[0][0].startswith("full") and seen[0][1] == seen[0][2]
+    assert seen[1][0] == "delta" and 0 < seen[1][1] < seen[1][2]
+    assert seen[2] == ("delta", 0, seen[2][2])
+    lb.executor.close()

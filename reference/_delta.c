@@ -1,0 +1,155 @@
+/* Delta updates' hot loops (weight_transfer.delta, weight_transfer.transport.{cma,shm}).
+ *
+ * wt_delta_runs: one pass over an output and its shadow: compare in g-byte blocks, emit the
+ *   byte runs of changed blocks (merged across gaps of at most `gap` unchanged bytes) into
+ *   caller arrays, and copy every changed block into the shadow. No per-run Python.
+ * wt_check_segments: every segment inside [0, span) and non-empty (bounds before any byte moves).
+ * wt_scatter: memcpy of N (offset, length) segments from one base to another (shm).
+ * wt_cma_write: process_vm_writev of N segments, IOV_MAX (1024) iovecs per call, resuming a
+ *   partial copy at the exact iovec and offset (cma).
+ *
+ * Units: bytes. Offsets are int64 relative to the bases the caller passes.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+static inline uint64_t ld64(const uint8_t *p) {
+    uint64_t x;
+    memcpy(&x, p, 8);
+    return x;
+}
+
+/* Nonzero when [a, a+len) and [b, b+len) differ. */
+static inline int differs(const uint8_t *a, const uint8_t *b, int64_t len) {
+    int64_t i = 0;
+    uint64_t d = 0;
+    for (; i + 8 <= len; i += 8) d |= ld64(a + i) ^ ld64(b + i);
+    for (; i < len; i++) d |= (uint64_t)(a[i] ^ b[i]);
+    return d != 0;
+}
+
+/* Returns the number of runs (<= cap), or -1 when there would be more than cap (then the
+ * shadow holds an unspecified mix of old and new bytes: the caller refreshes it whole).
+ * *changed: bytes covered by the runs (including merged gaps). */
+int64_t wt_delta_runs(const uint8_t *nw, uint8_t *old, int64_t n, int64_t g, int64_t gap, int64_t *starts,
+                      int64_t *lens, int64_t cap, int64_t *changed) {
+    int64_t nr = 0, cs = -1, ce = 0, tot = 0;
+    const int fast = (g <= 64) && (64 % g == 0);
+    int64_t i = 0;
+    while (i < n) {
+        int64_t lim;
+        if (fast && i + 64 <= n) {
+            uint64_t d = 0;
+            for (int k = 0; k < 64; k += 8) d |= ld64(nw + i + k) ^ ld64(old + i + k);
+            if (!d) {
+                i += 64;
+                continue;
+            }
+            lim = i + 64;
+        } else {
+            lim = fast ? n : (i + g < n ? i + g : n);
+        }
+        for (int64_t b = i; b < lim; b += g) {
+            int64_t e = b + g < n ? b + g : n;
+            if (!differs(nw + b, old + b, e - b)) continue;
+            memcpy(old + b, nw + b, (size_t)(e - b));
+            if (cs >= 0 && b - ce <= gap) {
+                ce = e;
+            } else {
+                if (cs >= 0) {
+                    if (nr >= cap) return -1;
+                    starts[nr] = cs;
+                    lens[nr] = ce - cs;
+                    tot += ce - cs;
+                    nr++;
+                }
+                cs = b;
+                ce = e;
+            }
+        }
+        i = lim;
+    }
+    if (cs >= 0) {
+        if (nr >= cap) return -1;
+        starts[nr] = cs;
+        lens[nr] = ce - cs;
+        tot += ce - cs;
+        nr++;
+    }
+    *changed = tot;
+    return nr;
+}
+
+/* Index of the first segment not inside [0, span) or empty, or -1 when all are fine (then
+ * *total is the bytes of all segments). */
+int64_t wt_check_segments(const int64_t *starts, const int64_t *lens, int64_t m, int64_t span, int64_t *total) {
+    int64_t tot = 0;
+    for (int64_t k = 0; k < m; k++) {
+        int64_t s = starts[k], l = lens[k];
+        if (s < 0 || l <= 0 || l > span || s > span - l) return k;
+        tot += l;
+    }
+    *total = tot;
+    return -1;
+}
+
+int64_t wt_scatter(uint8_t *dst, const uint8_t *src, const int64_t *starts, const int64_t *lens, int64_t m) {
+    int64_t tot = 0;
+    for (int64_t k = 0; k < m; k++) {
+        memcpy(dst + starts[k], src + starts[k], (size_t)lens[k]);
+        tot += lens[k];
+    }
+    return tot;
+}
+
+#define WT_IOV_MAX 1024
+
+/* Returns the bytes written (all of them: sum of lens), or -errno; then *failed is the index of
+ * the first segment not completely written and *done the bytes written before the error. */
+int64_t wt_cma_write(int pid, uint64_t lbase, uint64_t rbase, const int64_t *starts, const int64_t *lens, int64_t m,
+                     int64_t *failed, int64_t *done) {
+    struct iovec liov[WT_IOV_MAX], riov[WT_IOV_MAX];
+    int64_t tot = 0, k = 0, skip = 0; /* skip: bytes of segment k already written */
+    while (k < m) {
+        int64_t c = 0;
+        for (; c < WT_IOV_MAX && k + c < m; c++) {
+            int64_t o = starts[k + c] + (c == 0 ? skip : 0);
+            size_t l = (size_t)(lens[k + c] - (c == 0 ? skip : 0));
+            liov[c].iov_base = (void *)(uintptr_t)(lbase + (uint64_t)o);
+            riov[c].iov_base = (void *)(uintptr_t)(rbase + (uint64_t)o);
+            liov[c].iov_len = riov[c].iov_len = l;
+        }
+        ssize_t r = process_vm_writev(pid, liov, (unsigned long)c, riov, (unsigned long)c, 0);
+        if (r < 0) {
+            *failed = k;
+            *done = tot;
+            return -(int64_t)errno;
+        }
+        if (r == 0) {
+            *failed = k;
+            *done = tot;
+            return -(int64_t)EFAULT;
+        }
+        tot += r;
+        /* advance k/skip by r bytes */
+        int64_t left = r;
+        while (left > 0 && k < m) {
+            int64_t rem = lens[k] - skip;
+            if (left >= rem) {
+                left -= rem;
+                k++;
+                skip = 0;
+            } else {
+                skip += left;
+                left = 0;
+            }
+        }
+    }
+    *failed = -1;
+    *done = tot;
+    return tot;
+}
