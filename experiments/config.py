@@ -373,7 +373,7 @@ KEY_EXCLUDE = ("timeout", "trace_dir")
 
 
 KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16",
-                "delta": False, "delta_granularity": 128, "delta_merge_gap": 4096, "delta_max_bytes": None,
+                "delta": False, "delta_granularity": 8, "delta_merge_gap": 0, "delta_op_cost": None, "delta_max_bytes": None,
                 "change_fraction": ()}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match."""
