@@ -15,7 +15,11 @@ Stages, named the same in README, code, logs and timelines (:data:`STAGES`):
 
 *Registered once.* The memory the writes read from is registered when the executor is built,
 never per update (:mod:`weight_transfer.memory`): plain recipes are written from the shards' own
-storages (updated in place by the trainer), everything else is built by prepare straight into
+storages (updated in place by the trainer), and so are outputs that are nothing but their
+sources' bytes in order (fused ``qkv_proj`` / ``gate_up_proj`` / ``w13_weight`` bands: one
+write op per source range; TP slices along dim 1: one op with a segment per row, the iovecs of
+one ``process_vm_writev``; copied once, by the write itself); everything else (casts, FP8,
+runtime layouts, gathered sources) is built by prepare straight into
 a slot of a preallocated output pool, taken at admission and given back at release, after the
 task's batch completed; a task waits for pool space only while the chunks in flight fill it.
 :attr:`Executor.setup_stats` says what registering cost. The records of an update
@@ -185,7 +189,7 @@ class Executor:
         self._barrier_async = self._accepts_async(group_barrier)
         self._runs = 0
         self.memory = RegisteredMemory(plan.tasks, params, transport, device=self.device, watermark=self.watermark,
-                                       pool_bytes=pool_bytes)
+                                       pool_bytes=pool_bytes, direct=not options.delta)
         self.setup_stats: SetupStats = self.memory.stats
         """What registering the write memory once cost (regions, bytes, seconds); see
         :meth:`SetupStats.summary` for the one-line form."""
@@ -349,7 +353,9 @@ class Executor:
             w.ready_event.synchronize()
         ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote, self.delta)
         w.rec.copy_bytes += copied
-        return post_ops(w.task, ops, self.transport, self.remote, self.write_timeout, item=w)
+        p = post_ops(w.task, ops, self.transport, self.remote, self.write_timeout, item=w)
+        p.n_ops -= self.memory.extra_ops  # a planned write from several shard ranges counts once
+        return p
 
     def _write_done(self, p: PostedTask, n: int, st: StepStats) -> None:
         """Account a completed batch: bytes, ops, and the write stage's (post, completion)."""

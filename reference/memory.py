@@ -17,6 +17,7 @@ writes read:
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from .tasks import DIRECT
 from .transforms import output_nbytes, output_view
-from .transport.base import Region, WriteOp
+from .transport.base import Region, Segments, WriteOp
 from .types import RegionDescriptor, Task
 
 __all__ = ["POOL_ALIGN", "POOL_DEFAULT", "OutputPool", "RegisteredMemory", "SetupStats", "built_bytes"]
@@ -138,6 +140,10 @@ class SetupStats:
     """Bytes of the output pool (fused, cast, quantized and gathered outputs are built there)."""
     pooled_bytes: int = 0
     """Bytes of outputs built in the pool per update (the plan's; each output once)."""
+    direct_bytes: int = 0
+    """Bytes of outputs that are not a view of one shard but are written straight from the
+    shards anyway, as several pieces or :class:`~weight_transfer.transport.base.Segments` (fused
+    bands, TP slices along dim 1): nothing is built for them."""
     allocate_seconds: float = 0.0
     """Seconds to allocate and touch the pool."""
     pool_replaced: int = 0
@@ -146,10 +152,13 @@ class SetupStats:
 
     def summary(self) -> str:
         """One line: ``registered once (cma): 3 regions, 0.962 GB (2 shard storages 0.700 GB +
-        pool 0.262 GB) in 0.0001 s``."""
+        pool 0.262 GB) in 0.0001 s; per update 0.001 GB built in the pool, 0.340 GB of fused or
+        strided outputs written from the shards in pieces``."""
         return (f"registered once ({self.transport}): {self.n_regions} regions, {self.registered_bytes / 1e9:.3f} GB "
                 f"({self.source_regions} shard storages {self.source_bytes / 1e9:.3f} GB + pool "
-                f"{self.pool_bytes / 1e9:.3f} GB) in {self.register_seconds:.4f} s")
+                f"{self.pool_bytes / 1e9:.3f} GB) in {self.register_seconds:.4f} s; per update "
+                f"{self.pooled_bytes / 1e9:.3f} GB built in the pool, {self.direct_bytes / 1e9:.3f} GB of fused or "
+                "strided outputs written from the shards in pieces")
 
 
 class _Src:
@@ -159,6 +168,19 @@ class _Src:
 
     def __init__(self, region: Region, base: int, nbytes: int):
         self.region, self.base, self.nbytes = region, base, nbytes
+
+
+class _Parts:
+    """An output written straight from the shards' storages as one or more write pieces: a
+    fused band (``qkv_proj``: its q, k, v rows), a TP slice along dim 1 (a column slice of
+    row-major rows), or both; nothing is built. ``parts``: (region, local offset, output offset,
+    bytes, :class:`~weight_transfer.transport.base.Segments` or None), in output order, tiling
+    the output; ``sources``: (name, storage address at setup) of every shard read."""
+
+    __slots__ = ("parts", "nbytes", "sources")
+
+    def __init__(self, parts, nbytes: int, sources):
+        self.parts, self.nbytes, self.sources = parts, nbytes, sources
 
 
 class _Slot:
@@ -172,6 +194,80 @@ class _Slot:
 
 def _local(p) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def direct_runs(recipe, get) -> list[tuple[torch.Tensor, int, int, int]] | None:
+    """Where every byte of a ``"copy"`` recipe's one output lives, when the output is nothing but
+    its sources' bytes in order (same dtype, identity layout, no zero fill: a fused band, a
+    strided TP slice) and so can be written without building it: (source view's storage owner,
+    storage byte offset, output byte offset, bytes) per contiguous run, in output order, adjacent
+    runs of one storage merged. None when the output must be built (a cast, another layout,
+    FP8, zero pieces, pieces that do not tile the output exactly). ``get(name)``: the source
+    tensor the recipe's ``src_box`` indexes (a rank's ``to_local()`` shard)."""
+    import numpy as np
+
+    from .layouts import IDENTITY
+    from .types import torch_dtype
+
+    if recipe.transform != "copy" or len(recipe.outputs) != 1:
+        return None
+    o = recipe.outputs[0]
+    if o.layout != IDENTITY or o.dtype != recipe.assembled_dtype:
+        return None
+    dt = torch_dtype(recipe.assembled_dtype)
+    isz = dt.itemsize
+    shape = tuple(recipe.shape)
+    cstride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        cstride[d] = cstride[d + 1] * shape[d + 1]
+    runs = []  # (output offset, storage key, storage offset, bytes, tensor)
+    for p in recipe.pieces:
+        if p.source is None:
+            return None
+        try:
+            v = get(p.source)[tuple(slice(a, b) for a, b in p.src_box)]
+        except (KeyError, IndexError, RuntimeError, ValueError):
+            return None
+        if v.dtype != dt:
+            return None
+        box = p.dst_box
+        sizes = [b - a for a, b in box]
+        if v.dim() < len(sizes):
+            if any(n != 1 for n in sizes[:len(sizes) - v.dim()]):
+                return None
+            vsz, vst = [1] * (len(sizes) - v.dim()) + list(v.shape), [0] * (len(sizes) - v.dim()) + list(v.stride())
+        else:
+            vsz, vst = list(v.shape), list(v.stride())
+        if vsz != sizes or 0 in sizes:
+            return None
+        dims = [(n, ds, ss) for n, ds, ss in zip(sizes, cstride, vst) if n != 1]
+        run, k = 1, len(dims)
+        while k and dims[k - 1][1] == run and dims[k - 1][2] == run:
+            run *= dims[k - 1][0]
+            k -= 1
+        doff = np.array([sum(a * st for (a, _), st in zip(box, cstride))], dtype=np.int64)
+        soff = np.array([v.storage_offset()], dtype=np.int64)
+        for n, ds, ss in dims[:k]:
+            ar = np.arange(n, dtype=np.int64)
+            doff = (doff[:, None] + ar[None, :] * ds).reshape(-1)
+            soff = (soff[:, None] + ar[None, :] * ss).reshape(-1)
+        key = v.untyped_storage().data_ptr()
+        for a, b in zip((doff * isz).tolist(), (soff * isz).tolist()):
+            runs.append((a, key, b, run * isz, v))
+    runs.sort(key=lambda r: r[0])
+    total = math.prod(shape) * isz
+    out, at = [], 0
+    for a, key, b, n, v in runs:
+        if a != at:
+            return None  # a gap or an overlap: the pieces do not tile the output
+        at = a + n
+        if out and out[-1][4] == key and out[-1][1] + out[-1][3] == b:
+            out[-1][3] += n
+        else:
+            out.append([v, b, a, n, key])
+    if at != total:
+        return None
+    return [(v, b, a, n) for v, b, a, n, _ in out]
 
 
 class RegisteredMemory:
@@ -200,8 +296,15 @@ class RegisteredMemory:
     registration cost. ``transport`` None (fakes without writes): nothing is registered."""
 
     def __init__(self, tasks, params, transport, *, device: torch.device, watermark: int | None,
-                 pool_bytes: int | None = None):
+                 pool_bytes: int | None = None, direct: bool = True):
         self.transport = transport
+        self._params = params
+        self.direct = direct
+        """Outputs that are their sources' bytes in order (fused bands, strided TP slices) are
+        written straight from the shards (:class:`_Parts`), else built in the pool."""
+        self.extra_ops = 0
+        """Ops the last :meth:`ops` call added beyond one per planned write (the pieces of
+        outputs written from several shard ranges)."""
         self.stats = SetupStats(transport=getattr(transport, "name", type(transport).__name__))
         self._src: dict[tuple, tuple[Region, int]] = {}
         self.places: list[list[list]] = []
@@ -229,9 +332,15 @@ class RegisteredMemory:
                 except Exception:
                     made = []
                 for k, n in sorted(sizes.items()):
+                    parts = None
+                    if k == 0 and view is None and get is not None and direct:
+                        parts = self._parts(a.recipe, get, n, device)
                     if k == 0 and view is not None:
                         region, base = self._source_region(view)
                         places[k] = _Src(region, base, n)
+                    elif parts is not None:
+                        places[k] = parts
+                        self.stats.direct_bytes += n
                     else:
                         places[k] = _Slot(rel, n, k < len(made) and made[k] == n)
                         rel += _align(n)
@@ -271,6 +380,39 @@ class RegisteredMemory:
             self.stats.source_regions += 1
             self.stats.source_bytes += whole.nbytes
         return got
+
+    def _parts(self, recipe, get, nbytes: int, device: torch.device) -> _Parts | None:
+        """The :class:`_Parts` of an output written from the shards (:func:`direct_runs`), or
+        None: it is built in the pool. Consecutive runs of one storage are one op, with
+        :class:`Segments` when they are several (CPU only: on a GPU a strided slice is one copy
+        kernel into the pool, not a copy per row)."""
+        try:
+            runs = direct_runs(recipe, get)
+        except Exception:
+            runs = None
+        if not runs or sum(r[3] for r in runs) != nbytes:
+            return None
+        groups: list[list] = []
+        for v, b, a, n in runs:
+            key = v.untyped_storage().data_ptr()
+            if groups and groups[-1][0] == key:
+                groups[-1][2].append((b, n))
+            else:
+                groups.append([key, v, [(b, n)], a])
+        if device.type != "cpu" and any(len(g[2]) > 1 for g in groups):
+            return None
+        parts, sources = [], {}
+        for _key, v, segs, a in groups:
+            region, _ = self._source_region(v)
+            n = sum(m for _, m in segs)
+            if len(segs) == 1:
+                parts.append((region, segs[0][0], a, n, None))
+            else:
+                lo = min(b for b, _ in segs)
+                parts.append((region, lo, a, n, Segments([b - lo for b, _ in segs], [m for _, m in segs])))
+        for pc in recipe.pieces:
+            sources[pc.source] = get(pc.source).untyped_storage().data_ptr()
+        return _Parts(parts, nbytes, tuple(sources.items()))
 
     def _size(self) -> int:
         most, total = max(self.chunk), sum(self.chunk)
@@ -321,6 +463,9 @@ class RegisteredMemory:
         plan's writes -- the post then names it); ``off``: the task's chunk (:meth:`acquire`)."""
         out = []
         for places in self.places[index]:
+            if any(isinstance(p, _Parts) for p in places) and all(p is None or isinstance(p, _Parts) for p in places):
+                out.append(DIRECT)  # nothing to build: the writes read the shards
+                continue
             bufs = [self.pool.buffer[off + p.rel:off + p.rel + p.nbytes] if isinstance(p, _Slot) and p.build else None
                     for p in places]
             out.append(bufs if any(b is not None for b in bufs) else None)
@@ -338,13 +483,24 @@ class RegisteredMemory:
         that changed since the last update (none when nothing did): one
         :class:`weight_transfer.transport.runs.RunsOp` per output and receiver."""
         ops: list[WriteOp] = []
-        copied = 0
+        copied = extra = 0
         for ai, (a, outs, places) in enumerate(zip(task.assignments, outputs, self.places[index])):
             locs, runs = [], []
             for k, p in enumerate(places):
                 runs.append(None)
                 if p is None:
                     locs.append(None)
+                    continue
+                if isinstance(p, _Parts):
+                    for name, ptr in p.sources:
+                        now = _local(self._params[name]).untyped_storage().data_ptr()
+                        if now != ptr:
+                            raise RuntimeError(
+                                f"task {task.id}: {a.recipe.name}: its output is written from the storage of {name} "
+                                f"registered at setup ({ptr:#x}), which is now {now:#x}: the parameter's storage "
+                                "changed since the executor was built; update shards in place (copy_, optimizer "
+                                "steps), or build a new executor")
+                    locs.append(p)
                     continue
                 o = outs[k]
                 if o.nbytes != p.nbytes:
@@ -372,11 +528,17 @@ class RegisteredMemory:
                         runs[k] = delta.runs((index, ai, k), slot)
             for w in a.writes:
                 if w.length:
-                    reg, lo = locs[w.output]
                     d = remote.get(w.dst_rank)
                     if d is None:
                         raise RuntimeError(f"task {task.id}: {a.recipe.name} writes to inference rank {w.dst_rank}, "
                                            f"which has no region descriptor here (known: {sorted(remote)})")
+                    loc = locs[w.output]
+                    if isinstance(loc, _Parts):  # one op per shard range, Segments for a strided one
+                        ro = w.remote_offset
+                        ops += [WriteOp(reg, lo, d, ro + at, n, sg) for reg, lo, at, n, sg in loc.parts]
+                        extra += len(loc.parts) - 1
+                        continue
+                    reg, lo = loc
                     r = runs[w.output]
                     if r is None:
                         ops.append(WriteOp(reg, lo, d, w.remote_offset, w.length))
@@ -384,6 +546,7 @@ class RegisteredMemory:
                         from .transport.runs import RunsOp
 
                         ops.append(RunsOp(reg, lo, d, w.remote_offset, w.length, r.starts, r.lens))
+        self.extra_ops = extra
         return ops, copied
 
     def close(self) -> None:

@@ -37,8 +37,14 @@ from .transforms import recipe_outputs
 from .transport.base import CompletedWrite, Region, RemoteGoneError, Transport, WriteHandle, WriteOp
 from .types import RegionDescriptor, Task
 
-__all__ = ["MemoryGate", "PostedTask", "WritesInFlight", "complete_task", "gather_sources", "post_ops", "post_outputs",
+__all__ = ["DIRECT", "MemoryGate", "PostedTask", "WritesInFlight", "complete_task", "gather_sources", "post_ops", "post_outputs",
            "prepare_outputs", "unique_nbytes", "write_outputs"]
+
+DIRECT = "direct"
+"""An ``into`` entry of :func:`prepare_outputs`: nothing is built for that assignment (its
+output is written straight from the shards in pieces, :class:`weight_transfer.memory.RegisteredMemory`);
+its outputs are ``[]``."""
+
 
 def gather_sources(task: Task, params: dict[str, DTensor]) -> dict[str, torch.Tensor]:
     """``full_tensor()`` of every source of ``task``, in the task's order (collective); the
@@ -59,11 +65,12 @@ def prepare_outputs(task: Task, full: dict[str, torch.Tensor],
 
     ``into`` (optional): per assignment, one flat ``uint8`` buffer per output to build it in
     (:func:`weight_transfer.transforms.recipe_outputs` ``out=``; None: allocate, or hand out the
-    view of a source for a plain recipe), e.g. :meth:`weight_transfer.memory.RegisteredMemory.buffers`."""
+    view of a source for a plain recipe; :data:`DIRECT`: build nothing, ``[]``), e.g.
+    :meth:`weight_transfer.memory.RegisteredMemory.buffers`."""
     get = full.__getitem__
     if into is None:
         return [[o.contiguous() for o in recipe_outputs(a.recipe, get)] for a in task.assignments]
-    return [[o.contiguous() for o in recipe_outputs(a.recipe, get, out=bufs)]
+    return [[] if bufs is DIRECT else [o.contiguous() for o in recipe_outputs(a.recipe, get, out=bufs)]
             for a, bufs in zip(task.assignments, into)]
 
 

@@ -24,7 +24,9 @@ What lives here, written once for every back end
     back-end fields; a descriptor from another run, or one the receiver re-registered, is
     refused) -> :class:`UnknownRegionError`;
   - offsets and lengths are >= 0, ``local_offset + length`` lies inside the local region and
-    ``remote_offset + length`` inside the remote one -> :class:`BoundsError`.
+    ``remote_offset + length`` inside the remote one -> :class:`BoundsError`; an op with
+    :class:`Segments` (one write gathered from several local pieces) holds ``length`` bytes
+    and every segment lies inside the local region.
 
   One bad op refuses the whole batch: nothing of it is posted. Zero-length ops are skipped.
 - the epoch check (:meth:`Transport.check_epochs`, field case C17): every descriptor carries
@@ -74,7 +76,7 @@ from ..types import RegionDescriptor
 from . import lease
 
 __all__ = [
-    "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError",
+    "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError", "Segments",
     "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
     "describe_remote", "LeaseRequiredError", "LeaseTimeoutError", "StaleRegionError",
 ]
@@ -119,16 +121,77 @@ class PermissionDeniedError(TransportError):
     ptrace / capability requirement."""
 
 
+class Segments:
+    """The local bytes of one write as several segments of its local region, in order: segment
+    ``j`` is ``lengths[j]`` bytes at ``local_offset + offsets[j]`` of the region, and the
+    segments, concatenated, are the ``length`` bytes that land contiguously at
+    ``remote_offset`` (a gather list: the iovecs of one ``process_vm_writev``, the SGEs of one
+    RDMA WRITE). What a strided source (a TP column slice of a row-major shard: one segment per
+    row) is written as instead of a ``.contiguous()`` copy.
+
+    ``offsets``, ``lengths``: 1-D integer sequences of equal length >= 1 (bytes; offsets >= 0,
+    lengths >= 1; local segments may come in any order). Built once (e.g. at setup) and reused
+    by every update's ops; a back end sees a segmented op as consecutive pieces of one batch
+    (:class:`Group` holds one entry per segment, remote addresses adjacent).
+    ValueError for malformed input."""
+
+    __slots__ = ("offsets", "lengths", "starts", "nbytes", "end", "count")
+
+    def __init__(self, offsets, lengths):
+        import numpy as np
+
+        off = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
+        ln = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+        if off.shape != ln.shape or off.size == 0:
+            raise ValueError(f"Segments: {off.size} offsets and {ln.size} lengths (need the same number, >= 1)")
+        if int(off.min()) < 0 or int(ln.min()) < 1:
+            raise ValueError("Segments: offsets must be >= 0 and lengths >= 1 (bytes)")
+        self.offsets, self.lengths = off, ln
+        self.starts = np.cumsum(ln) - ln
+        """Byte offset of each segment in the write (remote side)."""
+        self.nbytes = int(ln.sum())
+        """Total bytes (the op's ``length``)."""
+        self.end = int((off + ln).max())
+        """One past the last local byte, relative to the op's ``local_offset``."""
+        self.count = int(off.size)
+
+    @classmethod
+    def strided(cls, sizes, strides, itemsize: int, offset: int = 0) -> Segments | None:
+        """The segments of a strided view (``sizes``/``strides`` in elements, as torch reports
+        them; ``offset`` bytes): one segment per run of its innermost dimensions that are
+        contiguous, in C order. None when the view is contiguous (one plain write does)."""
+        import numpy as np
+
+        dims = [(n, s) for n, s in zip(sizes, strides) if n != 1]
+        run = 1  # elements per contiguous run (of the trailing dims)
+        k = len(dims)
+        while k and dims[k - 1][1] == run:
+            run *= dims[k - 1][0]
+            k -= 1
+        if k == 0:
+            return None
+        offs = np.zeros(1, dtype=np.int64)
+        for n, s in dims[:k]:
+            offs = (offs[:, None] + np.arange(n, dtype=np.int64)[None, :] * (s * itemsize)).reshape(-1)
+        return cls(offs + offset, np.full(offs.size, run * itemsize, dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"Segments({self.count} segments, {self.nbytes} bytes, local span {self.end})"
+
+
 @dataclass(frozen=True, slots=True)
 class WriteOp:
     """Copy ``length`` bytes from ``local`` at ``local_offset`` to ``remote`` at ``remote_offset``
-    (all in bytes)."""
+    (all in bytes). With ``segments`` (:class:`Segments`, total ``length``) the local bytes are
+    those segments of ``local`` (relative to ``local_offset``), concatenated: one write, several
+    local pieces, one contiguous remote range."""
 
     local: Region
     local_offset: int
     remote: RegionDescriptor
     remote_offset: int
     length: int
+    segments: Segments | None = None
 
 
 class Region:
@@ -303,6 +366,19 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
                 g = groups[gk] = Group(loc, c)
             add_i, add_l, add_r, add_n = g.idx.append, g.laddr.append, g.raddr.append, g.lens.append
         lo, ro, n = op.local_offset, op.remote_offset, op.length
+        sg = op.segments
+        if sg is not None:
+            if sg.nbytes != n:
+                raise BoundsError(f"op {i}: its segments hold {sg.nbytes} bytes, the op's length is {n}; "
+                                  "nothing of the batch was issued")
+            if lo < 0 or ro < 0 or lo + sg.end > llen or ro + n > rlen:
+                raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n, span=sg.end))
+            g.idx.extend([i] * sg.count)
+            g.laddr.extend((sg.offsets + (laddr + lo)).tolist())
+            g.raddr.extend((sg.starts + (raddr + ro)).tolist())
+            g.lens.extend(sg.lengths.tolist())
+            total += n
+            continue
         if lo < 0 or ro < 0 or n < 0 or lo + n > llen or ro + n > rlen:
             raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n))
         if n:
@@ -331,7 +407,7 @@ def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:
     return f"{where}: remote region {describe_remote(rd)} {why}; nothing of the batch was issued"
 
 
-def _bounds_msg(i: int, loc: Region, c: RegionDescriptor, lo: int, ro: int, n: int) -> str:
+def _bounds_msg(i: int, loc: Region, c: RegionDescriptor, lo: int, ro: int, n: int, span: int | None = None) -> str:
     parts = []
     if lo < 0:
         parts.append(f"local_offset {lo} < 0")
@@ -339,7 +415,10 @@ def _bounds_msg(i: int, loc: Region, c: RegionDescriptor, lo: int, ro: int, n: i
         parts.append(f"remote_offset {ro} < 0")
     if n < 0:
         parts.append(f"length {n} < 0")
-    if lo + n > loc.length:
+    if span is not None and lo + span > loc.length:
+        parts.append(f"local_offset {lo} + segments' span {span} = {lo + span} > local region length {loc.length} "
+                     f"(addr {loc.addr:#x})")
+    elif span is None and lo + n > loc.length:
         parts.append(f"local_offset {lo} + length {n} = {lo + n} > local region length {loc.length} "
                      f"(addr {loc.addr:#x})")
     if ro + n > c.length:

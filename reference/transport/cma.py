@@ -19,10 +19,13 @@ Semantics
 - Every op of a batch is checked before any byte is issued: the local region is registered
   here, the remote descriptor was :meth:`~CmaTransport.connect` ed with the same key, offsets
   and lengths are >= 0 and both ranges lie inside their regions. Zero-length ops are skipped.
-- Ops are grouped per remote pid into iovec batches of at most ``IOV_MAX`` (1024) entries,
-  one local + one remote iovec per op. The kernel may copy fewer bytes than asked (it caps one
+- Ops are grouped per remote pid; a group's pieces (one per op, one per segment of an op with
+  :class:`~weight_transfer.transport.base.Segments`) become iovecs with adjacent pieces merged
+  on each side separately (the row segments of a strided TP slice land in one remote iovec), and
+  each ``process_vm_writev`` carries as many as the kernel takes: up to ``IOV_MAX`` (1024)
+  local and ``IOV_MAX`` remote iovecs. The kernel may copy fewer bytes than asked (it caps one
   call at ~2 GiB, and stops at the first remote page it cannot access); the loop resumes at the
-  exact iovec and offset where the kernel stopped.
+  exact piece and offset where the kernel stopped.
 - Zero-byte tensors cannot be registered (ValueError): a region is at least one byte, so that
   ``(pid, addr)`` identifies it. Register one buffer per rank and skip empty shards.
 - The region keeps a reference to its tensor, so its memory is not freed while registered.
@@ -94,6 +97,7 @@ import secrets
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..types import RegionDescriptor
@@ -230,16 +234,20 @@ class CmaTransport(Transport):
         return read_published_epochs(remotes)
 
     def _post(self, batch: Batch, ops: Sequence[WriteOp]) -> CompletedWrite:
-        """Copy every group (one per receiving pid) with <= IOV_MAX iovecs per syscall,
-        resuming partial copies. Returns a completed handle with the bytes written."""
+        """Copy every group (one per receiving pid) with as few ``process_vm_writev`` calls as
+        the kernel takes: adjacent pieces are merged into one iovec on each side separately
+        (the segments of one write land in one remote iovec), each call carries up to IOV_MAX
+        local and IOV_MAX remote iovecs, partial copies resume where the kernel stopped.
+        Returns a completed handle with the bytes written."""
         done, total = 0, batch.nbytes
         for pid, g in batch.groups.items():
-            las, ras, lens, idxs = g.laddr, g.raddr, g.lens, g.idx
-            for s in range(0, len(lens), IOV_MAX):
-                e = s + IOV_MAX
-                done = _send(
-                    _process_vm_writev, pid, las[s:e], ras[s:e], lens[s:e], idxs[s:e], done, total, ops
-                )
+            if len(g.lens) <= _SMALL:
+                for s in range(0, len(g.lens), IOV_MAX):
+                    e = s + IOV_MAX
+                    done = _send(_process_vm_writev, pid, g.laddr[s:e], g.raddr[s:e], g.lens[s:e], g.idx[s:e],
+                                 done, total, ops)
+            else:
+                done = _send_merged(pid, g, done, total, ops)
         return CompletedWrite(done)
 
     # ---- verification ---------------------------------------------------------------------------
@@ -304,6 +312,74 @@ def _epoch_addr(d: RegionDescriptor) -> int:
         if k == "epochs":
             return v[0] + EpochTable.epoch_offset(v[1])
     raise ValueError(f"descriptor {describe_remote(d)} carries no epoch table")
+
+
+_SMALL = 16
+"""Groups of at most this many pieces are posted one iovec pair per piece (no merging: the
+numpy set-up would cost more than it saves)."""
+
+
+def _runs(addr, lens, s: int, e: int):
+    """The iovecs of pieces ``[s, e)`` with adjacent pieces merged: (bases, lengths) arrays."""
+    a, n = addr[s:e], lens[s:e]
+    start = np.empty(e - s, dtype=bool)
+    start[0] = True
+    np.not_equal(a[1:], a[:-1] + n[:-1], out=start[1:])
+    at = np.flatnonzero(start)
+    return a[at], np.add.reduceat(n, at)
+
+
+def _send_merged(pid: int, g, done: int, total: int, ops) -> int:
+    """Write group ``g``'s pieces to ``pid``: each call covers the longest run of pieces whose
+    merged local and remote iovecs both fit IOV_MAX; a partial copy resumes at the exact piece
+    and offset. Returns ``done`` plus the bytes written."""
+    la = np.array(g.laddr, dtype=np.uint64)
+    ra = np.array(g.raddr, dtype=np.uint64)
+    ln = np.array(g.lens, dtype=np.uint64)
+    m = len(ln)
+
+    def run_ids(a):
+        b = np.empty(m, dtype=np.int64)
+        b[0] = 0
+        np.not_equal(a[1:], a[:-1] + ln[:-1], out=b[1:])
+        return np.cumsum(b)
+
+    lid, rid = run_ids(la), run_ids(ra)
+    s = 0
+    while s < m:
+        e = min(int(np.searchsorted(lid, lid[s] + IOV_MAX)), int(np.searchsorted(rid, rid[s] + IOV_MAX)))
+        lb, ll = _runs(la, ln, s, e)
+        rb, rl = _runs(ra, ln, s, e)
+        liov, riov = _iov_np(lb, ll), _iov_np(rb, rl)
+        want = int(ll.sum())
+        try:
+            k = _process_vm_writev(pid, liov.ctypes.data, len(lb), riov.ctypes.data, len(rb))
+        except OSError as ex:
+            raise _errno_error(ex.errno, pid, g.idx[s], ops, done, total) from None
+        done += k
+        if k >= want:
+            s = e
+            continue
+        if k <= 0:
+            raise TransportError(f"{_opname(g.idx[s], ops)}: process_vm_writev to pid {pid} made no progress "
+                                 f"({done} of {total} bytes of the batch done)")
+        # partial copy: skip the pieces the kernel finished, cut into the one it stopped in
+        cum = np.cumsum(ln[s:e])
+        j = s + int(np.searchsorted(cum, k, side="right"))
+        off = k - (int(cum[j - s - 1]) if j > s else 0)
+        if off:
+            la[j] += off
+            ra[j] += off
+            ln[j] -= off
+        s = j
+    return done
+
+
+def _iov_np(bases, lens) -> np.ndarray:
+    out = np.empty(2 * len(bases), dtype=np.uint64)
+    out[0::2] = bases
+    out[1::2] = lens
+    return out
 
 
 def _send(call, pid, las, ras, lens, idxs, done, total, ops) -> int:

@@ -33,6 +33,7 @@ from tests.helpers.transports import (
     start_receiver,
 )
 from weight_transfer.transport import BoundsError, TransportError, UnknownRegionError, WriteOp, make_transport
+from weight_transfer.transport.base import Segments
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -186,6 +187,42 @@ def test_many_small_ops_one_batch(tx, rx):
     assert _wait(tx.write(ops)) == MIB
     got = torch.frombuffer(bytearray(rx.bytes()), dtype=torch.uint8).view(k, 2048)
     assert torch.equal(got, src.cpu().view(k, 2048).flip(0))
+
+
+def test_segmented_write_gathers_a_strided_source_into_one_remote_range(tx, rx):
+    """One op with Segments (issue 29 item 2): the column slice of a row-major matrix (one
+    segment per row, as a TP slice along dim 1 is written) lands contiguously, bit-exact, beside
+    plain ops in the same batch; bytes outside it untouched."""
+    src, ls = _src(tx, 64 * 1024, seed=7)
+    mat = src.view(64, 1024)
+    v = mat[:, 256:640]  # 64 rows x 384 bytes, stride 1024
+    sg = Segments.strided(v.shape, v.stride(), 1, v.storage_offset())
+    assert sg.count == 64 and sg.nbytes == v.numel()
+    d = rx.desc["buf"]
+    rev = Segments([3000, 1000, 2000], [500, 1000, 7])  # any order; lengths need not match
+    ops = [WriteOp(ls, 0, d, 1000, 16), WriteOp(ls, 0, d, 4096, sg.nbytes, sg), WriteOp(ls, 100, d, 200_000, 1507, rev)]
+    assert _wait(tx.write(ops)) == 16 + sg.nbytes + 1507
+    got = rx.bytes()
+    want = bytearray([POISON]) * MIB
+    s = src.cpu().numpy().tobytes()
+    want[1000:1016] = s[:16]
+    want[4096:4096 + sg.nbytes] = v.cpu().contiguous().numpy().tobytes()
+    want[200_000:201_507] = s[3100:3600] + s[1100:2100] + s[2100:2107]
+    assert got == bytes(want)
+
+
+def test_segmented_write_refused_out_of_bounds_or_short(tx, rx, no_post):
+    _, ls = _src(tx, 1000, seed=8)
+    d = rx.desc["buf"]
+    with pytest.raises(BoundsError, match=r"op 1: out of bounds: local_offset 10 \+ segments' span 1000 = 1010 > local"):
+        tx.write([WriteOp(ls, 0, d, 0, 8), WriteOp(ls, 10, d, 0, 200, Segments([0, 900], [100, 100]))])
+    with pytest.raises(BoundsError, match="op 0: its segments hold 200 bytes, the op's length is 199"):
+        tx.write([WriteOp(ls, 0, d, 0, 199, Segments([0, 900], [100, 100]))])
+    with pytest.raises(BoundsError, match="remote_offset 1048476 \\+ length 200"):
+        tx.write([WriteOp(ls, 0, d, MIB - 100, 200, Segments([0, 500], [100, 100]))])
+    with pytest.raises(ValueError, match="lengths >= 1"):
+        Segments([0, 5], [10, 0])
+    assert no_post == [] and rx.bytes() == bytes([POISON]) * MIB
 
 
 def test_zero_length_ops_post_nothing(tx, rx, no_post):

@@ -28,6 +28,7 @@ from weight_transfer.transport import (
     cma,
     make_transport,
 )
+from weight_transfer.transport.base import Segments
 from weight_transfer.transport.cma import IOV_MAX, CmaTransport
 from weight_transfer.types import RegionDescriptor
 
@@ -156,28 +157,91 @@ def test_read_back_with_process_vm_readv(recv, tx):
 
 
 def test_many_ops_over_iov_max(recv, tx, monkeypatch):
-    n_ops, sz = 3 * IOV_MAX + 7, 200  # 4 syscalls per receiver
-    src = _pattern(n_ops * sz, seed=2)
+    n_ops, sz = 3 * IOV_MAX + 7, 150  # 4 syscalls per receiver
+    src = _pattern(2 * n_ops * sz, seed=2)
     ls = tx.register(src)
     d = recv.desc["buf"]
-    slots = list(range(MIB // sz))
+    slots = list(range(0, MIB // sz, 2))  # no two pieces adjacent on either side: nothing merges
     random.Random(0).shuffle(slots)
-    ops = [WriteOp(ls, i * sz, d, slots[i] * sz, sz) for i in range(n_ops)]
+    ops = [WriteOp(ls, 2 * i * sz, d, slots[i] * sz, sz) for i in range(n_ops)]
     counts = []
     real = cma._process_vm_writev
 
     def spy(pid, l, nl, r, nr):
-        counts.append(nl)
+        counts.append((nl, nr))
         return real(pid, l, nl, r, nr)
 
     monkeypatch.setattr(cma, "_process_vm_writev", spy)
     assert tx.write(ops).wait() == n_ops * sz
-    assert counts == [IOV_MAX, IOV_MAX, IOV_MAX, 7]
+    assert counts == [(IOV_MAX, IOV_MAX)] * 3 + [(7, 7)]
     expect = bytearray([POISON]) * MIB
     s = src.numpy().tobytes()
     for i in range(n_ops):
-        expect[slots[i] * sz:(slots[i] + 1) * sz] = s[i * sz:(i + 1) * sz]
+        expect[slots[i] * sz:(slots[i] + 1) * sz] = s[2 * i * sz:(2 * i + 1) * sz]
     assert recv.bytes() == bytes(expect)
+
+
+def test_adjacent_pieces_merge_into_one_iovec_per_side(recv, tx, monkeypatch):
+    """Pieces adjacent on one side share an iovec on that side (issue 29 item 3): the 2 * IOV_MAX
+    + 5 row segments of one strided write land in one remote iovec, in 3 calls of at most
+    IOV_MAX local iovecs; contiguous local pieces scattered remotely become one local iovec."""
+    rows, cols = 2 * IOV_MAX + 5, 64
+    src = _pattern(rows * 2 * cols, seed=9)
+    ls = tx.register(src)
+    d = recv.desc["buf"]
+    v = src.view(rows, 2 * cols)[:, 10:10 + cols]
+    sg = Segments.strided(v.shape, v.stride(), 1, v.storage_offset())
+    counts = []
+    real = cma._process_vm_writev
+
+    def spy(pid, l, nl, r, nr):
+        counts.append((nl, nr))
+        return real(pid, l, nl, r, nr)
+
+    monkeypatch.setattr(cma, "_process_vm_writev", spy)
+    assert tx.write([WriteOp(ls, 0, d, 1000, sg.nbytes, sg)]).wait() == sg.nbytes
+    assert counts == [(IOV_MAX, 1), (IOV_MAX, 1), (5, 1)]
+    got = recv.bytes()
+    assert got[1000:1000 + sg.nbytes] == v.contiguous().numpy().tobytes()
+    assert got[:1000] == bytes([POISON]) * 1000 and got[1000 + sg.nbytes] == POISON
+    counts.clear()
+    ops = [WriteOp(ls, 100 * i, d, 300_000 - 200 * i, 100) for i in range(40)]  # local contiguous, remote not
+    assert tx.write(ops).wait() == 4000
+    assert counts == [(1, 40)]
+    got = recv.bytes()
+    s = src.numpy().tobytes()
+    assert all(got[300_000 - 200 * i:300_100 - 200 * i] == s[100 * i:100 * (i + 1)] for i in range(40))
+
+
+def test_partial_write_of_merged_iovecs_resumes_mid_piece(recv, tx, monkeypatch):
+    """A partial copy in the merged path (local and remote iovec lists of different lengths)
+    resumes at the exact piece and offset."""
+    rows, cols = 300, 50
+    src = _pattern(rows * 3 * cols, seed=10)
+    ls = tx.register(src)
+    d = recv.desc["buf"]
+    v = src.view(rows, 3 * cols)[:, cols:2 * cols]
+    sg = Segments.strided(v.shape, v.stride(), 1, v.storage_offset())
+    real = cma._process_vm_writev
+    calls = []
+
+    def fake(pid, l, nl, r, nr):  # the first call copies only 7 * cols + 13 bytes, as a partial write
+        liov, riov = _iov_list(l, nl), _iov_list(r, nr)
+        calls.append((liov, riov))
+        if len(calls) > 1:
+            return real(pid, l, nl, r, nr)
+        cut = 7 * cols + 13
+        la = (ctypes.c_ulong * 16)(*[v for e in liov[:7] for v in e], liov[7][0], 13)
+        ra = (ctypes.c_ulong * 2)(riov[0][0], cut)
+        return real(pid, ctypes.addressof(la), 8, ctypes.addressof(ra), 1)
+
+    monkeypatch.setattr(cma, "_process_vm_writev", fake)
+    assert tx.write([WriteOp(ls, 0, d, 777, sg.nbytes, sg)]).wait() == sg.nbytes
+    first, second = calls
+    assert len(first[0]) == rows and len(first[1]) == 1
+    assert second[0][0] == [ls.addr + 7 * 3 * cols + cols + 13, cols - 13] and len(second[0]) == rows - 7
+    assert second[1] == [[d.addr + 777 + 7 * cols + 13, sg.nbytes - 7 * cols - 13]]
+    assert recv.bytes()[777:777 + sg.nbytes] == v.contiguous().numpy().tobytes()
 
 
 def test_batch_to_two_processes(recv, tx):
