@@ -155,6 +155,7 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
         snap = snapshot(fresh_engine, fresh_engine.runtime_layouts(), prompts)
     finally:
         fresh_engine.close()
+        shutil.rmtree(root / f"step{v}", ignore_errors=True)  # read once, by this engine
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -383,6 +384,9 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             continue
         t0 = time.perf_counter()
         try:
+            # the fresh engine first, while this process holds no copy of the live bytes: at 1.85 GB the
+            # live engine, the fresh one, the trainers and these copies together outgrew a 23 GB host
+            fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
             live = snapshot(engine, layouts, prompts)
             expected = None
             if live["staging"]:  # staged bytes vs what load_weights makes from the step's checkpoint
@@ -391,7 +395,6 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
 
                 ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.run.seed)
                 expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=tp)
-            fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
             res = compare_snapshots(live, fresh, staging_expected=expected)
             res["coverage"] = coverage({r: layouts[r] for r in ranks}, res)
             if wt is not None:  # vLLM's own label of the weights: the version published, set by finish_weight_update
