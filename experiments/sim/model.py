@@ -95,6 +95,10 @@ class SimResult:
     """Task id -> mesh group (for the Gantt chart)."""
     link_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes through the busiest NIC / PCIe / NVLink link (the floors' numerators)."""
+    extra: dict = field(default_factory=dict)
+    """A delta update's details (:func:`simulate` with ``delta``): ``wire_bytes``, ``ops``,
+    ``max_sender_ops``, ``max_sender_bytes``, ``max_receiver_bytes`` (expected values, floats),
+    ``shadow_bytes_max`` (the largest rank's shadow), ``full_bytes``, ``full_writes``."""
 
     @property
     def floor_seconds(self) -> float:
@@ -160,9 +164,13 @@ def first_metas(train_metas: dict[int, list[ParamMeta]]) -> dict[str, ParamMeta]
 # ------------------------------------------------------------------------------ reference
 
 
-def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
+def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware, delta=None, shadow: dict[int, int] | None = None):
     """Per global task id: (all-gather seconds, fabric?, per-rank fabric / nvlink bytes);
-    per (rank, position): h2d s, compute s, [(dst, bytes, n_writes)]."""
+    per (rank, position): h2d s, compute s, [(dst, bytes, n_writes)]. ``delta``: a
+    :class:`~weight_transfer.experiments.sim.delta.DeltaModel`: each write's bytes and op count
+    are its expected runs' (floats; writes of no expected op dropped), and the compare of each
+    output with its shadow is added to the compute; ``shadow`` (a dict) then gets each rank's
+    shadow bytes (its distinct output bytes)."""
     ag: dict[int, tuple[float, bool, int, int]] = {}
     per_rank: dict[int, list[tuple]] = {}
     step = hw.collective_step_us * 1e-6
@@ -190,6 +198,21 @@ def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
                 rec = a.recipe
                 asm = numel(rec.shape) * itemsize(rec.assembled_dtype)
                 comp += (3 * asm + rec.output_nbytes) / hbm + 2 * hw.kernel_us * 1e-6
+                if delta is not None:
+                    comp += delta.compare_seconds(rec)
+                    if shadow is not None:
+                        shadow[r] = shadow.get(r, 0) + rec.output_nbytes
+                    for w in a.writes:
+                        b, n = delta.write(rec, w.output, w.length)
+                        if n <= 0.0:
+                            continue
+                        x = per_dst.get(w.dst_rank)
+                        if x is None:
+                            per_dst[w.dst_rank] = [b, n]
+                        else:
+                            x[0] += b
+                            x[1] += n
+                    continue
                 for w in a.writes:
                     x = per_dst.get(w.dst_rank)
                     if x is None:
@@ -206,7 +229,7 @@ def _task_costs(sched: Schedule, src: dict[str, _Src], hw: Hardware):
 
 def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str, ParamMeta], hw: Hardware, *,
              watermark: int | None = None, record: bool | Iterable[int] = False, method: str = "reference",
-             writes_in_flight: str = "task") -> SimResult:
+             writes_in_flight: str = "task", delta=None) -> SimResult:
     """Predict one update of ``sched`` (see module docstring). ``train_metas`` is what the
     training ranks published (or one ParamMeta per name); ``watermark`` bounds a rank's
     temporary bytes (None: unbounded); ``record``: True, or the training ranks whose stage
@@ -214,13 +237,18 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
     of tuples). ``writes_in_flight``: :data:`WRITES_IN_FLIGHT` -- ``"task"`` (this project's
     executor's old write stage: one task's writes at a time per rank) or ``"watermark"`` (the published
     executor: every prepared task's writes are posted at once, only the watermark bounds them).
+    ``delta``: a :class:`~weight_transfer.experiments.sim.delta.DeltaModel`: the update writes
+    only the expected runs of what changed (one op each) after comparing every output with its
+    shadow (docs/SIMULATION.md, "Delta mode"); ``bytes`` and ``n_writes`` are then the expected
+    wire bytes and ops, ``extra`` holds the details.
     Raises ValueError on an unknown ``writes_in_flight``. Deterministic."""
     if writes_in_flight not in WRITES_IN_FLIGHT:
         raise ValueError(f"writes_in_flight={writes_in_flight!r}: expected one of {', '.join(WRITES_IN_FLIGHT)}")
     overlap = writes_in_flight == "watermark"
     first = train_metas if (train_metas and isinstance(next(iter(train_metas)), str)) else first_metas(train_metas)
     src = source_info(first, hw)
-    ag, per_rank = _task_costs(sched, src, hw)
+    shadow: dict[int, int] = {}
+    ag, per_rank = _task_costs(sched, src, hw, delta, shadow)
     wm = math.inf if watermark is None else watermark
     nic = hw.nic_Bps
     msg, lat, rel_s = hw.rdma_msg_us * 1e-6, hw.rdma_latency_us * 1e-6, hw.release_us * 1e-6
@@ -397,31 +425,53 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
                   f"prepared {prepped[r0]}, writes started {wr[r0]}, released {released[r0]}")
         raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug); {detail}")
 
-    fl, lb, rb = floors(sched, per_rank, ag, hw)
+    fl, lb, rb = floors(sched, per_rank, ag, hw, from_writes=delta is not None)
+    nbytes, n_writes, extra = sched.total_bytes, sched.n_writes, {}
+    if delta is not None:
+        sent = {r: sum(b for t in lst for _, b, _ in t[5]) for r, lst in per_rank.items()}
+        ops = {r: sum(n for t in lst for _, _, n in t[5]) for r, lst in per_rank.items()}
+        nbytes, n_writes = sum(sent.values()), round(sum(ops.values()))
+        extra = {"wire_bytes": nbytes, "ops": sum(ops.values()), "max_sender_ops": max(ops.values(), default=0.0),
+                 "max_sender_bytes": max(sent.values(), default=0.0),
+                 "max_receiver_bytes": max(rb["infer_recv"].values(), default=0.0),
+                 "shadow_bytes_max": max(shadow.values(), default=0), "full_bytes": sched.total_bytes,
+                 "full_writes": sched.n_writes}
     return SimResult(method=method, seconds=t_end,
                      stage_busy={s: max((busy[r][s] for r in ranks), default=0.0) for s in STAGES},
-                     floors=fl, link_bytes=lb, bytes=sched.total_bytes, n_writes=sched.n_writes,
+                     floors=fl, link_bytes=lb, bytes=nbytes, n_writes=n_writes,
                      peak_temp_bytes=peak, events=events, rank_bytes=rb,
-                     groups={t[0]: t[1] for r in keep for t in per_rank[r]})
+                     groups={t[0]: t[1] for r in keep for t in per_rank[r]}, extra=extra)
 
 
-def floors(sched: Schedule, per_rank, ag, hw: Hardware) -> tuple[dict[str, float], dict[str, int], dict]:
+def floors(sched: Schedule, per_rank, ag, hw: Hardware, *, from_writes: bool = False
+           ) -> tuple[dict[str, float], dict[str, int], dict]:
     """Busiest NIC (send or receive; writes plus fabric all-gathers), PCIe and NVLink link:
-    bytes and bytes / line rate; and the per-GPU byte counts (:attr:`SimResult.rank_bytes`)."""
+    bytes and bytes / line rate; and the per-GPU byte counts (:attr:`SimResult.rank_bytes`).
+    ``from_writes``: bytes sent and received per GPU from ``per_rank``'s writes (a delta update's),
+    not the schedule's."""
     tx: dict[int, int] = {}
     rx_train: dict[int, int] = {}
     pcie: dict[int, int] = {}
     nvl: dict[int, int] = {}
+    recv: dict[int, float] = {}
+    send: dict[int, float] = {}
     for r, lst in per_rank.items():
         for tid, _, _, h2d, _, ws, _ in lst:
             _, _, fb, nv = ag[tid]
-            tx[r] = tx.get(r, 0) + fb + sum(b for _, b, _ in ws)
+            wb = sum(b for _, b, _ in ws)
+            tx[r] = tx.get(r, 0) + fb + wb
             rx_train[r] = rx_train.get(r, 0) + fb
             pcie[r] = pcie.get(r, 0) + h2d
             nvl[r] = nvl.get(r, 0) + nv
-    nic_b = max([0, *tx.values(), *rx_train.values(), *sched.recv_bytes.values()])
+            if from_writes:
+                send[r] = send.get(r, 0) + wb
+                for d, b, _ in ws:
+                    recv[d] = recv.get(d, 0) + b
+    if not from_writes:
+        recv, send = dict(sched.recv_bytes), dict(sched.send_bytes)
+    nic_b = max([0, *tx.values(), *rx_train.values(), *recv.values()])
     lb = {"nic": nic_b, "pcie": max(pcie.values(), default=0), "nvlink": max(nvl.values(), default=0)}
-    rb = {"infer_recv": dict(sched.recv_bytes), "train_send": dict(sched.send_bytes), "train_fabric": rx_train}
+    rb = {"infer_recv": recv, "train_send": send, "train_fabric": rx_train}
     return ({"nic": nic_b / hw.nic_line_Bps, "pcie": lb["pcie"] / (hw.pcie_gbs * 1e9),
              "nvlink": lb["nvlink"] / (hw.nvlink_line_gbs * 1e9)}, lb, rb)
 

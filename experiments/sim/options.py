@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from ..paths import project_dir
 
+GRANULARITIES = ("elems", "rows", "blocks")
+"""``--delta-granularity`` choices (:data:`weight_transfer.experiments.sim.delta.GRANULARITIES`)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class SimulateOptions:
@@ -43,6 +46,30 @@ class SimulateOptions:
     checks: str = field(default="auto", metadata={"choices": ("auto", "forked", "in-process")})
     """``--bench-planner``: ``plan(parallel_checks=None / True / False)``; ``auto`` forks the
     checks at Kimi-K2 scale."""
+    delta_fractions: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """Delta mode: measured fractions changed per RL step, per tensor kind and granularity
+    (``weight-transfer rl --changes``'s CSV, results/rl_changes.csv); with ``--delta-lr``.
+    Predicts a delta update on the same schedule beside the full one (docs/SIMULATION.md, "Delta mode")."""
+    delta_lr: tuple[float, ...] = ()
+    """Delta mode: learning rates of ``--delta-fractions`` to predict for, comma-separated (the
+    median over that lr's steps)."""
+    delta_fraction: tuple[float, ...] = ()
+    """Delta mode: uniform fractions of bf16 elements changed per step, for every tensor kind
+    (0..1, comma-separated; e.g. 0.0002 for the published 0.02%)."""
+    delta_granularity: tuple[str, ...] = ("rows",)
+    """Delta mode: compare units, comma-separated: ``elems`` (one element), ``rows`` (128 bytes,
+    the executor's default), ``blocks`` (128x128 FP8 blocks)."""
+    delta_merge_gap: tuple[int, ...] = field(default=(4096,), metadata={"unit": "bytes"})
+    """Delta mode: runs separated by at most this many unchanged bytes are one write (the
+    executor's ``--delta-merge-gap``), comma-separated."""
+    delta_post_us: tuple[float, ...] = ()
+    """Delta mode: also predict with the per-WRITE posting cost (``rdma_msg_us``, 1 us) set to
+    each of these, comma-separated (microseconds; e.g. 0.1 for work requests posted in batches)."""
+
+    @property
+    def delta(self) -> bool:
+        """Whether a delta mode option asks for a prediction."""
+        return bool(self.delta_fractions or self.delta_fraction)
 
     def __post_init__(self):
         for name in ("moe_width", "layers"):
@@ -53,3 +80,30 @@ class SimulateOptions:
             raise ValueError(f"--replan-without {self.replan_without}: must be >= 0")
         if self.repeat < 1:
             raise ValueError(f"--repeat {self.repeat}: must be >= 1")
+        self._check_delta()
+
+    def _check_delta(self):
+        for f in self.delta_fraction:
+            if not 0.0 <= f <= 1.0:  # NaN too
+                raise ValueError(f"--delta-fraction {f}: must be in [0, 1] (a fraction of bf16 elements per step)")
+        bad = [g for g in self.delta_granularity if g not in GRANULARITIES]
+        if bad or not self.delta_granularity:
+            raise ValueError(f"--delta-granularity {','.join(bad) or '(empty)'}: expected {', '.join(GRANULARITIES)}")
+        if not self.delta_merge_gap or any(g < 0 for g in self.delta_merge_gap):
+            raise ValueError(f"--delta-merge-gap {','.join(map(str, self.delta_merge_gap)) or '(empty)'}: "
+                             "must be >= 0 bytes")
+        for u in self.delta_post_us:
+            if not u > 0.0:
+                raise ValueError(f"--delta-post-us {u}: must be > 0 microseconds")
+        if self.delta_lr and not self.delta_fractions:
+            raise ValueError("--delta-lr needs --delta-fractions (the CSV whose steps it selects)")
+        if self.delta_fractions:
+            from .delta import check_fractions_csv, load_fractions  # numpy, torch: only when asked
+
+            if not self.delta_lr:
+                raise ValueError("--delta-fractions needs --delta-lr (e.g. --delta-lr 1e-6,1e-5)")
+            rows = check_fractions_csv(self.delta_fractions)
+            for lr in self.delta_lr:
+                load_fractions(self.delta_fractions, lr, rows)
+        if self.delta and (self.map or self.bench_planner):
+            raise ValueError("delta mode (--delta-fractions / --delta-fraction) with --map or --bench-planner is not supported")

@@ -74,11 +74,12 @@ def gantt_ranks(cfg: SimConfig) -> list[int]:
     return sorted({0, min(1, n - 1), min(g, n - 1), n - 1})
 
 
-def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
+def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpec | None = None) -> SimRun:
     """Everything ``simulate`` does except printing and CSV. ``sensitivity``: also re-run the
     cost model on the same schedule with every :data:`~weight_transfer.experiments.sim.hardware.SENSITIVITY`
     parameter and the watermark halved and doubled (``extra["sensitivity"]``: rows of
-    parameter, factor, value, seconds)."""
+    parameter, factor, value, seconds). ``delta``: also predict delta updates on the same
+    schedule (``extra["delta"]``: :func:`delta_rows`); the config must run ``reference``."""
     t0 = time.perf_counter()
     mcfg = load_config(cfg.model, **cfg.overrides)
     out = SimRun(cfg, [])
@@ -113,6 +114,8 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
             if sensitivity:
                 out.extra["sensitivity"] = sensitivity_rows(sched, first, cfg, head.seconds, log=log,
                                                             writes_in_flight=WIF[head.method])
+            if delta is not None:
+                out.extra["delta"] = delta_rows(sched, first, cfg, head, delta, log=log)
             del sched
         tensors = model.baseline_tensors(first, hw)
         if recv_total is None:
@@ -136,6 +139,106 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False) -> SimRun:
 
 WIF = {"reference": "task", "overlapped_writes": "watermark"}
 """method -> :func:`model.simulate`'s ``writes_in_flight``."""
+
+
+@dataclass
+class DeltaSpec:
+    """What the delta mode predicts (``simulate --delta-...``): every scenario x granularity x
+    per-WRITE cost, on the schedule of the full prediction."""
+
+    scenarios: list
+    """:class:`~weight_transfer.experiments.sim.delta.Fractions`, one per lr or uniform fraction."""
+    granularities: tuple[str, ...] = ("rows",)
+    merge_gaps: tuple[int, ...] = (4096,)
+    """Bytes."""
+    post_us: tuple[float, ...] = ()
+    """Per-WRITE costs (us) to predict with besides the hardware's ``rdma_msg_us``."""
+
+    @classmethod
+    def from_options(cls, opts) -> DeltaSpec | None:
+        """From :class:`~weight_transfer.experiments.sim.options.SimulateOptions` (or the parsed
+        arguments: same names); None when no delta option is given."""
+        from .delta import check_fractions_csv, load_fractions, uniform_fractions
+
+        path, lrs, fr = getattr(opts, "delta_fractions", None), getattr(opts, "delta_lr", ()), getattr(opts, "delta_fraction", ())
+        if not (path or fr):
+            return None
+        rows = check_fractions_csv(path) if path else None
+        sc = [load_fractions(path, lr, rows) for lr in lrs or ()] + [uniform_fractions(f) for f in fr or ()]
+        return cls(sc, tuple(getattr(opts, "delta_granularity", ("rows",))),
+                   tuple(int(g) for g in getattr(opts, "delta_merge_gap", (4096,))),
+                   tuple(getattr(opts, "delta_post_us", ()) or ()))
+
+
+def delta_rows(sched, first, cfg: SimConfig, head: model.SimResult, spec: DeltaSpec, *, log=print) -> list[dict]:
+    """The cost model re-run on ``sched`` as a delta update (:class:`~weight_transfer.experiments.sim.delta.DeltaModel`)
+    for every scenario x granularity x merge gap x per-WRITE cost of ``spec``, with ``head``'s write
+    semantics; one row each, beside ``head`` (the full prediction) and its floor."""
+    from dataclasses import replace
+
+    from .delta import DeltaModel
+
+    out = []
+    for fr in spec.scenarios:
+        for g, gap, us in ((g, gap, us) for g in spec.granularities for gap in spec.merge_gaps
+                           for us in (cfg.hardware.rdma_msg_us, *spec.post_us)):
+            hw = replace(cfg.hardware, rdma_msg_us=us)
+            dm = DeltaModel(fr, hw, granularity=g, merge_gap=gap)
+            res = model.simulate(sched, first, hw, watermark=cfg.watermark, writes_in_flight=WIF[head.method],
+                                 method=f"{head.method}+delta", delta=dm)
+            x = res.extra
+            log(f"# delta {fr.label}, {g}, gap {gap} B, {us:g} us per WRITE: {res.seconds:.3f} s, {x['wire_bytes'] / 1e9:.3f} GB, "
+                f"{x['ops']:.4g} ops")
+            fb = "" if fr.source == "uniform" else "; ".join(f"{a} <- {b}" for a, b in sorted(fr.used_fallbacks))
+            out.append({"config": cfg.name, "method": res.method, "fractions": fr.label, "source": fr.source,
+                        "granularity": g, "merge_gap": gap, "rdma_msg_us": us, "seconds": res.seconds,
+                        "floor_seconds": res.floor_seconds, "full_seconds": head.seconds,
+                        "full_floor_seconds": head.floor_seconds, "wire_bytes": x["wire_bytes"],
+                        "full_bytes": x["full_bytes"], "wire_fraction": x["wire_bytes"] / x["full_bytes"],
+                        "ops": x["ops"], "full_writes": x["full_writes"], "max_sender_ops": x["max_sender_ops"],
+                        "max_sender_bytes": x["max_sender_bytes"], "max_receiver_bytes": x["max_receiver_bytes"],
+                        "shadow_bytes_max": x["shadow_bytes_max"], "busy_prepare_seconds": res.stage_busy["prepare"],
+                        "busy_write_seconds": res.stage_busy["write"], "fallbacks": fb,
+                        **{f"all_{k}": fr.by_kind.get("all", {}).get(k) for k in ("bf16_elems", "fp8_elems", "fp8_rows",
+                                                                                 "fp8_blocks")}})
+    return out
+
+
+def format_delta(sr: SimRun) -> str:
+    """The delta mode's table (:func:`delta_rows`), its assumptions and fallbacks."""
+    from .delta import assumptions
+
+    rows = sr.extra.get("delta") or []
+    if not rows:
+        return ""
+    r0 = rows[0]
+    L = [f"# delta mode (SIMULATED; {r0['method']}: the full prediction's schedule and write semantics): full update "
+         f"{r0['full_seconds']:.3f} s, full-model floor {r0['full_floor_seconds']:.3f} s",
+         f"{'fractions':>42} {'gran':>6} {'gap':>5} {'us/':>5} {'wire':>9} {'of':>7} {'ops':>10} {'ops per':>9} {'recv':>7} "
+         f"{'prepare':>8} {'time':>7} {'time/':>6} {'time/':>6}",
+         f"{'':>42} {'':>6} {'(B)':>5} {'WRITE':>5} {'(GB)':>9} {'full':>7} {'(all)':>10} {'sender':>9} {'(GB)':>7} "
+         f"{'(s)':>8} {'(s)':>7} {'full':>6} {'floor':>6}"]
+    for r in rows:
+        L.append(f"{r['fractions']:>42} {r['granularity']:>6} {r['merge_gap']:>5} {r['rdma_msg_us']:>5g} {r['wire_bytes'] / 1e9:>9.3f} "
+                 f"{r['wire_fraction']:>7.2%} {r['ops']:>10.3g} {r['max_sender_ops']:>9.3g} "
+                 f"{r['max_receiver_bytes'] / 1e9:>7.2f} {r['busy_prepare_seconds']:>8.3f} {r['seconds']:>7.3f} "
+                 f"{r['seconds'] / r['full_seconds']:>6.2f} {r['seconds'] / r['full_floor_seconds']:>6.2f}")
+    L.append(f"# (full update: {r0['full_bytes'] / 1e9:.1f} GB in {r0['full_writes']} writes; wire = runs' payload + "
+             "headers; ops = RDMA WRITEs, one per run; recv = busiest inference GPU; prepare = busiest rank's prepare "
+             "stage, the compare included; time/floor against the full-model floor)")
+    L.append(f"# trainer memory: shadow of the largest rank {r0['shadow_bytes_max'] / 1e9:.2f} GB (one byte per distinct "
+             "output byte it writes)")
+    seen = set()
+    for r in rows:
+        if r["fractions"] in seen:
+            continue
+        seen.add(r["fractions"])
+        vals = ", ".join(f"{k} {r[f'all_{k}']:.3%}" for k in ("bf16_elems", "fp8_elems", "fp8_rows", "fp8_blocks")
+                         if r.get(f"all_{k}") is not None)
+        L.append(f"# fractions {r['fractions']} ({r['source']}): all kinds {vals}"
+                 + (f"; stand-ins: {r['fallbacks']}" if r["fallbacks"] else ""))
+    L += [f"# assumption: {a}" for a in assumptions()]
+    return "\n".join(L)
 
 
 def sensitivity_rows(sched, first, cfg: SimConfig, base: float, *, factors=(0.5, 2.0), log=print,
@@ -248,6 +351,9 @@ def format_table(sr: SimRun) -> str:
     st = format_sensitivity(sr)
     if st:
         L.append(st)
+    dt = format_delta(sr)
+    if dt:
+        L.append(dt)
     return "\n".join(L)
 
 
@@ -395,7 +501,17 @@ def main(args) -> int:
         if without:
             print(f"# (a replan: {without} inference rank(s) left, the schedule recomputed for the others only, C24)")
         return 0
-    sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), sensitivity=getattr(args, "sensitivity", False))
+    try:
+        delta = DeltaSpec.from_options(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if delta is not None and "reference" not in cfg.methods:
+        print(f"error: delta mode: config {cfg.name} runs no reference schedule (methods: {', '.join(cfg.methods)})",
+              file=sys.stderr)
+        return 2
+    sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), sensitivity=getattr(args, "sensitivity", False),
+             delta=delta)
     print(format_table(sr))
     if not args.no_csv:
         import pandas as pd
@@ -414,4 +530,8 @@ def main(args) -> int:
             p = out_dir / f"sim_{cfg.name}_sensitivity.csv"
             pd.DataFrame(sr.extra["sensitivity"]).to_csv(p, index=False)
             print(f"# sensitivity table written to {p}")
+        if sr.extra.get("delta"):
+            p = out_dir / f"sim_{cfg.name}_delta.csv"
+            pd.DataFrame(sr.extra["delta"]).to_csv(p, index=False)
+            print(f"# delta table written to {p}")
     return 0

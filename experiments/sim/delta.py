@@ -1,0 +1,304 @@
+"""Delta mode of the at-scale simulation (``weight-transfer simulate <config> --delta-...``;
+docs/SIMULATION.md, "Delta mode"): what an update that writes only what one RL step changed
+costs on the real planner's schedule, under the same cost model (:func:`.model.simulate` with
+``delta=``) as the full update.
+
+What a delta update does (reference/delta.py, the executor's ``--delta``): the plan stays
+static; after preparing an output (gather, fusion, FP8 quantization: all unchanged, on the full
+shard), each training rank compares it exactly with its *shadow* (a copy of what it wrote there
+last) in units of ``granularity``, coalesces changed units into runs, merges runs separated by at
+most ``merge_gap`` unchanged bytes, and posts **one RDMA WRITE per run** per receiver of the
+output. The receiver stays passive; the version protocol and the mesh-group barrier are unchanged.
+
+What it costs here, per write of the schedule (every figure from
+:class:`~weight_transfer.experiments.sim.hardware.Hardware` or stated below):
+
+- **wire bytes**: the expected bytes of the runs (changed units plus the merged gaps) plus
+  :data:`RDMA_HEADER_BYTES` per run (the headers of one more RDMA WRITE), at both ends;
+- **ops**: the expected number of runs; each costs the sender ``rdma_msg_us`` (posting the work
+  request and reaping its completion: the same per-WRITE cost a full update pays per write);
+- **compare** (in the prepare stage, once per distinct output per rank): read the output and the
+  shadow, write the changed units into the shadow, ``(2 x output + changed bytes) / hbm_gbs``,
+  plus 3 kernel launches (compare, run compaction, run list to the host) and the run list
+  (:data:`RUN_DESCRIPTOR_BYTES` per run) over PCIe;
+- unchanged: every ``full_tensor()`` (the trainer needs the whole tensor to quantize it), the
+  fusion and quantization, the releases, the barrier between mesh groups.
+
+The expected runs and bytes assume each unit changes independently with the given probability
+(uniform scattering): :func:`expected_runs_and_units`. The measured RL steps are close to that
+(docs/DELTA.md: at lr 1e-6, 1.23% of bf16 elements predict 1 - (1 - 0.0123)^64 = 54.7% of 128-byte
+rows, 53.2% measured; 0.110% of FP8 elements predict 13.1% of FP8 rows, 12.5% measured).
+
+Fractions (:class:`Fractions`) come from ``weight-transfer rl --changes``'s tidy CSV
+(results/rl_changes.csv: the median over the steps of one learning rate, per tensor kind and
+measured granularity) or are one uniform fraction of bf16 elements per step for every kind (the
+published figures: 0.02-0.05% Qwen3-235B-A22B, ~1% PULSE), from which the other granularities are
+derived (:func:`uniform_fractions`).
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from weight_transfer.changes import tensor_kind
+from weight_transfer.types import Recipe, itemsize
+
+from .hardware import Hardware
+from .options import GRANULARITIES
+
+__all__ = ["GRANULARITIES", "DeltaModel", "Fractions", "uniform_fractions", "load_fractions", "check_fractions_csv",
+           "expected_runs_and_units", "assumptions"]
+
+# GRANULARITIES, the compare units of --delta-granularity: "elems" one element (FP8 1 B, bf16 2 B,
+# scale 4 B); "rows" 128 bytes (one row of one 128x128 FP8 block, 64 bf16 elements, 32 scales);
+# "blocks" whole 128x128 FP8 blocks (in memory, 128-byte row segments that change together; bf16
+# tensors and scales at 128-byte rows).
+
+ROW_BYTES = 128
+"""Bytes of a ``rows`` unit (reference/changes.py ``ROW_BYTES``; the executor's default
+``--delta-granularity``)."""
+MEASURED = ("bf16_elems", "bf16_rows", "fp8_elems", "fp8_rows", "fp8_blocks", "scales")
+"""Granularities of results/rl_changes.csv (reference/changes.py)."""
+CSV_COLUMNS = ("lr", "step", "kind", "granularity", "changed", "total", "fraction")
+"""Columns ``--delta-fractions`` needs (``weight-transfer rl --changes`` writes these and more)."""
+FALLBACK = {"experts": "mlp", "router": "all", "other": "all", "attention": "all", "mlp": "all",
+            "embeddings": "all", "norms": "all"}
+"""Kind -> the kind whose fractions stand in when the CSV has none for it: the measured model is
+dense, so its MLP stands in for the experts and the whole model ("all") for the router."""
+FP8_PER_BF16 = 0.1
+"""Uniform mode: FP8 e4m3 elements changed per bf16 element changed. Measured on the RL loop
+(results/rl_changes.csv, medians of "all"): 0.110% / 1.23% = 0.089 at lr 1e-6, 0.95% / 9.0% = 0.106
+at lr 1e-5 (4 significant bits against 8: a spacing 16x coarser, 0.0625, plus scales that move)."""
+SCALES_PER_BF16 = 0.067
+"""Uniform mode: ``weight_scale_inv`` entries changed per bf16 element changed. Measured: 0.041% /
+1.23% = 0.033 at lr 1e-6, 0.60% / 9.0% = 0.067 at lr 1e-5 (the larger taken)."""
+RDMA_HEADER_BYTES = 64
+"""Wire bytes one more RDMA WRITE costs besides its payload, bytes. Assumption: InfiniBand's
+LRH + BTH + RETH + ICRC + VCRC are 42 bytes, RoCEv2's Ethernet + IP + UDP + BTH + RETH + ICRC + FCS
+78 (plus preamble and gap); EFA's SRD headers are not published. The full update's writes are
+megabytes, where the achieved ``nic_gbps`` already includes the per-packet headers."""
+RUN_DESCRIPTOR_BYTES = 16
+"""Bytes per run copied from the GPU to the host to post its WRITE (an 8-byte offset and an
+8-byte length)."""
+
+
+@dataclass
+class Fractions:
+    """Per tensor kind (:func:`weight_transfer.changes.tensor_kind`, plus ``"all"``), the
+    fraction of units one step changes at each :data:`MEASURED` granularity (0..1)."""
+
+    label: str
+    """What they are, in words (printed and in the CSV)."""
+    by_kind: dict[str, dict[str, float]]
+    source: str = ""
+    """Where they come from (a path and lr, or "uniform")."""
+    used_fallbacks: set = field(default_factory=set)
+    """(kind, stand-in) pairs :meth:`get` used."""
+
+    def get(self, kind: str, granularity: str) -> float:
+        k = kind
+        while k not in self.by_kind or granularity not in self.by_kind[k]:
+            nxt = FALLBACK.get(k)
+            if nxt is None or nxt == k:
+                raise KeyError(f"no {granularity} fraction for tensor kind {kind!r} in {self.label}")
+            k = nxt
+        if k != kind:
+            self.used_fallbacks.add((kind, k))
+        return self.by_kind[k][granularity]
+
+
+def uniform_fractions(f: float) -> Fractions:
+    """Every kind changes a fraction ``f`` of its bf16 elements per step (0..1); the other
+    granularities follow under uniform scattering: bf16 rows ``1 - (1 - f)^64``, FP8 elements
+    ``p8 = 1 - (1 - f)^FP8_PER_BF16`` (``f x FP8_PER_BF16`` at small ``f``, 1 at ``f = 1``), FP8
+    rows ``1 - (1 - p8)^128``, FP8 blocks ``1 - (1 - p8)^16384`` (or its scale), scales
+    ``1 - (1 - f)^SCALES_PER_BF16``."""
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"--delta-fraction {f}: must be in [0, 1]")
+    p8 = 1 - (1 - f) ** FP8_PER_BF16
+    ps = 1 - (1 - f) ** SCALES_PER_BF16
+    d = {"bf16_elems": f, "bf16_rows": 1 - (1 - f) ** 64, "fp8_elems": p8, "fp8_rows": 1 - (1 - p8) ** 128,
+         "fp8_blocks": 1 - (1 - p8) ** 16384 * (1 - ps), "scales": ps}
+    return Fractions(label=f"uniform {f:.4%} of bf16 elements", by_kind={"all": d}, source="uniform")
+
+
+def check_fractions_csv(path: str | Path) -> list[dict]:
+    """The rows of a ``weight-transfer rl --changes`` CSV, checked: ValueError naming the path when
+    it is not a readable file or lacks a column of :data:`CSV_COLUMNS`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--delta-fractions {str(p)!r}: no such file (results/rl_changes.csv is written by "
+                         "weight-transfer rl --changes)")
+    try:
+        with p.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"--delta-fractions {str(p)!r}: cannot be read ({e})") from None
+    cols = set(rows[0]) if rows else set()
+    missing = [c for c in CSV_COLUMNS if c not in cols]
+    if missing:
+        raise ValueError(f"--delta-fractions {str(p)!r}: no column {', '.join(missing)} (needs {', '.join(CSV_COLUMNS)})")
+    return rows
+
+
+def load_fractions(path: str | Path, lr: float, rows: list[dict] | None = None) -> Fractions:
+    """Per kind and granularity, the median over the steps of learning rate ``lr`` of
+    ``fraction`` in the CSV at ``path`` (:func:`check_fractions_csv`). ValueError when no row
+    has that lr (naming the ones there) or a fraction is outside [0, 1]."""
+    rows = check_fractions_csv(path) if rows is None else rows
+    lrs = sorted({float(r["lr"]) for r in rows})
+    got = [r for r in rows if math.isclose(float(r["lr"]), lr, rel_tol=1e-6)]
+    if not got:
+        raise ValueError(f"--delta-lr {lr:g}: no rows in {path} (learning rates there: {', '.join(f'{x:g}' for x in lrs)})")
+    acc: dict[tuple[str, str], list[float]] = {}
+    for r in got:
+        v = float(r["fraction"])
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{path}: fraction {v} outside [0, 1] (lr {lr:g}, step {r['step']}, {r['kind']} {r['granularity']})")
+        acc.setdefault((r["kind"], r["granularity"]), []).append(v)
+    by: dict[str, dict[str, float]] = {}
+    for (k, g), vs in acc.items():
+        by.setdefault(k, {})[g] = statistics.median(vs)
+    steps = len({r["step"] for r in got})
+    return Fractions(label=f"lr {lr:g} measured (median of {steps} steps)", by_kind=by, source=f"{path} lr={lr:g}")
+
+
+# ------------------------------------------------------------------------------ expected runs
+
+
+@functools.lru_cache(maxsize=256)
+def _series(p: float, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix sums over j = 0..g of ``j p^2 q^j`` and ``j^2 p^2 q^j`` (q = 1 - p)."""
+    j = np.arange(0, g + 1, dtype=np.float64)
+    w = p * p * np.power(1.0 - p, j)
+    return np.cumsum(j * w), np.cumsum(j * j * w)
+
+
+def expected_runs_and_units(n: int, p: float, gap_units: int) -> tuple[float, float]:
+    """(expected runs, expected units written) over ``n`` units each changed independently with
+    probability ``p``, changed units coalesced and runs separated by at most ``gap_units``
+    unchanged units merged (reference/delta.py ``changed_runs``: ``merge_gap // granularity``).
+
+    A run starts at a changed unit with no changed unit among the ``gap_units + 1`` before it:
+    ``E[runs] = (1 - q^min(n, g+1)) + p q^(g+1) max(0, n - g - 1)``. Written: the changed units,
+    plus the ``j`` unchanged units between two changed ones ``j + 1`` apart when ``j <= g``:
+    ``E[units] = n p + sum_{j=1..min(g, n-2)} j (n - 1 - j) p^2 q^j``. Exact for these
+    assumptions; p = 0 gives (0, 0), p = 1 gives (1, n)."""
+    if n <= 0 or p <= 0.0:
+        return 0.0, 0.0
+    if p >= 1.0:
+        return 1.0, float(n)
+    q = 1.0 - p
+    g = gap_units
+    runs = (1.0 - q ** min(n, g + 1)) + p * q ** (g + 1) * max(0, n - g - 1)
+    m = min(g, n - 2)
+    merged = 0.0
+    if m >= 1:
+        a, b = _series(p, g)
+        merged = (n - 1) * a[m] - b[m]
+    return runs, min(float(n), n * p + merged)
+
+
+# ------------------------------------------------------------------------------ the delta model
+
+
+def _unit(recipe: Recipe, out_index: int, dtype: str, granularity: str) -> tuple[str, int, int]:
+    """(measured granularity, unit bytes, measured units per unit) of one output."""
+    if recipe.transform == "fp8_block" and out_index == 1:  # weight_scale_inv, float32
+        return ("scales", 4, 1) if granularity == "elems" else ("scales", ROW_BYTES, ROW_BYTES // 4)
+    sz = itemsize(dtype)
+    if sz == 1:  # FP8 e4m3 weight
+        return {"elems": ("fp8_elems", 1, 1), "rows": ("fp8_rows", ROW_BYTES, 1),
+                "blocks": ("fp8_blocks", ROW_BYTES, 1)}[granularity]
+    if granularity == "elems":
+        return "bf16_elems", sz, 1
+    if sz == 2:
+        return "bf16_rows", ROW_BYTES, 1
+    return "bf16_elems", ROW_BYTES, max(1, ROW_BYTES // sz)  # float32 outputs: rows from elements
+
+
+class DeltaModel:
+    """Per-write and per-output costs of a delta update (module docstring): used by
+    :func:`weight_transfer.experiments.sim.model.simulate` (``delta=``). Values are expectations
+    (floats); cached per (kind, unit, length)."""
+
+    def __init__(self, fractions: Fractions, hw: Hardware, *, granularity: str = "rows", merge_gap: int = 4096,
+                 header_bytes: int = RDMA_HEADER_BYTES):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"delta granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
+        if merge_gap < 0:
+            raise ValueError(f"delta merge gap {merge_gap}: must be >= 0 bytes")
+        self.fractions, self.hw, self.granularity, self.merge_gap = fractions, hw, granularity, merge_gap
+        self.header_bytes = header_bytes
+        self._kind: dict[str, str] = {}
+        self._cost: dict[tuple, tuple[float, float, float]] = {}
+        self._cmp: dict[tuple, float] = {}
+
+    def _output_cost(self, recipe: Recipe, i: int, nbytes: int) -> tuple[float, float, float]:
+        """(wire bytes, runs, payload bytes) of writing output ``i`` (``nbytes``) as a delta."""
+        o = recipe.outputs[i]
+        kind = self._kind.get(o.tensor)
+        if kind is None:
+            kind = self._kind[o.tensor] = tensor_kind(o.tensor)
+        key = (kind, recipe.transform == "fp8_block" and i == 1, o.dtype, nbytes)
+        got = self._cost.get(key)
+        if got is None:
+            meas, unit, sub = _unit(recipe, i, o.dtype, self.granularity)
+            p = self.fractions.get(kind, meas)
+            if sub > 1:
+                p = 1.0 - (1.0 - p) ** sub
+            n = -(-nbytes // unit)
+            runs, units = expected_runs_and_units(n, p, self.merge_gap // unit)
+            payload = min(float(nbytes), units * unit)
+            got = self._cost[key] = (payload + runs * self.header_bytes, runs, payload)
+        return got
+
+    def write(self, recipe: Recipe, out_index: int, length: int) -> tuple[float, float]:
+        """(wire bytes, ops) of one write of the schedule (all ``length`` bytes of output
+        ``out_index``) as a delta."""
+        b, n, _ = self._output_cost(recipe, out_index, length)
+        return b, n
+
+    def compare_seconds(self, recipe: Recipe) -> float:
+        """Seconds the trainer spends comparing the recipe's outputs with its shadow and
+        building the run list (once per rank, however many receivers)."""
+        key = (recipe.transform, tuple(recipe.outputs[i].tensor for i in range(len(recipe.outputs))), recipe.shape)
+        got = self._cmp.get(key)
+        if got is None:
+            hw = self.hw
+            got = 0.0
+            for i, o in enumerate(recipe.outputs):
+                nb = itemsize(o.dtype)
+                for a, b in o.box:
+                    nb *= b - a
+                _, runs, payload = self._output_cost(recipe, i, nb)
+                got += ((2 * nb + payload) / (hw.hbm_gbs * 1e9) + 3 * hw.kernel_us * 1e-6
+                        + runs * RUN_DESCRIPTOR_BYTES / (hw.pcie_gbs * 1e9))
+            self._cmp[key] = got
+        return got
+
+
+def assumptions(header_bytes: int = RDMA_HEADER_BYTES) -> list[str]:
+    """The delta mode's assumptions, one line each (printed with the prediction)."""
+    return [
+        "the plan, every full_tensor(), fusion and FP8 quantization run as in a full update, on the full shard "
+        "(the trainer needs the whole tensor to quantize it)",
+        "the trainer compares every output byte with its shadow: (2 x output + changed bytes) / hbm_gbs, 3 kernel "
+        f"launches per output, {RUN_DESCRIPTOR_BYTES} B per run to the host over PCIe; once per rank per output",
+        f"one RDMA WRITE per run: rdma_msg_us each at the sender, +{header_bytes} B of headers on the wire at both "
+        f"ends; runs at most the row's merge gap apart are one run (the executor's --delta-merge-gap)",
+        "units change independently (uniform scattering) with the measured fraction of their kind and granularity; "
+        "expected runs and bytes per write",
+        "the measured toy model is dense: its MLP stands in for the experts, the whole model for the router "
+        "(fallbacks listed per row); its fractions are an upper-side estimate for a pretrained model (docs/DELTA.md)",
+        "the receiver stays passive (no apply); the barrier between mesh groups and the releases are unchanged; the "
+        "shadow (one byte per distinct output byte per rank) is persistent memory, outside the watermark",
+        "left out, as for the full update: switch congestion and incast, the receiver NIC's message rate, the "
+        "control plane's go/complete round trip",
+    ]
