@@ -69,8 +69,11 @@ Every task records its stage start/end times (``time.perf_counter`` seconds); :c
 carries the matching wall-clock origin so ranks line up. Intervals of one stage may overlap
 (``write``), so :meth:`StepStats.stage_busy` counts the union of a stage's intervals.
 
-*Errors.* The first error of any stage aborts the update and is raised naming the stage and the
-task (a gone receiver: the inference rank). After it no batch is posted; the batches still in
+*Errors.* The first error of any stage fails the update and is raised naming the stage and the
+task (a gone receiver: the inference rank). An error before the writes aborts every stage; a
+failed write stops the writes only: the prepares run to the end of the plan, so the training
+ranks' collectives stay in step (a receiver that dies mid-update hangs no trainer: C24), and the
+error is raised after them. After it no batch is posted; the batches still in
 flight are waited for (each up to its deadline) and their pool chunks given back; a batch that
 timed out may still be in flight, so its pool is replaced (registered again, the old buffer
 kept unused) before the next update. The lease and epoch checks (C17) are the transport's, per
@@ -381,20 +384,24 @@ class Executor:
         anything is in flight the input queue is polled every ``_POLL_S`` seconds so completed
         batches keep being reaped (the first stage may be waiting at the gate for their
         memory). At the end of the stream every batch is waited for. The first error (a
-        refused post, a failed write, a batch past its timeout, counted from its post) aborts
+        refused post, a failed write, a batch past its timeout, counted from its post) fails
         the update; no batch is posted after it, the batches still in flight are waited for
-        (each up to its deadline) before their pool chunks are given back."""
+        (each up to its deadline) before their pool chunks are given back. The earlier stages
+        go on to the end of the plan (their ``full_tensor()`` collectives and group barriers
+        stay in step with the other training ranks, whose writes may not have failed: a dead
+        receiver does not hang a trainer, C24); the error is raised once they finished."""
         fl = self._writes = WritesInFlight(self.transport, self.remote, self.write_timeout)
+        failed = threading.Event()  # no batch after a failed one; the other stages go on
 
         def fail(w: _Work, e: BaseException) -> None:
             errors.append(("write", w.task.id, w.rec.label, e))
-            abort.set()
+            failed.set()
             left = fl.abandon()
             if fl.timed_out:
                 self.memory.suspect = True  # a batch may still read the pool: replace it next update
             self._drop(w)
             for p in left:
-                q_out.put(p.item)  # release drops it (abort is set) and frees its gate bytes
+                q_out.put(p.item)  # release frees its gate bytes
 
         def reap(block: bool) -> None:
             while True:
@@ -421,7 +428,7 @@ class Executor:
                     reap(True)
                 q_out.put(_STOP)
                 return
-            if abort.is_set():
+            if abort.is_set() or failed.is_set():
                 self._drop(w)
                 continue
             try:
@@ -500,14 +507,25 @@ class Executor:
         if self.pipeline:
             self._run_pipelined(works, fns, st)
         else:
+            err = None  # a failed write: no batch after it, the prepares (collectives) go on to the end
             for w in works:
                 for name, fn in fns:
+                    if err is not None and name == "write":
+                        self._drop(w)
+                        break
                     try:
                         fn(w, None)
                     except Exception as e:
-                        raise RuntimeError(f"rank {self.plan.rank}: stage {name} of task {w.task.id} "
-                                           f"({w.rec.label}) failed: {type(e).__name__}: {e}") from e
+                        why = RuntimeError(f"rank {self.plan.rank}: stage {name} of task {w.task.id} "
+                                           f"({w.rec.label}) failed: {type(e).__name__}: {e}")
+                        if name != "write":
+                            raise why from e
+                        err = (why, e)
+                        self._drop(w)
+                        break
             self._finish_barriers(st)
+            if err is not None:
+                raise err[0] from err[1]
         if self.cuda:
             torch.cuda.synchronize(self.device)
             st.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) - base
