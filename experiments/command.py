@@ -159,6 +159,9 @@ def sweep_main(args) -> int:
             raise ValueError("--cluster slurm: no sbatch on PATH (a SLURM client is needed here; "
                              "scripts/slurm_local.sh start runs a one-node cluster on this machine)")
         for cfg in sweep.trials:
+            if cfg.fleet.active:  # the local launcher holds the engine processes it kills and starts
+                raise ValueError(f"sweep {sweep.name}: --kill-engine/--restart-engine/--engines-at run under "
+                                 "weight-transfer run only (the local launcher)")
             executor_parameters(cfg, opt)
             if opt.cluster != "slurm":
                 cfg.preflight(local=True)

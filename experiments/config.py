@@ -198,6 +198,59 @@ class RunOptions:
             raise ValueError(f"device={self.device!r}: cpu or cuda")
 
 
+def _kills(s: str) -> tuple[tuple[int, int, str], ...]:
+    """``3:1`` -> ``((3, 1, "during"),)``; ``2:0:before,4:1`` -> ``((2, 0, "before"), (4, 1,
+    "during"))`` (the ``--kill-engine`` option, :class:`FleetOptions`)."""
+    from .fleet import parse_kills
+
+    return parse_kills(s)
+
+
+def _step_pairs(flag: str, what: str):
+    """A parser of ``STEP:X[,STEP:X...]`` -> ``((STEP, X), ...)`` for option ``flag``."""
+    def parse(s: str) -> tuple[tuple[int, int], ...]:
+        from .fleet import parse_pairs
+
+        return parse_pairs(s, flag, what)
+    return parse
+
+
+@dataclass(kw_only=True, slots=True)
+class FleetOptions:
+    """Inference engines killed, restarted and scaled during one run (C24): the trainers keep
+    training, the plan is recomputed for each new membership (experiments/fleet.py)."""
+
+    kill_engine: tuple[tuple[int, int, str], ...] = field(
+        default=(), metadata={"parse": _kills, "metavar": "STEP:E[:before],..."})
+    """SIGKILL every process of inference engine ``E`` (instance ``E`` of the layout: ranks
+    ``E*tp .. E*tp+tp-1``) while update ``STEP`` writes (half-way through training rank 0's
+    write tasks: that update fails, named, ``incomplete``; the next completes on the
+    survivors), or with ``:before`` between updates, before update ``STEP``'s go (found gone,
+    planned without it: update ``STEP`` completes on the survivors). Comma-separated."""
+    restart_engine: tuple[tuple[int, int], ...] = field(
+        default=(), metadata={"parse": _step_pairs("--restart-engine", "E"), "metavar": "STEP:E,..."})
+    """Start a fresh process (fresh memory, poisoned) for engine ``E``, killed by
+    ``--kill-engine`` at an earlier update, before update ``STEP``: it registers, the plan is
+    recomputed with it, and update ``STEP`` is its first (complete, verified bit-exact)."""
+    engines_at: tuple[tuple[int, int], ...] = field(
+        default=(), metadata={"parse": _step_pairs("--engines-at", "N"), "metavar": "STEP:N,..."})
+    """Scale the fleet to ``N`` engines before update ``STEP`` (``1:N`` sets the first
+    update's; without it the run starts with all ``dp`` engines): engines ``0..N-1`` of the
+    layout, which has room for ``dp``. Scaling down asks the highest-numbered running engines
+    to leave (they deregister and exit); scaling up starts the lowest-numbered stopped ones
+    fresh. E.g. ``--dp 3 --engines-at 1:1,3:3,5:1``."""
+
+    def __post_init__(self):
+        from .fleet import normalize_options
+
+        normalize_options(self)
+
+    @property
+    def active(self) -> bool:
+        """True when any engine is killed, restarted or scaled in this run."""
+        return bool(self.kill_engine or self.restart_engine or self.engines_at)
+
+
 @dataclass(kw_only=True, slots=True)
 class TrialConfig:
     """Everything a trial needs; every process gets a copy. A composition, one part per
@@ -229,6 +282,8 @@ class TrialConfig:
     """Options of the baselines (``rank0_funnel``, ``rpc``): bucket size, RPC timeout."""
     run: RunOptions = field(default_factory=RunOptions)
     """Method, engine, updates, verification."""
+    fleet: FleetOptions = field(default_factory=FleetOptions)
+    """Inference engines killed, restarted and scaled during the run (C24)."""
 
     def __post_init__(self):
         run, tr = self.run, self.transfer
@@ -250,6 +305,10 @@ class TrialConfig:
             raise ValueError(f"delta=True with method={run.method!r}: delta updates are the reference method's "
                              "(its executor keeps the shadow); the baselines always send everything")
         self._check_device()
+        if self.fleet.active:  # steps within the run, engines that exist, restarts of killed engines (C24)
+            from .fleet import check_fleet
+
+            check_fleet(self)
         self.model.config()  # validates the model name and the overrides (names and kinds)
 
     # ---- flat names: the command line's options, the sweep CSVs' columns ----------------------
@@ -374,7 +433,7 @@ KEY_EXCLUDE = ("timeout", "trace_dir")
 
 KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16",
                 "delta": False, "delta_granularity": 8, "delta_merge_gap": 0, "delta_op_cost": None, "delta_max_bytes": None,
-                "change_fraction": ()}
+                "change_fraction": (), "kill_engine": (), "restart_engine": (), "engines_at": ()}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match."""
 

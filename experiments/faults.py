@@ -9,6 +9,13 @@ the role and rank the error names, the exit status, processes of the row left be
 published state of the inference weights after the failure, and whether the next update
 restored a complete version bit-exactly (training faults: the trial restarts the training world
 once, the inference processes keep their memory; inference and controller faults end the run).
+
+Two more rows (:data:`ELASTIC`, C24) run a trial whose inference engines come and go
+(:mod:`weight_transfer.experiments.fleet`): ``engine-dies-replacement-joins`` (2 engines, engine 1
+SIGKILLed while update 3 writes, a fresh engine 1 started before update 5) and ``scale-1-3-1``
+(1 engine, 3 from update 3, 1 from update 5); each must name the lost engine, go on with the
+survivors, verify every completed update on exactly the engines in it (the newcomers' first
+updates bit-exact), never restart the trainers, and leave nothing behind.
 """
 from __future__ import annotations
 
@@ -164,9 +171,115 @@ def named(fault: Fault, res: dict) -> str:
 QUICK = ("raise:train:1:middle:2", "kill:infer:0:middle:2", "stop:train:1:middle:2")
 
 
-def all_faults() -> list[Fault]:
+# --------------------------------------------------------------------------------------------
+# elastic rows (C24): engines killed, restarted and scaled while the trainers keep training
+
+ELASTIC = {
+    "engine-dies-replacement-joins": dict(tp=1, dp=2, steps=6, kill_engine=((3, 1, "during"),),
+                                          restart_engine=((5, 1),)),
+    "scale-1-3-1": dict(tp=1, dp=3, steps=6, engines_at=((1, 1), (3, 3), (5, 1))),
+}
+"""The elastic rows: name -> the trial's fleet options (on :func:`small_config`'s world, TP=1
+engines, 6 updates)."""
+
+
+@dataclass(frozen=True)
+class ElasticRow:
+    """An elastic row of the matrix (what :func:`matrix_row` needs of a row)."""
+
+    spec_name: str
+    role = "fleet"
+    action = "fleet"
+
+    def spec(self) -> str:
+        return self.spec_name
+
+    @property
+    def name(self) -> str:
+        """The rank the row's error must name: the killed engine's first rank, ``-`` without a kill."""
+        kills = ELASTIC[self.spec_name].get("kill_engine", ())
+        return f"inference {kills[0][1]}" if kills else "-"
+
+
+def run_elastic_row(name: str, *, stall: float = 5.0) -> dict:
+    """Run elastic row ``name`` in this process and check it: ``{"fault", "error" (the failed
+    update's named error, None without one), "seconds_to_error" (kill -> named error), "state"
+    (the weights after the failed update), "restored" (every completed update verified on every
+    engine in it, the newcomers' first ones included, and each update's members as planned),
+    "replan" (the largest replan seconds), "members" (per update), "pids_same", "ok"}``."""
+    from .fleet import engine_ranks, members_text, plan_fleet
+    from .trial import run_trial
+
+    cfg = small_config(**ELASTIC[name])
+    seen: list = []
+    out = {"fault": name, "error": None, "seconds_to_error": None, "state": None, "restored": False, "ok": False}
+    try:
+        run_trial(cfg, progress=seen.append, stall=stall)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        out["run_failed"] = True
+    _, events = plan_fleet(cfg.fleet, cfg.run.warmup + cfg.run.steps, cfg.inference.dp)
+    want, members = {}, {}
+    cur = members_text(r for e in plan_fleet(cfg.fleet, cfg.run.warmup + cfg.run.steps, cfg.inference.dp)[0]
+                       for r in engine_ranks(e, cfg.inference.tp))
+    for s in range(1, cfg.run.warmup + cfg.run.steps + 1):
+        if s in events:
+            cur = members_text(r for e in events[s].members for r in engine_ranks(e, cfg.inference.tp))
+        want[s] = cur
+    failed = [r for r in seen if r.get("outcome") == "failed"]
+    done = [r for r in seen if r.get("outcome") != "failed"]
+    members = {r["step"]: r.get("members") for r in seen}
+    if failed:
+        out.update(error=failed[0]["error"], seconds_to_error=failed[0].get("seconds_to_error"),
+                   state=failed[0].get("weights_after"))
+    kill_steps = {s for s, _, w in cfg.fleet.kill_engine if w == "during"}
+    out["restored"] = (not out.get("run_failed") and [r["step"] for r in seen] == list(want)
+                       and members == want and {r["step"] for r in failed} == kill_steps
+                       and all(r["verified"] is True for r in done))
+    out["replan"] = max((r.get("replan_seconds") or 0.0 for r in seen), default=0.0)
+    out["members"] = " ".join(f"{r['step']}:{r.get('members')}" + ("(failed)" if r.get("outcome") == "failed" else "")
+                              for r in seen)
+    out["pids_same"] = len({r.get("train_pids") for r in seen}) == 1 and "?" not in (seen[0].get("train_pids") or "?")
+    out["ok"] = bool(out["restored"] and out["pids_same"])
+    out["rows"] = [(r["step"], r.get("members"), r.get("outcome"), r["verified"]) for r in seen]
+    return out
+
+
+def format_elastic(rows: list[tuple[ElasticRow, dict]]) -> str:
+    """The elastic rows' table (beneath the fault matrix's)."""
+    lines = ["# elastic fleet (C24): the same model and 2 training ranks -> TP=1 engines, CMA; 6 updates; "
+             "members = inference ranks in each update",
+             f"#{'row':>30} {'to_error':>9} {'named':>12} {'exit':>5} {'left':>5} {'weights after fault':>20} "
+             f"{'restored':>9} {'replan':>7} {'pids':>5} {'ok':>4}  members per update",
+             f"#{'':>30} {'(s)':>9} {'':>12} {'':>5} {'':>5} {'':>20} {'':>9} {'(s)':>7}"]
+    for f, r in rows:
+        ste = "-" if r.get("seconds_to_error") is None else f"{r['seconds_to_error']:.2f}"
+        who = named(f, r)
+        lines.append(f"{f.spec():>31} {ste:>9} {who:>12} {r['exit']:>5} {r['left']:>5} {r.get('state') or '-':>20} "
+                     f"{'yes' if r.get('restored') else 'no':>9} {r.get('replan') or 0.0:>7.4f} "
+                     f"{'same' if r.get('pids_same') else 'NEW':>5} {'yes' if row_ok(f, r) else 'NO':>4}  "
+                     f"{r.get('members', '')}")
+    return "\n".join(lines)
+
+
+def row_ok(f, r: dict) -> bool:
+    """A row is good when it names the faulted rank, ends and leaves nothing behind (elastic
+    rows: also exit 0, every update as planned and verified, the trainers' pids unchanged)."""
+    base = named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out")
+    if isinstance(f, ElasticRow):
+        return base and r.get("exit") == 0 and bool(r.get("ok"))
+    return base
+
+
+def all_faults() -> list:
+    """The 27 injected faults, then the :data:`ELASTIC` rows."""
     rank = {"train": 1, "infer": 0, "controller": 0}
-    return [Fault(a, r, rank[r], w, 2) for r in ROLES for a in ACTIONS for w in WHENS]
+    return [Fault(a, r, rank[r], w, 2) for r in ROLES for a in ACTIONS for w in WHENS] + [ElasticRow(n) for n in ELASTIC]
+
+
+def parse_row(spec: str):
+    """A matrix row from its spec: an :data:`ELASTIC` name or ``ACTION:ROLE:RANK:WHEN:STEP``."""
+    return ElasticRow(spec) if spec in ELASTIC else Fault.parse(spec)
 
 
 def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
@@ -175,6 +288,8 @@ def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
              f"#{'fault':>27} {'to_error':>9} {'named':>12} {'exit':>5} {'left':>5} {'weights after fault':>20} "
              f"{'restored':>9} {'ok':>4}",
              f"#{'':>27} {'(s)':>9}"]
+    elastic = [(f, r) for f, r in rows if isinstance(f, ElasticRow)]
+    rows = [(f, r) for f, r in rows if not isinstance(f, ElasticRow)]
     for f, r in rows:
         ste = "-" if r.get("seconds_to_error") is None else f"{r['seconds_to_error']:.2f}"
         who = named(f, r)
@@ -183,7 +298,10 @@ def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
         restored = "yes" if r.get("restored") else ("n/a" if f.role != "train" else "no")
         lines.append(f"{f.spec():>28} {ste:>9} {who:>12} {r['exit']:>5} {r['left']:>5} {state:>20} {restored:>9} "
                      f"{'yes' if ok else 'NO':>4}")
-    bad = [f.spec() for f, r in rows if not (named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out"))]
+    if elastic:
+        lines.append(format_elastic(elastic))
+    rows = rows + elastic
+    bad = [f.spec() for f, r in rows if not row_ok(f, r)]
     lines.append(f"# rows named, bounded and clean: {len(rows) - len(bad)}/{len(rows)}" + (f"; not: {bad}" if bad else ""))
     return "\n".join(lines)
 
@@ -191,7 +309,7 @@ def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
 def main(args) -> int:
     """``weight-transfer faults``: run the matrix (or ``--quick``'s 3 rows, or ``--only``)
     and print the table."""
-    faults = ([Fault.parse(s) for s in args.only] if args.only else
+    faults = ([parse_row(s) for s in args.only] if args.only else
               [Fault.parse(s) for s in QUICK] if args.quick else all_faults())
     rows = []
     for f in faults:
@@ -201,7 +319,7 @@ def main(args) -> int:
         if args.verbose:
             print(r["stderr_tail"], file=sys.stderr)
     print(format_matrix(rows, stall=args.stall))
-    return 0 if all(named(f, r) == f.name and r["left"] == 0 and not r.get("timed_out") for f, r in rows) else 1
+    return 0 if all(row_ok(f, r) for f, r in rows) else 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,7 +329,8 @@ class FaultsOptions:
     quick: bool = False
     """Run 3 rows only (a training rank raising, an inference rank killed, a training rank stopped)."""
     only: tuple[str, ...] = field(default=(), metadata={"metavar": "SPEC,..."})
-    """Run these faults, ``action:role:rank:when:step`` each, comma-separated (e.g. ``stop:controller:0:late:2``)."""
+    """Run these faults, ``action:role:rank:when:step`` each, or an elastic row's name
+    (``engine-dies-replacement-joins``, ``scale-1-3-1``), comma-separated (e.g. ``stop:controller:0:late:2``)."""
     stall: float = field(default=5.0, metadata={"unit": "s"})
     """Seconds without a heartbeat before a rank is named."""
     limit: float = field(default=180.0, metadata={"unit": "s"})
@@ -232,6 +351,10 @@ if __name__ == "__main__":
     ap.add_argument("--row", default=None, help="run one row in this process and print it as JSON")
     add_arguments(ap)
     a = ap.parse_args()
+    if a.row in ELASTIC:  # an elastic row: exit 0 when it went as planned (its failed update is expected)
+        res = run_elastic_row(a.row, stall=a.stall)
+        print(json.dumps(res), flush=True)
+        sys.exit(0 if res["ok"] else 1)
     if a.row:
         res = run_row(Fault.parse(a.row), stall=a.stall)
         print(json.dumps(res), flush=True)

@@ -73,13 +73,21 @@ def format_table(result) -> str:
     delta = any(r.get("delta") for r in rows)  # --delta: bytes actually written beside the update's bytes
     if delta:
         st_h = (f" {'delta_bytes':>14}" + st_h[0], f" {'(B)':>14}" + st_h[1])
+    fleet = any("members" in r for r in rows)  # engines that come and go (C24): each update's members, replan time
+    fl_h = (f" {'members':>9} {'epoch':>5} {'replan':>8}", f" {'(ranks)':>9} {'':>5} {'(s)':>8}") if fleet else ("", "")
     lines += [
         f"{'step':>6} {'bytes':>14}{st_h[0]} {'time':>10} {'algbw':>8} {'prepare':>8} {'write':>8} {'publish':>8} "
-        f"{'writes':>7} {'peak_tmp':>9} {'verified':>9}",
+        f"{'writes':>7} {'peak_tmp':>9} {'verified':>9}{fl_h[0]}",
         f"{'':>6} {'(B)':>14}{st_h[1]} {'(s)':>10} {'(GB/s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'':>7} {'(MB)':>9} "
-        f"{'':>9}",
+        f"{'':>9}{fl_h[1]}",
     ]
     for r in rows:
+        fl = (f" {r.get('members', ''):>9} {r.get('epoch', 0):>5} {r.get('replan_seconds', 0.0):>8.4f}"
+              if fleet else "")
+        if r.get("outcome") == "failed":  # an update that lost an engine: named, weights incomplete, the run went on
+            lines.append(f"{r['step']:>6} {'FAILED':>14} {r['seconds']:>10.4f} {'':>8} {'':>8} {'':>8} {'':>8} {'':>7} "
+                         f"{'':>9} {'-':>9}{fl}  ({str(r.get('error', '')).split(' (also: ')[0]})")
+            continue
         v = {True: "yes", False: "NO", None: "-"}[r["verified"]]
         note = "  (cold)" if r["step"] == rows[0]["step"] and r["warmup"] else "  (warmup)" if r["warmup"] else ""
         st = f" {r.get('bytes_staged', 0):>12} {r.get('commit_seconds', 0.0):>8.4f}" if staged else ""
@@ -90,11 +98,12 @@ def format_table(result) -> str:
         lines.append(f"{r['step']:>6} {r['bytes']:>14}{st} {r['seconds']:>10.4f} {r['bytes'] / r['seconds'] / 1e9:>8.3f} "
                      f"{r.get('phase_prepare_s', 0.0):>8.4f} {r.get('phase_write_s', 0.0):>8.4f} "
                      f"{r.get('phase_publish_s', 0.0):>8.4f} "
-                     f"{r['n_writes']:>7} {r['peak_temp_bytes'] / 1e6:>9.1f} {v:>9}{note}")
-    meas = [r for r in rows if not r["warmup"]]
+                     f"{r['n_writes']:>7} {r['peak_temp_bytes'] / 1e6:>9.1f} {v:>9}{fl}{note}")
+    done = [r for r in rows if r.get("outcome") != "failed"]
+    meas = [r for r in done if not r["warmup"]]
     secs = [r["seconds"] for r in meas]
-    n_ok = sum(1 for r in rows if r["verified"])
-    if rows and rows[0]["warmup"]:
+    n_ok = sum(1 for r in done if r["verified"])
+    if rows and rows[0]["warmup"] and rows[0].get("outcome") != "failed":
         c = rows[0]
         lines += ["#", f"# cold first update (step {c['step']}, reported, not in the warm statistics): {c['seconds']:.4f} s "
                        f"({c['bytes'] / c['seconds'] / 1e9:.3f} GB/s)"]
@@ -105,7 +114,9 @@ def format_table(result) -> str:
             f"# measured (warm) updates: {len(meas)}; seconds p50 {med:.4f}  p95 {percentile(secs, 95):.4f}  "
             f"p99 {percentile(secs, 99):.4f}  min {min(secs):.4f}  max {max(secs):.4f}",
             f"# bytes per update: {meas[0]['bytes']} ({meas[0]['bytes'] / 1e9:.3f} GB); algbw at p50: "
-            f"{meas[0]['bytes'] / med / 1e9:.3f} GB/s",
+            f"{meas[0]['bytes'] / med / 1e9:.3f} GB/s"
+            + (f" = {100 * meas[0]['bytes'] / med / 1e9 / result.memcpy_gbps:.0f}% of memcpy "
+               f"(same run, 1 thread: {result.memcpy_gbps:.2f} GB/s)" if result.memcpy_gbps else ""),
         ]
         lines += phase_lines(meas, result.memcpy_gbps)
         if delta:
@@ -134,12 +145,49 @@ def format_table(result) -> str:
     against = ("a fresh vLLM from the step's checkpoint (every addressable runtime byte, staged bytes vs the "
                "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)"
                if result.cfg.run.engine == "vllm" else "the engine's load_weights")
-    lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(rows)} updates"
-                 + ("" if n_ok == len(rows) else "  <-- FAILED"))
+    lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(done)} updates"
+                 + (f" (every engine in each; {len(rows) - len(done)} failed update(s) above, named)" if fleet else "")
+                 + ("" if n_ok == len(done) else "  <-- FAILED"))
+    if fleet:
+        lines += fleet_lines(rows)
     for r in rows:
         if r.get("verify_error"):
             lines.append(f"#   step {r['step']}: {r['verify_error']}")
     return "\n".join(lines)
+
+
+def fleet_lines(rows: list[dict]) -> list[str]:
+    """Footer lines of a run whose engines were killed, restarted or scaled (C24; rows with a
+    ``members`` column): the options, every membership change with its replan time, every
+    failed update with its named error, the newcomers' first updates, the trainers' pids."""
+    r0 = rows[0]
+    opts = " ".join(f"--{k.replace('_', '-')} {r0[k]}" for k in ("kill_engine", "restart_engine", "engines_at")
+                    if r0.get(k))
+    out = [f"# fleet (C24): {opts}; members = inference ranks in each update's plan"]
+    for r in rows:
+        if r.get("joined") or r.get("gone"):
+            what = ", ".join(x for x in (f"gone {r['gone']}" if r.get("gone") else "",
+                                         f"joined {r['joined']} (registered {r.get('join_seconds', 0.0):.2f} s after "
+                                         "its start)" if r.get("joined") else "") if x)
+            out.append(f"# before update {r['step']}: members {r['members']} ({what}); plan recomputed for them in "
+                       f"{r.get('replan_seconds', 0.0):.4f} s (epoch {r.get('epoch')})")
+        if r.get("outcome") == "failed":
+            ste = r.get("seconds_to_error")
+            out.append(f"# update {r['step']} failed: {str(r.get('error')).split(' (also: ')[0]}"
+                       + (f"; named {ste:.2f} s after the kill" if ste is not None else "")
+                       + f"; weights {r.get('weights_after', 'incomplete')}; planned without rank(s) {r.get('lost')} from "
+                         "the next update")
+    firsts = [(r["step"], r["newcomer_first"], r["verified"]) for r in rows
+              if r.get("newcomer_first") and r.get("outcome") != "failed"]
+    for step, ranks, ok in firsts:
+        out.append(f"# newcomer rank(s) {ranks}: first update {step} complete, verified bit-exact: "
+                   f"{'yes' if ok else 'NO'}")
+    pids = {r.get("train_pids") for r in rows}
+    if pids:
+        same = len(pids) == 1
+        out.append(f"# training ranks' pids: {', '.join(sorted(str(p) for p in pids))} at every update "
+                   + ("(unchanged: the trainers never restarted)" if same else "<-- CHANGED"))
+    return out
 
 
 def phase_lines(meas: list[dict], memcpy_gbps: float | None) -> list[str]:

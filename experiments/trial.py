@@ -183,17 +183,18 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
             procs.infer[d * cfg.inference.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr),
                                                    kwargs=dict(parent=parent), name=f"vllm{d}")
     else:
-        for i in range(cfg.n_infer):
+        for i in range(fleet_initial_ranks(cfg)):
             procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
                                          kwargs=dict(stall=stall, fault=fault, parent=parent), name=f"infer{i}",
                                          daemon=True)
     spawn_training(0, 1)
     for p in procs.infer.values():
         p.start()
+    fleet = _fleet_procs(cfg, procs, ctx, addr, store, stall, parent) if cfg.fleet.active else None
     try:
         result = run_controller(cfg, store, procs.dead_train, procs.dead_infer, progress=progress, env=env,
                                 memcpy_gbps=memcpy, stall=stall, restarts=restarts,
-                                restart_training=restart_training, fault=fault, probe=probe)
+                                restart_training=restart_training, fault=fault, probe=probe, fleet=fleet)
     except BaseException:
         stop_processes(procs.all(), groups=procs.groups())
         raise
@@ -204,13 +205,50 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     return result
 
 
+def fleet_initial_ranks(cfg: TrialConfig) -> int:
+    """Inference ranks started with the run: every rank of the layout, or with ``--engines-at
+    1:N`` the first ``N`` engines' (C24, experiments/fleet.py)."""
+    if not cfg.fleet.active:
+        return cfg.n_infer
+    from .fleet import plan_fleet
+
+    return len(plan_fleet(cfg.fleet, cfg.run.warmup + cfg.run.steps, cfg.inference.dp)[0]) * cfg.inference.tp
+
+
+def _fleet_procs(cfg: TrialConfig, procs: _Procs, ctx, addr, store, stall: float, parent: int):
+    """What the fleet may do to this launcher's inference processes (C24): start a fresh one
+    for a rank, SIGKILL and reap one, ask one to leave and reap it."""
+    from .fleet import FleetProcs, kill_process
+
+    def start(i: int) -> None:
+        p = ctx.Process(target=inference_main, args=(cfg, i, addr), kwargs=dict(stall=stall, parent=parent),
+                        name=f"infer{i}", daemon=True)
+        procs.infer[i] = p
+        p.start()
+
+    def leave(i: int) -> None:
+        store.set(f"fleet/leave/{i}", b"1")
+        p = procs.infer[i]
+        p.join(cfg.transfer.control.timeout)
+        if p.exitcode is None:
+            kill_process(p)
+
+    def pid(i: int):
+        p = procs.infer.get(i)
+        return None if p is None else p.pid
+
+    return FleetProcs(start=start, kill=lambda i: kill_process(procs.infer[i]), leave=leave, pid=pid,
+                      dead=procs.dead_infer)
+
+
 def _short_state(s) -> str:
     return f"{s.state} v{s.version}"
 
 
 def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=None, *, progress=None,
                    env: dict | None = None, memcpy_gbps: float | None = None, stall: float | None = None,
-                   restarts: int = 0, restart_training=None, fault=None, probe: dict | None = None) -> TrialResult:
+                   restarts: int = 0, restart_training=None, fault=None, probe: dict | None = None,
+                   fleet=None) -> TrialResult:
     """The controller's part of a trial, on its own: whoever started the ranks (this module's
     :func:`run_trial`, a submitit job's tasks, SLURM) hands over the master ``store`` they
     connect to. Collects metadata, plans once, drives warmup + measured updates, returns
@@ -218,13 +256,19 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     on the abort key, heartbeats and ``cfg.timeout``). ``stall`` (default ``cfg.timeout``):
     heartbeat deadline. After an update that failed on the training side,
     ``restart_training(gen, first_step)`` (if given, at most ``restarts`` times) replaces the
-    training world and the run continues with the next step. Shuts the ranks down on success
-    and on error."""
+    training world and the run continues with the next step. ``fleet``: the launcher's
+    :class:`weight_transfer.experiments.fleet.FleetProcs` for a trial whose engines are killed,
+    restarted or scaled (C24; ``--kill-engine`` ...): a failed update that lost an engine is a
+    row (``outcome`` ``failed``, the named error) and the run goes on with the survivors. Shuts
+    the ranks down on success and on error."""
     from weight_transfer.experiments.inject import install_watcher
 
     env = env if env is not None else environment()
     stall = cfg.transfer.control.timeout if stall is None else stall
-    ctl = control.Controller(store, cfg.train.n_train, cfg.n_infer, timeout=cfg.transfer.control.timeout,
+    if cfg.fleet.active and fleet is None:
+        raise ValueError("--kill-engine/--restart-engine/--engines-at: only the local launcher (weight-transfer run) "
+                         "starts and kills engine processes")
+    ctl = control.Controller(store, cfg.train.n_train, fleet_initial_ranks(cfg), timeout=cfg.transfer.control.timeout,
                              liveness_train=liveness_train, liveness_infer=liveness_infer, stall=stall)
     addr = (getattr(store, "host", "127.0.0.1"), store.port)
     beat = control.Heartbeat(addr, "controller")
@@ -252,6 +296,12 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         cctx = ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg,
                                  layout=cfg.inference, train_metas=train_metas, infer_payloads=infer)
         summary = ctl_cls().setup(cctx)
+        driver = None
+        if fleet is not None:  # engines come and go (C24): membership, replans, kills (experiments/fleet.py)
+            from .fleet import FleetDriver
+
+            driver = FleetDriver(cfg, store, ctl, fleet, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
+            driver.setup(train_metas, infer)
         sched = cctx.extra.get("schedule")  # the reference's static schedule (None for the baselines)
         recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
         commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
@@ -267,17 +317,40 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         gen, step = 0, 1
         while step <= cfg.run.warmup + cfg.run.steps:
             try:
+                if driver is not None:
+                    driver.before_load(step)
                 ctl.load(step)
+                if driver is not None:  # the members of this update: replanned when they changed
+                    if driver.replan(step, mcfg) is not None:
+                        recv_bytes = dict(driver.schedule.recv_bytes)
+                    driver.arm(step)
                 if cfg.run.engine == "vllm":  # generation paused in every instance before the first write
                     from .vllm_side import KEY_PAUSED
 
                     control.wait_keys(store, {d * cfg.inference.tp: KEY_PAUSED.format(step=step, instance=d)
                                               for d in range(cfg.inference.dp)},
                                       timeout=cfg.transfer.control.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
+                t_go = time.perf_counter()
                 seconds, results = ctl.transfer(step, inference_active=infer_cls.active, commit_ranks=commit_ranks)
             except control.ControlError as e:
                 note_failure(e)
                 culprit = ctl.last_culprit or ""
+                if driver is not None:
+                    driver.disarm()
+                    lost = driver.lost_in(step)
+                    if lost:  # the update lost an engine: a row naming it, then the survivors' next update
+                        row = driver.failed_row(step, e, t_go, base={
+                            "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "host": env["host"], "method": cfg.run.method, "model": mcfg.label,
+                            "dtype": cfg.inference.quant or "bfloat16", "train_dtype": cfg.train.dtype,
+                            "n_train": cfg.train.n_train, "layout": cfg.inference.describe(),
+                            "transport": cfg.transfer.transport.name, "device": cfg.run.device, "engine": cfg.run.engine,
+                            "warmup": step <= cfg.run.warmup, "plan_seconds": plan_s}, lost=lost)
+                        rows.append(row)
+                        if progress:
+                            progress(row)
+                        step += 1
+                        continue
                 if restart_training is None or gen >= restarts or not culprit.startswith("training"):
                     raise
                 print(f"# step {step}: {str(e).splitlines()[0]}; restarting the training world", file=sys.stderr,
@@ -287,7 +360,9 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 ctl.training_restarted()
                 step += 1
                 continue
-            ver = ctl.verified(step) if cfg.run.verify else {}
+            if driver is not None:
+                driver.disarm()
+            ver = (driver.verified(step) if driver is not None else ctl.verified(step)) if cfg.run.verify else {}
             ok = all(v.get("ok") for v in ver.values()) if cfg.run.verify else None
             stats: list[UpdateStats] = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
             row = {
@@ -338,6 +413,8 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "
                                                 f"guards={v.get('guards_written')}{_output_diff_text(v)}"
                                                 for i, v in sorted(bad.items()))
+            if driver is not None:  # membership, epoch, replan seconds, newcomers, trainers' pids
+                row.update(driver.columns(step), outcome="complete")
             rows.append(row)
             if progress:
                 progress(row)

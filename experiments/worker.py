@@ -172,12 +172,20 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
                                       model_config=cfg.model_config(), layout=cfg.inference,
                                       log=lambda m: log(tag, m), group_barrier=dist.barrier))
             install_trainer(fault, rank, side, store, log=lambda m: log(tag, m))
+            if cfg.fleet.active:  # engines killed while an update writes (C24): rank 0 stops half-way for the kill
+                from .fleet import install_trainer_hook
+
+                install_trainer_hook(cfg, rank, side, store, log=lambda m: log(tag, m))
         except Exception as e:
             store.set("abort", f"training rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
             raise
         step = first_step
         while client.next_command(step) == "load":
             load_step(params, step=step, seed=cfg.run.seed, change=cfg.run.change_fraction or None)
+            if cfg.fleet.active:  # the rows show that the trainers never restarted for a membership change
+                from .fleet import record_pid
+
+                record_pid(store, step, rank)
             client.ready(step)
             client.wait_go(step)
             try:
@@ -241,6 +249,10 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
                                                   model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: log(tag, m)))
             client.publish_meta(*payload)
+            if cfg.fleet.active:  # an elastic fleet (C24): the controller plans a rank in once it announced itself
+                from weight_transfer import membership
+
+                membership.announce_join(store, rank)
         except Exception as e:
             store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
             raise
@@ -252,7 +264,12 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
                 if not serve_active_step(client, side, step):
                     break
                 step += 1
-            v = client.wait_version_after(last)
+            if cfg.fleet.active:  # only versions this rank holds (a newcomer's first is its first update); leave on request
+                from .fleet import wait_version_or_leave
+
+                v = wait_version_or_leave(store, rank, last, timeout=client.timeout)
+            else:
+                v = client.wait_version_after(last)
             if v is None:
                 break
             last = v

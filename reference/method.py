@@ -186,6 +186,7 @@ class ReferenceTrainer(TrainerSide):
         return self.sender.transport
 
     def transfer(self, step: int):
+        self.sender._follow_plan()  # the receivers changed (C24): this rank's part of the new plan epoch
         return self.sender.send(step)
 
     def teardown(self) -> None:
