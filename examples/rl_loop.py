@@ -14,7 +14,11 @@ rank 1 loaded through vLLM's own reload path with the same weights), and at the 
 vLLM's from the final checkpoint; greedy tokens and logprobs against both are recorded. The
 pieces: weight_transfer.experiments.rl.
 
-Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--help]   (= weight-transfer rl)
+With --delta every step's weights are pushed twice, as a delta update and as a full one (the
+same executor with its delta state set aside), alternating which goes first; both verified
+against the oracle; one row per push in results/rl_delta.csv (docs/DELTA.md).
+
+Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] [--help]   (= weight-transfer rl)
 Writes results/rl_<tag>.csv and .png (--changes: results/rl_changes.csv, docs/DELTA.md).
 """
 import os, shutil, socket, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -46,16 +50,20 @@ def train(rank, port, o, engine, workdir):
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     push = WeightTransferTrainerFactory.trainer_init(      # plans once, against vLLM's runtime layout
-        OneSidedTrainerInitInfo(rank=rank, world_size=2, timeout=o.timeout),
+        OneSidedTrainerInitInfo(rank=rank, world_size=2, timeout=o.timeout, options=rl.transfer_overrides(o)),
         client=LLMClient(engine.llm) if rank == 0 else None, source=ModuleSource(model))
     check, out = rl.OracleCheck(rank, engine, cfg), rl.StepLog(o) if rank == 0 else None
+    pushes = []                                            # --delta: one row per push (rank 0)
 
-    def publish(version):  # one push, then the engine's bytes against the oracle's
-        t = time.perf_counter(); push.send_weights(version); call = time.perf_counter() - t
+    def publish(version, mode=None, step=0, first=True):  # one push, then the engine's bytes against the oracle's
+        t = time.perf_counter()
+        with rl.push_mode(push.sender.executor, mode): push.send_weights(version)   # --delta: "full" or "delta"
+        call = time.perf_counter() - t
         served = rl.served_weights(model)                  # the step's weights in bf16, gathered
         res = check(served) if o.verify else {"ok": None, "bytes": 0, "seconds": 0.0}
         assert res["ok"] is not False, f"version {version}: the engine's bytes differ from the oracle's: {res}"
         u = push.last_result if rank == 0 else None        # rank 0: the update as the coordinator saw it
+        if u is not None and mode: pushes.append(rl.push_row(o, step, mode, first, u, res))
         return served, {"pushed_version": version, "push_call_seconds": call, "verified": res["ok"],
                         "verified_bytes": res["bytes"], "verify_s": res["seconds"],
                         "oracle_outputs_equal": res.get("outputs_ok"), "oracle_logprob_ulps": res.get("logprob_ulps"),
@@ -64,31 +72,38 @@ def train(rank, port, o, engine, workdir):
 
     served, rec = publish(1)
     if rank == 0: out.add(step=0, **rec); first = served
-    changes = []
+    changes, version = [], 1
     for step in range(1, o.steps + 1):
         t0 = time.perf_counter()
         batch = rl.rollout(engine.llm, task.prompts, group=o.group, seed=(o.seed * 1000 + step) * 10**5) if rank == 0 else None
         batch = rl.broadcast(batch)                        # rank 0's rollout -> both ranks
-        assert batch["versions"] == {((str(step), 0, 1),)}, f"step {step}: rollout versions {batch['versions']}"
+        assert batch["versions"] == {((str(version), 0, 1),)}, f"step {step}: rollout versions {batch['versions']}"
         rewards = task.reward(task.prompts, batch["answers"])   # [prompts, group]
         adv = rl.group_advantages(rewards)
         mine, G = slice(rank, None, 2), o.group            # this rank's half of the groups
-        t1 = time.perf_counter()
+        t1, rv = time.perf_counter(), version
         loss, st = rl.clipped_pg_loss(model, task.prompts[mine].repeat_interleave(G, 0), batch["answers"][mine].flatten(0, 1),
                                       batch["logprobs"][mine].flatten(0, 1), adv[mine].flatten(), o.clip)
         loss.backward(); opt.step(); opt.zero_grad()
         lsum = loss.detach().clone(); dist.all_reduce(lsum)
         t2 = time.perf_counter()
-        new, rec = publish(step + 1)                       # version step + 1 = the weights after this step
+        if o.delta:   # the same weights twice, as a delta and as a full update, alternating which goes first
+            for k, mode in enumerate(("full", "delta") if step % 2 else ("delta", "full")):
+                version += 1
+                new, r = publish(version, mode, step, first=k == 0)
+                if mode == "delta": rec = r
+        else:
+            version += 1
+            new, rec = publish(version)                    # version step + 1 = the weights after this step
         t3 = time.perf_counter()
         if rank == 0 and o.changes: changes += rl.change_rows(o.lr, step, served, new)
         served = new
         if rank == 0:
-            r = out.add(step=step, rollout_version=step, reward_mean=float(rewards.mean()), loss=float(lsum) / 2, **st,
+            r = out.add(step=step, rollout_version=rv, reward_mean=float(rewards.mean()), loss=float(lsum) / 2, **st,
                         rollout_s=batch["seconds"], train_s=t2 - t1, changes_s=time.perf_counter() - t3,
                         step_s=time.perf_counter() - t0, **rec)
-            rl.log(rank, f"step {step}: reward {r['reward_mean']:.3f} (version {step}), loss {r['loss']:+.4f}, "
-                         f"push v{step + 1} {r['push_bytes'] / 1e6:.1f} MB in {r['push_seconds']:.3f} s, "
+            rl.log(rank, f"step {step}: reward {r['reward_mean']:.3f} (version {rv}), loss {r['loss']:+.4f}, "
+                         f"push v{version} {r['push_bytes'] / 1e6:.1f} MB in {r['push_seconds']:.3f} s, "
                          f"{'verified' if r['verified'] else 'unverified'}, step {r['step_s']:.1f} s")
     fin = rl.final_check(rank, check, cfg, served, workdir) if o.verify else {}   # a fresh vLLM, in rank 1
     push.shutdown()
@@ -99,6 +114,7 @@ def train(rank, port, o, engine, workdir):
         out.finish(final_bytes_ok=fin.get("bytes_ok"), final_outputs_ok=fin.get("outputs_ok"),
                    final_logprob_ulps=fin.get("logprob_ulps"), final_logprob_maxdiff=fin.get("logprob_maxdiff"))
         if o.changes: rl.save_changes(o, changes, first)
+        if o.delta: rl.save_pushes(o, pushes)
     assert not fin or fin["ok"], f"the engine's bytes differ from a fresh vLLM's: {fin}"
     dist.destroy_process_group()
 

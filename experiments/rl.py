@@ -28,6 +28,7 @@ the end a fresh vLLM from the final checkpoint (:func:`final_check`) gets the sa
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import math
@@ -82,6 +83,16 @@ class RLOptions:
     """Run name in file names (default: lr<lr>)."""
     timeout: float = 300.0
     """Seconds a push may take before the update fails."""
+    delta: bool = False
+    """Push every step's weights twice, as a delta update and as a full one (the same executor,
+    its delta state set aside), alternating which goes first, both verified: one row per push in
+    out_dir/rl_delta.csv and the full-vs-delta table (issue 26 item 4)."""
+    delta_granularity: int = 8
+    """--delta: block size of the comparison (bytes)."""
+    delta_op_cost: int = 0
+    """--delta: an output whose runs cost more than this many bytes each (plus their bytes) than
+    writing it whole is written whole; 0: never (the fewest bytes), -1: the transport's measured
+    cost (cma 1024)."""
 
     def __post_init__(self):
         for name in ("steps", "group", "values", "layers", "vocab"):
@@ -91,6 +102,8 @@ class RLOptions:
             raise ValueError(f"--group {self.group}: at least 2 (advantages are normalized within a group)")
         if not self.lr > 0 or not 0 < self.clip < 1 or self.timeout <= 0:
             raise ValueError(f"--lr {self.lr} > 0, 0 < --clip {self.clip} < 1, --timeout {self.timeout} > 0")
+        if self.delta_granularity < 1 or self.delta_op_cost < -1:
+            raise ValueError(f"--delta-granularity {self.delta_granularity} >= 1, --delta-op-cost {self.delta_op_cost} >= -1")
         if self.first_token + self.values > self.vocab:
             raise ValueError(f"--first-token {self.first_token} + --values {self.values} > --vocab {self.vocab}")
 
@@ -117,6 +130,102 @@ def options_from_argv(argv: list[str] | None = None, prog: str = "rl_loop.py") -
     ap = argparse.ArgumentParser(prog=prog, description=RLOptions.__doc__)
     add_dataclass_options(ap, RLOptions)
     return dataclass_from_args(RLOptions, ap.parse_args(argv))
+
+
+def transfer_overrides(o: RLOptions) -> dict | None:
+    """The one_sided backend's ``options`` (flat TransferOptions overrides) for ``o``: delta
+    updates with ``--delta``, else None (the defaults)."""
+    if not o.delta:
+        return None
+    return {"delta": True, "delta_granularity": o.delta_granularity,
+            "delta_op_cost": None if o.delta_op_cost < 0 else o.delta_op_cost}
+
+
+@contextlib.contextmanager
+def push_mode(executor, mode: str | None):
+    """Around one push of ``--delta``: ``"full"`` sets the executor's delta state aside (the
+    plain path: whole outputs, no comparison, the shadow untouched -- it already holds these
+    weights when the delta push of the same weights went first, and the next delta compares
+    against the last weights it wrote either way), ``"delta"`` / None leave it. A full push that
+    fails makes the next delta push full (C26)."""
+    if mode != "full" or executor is None or executor.delta is None:
+        yield
+        return
+    saved, executor.delta = executor.delta, None
+    try:
+        yield
+    except BaseException:
+        saved.invalidate("a full push of --delta failed")
+        raise
+    finally:
+        executor.delta = saved
+
+
+DELTA_CSV = "rl_delta.csv"
+"""--delta's rows (one per push), in ``out_dir``; rows of other learning rates are kept."""
+DELTA_COLUMNS = ["lr", "step", "mode", "first", "version", "seconds", "write_seconds", "bytes", "full_bytes",
+                 "n_writes", "compare_s", "whole_outputs", "delta", "verified", "timestamp"]
+
+
+def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict) -> dict:
+    """One --delta row from rank 0's :class:`weight_transfer.api.UpdateResult` ``u`` and the
+    oracle check ``res``: ``seconds`` (go -> commit done), ``write_seconds`` (go -> the last
+    training rank's writes done), ``bytes`` written, ``full_bytes`` (a full update's),
+    ``compare_s`` (the slowest rank's comparison + runs + shadow seconds), ``whole_outputs``."""
+    st = list(u.stats.values())
+    return {"lr": o.lr, "step": step, "mode": mode, "first": first, "version": u.version, "seconds": u.seconds,
+            "write_seconds": u.write_seconds, "bytes": u.bytes,
+            "full_bytes": sum(getattr(s, "full_bytes", 0) for s in st), "n_writes": u.n_writes,
+            "compare_s": max((getattr(s, "delta_compare_s", 0.0) for s in st), default=0.0),
+            "whole_outputs": sum(getattr(s, "delta_whole", 0) for s in st),
+            "delta": ";".join(sorted({getattr(s, "delta", "") for s in st})) if mode == "delta" else "",
+            "verified": res.get("ok"), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def save_pushes(o: RLOptions, rows: list[dict]) -> Path:
+    """Write ``rows`` into out_dir/rl_delta.csv (replacing that lr's earlier rows) and print the
+    full-vs-delta table of every lr in the file."""
+    path = Path(o.out_dir) / DELTA_CSV
+    keep = []
+    if path.exists():
+        with open(path, newline="") as f:
+            keep = [r for r in csv.DictReader(f) if float(r["lr"]) != o.lr]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, DELTA_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(keep + rows)
+    print(delta_table(path))
+    return path
+
+
+def delta_table(path: str | Path) -> str:
+    """The full-vs-delta table of an rl_delta.csv: per lr and mode, pushes, p50 seconds (push and
+    write phase), p50 compare seconds, p50 bytes and their share of full, p50 writes, every push
+    verified; and the delta/full ratio of the p50s."""
+    from statistics import median
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    lines = [f"{'lr':>7} {'mode':>6} {'pushes':>6} {'p50 s':>8} {'write s':>8} {'compare s':>9} {'bytes':>11} "
+             f"{'of full':>8} {'writes':>8} {'verified':>8}"]
+    for lr in sorted({float(r["lr"]) for r in rows}):
+        p50 = {}
+        for mode in ("full", "delta"):
+            rs = [r for r in rows if float(r["lr"]) == lr and r["mode"] == mode]
+            if not rs:
+                continue
+            m = {k: median(float(r[k]) for r in rs) for k in ("seconds", "write_seconds", "compare_s", "bytes",
+                                                               "full_bytes", "n_writes")}
+            p50[mode] = m
+            ok = all(r["verified"] == "True" for r in rs)
+            lines.append(f"{lr:7.0e} {mode:>6} {len(rs):6d} {m['seconds']:8.4f} {m['write_seconds']:8.4f} "
+                         f"{m['compare_s']:9.4f} {m['bytes']:11.0f} {100 * m['bytes'] / m['full_bytes']:7.2f}% "
+                         f"{m['n_writes']:8.0f} {'all' if ok else 'NOT ALL':>8}")
+        if len(p50) == 2:
+            lines.append(f"{'':7} delta/full p50: {p50['delta']['seconds'] / p50['full']['seconds']:.3f}x seconds, "
+                         f"{p50['delta']['write_seconds'] / p50['full']['write_seconds']:.3f}x write phase, "
+                         f"{p50['delta']['bytes'] / p50['full']['bytes']:.4f}x bytes")
+    return "\n".join(lines)
 
 
 def log(rank: int, msg: str) -> None:

@@ -375,6 +375,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 # bytes actually written (less than ``bytes`` with --delta; equal without it)
                 "delta_bytes": sum(s.bytes_sent for s in stats), "delta": _delta_mode(stats),
                 "delta_shadow_bytes": sum(getattr(s, "delta_shadow_bytes", 0) for s in stats),
+                "delta_compare_s": max((getattr(s, "delta_compare_s", 0.0) for s in stats), default=0.0),
                 "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
                 "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
                 "wire_bytes": sum(s.wire_bytes for s in stats),

@@ -11,7 +11,7 @@ Prints an nccl-tests-style table, writes ``results/delta_bench.csv`` (one row pe
 measured update: raw ``bytes``, ``delta_bytes``, ``seconds``, the phase columns).
 
     weight-transfer bench-delta                                # 0.1%, 1%, 10%, 50% on the main job
-    weight-transfer bench-delta --fractions 0.01 --steps 2 --merge-gaps 0,4096
+    weight-transfer bench-delta --fractions 0.01 --steps 2 --op-costs 0,-1 --granularity 8
     weight-transfer bench-delta --ops-only                     # the cost of one op by size (cma, shm)
 
 The op table (first, or alone with ``--ops-only``; ``results/delta_ops.csv``) is what the
@@ -40,9 +40,13 @@ class DeltaBenchConfig:
 
     fractions: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5)
     """Change fractions per step (comma-separated), each a pair of trials (full, delta)."""
-    merge_gaps: tuple[int, ...] = (4096,)
-    """``delta_merge_gap`` values (bytes, comma-separated): one delta trial per value and fraction."""
-    granularity: int = 128
+    merge_gaps: tuple[int, ...] = (0,)
+    """``delta_merge_gap`` values (bytes, comma-separated): one delta trial per value, op cost and fraction."""
+    op_costs: tuple[int, ...] = (0, -1)
+    """``delta_op_cost`` values (bytes, comma-separated; -1: the transport's measured cost, cma
+    1024 / shm 64): one delta trial per value, merge gap and fraction. 0 writes every output's runs
+    (fewest bytes); the transport's cost writes an output whole when its runs cost more."""
+    granularity: int = 8
     """``delta_granularity`` (bytes) of the delta trials."""
     transport: str = "cma"
     """Transport of every trial."""
@@ -65,6 +69,8 @@ class DeltaBenchConfig:
             raise ValueError(f"fractions={self.fractions}: at least one, each in [0, 1]")
         if any(g < 0 for g in self.merge_gaps) or not self.merge_gaps:
             raise ValueError(f"merge_gaps={self.merge_gaps}: at least one, bytes >= 0")
+        if any(c < -1 for c in self.op_costs) or not self.op_costs:
+            raise ValueError(f"op_costs={self.op_costs}: at least one, bytes >= 0 or -1 (the transport's)")
         for kv in self.override:
             if "=" not in kv:
                 raise ValueError(f"override {kv!r}: wants KEY=VALUE")
@@ -84,15 +90,18 @@ def _rx(conn, name: str) -> None:
     t.close()
 
 
-def op_costs(transports=("cma", "shm"), sizes=(64, 128, 256, 1024, 4096, 16384, 65536), repeats: int = 3) -> list[dict]:
-    """Seconds per op of batches of equal-size ops (spread over a 64 MiB region) into a spawned
-    receiver, per transport and size: WriteOp building + the base checks + posting, best of
-    ``repeats``."""
+def op_costs(transports=("cma", "shm"), sizes=(8, 64, 128, 256, 1024, 4096, 16384, 65536), repeats: int = 3) -> list[dict]:
+    """Seconds per op of batches of equal-size writes (spread over a 64 MiB region) into a spawned
+    receiver, per transport and size, best of ``repeats``: ``path`` ``op``, one WriteOp per write
+    (building + the base checks + posting); ``run``, one :class:`weight_transfer.transport.runs.RunsOp`
+    holding every write as a run (the delta path: checks and posting from C)."""
     import multiprocessing as mp
 
     import torch
 
     from weight_transfer.transport import WriteOp, make_transport
+    from weight_transfer.transport.runs import RunsOp, posts_natively
+    from weight_transfer.transport.runs import write as write_runs
 
     out = []
     for name in transports:
@@ -113,8 +122,21 @@ def op_costs(transports=("cma", "shm"), sizes=(64, 128, 256, 1024, 4096, 16384, 
                     t0 = time.perf_counter()
                     t.write([WriteOp(ls, i * stride, d, i * stride, g) for i in range(n)]).wait()
                     best = min(best, time.perf_counter() - t0)
-                out.append({"transport": name, "op_bytes": g, "ops": n, "us_per_op": best * 1e6 / n,
+                out.append({"transport": name, "path": "op", "op_bytes": g, "ops": n, "us_per_op": best * 1e6 / n,
                             "gbps": n * g / best / 1e9})
+                if not posts_natively(t):
+                    continue
+                m = min(262144, (64 << 20) // (2 * g))
+                stride = (64 << 20) // m
+                op = RunsOp(ls, 0, d, 0, 64 << 20, torch.arange(m, dtype=torch.int64) * stride,
+                            torch.full((m,), g, dtype=torch.int64))
+                best = float("inf")
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    write_runs(t, [op]).wait()
+                    best = min(best, time.perf_counter() - t0)
+                out.append({"transport": name, "path": "run", "op_bytes": g, "ops": m, "us_per_op": best * 1e6 / m,
+                            "gbps": m * g / best / 1e9})
             t.close()
         finally:
             a.send(1)
@@ -123,11 +145,13 @@ def op_costs(transports=("cma", "shm"), sizes=(64, 128, 256, 1024, 4096, 16384, 
 
 
 def _ops_table(rows: list[dict]) -> list[str]:
-    lines = ["# one op = WriteOp + base checks + post, ops spread over a 64 MiB region of another process",
-             f"{'transport':>9} {'op size':>8} {'ops':>6} {'per op':>8} {'bandwidth':>10}",
-             f"{'':>9} {'(B)':>8} {'':>6} {'(us)':>8} {'(GB/s)':>10}"]
+    lines = ["# op: one WriteOp per write (+ base checks + post); run: one RunsOp holding every write as a run",
+             "# (checked and posted from C); writes spread over a 64 MiB region of another process",
+             f"{'transport':>9} {'path':>4} {'op size':>8} {'ops':>7} {'per op':>8} {'bandwidth':>10}",
+             f"{'':>9} {'':>4} {'(B)':>8} {'':>7} {'(us)':>8} {'(GB/s)':>10}"]
     for r in rows:
-        lines.append(f"{r['transport']:>9} {r['op_bytes']:>8} {r['ops']:>6} {r['us_per_op']:>8.2f} {r['gbps']:>10.3f}")
+        lines.append(f"{r['transport']:>9} {r['path']:>4} {r['op_bytes']:>8} {r['ops']:>7} {r['us_per_op']:>8.3f} "
+                     f"{r['gbps']:>10.3f}")
     return lines
 
 
@@ -165,35 +189,41 @@ def main(args: DeltaBenchConfig) -> int:
     rows: list[dict] = []
     summary = []
     for f in args.fractions:
-        runs = [("full", dict(delta=False))] + [(f"delta gap={g}", dict(delta=True, delta_merge_gap=g))
-                                                 for g in args.merge_gaps]
+        runs = [("full", dict(delta=False))] + [
+            (f"delta cost={'auto' if c < 0 else c}" + (f" gap={g}" if len(args.merge_gaps) > 1 or g else ""),
+             dict(delta=True, delta_merge_gap=g, delta_op_cost=None if c < 0 else c))
+            for g in args.merge_gaps for c in args.op_costs]
         got = {}
         for label, kw in runs:
             t0 = time.perf_counter()
             meas = _trial(base, change_fraction=(f,), **kw)
             for r in meas:
-                rows.append({**r, "bench": label, "change_fraction": f, "delta_merge_gap": kw.get("delta_merge_gap")})
+                rows.append({**r, "bench": label, "change_fraction": f, "delta_merge_gap": kw.get("delta_merge_gap"),
+                             "delta_op_cost": kw.get("delta_op_cost")})
             p50 = statistics.median(r["seconds"] for r in meas)
             wrote = statistics.median(r["delta_bytes"] for r in meas)
-            got[label] = (p50, wrote, meas[0]["bytes"], meas[0].get("n_writes"))
-            print(f"# {label:>16} at {f:g}: p50 {p50:.4f} s, {wrote / 1e9:.4f} GB written "
+            cmp_s = statistics.median(r.get("delta_compare_s") or 0.0 for r in meas)
+            got[label] = (p50, wrote, meas[0]["bytes"], statistics.median(r.get("n_writes") or 0 for r in meas), cmp_s)
+            print(f"# {label:>16} at {f:g}: p50 {p50:.4f} s (compare {cmp_s:.4f} s), {wrote / 1e9:.4f} GB written "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         full_s = got["full"][0]
-        for label, (p50, wrote, total, nw) in got.items():
-            summary.append((f, label, p50, wrote, total, nw, full_s / p50))
+        for label, (p50, wrote, total, nw, cmp_s) in got.items():
+            summary.append((f, label, p50, wrote, total, nw, full_s / p50, cmp_s))
     lines = [
         "# weight-transfer bench-delta: full vs delta updates (every update verified bit-exact)",
         f"# model: {mcfg.label}; {base.train.n_train} training ranks -> {base.inference.describe()} "
-        f"({base.inference.quant or 'bf16'}); transport {args.transport}; granularity {args.granularity} B; "
+        f"({base.inference.quant or 'bf16'}); transport {args.transport}; granularity {args.granularity} B "
+        f"(compare: the slowest rank's comparison + runs + shadow seconds, inside the write stage); "
         f"{args.steps} measured updates per trial after {args.warmup} warm-up",
         "# synthetic steps: that fraction of every tensor's elements changes per step, uniformly scattered",
         "#",
-        f"{'fraction':>9} {'mode':>16} {'p50':>9} {'written':>14} {'of full':>8} {'writes':>9} {'speedup':>8}",
-        f"{'':>9} {'':>16} {'(s)':>9} {'(B)':>14} {'(%)':>8} {'':>9} {'(x)':>8}",
+        f"{'fraction':>9} {'mode':>16} {'p50':>9} {'compare':>8} {'written':>14} {'of full':>8} {'writes':>9} "
+        f"{'speedup':>8}",
+        f"{'':>9} {'':>16} {'(s)':>9} {'(s)':>8} {'(B)':>14} {'(%)':>8} {'':>9} {'(x)':>8}",
     ]
-    for f, label, p50, wrote, total, nw, sp in summary:
-        lines.append(f"{f:>9g} {label:>16} {p50:>9.4f} {wrote:>14.0f} {100 * wrote / total:>8.2f} {nw or 0:>9} "
-                     f"{sp:>8.2f}")
+    for f, label, p50, wrote, total, nw, sp, cmp_s in summary:
+        lines.append(f"{f:>9g} {label:>16} {p50:>9.4f} {cmp_s:>8.4f} {wrote:>14.0f} {100 * wrote / total:>8.2f} "
+                     f"{nw or 0:>9.0f} {sp:>8.2f}")
     stops = [f for f, label, p50, *_ in summary if label != "full" and p50 >= next(
         s[2] for s in summary if s[0] == f and s[1] == "full")]
     pays = sorted({f for f, label, p50, *_ in summary if label != "full"} - set(stops))

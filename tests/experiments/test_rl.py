@@ -135,3 +135,37 @@ def test_magnitude_rows_predict_bf16_changes():
     for lr in (1e-6, 1e-5):
         changed = (x.to(torch.bfloat16) != (x + lr).to(torch.bfloat16)).float().mean().item()
         assert changed == pytest.approx(mlp[f"pred_frac_lr{lr:g}"], rel=0.15)
+
+
+def test_delta_push_mode_overrides_and_table(tmp_path):
+    """--delta: the backend options it asks for; a "full" push sets the executor's delta state
+    aside and gives it back (a failed one makes the next delta full, C26); the table's p50s."""
+    import pytest
+
+    from weight_transfer.delta import DeltaState
+    from weight_transfer.experiments import rl
+
+    assert rl.transfer_overrides(rl.RLOptions()) is None
+    assert rl.transfer_overrides(rl.RLOptions(delta=True, delta_op_cost=-1)) == {
+        "delta": True, "delta_granularity": 8, "delta_op_cost": None}
+    with pytest.raises(ValueError):
+        rl.RLOptions(delta_op_cost=-2)
+    d = DeltaState([], device="cpu")
+    d.full_reason = None
+    ex = type("E", (), {"delta": d})()
+    with rl.push_mode(ex, "full"):
+        assert ex.delta is None
+    assert ex.delta is d and d.full_reason is None
+    with rl.push_mode(ex, "delta"):
+        assert ex.delta is d
+    with pytest.raises(RuntimeError), rl.push_mode(ex, "full"):
+        raise RuntimeError("a write failed")
+    assert ex.delta is d and "failed" in d.full_reason
+    o = rl.RLOptions(delta=True, lr=1e-6, out_dir=str(tmp_path))
+    u = type("U", (), {"version": 2, "seconds": 0.2, "write_seconds": 0.1, "bytes": 10, "n_writes": 4, "stats": {}})()
+    rows = [rl.push_row(o, 1, "full", True, u, {"ok": True})]
+    u.bytes, u.seconds = 1, 0.4
+    rows.append(rl.push_row(o, 1, "delta", False, u, {"ok": True}))
+    rows[0]["full_bytes"] = rows[1]["full_bytes"] = 10
+    text = rl.delta_table(rl.save_pushes(o, rows))
+    assert "delta/full p50: 2.000x seconds" in text and "0.1000x bytes" in text
