@@ -293,6 +293,10 @@ def _main(argv: list[str]) -> int:
 
         def on_row(r: dict) -> None:  # each row is in the CSV as soon as its update finished (C25)
             append_csv([r], args.results)
+            if r.get("outcome") == "failed":  # an engine lost mid-update (C24): named; the survivors go on
+                print(f"# step {r['step']}: FAILED after {r['seconds']:.3f} s: {r['error'].split(' (also: ')[0]}; "
+                      f"going on without rank(s) {r['lost']}", file=sys.stderr, flush=True)
+                return
             print(f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}", file=sys.stderr, flush=True)
 
         result = run_trial(cfg, progress=on_row)

@@ -255,8 +255,8 @@ class FleetOptions:
 class TrialConfig:
     """Everything a trial needs; every process gets a copy. A composition, one part per
     component: the model, the training world, the inference layout, the transfer options, the
-    baselines' options and the run options. The methods receive only :attr:`transfer` and
-    :attr:`baseline`, never the trial config.
+    baselines' options, the run options and the fleet's changes during the run (C24). The
+    methods receive only :attr:`transfer` and :attr:`baseline`, never the trial config.
 
     Each leaf has one flat name (its sweep-CSV column, its command-line option:
     ``weight_transfer.experiments.cli``): build or change a trial by those with

@@ -207,7 +207,7 @@ def run_elastic_row(name: str, *, stall: float = 5.0) -> dict:
     (the weights after the failed update), "restored" (every completed update verified on every
     engine in it, the newcomers' first ones included, and each update's members as planned),
     "replan" (the largest replan seconds), "members" (per update), "pids_same", "ok"}``."""
-    from .fleet import engine_ranks, members_text, plan_fleet
+    from .fleet import planned_members
     from .trial import run_trial
 
     cfg = small_config(**ELASTIC[name])
@@ -218,14 +218,7 @@ def run_elastic_row(name: str, *, stall: float = 5.0) -> dict:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         out["run_failed"] = True
-    _, events = plan_fleet(cfg.fleet, cfg.run.warmup + cfg.run.steps, cfg.inference.dp)
-    want, members = {}, {}
-    cur = members_text(r for e in plan_fleet(cfg.fleet, cfg.run.warmup + cfg.run.steps, cfg.inference.dp)[0]
-                       for r in engine_ranks(e, cfg.inference.tp))
-    for s in range(1, cfg.run.warmup + cfg.run.steps + 1):
-        if s in events:
-            cur = members_text(r for e in events[s].members for r in engine_ranks(e, cfg.inference.tp))
-        want[s] = cur
+    want = planned_members(cfg)
     failed = [r for r in seen if r.get("outcome") == "failed"]
     done = [r for r in seen if r.get("outcome") != "failed"]
     members = {r["step"]: r.get("members") for r in seen}

@@ -225,6 +225,20 @@ def plan_fleet(opts, n_updates: int, dp: int) -> tuple[tuple[int, ...], dict[int
     return initial, events
 
 
+def planned_members(cfg) -> dict[int, str]:
+    """``{update: inference ranks in its plan}`` (``"0,1"``) of trial ``cfg`` as its fleet
+    options say (what the rows' ``members`` must be)."""
+    initial, events = plan_fleet(cfg.fleet, cfg.run.warmup + cfg.run.steps, cfg.inference.dp)
+    want, cur = {}, set(initial)
+    for s in range(1, cfg.run.warmup + cfg.run.steps + 1):
+        if s in events:
+            cur = set(events[s].members)
+        want[s] = members_text(r for e in cur for r in engine_ranks(e, cfg.inference.tp))
+        if s in events:
+            cur -= set(events[s].kill_during)
+    return want
+
+
 def check_fleet(cfg) -> None:
     """Before any process starts: the fleet options of trial ``cfg`` make sense (:func:`plan_fleet`)
     and the trial can carry them out: the reference method (its plan is recomputed for each

@@ -51,6 +51,11 @@ def test_what_happens_at_each_update():
     assert ev[5].leave == [2, 1] and ev[5].members == (0,)
     _, ev = plan_fleet(FleetOptions(kill_engine=((2, 0, "before"),), restart_engine=((4, 0),)), 5, 2)
     assert ev[2].kill_before == [0] and ev[2].members == (1,) and ev[4].members == (0, 1)
+    from weight_transfer.experiments.fleet import planned_members
+
+    assert planned_members(cfg(kill_engine=((3, 1, "during"),), restart_engine=((5, 1),))) == \
+        {1: "0,1", 2: "0,1", 3: "0,1", 4: "0", 5: "0,1", 6: "0,1"}
+    assert planned_members(cfg(tp=2, dp=2, kill_engine=((2, 1, "before"),), steps=3)) == {1: "0,1,2,3", 2: "0,1", 3: "0,1"}
 
 
 @pytest.mark.parametrize("kw,msg", [
