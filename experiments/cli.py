@@ -283,7 +283,9 @@ def add_dataclass_options(parser: argparse.ArgumentParser | argparse._ArgumentGr
         absent = default if namespace_defaults else argparse.SUPPRESS
         if tp is bool:
             help_ += f" (default: {'on' if default else 'off'})"
-            target.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=absent,
+            # a field named no_<x> (--no-csv): BooleanOptionalAction reads any "--no-" flag as False
+            action = "store_true" if flags[0].startswith("--no-") else argparse.BooleanOptionalAction
+            target.add_argument(*flags, dest=dest, action=action, default=absent,
                                 help=help_.replace("%", "%%"))
             if md.get("negate"):
                 target.add_argument(md["negate"], dest=dest, action="store_false", default=absent,

@@ -73,6 +73,22 @@ def test_dataclass_options_parse_every_type_and_keep_defaults_when_not_given():
     assert "(100% documented)" in help_ and "(default: 1,2)" in help_
 
 
+def test_a_field_named_no_x_is_set_by_its_flag():
+    """``no_csv: bool`` -> ``--no-csv`` sets it True (argparse's BooleanOptionalAction would read
+    the ``--no-`` prefix as False: ``simulate --no-csv`` appended rows)."""
+    @dataclass(kw_only=True, slots=True)
+    class _NoX:
+        no_csv: bool = False
+        """Do not write."""
+
+    assert dataclass_from_args(_NoX, _parse(_NoX, ["--no-csv"])[1]).no_csv is True
+    assert dataclass_from_args(_NoX, _parse(_NoX, [])[1]).no_csv is False
+    from weight_transfer.experiments.command import build_parser
+
+    argv = ["simulate", "tiny_qwen3_moe_2x2", "--no-csv"]
+    assert build_parser(argv).parse_args(argv).no_csv is True
+
+
 def test_dataclass_options_refuse_bad_values_with_argparse_or_post_init():
     ap = argparse.ArgumentParser()
     add_dataclass_options(ap, _Opts, exclude=("name",))
