@@ -30,6 +30,12 @@ def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[st
     out = []
     oracle = _VllmOracleDir() if cfg.run.engine == "vllm" else None
     try:
+        if oracle is not None:  # every version's fresh engine now, before any live engine and trainers exist
+            from .vllm_side import prefill_oracle
+
+            if progress:
+                progress(f"# vLLM oracle: a fresh engine per version 1..{cfg.run.warmup + cfg.run.steps}, before the trials ...")
+            prefill_oracle(cfg)
         for m in methods:
             out.append(_run_one(cfg, m, progress, run_trial))
     finally:

@@ -46,7 +46,9 @@ aside: vLLM's reload path does not set one).
 Oracle cache: when ``WT_VLLM_ORACLE_DIR`` is set (``--method all`` sets it for its run), the
 fresh engine's snapshot of a step is saved there and reused by the next method's trial of the
 same model, step, seed and TP (the same checkpoint, prompts and vLLM: the same bytes and
-outputs), so ``--method all`` starts one fresh engine per step instead of three.
+outputs), so ``--method all`` starts one fresh engine per step instead of three; and
+:func:`prefill_oracle` starts those engines before the first trial, one after another, when no
+live engine or training rank holds memory.
 
 Log lines are prefixed ``[vllm d]``.
 """
@@ -64,7 +66,7 @@ from pathlib import Path
 
 from weight_transfer import control
 
-__all__ = ["vllm_instance_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
+__all__ = ["vllm_instance_main", "prefill_oracle", "prefill_oracle_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
            "kill_group"]
 
 ORACLE_DIR_ENV = "WT_VLLM_ORACLE_DIR"
@@ -162,6 +164,59 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
         torch.save(snap, tmp)
         os.replace(tmp, path)
     return snap
+
+
+def prefill_oracle_main(cfg, versions: list[int], parent: int | None = None) -> None:
+    """The fresh-engine snapshots of ``versions`` into the oracle cache (``WT_VLLM_ORACLE_DIR``,
+    required), one engine after another, in a process group of its own: what each trial's
+    verification would start itself, started before any trial, when neither a live engine nor
+    training ranks hold memory (see :func:`prefill_oracle`)."""
+    own_process_group(parent)
+    from weight_transfer.engines.vllm.verify import fixed_prompts
+
+    if not os.environ.get(ORACLE_DIR_ENV):
+        raise RuntimeError(f"prefill_oracle_main: {ORACLE_DIR_ENV} is not set")
+    mcfg = cfg.model_config()
+    prompts = fixed_prompts(mcfg.vocab_size)
+    root = Path(tempfile.mkdtemp(prefix="wt-vllm-oracle-ck-"))
+    try:
+        for v in versions:
+            t0 = time.perf_counter()
+            _fresh_snapshot(mcfg, root, v, cfg, 0, prompts)
+            _log(0, f"oracle cache: version {v}'s fresh engine snapshotted in {time.perf_counter() - t0:.0f} s")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def prefill_oracle(cfg) -> bool:
+    """``--method all --engine vllm``: fill the oracle cache with the fresh-engine snapshot of
+    every version the trials will verify (1 .. warmup + steps), before the first trial starts,
+    so no trial starts a second vLLM beside its live engine and training ranks (at the 1.85 GB
+    size the two engines, the trainers and the copies together outgrew a 23 GB host). Same
+    engines, same checkpoints, same prompts and environment (``OMP_NUM_THREADS=1``, as
+    :func:`weight_transfer.experiments.trial.run_trial` sets for the trial's processes) as a
+    trial's own. Returns False (the trials then start their fresh engines themselves) when the
+    cache is off or the process failed; no vLLM process outlives it."""
+    import multiprocessing as mp
+
+    if not os.environ.get(ORACLE_DIR_ENV) or not cfg.run.verify:
+        return False
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    versions = list(range(1, cfg.run.warmup + cfg.run.steps + 1))
+    p = mp.get_context("spawn").Process(target=prefill_oracle_main, args=(cfg, versions),
+                                        kwargs=dict(parent=os.getpid()), name="vllm-oracle")
+    p.start()
+    try:
+        p.join()
+    finally:
+        if p.is_alive():
+            p.terminate()
+            p.join(10)
+        kill_group(p.pid)
+    if p.exitcode != 0:
+        print(f"# oracle cache: prefill exited with code {p.exitcode}; the trials start their fresh engines "
+              "themselves", file=sys.stderr, flush=True)
+    return p.exitcode == 0
 
 
 def own_process_group(parent: int | None = None) -> None:
