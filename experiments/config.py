@@ -217,8 +217,10 @@ def _step_pairs(flag: str, what: str):
 
 @dataclass(kw_only=True, slots=True)
 class FleetOptions:
-    """Inference engines killed, restarted and scaled during one run (C24): the trainers keep
-    training, the plan is recomputed for each new membership (experiments/fleet.py)."""
+    """Inference engines killed, restarted and scaled during one run (C24).
+
+    The trainers keep training; the plan is recomputed for each new membership
+    (experiments/fleet.py)."""
 
     kill_engine: tuple[tuple[int, int, str], ...] = field(
         default=(), metadata={"parse": _kills, "metavar": "STEP:E[:before],..."})

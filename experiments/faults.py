@@ -283,6 +283,8 @@ def format_matrix(rows: list[tuple[Fault, dict]], *, stall: float) -> str:
              f"#{'':>27} {'(s)':>9}"]
     elastic = [(f, r) for f, r in rows if isinstance(f, ElasticRow)]
     rows = [(f, r) for f, r in rows if not isinstance(f, ElasticRow)]
+    if not rows:  # only elastic rows (--only): their own table
+        lines = [lines[1]]
     for f, r in rows:
         ste = "-" if r.get("seconds_to_error") is None else f"{r['seconds_to_error']:.2f}"
         who = named(f, r)

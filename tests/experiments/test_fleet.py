@@ -199,3 +199,25 @@ def test_c24_scale_1_3_1_every_update_verified_replan_timed():
     assert rows[2]["bytes"] == 3 * rows[0]["bytes"] == 3 * rows[4]["bytes"]
     text = format_table(res)
     assert "# before update 3: members 0,1,2 (joined 1,2" in text and "# before update 5: members 0 (gone 1,2)" in text
+
+
+def test_fault_matrix_elastic_rows_table_and_verdict():
+    """The matrix's elastic rows: a row is good only when it exits 0, names the killed engine,
+    leaves nothing and its rows went as planned with the trainers' pids unchanged."""
+    from weight_transfer.experiments.faults import ELASTIC, ElasticRow, all_faults, format_matrix, parse_row, row_ok
+
+    assert set(ELASTIC) == {"engine-dies-replacement-joins", "scale-1-3-1"}
+    assert [f.spec() for f in all_faults()][-2:] == list(ELASTIC) and len(all_faults()) == 29
+    kill, scale = parse_row("engine-dies-replacement-joins"), parse_row("scale-1-3-1")
+    assert isinstance(kill, ElasticRow) and kill.name == "inference 1" and scale.name == "-"
+    good = dict(error="step 3: update failed: inference 1: process 9 exited with code -9 (SIGKILL)",
+                seconds_to_error=0.08, state="incomplete v3", restored=True, ok=True, replan=0.01, pids_same=True,
+                members="1:0,1 2:0,1 3:0,1(failed) 4:0 5:0,1 6:0,1", exit=0, left=0)
+    calm = dict(error=None, seconds_to_error=None, state=None, restored=True, ok=True, replan=0.01, pids_same=True,
+                members="1:0 2:0 3:0,1,2 4:0,1,2 5:0 6:0", exit=0, left=0)
+    assert row_ok(kill, good) and row_ok(scale, calm)
+    assert not row_ok(kill, {**good, "ok": False}) and not row_ok(kill, {**good, "left": 1})
+    assert not row_ok(kill, {**good, "exit": 1}) and not row_ok(scale, {**calm, "error": good["error"]})
+    text = format_matrix([(kill, good), (scale, calm)], stall=5.0)
+    assert "engine-dies-replacement-joins      0.08  inference 1" in text and "3:0,1(failed) 4:0" in text
+    assert text.endswith("# rows named, bounded and clean: 2/2")
