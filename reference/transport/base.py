@@ -293,9 +293,14 @@ class Group:
     """Checked, non-empty ops of a batch that share a back end's group key (a receiving pid, a
     NIXL (agent, memory types), a verbs peer, ...): parallel lists of op index, local address,
     remote address and length (bytes). ``local`` / ``remote`` are the first op's local region and
-    connected descriptor (what the key was computed from)."""
+    connected descriptor (what the key was computed from).
 
-    __slots__ = ("local", "remote", "idx", "laddr", "raddr", "lens")
+    For a back end with ``segment_arrays`` (CMA) the pieces of ops with :class:`Segments` are
+    kept as numpy arrays in ``chunks`` instead: ``(pos, op index, local addresses, remote
+    addresses, lengths)``, the chunk coming before list entry ``pos``; :meth:`arrays` gives every
+    piece in order as numpy arrays. Every other back end gets them in the lists."""
+
+    __slots__ = ("local", "remote", "idx", "laddr", "raddr", "lens", "chunks")
 
     def __init__(self, local: Region, remote: RegionDescriptor):
         self.local, self.remote = local, remote
@@ -303,6 +308,35 @@ class Group:
         self.laddr: list[int] = []
         self.raddr: list[int] = []
         self.lens: list[int] = []
+        self.chunks: list = []
+
+    def __len__(self) -> int:
+        """Pieces of the group (list entries plus chunked segments)."""
+        return len(self.lens) + sum(len(c[4]) for c in self.chunks)
+
+    def arrays(self):
+        """(op index, local address, remote address, length) of every piece, in order, as 1-D
+        numpy arrays (int64, uint64, uint64, uint64)."""
+        import numpy as np
+
+        lists = (self.idx, self.laddr, self.raddr, self.lens)
+        if not self.chunks:
+            return (np.array(self.idx, dtype=np.int64), *(np.array(x, dtype=np.uint64) for x in lists[1:]))
+        parts: list[list] = [[], [], [], []]
+        prev = 0
+        for pos, i, la, ra, ln in self.chunks:
+            for k, x in enumerate(lists):
+                if pos > prev:
+                    parts[k].append(np.array(x[prev:pos], dtype=np.int64 if k == 0 else np.uint64))
+            parts[0].append(np.full(len(ln), i, dtype=np.int64))
+            parts[1].append(la.astype(np.uint64))
+            parts[2].append(ra.astype(np.uint64))
+            parts[3].append(ln.astype(np.uint64))
+            prev = pos
+        if len(self.lens) > prev:
+            for k, x in enumerate(lists):
+                parts[k].append(np.array(x[prev:], dtype=np.int64 if k == 0 else np.uint64))
+        return tuple(np.concatenate(p) for p in parts)
 
 
 @dataclass(slots=True)
@@ -327,7 +361,8 @@ def describe_remote(d: RegionDescriptor) -> str:
 
 def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
                 remote_key: Callable[[RegionDescriptor], Hashable],
-                group_key: Callable[[Region, RegionDescriptor, Hashable], Hashable]) -> Batch:
+                group_key: Callable[[Region, RegionDescriptor, Hashable], Hashable],
+                segment_arrays: bool = False) -> Batch:
     """Check every op of a batch (the rules in the module docstring) and group the non-empty
     ones. ``local``: ``id(region) -> region`` registered here; ``remote``:
     ``remote_key(descriptor) -> descriptor`` connected here. Raises :class:`UnknownRegionError` /
@@ -373,11 +408,14 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
                                   "nothing of the batch was issued")
             if lo < 0 or ro < 0 or lo + sg.end > llen or ro + n > rlen:
                 raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n, span=sg.end))
+            total += n
+            if segment_arrays:  # no Python per segment: the back end takes the arrays
+                g.chunks.append((len(g.lens), i, sg.offsets + (laddr + lo), sg.starts + (raddr + ro), sg.lengths))
+                continue
             g.idx.extend([i] * sg.count)
             g.laddr.extend((sg.offsets + (laddr + lo)).tolist())
             g.raddr.extend((sg.starts + (raddr + ro)).tolist())
             g.lens.extend(sg.lengths.tolist())
-            total += n
             continue
         if lo < 0 or ro < 0 or n < 0 or lo + n > llen or ro + n > rlen:
             raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n))
@@ -387,8 +425,8 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
             add_r(raddr + ro)
             add_n(n)
             total += n
-    if any(not g.lens for g in groups.values()):  # groups of zero-length ops only
-        groups = {k: g for k, g in groups.items() if g.lens}
+    if any(not g.lens and not g.chunks for g in groups.values()):  # groups of zero-length ops only
+        groups = {k: g for k, g in groups.items() if g.lens or g.chunks}
     return Batch(groups, total, remotes)
 
 
@@ -438,6 +476,9 @@ class Transport(abc.ABC):
     name: str = "?"
     revocation: str = "lease"
     """How ``deregister`` stops writes: ``"lease"`` (epoch check + lease; none: refused) or ``"nic"``."""
+    segment_arrays: bool = False
+    """True when :meth:`_post` takes the pieces of :class:`Segments` ops as numpy arrays
+    (:attr:`Group.chunks`, :meth:`Group.arrays`) rather than one list entry per segment."""
     publishes_allocated_only: bool = False
     """True when only memory from :meth:`allocate` can be published (its ``descriptor()``); see
     "Memory a receiver publishes" in the module docstring."""
@@ -550,7 +591,7 @@ class Transport(abc.ABC):
     # ---- data path --------------------------------------------------------------------------
     def check(self, ops: Sequence[WriteOp]) -> Batch:
         """The checks of :meth:`write` alone (:func:`check_batch` over this transport's regions)."""
-        return check_batch(ops, self._local, self._remote, self._remote_key, self._group_key)
+        return check_batch(ops, self._local, self._remote, self._remote_key, self._group_key, self.segment_arrays)
 
     def write(self, ops: Sequence[WriteOp]) -> WriteHandle:
         """Check every op (see the module docstring), then post them all; return the completion.

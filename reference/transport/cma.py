@@ -203,6 +203,7 @@ class CmaTransport(Transport):
     and the posting (:meth:`_post`)."""
 
     name = "cma"
+    segment_arrays = True
 
     # ---- hooks of the contract ----------------------------------------------------------------
 
@@ -241,7 +242,7 @@ class CmaTransport(Transport):
         Returns a completed handle with the bytes written."""
         done, total = 0, batch.nbytes
         for pid, g in batch.groups.items():
-            if len(g.lens) <= _SMALL:
+            if not g.chunks and len(g.lens) <= _SMALL:
                 for s in range(0, len(g.lens), IOV_MAX):
                     e = s + IOV_MAX
                     done = _send(_process_vm_writev, pid, g.laddr[s:e], g.raddr[s:e], g.lens[s:e], g.idx[s:e],
@@ -333,9 +334,7 @@ def _send_merged(pid: int, g, done: int, total: int, ops) -> int:
     """Write group ``g``'s pieces to ``pid``: each call covers the longest run of pieces whose
     merged local and remote iovecs both fit IOV_MAX; a partial copy resumes at the exact piece
     and offset. Returns ``done`` plus the bytes written."""
-    la = np.array(g.laddr, dtype=np.uint64)
-    ra = np.array(g.raddr, dtype=np.uint64)
-    ln = np.array(g.lens, dtype=np.uint64)
+    idx, la, ra, ln = g.arrays()
     m = len(ln)
 
     def run_ids(a):
@@ -355,13 +354,13 @@ def _send_merged(pid: int, g, done: int, total: int, ops) -> int:
         try:
             k = _process_vm_writev(pid, liov.ctypes.data, len(lb), riov.ctypes.data, len(rb))
         except OSError as ex:
-            raise _errno_error(ex.errno, pid, g.idx[s], ops, done, total) from None
+            raise _errno_error(ex.errno, pid, int(idx[s]), ops, done, total) from None
         done += k
         if k >= want:
             s = e
             continue
         if k <= 0:
-            raise TransportError(f"{_opname(g.idx[s], ops)}: process_vm_writev to pid {pid} made no progress "
+            raise TransportError(f"{_opname(int(idx[s]), ops)}: process_vm_writev to pid {pid} made no progress "
                                  f"({done} of {total} bytes of the batch done)")
         # partial copy: skip the pieces the kernel finished, cut into the one it stopped in
         cum = np.cumsum(ln[s:e])
