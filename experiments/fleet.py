@@ -516,11 +516,21 @@ class FleetDriver:
         self._thread = threading.Thread(target=kill, name=f"fleet-kill-{step}", daemon=True)
         self._thread.start()
 
-    def disarm(self) -> None:
+    def disarm(self, step: int | None = None) -> None:
+        """After the update: stop the kill thread. ``step`` (the update completed): an engine
+        planned to die during it that was not killed (training rank 0 never reached half-way)
+        is killed now, so the run's membership stays the one the options say."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join(30)
             self._thread = None
+        ev = self.events.get(step) if step is not None else None
+        if ev is not None and ev.kill_during and self.kill_time is None:
+            ranks = [r for e in ev.kill_during for r in engine_ranks(e, self.tp)]
+            self._unwatch(ranks)
+            for r in ranks:
+                self.procs.kill(r)
+            self.log(f"fleet: ranks {ranks} SIGKILLed after update {step} (it completed before the kill)")
 
     def lost_in(self, step: int) -> list[int]:
         """After update ``step`` failed: the members whose processes are gone (killed by
@@ -557,10 +567,11 @@ class FleetDriver:
         return row
 
     def verified(self, step: int) -> dict[int, dict]:
-        """Wait for every member's verification of ``step``; ``{rank: result}``."""
+        """Wait for every member's verification of ``step`` (but those lost after it completed);
+        ``{rank: result}``."""
         from weight_transfer import control
 
-        ranks = sorted(self.members)
+        ranks = sorted(self.members - self.lost)
         self.ctl._wait({i: f"step/{step}/verified/{i}" for i in ranks}, f"step {step} verification")
         return {i: control.get(self.store, f"step/{step}/verified/{i}") for i in ranks}
 

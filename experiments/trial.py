@@ -361,7 +361,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 step += 1
                 continue
             if driver is not None:
-                driver.disarm()
+                driver.disarm(step)
             ver = (driver.verified(step) if driver is not None else ctl.verified(step)) if cfg.run.verify else {}
             ok = all(v.get("ok") for v in ver.values()) if cfg.run.verify else None
             stats: list[UpdateStats] = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]

@@ -214,7 +214,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
     reference registers the memory once and publishes the descriptor), then per step: nothing
     for passive methods, ``receive`` for active ones; as the harness, verify each published
     version against the oracle (a failed update in between is waited through: the next
-    complete version is verified). Heartbeat, ``fault`` and ``parent`` as for
+    complete version is verified; in an elastic fleet, ``cfg.fleet``, only versions from this
+    rank's first update on, and the rank leaves when asked: C24). Heartbeat, ``fault`` and ``parent`` as for
     :func:`trainer_main`. With ``cfg.device == "cuda"`` the engine's arena is allocated on
     this process's GPU (:func:`local_cuda_device`) and verification copies it to the host."""
     torch.set_num_threads(1)

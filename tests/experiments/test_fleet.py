@@ -183,6 +183,20 @@ def test_c24_kill_engine_at_3_replacement_at_5_survivors_go_on():
 @pytest.mark.multiproc
 @pytest.mark.long
 @pytest.mark.timeout(600)
+def test_c24_kill_between_updates_planned_without_no_update_fails():
+    """``--kill-engine 2:1:before``: engine 1 is SIGKILLed before update 2's load, found gone
+    before the go and planned without: update 2 completes on engine 0 (no failed update); a
+    replacement joins before update 4 and its first update is bit-exact."""
+    from weight_transfer.experiments.trial import run_trial
+
+    res = run_trial(cfg(kill_engine=((2, 1, "before"),), restart_engine=((4, 1),), steps=4), stall=10)
+    _check_rows(res.rows, {1: "0,1", 2: "0", 3: "0", 4: "0,1"}, set())
+    assert res.rows[1]["gone"] == "1" and res.rows[3]["joined"] == "1" and res.rows[3]["epoch"] == 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.long
+@pytest.mark.timeout(600)
 def test_c24_scale_1_3_1_every_update_verified_replan_timed():
     """Scale 1 -> 3 -> 1 engines in one run: engine 0 alone for updates 1-2, engines 0-2 for
     3-4 (two newcomers, their first update bit-exact), engine 0 alone again for 5-6 (engines 2
