@@ -2,9 +2,10 @@
 
 Unit tests (default set): the options' parsing and every refusal before any process starts
 (one ``error:`` line, exit 2), what happens at each update, the trial keys of trials without
-the options unchanged, and the table of a run whose fleet changed. The two multi-process
-trials (the acceptance scenario: 2 engines, one killed while update 3 writes, a replacement
-before update 5; and 1 -> 3 -> 1 engines) start 5-6 processes each: marked ``long``."""
+the options unchanged, the table of a run whose fleet changed, the fault matrix's elastic
+rows. The three multi-process trials (the acceptance scenario: 2 engines, one killed while
+update 3 writes, a replacement before update 5; one killed between updates; 1 -> 3 -> 1
+engines) start 5-6 processes each, 36-83 s each on the 2-core VM: marked ``long``."""
 from __future__ import annotations
 
 import argparse
