@@ -501,6 +501,10 @@ def _version(dist: str) -> str:
     return "-"
 
 
+REFERENCE_LABEL = {"cma": "cma (process_vm_writev)", "shm": "shm (memcpy into mapping)"}
+"""The reference's rows (``--reference-transports``): transport name -> table label."""
+
+
 @dataclass(kw_only=True, slots=True)
 class PeersBenchConfig:
     """Options of ``weight-transfer bench-peers``."""
@@ -523,6 +527,9 @@ class PeersBenchConfig:
     """torchstore rows, one per transport, comma-separated (shm, direct_tcp, rdma_tcp, gloo, rpc)."""
     torchstore_python: str = ""
     """Interpreter with torchstore + torchmonarch; default $WT_TORCHSTORE_PYTHON, else /opt/wt-torchstore/bin/python."""
+    reference_transports: tuple[str, ...] = ("cma",)
+    """Reference rows, one per transport, comma-separated: cma (process_vm_writev), shm (a memcpy
+    into the receiver's shared segment, mapped once)."""
 
     def __post_init__(self):
         if self.steps < 1 or self.warmup < 0:
@@ -530,6 +537,9 @@ class PeersBenchConfig:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
+        badr = [t for t in self.reference_transports if t not in REFERENCE_LABEL]
+        if badr or not self.reference_transports:
+            raise ValueError(f"unknown reference transport(s) {badr}; choose from {', '.join(REFERENCE_LABEL)}")
         bad = [t for t in self.torchstore_transports if t not in TORCHSTORE_TRANSPORTS]
         if bad or not self.torchstore_transports:
             raise ValueError(f"unknown torchstore transport(s) {bad}; choose from {', '.join(TORCHSTORE_TRANSPORTS)}")
@@ -578,9 +588,10 @@ def main(a: PeersBenchConfig) -> int:
     print(f"# {'':>10} {'':>26} {'(B)':>12} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(GB/s)':>7} {'':>8} "
           f"{'(x)':>8} {'':>9}")
     rows, skipped, memcpys = [], [], []
-    ref_rows: list[dict] = []
+    ref_rows: list[tuple[str, list[dict]]] = []
     transport = {"reference": "cma (process_vm_writev)", "awex": "mooncake tcp, reads", "mooncake": "tcp, writes, 1 pair/rank"}
-    jobs = [(p, t) for p in peers for t in (a.torchstore_transports if p == "torchstore" else (None,))]
+    jobs = [(p, t) for p in peers for t in (a.torchstore_transports if p == "torchstore" else
+                                            a.reference_transports if p == "reference" else (None,))]
     why_not: dict[str, str | None] = {}
     for peer, ts_tr in jobs:
         if peer not in why_not:
@@ -589,7 +600,8 @@ def main(a: PeersBenchConfig) -> int:
                 skipped.append((peer, why_not[peer]))
         if why_not[peer]:
             continue
-        label = TORCHSTORE_LABEL[ts_tr] if ts_tr else transport.get(peer, "-")
+        label = (REFERENCE_LABEL[ts_tr] if peer == "reference" else TORCHSTORE_LABEL[ts_tr] if ts_tr
+                 else transport.get(peer, "-"))
         memcpys.append(measure_memcpy_gbps())
         phases: list[dict] = []
         try:
@@ -598,12 +610,12 @@ def main(a: PeersBenchConfig) -> int:
                 warm = [i < a.warmup for i in range(len(secs))]
                 got_bytes = nbytes
             elif peer == "reference":
-                res = run_trial(cfg)
+                res = run_trial(cfg.replace(transport=ts_tr))
                 secs = [float(r["seconds"]) if r["verified"] else (r.get("verify_error") or "not verified")
                         for r in res.rows]
                 warm = [r["warmup"] for r in res.rows]
                 got_bytes = res.rows[0]["bytes"]
-                ref_rows = [r for r in res.rows if not r["warmup"]]
+                ref_rows.append((label, [r for r in res.rows if not r["warmup"]]))
             else:
                 secs = _run_world(peer, tensors, n_train, tp, a.steps, a.warmup, a.timeout)
                 warm = [i < a.warmup for i in range(len(secs))]
@@ -643,7 +655,8 @@ def main(a: PeersBenchConfig) -> int:
     if ref_rows:  # the reference's own phases, slowest sender and receiver, extra memory (docs/PERFORMANCE.md)
         from weight_transfer.experiments.report import phase_lines
 
-        print("\n".join(line.replace("# ", "# reference: ", 1) for line in phase_lines(ref_rows, mem)))
+        for lab, rr in ref_rows:
+            print("\n".join(line.replace("# ", f"# reference {lab}: ", 1) for line in phase_lines(rr, mem)))
     ts_rows = [r for r in rows if r["peer"] == "torchstore" and r["times"] and r["ok"]]
     for r in ts_rows:
         put = statistics.median(ph["put"] for ph in r["phases"]) if r["phases"] else float("nan")
@@ -654,8 +667,10 @@ def main(a: PeersBenchConfig) -> int:
     if ts_rows and ref_gbps:
         best = min(ts_rows, key=lambda r: statistics.median(r["times"]))
         best_gbps = best["bytes"] / statistics.median(best["times"]) / 1e9
-        print(f"# reference / best torchstore ({best['transport']}): {ref_gbps / best_gbps:.2f}x "
-              f"({ref_gbps:.3f} vs {best_gbps:.3f} GB/s, same run, both verified)")
+        for r in [r for r in rows if r["peer"] == "reference" and r["times"] and r["ok"]]:
+            g = r["bytes"] / statistics.median(r["times"]) / 1e9
+            print(f"# reference {r['transport']} / best torchstore ({best['transport']}): {g / best_gbps:.2f}x "
+                  f"({g:.3f} vs {best_gbps:.3f} GB/s, same run, both verified)")
     n_bad = sum(not r["ok"] for r in rows)
     print(f"# verified bit-exact: {len(rows) - n_bad}/{len(rows)} peers" + ("" if not n_bad else "  <-- FAILED"))
     for r in rows:

@@ -46,6 +46,9 @@ def test_unknown_peer_is_refused(capsys):
 def test_unknown_torchstore_transport_and_missing_interpreter():
     with pytest.raises(ValueError, match="unknown torchstore transport"):
         PeersBenchConfig(torchstore_transports=("nvlink",))
+    with pytest.raises(ValueError, match="unknown reference transport"):
+        PeersBenchConfig(reference_transports=("verbs",))
+    assert PeersBenchConfig(reference_transports=("cma", "shm")).reference_transports == ("cma", "shm")
     why = _available("torchstore", "/nonexistent/wt-torchstore/bin/python")
     assert why.startswith("not installed") and "install_torchstore.sh" in why
 
@@ -65,7 +68,8 @@ def test_peer_runs_verified(peer, capsys):
     assert "verified bit-exact: 1/1 peers" in out
     assert "cold" in out and "p95" in out
     if peer == "reference":  # its own phases, slowest sender and receiver, extra memory
-        assert "# reference: phases, p50 busy seconds" in out and "# reference: slowest sender" in out
+        assert ("# reference cma (process_vm_writev): phases, p50 busy seconds" in out
+                and "# reference cma (process_vm_writev): slowest sender" in out)
 
 
 @pytest.mark.multiproc
