@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..paths import project_dir
-
-GRANULARITIES = ("elems", "rows", "blocks")
-"""``--delta-granularity`` choices (:data:`weight_transfer.experiments.sim.delta.GRANULARITIES`)."""
+from .fractions import GRANULARITIES
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,7 +96,7 @@ class SimulateOptions:
         if self.delta_lr and not self.delta_fractions:
             raise ValueError("--delta-lr needs --delta-fractions (the CSV whose steps it selects)")
         if self.delta_fractions:
-            from .delta import check_fractions_csv, load_fractions  # numpy, torch: only when asked
+            from .fractions import check_fractions_csv, load_fractions
 
             if not self.delta_lr:
                 raise ValueError("--delta-fractions needs --delta-lr (e.g. --delta-lr 1e-6,1e-5)")
