@@ -190,7 +190,9 @@ def test_delta_pushes_and_C26_full_after_a_version_not_published_complete(world)
     from weight_transfer.options import ExecutorOptions, TransferOptions
 
     store, addr, engine, rx = world
-    opts = TransferOptions(executor=ExecutorOptions(delta=True))
+    # delta_op_cost=0: every run written (the transport's cost model would write this model's
+    # small outputs whole at 1%: tests/test_delta.py covers it)
+    opts = TransferOptions(executor=ExecutorOptions(delta=True, delta_op_cost=0))
     coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT, timeout=20, options=opts)
     change = (1.0, 0.01, 0.0, 0.0, 0.01)
 
