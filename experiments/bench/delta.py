@@ -63,12 +63,16 @@ class DeltaBenchConfig:
     """Only the op table (the cost of one op by size on cma and shm), no trials."""
     ops_out: str = str(ROOT / "results" / "delta_ops.csv")
     """CSV of the op table (overwritten); empty: none."""
+    op_sizes: tuple[int, ...] = (8, 64, 128, 256, 1024, 4096, 16384, 65536)
+    """Write sizes of the op table (bytes, comma-separated)."""
 
     def __post_init__(self):
         if not self.fractions or any(not 0 <= f <= 1 for f in self.fractions):
             raise ValueError(f"fractions={self.fractions}: at least one, each in [0, 1]")
         if any(g < 0 for g in self.merge_gaps) or not self.merge_gaps:
             raise ValueError(f"merge_gaps={self.merge_gaps}: at least one, bytes >= 0")
+        if not self.op_sizes or any(g < 1 for g in self.op_sizes):
+            raise ValueError(f"op_sizes={self.op_sizes}: at least one, bytes >= 1")
         if any(c < -1 for c in self.op_costs) or not self.op_costs:
             raise ValueError(f"op_costs={self.op_costs}: at least one, bytes >= 0 or -1 (the transport's)")
         for kv in self.override:
@@ -126,7 +130,7 @@ def op_costs(transports=("cma", "shm"), sizes=(8, 64, 128, 256, 1024, 4096, 1638
                             "gbps": n * g / best / 1e9})
                 if not posts_natively(t):
                     continue
-                m = min(262144, (64 << 20) // (2 * g))
+                m = min(32768, (64 << 20) // (2 * g))
                 stride = (64 << 20) // m
                 op = RunsOp(ls, 0, d, 0, 64 << 20, torch.arange(m, dtype=torch.int64) * stride,
                             torch.full((m,), g, dtype=torch.int64))
@@ -167,7 +171,7 @@ def main(args: DeltaBenchConfig) -> int:
     """Run the op table and the trials, print the tables, write ``args.ops_out`` and ``args.out``."""
     import ast
 
-    ops = op_costs()
+    ops = op_costs(sizes=args.op_sizes)
     print("\n".join(["# weight-transfer bench-delta: the cost of one op", *_ops_table(ops)]), flush=True)
     if args.ops_out:
         pd.DataFrame(ops).to_csv(args.ops_out, index=False)

@@ -10,14 +10,14 @@ pytestmark = pytest.mark.multiproc
 
 def test_config_refuses_bad_values():
     for kw in (dict(fractions=()), dict(fractions=(1.5,)), dict(merge_gaps=(-1,)), dict(warmup=0),
-               dict(override=("x",)), dict(op_costs=(-2,)), dict(op_costs=())):
+               dict(override=("x",)), dict(op_costs=(-2,)), dict(op_costs=()), dict(op_sizes=(0,))):
         with pytest.raises(ValueError):
             DeltaBenchConfig(**kw)
 
 
 def test_small_run_full_and_delta_rows_verified(tmp_path, capsys):
     out = tmp_path / "d.csv"
-    assert main(DeltaBenchConfig(fractions=(0.0,), op_costs=(0,), steps=1, out=str(out),
+    assert main(DeltaBenchConfig(fractions=(0.0,), op_costs=(0,), steps=1, out=str(out), op_sizes=(64, 4096),
                                  ops_out=str(tmp_path / "ops.csv"),
                                  override=("num_experts=4", "vocab_size=2048", "hidden_size=256",
                                            "moe_intermediate_size=128", "intermediate_size=256"))) == 0
