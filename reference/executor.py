@@ -18,7 +18,8 @@ never per update (:mod:`weight_transfer.memory`): plain recipes are written from
 storages (updated in place by the trainer), and so are outputs that are nothing but their
 sources' bytes in order (fused ``qkv_proj`` / ``gate_up_proj`` / ``w13_weight`` bands: one
 write op per source range; TP slices along dim 1: one op with a segment per row, the iovecs of
-one ``process_vm_writev``; copied once, by the write itself); everything else (casts, FP8,
+one ``process_vm_writev``; copied once, by the write itself; ``WT_DIRECT_WRITES=0`` builds them
+in the pool instead, for A/B measurements); everything else (casts, FP8,
 runtime layouts, gathered sources) is built by prepare straight into
 a slot of a preallocated output pool, taken at admission and given back at release, after the
 task's batch completed; a task waits for pool space only while the chunks in flight fill it.
@@ -85,6 +86,7 @@ saved as a Chrome trace per rank (:mod:`weight_transfer.timeline`).
 from __future__ import annotations
 
 import inspect
+import os
 import queue
 import threading
 import time
@@ -192,7 +194,7 @@ class Executor:
         self._barrier_async = self._accepts_async(group_barrier)
         self._runs = 0
         self.memory = RegisteredMemory(plan.tasks, params, transport, device=self.device, watermark=self.watermark,
-                                       pool_bytes=pool_bytes, direct=not options.delta)
+                                       pool_bytes=pool_bytes, direct=not options.delta and os.environ.get("WT_DIRECT_WRITES", "1") != "0")
         self.setup_stats: SetupStats = self.memory.stats
         """What registering the write memory once cost (regions, bytes, seconds); see
         :meth:`SetupStats.summary` for the one-line form."""
