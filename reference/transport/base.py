@@ -15,7 +15,8 @@ What lives here, written once for every back end
   end adds its device check), the descriptor checks of :meth:`Transport.connect` (type,
   transport name, address and length > 0; the back end adds its own), the bookkeeping of
   registered and connected regions, :meth:`Transport.deregister` and :meth:`Transport.close`;
-- the op checks of :meth:`Transport.write` (:func:`check_batch`), which run *before any byte of
+- the op checks of :meth:`Transport.write` (:func:`check_batch`, with :class:`WriteOp`,
+  :class:`Segments` and the errors in :mod:`.ops`, re-exported here), which run *before any byte of
   a batch is issued*:
 
   - the local region is registered with this transport (not deregistered, not another
@@ -67,131 +68,36 @@ import abc
 import os
 import socket
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from ..types import RegionDescriptor
 from . import lease
+from .ops import (  # noqa: F401  (re-exported: the contract's names stay importable from base)
+    Batch,
+    BoundsError,
+    Group,
+    LeaseRequiredError,
+    LeaseTimeoutError,
+    PermissionDeniedError,
+    RemoteGoneError,
+    Segments,
+    StaleRegionError,
+    TransportError,
+    UnknownRegionError,
+    WriteOp,
+    _bounds_msg,
+    _unknown_msg,
+    check_batch,
+    describe_remote,
+)
 
 __all__ = [
     "Batch", "BoundsError", "CompletedWrite", "Group", "PermissionDeniedError", "Region", "RemoteGoneError", "Segments",
     "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
     "describe_remote", "LeaseRequiredError", "LeaseTimeoutError", "StaleRegionError",
 ]
-
-
-class TransportError(RuntimeError):
-    """A write was refused or failed. The message names the op, the regions and the cause."""
-
-
-class BoundsError(TransportError):
-    """A write would leave its local or remote region; nothing of the batch was issued."""
-
-
-class UnknownRegionError(TransportError):
-    """A write names a remote descriptor that was never connected (or a stale key), or a local
-    region that was deregistered; nothing of the batch was issued."""
-
-
-class StaleRegionError(UnknownRegionError):
-    """A remote descriptor's epoch is not the one its owner publishes now: the receiver
-    deregistered the region (published epoch 0) or registered it again (another epoch). Raised
-    before any byte of the batch moved (C17)."""
-
-
-class LeaseTimeoutError(TransportError):
-    """``deregister`` waited ``lease_timeout`` seconds for a sender still inside a batch that
-    started before the revocation; the region's memory stays referenced (not released)."""
-
-
-class LeaseRequiredError(TransportError):
-    """This sender holds no lease at a receiver of the batch, so the receiver's ``deregister``
-    could not wait for the batch: it is refused before any byte moves (issue 27 item 5). The
-    message names the receiver and why no lease could be taken."""
-
-
-class RemoteGoneError(TransportError):
-    """The receiving process no longer exists (CMA: ``ESRCH``)."""
-
-
-class PermissionDeniedError(TransportError):
-    """The kernel refused access to the remote memory (CMA: ``EPERM``); see the message for the
-    ptrace / capability requirement."""
-
-
-class Segments:
-    """The local bytes of one write as several segments of its local region, in order: segment
-    ``j`` is ``lengths[j]`` bytes at ``local_offset + offsets[j]`` of the region, and the
-    segments, concatenated, are the ``length`` bytes that land contiguously at
-    ``remote_offset`` (a gather list: the iovecs of one ``process_vm_writev``, the SGEs of one
-    RDMA WRITE). What a strided source (a TP column slice of a row-major shard: one segment per
-    row) is written as instead of a ``.contiguous()`` copy.
-
-    ``offsets``, ``lengths``: 1-D integer sequences of equal length >= 1 (bytes; offsets >= 0,
-    lengths >= 1; local segments may come in any order). Built once (e.g. at setup) and reused
-    by every update's ops; a back end sees a segmented op as consecutive pieces of one batch
-    (:class:`Group` holds one entry per segment, remote addresses adjacent).
-    ValueError for malformed input."""
-
-    __slots__ = ("offsets", "lengths", "starts", "nbytes", "end", "count")
-
-    def __init__(self, offsets, lengths):
-        import numpy as np
-
-        off = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
-        ln = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
-        if off.shape != ln.shape or off.size == 0:
-            raise ValueError(f"Segments: {off.size} offsets and {ln.size} lengths (need the same number, >= 1)")
-        if int(off.min()) < 0 or int(ln.min()) < 1:
-            raise ValueError("Segments: offsets must be >= 0 and lengths >= 1 (bytes)")
-        self.offsets, self.lengths = off, ln
-        self.starts = np.cumsum(ln) - ln
-        """Byte offset of each segment in the write (remote side)."""
-        self.nbytes = int(ln.sum())
-        """Total bytes (the op's ``length``)."""
-        self.end = int((off + ln).max())
-        """One past the last local byte, relative to the op's ``local_offset``."""
-        self.count = int(off.size)
-
-    @classmethod
-    def strided(cls, sizes, strides, itemsize: int, offset: int = 0) -> Segments | None:
-        """The segments of a strided view (``sizes``/``strides`` in elements, as torch reports
-        them; ``offset`` bytes): one segment per run of its innermost dimensions that are
-        contiguous, in C order. None when the view is contiguous (one plain write does)."""
-        import numpy as np
-
-        dims = [(n, s) for n, s in zip(sizes, strides) if n != 1]
-        run = 1  # elements per contiguous run (of the trailing dims)
-        k = len(dims)
-        while k and dims[k - 1][1] == run:
-            run *= dims[k - 1][0]
-            k -= 1
-        if k == 0:
-            return None
-        offs = np.zeros(1, dtype=np.int64)
-        for n, s in dims[:k]:
-            offs = (offs[:, None] + np.arange(n, dtype=np.int64)[None, :] * (s * itemsize)).reshape(-1)
-        return cls(offs + offset, np.full(offs.size, run * itemsize, dtype=np.int64))
-
-    def __repr__(self) -> str:
-        return f"Segments({self.count} segments, {self.nbytes} bytes, local span {self.end})"
-
-
-@dataclass(frozen=True, slots=True)
-class WriteOp:
-    """Copy ``length`` bytes from ``local`` at ``local_offset`` to ``remote`` at ``remote_offset``
-    (all in bytes). With ``segments`` (:class:`Segments`, total ``length``) the local bytes are
-    those segments of ``local`` (relative to ``local_offset``), concatenated: one write, several
-    local pieces, one contiguous remote range."""
-
-    local: Region
-    local_offset: int
-    remote: RegionDescriptor
-    remote_offset: int
-    length: int
-    segments: Segments | None = None
 
 
 class Region:
@@ -283,187 +189,6 @@ class CompletedWrite(WriteHandle):
 
     def done(self) -> bool:
         return True
-
-
-# ---------------------------------------------------------------------------------------------
-# the op checks (one place for every back end)
-
-
-class Group:
-    """Checked, non-empty ops of a batch that share a back end's group key (a receiving pid, a
-    NIXL (agent, memory types), a verbs peer, ...): parallel lists of op index, local address,
-    remote address and length (bytes). ``local`` / ``remote`` are the first op's local region and
-    connected descriptor (what the key was computed from).
-
-    For a back end with ``segment_arrays`` (CMA) the pieces of ops with :class:`Segments` are
-    kept as numpy arrays in ``chunks`` instead: ``(pos, op index, local addresses, remote
-    addresses, lengths)``, the chunk coming before list entry ``pos``; :meth:`arrays` gives every
-    piece in order as numpy arrays. Every other back end gets them in the lists."""
-
-    __slots__ = ("local", "remote", "idx", "laddr", "raddr", "lens", "chunks")
-
-    def __init__(self, local: Region, remote: RegionDescriptor):
-        self.local, self.remote = local, remote
-        self.idx: list[int] = []
-        self.laddr: list[int] = []
-        self.raddr: list[int] = []
-        self.lens: list[int] = []
-        self.chunks: list = []
-
-    def __len__(self) -> int:
-        """Pieces of the group (list entries plus chunked segments)."""
-        return len(self.lens) + sum(len(c[4]) for c in self.chunks)
-
-    def arrays(self):
-        """(op index, local address, remote address, length) of every piece, in order, as 1-D
-        numpy arrays (int64, uint64, uint64, uint64)."""
-        import numpy as np
-
-        lists = (self.idx, self.laddr, self.raddr, self.lens)
-        if not self.chunks:
-            return (np.array(self.idx, dtype=np.int64), *(np.array(x, dtype=np.uint64) for x in lists[1:]))
-        parts: list[list] = [[], [], [], []]
-        prev = 0
-        for pos, i, la, ra, ln in self.chunks:
-            for k, x in enumerate(lists):
-                if pos > prev:
-                    parts[k].append(np.array(x[prev:pos], dtype=np.int64 if k == 0 else np.uint64))
-            parts[0].append(np.full(len(ln), i, dtype=np.int64))
-            parts[1].append(la.astype(np.uint64))
-            parts[2].append(ra.astype(np.uint64))
-            parts[3].append(ln.astype(np.uint64))
-            prev = pos
-        if len(self.lens) > prev:
-            for k, x in enumerate(lists):
-                parts[k].append(np.array(x[prev:], dtype=np.int64 if k == 0 else np.uint64))
-        return tuple(np.concatenate(p) for p in parts)
-
-
-@dataclass(slots=True)
-class Batch:
-    """A batch that passed every check: its groups, in first-seen order, its total bytes, and
-    its distinct remote regions (lookup key -> (connected descriptor, index of its first op))."""
-
-    groups: dict[Hashable, Group]
-    nbytes: int
-    remotes: dict[Hashable, tuple[RegionDescriptor, int]]
-
-
-def describe_remote(d: RegionDescriptor) -> str:
-    """``(host h, pid p, addr 0x..., length n)`` (plus ``agent`` for NIXL descriptors)."""
-    agent = ""
-    if isinstance(d.extra, tuple):
-        for kv in d.extra:
-            if isinstance(kv, tuple) and len(kv) == 2 and kv[0] == "agent":
-                agent = f"agent {kv[1]}, "
-    return f"({agent}host {d.host}, pid {d.pid}, addr {d.addr:#x}, length {d.length})"
-
-
-def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
-                remote_key: Callable[[RegionDescriptor], Hashable],
-                group_key: Callable[[Region, RegionDescriptor, Hashable], Hashable],
-                segment_arrays: bool = False) -> Batch:
-    """Check every op of a batch (the rules in the module docstring) and group the non-empty
-    ones. ``local``: ``id(region) -> region`` registered here; ``remote``:
-    ``remote_key(descriptor) -> descriptor`` connected here. Raises :class:`UnknownRegionError` /
-    :class:`BoundsError` naming the op index, the regions and the bounds; then nothing of the
-    batch may be issued. Regions and descriptors repeated across consecutive ops are looked up
-    once (cost per op ~1 us in CPython)."""
-    groups: dict[Hashable, Group] = {}
-    remotes: dict[Hashable, tuple[RegionDescriptor, int]] = {}
-    total = 0
-    last_loc = last_rd = None
-    llen = laddr = rlen = raddr = 0
-    c = None
-    add_i = add_l = add_r = add_n = None
-    for i, op in enumerate(ops):
-        loc = op.local
-        if loc is not last_loc:
-            if local.get(id(loc)) is not loc:
-                raise UnknownRegionError(
-                    f"op {i}: local region {loc!r} is not registered with this transport "
-                    "(deregistered, or registered elsewhere); nothing of the batch was issued"
-                )
-            last_loc, llen, laddr = loc, loc.length, loc.addr
-            last_rd = None  # the group may depend on the local region
-        rd = op.remote
-        if rd is not last_rd:
-            k = remote_key(rd)
-            c = remote.get(k)
-            if c is None or (c is not rd and c != rd):
-                raise UnknownRegionError(_unknown_msg(i, rd, c))
-            last_rd, rlen, raddr = rd, c.length, c.addr
-            if k not in remotes:
-                remotes[k] = (c, i)
-            gk = group_key(loc, c, k)
-            g = groups.get(gk)
-            if g is None:
-                g = groups[gk] = Group(loc, c)
-            add_i, add_l, add_r, add_n = g.idx.append, g.laddr.append, g.raddr.append, g.lens.append
-        lo, ro, n = op.local_offset, op.remote_offset, op.length
-        sg = op.segments
-        if sg is not None:
-            if sg.nbytes != n:
-                raise BoundsError(f"op {i}: its segments hold {sg.nbytes} bytes, the op's length is {n}; "
-                                  "nothing of the batch was issued")
-            if lo < 0 or ro < 0 or lo + sg.end > llen or ro + n > rlen:
-                raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n, span=sg.end))
-            total += n
-            if segment_arrays:  # no Python per segment: the back end takes the arrays
-                g.chunks.append((len(g.lens), i, sg.offsets + (laddr + lo), sg.starts + (raddr + ro), sg.lengths))
-                continue
-            g.idx.extend([i] * sg.count)
-            g.laddr.extend((sg.offsets + (laddr + lo)).tolist())
-            g.raddr.extend((sg.starts + (raddr + ro)).tolist())
-            g.lens.extend(sg.lengths.tolist())
-            continue
-        if lo < 0 or ro < 0 or n < 0 or lo + n > llen or ro + n > rlen:
-            raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n))
-        if n:
-            add_i(i)
-            add_l(laddr + lo)
-            add_r(raddr + ro)
-            add_n(n)
-            total += n
-    if any(not g.lens and not g.chunks for g in groups.values()):  # groups of zero-length ops only
-        groups = {k: g for k, g in groups.items() if g.lens or g.chunks}
-    return Batch(groups, total, remotes)
-
-
-def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:
-    where = f"op {i}" if isinstance(i, int) else str(i)
-    if c is None:
-        why = ("was never connected (a descriptor of another process or run; call connect() with the "
-               "receiver's descriptors first)")
-    elif c.key != rd.key or c.extra != rd.extra:
-        why = (f"has key {rd.key:#x} but the connected registration has key {c.key:#x} "
-               "(a descriptor from another run or a re-registration)")
-    elif c.length != rd.length:
-        why = f"has length {rd.length} but the connected one has length {c.length}"
-    else:
-        why = f"differs from the connected one {c}"
-    return f"{where}: remote region {describe_remote(rd)} {why}; nothing of the batch was issued"
-
-
-def _bounds_msg(i: int, loc: Region, c: RegionDescriptor, lo: int, ro: int, n: int, span: int | None = None) -> str:
-    parts = []
-    if lo < 0:
-        parts.append(f"local_offset {lo} < 0")
-    if ro < 0:
-        parts.append(f"remote_offset {ro} < 0")
-    if n < 0:
-        parts.append(f"length {n} < 0")
-    if span is not None and lo + span > loc.length:
-        parts.append(f"local_offset {lo} + segments' span {span} = {lo + span} > local region length {loc.length} "
-                     f"(addr {loc.addr:#x})")
-    elif span is None and lo + n > loc.length:
-        parts.append(f"local_offset {lo} + length {n} = {lo + n} > local region length {loc.length} "
-                     f"(addr {loc.addr:#x})")
-    if ro + n > c.length:
-        parts.append(f"remote_offset {ro} + length {n} = {ro + n} > remote region length {c.length} "
-                     f"(pid {c.pid}, addr {c.addr:#x})")
-    return (f"op {i}: out of bounds: {'; '.join(parts)} [local {loc!r}, remote {describe_remote(c)}, "
-            f"local_offset {lo}, remote_offset {ro}, length {n}]; nothing of the batch was issued")
 
 
 # ---------------------------------------------------------------------------------------------
