@@ -121,7 +121,15 @@ class World:
         self.live.close()
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+# The staged world (every post-processed layer staged on any host) is `long` (make test-long):
+# its engine start and 8 tests cost about a minute of CI's 25. C22 through the product's path,
+# staged layers committed by update_weights, stays in the default set: the `one_sided` backend's
+# no-AMX world (tests/engines/vllm/test_backend.py, every linear a oneDNN handle, staged) and the
+# staged trial of tests/experiments/test_vllm_side.py.
+WORLD_PARAMS = [pytest.param(k, marks=pytest.mark.long) if MODELS[k][3] == "staged" else k for k in MODELS]
+
+
+@pytest.fixture(scope="module", params=WORLD_PARAMS)
 def world(request, tmp_path_factory):
     w = World(request.param, tmp_path_factory.mktemp(request.param))
     yield w
