@@ -251,8 +251,12 @@ def test_c16_stopped_training_rank_named_and_nothing_left(tmp_path):
     assert res["state"] == "incomplete v2" and res["restored"]
 
 
+# `long` (make test-long): about a minute of CI's 25; its three rows are the cases this file tests one
+# by one in the default set (test_c14_c15_training_rank_raises_midway, test_c15_inference_rank_killed_midway,
+# test_c16_stopped_training_rank_named_and_nothing_left); this test adds the `faults` command's report.
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.long
 def test_fault_matrix_quick_rows_named_bounded_clean(capsys):
     """``weight-transfer faults --quick``: three rows (a training rank raising, an
     inference rank killed, a training rank stopped), each its own process tree; every row names

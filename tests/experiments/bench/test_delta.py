@@ -15,6 +15,9 @@ def test_config_refuses_bad_values():
             DeltaBenchConfig(**kw)
 
 
+# `long` (make test-long): 30-60 s of CI's 25 minutes; delta updates are verified bit-exact in the default
+# set by tests/test_delta.py and tests/experiments/test_trial.py::test_delta_trial_every_update_bit_exact_*.
+@pytest.mark.long
 def test_small_run_full_and_delta_rows_verified(tmp_path, capsys):
     out = tmp_path / "d.csv"
     assert main(DeltaBenchConfig(fractions=(0.0,), op_costs=(0,), steps=1, out=str(out), op_sizes=(64, 4096),
