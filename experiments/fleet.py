@@ -465,29 +465,19 @@ class FleetDriver:
         added = {r: control.get(self.store, f"meta/infer/{r}") for r in self.started}
         if not gone and not added:
             return None
-        members = (self.members - gone) | set(added)
-        if not members:
-            raise control.ControlError(f"update {step}: no inference rank left (gone: {sorted(gone)})")
-        payloads = {r: added.get(r) or self._payloads[r] for r in members}
-        t0 = time.perf_counter()
-        self.schedule, _ = plan_against(self.store, model_config, self.cfg.inference, self._train_metas, payloads,
-                                        self.cfg.transfer, epoch=self.epoch + 1)
-        seconds = time.perf_counter() - t0
-        self.epoch += 1
-        for r in gone - set(added):
-            membership.drop_member(self.store, r)
-        for r in added:
-            membership.set_member(self.store, r, step)
-        self.store.set(membership.EPOCH_KEY, str(self.epoch).encode())
-        self.members, self._payloads = members, payloads
+        ch = membership.change_members(
+            self.store, self.ctl, members=self.members, payloads=self._payloads, gone=gone, added=added,
+            plan=lambda payloads, epoch: plan_against(self.store, model_config, self.cfg.inference, self._train_metas,
+                                                      payloads, self.cfg.transfer, epoch=epoch),
+            epoch=self.epoch, version=step, where=f"update {step}")
+        self.epoch, self.schedule, self.members, self._payloads = ch.epoch, ch.schedule, ch.members, ch.payloads
         self.lost -= set(added) | gone
-        self.ctl.n_infer = max(self.ctl.n_infer, max(members) + 1)
-        self.change = {"step": step, "epoch": self.epoch, "members": sorted(members), "gone": sorted(gone - set(added)),
-                       "joined": sorted(added), "seconds": seconds,
+        self.change = {"step": step, "epoch": self.epoch, "members": sorted(ch.members), "gone": sorted(ch.dropped),
+                       "joined": sorted(added), "seconds": ch.seconds,
                        "join_seconds": max(self.started.values(), default=0.0)}
         self.started = {}
-        self.log(f"fleet: update {step}: members {sorted(members)} (gone {self.change['gone']}, joined "
-                 f"{self.change['joined']}); replanned in {seconds:.4f} s (epoch {self.epoch})")
+        self.log(f"fleet: update {step}: members {sorted(ch.members)} (gone {self.change['gone']}, joined "
+                 f"{self.change['joined']}); replanned in {ch.seconds:.4f} s (epoch {self.epoch})")
         return self.change
 
     def arm(self, step: int) -> None:

@@ -273,27 +273,19 @@ class Coordinator:
             added[r] = payload
         if not gone and not added:
             return
-        members = (self.members - gone) | set(added)
-        if not members:
-            raise control.ControlError(f"version {version}: no inference rank left (gone: {sorted(gone)})")
-        payloads = {r: added.get(r) or self._payloads[r] for r in members}
         t0 = time.perf_counter()
-        sched, extra = plan_against(self.store, self.model_config, self.layout, self._train_metas, payloads,
-                                    self.options, epoch=self.epoch + 1)
-        self.epoch += 1
-        for r in gone - set(added):
-            membership.drop_member(self.store, r)
-        for r in added:
-            membership.set_member(self.store, r, version)
-        self.store.set(membership.EPOCH_KEY, str(self.epoch).encode())
-        self.schedule, self.members, self._payloads = sched, members, payloads
-        self.commit_ranks, self.bytes_staged = extra["commit_ranks"], extra["bytes_staged"]
-        self.ctl.n_infer = max(self.ctl.n_infer, max(members) + 1)
-        rec = {"version": version, "epoch": self.epoch, "members": sorted(members), "gone": sorted(gone - set(added)),
+        ch = membership.change_members(
+            self.store, self.ctl, members=self.members, payloads=self._payloads, gone=gone, added=added,
+            plan=lambda payloads, epoch: plan_against(self.store, self.model_config, self.layout, self._train_metas,
+                                                      payloads, self.options, epoch=epoch),
+            epoch=self.epoch, version=version, where=f"version {version}")
+        self.epoch, self.schedule, self.members, self._payloads = ch.epoch, ch.schedule, ch.members, ch.payloads
+        self.commit_ranks, self.bytes_staged = ch.extra["commit_ranks"], ch.extra["bytes_staged"]
+        rec = {"version": version, "epoch": self.epoch, "members": sorted(ch.members), "gone": sorted(ch.dropped),
                "joined": sorted(added), "seconds": time.perf_counter() - t0}
         self.replans.append(rec)
         self.log(f"membership before version {version}: {rec['members']} (gone {rec['gone']}, joined {rec['joined']}); "
-                 f"replanned in {rec['seconds']:.3f} s: {sched.summary()}")
+                 f"replanned in {rec['seconds']:.3f} s: {ch.schedule.summary()}")
 
     def serve(self, *, count: int | None = None, commit: Callable[[int], object] | None = None) -> list[UpdateResult]:
         """The coordinator in a process of its own: plan, then run each update training rank 0

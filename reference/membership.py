@@ -25,11 +25,17 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
+from . import control
+
 __all__ = ["announce_join", "announce_leave", "new_joins", "left", "process_gone", "member_since", "set_member",
-           "drop_member", "plan_key", "EPOCH_KEY"]
+           "drop_member", "plan_key", "EPOCH_KEY", "Change", "change_members"]
 
 EPOCH_KEY = "plan/epoch"
 
@@ -102,3 +108,53 @@ def set_member(store: dist.Store, rank: int, since: int) -> None:
 def drop_member(store: dist.Store, rank: int) -> None:
     if store.check([f"infer/member/{rank}"]):
         store.delete_key(f"infer/member/{rank}")
+
+
+@dataclass(frozen=True)
+class Change:
+    """A membership change :func:`change_members` applied: the new ``members`` (inference
+    ranks), their ``payloads`` (``{rank: (descriptor, metas)}``), the ``schedule`` and ``extra``
+    the planning step returned for them, the new plan ``epoch``, the ranks ``dropped`` (gone and
+    not re-added) and ``seconds`` (wall-clock time of the planning step alone)."""
+
+    members: set[int]
+    payloads: dict
+    schedule: Any
+    extra: Any
+    epoch: int
+    dropped: set[int]
+    seconds: float
+
+
+def change_members(store: dist.Store, ctl, *, members: set[int], payloads: dict, gone: set[int], added: dict,
+                   plan: Callable[[dict, int], tuple[Any, Any]], epoch: int, version: int, where: str) -> Change:
+    """Apply a membership change before the "go" of ``version``: the new members are
+    ``(members - gone) | added``; ``plan(new_payloads, epoch + 1)`` recomputes the schedule for
+    them (e.g. :func:`weight_transfer.api.plan_against`, which publishes each training rank's
+    part under :func:`plan_key`); then each rank gone and not re-added stops being a member
+    (:func:`drop_member`), each added rank is a member from ``version`` on (:func:`set_member`),
+    :data:`EPOCH_KEY` says the new epoch and ``ctl.n_infer`` grows to cover the highest member.
+
+    ``members``/``payloads``: the current members and their ``{rank: (descriptor, metas)}``;
+    ``gone``: ranks to drop; ``added``: ``{rank: payload}`` of ranks to take (a re-registered
+    member's fresh payload replaces its old one); ``epoch``: the current plan epoch; ``where``:
+    the caller's name for the update in the error (``"version 3"``). Returns the
+    :class:`Change`. Raises ControlError ``"{where}: no inference rank left (gone: [...])"``
+    when no member would be left, before anything is planned or written; whatever ``plan``
+    raises, before any key changes."""
+    new = (members - gone) | set(added)
+    if not new:
+        raise control.ControlError(f"{where}: no inference rank left (gone: {sorted(gone)})")
+    new_payloads = {r: added.get(r) or payloads[r] for r in new}
+    t0 = time.perf_counter()
+    schedule, extra = plan(new_payloads, epoch + 1)
+    seconds = time.perf_counter() - t0
+    dropped = gone - set(added)
+    for r in dropped:
+        drop_member(store, r)
+    for r in added:
+        set_member(store, r, version)
+    store.set(EPOCH_KEY, str(epoch + 1).encode())
+    ctl.n_infer = max(ctl.n_infer, max(new) + 1)
+    return Change(members=new, payloads=new_payloads, schedule=schedule, extra=extra, epoch=epoch + 1,
+                  dropped=dropped, seconds=seconds)

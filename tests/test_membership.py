@@ -154,3 +154,36 @@ def test_c24_an_engine_killed_mid_update_fails_that_update_named_and_the_next_co
     r0.join(30)
     assert r0.exitcode == 0
     tx.close()
+
+
+def test_change_members_keys_epoch_and_the_empty_membership_error():
+    """membership.change_members on its own (the Coordinator's and the fleet's replan share it):
+    the new members and payloads, the plan called with them and the next epoch, member keys
+    dropped/set, plan/epoch, ctl.n_infer grown; no member left: ControlError before any key."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for r in (0, 1):
+        membership.set_member(store, r, 0)
+
+    class Ctl:
+        n_infer = 2
+    ctl, calls = Ctl(), []
+
+    def plan(payloads, epoch):
+        calls.append((dict(payloads), epoch))
+        return "sched", {"commit_ranks": ()}
+    ch = membership.change_members(store, ctl, members={0, 1}, payloads={0: "p0", 1: "p1"}, gone={1},
+                                   added={3: "p3"}, plan=plan, epoch=2, version=7, where="version 7")
+    assert calls == [({0: "p0", 3: "p3"}, 3)]
+    assert (ch.members, ch.payloads, ch.schedule, ch.epoch, ch.dropped) == ({0, 3}, {0: "p0", 3: "p3"}, "sched", 3, {1})
+    assert ch.seconds >= 0 and ctl.n_infer == 4 and store.get(membership.EPOCH_KEY) == b"3"
+    assert [membership.member_since(store, r) for r in (0, 1, 3)] == [0, None, 7]
+    # a member that re-registered (gone and added): its fresh payload, kept a member from the version
+    ch = membership.change_members(store, ctl, members={0, 3}, payloads=ch.payloads, gone={3}, added={3: "q3"},
+                                   plan=plan, epoch=3, version=8, where="version 8")
+    assert ch.payloads == {0: "p0", 3: "q3"} and ch.dropped == set() and membership.member_since(store, 3) == 8
+    with pytest.raises(wt.ControlError, match=r"^update 9: no inference rank left \(gone: \[0, 3\]\)$"):
+        membership.change_members(store, ctl, members={0, 3}, payloads=ch.payloads, gone={0, 3}, added={},
+                                  plan=plan, epoch=4, version=9, where="update 9")
+    assert len(calls) == 2 and store.get(membership.EPOCH_KEY) == b"4" and membership.member_since(store, 0) == 0
