@@ -32,6 +32,18 @@ static inline int differs(const uint8_t *a, const uint8_t *b, int64_t len) {
     return d != 0;
 }
 
+/* Append the run [cs, ce) as starts[*nr], lens[*nr] and add its bytes to *tot; 0, or -1 when
+ * cap runs are already there (nothing written). */
+static inline int emit_run(int64_t *starts, int64_t *lens, int64_t cap, int64_t *nr, int64_t *tot, int64_t cs,
+                           int64_t ce) {
+    if (*nr >= cap) return -1;
+    starts[*nr] = cs;
+    lens[*nr] = ce - cs;
+    *tot += ce - cs;
+    (*nr)++;
+    return 0;
+}
+
 /* Returns the number of runs (<= cap), or -1 when there would be more than cap (then the
  * shadow holds an unspecified mix of old and new bytes: the caller refreshes it whole).
  * *changed: bytes covered by the runs (including merged gaps). */
@@ -60,26 +72,14 @@ int64_t wt_delta_runs(const uint8_t *nw, uint8_t *old, int64_t n, int64_t g, int
             if (cs >= 0 && b - ce <= gap) {
                 ce = e;
             } else {
-                if (cs >= 0) {
-                    if (nr >= cap) return -1;
-                    starts[nr] = cs;
-                    lens[nr] = ce - cs;
-                    tot += ce - cs;
-                    nr++;
-                }
+                if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) return -1;
                 cs = b;
                 ce = e;
             }
         }
         i = lim;
     }
-    if (cs >= 0) {
-        if (nr >= cap) return -1;
-        starts[nr] = cs;
-        lens[nr] = ce - cs;
-        tot += ce - cs;
-        nr++;
-    }
+    if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) return -1;
     *changed = tot;
     return nr;
 }
