@@ -81,6 +81,7 @@ from .ops import (  # noqa: F401  (re-exported: the contract's names stay import
     LeaseRequiredError,
     LeaseTimeoutError,
     PermissionDeniedError,
+    Region,
     RemoteGoneError,
     Segments,
     StaleRegionError,
@@ -98,46 +99,6 @@ __all__ = [
     "Transport", "TransportError", "UnknownRegionError", "WriteHandle", "WriteOp", "check_batch",
     "describe_remote", "LeaseRequiredError", "LeaseTimeoutError", "StaleRegionError",
 ]
-
-
-class Region:
-    """A registered local memory range (the memory region, MR): the tensor (referenced while
-    registered, so its memory is not freed), its address and length in bytes, the back end's
-    native handle (``native``: NIXL's registration list, the verbs MRs, ...) and the descriptor
-    another process needs to write here (built on first :meth:`descriptor` call).
-
-    Built by :meth:`Transport.register` only. ``tensor`` is None once deregistered."""
-
-    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner", "_slot")
-
-    def __init__(self, owner: Transport, tensor: torch.Tensor):
-        self._owner = owner
-        self._tensor: torch.Tensor | None = tensor
-        self.addr: int = tensor.data_ptr()
-        """Start address (bytes, in the owner's address space or device)."""
-        self.length: int = tensor.nbytes
-        """Length in bytes (>= 1)."""
-        self.native = None
-        self._desc: RegionDescriptor | None = None
-        self._slot: int | None = None  # epoch-table slot once published
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        """The registered tensor (None once deregistered)."""
-        return self._tensor
-
-    def descriptor(self) -> RegionDescriptor:
-        """Serializable descriptor another process needs to write here. Raises
-        :class:`TransportError` when the region was deregistered before a descriptor was built."""
-        if self._desc is None:
-            if self._tensor is None:
-                raise TransportError(f"descriptor: {self!r} was deregistered")
-            self._desc = self._owner._describe(self)
-        return self._desc
-
-    def __repr__(self) -> str:
-        live = "" if self._tensor is not None else ", deregistered"
-        return f"Region({self._owner.name}, addr={self.addr:#x}, length={self.length}{live})"
 
 
 class WriteHandle(abc.ABC):

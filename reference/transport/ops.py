@@ -1,23 +1,21 @@
 """What a write is and how a batch of them is checked, once for every back end
 (:mod:`weight_transfer.transport.base` re-exports all of it; split from there to keep each module
-short): the transport errors, :class:`Segments` and :class:`WriteOp`, and :func:`check_batch`,
-which refuses a batch before any byte moves (unknown or stale region, out of bounds, a segment
-outside its local region) and groups the checked ops by the back end's key (:class:`Group`,
-:class:`Batch`).
+short): the transport errors, :class:`Region` (a registered local range), :class:`Segments`
+and :class:`WriteOp`, and :func:`check_batch`, which refuses a batch before any byte moves
+(unknown or stale region, out of bounds, a segment outside its local region) and groups the
+checked ops by the back end's key (:class:`Group`, :class:`Batch`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..types import RegionDescriptor
 
-Region = object
-"""Annotation stand-in for :class:`weight_transfer.transport.base.Region` (a registered local range:
-``address``, ``length``, ``owner``); this module does not import ``base``, which imports it."""
-
 __all__ = [
-    "Batch", "BoundsError", "Group", "PermissionDeniedError", "RemoteGoneError", "Segments", "TransportError",
+    "Batch", "BoundsError", "Group", "PermissionDeniedError", "Region", "RemoteGoneError", "Segments", "TransportError",
     "UnknownRegionError", "WriteOp", "check_batch", "describe_remote", "LeaseRequiredError", "LeaseTimeoutError",
     "StaleRegionError",
 ]
@@ -117,6 +115,48 @@ class Segments:
 
     def __repr__(self) -> str:
         return f"Segments({self.count} segments, {self.nbytes} bytes, local span {self.end})"
+
+
+class Region:
+    """A registered local memory range (the memory region, MR): the tensor (referenced while
+    registered, so its memory is not freed), its address and length in bytes, the back end's
+    native handle (``native``: NIXL's registration list, the verbs MRs, ...) and the descriptor
+    another process needs to write here (built on first :meth:`descriptor` call).
+
+    Built by :meth:`weight_transfer.transport.base.Transport.register` only (``owner``: that
+    transport; not imported here, ``base`` imports this module). ``tensor`` is None once
+    deregistered."""
+
+    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner", "_slot")
+
+    def __init__(self, owner, tensor: torch.Tensor):
+        self._owner = owner
+        self._tensor: torch.Tensor | None = tensor
+        self.addr: int = tensor.data_ptr()
+        """Start address (bytes, in the owner's address space or device)."""
+        self.length: int = tensor.nbytes
+        """Length in bytes (>= 1)."""
+        self.native = None
+        self._desc: RegionDescriptor | None = None
+        self._slot: int | None = None  # epoch-table slot once published
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The registered tensor (None once deregistered)."""
+        return self._tensor
+
+    def descriptor(self) -> RegionDescriptor:
+        """Serializable descriptor another process needs to write here. Raises
+        :class:`TransportError` when the region was deregistered before a descriptor was built."""
+        if self._desc is None:
+            if self._tensor is None:
+                raise TransportError(f"descriptor: {self!r} was deregistered")
+            self._desc = self._owner._describe(self)
+        return self._desc
+
+    def __repr__(self) -> str:
+        live = "" if self._tensor is not None else ", deregistered"
+        return f"Region({self._owner.name}, addr={self.addr:#x}, length={self.length}{live})"
 
 
 @dataclass(frozen=True, slots=True)
