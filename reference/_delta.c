@@ -106,6 +106,18 @@ int64_t wt_scatter(uint8_t *dst, const uint8_t *src, const int64_t *starts, cons
     return tot;
 }
 
+/* A shm write: memcpy piece k from laddr[k] to raddr[k] + delta (delta: this sender's mapping of
+ * the receiver's segment minus the receiver's own address of it), lens[k] bytes. Returns the sum
+ * of lens. The caller checked every piece against its regions. */
+int64_t wt_copy_pieces(int64_t delta, const uint64_t *laddr, const uint64_t *raddr, const uint64_t *lens, int64_t m) {
+    int64_t tot = 0;
+    for (int64_t k = 0; k < m; k++) {
+        memcpy((void *)(uintptr_t)(raddr[k] + (uint64_t)delta), (const void *)(uintptr_t)laddr[k], (size_t)lens[k]);
+        tot += (int64_t)lens[k];
+    }
+    return tot;
+}
+
 #define WT_IOV_MAX 1024
 
 /* Returns the bytes written (all of them: sum of lens), or -errno; then *failed is the index of

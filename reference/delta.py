@@ -89,6 +89,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.wt_check_segments.restype = I
     lib.wt_scatter.argtypes = [P, P, P, P, I]
     lib.wt_scatter.restype = I
+    lib.wt_copy_pieces.argtypes = [I, P, P, P, I]
+    lib.wt_copy_pieces.restype = I
     lib.wt_cma_write.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, P, P, I, P, P]
     lib.wt_cma_write.restype = I
 

@@ -26,6 +26,7 @@ from weight_transfer.transport import (
     make_transport,
     shm,
 )
+from weight_transfer.transport.base import Segments
 from weight_transfer.transport.shm import ShmTransport, allocated_segment
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
@@ -77,6 +78,39 @@ def test_segment_closed_when_its_last_tensor_is_gone():
     gc.collect()
     assert allocated_segment(addr, 1) is None
     assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}").find("weight_transfer") < 0
+
+
+def test_segmented_ops_copied_by_one_c_loop_or_from_python_alike(rx):
+    """The rows of a strided source (an op with Segments: thousands per TP slice) are copied by
+    the native kernel's ``wt_copy_pieces`` in one call, not one ``ctypes.memmove`` per piece;
+    with ``_memcpy`` patched (or no kernel) every piece goes through it. Both land the same
+    bytes, beside a plain op of the same batch."""
+    if shm._pieces_lib() is None:
+        pytest.skip("no C compiler: the native delta kernel is not built here")
+    d = rx.desc["buf"]
+    src = _pattern(256 * 1024, seed=11)
+    v = src.view(512, 512)[:, 128:320]  # 512 rows x 192 bytes, stride 512
+    sg = Segments.strided(v.shape, v.stride(), 1, v.storage_offset())
+    want = bytearray([POISON]) * (1 << 20)
+    want[64:96] = src[:32].numpy().tobytes()
+    want[8192:8192 + sg.nbytes] = v.contiguous().numpy().tobytes()
+    for patched in (False, True):
+        rx.ask("reset")
+        t = ShmTransport()
+        t.connect([d])
+        ls = t.register(src)
+        calls = []
+        real = shm._memcpy
+        if patched:
+            shm._memcpy = lambda *a, calls=calls, real=real: calls.append(a[2]) or real(*a)
+        try:
+            h = t.write([WriteOp(ls, 0, d, 64, 32), WriteOp(ls, 0, d, 8192, sg.nbytes, sg)])
+        finally:
+            shm._memcpy = real
+        assert h.wait() == 32 + sg.nbytes
+        assert calls == ([32] + [192] * 512 if patched else [])
+        assert rx.bytes() == bytes(want)
+        t.close()
 
 
 def test_publishing_an_arbitrary_tensor_is_refused_naming_allocate():
