@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check in one go (issue 18; docs/GPU.md): under 8 minutes on one H200.
+# One GPU check in one go (issue 18; docs/GPU.md): under 10 minutes on one H200.
 #
 #   scripts/gpu_check.sh [--dry-run] [--steps a,b,...] [--results DIR] [--python PY]
 #                        [--wheels DIR] [--site DIR] [--list] [-h|--help]
@@ -21,6 +21,10 @@
 #             (weight-transfer run --device cuda --transport cuda_ipc)
 #   nixl      NIXL over UCX's CUDA transports, VRAM -> VRAM between two processes, verified
 #             (scripts/gpu_nixl_check.py)
+#   vllm_backends  this project's one_sided vLLM weight-transfer backend beside vLLM's own nccl
+#             and ipc backends: the same tiny model, GPU and vLLM calls, every update verified
+#             (scripts/gpu_vllm_backends.py --device cuda); only with a CUDA build of vLLM in
+#             PY, else SKIP with the reason (the lent H200 image has none)
 # Then one table (scripts/gpu_report.py) and RESULTS/*.csv (default results/gpu), written
 # whatever failed; when $OUT is set (the device machine's output folder), the CSVs, the table,
 # device.txt and one log of every step are copied there too. TRITON_INTERPRET is unset.
@@ -33,12 +37,14 @@ set -uo pipefail
 unset TRITON_INTERPRET
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ALL_STEPS="env install tests quant cuda_ipc nixl"
-# time limits (s); their sum, 480 s, bounds the whole run at 8 minutes. Sized from CPU runs here:
+ALL_STEPS="env install tests quant cuda_ipc nixl vllm_backends"
+# time limits (s); their sum, 600 s, bounds the whole run at 10 minutes. Sized from CPU runs here:
 # the cuda_ipc step's job (4 updates, each verified against a CPU oracle in every inference
 # process) took 91 s on a loaded 2-core VM with all 5 processes on 2 cores; the tests step
-# runs 2 small trials of its own besides the transport and kernel tests.
-declare -A LIMIT=([env]=20 [install]=60 [tests]=150 [quant]=75 [cuda_ipc]=110 [nixl]=65)
+# runs 2 small trials of its own besides the transport and kernel tests; vllm_backends (a few
+# seconds when it skips) took 57 s here for one backend on the CPU (vLLM import, the fresh engines,
+# one engine start); on a GPU each backend is one engine start more.
+declare -A LIMIT=([env]=20 [install]=60 [tests]=150 [quant]=75 [cuda_ipc]=110 [nixl]=65 [vllm_backends]=120)
 
 PY="${PYTHON:-python3}"
 RESULTS="$ROOT/results/gpu"
@@ -120,6 +126,7 @@ step() {
   case $rc in
     0) status=PASS ;;
     124|137) status=TIMEOUT ;;
+    77) status=SKIP ;;  # the step said why it cannot run here (its log's last line)
     *) status=FAIL ;;
   esac
   record "$name" "$status" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}')" "$rc" "$log" "$cmd"
@@ -171,6 +178,16 @@ QUANT_CMD="rm -f '$RESULTS/quant_bench.csv'; $PY $BENCH_QUANT --device cuda --re
 CUDA_IPC_CMD="rm -f '$RESULTS/main_cuda_ipc.csv'; $PY -m weight_transfer.experiments run --device cuda --transport cuda_ipc \
 --steps 3 --warmup 1 --timeout 60 --results '$RESULTS/main_cuda_ipc.csv'"
 NIXL_CMD="rm -f '$RESULTS/nixl_cuda.csv'; $PY scripts/gpu_nixl_check.py --out '$RESULTS/nixl_cuda.csv'"
+# vLLM's backends beside ours: only where PY has a CUDA build of vLLM (exit 77 = SKIP, the reason
+# as the log's last line). The H200 image has no vLLM, and a CUDA vLLM wheel (~400 MB) is over the
+# 64 MiB a device call carries, so there this step skips until an image brings one.
+VLLM_PROBE="$PY -c 'import vllm, sys, torch; from vllm.platforms import current_platform as p; \
+print(\"vllm\", vllm.__version__, type(p).__name__, \"cuda\", torch.cuda.is_available()); \
+sys.exit(0 if p.is_cuda() and torch.cuda.is_available() else 3)'"
+VLLM_BACKENDS_CMD="rm -f '$RESULTS/vllm_backends.csv'; probe=\$($VLLM_PROBE 2>&1); \
+if [ \$? -ne 0 ]; then echo \"skipped: no CUDA vLLM in $PY (\$(echo \"\$probe\" | tail -n 1)); \
+the H200 image has none; a vLLM wheel (~400 MB) > the 64 MiB a device call carries\"; exit 77; fi; echo \"\$probe\"; \
+$PY scripts/gpu_vllm_backends.py --device cuda --updates 3 --timeout 60 --out '$RESULTS/vllm_backends.csv'"
 
 step env "$ENV_CMD"
 step install "$INSTALL_CMD"
@@ -180,6 +197,7 @@ step tests "$TESTS_CMD"
 step quant "$QUANT_CMD"
 step cuda_ipc "$CUDA_IPC_CMD"
 step nixl "$NIXL_CMD"
+step vllm_backends "$VLLM_BACKENDS_CMD"
 
 echo
 "$PY" "$ROOT/scripts/gpu_report.py" "$STEPS_TSV" "$RESULTS" | tee "$RESULTS/table.txt"
@@ -187,8 +205,11 @@ rc=${PIPESTATUS[0]}
 
 if [ -n "${OUT:-}" ] && [ "$DRY" = 0 ]; then
   # at most 8 files come back from $OUT: the CSVs (summary, gpu_tests, quant_bench,
-  # main_cuda_ipc, nixl_cuda), the table, device.txt and one log of every step
-  mkdir -p "$OUT" && cp "$RESULTS"/*.csv "$RESULTS/table.txt" "$OUT/" 2>/dev/null
+  # main_cuda_ipc, nixl_cuda), the table, device.txt and one log of every step; vllm_backends.csv
+  # would be a ninth: its rows are in that log (gpu_vllm_backends.py prints every row and its table)
+  mkdir -p "$OUT" && for f in "$RESULTS"/*.csv "$RESULTS/table.txt"; do
+    case "$f" in */vllm_backends.csv) ;; *) [ -f "$f" ] && cp "$f" "$OUT/" ;; esac
+  done
   [ -f "$RESULTS/device.txt" ] && cp "$RESULTS/device.txt" "$OUT/"
   for f in "$RESULTS"/logs/*.log; do [ -f "$f" ] && { echo "==== $f"; cat "$f"; }; done >"$OUT/gpu_check.log"
 fi

@@ -6,8 +6,9 @@
 ``STEPS_TSV``: one line per step, written by gpu_check.sh: ``name<TAB>status<TAB>seconds<TAB>
 exit code<TAB>log file<TAB>command``; status is PASS, FAIL, TIMEOUT or SKIP. Each step's
 headline figure is read from the CSV it wrote in ``RESULTS_DIR`` (the FP8 quantizers' share of
-the same-run device copy, the main job's p50 GB/s, NIXL's GB/s beside the copy), or, for a step
-that did not pass, from the last line of its log. Writes ``RESULTS_DIR/summary.csv`` (one row
+the same-run device copy, the main job's p50 GB/s, NIXL's GB/s beside the copy, each vLLM
+weight-transfer backend's p50 GB/s), or, for a step that did not pass, from the last line of
+its log (a step that skipped itself, exit 77, says why there; a dry run's: its command). Writes ``RESULTS_DIR/summary.csv`` (one row
 per step, the device named) and prints the table. Exit status 0 when no step FAILED or TIMED
 OUT, 1 otherwise, 2 on bad arguments. Needs only the standard library (runs before anything
 is installed).
@@ -108,6 +109,24 @@ def nixl_headline(results: Path) -> str:
     return "; ".join(parts)
 
 
+def vllm_backends_headline(results: Path) -> str:
+    """``one_sided p50 0.52 GB/s 3/3 verified; ipc ...; nccl skipped: ...`` from vllm_backends.csv
+    (scripts/gpu_vllm_backends.py: one row per update, or one ``skipped:`` / ``error:`` row)."""
+    rows = _rows(results / "vllm_backends.csv")
+    parts = []
+    for b in dict.fromkeys(r["backend"] for r in rows):
+        rs = [r for r in rows if r["backend"] == b]
+        timed = [r for r in rs if r.get("gbps")]
+        other = next((r["status"] for r in rs if r["status"] != "ok"), "")
+        if not timed:
+            parts.append(f"{b} {other[:70]}")
+            continue
+        ok = sum(r["verified"] in ("True", "true", "1") for r in timed)
+        parts.append(f"{b} p50 {statistics.median(float(r['gbps']) for r in timed):.2f} GB/s "
+                     f"{ok}/{len(timed)} verified{'; ' + other[:60] if other else ''}")
+    return "; ".join(parts)
+
+
 TEST_FIELDS = ["test", "outcome", "seconds", "message"]
 
 
@@ -173,6 +192,7 @@ HEADLINES = {
     "quant": quant_headline,
     "cuda_ipc": lambda d: trial_headline(d, "main_cuda_ipc.csv"),
     "nixl": nixl_headline,
+    "vllm_backends": vllm_backends_headline,
 }
 
 
@@ -191,6 +211,8 @@ def summarize(steps: list[dict], results: Path) -> list[dict]:
             head = HEADLINES[s["step"]](results)
         if not head and s["status"] != "SKIP":
             head = _last_line(s["log"])
+        if s["status"] == "SKIP" and not head:  # a step that skipped itself says why last; a dry run has no log
+            head = _last_line(s["log"])
         if s["status"] == "SKIP" and not head:
             head = s["command"] if len(s["command"]) <= 100 else s["command"][:97] + "..."
         out.append({**s, "headline": head, "device": dev})
@@ -200,10 +222,10 @@ def summarize(steps: list[dict], results: Path) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     dev = rows[0]["device"] if rows else "unknown"
     lines = [f"# GPU check (scripts/gpu_check.sh) on {dev}",
-             f"{'step':<10} {'status':<8} {'time':>7}  headline",
-             f"{'':<10} {'':<8} {'(s)':>7}"]
+             f"{'step':<13} {'status':<8} {'time':>7}  headline",
+             f"{'':<13} {'':<8} {'(s)':>7}"]
     for r in rows:
-        lines.append(f"{r['step']:<10} {r['status']:<8} {r['seconds']:>7.1f}  {r['headline']}")
+        lines.append(f"{r['step']:<13} {r['status']:<8} {r['seconds']:>7.1f}  {r['headline']}")
     bad = [r["step"] for r in rows if r["status"] in ("FAIL", "TIMEOUT")]
     lines.append(f"# {sum(r['status'] == 'PASS' for r in rows)} passed, {len(bad)} failed"
                  f"{' (' + ', '.join(bad) + ')' if bad else ''}, "

@@ -16,7 +16,7 @@ from tests.helpers import ROOT
 
 CHECK = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
-STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl"]
+STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl", "vllm_backends"]
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_report  # noqa: E402
@@ -42,7 +42,8 @@ def test_list_steps_and_time_budget():
     assert r.returncode == 0
     rows = [l.split() for l in r.stdout.splitlines()]
     assert [n for n, _ in rows] == STEPS
-    assert sum(int(t) for _, t in rows) <= 8 * 60  # the whole check within 8 minutes
+    assert sum(int(t) for _, t in rows) <= 10 * 60  # the whole check within 10 minutes
+    assert dict((n, int(t)) for n, t in rows)["vllm_backends"] <= 120  # a modest limit for the newest step
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -66,7 +67,7 @@ def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
     assert r.returncode == 0, r.stderr
     for s in STEPS:
         assert f"[dry-run] {s} (limit" in r.stdout
-    assert "0 passed, 0 failed, 6 skipped" in r.stdout
+    assert "0 passed, 0 failed, 7 skipped" in r.stdout
     with open(out / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [x["step"] for x in rows] == STEPS and {x["status"] for x in rows} == {"SKIP"}
@@ -76,6 +77,10 @@ def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
     assert "still missing after the install" in r.stdout  # the install is checked, not trusted
     assert "run --device cuda --transport cuda_ipc" in r.stdout and "--timeout 60" in r.stdout
     assert "bench-quant --device cuda" in r.stdout
+    # vLLM's backends beside ours: only with a CUDA vLLM, else a SKIP saying why (exit 77)
+    vb = next(l for l in r.stdout.splitlines() if l.startswith("[dry-run] vllm_backends (limit"))
+    assert "scripts/gpu_vllm_backends.py --device cuda" in vb and "p.is_cuda()" in vb
+    assert "skipped: no CUDA vLLM in" in vb and "exit 77" in vb
     # the tests step: only files with GPU-marked tests, and a skipped GPU test fails it
     tests_cmd = next(l for l in r.stdout.splitlines() if l.startswith("[dry-run] tests"))
     files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
@@ -126,6 +131,24 @@ def test_gpu_steps_fail_loudly_without_a_gpu(tmp_path):
     assert all(l.startswith("TRITON_INTERPRET=unset ") for l in lines), lines
     assert sum(l.startswith(f"TRITON_INTERPRET=unset PYTHONPATH={ROOT}") for l in lines) >= 3, lines
     assert not (res / "main_cuda_ipc.csv").exists() and not (res / "quant_bench.csv").exists()
+
+
+def test_vllm_backends_step_skips_without_a_cuda_vllm(tmp_path):
+    """Not a dry run: the vllm_backends step runs here for real with a python whose ``import
+    vllm`` fails (a stand-in module first on PYTHONPATH; fast). It is a SKIP, not a pass or a
+    failure: the table's headline gives the reason, the script never started, exit status 0."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "vllm.py").write_text('raise ImportError("no vllm in this python (test)")\n')
+    res = tmp_path / "res"
+    r = sh(CHECK, "--steps", "vllm_backends", "--results", res, env={"PYTHONPATH": str(fake)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(res / "summary.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["step"], row["status"], row["exit_code"]) == ("vllm_backends", "SKIP", "77")
+    assert row["headline"].startswith("skipped: no CUDA vLLM in ") and "no vllm in this python (test)" in row["headline"]
+    assert "the H200 image has none" in row["headline"]
+    assert not (res / "vllm_backends.csv").exists()
 
 
 def test_env_step_really_runs_and_reports(tmp_path):
@@ -186,6 +209,24 @@ def test_report_reads_each_steps_csv(tmp_path):
     assert gpu_report.main([str(steps), str(tmp_path)]) == 1
     with open(tmp_path / "summary.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["PASS", "FAIL", "PASS", "PASS", "TIMEOUT", "SKIP"]
+
+
+def test_report_vllm_backends_headline(tmp_path):
+    rows = [{"backend": "one_sided", "update": u, "status": "ok", "verified": True, "gbps": g}
+            for u, g in ((1, 0.5), (2, 0.25), (3, 1.0))]
+    rows += [{"backend": "ipc", "update": 1, "status": "ok", "verified": True, "gbps": 2.0},
+             {"backend": "ipc", "update": 2, "status": "NOT VERIFIED", "verified": False, "gbps": 4.0},
+             {"backend": "nccl", "update": "", "status": "skipped: NCCL refuses two ranks on one GPU", "verified": "",
+              "gbps": ""}]
+    _write(tmp_path / "vllm_backends.csv", rows)
+    head = gpu_report.vllm_backends_headline(tmp_path)
+    assert head == ("one_sided p50 0.50 GB/s 3/3 verified; ipc p50 3.00 GB/s 1/2 verified; NOT VERIFIED; "
+                    "nccl skipped: NCCL refuses two ranks on one GPU")
+    steps = tmp_path / "steps.tsv"
+    steps.write_text("vllm_backends\tPASS\t50.0\t0\t\tcmd\n")
+    (row,) = gpu_report.summarize(gpu_report.read_steps(steps), tmp_path)
+    assert row["headline"] == head
+    assert gpu_report.format_table([row]).splitlines()[3].startswith("vllm_backends PASS ")
 
 
 def test_report_refuses_malformed_steps(tmp_path, capsys):
