@@ -106,15 +106,57 @@ int64_t wt_scatter(uint8_t *dst, const uint8_t *src, const int64_t *starts, cons
     return tot;
 }
 
-/* A shm write: memcpy piece k from laddr[k] to raddr[k] + delta (delta: this sender's mapping of
- * the receiver's segment minus the receiver's own address of it), lens[k] bytes. Returns the sum
- * of lens. The caller checked every piece against its regions. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* Copy n bytes with non-temporal (streaming) stores: the destination's cache lines are written
+ * without being read first (no read-for-ownership). glibc's memcpy streams only above a
+ * threshold of about three quarters of the last-level cache (hundreds of MB on a server), so a
+ * piece of a weight update (a row segment, a fused band, a tensor) is copied with regular
+ * stores: measured on the 2-core dev VM, 256 MiB in pieces of 768 B - 16 MiB, memcpy 4.8-5.3
+ * GB/s against 7.0-8.1 GB/s streamed. Ordered before later stores by the sfence in
+ * wt_copy_pieces. */
+static void copy_nt(uint8_t *d, const uint8_t *s, size_t n) {
+    size_t h = (16 - ((uintptr_t)d & 15)) & 15;
+    if (h > n) h = n;
+    memcpy(d, s, h);
+    d += h, s += h, n -= h;
+    size_t k = n / 64;
+    for (size_t i = 0; i < k; i++, s += 64, d += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n - k * 64);
+}
+#define WT_NT_MIN 256 /* pieces shorter than this: plain memcpy (a streamed head and tail cost more) */
+#endif
+
+/* A shm write: copy piece k from laddr[k] to raddr[k] + delta (delta: this sender's mapping of
+ * the receiver's segment minus the receiver's own address of it), lens[k] bytes; streamed
+ * (copy_nt) from WT_NT_MIN bytes on x86-64, then one store fence so that every byte is globally
+ * visible before the caller publishes the version. Returns the sum of lens. The caller checked
+ * every piece against its regions. */
 int64_t wt_copy_pieces(int64_t delta, const uint64_t *laddr, const uint64_t *raddr, const uint64_t *lens, int64_t m) {
     int64_t tot = 0;
     for (int64_t k = 0; k < m; k++) {
-        memcpy((void *)(uintptr_t)(raddr[k] + (uint64_t)delta), (const void *)(uintptr_t)laddr[k], (size_t)lens[k]);
+        uint8_t *d = (uint8_t *)(uintptr_t)(raddr[k] + (uint64_t)delta);
+        const uint8_t *s = (const uint8_t *)(uintptr_t)laddr[k];
+#if defined(__SSE2__)
+        if (lens[k] >= WT_NT_MIN) {
+            copy_nt(d, s, (size_t)lens[k]);
+            tot += (int64_t)lens[k];
+            continue;
+        }
+#endif
+        memcpy(d, s, (size_t)lens[k]);
         tot += (int64_t)lens[k];
     }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
     return tot;
 }
 

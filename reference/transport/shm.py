@@ -304,12 +304,15 @@ class ShmTransport(Transport):
         """Check that every receiving process is alive, then ``memcpy`` every op into this
         sender's mapping of its region. Returns a completed handle with the bytes written.
 
-        Ops with :class:`~.ops.Segments` (the rows of a strided TP slice: thousands of pieces
-        per write) come as arrays (``segment_arrays``) and are copied by one C loop
-        (``wt_copy_pieces`` of the native delta kernel, ``reference/_delta.c``; ctypes releases
-        the GIL for the call): one ``ctypes.memmove`` per piece from Python costs ~1 us, about
-        the time a 4 KiB piece takes to copy, and the BF16 default has ~200k pieces per sender
-        per update. Without the kernel (no C compiler) the pieces are copied from Python."""
+        With the native delta kernel (``reference/_delta.c``; ctypes releases the GIL for the
+        call) every piece of a group is copied by one C loop, ``wt_copy_pieces``: streaming
+        stores from 256 B (no read-for-ownership of the receiver's lines; glibc's memcpy streams
+        only above ~3/4 of the last-level cache) and one store fence at the end. Ops with
+        :class:`~.ops.Segments` (the rows of a strided TP slice: ~200k pieces per sender per
+        update on the BF16 default) reach it as arrays (``segment_arrays``), with no Python per
+        piece; one ``ctypes.memmove`` per piece from Python costs ~1 us, the time a 4 KiB piece
+        takes to copy. Without the kernel (no C compiler) every piece is copied from Python.
+        """
         for pid in {g.remote.pid for g in batch.groups.values()}:
             self._check_alive(pid)
         done = 0
@@ -317,7 +320,7 @@ class ShmTransport(Transport):
         lib = _pieces_lib()
         for key, g in batch.groups.items():
             delta = self._dst[key] - g.remote.addr
-            if g.chunks and lib is not None:
+            if lib is not None:
                 _, la, ra, ln = g.arrays()
                 done += lib.wt_copy_pieces(delta, la.ctypes.data, ra.ctypes.data, ln.ctypes.data, len(ln))
                 continue
