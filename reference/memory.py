@@ -193,7 +193,15 @@ class _Slot:
 
 
 def _local(p) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+    """The rank's local shard of ``p`` (``p`` itself for a plain tensor). Under ``no_grad``:
+    :meth:`DTensor.to_local` with autograd on goes through an autograd Function (~80 us a call;
+    the write thread, where :meth:`RegisteredMemory.ops` checks every shard's storage each
+    update, does not inherit the prepare thread's ``no_grad``), without it returns the local
+    tensor itself."""
+    if not isinstance(p, DTensor):
+        return p
+    with torch.no_grad():
+        return p.to_local()
 
 
 def direct_runs(recipe, get) -> list[tuple[torch.Tensor, int, int, int]] | None:
