@@ -6,7 +6,7 @@ backends: the same model, the same device, the same vLLM calls, one table (issue
                                         [--workdir DIR] [--dry-run]
 
 For each backend: an unmodified ``vllm.LLM`` started from step 0 of the tiny Qwen3 checkpoint the
-vLLM tests use (``WORLDS["no_amx"]`` of tests/engines/vllm/test_backend.py, written by
+vLLM tests use (:data:`weight_transfer.testing.tiny.TINY_QWEN3`, written by
 :func:`weight_transfer.engines.vllm.write_checkpoint`) with ``weight_transfer_config={"backend":
 b}``; one trainer in this process on the same device whose tensors hold step ``u``'s weights
 before update ``u`` (the seeded synthetic checkpoint of that step, copied in place); every update
@@ -45,7 +45,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("one_sided", "nccl", "ipc")
 """Backends this script knows how to drive (trainer init info per backend: :func:`trainer_init`)."""
 ONE_SIDED_DEVICES = ("cpu",)
@@ -113,19 +112,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model():
-    """``(catalog name, overrides)`` of the tiny Qwen3 the vLLM tests use (not a copy: imported)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.engines.vllm.test_backend import WORLDS
+    """``(catalog name, overrides: a fresh dict)`` of the tiny Qwen3 the vLLM tests use
+    (:data:`weight_transfer.testing.tiny.TINY_QWEN3`, the definition they import too)."""
+    from weight_transfer.testing.tiny import TINY_QWEN3
 
-    name, overrides, _hide_amx = WORLDS["no_amx"]
+    name, overrides = TINY_QWEN3
     return name, dict(overrides)
 
 
 def describe_model() -> str:
     name, ov = model()
     return (f"tiny Qwen3 ({name} architecture, " + ", ".join(f"{k}={v}" for k, v in ov.items())
-            + "; WORLDS['no_amx'] of tests/engines/vllm/test_backend.py), bf16")
+            + "; TINY_QWEN3 of weight_transfer.testing.tiny), bf16")
 
 
 def static_skip(backend: str, device: str) -> str | None:

@@ -18,13 +18,14 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.helpers.processes import kill_session, tagged, wait_none_left
+from weight_transfer.testing import tiny
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-TINY_QWEN3 = ["--model", "qwen3-0.6b", "--quant", "none", "--tp", "1", "--n-train", "2",
-              "--override", "num_hidden_layers=2", "--override", "hidden_size=256", "--override", "intermediate_size=512",
-              "--override", "num_attention_heads=4", "--override", "num_key_value_heads=2", "--override", "head_dim=64",
-              "--override", "vocab_size=1024"]
+TINY_QWEN3 = ["--model", tiny.TINY_QWEN3[0], "--quant", "none", "--tp", "1", "--n-train", "2",
+              *tiny.override_args(tiny.TINY_QWEN3[1])]
+"""The tiny dense Qwen3 of the vLLM tests (:data:`weight_transfer.testing.tiny.TINY_QWEN3`) as
+``weight-transfer run`` arguments."""
 
 
 @pytest.fixture()

@@ -32,7 +32,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
     text = r.stdout
     assert "backends: one_sided, nccl, ipc" in text and "device:   cuda" in text
     assert "updates:  4 per backend" in text and f"output:   {out}" in text
-    assert "tiny Qwen3 (qwen3-0.6b architecture, num_hidden_layers=2" in text and "WORLDS['no_amx']" in text
+    assert "tiny Qwen3 (qwen3-0.6b architecture, num_hidden_layers=2" in text and "TINY_QWEN3 of weight_transfer.testing.tiny" in text
     # what cannot run is said already: on cuda the one_sided worker registers host memory only
     assert "one_sided: would be skipped: the one_sided worker engine registers host memory only" in text
     assert not out.exists() and not out.parent.exists()

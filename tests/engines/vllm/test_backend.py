@@ -32,14 +32,11 @@ import time
 
 import pytest
 
+from weight_transfer.testing.tiny import TINY_QWEN3, TINY_QWEN3_MOE
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-_MOE = ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
-                              intermediate_size=512))
-_DENSE = ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=64, vocab_size=1024))
-WORLDS = {"host_path": (*_MOE, False), "no_amx": (*_DENSE, True)}
+WORLDS = {"host_path": (*TINY_QWEN3_MOE, False), "no_amx": (*TINY_QWEN3, True)}
 """world -> (catalog model, overrides, hide AMX from vLLM's workers)."""
 STEPS = (1, 2, 3)
 """Checkpoint step of updates 1, 2, 3 (version v carries step v's weights)."""

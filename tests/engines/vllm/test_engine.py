@@ -31,20 +31,17 @@ import os
 
 import pytest
 
+from weight_transfer.testing.tiny import TINY_QWEN3, TINY_QWEN3_MOE
+
 # skipped without vllm, with the reason (tests/conftest.py); the first test of a model includes
 # two engine starts (35-150 s each here, much more on a loaded machine)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-_MOE = ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=128,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
-                              intermediate_size=512))
-_DENSE = ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=64, vocab_size=1024))
 MODELS = {
     # key: (catalog model, overrides, hide AMX from vLLM's workers, VllmEngine targets)
-    "qwen3_moe": (*_MOE, False, "auto"),
-    "qwen3": (*_DENSE, True, "auto"),
-    "qwen3_moe_staged": (*_MOE, False, "staged"),
+    "qwen3_moe": (*TINY_QWEN3_MOE, False, "auto"),
+    "qwen3": (*TINY_QWEN3, True, "auto"),
+    "qwen3_moe_staged": (*TINY_QWEN3_MOE, False, "staged"),
 }
 _FRESH: dict = {}
 """(model, overrides, hide_amx) -> the fresh step-1 engine's snapshot (one engine per host path)."""
