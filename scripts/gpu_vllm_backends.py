@@ -371,6 +371,12 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    try:
+        import weight_transfer  # noqa: F401
+    except ImportError as e:  # a python without the project: one line, before anything starts
+        print(f"error: {sys.executable} cannot import weight_transfer ({e}); run this script with a python that "
+              "has the project installed (.venv/bin/python after make setup, or pip install -e .)", file=sys.stderr)
+        return 2
     if a.dry_run:
         print(plan_text(a))
         return 0

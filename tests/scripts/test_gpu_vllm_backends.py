@@ -61,6 +61,18 @@ def test_bad_arguments_one_error_line_exit_2(args, msg):
     assert "dry-run" not in r.stdout
 
 
+def test_a_python_without_the_project_one_error_line_exit_2():
+    """``python -S`` (no site-packages: no weight_transfer) on the dry run: one ``error:`` line
+    naming the python and what to use, exit 2, no traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-S", str(SCRIPT), "--dry-run"], capture_output=True, text=True,
+                       cwd="/", env=env, timeout=60)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "cannot import weight_transfer" in err[0], p.stderr
+    assert "Traceback" not in p.stderr and not p.stdout
+
+
 @pytest.mark.long   # starts vLLM (one live engine + the fresh engines' process): about a minute here
 @pytest.mark.vllm
 def test_cpu_one_sided_really_runs_every_update_verified(tmp_path):
