@@ -320,16 +320,11 @@ class ShmTransport(Transport):
         lib = _pieces_lib()
         for key, g in batch.groups.items():
             delta = self._dst[key] - g.remote.addr
+            _, la, ra, ln = g.arrays()
             if lib is not None:
-                _, la, ra, ln = g.arrays()
                 done += lib.wt_copy_pieces(delta, la.ctypes.data, ra.ctypes.data, ln.ctypes.data, len(ln))
                 continue
-            if g.chunks:
-                _, la, ra, ln = g.arrays()
-                pieces = zip(la.tolist(), ra.tolist(), ln.tolist())
-            else:
-                pieces = zip(g.laddr, g.raddr, g.lens)
-            for la_, ra_, n in pieces:
+            for la_, ra_, n in zip(la.tolist(), ra.tolist(), ln.tolist()):
                 cp(ra_ + delta, la_, n)
                 done += n
         return CompletedWrite(done)
