@@ -57,7 +57,12 @@ from .heartbeat import Heartbeat, HeartbeatMonitor  # noqa: F401 -- part of this
 
 
 class ControlError(RuntimeError):
-    """A rank failed, died or did not answer in time; the message names role, rank and cause."""
+    """A rank failed, died or did not answer in time; the message names role, rank and cause.
+    ``culprit``: the one-line "role rank: cause" a wait found (:func:`wait_keys` with
+    ``failure``), without the wait's own prefix; None when the error names no culprit (a
+    timeout, an abort, a stall)."""
+
+    culprit: str | None = None
 
 
 class VersionError(ControlError):
@@ -118,7 +123,9 @@ def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: 
             return
         culprit = failure() if failure is not None else None
         if culprit:
-            raise ControlError(f"{what}: {culprit}")
+            err = ControlError(f"{what}: {culprit}")
+            err.culprit = culprit
+            raise err
         aborted = store.check(["abort"])
         dead = {r: why for r, why in liveness().items() if r in keys} if liveness is not None else {}
         if expired or aborted or dead:
@@ -443,7 +450,9 @@ class Controller:
                     f"{'commit failed: ' if isinstance(r, tuple) and r[0] == 'commit' else ''}{e}"
                     for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
         except BaseException as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            # the culprit, however it was found: by the wait while ranks were still writing
+            # (``step/{step}/failed``) or from the results once every rank had reported
+            first = getattr(e, "culprit", None) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
             self.mark_incomplete(step, first)
             if isinstance(e, ControlError):
                 raise ControlError(f"step {step}: update failed, weights marked incomplete: {first}") from e

@@ -130,6 +130,26 @@ def test_c15_reported_failure_ends_the_wait_at_once(store):
     assert time.monotonic() - t < 2.0
 
 
+def test_c14_published_reason_is_the_culprit_whichever_wait_found_it(store):
+    """The reason published with ``incomplete`` is the culprit ("training 1: ..."), the same
+    whether the failure was seen while another rank was still writing (the wait finds
+    ``step/N/failed``) or after every rank had reported (the results): it never depends on
+    which poll won the race (CI on a no-AMX host saw ``step 4 transfer: training 0: ...``)."""
+    ctl = control.Controller(store, n_train=2, n_infer=1, timeout=30.0)
+    t0, t1 = control.TrainerClient(client(store), 0), control.TrainerClient(client(store), 1)
+    inf = control.InferenceClient(client(store), 0)
+    reasons = []
+    for step, report in ((1, lambda s: t1.done(s, ok=False, error="RuntimeError: boom")),   # rank 0 still writing
+                         (2, lambda s: (t0.done(s, ok=True), t1.done(s, ok=False, error="RuntimeError: boom")))):
+        threading.Timer(0.05, report, args=(step,)).start()
+        with pytest.raises(control.ControlError, match=f"step {step}: update failed, weights marked incomplete: "
+                                                       "training 1: RuntimeError: boom"):
+            ctl.transfer(step)
+        assert inf.state().state == "incomplete"
+        reasons.append(store.get("weights/reason").decode())
+    assert reasons == ["training 1: RuntimeError: boom"] * 2
+
+
 def test_c15_dead_inference_rank_named_during_transfer(store):
     """A dead inference process ends a passive method's transfer at once, named as
     ``inference i``, ahead of the trainers' echo of it."""
