@@ -112,7 +112,7 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",
         f"# training: {cfg.train.n_train} rank(s), {train_layout_text(cfg)}, {cfg.train.dtype}",
         f"# inference: {cfg.n_infer} rank(s), {cfg.inference.describe()} ({cfg.inference.quant or cfg.inference.dtype}); "
-        f"reference transport: {cfg.transfer.transport.name}",
+        f"reference transport: {cfg.transport}",
         f"# updates per method: {cfg.run.warmup} warmup + {cfg.run.steps} measured, every one verified",
     ]
     for m, r in runs:

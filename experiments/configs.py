@@ -5,7 +5,8 @@ named after the model and the hardware it is sized for.
     weight-transfer sweep --list                         # what is here
     weight-transfer sweep qwen3_cpu_small --cluster local # run one (docs/SWEEPS.md)
 
-``cpu`` configs are sized for a 2-core development box (CMA transport, every rank a process);
+``cpu`` configs are sized for a 2-core development box (the ``auto`` transport: shared memory into
+the stand-in engine's arenas, cross-memory attach into vLLM's tensors; every rank a process);
 ``h100`` configs are for a SLURM cluster with one GPU per rank (``--cluster slurm``). Model
 variants keep the published architecture and shrink it with overrides (fewer layers, experts,
 a smaller vocabulary) so one trial takes seconds, not minutes.

@@ -41,7 +41,7 @@ def small_config(**kw):
     from .config import TrialConfig
 
     base = dict(model="qwen3-0.6b", overrides={"num_hidden_layers": 2, "vocab_size": 8192}, n_train=2, tp=2,
-                steps=3, warmup=0, timeout=180.0)
+                steps=3, warmup=0, timeout=180.0, transport="cma")
     base.update(kw)
     return TrialConfig.from_flat(**base)
 

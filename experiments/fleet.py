@@ -254,9 +254,9 @@ def check_fleet(cfg) -> None:
         raise ValueError(f"{opts} with --engine {run.engine}: wired for the stand-in engine")
     if inf.ep:
         raise ValueError(f"{opts} with --ep: an engine's experts live on its ranks only; use --dp replicas")
-    if run.device != "cpu" or cfg.transfer.transport.name != "cma":
+    if run.device != "cpu" or cfg.transport != "cma":
         raise ValueError(f"{opts}: wired for --device cpu --transport cma (got {run.device}, "
-                         f"{cfg.transfer.transport.name})")
+                         f"{cfg.transport})")
     plan_fleet(cfg.fleet, run.warmup + run.steps, inf.dp)
 
 
@@ -468,7 +468,7 @@ class FleetDriver:
         ch = membership.change_members(
             self.store, self.ctl, members=self.members, payloads=self._payloads, gone=gone, added=added,
             plan=lambda payloads, epoch: plan_against(self.store, model_config, self.cfg.inference, self._train_metas,
-                                                      payloads, self.cfg.transfer, epoch=epoch),
+                                                      payloads, self.cfg.resolved_transfer, epoch=epoch),
             epoch=self.epoch, version=step, where=f"update {step}")
         self.epoch, self.schedule, self.members, self._payloads = ch.epoch, ch.schedule, ch.members, ch.payloads
         self.lost -= set(added) | gone

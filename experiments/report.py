@@ -58,7 +58,7 @@ def format_table(result) -> str:
     cfg, env, rows = result.cfg, result.env, result.rows
     mcfg = cfg.model_config()
     lines = [
-        f"# weight-transfer trial: method={cfg.run.method} transport={cfg.transfer.transport.name}"
+        f"# weight-transfer trial: method={cfg.run.method} transport={cfg.transport}"
         + (f" device={cfg.run.device}" if cfg.run.device != "cpu" else ""),
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
         f"# model: {mcfg.label} ({mcfg.architecture}; source {mcfg.source})",

@@ -293,7 +293,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         t0 = time.perf_counter()
         mcfg = cfg.model_config()
         ctl_cls, _, infer_cls = get_method(cfg.run.method)
-        cctx = ControllerContext(store=store, transfer=cfg.transfer, method_options=cfg.baseline, model_config=mcfg,
+        cctx = ControllerContext(store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline, model_config=mcfg,
                                  layout=cfg.inference, train_metas=train_metas, infer_payloads=infer)
         summary = ctl_cls().setup(cctx)
         driver = None
@@ -344,7 +344,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                             "host": env["host"], "method": cfg.run.method, "model": mcfg.label,
                             "dtype": cfg.inference.quant or "bfloat16", "train_dtype": cfg.train.dtype,
                             "n_train": cfg.train.n_train, "layout": cfg.inference.describe(),
-                            "transport": cfg.transfer.transport.name, "device": cfg.run.device, "engine": cfg.run.engine,
+                            "transport": cfg.transport, "device": cfg.run.device, "engine": cfg.run.engine,
                             "warmup": step <= cfg.run.warmup, "plan_seconds": plan_s}, lost=lost)
                         rows.append(row)
                         if progress:
@@ -369,7 +369,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "host": env["host"], "method": cfg.run.method, "model": mcfg.label, "dtype": cfg.inference.quant or "bfloat16",
                 "train_dtype": cfg.train.dtype, "n_train": cfg.train.n_train, "n_infer": cfg.n_infer,
-                "layout": cfg.inference.describe(), "watermark": cfg.transfer.executor.watermark, "transport": cfg.transfer.transport.name,
+                "layout": cfg.inference.describe(), "watermark": cfg.transfer.executor.watermark, "transport": cfg.transport,
                 "device": cfg.run.device, "engine": cfg.run.engine, "step": step,
                 "warmup": step <= cfg.run.warmup, "bytes": _update_bytes(stats), "seconds": seconds,
                 # bytes actually written (less than ``bytes`` with --delta; equal without it)

@@ -267,7 +267,7 @@ def _init_backend(engine, cfg, instance: int, addr: tuple[str, int], store, rank
     client = LLMClient(engine.llm, reset_prefix_cache=False)  # the harness resets after publishing
     client.init_weight_transfer_engine({
         "store_host": addr[0], "store_port": int(addr[1]), "first_rank": instance * cfg.inference.tp,
-        "targets": cfg.run.vllm_targets, "transport": cfg.transfer.transport.name,
+        "targets": cfg.run.vllm_targets, "transport": cfg.transport,
         "timeout": float(cfg.transfer.control.timeout)})
     missing = [r for r in ranks if not store.check([KEY_RUNTIME.format(rank=r)])]
     if missing:
@@ -376,7 +376,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             loader = VllmLoadPath(engine, layouts[rank])
             side = infer_cls()
             payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=loader,
-                                                  store=store, transfer=cfg.transfer, method_options=cfg.baseline,
+                                                  store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline,
                                                   model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: _log(instance, m)))
             clients[rank].publish_meta(*payload)

@@ -168,7 +168,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             _, trainer_cls, _ = get_method(cfg.run.method)
             side = trainer_cls()
             side.setup(TrainerContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, params=params, store=store,
-                                      transfer=cfg.transfer, method_options=cfg.baseline,
+                                      transfer=cfg.resolved_transfer, method_options=cfg.baseline,
                                       model_config=cfg.model_config(), layout=cfg.inference,
                                       log=lambda m: log(tag, m), group_barrier=dist.barrier))
             install_trainer(fault, rank, side, store, log=lambda m: log(tag, m))
@@ -237,7 +237,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.run.device == "cuda" else "cpu"
             from weight_transfer.transport import TRANSPORTS
 
-            T = TRANSPORTS.get(cfg.transfer.transport.name)
+            T = TRANSPORTS.get(cfg.transport)
             # a transport that publishes only memory it allocated (shm) allocates the reference's arena
             alloc = T.allocate if (cfg.run.method == "reference" and getattr(T, "publishes_allocated_only", False)) else None
             engine = Engine(mcfg, cfg.inference, rank, device=device, allocate=alloc)
@@ -246,7 +246,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             _, _, infer_cls = get_method(cfg.run.method)
             side = infer_cls()
             payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=engine,
-                                                  store=store, transfer=cfg.transfer, method_options=cfg.baseline,
+                                                  store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline,
                                                   model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: log(tag, m)))
             client.publish_meta(*payload)

@@ -24,6 +24,7 @@ before it starts any process (C18).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -31,6 +32,9 @@ import tempfile
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+
+AUTO_TRANSPORT = "auto"
+"""The transport name :meth:`TransportOptions.resolve` replaces with a back end."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,13 +121,36 @@ class TransportOptions:
 
     name: str = field(default="cma", metadata={"flat": "transport"})
     """Back end (``weight_transfer.transport.TRANSPORTS``): ``cma``, ``nixl``, ``verbs``,
-    ``cuda_ipc`` or ``shm`` (docs/TRANSPORTS.md)."""
+    ``cuda_ipc`` or ``shm`` (docs/TRANSPORTS.md); or ``auto``, which the launcher that knows
+    the receiving memory replaces with one (:meth:`resolve`: ``shm`` into memory the
+    receivers allocate through the transport, ``cma`` into any other process's CPU memory,
+    ``cuda_ipc`` into GPU memory)."""
 
     def __post_init__(self):
         from .transport import TRANSPORTS
 
-        if self.name not in TRANSPORTS:
-            raise ValueError(f"transport={self.name!r}: unknown; known: {', '.join(sorted(TRANSPORTS))}")
+        if self.name not in TRANSPORTS and self.name != AUTO_TRANSPORT:
+            raise ValueError(f"transport={self.name!r}: unknown; known: {', '.join(sorted(TRANSPORTS))}, "
+                             f"or {AUTO_TRANSPORT!r}")
+
+    def resolve(self, *, device: str = "cpu", receiver_allocates: bool = False) -> TransportOptions:
+        """These options with ``auto`` replaced by a back end; a named back end is returned as
+        it is. ``device``: where the receiving memory lives (``"cpu"`` or ``"cuda"``);
+        ``receiver_allocates``: every receiver allocates the memory it publishes through
+        ``Transport.allocate`` (the stand-in engine's arenas; not a vLLM engine's tensors,
+        which vLLM allocates). ``auto`` becomes ``cuda_ipc`` on ``cuda``; on the CPU ``shm``
+        when the receivers allocate (a write is one user-space ``memcpy`` into the mapped
+        segment, streamed; 75-100% of a one-thread memcpy on the project's 2-core VM,
+        docs/PEERS.md), else ``cma`` (``process_vm_writev`` reaches any process's memory;
+        the kernel copies page by page with regular stores, about half a streamed memcpy).
+        ValueError for a ``device`` other than those two."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: 'cpu' or 'cuda'")
+        if self.name != AUTO_TRANSPORT:
+            return self
+        if device == "cuda":
+            return TransportOptions(name="cuda_ipc")
+        return TransportOptions(name="shm" if receiver_allocates else "cma")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,11 +179,21 @@ class TransferOptions:
     control: ControlOptions = field(default_factory=ControlOptions)
     """The control plane's timeout."""
 
+    def resolve(self, *, device: str = "cpu", receiver_allocates: bool = False) -> TransferOptions:
+        """These options with an ``auto`` transport replaced by a back end
+        (:meth:`TransportOptions.resolve`, same arguments); ``self`` when it names one."""
+        transport = self.transport.resolve(device=device, receiver_allocates=receiver_allocates)
+        return self if transport is self.transport else dataclasses.replace(self, transport=transport)
+
     def preflight(self) -> None:
         """Checks that need this host, run before any process starts; raise ValueError with a
         one-line cause: the transport's library is importable here (``nixl``: NIXL's Python
         API; ``verbs``: pyverbs; ``cuda_ipc``: a CUDA torch with a GPU; ``cma``, ``shm``: Linux), and
-        ``executor.trace_dir`` (when set) is a directory this process can create and write a file in."""
+        ``executor.trace_dir`` (when set) is a directory this process can create and write a file in.
+        An unresolved ``auto`` transport is refused (:meth:`resolve` first)."""
+        if self.transport.name == AUTO_TRANSPORT:
+            raise ValueError("transport 'auto' is not resolved: TransferOptions.resolve(device=..., "
+                             "receiver_allocates=...) picks the back end")
         why = transport_unavailable(self.transport.name)
         if why:
             raise ValueError(f"transport {self.transport.name!r} is not available here: {why}")

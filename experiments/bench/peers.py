@@ -527,9 +527,10 @@ class PeersBenchConfig:
     """torchstore rows, one per transport, comma-separated (shm, direct_tcp, rdma_tcp, gloo, rpc)."""
     torchstore_python: str = ""
     """Interpreter with torchstore + torchmonarch; default $WT_TORCHSTORE_PYTHON, else /opt/wt-torchstore/bin/python."""
-    reference_transports: tuple[str, ...] = ("cma",)
-    """Reference rows, one per transport, comma-separated: cma (process_vm_writev), shm (a memcpy
-    into the receiver's shared segment, mapped once)."""
+    reference_transports: tuple[str, ...] = ("shm", "cma")
+    """Reference rows, one per transport, comma-separated: shm (a memcpy into the receiver's
+    shared segment, mapped once; what ``weight-transfer run`` picks for these receivers), cma
+    (process_vm_writev, what it writes into vLLM's tensors with)."""
 
     def __post_init__(self):
         if self.steps < 1 or self.warmup < 0:

@@ -163,6 +163,40 @@ def test_trial_config_composes_its_parts_and_hands_the_methods_the_transfer_opti
     assert TrialConfig.from_flat(**cfg.flat()) == cfg
     for part in ("model", "train", "inference", "transfer", "baseline", "run"):
         assert dataclasses.is_dataclass(getattr(cfg, part)), part
+
+
+def test_auto_transport_resolves_by_who_allocates_the_receiving_memory():
+    """``--transport`` defaults to ``auto``: shm into the stand-in engine's arenas (allocated
+    through the transport), cma into vLLM's tensors and wherever the reference does not own the
+    receivers' memory, cuda_ipc on GPUs; a named transport is kept; the processes and the trial
+    key see the resolved name, and ``replace`` re-resolves (``auto`` is what the config holds)."""
+    from weight_transfer.experiments.config import main_job_default, trial_key
+
+    cfg = TrialConfig()
+    assert cfg.transfer.transport.name == "auto" and cfg.flat()["transport"] == "auto"
+    assert (cfg.transport, cfg.resolved_transfer.transport.name) == ("shm", "shm")
+    assert main_job_default().transport == "shm" and main_job_default().replace(quant=None).transport == "shm"
+    assert cfg.replace(method="all").transport == "shm"
+    for flat in ({"method": "rpc"}, {"method": "rank0_funnel"}, {"kill_engine": ((2, 1, "during"),), "dp": 2},
+                 {"engine": "vllm", "quant": None, "tp": 1}):
+        assert cfg.replace(**flat).transport == "cma", flat
+    assert cfg.replace(device="cuda").transport == "cuda_ipc"
+    assert cfg.replace(transport="cma").transport == "cma" and cfg.replace(transport="cma").replace(engine="stand-in").transport == "cma"
+    assert cfg.replace(engine="vllm", quant=None, tp=1).replace(engine="stand-in").transport == "shm"
+    with pytest.raises(ValueError, match="engine=vllm: transport 'shm' not wired"):
+        cfg.replace(transport="shm", engine="vllm", quant=None, tp=1)
+    # the key is the resolved back end's: auto on the stand-in keys as shm, on vLLM as cma (old rows match)
+    assert trial_key(cfg) == trial_key(cfg.replace(transport="shm")) != trial_key(cfg.replace(transport="cma"))
+    vl = cfg.replace(engine="vllm", quant=None, tp=1)
+    assert trial_key(vl) == trial_key(vl.replace(transport="cma"))
+    # the library: resolve() replaces only auto; preflight refuses an unresolved auto
+    t = TransferOptions(transport=TransportOptions(name="auto"))
+    assert t.resolve(receiver_allocates=True).transport.name == "shm" and t.resolve().transport.name == "cma"
+    assert TransferOptions().resolve(receiver_allocates=True) == TransferOptions()  # cma stays cma
+    with pytest.raises(ValueError, match="'auto' is not resolved"):
+        t.preflight()
+    with pytest.raises(ValueError, match="device='tpu'"):
+        t.resolve(device="tpu")
     for cls in (TrialConfig, TransferOptions, ExecutorOptions, PlanOptions, TransportOptions, ControlOptions):
         assert hasattr(cls, "__slots__") and all(f.kw_only for f in dataclasses.fields(cls)), cls
 
@@ -179,13 +213,20 @@ OLD_KEYS = {
 def test_trial_keys_are_those_of_the_flat_config():
     """The flat names and values of the composed config hash to the keys the flat class made
     (issue 24: sweep CSVs keep their columns and keys, so resumed sweeps and the analysis find
-    their rows): the default trial, the main job, and every trial of three named sweeps."""
+    their rows): the default trial, the main job, and every trial of three named sweeps, over
+    cma, the transport they were recorded with. Over ``auto`` these stand-in trials resolve to
+    shm (issue 29) and key as shm trials: rows measured over cma are not theirs."""
     from weight_transfer.experiments.config import main_job_default
     from weight_transfer.experiments.configs import get_sweep
 
-    assert trial_key(TrialConfig()) == "99c2ce5942a4" and trial_key(main_job_default()) == "ec37f64c0aa7"
+    cma = dict(transport="cma")
+    assert trial_key(TrialConfig().replace(**cma)) == "99c2ce5942a4"
+    assert trial_key(main_job_default().replace(**cma)) == "ec37f64c0aa7"
     for name, keys in OLD_KEYS.items():
-        assert [trial_key(t) for t in get_sweep(name).trials] == keys, name
+        trials = get_sweep(name).trials
+        assert [trial_key(t.replace(**cma)) for t in trials] == keys, name
+        assert [trial_key(t) for t in trials] == [trial_key(t.replace(transport=t.transport)) for t in trials], name
+    assert trial_key(TrialConfig()) != "99c2ce5942a4" and trial_key(main_job_default()) != "ec37f64c0aa7"
 
 
 def test_reference_and_baseline_stats_share_one_protocol():
@@ -338,7 +379,7 @@ def test_device_cuda_refused_without_cuda_before_any_process(refused):
 
 
 def test_device_cuda_needs_a_transport_into_device_memory(refused):
-    msg = refused("run", "--device", "cuda")  # the default transport, cma
+    msg = refused("run", "--device", "cuda", "--transport", "cma")
     assert "transport='cma'" in msg and "refuses device memory" in msg and "cuda_ipc, nixl, verbs" in msg
     assert "needs device='cuda' (--device cuda)" in refused("run", "--transport", "cuda_ipc")
     assert "invalid choice: 'tpu'" in refused("run", "--device", "tpu")
@@ -359,8 +400,8 @@ def test_device_field_checks_and_trial_key():
     # built anywhere (a sweep's config on a login node); the GPU is checked in preflight, where the ranks start
     cfg = TrialConfig.from_flat(device="cuda", transport="cuda_ipc")
     assert cfg.run.device == "cuda" and "device" in field_docs(RunOptions)
-    # the default device leaves the keys of rows recorded before the field existed as they were
-    assert trial_key(TrialConfig()) == "99c2ce5942a4"
+    # the default device leaves the keys of rows recorded before the field existed as they were (over cma)
+    assert trial_key(TrialConfig().replace(transport="cma")) == "99c2ce5942a4"
     assert trial_key(cfg) != trial_key(cfg.replace(device="cpu", transport="nixl"))
 
 

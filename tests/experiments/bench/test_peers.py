@@ -65,11 +65,14 @@ def test_peer_runs_verified(peer, capsys):
                                override=tuple(f"{k}={v}" for k, v in TINY.items())))
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "verified bit-exact: 1/1 peers" in out
     assert "cold" in out and "p95" in out
-    if peer == "reference":  # its own phases, slowest sender and receiver, extra memory
-        assert ("# reference cma (process_vm_writev): phases, p50 busy seconds" in out
-                and "# reference cma (process_vm_writev): slowest sender" in out)
+    if peer == "reference":  # a row per transport (shm, then cma); its own phases, slowest sender and receiver
+        assert "verified bit-exact: 2/2 peers" in out
+        for label in ("shm (memcpy into mapping)", "cma (process_vm_writev)"):
+            assert (f"# reference {label}: phases, p50 busy seconds" in out
+                    and f"# reference {label}: slowest sender" in out), label
+    else:
+        assert "verified bit-exact: 1/1 peers" in out
 
 
 @pytest.mark.multiproc
