@@ -146,8 +146,10 @@ class PipelineBenchConfig:
                 raise ValueError(f"override {kv!r}: wants KEY=VALUE")
 
 
-def main(args: PipelineBenchConfig) -> int:
-    """Run the trials, print the tables, write ``args.out`` and ``args.png``."""
+def base_trial(args: PipelineBenchConfig) -> dict:
+    """The flat trial options every trial of the bench shares (``TrialConfig.from_flat``
+    keywords): the model and its overrides (the main job's when ``args.model`` is None, with
+    ``args.override`` on top), quantization, world sizes and update counts."""
     import ast
 
     overrides = {}
@@ -163,9 +165,15 @@ def main(args: PipelineBenchConfig) -> int:
         from ..config import main_job_default
 
         d = main_job_default()
-        base.update(model=d.model, overrides={**d.overrides, **overrides}, quant=d.quant)
+        base.update(model=d.model.name, overrides={**d.model.overrides, **overrides}, quant=d.inference.quant)
     if args.quant is not None:
         base["quant"] = None if args.quant == "none" else args.quant
+    return base
+
+
+def main(args: PipelineBenchConfig) -> int:
+    """Run the trials, print the tables, write ``args.out`` and ``args.png``."""
+    base = base_trial(args)
     trace_root = Path(tempfile.mkdtemp(prefix="pipeline_bench_", dir=ROOT / "results" / "runs"
                                        if (ROOT / "results" / "runs").exists() else None))
     t_all = time.perf_counter()
@@ -188,7 +196,8 @@ def main(args: PipelineBenchConfig) -> int:
     hdr = [
         "# pipeline benchmark: reference executor (stage threads, FIFO queues, watermark gate)",
         f"# host: {first['host']}  git: {first['git_sha']}  model: {mcfg.label}  "
-        f"training: {args.n_train} FSDP2 ranks  inference: TP={args.tp} {base.get('quant') or 'bf16'}  transport: cma",
+        f"training: {args.n_train} FSDP2 ranks  inference: TP={args.tp} {base.get('quant') or 'bf16'}  "
+        f"transport: {TrialConfig.from_flat(**base).transport}",
         f"# bytes per update: {first['bytes']} ({first['bytes'] / 1e9:.3f} GB); {args.steps} measured update(s) per "
         f"trial after {args.warmup} warmup; times are p50 over measured updates",
         "#",
