@@ -58,9 +58,7 @@ from .heartbeat import Heartbeat, HeartbeatMonitor  # noqa: F401 -- part of this
 
 class ControlError(RuntimeError):
     """A rank failed, died or did not answer in time; the message names role, rank and cause.
-    ``culprit``: the one-line "role rank: cause" a wait found (:func:`wait_keys` with
-    ``failure``), without the wait's own prefix; None when the error names no culprit (a
-    timeout, an abort, a stall)."""
+    ``culprit``: the "role rank: cause" line :func:`wait_keys` found, without its prefix, or None."""
 
     culprit: str | None = None
 
@@ -86,8 +84,7 @@ def get(store: dist.Store, key: str):
 
 
 FAILURE_CHECK_S = 0.02
-"""Seconds between two failure checks of :func:`wait_keys` (a failed, dead or stalled rank, an
-abort) however often it polls for its keys: a failure is named within this of being seen."""
+"""Seconds between two failure checks of :func:`wait_keys`, however often it polls its keys."""
 
 
 def backoff(timeout: float | None, poll: float = 0.02) -> Iterator[bool]:
@@ -116,15 +113,11 @@ def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: 
     ``{rank: reason}`` for ranks known dead), the abort reason, or the culprit ``failure()``
     returns (a one-line "role rank: cause", None while nothing failed). With ``stall``, a gap
     of more than ``stall`` seconds between two of its own polls (this process was stopped or
-    starved, so what it waits on may be stale) raises naming the controller.
-
-    Every poll (``poll`` seconds apart at most) asks the store for the keys in one call; the
-    failure checks (``failure``, the abort key, ``liveness``: several store calls and /proc
-    reads) run at most every ``check_every`` seconds (and at the first poll and on expiry).
-    The transfer polls every 1 ms, and running them all at each poll kept the controller and
-    the store's thread busy on a core the two senders copy on: on the 2-core VM, ``run --quant
-    none`` over 24 updates each, interleaved runs, median 0.1416 s with a check at every poll,
-    0.1323 s with one every 20 ms (a 10 ms poll with every check: 0.1435 s)."""
+    starved, so what it waits on may be stale) raises naming the controller. Each poll asks
+    for the keys in one store call; the failure checks (several calls) run every
+    ``check_every`` seconds, first poll and expiry included: on the 2-core VM, checks at every
+    1 ms poll of the transfer took a core from the senders (``run --quant none``, 24 updates
+    each: median 0.1416 s against 0.1323 s with a check every 20 ms)."""
     allkeys = list(keys.values())
     last = time.monotonic()
     checked = float("-inf")
@@ -468,8 +461,7 @@ class Controller:
                     f"{'commit failed: ' if isinstance(r, tuple) and r[0] == 'commit' else ''}{e}"
                     for r, e in sorted(failed.items(), key=lambda x: str(x[0]))))
         except BaseException as e:
-            # the culprit, however it was found: by the wait while ranks were still writing
-            # (``step/{step}/failed``) or from the results once every rank had reported
+            # the culprit, whether the wait saw step/N/failed or every rank had reported
             first = getattr(e, "culprit", None) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
             self.mark_incomplete(step, first)
             if isinstance(e, ControlError):
