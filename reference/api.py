@@ -49,10 +49,14 @@ raises :class:`weight_transfer.control.VersionError`.
 """
 from __future__ import annotations
 
+import os
+import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -64,10 +68,40 @@ from .store import connect_store, runtime_layouts, serve_store
 from .types import InferenceLayout, Schedule
 
 __all__ = ["Sender", "Receiver", "Coordinator", "UpdateResult", "serve_store", "connect_store", "plan_against",
-           "PUSH_KEY", "WORLD_KEY", "ENGINE_KEY"]
+           "PUSH_KEY", "WORLD_KEY", "ENGINE_KEY", "COORDINATOR_KEY", "TRAIN_PROC_KEY",
+           "PLAN_ERROR_KEY"]
 
-PUSH_KEY = "push/{n}"
-"""Training rank 0 -> a coordinator in its own process: the version of the ``n``-th push (ASCII)."""
+PUSH_KEY = "push/{n}/{what}"
+"""The keys of the ``n``-th push (from 0; every training rank counts its own pushes, a
+collective call), values pickled: ``ready/{r}`` (training rank ``r``: ``{"version", "refuse"}``,
+``refuse`` a refusal of its own as ``(type name, message)``), ``decision`` (the coordinator:
+``{"go", "version", "error"}``, one decision for every rank), ``outcome`` (``{"ok", "error"}``,
+set once with ``compare_set``: by the coordinator, or by a training rank that gave up waiting --
+whichever comes first holds, so every rank returns or raises alike)."""
+COORDINATOR_KEY = "meta/coordinator"
+"""``{"host", "pid"}`` of the coordinator's process (published when it plans)."""
+TRAIN_PROC_KEY = "meta/train_proc/{rank}"
+"""``{"host", "pid"}`` of a training rank's process (published at its first push)."""
+PLAN_ERROR_KEY = "plan/error"
+"""``(type name, message)`` of a refused plan: every training rank raises it alike."""
+REFUSALS = ("ValueError", "TypeError", "PlanError", "VersionError", "ControlError")
+"""The documented error types, handed between ranks as themselves (anything else arrives as ControlError)."""
+
+
+def _first_line(s: str) -> str:
+    return s.splitlines()[0] if s else ""
+
+
+def _shared(e: BaseException) -> BaseException:
+    """Mark ``e`` as an error every training rank raises alike (a refusal or a failed update)."""
+    e._wt_shared = True  # type: ignore[attr-defined]
+    return e
+
+
+def _claim_outcome(store, n: int, outcome: dict) -> dict:
+    """Set push ``n``'s outcome to ``outcome`` unless one is set; return the one that holds."""
+    want = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.loads(store.compare_set(PUSH_KEY.format(n=n, what="outcome"), "", want))
 WORLD_KEY = "meta/world"
 """The coordinator publishes ``{"n_train", "n_infer"}`` here (pickled) when it starts: how many
 training ranks report each update (an engine that commits checks every one of them itself)."""
@@ -173,15 +207,28 @@ class Coordinator:
         self._joins_seen = 0
         self._train_metas: dict = {}
         self._payloads: dict = {}
+        self._plan_error: tuple[str, str] | None = None
+        self._procs: dict = {}
+        self._last_go = -1
+        self.failures: list[tuple[int, BaseException]] = []
+        """:meth:`serve`: ``(push index, error)`` of each push that was refused or failed."""
 
     def plan(self) -> Schedule:
         """Once: wait for every rank's metadata, build the recipes (aimed at a live engine's
         runtime layout where one was published), compute the static schedule and hand each
         training rank its part. Returns the :class:`weight_transfer.types.Schedule`. Raises
-        PlanError naming what cannot be planned (the ranks waiting for their part then fail
-        with it), ControlError when a rank does not publish within the timeout."""
+        PlanError naming what cannot be planned, ValueError when neither ``model_config`` /
+        ``layout`` nor an engine's :data:`ENGINE_KEY` says what to plan, ControlError when a
+        rank does not publish within the timeout. A refusal is published under
+        :data:`PLAN_ERROR_KEY`: every training rank waiting for its part raises the same type
+        and message, and the job ends (the store's ``abort``); a later call raises it again."""
         if self.schedule is not None:
             return self.schedule
+        if self._plan_error is not None:
+            raise _shared(control.decode_error(*self._plan_error))
+        control.put(self.store, COORDINATOR_KEY, {"host": socket.gethostname(), "pid": os.getpid()})
+        if self.ctl.live_t is None:  # training ranks of this host whose process is gone are named at once
+            self.ctl.live_t = self._training_gone
         t0 = time.perf_counter()
         try:
             train_metas, infer_payloads = self.ctl.collect()
@@ -199,46 +246,152 @@ class Coordinator:
             for i in infer_payloads:
                 membership.set_member(self.store, i, 0)
         except BaseException as e:
-            self.ctl.shutdown(reason=f"coordinator: plan failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            raise
+            kind, msg = control.encode_error(e)
+            if kind not in REFUSALS:
+                kind, msg = "ControlError", f"coordinator: plan failed: {kind}: {msg}"
+            self._plan_error = (kind, msg)
+            control.put(self.store, PLAN_ERROR_KEY, (kind, msg))
+            self.ctl.shutdown(reason=f"coordinator: plan failed: {kind}: {_first_line(msg)}")
+            if kind == type(e).__name__:
+                _shared(e)
+                raise
+            raise _shared(control.ControlError(msg)) from e
         self.commit_ranks, self.bytes_staged = extra["commit_ranks"], extra["bytes_staged"]
         self.plan_seconds = time.perf_counter() - t0
         self.log(f"plan: {self.schedule.summary()} ({self.plan_seconds:.2f} s)")
         return self.schedule
 
+    def _training_gone(self) -> dict[int, str]:
+        """``{training rank: reason}`` for ranks whose process (published under
+        :data:`TRAIN_PROC_KEY` at their first push) is on this host and gone."""
+        out = {}
+        for r in range(self.n_train):
+            proc = self._procs.get(r)
+            if proc is None:
+                key = TRAIN_PROC_KEY.format(rank=r)
+                if not self.store.check([key]):
+                    continue
+                proc = self._procs[r] = SimpleNamespace(**control.get(self.store, key))
+            if membership.process_gone(proc):
+                out[r] = f"process {proc.pid} on {proc.host} is gone (killed or exited)"
+        return out
+
     def update(self, version: int, *, commit: Callable[[int], object] | None = None,
                before_go: Callable[[int], None] | None = None) -> UpdateResult:
-        """One update to ``version``: wait until every training rank is ready (it called
-        :meth:`Sender.push`), run ``before_go(version)`` if given (e.g. wait for the engines to
-        pause), publish ``writing version``, "go", wait for every write, the engines' commits
-        (staged targets, through the store) or, if given, ``commit(version)`` instead (a caller
-        that commits the engines itself, e.g. through vLLM's ``update_weights``), then publish
-        ``complete version``. Raises ControlError naming the failure (the weights are then
-        published ``incomplete``), VersionError if ``version`` does not increase."""
-        self.plan()
-        cur = self.ctl.state()
-        if version <= cur.version:
-            raise control.VersionError(f"version {version} refused: the weights are {cur}; versions only increase")
-        self.ctl.load(version)
-        self._follow_membership(version)
-        if before_go is not None:
-            try:
-                before_go(version)
-            except Exception as e:  # the ranks waiting for go fail at once with the reason (not at their timeout)
-                reason = f"coordinator: before go of version {version}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                self.store.set(f"step/{version}/failed", b"1")
-                self.store.set(f"step/{version}/why", reason.encode())
-                raise control.ControlError(reason) from e
-        # a commit callable replaces the store-driven commits of staged engines (it commits them itself)
-        commit_ranks = () if commit is not None else self.commit_ranks
+        """Drive the next update, the one every training rank asks for with ``push(version)``
+        (the coordinator of a process of its own: :meth:`serve` calls it for each push; in a
+        training rank, :meth:`Sender.push` does): wait until every training rank is ready,
+        take one decision for all of them (go, or a refusal every rank raises alike: the
+        ranks asked for different versions, ``version`` does not increase, a rank refused its
+        own arguments), run ``before_go(version)`` if given (e.g. pause the engines), publish
+        ``writing version``, "go", wait for every write, the engines' commits (staged targets,
+        through the store) or, if given, ``commit(version)`` instead (a caller that commits the
+        engines itself, e.g. through vLLM's ``update_weights``; bounded by the timeout), then
+        publish ``complete version`` and the update's outcome every rank returns or raises
+        with. Raises ControlError naming the failure (the weights are then published
+        ``incomplete``; the original error as ``__cause__``), VersionError if ``version`` does
+        not increase, ValueError / TypeError when the ranks' arguments were refused."""
+        n = self._served
+        self._served += 1
+        return self._drive(n, version=version, commit=commit, before_go=before_go)
+
+    def _drive(self, n: int, *, version: int | None = None, commit: Callable[[int], object] | None = None,
+               before_go: Callable[[int], None] | None = None) -> UpdateResult:
+        """Push ``n`` (the n-th push of every training rank, from 0): the decision, then the update."""
+        decided = False
         try:
-            seconds, results = self.ctl.transfer(version, commit_ranks=commit_ranks, commit=commit)
-        except control.ControlError as e:
-            gone = self._gone()
-            if gone:  # name the engines whose loss failed the update (C15); the next update plans without them
-                raise control.ControlError(f"{e}; inference rank(s) {sorted(gone)} gone (process no longer runs, "
-                                           "left or stalled): planned without them from the next update") from e
+            self.plan()
+            ready = self._wait_ready(n)
+            v, refusal = self._decide(n, ready, version)
+            if refusal is not None:
+                self._put(n, "decision", {"go": False, "version": v, "error": control.encode_error(refusal)})
+                decided = True
+                raise refusal
+            self._put(n, "decision", {"go": True, "version": v, "error": None})
+            decided = True
+        except BaseException as e:
+            if not decided:  # the ranks waiting for the decision get the same error
+                kind, msg = control.encode_error(e)
+                if kind not in REFUSALS:
+                    kind, msg = "ControlError", f"coordinator: {kind}: {msg}"
+                self._put(n, "decision", {"go": False, "version": version, "error": (kind, msg)})
             raise
+        return self._update(n, v, commit=commit, before_go=before_go)
+
+    def _wait_ready(self, n: int) -> dict[int, dict]:
+        """Every training rank's readiness for push ``n`` (``{rank: {"version", "refuse"}}``);
+        ControlError naming the ranks that did not answer within the timeout, or died."""
+        keys = {r: PUSH_KEY.format(n=n, what=f"ready/{r}") for r in range(self.n_train)}
+        control.wait_keys(self.store, keys, timeout=self.timeout, what=f"push {n}: training ranks ready",
+                          liveness=self.ctl.live_t, failure=self.ctl._failure())
+        return {r: control.get(self.store, k) for r, k in keys.items()}
+
+    def _decide(self, n: int, ready: dict[int, dict], version: int | None):
+        """``(version, refusal or None)`` for push ``n``: one decision for every rank."""
+        for r, p in sorted(ready.items()):
+            if p.get("refuse"):
+                kind, msg = p["refuse"]
+                return p.get("version"), _shared(control.decode_error(kind, msg if msg.startswith("training")
+                                                                      else f"training {r}: {msg}"))
+        asked = {r: p["version"] for r, p in ready.items()}
+        if len(set(asked.values())) > 1:
+            return None, _shared(ValueError(f"push {n}: the training ranks asked for different versions {asked}; "
+                                            "every rank pushes the same version"))
+        v = next(iter(asked.values()))
+        if version is not None and v != version:
+            return v, _shared(ValueError(f"Coordinator.update(version={version}): the training ranks pushed "
+                                         f"version {v}"))
+        cur = self.ctl.state()
+        if v <= cur.version:
+            return v, _shared(control.VersionError(f"version {v} refused: the weights are {cur}; versions only "
+                                                   "increase"))
+        if v <= self._last_go:
+            return v, _shared(control.VersionError(f"version {v} refused: version {self._last_go} was already "
+                                                   "pushed (it failed before its writes); versions only increase"))
+        return v, None
+
+    def _put(self, n: int, what: str, obj) -> None:
+        control.put(self.store, PUSH_KEY.format(n=n, what=what), obj)
+
+    def _claim(self, n: int, ok: bool, error: tuple[str, str] | None = None) -> dict:
+        """Set push ``n``'s outcome unless a training rank claimed it first (one that gave up
+        waiting claims a failure: every rank must reach the same decision). Returns the
+        outcome that holds."""
+        return _claim_outcome(self.store, n, {"ok": ok, "error": error})
+
+    def _update(self, n: int, version: int, *, commit, before_go) -> UpdateResult:
+        self._last_go = version
+        try:
+            self._follow_membership(version)
+            if before_go is not None:
+                try:
+                    before_go(version)
+                except Exception as e:
+                    raise control.ControlError(f"coordinator: before go of version {version}: {type(e).__name__}: "
+                                               f"{_first_line(str(e))}") from e
+            # a commit callable replaces the store-driven commits of staged engines (it commits them itself)
+            commit_ranks = () if commit is not None else self.commit_ranks
+
+            def claim() -> str | None:
+                out = self._claim(n, True)
+                return None if out["ok"] else out["error"][1]
+            try:
+                seconds, results = self.ctl.transfer(version, commit_ranks=commit_ranks, commit=commit, claim=claim)
+            except control.ControlError as e:
+                gone = self._gone()
+                if gone:  # name the engines whose loss failed the update (C15); the next update plans without them
+                    raise control.ControlError(f"{e}; inference rank(s) {sorted(gone)} gone (process no longer "
+                                               "runs, left or stalled): planned without them from the next "
+                                               "update") from e
+                raise
+        except BaseException as e:
+            msg = str(e) if isinstance(e, control.ControlError) else f"coordinator: {type(e).__name__}: {e}"
+            out = self._claim(n, False, ("ControlError", msg))
+            if out["ok"]:  # cannot happen: ok is claimed only once every write completed
+                raise
+            if isinstance(e, control.ControlError) and out["error"][1] == msg:
+                raise
+            raise control.ControlError(out["error"][1]) from e
         stats = {r: res["stats"] for r, res in results.items() if not isinstance(r, tuple)}
         commits = {r: res.get("stats") for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"}
         return UpdateResult(version=version, seconds=seconds, write_seconds=self.ctl.last_write_seconds or seconds,
@@ -246,14 +399,17 @@ class Coordinator:
                             n_writes=sum(s.n_writes for s in stats.values()), stats=stats, commits=commits)
 
     def _gone(self) -> set[int]:
-        """Members that left, died or stalled (:mod:`weight_transfer.membership`)."""
+        """Members that left, died or stalled (:mod:`weight_transfer.membership`), each with
+        every rank of its TP group (an engine instance of ``layout.tp`` ranks is one unit: a
+        tensor-parallel engine whose rank died serves nothing, C28)."""
         gone = membership.left(self.store, self.members)
         gone |= {i for i in self.members if membership.process_gone(self._payloads[i][0])}
         if self.liveness_infer is not None:
             gone |= {i for i in self.liveness_infer() if i in self.members}
         if self.ctl.monitor is not None:
             gone |= {k[1] for k in self.ctl.monitor.stalled() if isinstance(k, tuple) and k[1] in self.members}
-        return gone
+        tp = max(1, getattr(self.layout, "tp", 1) or 1)
+        return {r for g in gone for r in range(g // tp * tp, g // tp * tp + tp) if r in self.members}
 
     def _follow_membership(self, version: int) -> None:
         """Before the "go" of ``version``: drop members that are gone, take ranks that joined
@@ -288,22 +444,29 @@ class Coordinator:
                  f"replanned in {rec['seconds']:.3f} s: {ch.schedule.summary()}")
 
     def serve(self, *, count: int | None = None, commit: Callable[[int], object] | None = None) -> list[UpdateResult]:
-        """The coordinator in a process of its own: plan, then run each update training rank 0
-        asks for (its :meth:`Sender.push` without a local coordinator publishes the version
-        under :data:`PUSH_KEY`) until ``count`` updates ran or the store says shutdown. Returns
-        the results; raises as :meth:`update`."""
+        """The coordinator in a process of its own: plan, then drive each push of the training
+        ranks (:meth:`update`) until ``count`` pushes were served or the store says shutdown.
+        A push that is refused or fails raises on every training rank and is kept in
+        :attr:`failures` (``(push index, exception)``); serving goes on with the next one.
+        Returns the results of the updates that completed; raises what :meth:`plan` raises."""
         self.plan()
-        out = []
-        while count is None or len(out) < count:
-            key = PUSH_KEY.format(n=self._served)
-            for _ in control.backoff(None, 0.01):
-                if self.store.check([key]):
+        out: list[UpdateResult] = []
+        served = 0
+        while count is None or served < count:
+            n = self._served
+            keys = [PUSH_KEY.format(n=n, what=f"ready/{r}") for r in range(self.n_train)]
+            for _ in control.backoff(None, 0.01):  # the first rank's readiness: the push has begun
+                if any(self.store.check([k]) for k in keys):
                     break
                 if self.store.check(["shutdown"]):
                     return out
-            version = int(self.store.get(key).decode())
             self._served += 1
-            out.append(self.update(version, commit=commit))
+            served += 1
+            try:
+                out.append(self._drive(n, commit=commit))
+            except (control.ControlError, ValueError, TypeError) as e:
+                self.failures.append((n, e))
+                self.log(f"push {n}: {type(e).__name__}: {_first_line(str(e))}")
         return out
 
     def state(self) -> control.WeightsState:
@@ -431,18 +594,30 @@ class Sender:
         """The plan epoch this rank runs (a membership change of the receivers starts a new one)."""
         self.last_update: UpdateResult | None = None
         self._pushes = 0
+        self._proc_published = False
+        self._running = None  # (thread, version) of a writer left blocked in a collective
+        self._coord_proc = None
 
     def plan(self) -> None:
         """Once (the first :meth:`push` calls it): get this rank's part of the schedule (the
         coordinator plans once every rank published), connect the transport to every
-        receiver's region, and build the executor. Raises ControlError when no plan comes
-        within the timeout, the coordinator's PlanError when it is hosted here."""
+        receiver's region, and build the executor. Raises the coordinator's refusal
+        (PlanError, ValueError: the same type and message on every training rank) or
+        ControlError when no plan comes within the timeout (or the coordinator's process is
+        gone)."""
         if self.executor is not None:
             return
+        if not self._proc_published:
+            control.put(self.store, TRAIN_PROC_KEY.format(rank=self.rank),
+                        {"host": socket.gethostname(), "pid": os.getpid()})
+            self._proc_published = True
         if self.coordinator is not None:
             self.coordinator.plan()
         if self.epoch == 0:
-            rank_plan, descriptors = self.client.get_plan()
+            key = membership.plan_key(0, self.rank)
+            self._wait_for(lambda: self.store.check([key]), what=f"training {self.rank}: no plan",
+                           bound=2 * self.timeout + 5, plan=True)
+            rank_plan, descriptors = control.get(self.store, key)
         else:  # reopened after close(): the plan of the epoch this rank follows
             rank_plan, descriptors = control.get(self.store, membership.plan_key(self.epoch, self.rank))
         self._build(rank_plan, descriptors)
@@ -473,54 +648,228 @@ class Sender:
 
     def push(self, version: int, *, commit: Callable[[int], object] | None = None,
              before_go: Callable[[int], None] | None = None):
-        """After ``optimizer.step()``, on every training rank: say this rank is ready for
-        ``version``, wait for "go", write, report. On the coordinator's rank the update is
-        driven here too and :attr:`last_update` holds its :class:`UpdateResult` once ``complete
-        version`` is published (this call returns then); other ranks return once their own
-        writes completed. Returns this rank's :class:`weight_transfer.executor.StepStats`.
+        """After ``optimizer.step()``, on every training rank: update the inference weights to
+        ``version``. Every rank says it is ready, the coordinator takes one decision for all
+        of them, every rank writes its part, and every rank returns only once ``complete
+        version`` is published (on the coordinator's rank :attr:`last_update` then holds its
+        :class:`UpdateResult`). Returns this rank's :class:`weight_transfer.executor.StepStats`.
+        A collective call: every training rank calls it, the same number of times, with the
+        same version.
 
-        Raises ControlError when the update failed anywhere (naming role, rank and cause; the
-        weights are then published ``incomplete`` and a later push may restore them),
-        VersionError when ``version`` does not increase, the executor's error for a write
-        that failed here (after reporting it, so every other rank fails fast). ``commit`` and
-        ``before_go``: handed to :meth:`Coordinator.update` on the coordinator's rank (ignored
-        elsewhere), e.g. an engine's commit call once every write completed."""
-        self.plan()
-        self.client.ready(version)
-        if self.rank == 0 and self.coordinator is None:
-            self.store.set(PUSH_KEY.format(n=self._pushes), str(version).encode())  # a coordinator of its own
+        Raises, on every training rank alike (C28):
+
+        - before any byte moves: VersionError when ``version`` does not increase; TypeError
+          when a rank's ``version`` is not an int; ValueError when the ranks asked for
+          different versions; the coordinator's PlanError at the first push; the message
+          names the rank and argument;
+        - ControlError when the update failed anywhere -- a training rank's stage (prepare,
+          write, release, the barrier between mesh groups), a receiver that died (named; the
+          next push plans without its TP group), the engines' commit, a rank that did not
+          answer within the timeout or whose process is gone. The message names role, rank and
+          cause; the weights are published ``incomplete`` and the next push restores a complete
+          version. On the failing rank the stage's exception is the ``__cause__``.
+
+        Every wait is bounded by the timeout. A rank that fails keeps taking part in the rest
+        of the update's ``full_tensor()`` collectives and barriers without writing, so the
+        other ranks are not left blocked in them. A *killed* or stopped training rank cannot
+        take part: the others still raise ControlError within the timeout, but their writer
+        thread may stay blocked in a collective of your training world (your Gloo/NCCL group,
+        whose own timeout the library does not own); such a rank refuses the next push with
+        ControlError while it stays blocked. ``commit`` and ``before_go``: handed to
+        :meth:`Coordinator.update` on the coordinator's rank (ignored elsewhere)."""
+        n = self._pushes
         self._pushes += 1
+        refusal: BaseException | None = None
+        if isinstance(version, int) and not isinstance(version, bool):
+            version = int(version)
+        elif hasattr(version, "__index__") and not isinstance(version, bool):  # a numpy integer
+            version = version.__index__()
+        else:
+            refusal = TypeError(f"training {self.rank}: push(version={version!r}): version is a "
+                                f"{type(version).__name__}; an int is required"
+                                + (" (from os.environ? convert it with int())" if isinstance(version, str) else ""))
+        try:
+            self.plan()
+        except BaseException as e:
+            if getattr(e, "_wt_shared", False) or not isinstance(e, Exception):
+                raise  # every rank raises it (a refused plan)
+            refusal = refusal or control.ControlError(f"training {self.rank}: setting up the plan failed: "
+                                                      f"{type(e).__name__}: {_first_line(str(e))}")
+            refusal.__cause__ = e
+        if refusal is None and (busy := self._busy()):
+            refusal = control.ControlError(busy)
+        ready = {"version": version if refusal is None else None,
+                 "refuse": control.encode_error(refusal) if refusal is not None else None}
+        control.put(self.store, PUSH_KEY.format(n=n, what=f"ready/{self.rank}"), ready)
         box: dict = {}
         thread = None
         if self.coordinator is not None:
+            self.coordinator._served = n + 1
+
             def drive():
                 try:
-                    box["result"] = self.coordinator.update(version, commit=commit, before_go=before_go)
-                except BaseException as e:  # re-raised in the caller's thread
+                    box["result"] = self.coordinator._drive(n, commit=commit, before_go=before_go)
+                except BaseException as e:  # the outcome every rank reads says it
                     box["error"] = e
-            thread = threading.Thread(target=drive, name=f"wt-coordinator-v{version}", daemon=True)
+            thread = threading.Thread(target=drive, name=f"wt-coordinator-push{n}", daemon=True)
             thread.start()
-        local: BaseException | None = None
         try:
-            self._wait_go(version, box)
-            self._follow_plan()
-            check_published(self.executor, self.store)  # delta: full after a version not published complete (C26)
-            try:
-                stats = self.executor.run(version)
-            except Exception as e:
-                self.client.done(version, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                local = e
-            else:
-                self.client.done(version, ok=True, stats=stats)
+            stats = self._push(n, refusal)
         finally:
             if thread is not None:
-                thread.join()
-        if "error" in box:  # the coordinator's account names the root cause (a dead engine, another rank)
-            raise box["error"] from local
-        if local is not None:
-            raise local
+                thread.join(self.timeout + 5)
         self.last_update = box.get("result")
         return stats
+
+    def _push(self, n: int, refusal: BaseException | None):
+        decision = self._wait_key(PUSH_KEY.format(n=n, what="decision"), what=f"no decision on push {n}",
+                                  bound=2 * self.timeout + 5)
+        if not decision["go"]:
+            raise _shared(control.decode_error(*decision["error"])) from refusal
+        v = decision["version"]
+        outcome_key = PUSH_KEY.format(n=n, what="outcome")
+        # "go", or the outcome: the update failed before it (membership, before_go)
+        self._wait_for(lambda: self.store.check([f"step/{v}/go"]) or self.store.check([outcome_key]),
+                       what=f"training {self.rank}: no go for version {v}", bound=2 * self.timeout + 5)
+        if not self.store.check([f"step/{v}/go"]):
+            out = control.get(self.store, outcome_key)
+            raise control.ControlError(out["error"][1])
+        t_go = time.monotonic()
+        local: BaseException | None = None
+        stats = None
+        try:
+            self._follow_plan()
+            check_published(self.executor, self.store)  # delta: full after a version not published complete (C26)
+        except Exception as e:
+            local = e
+        if local is None:
+            stats, local, cancelled = self._run_watched(n, v, t_go)
+        else:
+            cancelled = False
+        if local is not None:
+            self.client.done(v, ok=False, error=f"{type(local).__name__}: {_first_line(str(local))}",
+                             cancelled=cancelled)
+        else:
+            self.client.done(v, ok=True, stats=stats)
+        out = self._wait_outcome(n, v, local)
+        if out["ok"]:
+            return stats
+        raise control.ControlError(out["error"][1]) from local
+
+    def _run_watched(self, n: int, v: int, t_go: float):
+        """Run the executor for version ``v`` in a thread while watching the update: a
+        failure anywhere (``step/{v}/failed``, the outcome, the abort, a coordinator gone)
+        cancels it (no write after that; its collectives go on so the other ranks' complete).
+        Returns ``(stats, error, cancelled)``; the executor is left behind, still blocked in a
+        collective of the training world, when it has not ended ``grace`` seconds after the
+        cancel (the error then says so, and the next push refuses while it runs)."""
+        from .executor import UpdateCancelled
+
+        cancel = threading.Event()
+        box: dict = {}
+
+        def run():
+            try:
+                box["stats"] = self.executor.run(v, cancel=cancel)
+            except BaseException as e:
+                box["error"] = e
+        th = threading.Thread(target=run, name=f"wt-train{self.rank}-v{v}", daemon=True)
+        th.start()
+        grace = min(5.0, self.timeout)
+        until = None
+        checked = 0.0
+        for _ in control.backoff(None, 0.005):
+            if not th.is_alive():
+                break
+            now = time.monotonic()
+            if until is None and now - checked >= control.FAILURE_CHECK_S:
+                checked = now
+                why = self._failed_elsewhere(n, v)
+                if why is None and now - t_go > self.timeout + grace:  # the coordinator fails it by now
+                    why = f"no completion within {self.timeout:.0f} s"
+                if why is not None:
+                    cancel.set()
+                    until = now + grace
+            if until is not None and now > until:
+                self._running = (th, v)
+                return None, control.ControlError(
+                    f"training {self.rank}: the writes of version {v} were cancelled but are still blocked after "
+                    f"{grace:.0f} s (in a collective of the training world whose peer died or stopped: its own "
+                    "timeout applies)"), True
+        if "error" in box:
+            e = box["error"]
+            return None, e, isinstance(e, UpdateCancelled)
+        return box["stats"], None, False
+
+    def _failed_elsewhere(self, n: int, v: int) -> str | None:
+        """Why update ``v`` (push ``n``) failed elsewhere, as far as the store says; None."""
+        if self.store.check([f"step/{v}/failed"]) or self.store.check([PUSH_KEY.format(n=n, what="outcome")]):
+            return "failed elsewhere"
+        if self.store.check(["abort"]):
+            return "aborted"
+        return self._coordinator_gone()
+
+    def _wait_outcome(self, n: int, v: int, local: BaseException | None) -> dict:
+        """Push ``n``'s outcome (``{"ok", "error"}``), as the coordinator claimed it; when it
+        does not come within the timeout (or the coordinator is gone) this rank claims a
+        failure itself, so that no rank returns success for an update another rank gave up on."""
+        key = PUSH_KEY.format(n=n, what="outcome")
+        try:
+            return self._wait_key(key, what=f"no outcome of version {v}", bound=self.timeout + 5)
+        except control.ControlError as e:
+            return _claim_outcome(self.store, n, {"ok": False, "error": ("ControlError", str(e))})
+
+    def _busy(self) -> str | None:
+        """Why this rank cannot take part in a new update (its previous writer is still
+        blocked in a collective after waiting up to half the timeout for it), or None."""
+        if self._running is None:
+            return None
+        th, v = self._running
+        th.join(self.timeout / 2)
+        if th.is_alive():
+            return (f"training {self.rank}: the writes of version {v} are still blocked in a collective of the "
+                    "training world (a peer died or stopped); this rank cannot push until they end")
+        self._running = None
+        return None
+
+    def _coordinator_gone(self) -> str | None:
+        if self._coord_proc is None:
+            if not self.store.check([COORDINATOR_KEY]):
+                return None
+            self._coord_proc = SimpleNamespace(**control.get(self.store, COORDINATOR_KEY))
+        if membership.process_gone(self._coord_proc):
+            return f"coordinator: process {self._coord_proc.pid} on {self._coord_proc.host} is gone"
+        return None
+
+    def _wait_for(self, ready: Callable[[], bool], *, what: str, bound: float, plan: bool = False) -> None:
+        """Poll ``ready()`` up to ``bound`` seconds; ControlError naming ``what`` on expiry, the
+        store's abort, or a coordinator process gone; the coordinator's plan refusal (its
+        type) with ``plan``. A store that stopped answering is a ControlError too."""
+        checked = 0.0
+        try:
+            for expired in control.backoff(bound, 0.002):
+                if ready():
+                    return
+                now = time.monotonic()
+                if now - checked < 0.2 and not expired:
+                    continue
+                checked = now
+                if plan and self.store.check([PLAN_ERROR_KEY]):
+                    raise _shared(control.decode_error(*control.get(self.store, PLAN_ERROR_KEY)))
+                if self.store.check(["abort"]):
+                    raise control.ControlError(f"{what}: aborted: {self.store.get('abort').decode()}")
+                if (gone := self._coordinator_gone()) is not None:
+                    raise control.ControlError(f"{what}: {gone}")
+                if expired:
+                    raise control.ControlError(f"{what} within {bound:.0f} s")
+        except (control.ControlError, ValueError, TypeError):
+            raise
+        except RuntimeError as e:  # torch's DistNetworkError / DistStoreError: the store is gone
+            raise control.ControlError(f"{what}: the control-plane store stopped answering: {_first_line(str(e))}") from e
+
+    def _wait_key(self, key: str, *, what: str, bound: float):
+        self._wait_for(lambda: self.store.check([key]), what=f"training {self.rank}: {what}", bound=bound)
+        return control.get(self.store, key)
 
     def _follow_plan(self) -> None:
         """After "go": when the coordinator published a new plan epoch (the receivers changed),
@@ -534,24 +883,6 @@ class Sender:
         self.close()
         self._build(rank_plan, descriptors)
         self.epoch = epoch
-
-    def _wait_go(self, version: int, box: dict) -> None:
-        """Wait for "go" of ``version``; raise the hosted coordinator's error at once when it
-        failed before saying go (a version refused, a rank that never got ready)."""
-        key = f"step/{version}/go"
-        deadline = time.monotonic() + max(self.timeout, 600.0)
-        for _ in control.backoff(None, 0.001):
-            if self.store.check([key]):
-                return
-            if "error" in box:
-                raise box["error"]
-            if self.store.check(["abort"]):
-                raise control.ControlError(f"go {version}: aborted: {self.store.get('abort').decode()}")
-            if self.store.check([f"step/{version}/why"]):  # the coordinator failed the update before go
-                raise control.ControlError(self.store.get(f"step/{version}/why").decode())
-            if time.monotonic() > deadline:
-                raise control.ControlError(f"training {self.rank}: no go for version {version} within "
-                                           f"{max(self.timeout, 600.0):.0f} s")
 
     def close(self) -> None:
         """Deregister the memory the writes read from (registered once at :meth:`plan`) and

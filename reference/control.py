@@ -68,6 +68,24 @@ class VersionError(ControlError):
     that was skipped."""
 
 
+def encode_error(e: BaseException) -> tuple[str, str]:
+    """``(type name, message)`` of an error, to hand it to other ranks through the store
+    (:func:`decode_error` raises it there as the same documented type)."""
+    return type(e).__name__, str(e)
+
+
+def decode_error(kind: str, msg: str) -> BaseException:
+    """The error :func:`encode_error` described, as the documented type of that name
+    (``ValueError``, ``TypeError``, ``PlanError``, ``VersionError``, ``ControlError``); any
+    other type arrives as ControlError (a failure, not a refusal), naming the type."""
+    from .types import PlanError
+
+    known = {"ValueError": ValueError, "TypeError": TypeError, "PlanError": PlanError, "VersionError": VersionError,
+             "ControlError": ControlError}
+    cls = known.get(kind)
+    return cls(msg) if cls is not None else ControlError(f"{kind}: {msg}")
+
+
 def make_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
                timeout: float = 300.0) -> dist.TCPStore:
     """A TCPStore; the controller is the master (``port=0`` picks a free port: read
@@ -313,10 +331,11 @@ class Controller:
         if self.monitor is not None:
             out += [f"{role_name(k)}: {why}" for k, why in sorted(self.monitor.stalled().items(), key=lambda x: str(x))]
         if step is not None and self.store.check([f"step/{step}/failed"]):
+            echoes = []  # ranks that stopped because another one failed: after the root causes
             for r in range(self.n_train):
                 k = f"step/{step}/done/{r}"
                 if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
-                    out.append(f"training {r}: {res['error']}")
+                    (echoes if res.get("cancelled") else out).append(f"training {r}: {res['error']}")
             for i in range(self.n_infer):
                 k = f"step/{step}/idone/{i}"
                 if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
@@ -324,6 +343,7 @@ class Controller:
                 k = f"step/{step}/committed/{i}"
                 if self.store.check([k]) and not (res := get(self.store, k))["ok"]:
                     out.append(f"inference {i}: commit failed: {res['error']}")
+            out += echoes
         return out
 
     def training_restarted(self) -> None:
@@ -413,7 +433,8 @@ class Controller:
 
     def transfer(self, step: int, *, inference_active: bool = False,
                  commit_ranks: tuple[int, ...] = (),
-                 commit: Callable[[int], object] | None = None) -> tuple[float, dict[int, dict]]:
+                 commit: Callable[[int], object] | None = None,
+                 claim: Callable[[], str | None] | None = None) -> tuple[float, dict[int, dict]]:
         """Publish ``writing step``, send "go", wait for every trainer's completion (and every
         inference rank's, for methods active on the inference side), then, if ``commit_ranks``
         is not empty, ask those inference ranks to commit (``step/{step}/commit``: an engine
@@ -425,9 +446,15 @@ class Controller:
         that, once every write completed: a commit driven from here instead of through the store
         (the vLLM backend's ``update_weights`` call); its return value is kept as
         ``results[("commit", "call")]`` and an exception it raises fails the update like a
-        rank's. If any rank fails, dies or stalls, raises ControlError at
-        once naming it ("training 1: ...", "inference 0: commit failed: ...") and publishes
-        ``incomplete step``: the version is never published over bytes a commit did not finish."""
+        rank's; one that does not return within the timeout fails it too (the call is left
+        running in its thread: the library cannot stop a caller's code). ``claim`` (optional)
+        is asked last, once everything succeeded: it returns None to let ``complete step`` be
+        published, or the reason it may not be (e.g. a training rank that gave up waiting
+        claimed the update's outcome first: every rank must reach the same decision), which
+        then fails the update like any error. If any rank fails, dies or stalls, raises
+        ControlError at once naming it ("training 1: ...", "inference 0: commit failed: ...")
+        and publishes ``incomplete step``: the version is never published over bytes a commit
+        did not finish."""
         self.begin(step)
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
@@ -449,10 +476,9 @@ class Controller:
                 results.update({("commit", i): get(self.store, f"step/{step}/committed/{i}") for i in commit_ranks})
                 failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
             if not failed and commit is not None:
-                try:
-                    results[("commit", "call")] = {"ok": True, "error": "", "stats": commit(step)}
-                except Exception as e:
-                    raise ControlError(f"commit failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                results[("commit", "call")] = {"ok": True, "error": "", "stats": self._commit(commit, step)}
+            if not failed and claim is not None and (why := claim()) is not None:
+                raise ControlError(why)
             seconds = time.perf_counter() - t0
             self.last_write_seconds = write_seconds
             if failed:  # root cause first (a dead process before the ranks that echo it)
@@ -469,6 +495,30 @@ class Controller:
             raise
         self.publish(step)
         return seconds, results
+
+    def _commit(self, commit: Callable[[int], object], step: int):
+        """``commit(step)`` in a thread of its own, waited for up to the timeout. ControlError
+        "commit failed: ..." (the call's exception as ``__cause__``) or "commit ... did not
+        return within T s" (the call is left running: a caller's code cannot be stopped)."""
+        import threading
+
+        box: dict = {}
+
+        def call():
+            try:
+                box["out"] = commit(step)
+            except BaseException as e:  # handed to the waiting thread
+                box["err"] = e
+
+        th = threading.Thread(target=call, name=f"wt-commit-{step}", daemon=True)
+        th.start()
+        th.join(self.timeout)
+        if th.is_alive():
+            raise ControlError(f"commit of step {step} did not return within {self.timeout:.0f} s (left running)")
+        if "err" in box:
+            e = box["err"]
+            raise ControlError(f"commit failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        return box.get("out")
 
     def verified(self, step: int) -> dict[int, dict]:
         self._wait({i: f"step/{step}/verified/{i}" for i in range(self.n_infer)}, f"step {step} verification")
@@ -505,8 +555,11 @@ class TrainerClient:
     def wait_go(self, step: int) -> None:
         wait_keys(self.store, {self.rank: f"step/{step}/go"}, timeout=self.timeout, what=f"go {step}", poll=0.001)
 
-    def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
-        put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": stats})
+    def done(self, step: int, *, ok: bool, error: str = "", stats=None, cancelled: bool = False) -> None:
+        """Report this rank's result of ``step``; ``cancelled``: it stopped because another rank
+        failed (named after the root cause: :meth:`Controller.culprits`)."""
+        put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": stats,
+                                                          "cancelled": cancelled})
         if not ok:
             self.store.set(f"step/{step}/failed", b"1")
 

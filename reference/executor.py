@@ -104,7 +104,7 @@ from .tasks import (
     PostedTask,
     WritesInFlight,
     complete_task,
-    gather_sources,
+    iter_sources,
     post_ops,
     prepare_outputs,
     unique_nbytes,
@@ -125,7 +125,8 @@ STAGES = ("h2d", "prepare", "write", "release")
 class _Work:
     """A task on its way through the stages."""
 
-    __slots__ = ("task", "rec", "index", "full", "outputs", "h2d_event", "ready_event", "admitted", "pool_off")
+    __slots__ = ("task", "rec", "index", "full", "outputs", "h2d_event", "ready_event", "admitted", "pool_off",
+                 "gathered", "in_collective", "barriers_issued")
 
     def __init__(self, task: Task, index: int):
         self.task, self.index = task, index
@@ -135,6 +136,20 @@ class _Work:
         self.rec = TaskRecord(task.id, task.group, temp_bytes=task.temp_bytes, send_bytes=task.send_bytes, label=label)
         self.full = self.outputs = self.h2d_event = self.ready_event = self.pool_off = None
         self.admitted = False
+        self.gathered = 0
+        """Sources of ``task.sources`` whose ``full_tensor()`` returned (collectives done)."""
+        self.in_collective = False
+        """True while a ``full_tensor()`` of this task runs (an error then broke the collective)."""
+        self.barriers_issued = False
+
+
+class UpdateCancelled(RuntimeError):
+    """The update was cancelled from outside (:meth:`Executor.run`'s ``cancel`` was set: another
+    rank failed) before this rank's writes all completed; its collectives ran to the end."""
+
+
+class _Skip(Exception):
+    """Internal: a task that waited at the gate or for pool space when the update stopped."""
 
 
 _STOP = object()
@@ -290,9 +305,14 @@ class Executor:
 
     def _admit(self, w: _Work, abort: threading.Event | None) -> None:
         t0 = time.perf_counter()
-        self._gate.acquire(w.task.temp_bytes, abort)
-        w.admitted = True
-        w.pool_off = self.memory.acquire(w.index, abort)  # this task's output pool chunk
+        try:
+            self._gate.acquire(w.task.temp_bytes, abort)
+            w.admitted = True
+            w.pool_off = self.memory.acquire(w.index, abort)  # this task's output pool chunk
+        except RuntimeError:
+            if abort is not None and abort.is_set():  # the update stopped while this task waited
+                raise _Skip() from None
+            raise
         w.rec.gate_wait = time.perf_counter() - t0
 
     def _h2d(self, w: _Work, abort=None) -> None:
@@ -332,8 +352,9 @@ class Executor:
         if w.h2d_event is not None:
             torch.cuda.current_stream(self.device).wait_event(w.h2d_event)
         with torch.no_grad():
-            full = gather_sources(task, self.params)
+            full = self._gather(w)
             if self._last_of_group.get(task.group) == w.index:
+                w.barriers_issued = True
                 self._issue_barriers_through(task.group)
             outs = prepare_outputs(task, full, into=self.memory.buffers(w.index, w.pool_off))
         if self.cuda:
@@ -350,6 +371,46 @@ class Executor:
         with self._lock:
             self._alloc_now += w.rec.alloc_bytes
             self._alloc_peak = max(self._alloc_peak, self._alloc_now)
+
+    def _gather(self, w: _Work) -> dict[str, torch.Tensor]:
+        """:func:`weight_transfer.tasks.gather_sources` of ``w.task``, counting the collectives
+        done in ``w.gathered`` (so a failure later in prepare can finish the task's share of
+        them, :meth:`_collectives_only`)."""
+        out = {}
+        for name, get in iter_sources(w.task, self.params):
+            w.in_collective = True
+            out[name] = get()
+            w.in_collective = False
+            if name in w.task.sources:
+                w.gathered += 1
+        return out
+
+    def _collectives_only(self, w: _Work, st: StepStats) -> None:
+        """After the update stopped (this rank failed, or ``cancel``): take part in ``w``'s
+        collectives that are still to come -- its ``full_tensor()`` calls not yet made (from
+        ``w.gathered`` on) and the group barriers due after it -- without building or writing
+        anything, so the other training ranks' collectives complete (C28: no collective left
+        waiting). Marks the executor broken instead when a collective itself failed (the
+        process group is then unusable: issuing more would only block)."""
+        if self._broken:
+            return
+        task = w.task
+        try:
+            self._wait_barriers_before(task.group, st)
+            with torch.no_grad():
+                for name in task.sources[w.gathered:]:
+                    p = self.params[name]
+                    if isinstance(p, DTensor):
+                        w.in_collective = True
+                        p.full_tensor()
+                        w.in_collective = False
+                    w.gathered += 1
+            if self._last_of_group.get(task.group) == w.index and not w.barriers_issued:
+                w.barriers_issued = True
+                self._issue_barriers_through(task.group)
+        except BaseException as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            self._say(f"a collective failed after the update stopped; no more collectives this update: {e}")
 
     def _post_write(self, w: _Work) -> PostedTask:
         """Post ``w``'s batch (after its outputs are ready on the device) from the memory
@@ -388,16 +449,18 @@ class Executor:
         memory). At the end of the stream every batch is waited for. The first error (a
         refused post, a failed write, a batch past its timeout, counted from its post) fails
         the update; no batch is posted after it, the batches still in flight are waited for
-        (each up to its deadline) before their pool chunks are given back. The earlier stages
-        go on to the end of the plan (their ``full_tensor()`` collectives and group barriers
-        stay in step with the other training ranks, whose writes may not have failed: a dead
-        receiver does not hang a trainer, C24); the error is raised once they finished."""
+        (each up to its deadline) before their pool chunks are given back. The prepare stage
+        goes on to the end of the plan making the collectives only (its ``full_tensor()`` calls
+        and group barriers stay in step with the other training ranks, whose writes may not
+        have failed: a dead receiver does not hang a trainer, C24, C28); the error is raised
+        once it finished. ``abort`` set from outside (a cancel) also ends the posting."""
         fl = self._writes = WritesInFlight(self.transport, self.remote, self.write_timeout)
         failed = threading.Event()  # no batch after a failed one; the other stages go on
 
         def fail(w: _Work, e: BaseException) -> None:
             errors.append(("write", w.task.id, w.rec.label, e))
             failed.set()
+            abort.set()  # prepare makes the remaining collectives only (nothing more is built)
             left = fl.abandon()
             if fl.timed_out:
                 self.memory.suspect = True  # a batch may still read the pool: replace it next update
@@ -472,33 +535,41 @@ class Executor:
                 ("release", lambda w, ab: self._release(w))]
         return fns
 
-    def run(self, step: int | None = None) -> StepStats:
+    def run(self, step: int | None = None, *, cancel: threading.Event | None = None) -> StepStats:
         """One update: every task of the plan through every stage. Returns this rank's
-        :class:`StepStats`; raises the first stage error (naming stage and task)."""
+        :class:`StepStats`; raises the first stage error (RuntimeError naming stage and task,
+        the original as ``__cause__``), or :class:`UpdateCancelled` when ``cancel`` was set
+        (by another thread: another rank failed) before the update finished. Either way it
+        returns only once this rank took part in every collective of the plan (``full_tensor()``
+        and group barriers: the failed or cancelled tasks' collectives are made without building
+        or writing anything) and every posted batch completed or timed out; after a stop no
+        batch is posted. ``cancel`` is also set by the executor itself at its first error."""
         self._runs += 1
         step = self._runs if step is None else step
         st = StepStats(rank=self.plan.rank, watermark=self.watermark, pipelined=self.pipeline,
                        offloaded=self.offloaded, step=step, full_bytes=self.plan.send_bytes)
+        stop = cancel if cancel is not None else threading.Event()
         if self.delta is not None:
             st.delta = f"full: {self.delta.reason}" if self.delta.begin(self.remote) else "delta"
             st.delta_shadow_bytes = self.delta.shadow_bytes
             try:
-                out = self._run(st, step)
+                out = self._run(st, step, stop)
             except BaseException:
                 self.delta.end(step, ok=False)
                 raise
             self.delta.end(step, ok=True)
             st.delta_compare_s, st.delta_whole = self.delta.seconds, self.delta.whole
             return out
-        return self._run(st, step)
+        return self._run(st, step, stop)
 
-    def _run(self, st: StepStats, step: int) -> StepStats:
+    def _run(self, st: StepStats, step: int, stop: threading.Event) -> StepStats:
         self._gate = MemoryGate(self.watermark)
         self.memory.reset()
         self._lock = threading.Lock()
         self._alloc_now = self._alloc_peak = 0
         self._next_barrier = 0
         self._handles: list = []
+        self._broken: str | None = None
         works = [_Work(t, i) for i, t in enumerate(self.plan.tasks)]
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -506,28 +577,18 @@ class Executor:
             base = torch.cuda.memory_allocated(self.device)
         st.t_start, st.wall_start = time.perf_counter(), time.time()
         fns = self._stage_fns(st)
+        errors: list[tuple[str, int, str, BaseException]] = []
         if self.pipeline:
-            self._run_pipelined(works, fns, st)
+            self._run_pipelined(works, fns, st, stop, errors)
         else:
-            err = None  # a failed write: no batch after it, the prepares (collectives) go on to the end
-            for w in works:
-                for name, fn in fns:
-                    if err is not None and name == "write":
-                        self._drop(w)
-                        break
-                    try:
-                        fn(w, None)
-                    except Exception as e:
-                        why = RuntimeError(f"rank {self.plan.rank}: stage {name} of task {w.task.id} "
-                                           f"({w.rec.label}) failed: {type(e).__name__}: {e}")
-                        if name != "write":
-                            raise why from e
-                        err = (why, e)
-                        self._drop(w)
-                        break
-            self._finish_barriers(st)
-            if err is not None:
-                raise err[0] from err[1]
+            self._run_serial(works, fns, st, stop, errors)
+        if errors:
+            name, tid, label, e = errors[0]
+            raise RuntimeError(f"rank {self.plan.rank}: stage {name} of task {tid} ({label}) failed: "
+                               f"{type(e).__name__}: {e}") from e
+        if stop.is_set():
+            raise UpdateCancelled(f"rank {self.plan.rank}: update {step} cancelled (another rank failed); this "
+                                  "rank's collectives ran to the end, it posted no write after the cancel")
         if self.cuda:
             torch.cuda.synchronize(self.device)
             st.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) - base
@@ -541,10 +602,52 @@ class Executor:
             save_rank_trace(self.trace_dir, st)
         return st
 
-    def _run_pipelined(self, works: list[_Work], fns, st: StepStats) -> None:
+    def _stage_failed(self, name: str, w: _Work, e: BaseException, st: StepStats, stop: threading.Event,
+                      errors: list) -> None:
+        """Stage ``name`` raised ``e`` on ``w``: record the first error, stop the update (no
+        write after this), finish ``w``'s share of the collectives (a stage before the writes;
+        none when a collective itself raised) and give its memory back."""
+        errors.append((name, w.task.id, w.rec.label, e))
+        stop.set()
+        if name in ("h2d", "prepare"):
+            if w.in_collective:
+                self._broken = f"{type(e).__name__}: {e}"
+            elif name == "prepare" or not w.gathered:
+                self._collectives_only(w, st)
+        self._drop(w)
+
+    def _run_serial(self, works: list[_Work], fns, st: StepStats, stop: threading.Event, errors: list) -> None:
+        """``pipeline=False``: every stage of a task before the next task starts, on the
+        caller's thread. After a stop (an error here, or ``stop`` set from outside) the rest of
+        the plan runs its collectives only."""
+        for w in works:
+            if stop.is_set():
+                self._collectives_only(w, st)
+                continue
+            for name, fn in fns:
+                if stop.is_set() and name in ("h2d", "prepare", "write"):  # cancelled from outside meanwhile
+                    if name != "write":
+                        self._collectives_only(w, st)
+                    self._drop(w)
+                    break
+                try:
+                    fn(w, stop)
+                except _Skip:
+                    self._collectives_only(w, st)
+                    self._drop(w)
+                    break
+                except Exception as e:
+                    self._stage_failed(name, w, e, st, stop, errors)
+                    break
+        try:
+            if not self._broken:
+                self._finish_barriers(st)
+        except BaseException as e:
+            errors.append(("barrier", -1, "barrier", e))
+            stop.set()
+
+    def _run_pipelined(self, works: list[_Work], fns, st: StepStats, stop: threading.Event, errors: list) -> None:
         queues = [queue.SimpleQueue() for _ in fns]
-        abort = threading.Event()
-        errors: list[tuple[str, int, str, BaseException]] = []
 
         def loop(i: int) -> None:
             if self.cuda and self.device.index is not None:  # CUDA's current device is per thread
@@ -553,28 +656,47 @@ class Executor:
             q_in = queues[i]
             q_out = queues[i + 1] if i + 1 < len(fns) else None
             if name == "write":
-                return self._write_loop(q_in, q_out, abort, errors, st)
+                return self._write_loop(q_in, q_out, stop, errors, st)
             while True:
                 w = q_in.get()
                 if w is _STOP:
-                    if name == "prepare" and not abort.is_set():
+                    if name == "prepare" and not self._broken:
                         try:
-                            self._finish_barriers(st)
+                            self._finish_barriers(st)  # after a stop too: the other ranks' barriers complete
                         except BaseException as e:
                             errors.append((name, -1, "barrier", e))
-                            abort.set()
+                            stop.set()
                     if q_out is not None:
                         q_out.put(_STOP)
                     return
-                if abort.is_set():
-                    self._drop(w)
+                if stop.is_set() and name != "release":
+                    if name == "prepare":  # the collectives of every task still run (C28)
+                        self._collectives_only(w, st)
+                        self._drop(w)
+                    elif q_out is not None:
+                        q_out.put(w)  # h2d: prepare makes its collectives
                     continue
                 try:
-                    fn(w, abort)
+                    fn(w, stop)
+                except _Skip:  # waited at the gate when the update stopped
+                    if name == "prepare":
+                        self._collectives_only(w, st)
+                        self._drop(w)
+                    elif q_out is not None:
+                        q_out.put(w)
+                    continue
                 except BaseException as e:
-                    errors.append((name, w.task.id, w.rec.label, e))
-                    abort.set()
-                    self._drop(w)
+                    if name == "h2d" and q_out is not None:
+                        errors.append((name, w.task.id, w.rec.label, e))
+                        stop.set()
+                        q_out.put(w)  # prepare makes its collectives
+                        continue
+                    if name == "release":
+                        errors.append((name, w.task.id, w.rec.label, e))
+                        stop.set()
+                        self._give_back(w)
+                        continue
+                    self._stage_failed(name, w, e, st, stop, errors)
                     continue
                 if q_out is not None:
                     q_out.put(w)
@@ -588,7 +710,3 @@ class Executor:
         queues[0].put(_STOP)
         for t in threads:
             t.join()
-        if errors:
-            name, tid, label, e = errors[0]
-            raise RuntimeError(f"rank {self.plan.rank}: stage {name} of task {tid} ({label}) failed: "
-                               f"{type(e).__name__}: {e}") from e

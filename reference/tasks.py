@@ -37,7 +37,7 @@ from .transforms import recipe_outputs
 from .transport.base import CompletedWrite, Region, RemoteGoneError, Transport, WriteHandle, WriteOp
 from .types import RegionDescriptor, Task
 
-__all__ = ["DIRECT", "MemoryGate", "PostedTask", "WritesInFlight", "complete_task", "gather_sources", "post_ops", "post_outputs",
+__all__ = ["DIRECT", "MemoryGate", "PostedTask", "WritesInFlight", "complete_task", "gather_sources", "iter_sources", "post_ops", "post_outputs",
            "prepare_outputs", "unique_nbytes", "write_outputs"]
 
 DIRECT = "direct"
@@ -46,17 +46,23 @@ output is written straight from the shards in pieces, :class:`weight_transfer.me
 its outputs are ``[]``."""
 
 
+def iter_sources(task: Task, params: dict[str, DTensor]):
+    """``(name, get)`` for every source of ``task`` in the task's order: ``get()`` returns the
+    ``full_tensor()`` of each of ``task.sources`` (a collective over the source's DeviceMesh:
+    every rank of the mesh calls them in this order) and then the rank's own shard
+    (``to_local()``, no communication) of each of ``task.local_sources``."""
+    for name in task.sources:
+        p = params[name]
+        yield name, (p.full_tensor if isinstance(p, DTensor) else (lambda p=p: p))
+    for name in task.local_sources:
+        p = params[name]
+        yield name, (p.to_local if isinstance(p, DTensor) else (lambda p=p: p))
+
+
 def gather_sources(task: Task, params: dict[str, DTensor]) -> dict[str, torch.Tensor]:
     """``full_tensor()`` of every source of ``task``, in the task's order (collective); the
     rank's own shard (``to_local()``, no communication) of every local source."""
-    out = {}
-    for name in task.sources:
-        p = params[name]
-        out[name] = p.full_tensor() if isinstance(p, DTensor) else p
-    for name in task.local_sources:
-        p = params[name]
-        out[name] = p.to_local() if isinstance(p, DTensor) else p
-    return out
+    return {name: get() for name, get in iter_sources(task, params)}
 
 
 def prepare_outputs(task: Task, full: dict[str, torch.Tensor],

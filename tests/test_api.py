@@ -116,11 +116,12 @@ def test_a_failed_write_publishes_incomplete_and_the_next_push_restores(world, m
     tx.plan()
     real = tx.executor.run
 
-    def broken(step=None):
+    def broken(step=None, cancel=None):
         raise RuntimeError("injected: NIC gone")
     monkeypatch.setattr(tx.executor, "run", broken)
-    with pytest.raises(RuntimeError, match="NIC gone"):
+    with pytest.raises(wt.ControlError, match="training 0: RuntimeError: injected: NIC gone") as ei:
         tx.push(2)
+    assert isinstance(ei.value.__cause__, RuntimeError) and "NIC gone" in str(ei.value.__cause__)
     s = rx.state()
     assert s.state == "incomplete" and s.version == 2 and rx.version() is None
     with pytest.raises(wt.UpdateInProgress):

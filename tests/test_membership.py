@@ -132,10 +132,10 @@ def test_c24_an_engine_killed_mid_update_fails_that_update_named_and_the_next_co
     tx.plan()
     real = tx.executor.run
 
-    def dies_midway(step=None):  # engine 1 dies after the go, while the update writes
+    def dies_midway(step=None, cancel=None):  # engine 1 dies after the go, while the update writes
         os.kill(r1.pid, signal.SIGKILL)
         r1.join(10)
-        return real(step)
+        return real(step, cancel=cancel)
     tx.executor.run = dies_midway
     new = _weights(2)
     for n, t in params.items():
