@@ -84,6 +84,11 @@ TRAIN_PROC_KEY = "meta/train_proc/{rank}"
 """``{"host", "pid"}`` of a training rank's process (published at its first push)."""
 PLAN_ERROR_KEY = "plan/error"
 """``(type name, message)`` of a refused plan: every training rank raises it alike."""
+WHERE_KEY = "step/{version}/where/{rank}"
+"""``{"prepare": (task, seconds) | None, "collective": (task, seconds) | None, "time": wall
+seconds}`` (pickled): what training rank ``rank``'s update to ``version`` was doing, republished
+every 0.25 s while it runs (:meth:`weight_transfer.executor.Executor.activity`); the coordinator
+names a rank that holds the others up from it when the update times out."""
 REFUSALS = ("ValueError", "TypeError", "PlanError", "VersionError", "ControlError")
 """The documented error types, handed between ranks as themselves (anything else arrives as ControlError)."""
 
@@ -378,12 +383,16 @@ class Coordinator:
             try:
                 seconds, results = self.ctl.transfer(version, commit_ranks=commit_ranks, commit=commit, claim=claim)
             except control.ControlError as e:
+                msg = str(e)
+                if "no answer within" in msg:  # which rank holds the others up, as they said
+                    msg += self._who_holds(version)
                 gone = self._gone()
                 if gone:  # name the engines whose loss failed the update (C15); the next update plans without them
-                    raise control.ControlError(f"{e}; inference rank(s) {sorted(gone)} gone (process no longer "
-                                               "runs, left or stalled): planned without them from the next "
-                                               "update") from e
-                raise
+                    msg += (f"; inference rank(s) {sorted(gone)} gone (process no longer runs, left or stalled): "
+                            "planned without them from the next update")
+                if msg == str(e):
+                    raise
+                raise control.ControlError(msg) from e
         except BaseException as e:
             msg = str(e) if isinstance(e, control.ControlError) else f"coordinator: {type(e).__name__}: {e}"
             out = self._claim(n, False, ("ControlError", msg))
@@ -397,6 +406,33 @@ class Coordinator:
         return UpdateResult(version=version, seconds=seconds, write_seconds=self.ctl.last_write_seconds or seconds,
                             bytes=sum(s.bytes_sent for s in stats.values()),
                             n_writes=sum(s.n_writes for s in stats.values()), stats=stats, commits=commits)
+
+    def _who_holds(self, version: int) -> str:
+        """"; training r: ..." for each training rank that did not complete ``version``, from
+        what it last said it was doing (:data:`WHERE_KEY`): a rank in a ``full_tensor()``
+        waits for its peers; one outside any collective, or silent (stopped), holds them up."""
+        parts = []
+        now = time.time()
+        for r in range(self.n_train):
+            if self.store.check([f"step/{version}/done/{r}"]):
+                continue
+            key = WHERE_KEY.format(version=version, rank=r)
+            if not self.store.check([key]):
+                parts.append(f"training {r}: said nothing since go (stopped or stalled)")
+                continue
+            a = control.get(self.store, key)
+            age = now - a["time"]
+            if age > 2.0:
+                parts.append(f"training {r}: silent for {age:.1f} s (its process stopped or stalled)")
+            elif a.get("collective"):
+                parts.append(f"training {r}: in full_tensor() of task {a['collective'][0]} for "
+                             f"{a['collective'][1]:.1f} s (waiting for its peers)")
+            elif a.get("prepare"):
+                parts.append(f"training {r}: stalled in prepare of task {a['prepare'][0]} for {a['prepare'][1]:.1f} s, "
+                             "outside any collective (holding the others up)")
+            else:
+                parts.append(f"training {r}: writing")
+        return "".join(f"; {p}" for p in parts)
 
     def _gone(self) -> set[int]:
         """Members that left, died or stalled (:mod:`weight_transfer.membership`), each with
@@ -715,6 +751,12 @@ class Sender:
             thread.start()
         try:
             stats = self._push(n, refusal)
+        except control.ControlError as e:
+            if thread is not None:
+                thread.join(self.timeout + 5)
+                if e.__cause__ is None and box.get("error") is not None and box["error"] is not e:
+                    e.__cause__ = box["error"]  # the coordinator's own account (a failed commit, before_go)
+            raise
         finally:
             if thread is not None:
                 thread.join(self.timeout + 5)
@@ -777,11 +819,15 @@ class Sender:
         th.start()
         grace = min(5.0, self.timeout)
         until = None
-        checked = 0.0
+        checked = told = 0.0
         for _ in control.backoff(None, 0.005):
             if not th.is_alive():
                 break
             now = time.monotonic()
+            if now - told >= 0.25:  # what this rank is doing, for the coordinator's account of a timeout
+                told = now
+                control.put(self.store, WHERE_KEY.format(version=v, rank=self.rank),
+                            {**self.executor.activity(), "time": time.time()})
             if until is None and now - checked >= control.FAILURE_CHECK_S:
                 checked = now
                 why = self._failed_elsewhere(n, v)

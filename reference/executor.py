@@ -208,6 +208,7 @@ class Executor:
         self._h2d_stream = torch.cuda.Stream(device=self.device) if (self.cuda and self.offloaded) else None
         self._barrier_async = self._accepts_async(group_barrier)
         self._runs = 0
+        self._activity: dict = {"prepare": None, "collective": None}
         self.memory = RegisteredMemory(plan.tasks, params, transport, device=self.device, watermark=self.watermark,
                                        pool_bytes=pool_bytes, direct=not options.delta and os.environ.get("WT_DIRECT_WRITES", "1") != "0")
         self.setup_stats: SetupStats = self.memory.stats
@@ -343,7 +344,15 @@ class Executor:
         w.rec.h2d_bytes = n
         w.rec.stages["h2d"] = (t0, time.perf_counter())
 
+    def activity(self) -> dict[str, tuple[int, float] | None]:
+        """What this rank's update is doing now, for naming a rank that holds the others up:
+        ``{"prepare": (task id, seconds in it), "collective": (task id, seconds in its
+        full_tensor()) or None}`` (a stage not started yet: None). Read from another thread."""
+        now = time.perf_counter()
+        return {k: (v[0], now - v[1]) if v is not None else None for k, v in dict(self._activity).items()}
+
     def _prepare(self, w: _Work, st: StepStats, abort=None) -> None:
+        self._activity["prepare"] = (w.task.id, time.perf_counter())
         if not w.admitted:
             self._admit(w, abort)
         task = w.task
@@ -368,6 +377,7 @@ class Executor:
         w.full, w.outputs = full, outs
         t1 = time.perf_counter()
         w.rec.stages["prepare"] = (t0, t1)
+        self._activity["prepare"] = None
         with self._lock:
             self._alloc_now += w.rec.alloc_bytes
             self._alloc_peak = max(self._alloc_peak, self._alloc_now)
@@ -379,7 +389,9 @@ class Executor:
         out = {}
         for name, get in iter_sources(w.task, self.params):
             w.in_collective = True
+            self._activity["collective"] = (w.task.id, time.perf_counter())
             out[name] = get()
+            self._activity["collective"] = None
             w.in_collective = False
             if name in w.task.sources:
                 w.gathered += 1
@@ -402,7 +414,9 @@ class Executor:
                     p = self.params[name]
                     if isinstance(p, DTensor):
                         w.in_collective = True
+                        self._activity["collective"] = (task.id, time.perf_counter())
                         p.full_tensor()
+                        self._activity["collective"] = None
                         w.in_collective = False
                     w.gathered += 1
             if self._last_of_group.get(task.group) == w.index and not w.barriers_issued:
@@ -570,6 +584,7 @@ class Executor:
         self._next_barrier = 0
         self._handles: list = []
         self._broken: str | None = None
+        self._activity = {"prepare": None, "collective": None}
         works = [_Work(t, i) for i, t in enumerate(self.plan.tasks)]
         if self.cuda:
             torch.cuda.synchronize(self.device)
