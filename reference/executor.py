@@ -70,24 +70,30 @@ Every task records its stage start/end times (``time.perf_counter`` seconds); :c
 carries the matching wall-clock origin so ranks line up. Intervals of one stage may overlap
 (``write``), so :meth:`StepStats.stage_busy` counts the union of a stage's intervals.
 
-*Errors.* The first error of any stage fails the update and is raised naming the stage and the
-task (a gone receiver: the inference rank). An error before the writes aborts every stage; a
-failed write stops the writes only: the prepares run to the end of the plan, so the training
-ranks' collectives stay in step (a receiver that dies mid-update hangs no trainer: C24), and the
-error is raised after them. After it no batch is posted; the batches still in
-flight are waited for (each up to its deadline) and their pool chunks given back; a batch that
-timed out may still be in flight, so its pool is replaced (registered again, the old buffer
-kept unused) before the next update. The lease and epoch checks (C17) are the transport's, per
-batch, whatever memory the batch reads. :meth:`run`
-returns only after every posted batch completed, so a rank's reported success implies all its
-writes completed (what the control plane requires of every rank before it publishes). With ``trace_dir`` each update is
+*Errors.* The first error of any stage (h2d, prepare, write, release, a barrier) fails the
+update and is raised naming the stage and the task (a gone receiver: the inference rank), the
+original as ``__cause__``. From then on no batch is posted, but the prepare stage goes on to
+the end of the plan making the *collectives only* -- the ``full_tensor()`` calls of every task
+not yet gathered (a task that failed half-way resumes from its next source) and the barriers
+between mesh groups -- without building or writing anything, so the other training ranks'
+collectives complete and none is left blocked in one (C24, C28). A ``cancel`` event handed to
+:meth:`Executor.run` (another rank failed) stops the update the same way and raises
+:class:`UpdateCancelled`. When a collective itself raises (a peer died: the process group is
+broken), no further collective is made this update. The batches still in flight are waited for
+(each up to its deadline) and their pool chunks given back; a batch that timed out may still
+be in flight, so its pool is replaced (registered again, the old buffer kept unused) before the
+next update. The lease and epoch checks (C17) are the transport's, per batch, whatever memory
+the batch reads. :meth:`run` returns only after every posted batch completed, so a rank's
+reported success implies all its writes completed (what the control plane requires of every
+rank before it publishes). :meth:`Executor.activity` says, from another thread, which task
+prepare and a ``full_tensor()`` are in (the control plane names a rank that holds the others up
+from it). With ``trace_dir`` each update is
 saved as a Chrome trace per rank (:mod:`weight_transfer.timeline`).
 """
 from __future__ import annotations
 
 import inspect
 import os
-import queue
 import threading
 import time
 import weakref
@@ -98,12 +104,13 @@ from torch.distributed.tensor import DTensor
 
 from .memory import RegisteredMemory, SetupStats, built_bytes
 from .options import ExecutorOptions
-from .records import BarrierRecord, StepStats, TaskRecord
+from .records import BarrierRecord, StepStats, TaskRecord  # noqa: F401 -- re-exported (the records of an update)
+from .stages import _STOP, StageLoops, UpdateCancelled, _Skip, _Work  # noqa: F401 -- UpdateCancelled: part of this module's API
 from .tasks import (
     MemoryGate,
     PostedTask,
-    WritesInFlight,
     complete_task,
+    gather_sources,  # noqa: F401 -- re-exported (the prepare stage's functions, tests/plan)
     iter_sources,
     post_ops,
     prepare_outputs,
@@ -111,7 +118,7 @@ from .tasks import (
 )
 from .timeline import peak_in_flight
 from .transport.base import Transport
-from .types import RankPlan, RegionDescriptor, Task
+from .types import RankPlan, RegionDescriptor
 
 STAGES = ("h2d", "prepare", "write", "release")
 """Stage names in pipeline order."""
@@ -122,43 +129,7 @@ STAGES = ("h2d", "prepare", "write", "release")
 
 
 
-class _Work:
-    """A task on its way through the stages."""
-
-    __slots__ = ("task", "rec", "index", "full", "outputs", "h2d_event", "ready_event", "admitted", "pool_off",
-                 "gathered", "in_collective", "barriers_issued")
-
-    def __init__(self, task: Task, index: int):
-        self.task, self.index = task, index
-        label = task.sources[0] if task.sources else f"task {task.id}"
-        if len(task.sources) > 1:
-            label += f" +{len(task.sources) - 1}"
-        self.rec = TaskRecord(task.id, task.group, temp_bytes=task.temp_bytes, send_bytes=task.send_bytes, label=label)
-        self.full = self.outputs = self.h2d_event = self.ready_event = self.pool_off = None
-        self.admitted = False
-        self.gathered = 0
-        """Sources of ``task.sources`` whose ``full_tensor()`` returned (collectives done)."""
-        self.in_collective = False
-        """True while a ``full_tensor()`` of this task runs (an error then broke the collective)."""
-        self.barriers_issued = False
-
-
-class UpdateCancelled(RuntimeError):
-    """The update was cancelled from outside (:meth:`Executor.run`'s ``cancel`` was set: another
-    rank failed) before this rank's writes all completed; its collectives ran to the end."""
-
-
-class _Skip(Exception):
-    """Internal: a task that waited at the gate or for pool space when the update stopped."""
-
-
-_STOP = object()
-_POLL_S = 5e-4
-"""Seconds the pipelined write stage waits on its input queue between polls of the batches in
-flight."""
-
-
-class Executor:
+class Executor(StageLoops):
     """Executes a :class:`RankPlan` once per :meth:`run` (see module docstring).
 
     ``params`` maps checkpoint names to this rank's DTensors (an
@@ -397,35 +368,6 @@ class Executor:
                 w.gathered += 1
         return out
 
-    def _collectives_only(self, w: _Work, st: StepStats) -> None:
-        """After the update stopped (this rank failed, or ``cancel``): take part in ``w``'s
-        collectives that are still to come -- its ``full_tensor()`` calls not yet made (from
-        ``w.gathered`` on) and the group barriers due after it -- without building or writing
-        anything, so the other training ranks' collectives complete (C28: no collective left
-        waiting). Marks the executor broken instead when a collective itself failed (the
-        process group is then unusable: issuing more would only block)."""
-        if self._broken:
-            return
-        task = w.task
-        try:
-            self._wait_barriers_before(task.group, st)
-            with torch.no_grad():
-                for name in task.sources[w.gathered:]:
-                    p = self.params[name]
-                    if isinstance(p, DTensor):
-                        w.in_collective = True
-                        self._activity["collective"] = (task.id, time.perf_counter())
-                        p.full_tensor()
-                        self._activity["collective"] = None
-                        w.in_collective = False
-                    w.gathered += 1
-            if self._last_of_group.get(task.group) == w.index and not w.barriers_issued:
-                w.barriers_issued = True
-                self._issue_barriers_through(task.group)
-        except BaseException as e:
-            self._broken = f"{type(e).__name__}: {e}"
-            self._say(f"a collective failed after the update stopped; no more collectives this update: {e}")
-
     def _post_write(self, w: _Work) -> PostedTask:
         """Post ``w``'s batch (after its outputs are ready on the device) from the memory
         registered at setup; do not wait."""
@@ -452,70 +394,6 @@ class Executor:
             self.memory.suspect = True  # its writes may still read the pool
             raise
         self._write_done(p, n, st)
-
-    def _write_loop(self, q_in, q_out, abort: threading.Event, errors: list, st: StepStats) -> None:
-        """The pipelined write stage: post each task's batch as soon as it arrives, with the
-        batches of earlier tasks still in flight (:class:`weight_transfer.tasks.WritesInFlight`);
-        hand a task to release once its batch completed, in plan order. The watermark bounds
-        how many are in flight (a task holds its temporary bytes until release). While
-        anything is in flight the input queue is polled every ``_POLL_S`` seconds so completed
-        batches keep being reaped (the first stage may be waiting at the gate for their
-        memory). At the end of the stream every batch is waited for. The first error (a
-        refused post, a failed write, a batch past its timeout, counted from its post) fails
-        the update; no batch is posted after it, the batches still in flight are waited for
-        (each up to its deadline) before their pool chunks are given back. The prepare stage
-        goes on to the end of the plan making the collectives only (its ``full_tensor()`` calls
-        and group barriers stay in step with the other training ranks, whose writes may not
-        have failed: a dead receiver does not hang a trainer, C24, C28); the error is raised
-        once it finished. ``abort`` set from outside (a cancel) also ends the posting."""
-        fl = self._writes = WritesInFlight(self.transport, self.remote, self.write_timeout)
-        failed = threading.Event()  # no batch after a failed one; the other stages go on
-
-        def fail(w: _Work, e: BaseException) -> None:
-            errors.append(("write", w.task.id, w.rec.label, e))
-            failed.set()
-            abort.set()  # prepare makes the remaining collectives only (nothing more is built)
-            left = fl.abandon()
-            if fl.timed_out:
-                self.memory.suspect = True  # a batch may still read the pool: replace it next update
-            self._drop(w)
-            for p in left:
-                q_out.put(p.item)  # release frees its gate bytes
-
-        def reap(block: bool) -> None:
-            while True:
-                try:
-                    got = fl.pop_done(block)
-                except BaseException as e:
-                    fail(fl.failed.item, e)
-                    return
-                if got is None:
-                    return
-                self._write_done(*got, st)
-                q_out.put(got[0].item)
-
-        while True:
-            try:
-                w = q_in.get(timeout=_POLL_S) if len(fl) else q_in.get()
-            except queue.Empty:
-                w = None
-            reap(False)
-            if w is None:
-                continue
-            if w is _STOP:
-                while len(fl):
-                    reap(True)
-                q_out.put(_STOP)
-                return
-            if abort.is_set() or failed.is_set():
-                self._drop(w)
-                continue
-            try:
-                fl.push(self._post_write(w))
-            except BaseException as e:
-                fail(w, e)
-                continue
-            reap(False)
 
     def _drop(self, w: _Work) -> None:
         """Skip ``w`` after an abort: give its admitted bytes back to the gate (and its pool
@@ -616,112 +494,3 @@ class Executor:
 
             save_rank_trace(self.trace_dir, st)
         return st
-
-    def _stage_failed(self, name: str, w: _Work, e: BaseException, st: StepStats, stop: threading.Event,
-                      errors: list) -> None:
-        """Stage ``name`` raised ``e`` on ``w``: record the first error, stop the update (no
-        write after this), finish ``w``'s share of the collectives (a stage before the writes;
-        none when a collective itself raised) and give its memory back."""
-        errors.append((name, w.task.id, w.rec.label, e))
-        stop.set()
-        if name in ("h2d", "prepare"):
-            if w.in_collective:
-                self._broken = f"{type(e).__name__}: {e}"
-            elif name == "prepare" or not w.gathered:
-                self._collectives_only(w, st)
-        self._drop(w)
-
-    def _run_serial(self, works: list[_Work], fns, st: StepStats, stop: threading.Event, errors: list) -> None:
-        """``pipeline=False``: every stage of a task before the next task starts, on the
-        caller's thread. After a stop (an error here, or ``stop`` set from outside) the rest of
-        the plan runs its collectives only."""
-        for w in works:
-            if stop.is_set():
-                self._collectives_only(w, st)
-                continue
-            for name, fn in fns:
-                if stop.is_set() and name in ("h2d", "prepare", "write"):  # cancelled from outside meanwhile
-                    if name != "write":
-                        self._collectives_only(w, st)
-                    self._drop(w)
-                    break
-                try:
-                    fn(w, stop)
-                except _Skip:
-                    self._collectives_only(w, st)
-                    self._drop(w)
-                    break
-                except Exception as e:
-                    self._stage_failed(name, w, e, st, stop, errors)
-                    break
-        try:
-            if not self._broken:
-                self._finish_barriers(st)
-        except BaseException as e:
-            errors.append(("barrier", -1, "barrier", e))
-            stop.set()
-
-    def _run_pipelined(self, works: list[_Work], fns, st: StepStats, stop: threading.Event, errors: list) -> None:
-        queues = [queue.SimpleQueue() for _ in fns]
-
-        def loop(i: int) -> None:
-            if self.cuda and self.device.index is not None:  # CUDA's current device is per thread
-                torch.cuda.set_device(self.device)  # Triton launches, NCCL: this rank's GPU, not GPU 0
-            name, fn = fns[i]
-            q_in = queues[i]
-            q_out = queues[i + 1] if i + 1 < len(fns) else None
-            if name == "write":
-                return self._write_loop(q_in, q_out, stop, errors, st)
-            while True:
-                w = q_in.get()
-                if w is _STOP:
-                    if name == "prepare" and not self._broken:
-                        try:
-                            self._finish_barriers(st)  # after a stop too: the other ranks' barriers complete
-                        except BaseException as e:
-                            errors.append((name, -1, "barrier", e))
-                            stop.set()
-                    if q_out is not None:
-                        q_out.put(_STOP)
-                    return
-                if stop.is_set() and name != "release":
-                    if name == "prepare":  # the collectives of every task still run (C28)
-                        self._collectives_only(w, st)
-                        self._drop(w)
-                    elif q_out is not None:
-                        q_out.put(w)  # h2d: prepare makes its collectives
-                    continue
-                try:
-                    fn(w, stop)
-                except _Skip:  # waited at the gate when the update stopped
-                    if name == "prepare":
-                        self._collectives_only(w, st)
-                        self._drop(w)
-                    elif q_out is not None:
-                        q_out.put(w)
-                    continue
-                except BaseException as e:
-                    if name == "h2d" and q_out is not None:
-                        errors.append((name, w.task.id, w.rec.label, e))
-                        stop.set()
-                        q_out.put(w)  # prepare makes its collectives
-                        continue
-                    if name == "release":
-                        errors.append((name, w.task.id, w.rec.label, e))
-                        stop.set()
-                        self._give_back(w)
-                        continue
-                    self._stage_failed(name, w, e, st, stop, errors)
-                    continue
-                if q_out is not None:
-                    q_out.put(w)
-
-        threads = [threading.Thread(target=loop, args=(i,), name=f"rank{self.plan.rank}-{fns[i][0]}", daemon=True)
-                   for i in range(len(fns))]
-        for t in threads:
-            t.start()
-        for w in works:
-            queues[0].put(w)
-        queues[0].put(_STOP)
-        for t in threads:
-            t.join()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import control, membership
+from . import clients, control, membership
 from .store import RUNTIME_KEY, connect_store
 from .types import DestTensorMeta, RegionDescriptor, dtype_name
 
@@ -60,7 +60,7 @@ class Receiver:
         self.region = self.transport.register(view)
         self.runtime = runtime
         self.store = connect_store(store, timeout=max(timeout, 600.0))
-        self.client = control.InferenceClient(self.store, rank, timeout=max(timeout, 600.0))
+        self.client = clients.InferenceClient(self.store, rank, timeout=max(timeout, 600.0))
         if publish:
             self.publish()
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from weight_transfer import control
+from weight_transfer import clients, control
 
 
 @pytest.fixture()
@@ -32,8 +32,8 @@ def test_dead_rank_named_at_once(store):
 
 def test_version_published_only_when_every_rank_completed(store):
     ctl = control.Controller(store, n_train=2, n_infer=1, timeout=1.0)
-    t0, t1 = control.TrainerClient(client(store), 0), control.TrainerClient(client(store), 1)
-    inf = control.InferenceClient(client(store), 0)
+    t0, t1 = clients.TrainerClient(client(store), 0), clients.TrainerClient(client(store), 1)
+    inf = clients.InferenceClient(client(store), 0)
     assert inf.version() == -1
     # rank 1 fails: the version must not move
     threading.Timer(0.05, lambda: (t0.done(1, ok=True), t1.done(1, ok=False, error="BoundsError: x"))).start()
@@ -53,8 +53,8 @@ def test_version_published_only_when_every_rank_completed(store):
 
 def test_metadata_and_plan_roundtrip(store):
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=2)
-    control.TrainerClient(client(store), 0).publish_meta(["m"])
-    control.InferenceClient(client(store), 0).publish_meta("desc", ["t"])
+    clients.TrainerClient(client(store), 0).publish_meta(["m"])
+    clients.InferenceClient(client(store), 0).publish_meta("desc", ["t"])
     train, infer = ctl.collect()
     assert train == {0: ["m"]} and infer == {0: ("desc", ["t"])}
 
@@ -66,7 +66,7 @@ def test_abort_reason_propagates(store):
 
 
 def test_trainer_sees_shutdown(store):
-    tc = control.TrainerClient(client(store), 0, timeout=5)
+    tc = clients.TrainerClient(client(store), 0, timeout=5)
     store.set("shutdown", b"1")
     assert tc.next_command(7) == "shutdown"
 
@@ -96,8 +96,8 @@ def test_c14_failed_update_never_leaves_the_old_number(store):
     version over changed bytes) and the legacy ``version`` key says -1; the next successful
     update publishes a complete version again."""
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=5.0)
-    t0 = control.TrainerClient(client(store), 0)
-    inf = control.InferenceClient(client(store), 0)
+    t0 = clients.TrainerClient(client(store), 0)
+    inf = clients.InferenceClient(client(store), 0)
     threading.Timer(0.05, lambda: t0.done(1, ok=True)).start()
     ctl.transfer(1)
     assert inf.version() == 1
@@ -122,7 +122,7 @@ def test_c15_reported_failure_ends_the_wait_at_once(store):
     """A rank that reported failure ends the update in well under the timeout, named, even
     while another rank is still silent (blocked in a collective on the failed one)."""
     ctl = control.Controller(store, n_train=2, n_infer=1, timeout=30.0)
-    t1 = control.TrainerClient(client(store), 1)
+    t1 = clients.TrainerClient(client(store), 1)
     threading.Timer(0.05, lambda: t1.done(1, ok=False, error="RuntimeError: boom")).start()
     t = time.monotonic()
     with pytest.raises(control.ControlError, match="training 1: RuntimeError: boom"):
@@ -136,8 +136,8 @@ def test_c14_published_reason_is_the_culprit_whichever_wait_found_it(store):
     ``step/N/failed``) or after every rank had reported (the results): it never depends on
     which poll won the race (CI on a no-AMX host saw ``step 4 transfer: training 0: ...``)."""
     ctl = control.Controller(store, n_train=2, n_infer=1, timeout=30.0)
-    t0, t1 = control.TrainerClient(client(store), 0), control.TrainerClient(client(store), 1)
-    inf = control.InferenceClient(client(store), 0)
+    t0, t1 = clients.TrainerClient(client(store), 0), clients.TrainerClient(client(store), 1)
+    inf = clients.InferenceClient(client(store), 0)
     reasons = []
     for step, report in ((1, lambda s: t1.done(s, ok=False, error="RuntimeError: boom")),   # rank 0 still writing
                          (2, lambda s: (t0.done(s, ok=True), t1.done(s, ok=False, error="RuntimeError: boom")))):
@@ -155,7 +155,7 @@ def test_c15_dead_inference_rank_named_during_transfer(store):
     ``inference i``, ahead of the trainers' echo of it."""
     dead = {}
     ctl = control.Controller(store, n_train=1, n_infer=2, timeout=30.0, liveness_infer=lambda: dead)
-    t0 = control.TrainerClient(client(store), 0)
+    t0 = clients.TrainerClient(client(store), 0)
 
     def kill():  # the trainer's echo lands first, the reaping of the process a moment later
         t0.done(1, ok=False, error="RemoteGoneError: inference 1 (pid 4242) is gone")
@@ -203,7 +203,7 @@ def test_heartbeat_guard_fires_when_peer_stops(store):
 
 def test_c19_waiter_for_skipped_or_failed_version_gets_an_answer(store):
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=1.0)
-    inf = control.InferenceClient(client(store), 0, timeout=30)
+    inf = clients.InferenceClient(client(store), 0, timeout=30)
     ctl.begin(2)
     ctl.publish(2)
     assert inf.wait_version(2).version == 2
@@ -224,8 +224,8 @@ def test_c22_commit_after_every_write_and_before_publish(store):
     only after every trainer completed, publishes only after every commit rank reported, and a
     failed commit leaves the version incomplete, naming the rank."""
     ctl = control.Controller(store, n_train=1, n_infer=2, timeout=5.0)
-    t0 = control.TrainerClient(client(store), 0)
-    infs = [control.InferenceClient(client(store), i) for i in range(2)]
+    t0 = clients.TrainerClient(client(store), 0)
+    infs = [clients.InferenceClient(client(store), i) for i in range(2)]
     seen = []
 
     def commit_side(i, step, ok=True):
@@ -260,10 +260,10 @@ def test_c22_commit_after_every_write_and_before_publish(store):
 def test_c22_no_commit_when_a_trainer_failed(store):
     """A trainer's failure ends the update before any commit is asked for."""
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=2.0)
-    t0 = control.TrainerClient(client(store), 0)
+    t0 = clients.TrainerClient(client(store), 0)
     threading.Timer(0.05, lambda: t0.done(1, ok=False, error="BoundsError: y")).start()
     with pytest.raises(control.ControlError, match="training 0: BoundsError"):
         ctl.transfer(1, commit_ranks=(0,))
     assert not store.check(["step/1/commit"])
     store.set("shutdown", b"1")
-    assert control.InferenceClient(client(store), 0).wait_commit(1) is False
+    assert clients.InferenceClient(client(store), 0).wait_commit(1) is False

@@ -761,3 +761,98 @@ def test_a_shard_reallocated_after_setup_is_refused_naming_it():
     lb.sources[name] = lb.sources[name].clone()  # not in place: a new storage
     with pytest.raises(RuntimeError, match="storage changed since the executor was built; update shards in place"):
         ex.run()
+
+
+# ---------------------------------------------------------------------------------------------
+# C28: a rank that fails (or is cancelled) still makes every collective of the plan
+
+
+class FakeDT:
+    """Stands in for a DTensor source: ``full_tensor()`` is logged (the collective every rank
+    of the mesh must call, in plan order); ``fail``: that call raises (a broken collective)."""
+
+    def __init__(self, name, log, fail=False):
+        self.name, self.log, self.fail = name, log, fail
+
+    def full_tensor(self):
+        self.log.append(("gather", self.name))
+        if self.fail:
+            raise RuntimeError(f"gloo: connection closed by peer during {self.name}")
+        return torch.zeros(2)
+
+    def to_local(self):
+        return torch.zeros(2)
+
+
+@pytest.fixture
+def fake_dtensors(monkeypatch):
+    import weight_transfer.executor as ex
+    import weight_transfer.stages as stages
+    import weight_transfer.tasks as tasks
+
+    for mod in (ex, stages, tasks):
+        monkeypatch.setattr(mod, "DTensor", FakeDT)
+    return ex
+
+
+def _collective_world(log, fail_source=None):
+    names = [f"p{i}" for i in range(5)]
+    tasks = fake_tasks([10] * 5, groups=[0, 0, 1, 1, 2], sources=[(n,) for n in names])
+    params = {n: FakeDT(n, log, fail=(n == fail_source)) for n in names}
+    return tasks, params
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_rank_failing_in_prepare_still_makes_every_collective(fake_dtensors, monkeypatch, pipeline):
+    """Task 1's prepare raises after its full_tensor(): the rest of the plan's full_tensor()
+    calls and every group barrier are still made, in plan order, nothing more is built, and
+    the update raises naming the stage and task (C28: the other ranks' collectives complete)."""
+    log = []
+    tasks, params = _collective_world(log)
+    real, built = fake_dtensors.prepare_outputs, []
+
+    def prepare_outputs(task, full, into=None):
+        built.append(task.id)
+        if task.id == 1:
+            raise RuntimeError("injected: prepare fails")
+        return real(task, full, into=into)
+    monkeypatch.setattr(fake_dtensors, "prepare_outputs", prepare_outputs)
+    ex = Executor(plan_of(tasks), params, None, {}, group_barrier=make_barrier(log), n_groups=3,
+                  options=ExecutorOptions(pipeline=pipeline))
+    with pytest.raises(RuntimeError, match=r"stage prepare of task 1 .*injected: prepare fails"):
+        ex.run()
+    assert [e for e in log if e[0] == "gather"] == [("gather", f"p{i}") for i in range(5)]
+    assert [g for k, g, *_ in log if k == "issue"] == [0, 1] and [g for k, g, *_ in log if k == "wait"] == [0, 1]
+    assert built == [0, 1]  # nothing built after the failure
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_cancelled_update_makes_its_collectives_and_posts_nothing(fake_dtensors, pipeline):
+    """``run(cancel=...)`` set (another rank failed): the collectives still run, no write is
+    posted, :class:`UpdateCancelled` is raised."""
+    from weight_transfer.executor import UpdateCancelled
+
+    log = []
+    tasks, params = _collective_world(log)
+    cancel = threading.Event()
+    cancel.set()
+    tr = AsyncTransport()
+    ex = Executor(plan_of(tasks), params, tr, {}, group_barrier=make_barrier(log), n_groups=3,
+                  options=ExecutorOptions(pipeline=pipeline))
+    with pytest.raises(UpdateCancelled, match="cancelled"):
+        ex.run(cancel=cancel)
+    assert len([e for e in log if e[0] == "gather"]) == 5
+    assert [g for k, g, *_ in log if k == "issue"] == [0, 1]
+    assert "post" not in [e[0] for e in tr.log]
+
+
+def test_a_collective_that_fails_stops_the_collectives(fake_dtensors):
+    """A full_tensor() that raises (the group is broken: a peer died) ends the collectives of
+    this update: none after it (they could only block), and the error names it."""
+    log = []
+    tasks, params = _collective_world(log, fail_source="p2")
+    ex = Executor(plan_of(tasks), params, None, {}, group_barrier=make_barrier(log), n_groups=3)
+    with pytest.raises(RuntimeError, match=r"stage prepare of task 2 .*connection closed by peer"):
+        ex.run()
+    assert [e[1] for e in log if e[0] == "gather"] == ["p0", "p1", "p2"]
+    assert [g for k, g, *_ in log if k == "issue"] == [0]  # the barrier after group 0 only

@@ -18,7 +18,7 @@ that was refused must leave it unchanged).
 Faults (:class:`Fault`) are injected inside the target process by wrapping the library's own
 functions for one version: ``prepare`` wraps :func:`weight_transfer.executor.prepare_outputs`,
 ``write`` the sender's ``transport.write``, ``release`` :meth:`Executor._release`, ``plan``
-:meth:`Sender._build` (a training rank) or :func:`weight_transfer.api.plan_against` (the
+:meth:`Sender._build` (a training rank) or :func:`weight_transfer.coordinator.plan_against` (the
 coordinator), ``commit`` the ``commit`` callable the coordinator runs; an inference rank's fault
 is made from training rank 0's first write of the version (``kill``: SIGKILL its process,
 ``stall``: SIGSTOP it for 1.5 s, ``raise``: it closes its region, as an engine that shuts
@@ -129,8 +129,9 @@ def train_main(rank: int, addr, w: World, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import weight_transfer as wt
-    import weight_transfer.api as api
+    import weight_transfer.coordinator as api_coord
     import weight_transfer.executor as executor
+    import weight_transfer.sender as api_sender
     from weight_transfer.testing.training import build_fsdp_model, load_step
 
     torch.set_num_threads(1)
@@ -156,13 +157,13 @@ def train_main(rank: int, addr, w: World, out: str) -> None:
         undo = []
         commit = None
         if f is not None and f.role == "train" and f.rank == rank:
-            undo = _inject_train(f, tx, executor, api, w.timeout)
+            undo = _inject_train(f, tx, executor, api_sender, w.timeout)
         if f is not None and f.role == "coord" and coord is not None:
             if f.stage == "commit":
                 def commit(ver, f=f):
                     _act(f.kind, w.timeout, f"coordinator commit of version {ver}")
             else:
-                undo = _inject_coord(f, api, w.timeout)
+                undo = _inject_coord(f, api_coord, w.timeout)
         if f is not None and f.role == "infer" and rank == 0:
             undo = _inject_infer(f, tx, store, w)
         t0 = time.monotonic()
