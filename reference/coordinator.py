@@ -118,6 +118,8 @@ class Coordinator:
         control.put(self.store, COORDINATOR_KEY, {"host": socket.gethostname(), "pid": os.getpid()})
         if self.ctl.live_t is None:  # training ranks of this host whose process is gone are named at once
             self.ctl.live_t = self._training_gone
+        if self.ctl.live_i is None:  # so are members whose engine process is gone: the root cause, first
+            self.ctl.live_i = self._inference_gone
         t0 = time.perf_counter()
         try:
             train_metas, infer_payloads = self.ctl.collect()
@@ -163,6 +165,16 @@ class Coordinator:
                 proc = self._procs[r] = SimpleNamespace(**control.get(self.store, key))
             if membership.process_gone(proc):
                 out[r] = f"process {proc.pid} on {proc.host} is gone (killed or exited)"
+        return out
+
+    def _inference_gone(self) -> dict[int, str]:
+        """``{inference rank: reason}`` for members of the current plan whose process (their
+        region's descriptor) is on this host and gone."""
+        out = {}
+        for i in sorted(self.members):
+            d = self._payloads.get(i, (None,))[0]
+            if d is not None and membership.process_gone(d):
+                out[i] = f"process {getattr(d, 'pid', '?')} on {getattr(d, 'host', '?')} is gone (killed or exited)"
         return out
 
     def update(self, version: int, *, commit: Callable[[int], object] | None = None,
@@ -224,19 +236,21 @@ class Coordinator:
                                                                       else f"training {r}: {msg}"))
         asked = {r: p["version"] for r, p in ready.items()}
         if len(set(asked.values())) > 1:
-            return None, _shared(ValueError(f"push {n}: the training ranks asked for different versions {asked}; "
-                                            "every rank pushes the same version"))
+            return None, _shared(ValueError(f"push(version=...): the training ranks asked for different versions "
+                                            f"{asked} (rank: version, at their push number {n + 1}); every rank "
+                                            "pushes the same version"))
         v = next(iter(asked.values()))
         if version is not None and v != version:
             return v, _shared(ValueError(f"Coordinator.update(version={version}): the training ranks pushed "
                                          f"version {v}"))
         cur = self.ctl.state()
         if v <= cur.version:
-            return v, _shared(control.VersionError(f"version {v} refused: the weights are {cur}; versions only "
-                                                   "increase"))
+            return v, _shared(control.VersionError(f"push(version={v}): version {v} refused on every training rank: "
+                                                   f"the weights are {cur}; versions only increase"))
         if v <= self._last_go:
-            return v, _shared(control.VersionError(f"version {v} refused: version {self._last_go} was already "
-                                                   "pushed (it failed before its writes); versions only increase"))
+            return v, _shared(control.VersionError(f"push(version={v}): version {v} refused on every training rank: "
+                                                   f"version {self._last_go} was already pushed (it failed before its "
+                                                   "writes); versions only increase"))
         return v, None
 
     def _put(self, n: int, what: str, obj) -> None:
@@ -315,7 +329,7 @@ class Coordinator:
                 parts.append(f"training {r}: stalled in prepare of task {a['prepare'][0]} for {a['prepare'][1]:.1f} s, "
                              "outside any collective (holding the others up)")
             else:
-                parts.append(f"training {r}: writing")
+                parts.append(f"training {r}: in neither prepare nor a collective (writing, or waiting for its writes)")
         return "".join(f"; {p}" for p in parts)
 
     def _gone(self) -> set[int]:

@@ -231,3 +231,40 @@ def test_delta_pushes_and_C26_full_after_a_version_not_published_complete(world)
     assert st.delta == "delta" and st.bytes_sent < full
     _same(engine, new)
     tx.close()
+
+
+def test_a_writer_left_blocked_refuses_the_next_push_until_it_ends(world, monkeypatch):
+    """A rank whose writer cannot end (blocked in a collective of the user's own process group,
+    simulated: ``Executor.run`` ignores the cancel) raises ControlError saying so, within the
+    timeout plus the writer's grace; the next push is refused on every rank while that writer
+    still runs (no bytes of two updates at once); once it ended, the next push completes."""
+    import time
+
+    store, addr, engine, rx = world
+    coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT, timeout=2)
+    params = _weights(1)
+    tx = wt.Sender(params, rank=0, world_size=1, store=addr, coordinator=coord, timeout=2)
+    tx.push(1)
+    real, gate = tx.executor.run, threading.Event()
+
+    def blocked(step=None, cancel=None):
+        gate.wait(60)  # deaf to the cancel, as a thread inside a Gloo collective is
+        return real(step, cancel=cancel)
+    monkeypatch.setattr(tx.executor, "run", blocked)
+    t0 = time.monotonic()
+    with pytest.raises(wt.ControlError, match="no answer within 2 s from rank") as ei:
+        tx.push(2)
+    assert "still blocked" in str(ei.value.__cause__)  # this rank's own account
+    assert time.monotonic() - t0 < 2 + 2 + 3  # the timeout, the grace, slack
+    assert rx.state().state == "incomplete"
+    with pytest.raises(wt.ControlError, match="writes of version 2 are still blocked"):
+        tx.push(3)
+    monkeypatch.setattr(tx.executor, "run", real)
+    gate.set()
+    new = _weights(4)
+    for n, t in params.items():
+        t.copy_(new[n])
+    tx.push(4)
+    assert rx.version() == 4
+    _same(engine, new)
+    tx.close()

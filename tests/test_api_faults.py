@@ -114,7 +114,7 @@ def test_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
     w = run(World(pushes, timeout=T), str(tmp_path))
     ok_everywhere(w, 0, version=1)
     ok_everywhere(w, 1, version=2)
-    same_error_everywhere(w, 2, "VersionError", "version 2 refused", "complete version 2")
+    same_error_everywhere(w, 2, "VersionError", "push(version=2): version 2 refused", "complete version 2")
     untouched(w, 2)
     same_error_everywhere(w, 3, "VersionError", "version 1 refused")
     untouched(w, 3)

@@ -37,17 +37,26 @@ What happens (the reference's protocol, :mod:`weight_transfer.api`):
   engine), every rank its :class:`weight_transfer.api.Sender`, and the plan is made once against
   the runtime layout: what cannot be targeted is refused here, in the trainer, naming the
   tensor and vLLM's step (:class:`weight_transfer.plan.PlanError`).
-- ``send_weights``: every rank ``Sender.push(v)``; once all are ready, rank 0 calls
+- ``send_weights``: every rank ``Sender.push(v)``, a collective call: every rank says it is
+  ready, the coordinator (rank 0) takes one decision for all of them -- a refusal every rank
+  raises alike before any byte moves and before any engine is touched (VersionError for a
+  version that does not increase, a repeated one included; TypeError for a non-int version;
+  ValueError for ranks asking for different versions) or "go". On "go" rank 0 calls
   ``client.start_weight_update()``, says "go", every rank writes its part one-sidedly into the
   workers' memory, and once every write completed rank 0 calls
   ``client.update_weights({"version": v})`` -- each worker checks in the store, on its own, that
   every training rank reported ``ok`` for ``v``, then re-runs vLLM's post-processing for its
   staged layers -- and ``client.finish_weight_update(weight_version=str(v))``: vLLM labels
   outputs ``v``. Only then is ``complete v`` published in the store.
-- A failed update (a training rank raising or dying mid-update, a commit failing): the store
-  says ``incomplete v``, the workers refuse ``update_weights(v)`` (naming the rank), and vLLM's
-  weight version becomes :data:`INCOMPLETE` (``"incomplete:v"``), never ``v`` and never the old
-  label over mixed bytes (C14); a later update restores a complete version.
+- A failed update (a training rank raising or dying mid-update, a vLLM worker dying, a commit
+  failing): every training rank raises ControlError naming role, rank and cause within the
+  control timeout (a rank that raised keeps taking part in the update's remaining
+  ``full_tensor()`` collectives, so no rank is left blocked in one; a rank that was *killed*
+  cannot, and the survivors' writer thread may then stay blocked in your own process group,
+  whose timeout the library does not own); the store says ``incomplete v``, the workers refuse
+  ``update_weights(v)`` (naming the rank), and vLLM's weight version becomes :data:`INCOMPLETE`
+  (``"incomplete:v"``) on every engine whose update began, never ``v`` and never the old label
+  over mixed bytes (C14); a later update restores a complete version.
 
 - Engines joining and dying between updates (C24): :meth:`OneSidedTrainerEngine.add_engine`
   (rank 0) initializes another engine's workers at the next inference ranks; the coordinator
@@ -66,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import operator
 import os
 import sys
 import time
@@ -646,24 +656,32 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
 
     # ------------------------------------------------------------------ per update
     def send_weights(self, version: int | None = None):
-        """One update, on every training rank (see the module docstring): ``version`` (None:
-        the last one + 1, from 1). Returns this rank's :class:`weight_transfer.executor.StepStats`
-        (rank 0: :attr:`last_result` holds the update's :class:`weight_transfer.api.UpdateResult`).
-        Raises what failed -- ControlError naming role and rank (a dead vLLM worker: ``inference
-        rank(s) [r] gone``), the executor's error on the rank it happened on, RuntimeError from a
-        client naming its inference ranks -- after vLLM's weight version was set to
-        :data:`INCOMPLETE` (rank 0) on every engine of the update that still answers."""
-        v = self.version + 1 if version is None else int(version)
-        if v <= self.version:
-            from weight_transfer.control import VersionError
+        """One update, on every training rank: a collective call (see the module docstring)
+        with :meth:`weight_transfer.api.Sender.push`'s contract. ``version``: an int (None: the
+        last version attempted + 1, from 1). Returns this rank's
+        :class:`weight_transfer.executor.StepStats` (rank 0: :attr:`last_result` holds the
+        update's :class:`weight_transfer.api.UpdateResult`).
 
-            raise VersionError(f"send_weights(version={v}): versions only increase (last: {self.version})")
-        self.version = v
-        if not self.is_sender:
-            return self.sender.push(v)
+        Raises, on every training rank alike (one decision for all of them, C28):
+
+        - before any byte moves (no engine is started, its bytes and weight version stay as
+          they are, :attr:`version` is unchanged): VersionError when ``version`` does not
+          increase (a repeated version included), TypeError when a rank's ``version`` is not an
+          int, ValueError when the ranks asked for different versions;
+        - ControlError when the update failed -- a training rank raising in any stage (on that
+          rank the stage's exception is the ``__cause__``), a vLLM worker that died (``inference
+          rank(s) [r] gone``; the next update drives the engines still alive), an engine's
+          ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` failing, a rank
+          that did not answer within the timeout -- naming role, rank and cause, after vLLM's
+          weight version was set to :data:`INCOMPLETE` (rank 0) on every engine whose update
+          began and that still answers. :attr:`version` is then the failed version, so the next
+          default is above it (the coordinator refuses a failed version again)."""
+        from weight_transfer.control import ControlError, VersionError
+
+        v = self.version + 1 if version is None else version  # push checks it (TypeError on every rank alike)
         started: list[Deployment] = []
 
-        def before_go(ver: int) -> None:  # after the coordinator followed the membership: only live engines
+        def before_go(ver: int) -> None:  # after the decision "go" and the membership: only live engines
             deps = self.active()
             for d in deps:
                 try:
@@ -692,11 +710,18 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                     "engines": [d.first_rank for d in started]}
 
         try:
-            stats = self.sender.push(v, commit=commit, before_go=before_go)
-        except BaseException:
-            self._mark_incomplete(v, started)
+            if self.is_sender:
+                stats = self.sender.push(v, commit=commit, before_go=before_go)
+            else:
+                stats = self.sender.push(v)
+        except BaseException as e:
+            if isinstance(e, ControlError) and not isinstance(e, VersionError) and isinstance(v, int):
+                self.version = max(self.version, int(v))  # a failed update: the next default is above it
+            self._mark_incomplete(v, started)  # only engines whose update began (none for a refusal)
             raise
-        self.last_result = self.sender.last_update
+        self.version = operator.index(v)
+        if self.is_sender:
+            self.last_result = self.sender.last_update
         return stats
 
     def _mark_incomplete(self, v: int, deps: list[Deployment]) -> None:

