@@ -14,7 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from weight_transfer import control
+from weight_transfer import clients, control
 from weight_transfer.metadata import collect_metas, named_dtensors
 from weight_transfer.testing.training import build_fsdp_model, load_step
 
@@ -150,7 +150,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
     tag = f"train {rank}"
     store = _connect(addr, cfg.transfer.control.timeout)
     hb = control.Heartbeat(addr, f"train{rank}", watch="controller", stall=stall or cfg.transfer.control.timeout)
-    client = control.TrainerClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
+    client = clients.TrainerClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
     try:
         try:
             device = _setup_cuda(cfg, "train", rank, local_rank) if cfg.run.device == "cuda" else None
@@ -230,7 +230,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
     tag = f"infer {rank}"
     store = _connect(addr, cfg.transfer.control.timeout)
     hb = control.Heartbeat(addr, f"infer{rank}", watch="controller", stall=stall or cfg.transfer.control.timeout)
-    client = control.InferenceClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
+    client = clients.InferenceClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
     try:
         try:
             mcfg = cfg.model_config()

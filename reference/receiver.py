@@ -1,18 +1,64 @@
 """The inference side of the public API (:mod:`weight_transfer.api`): :class:`Receiver`, for
-any engine's named tensors -- register once, publish, read versions."""
+any engine's named tensors -- register once, publish, read versions.
+
+One receiver owns an inference rank at a time. Ownership is the store key :data:`OWNER_KEY`,
+holding the owner's token ``host:pid:uuid4``, changed only with ``compare_set`` (TCPStore's
+``compare_set(key, expected, desired)`` sets ``desired`` and returns it when the key holds
+``expected`` -- or is missing and ``expected`` is ``""`` --, and otherwise returns the current
+value, or ``expected`` itself for a missing key: checked with torch 2.13). A second receiver for
+a rank whose owner lives is refused, unless ``replace=True``; an owner whose process is gone
+(:func:`weight_transfer.membership.process_gone`) or that announced leaving is replaced freely
+(an engine restarting, C24). A receiver that was replaced reads no version as complete."""
 from __future__ import annotations
 
 import ctypes
+import os
+import socket
+import uuid
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from . import clients, control, membership
+from .args import check_bool, check_int, check_seconds, check_type
 from .store import RUNTIME_KEY, connect_store
 from .types import DestTensorMeta, RegionDescriptor, dtype_name
 
-__all__ = ["Receiver", "span_view"]
+__all__ = ["Receiver", "span_view", "OWNER_KEY"]
+
+OWNER_KEY = "infer/owner/{rank}"
+"""Store key: the token (``host:pid:uuid4``) of the :class:`Receiver` that owns inference rank
+``rank``; ``left:{token}`` once that receiver closed (the rank is free)."""
+
+
+def _holder(token: str) -> tuple[str, int]:
+    """``(host, pid)`` of an owner token (``left:`` prefix or not)."""
+    host, pid, _ = token.removeprefix("left:").rsplit(":", 2)
+    return host, int(pid)
+
+
+def _take_ownership(store, rank: int, token: str, *, replace: bool) -> str | None:
+    """Make ``token`` the owner of inference ``rank`` (atomically, ``compare_set``); returns the
+    previous owner's token it replaced (a live one with ``replace``, one whose process is gone or
+    that announced leaving), None when the rank was free. Raises ValueError naming the rank and
+    the live owner (host, pid) when one holds it and ``replace`` is False."""
+    key, expected = OWNER_KEY.format(rank=rank), ""
+    for _ in range(1000):  # each round loses only to another receiver that changed the key meanwhile
+        got = store.compare_set(key, expected, token).decode()
+        if got == token:
+            return None if expected.startswith("left:") or not expected else expected
+        if got == expected:  # the key is missing (compare_set then answers ``expected``): take it as free
+            expected = ""
+            continue
+        host, pid = _holder(got)
+        if not (got.startswith("left:") or replace or store.check([f"infer/leave/{rank}"])
+                or membership.process_gone(SimpleNamespace(host=host, pid=pid))):
+            raise ValueError(f"Receiver: inference rank {rank} is already registered by a live receiver (host {host}, "
+                             f"pid {pid}); close that one first, or pass replace=True to replace it")
+        expected = got
+    raise control.ControlError(f"Receiver: inference rank {rank}: ownership contended by other receivers")
 
 
 def span_view(base: int, length: int) -> torch.Tensor:
@@ -38,16 +84,35 @@ class Receiver:
     ``rank``: this inference rank; ``store``: see :func:`connect_store`; ``transport``: the
     back end's name (``cma``, ``verbs``, ``cuda_ipc``, ...); ``runtime``: a runtime layout to
     plan against instead of ``tensors``' own (see :mod:`weight_transfer.retarget`); ``publish``:
-    publish now (False: call :meth:`publish` later).
+    publish now (False: call :meth:`publish` later); ``timeout``: seconds (> 0) that connecting
+    to the store, a store call and :meth:`wait_version` may take; ``replace``: take ``rank`` over
+    from a live receiver that holds it (that one then reads no version: :meth:`state`).
 
-    Raises ValueError naming the tensor that is empty, non-contiguous or overlaps another."""
+    Raises, before anything is published: TypeError for a wrong type (``rank`` not an int -- a
+    ``str`` from ``os.environ`` included --, ``timeout`` not a number, ``transport`` not a str,
+    ``tensors`` not a mapping, ``region`` not a tensor, ``publish``/``replace`` not a bool);
+    ValueError for ``rank`` < 0, ``timeout`` not > 0, no tensors, a tensor that is empty,
+    non-contiguous or overlaps another (named), ``region=`` without ``metas=``, an unknown
+    transport, a malformed ``store`` address, and for ``rank`` already held by a live receiver
+    (naming its host and pid) without ``replace=True``;
+    :class:`weight_transfer.control.ControlError` naming ``host:port`` when no store answers
+    within ``timeout`` seconds."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None, *, rank: int, store,
                  transport: str = "cma", timeout: float = 600.0, runtime=None, publish: bool = True,
-                 region: torch.Tensor | None = None, metas: list[DestTensorMeta] | None = None):
+                 region: torch.Tensor | None = None, metas: list[DestTensorMeta] | None = None,
+                 replace: bool = False):
         from .transport import make_transport
 
-        self.rank, self.timeout = rank, timeout
+        w = "Receiver"  # every argument and tensor is checked before the store is reached
+        rank, timeout = check_int(rank, "rank", where=w, lo=0), check_seconds(timeout, "timeout", where=w)
+        check_type(transport, "transport", str, where=w)
+        check_type(tensors, "tensors", Mapping, where=w, allow_none=True, what="a mapping name -> tensor")
+        check_type(region, "region", torch.Tensor, where=w, allow_none=True)
+        check_bool(publish, "publish", where=w)
+        check_bool(replace, "replace", where=w)
+        self.rank, self.timeout, self._token = rank, timeout, None
+        self.transport = None
         if region is not None:  # an arena the caller allocated, with its tensors' metadata
             if metas is None:
                 raise ValueError("Receiver: region= needs metas=")
@@ -56,11 +121,25 @@ class Receiver:
             if not tensors:
                 raise ValueError("Receiver: no tensors to register")
             self.metas, view = self._span(tensors)
-        self.transport = make_transport(transport)
-        self.region = self.transport.register(view)
+        transport = make_transport(transport)  # ValueError naming an unknown transport
+        try:
+            self.store = connect_store(store, timeout=timeout)
+            token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+            self.replaced = _take_ownership(self.store, rank, token, replace=replace)
+            """The token (``host:pid:uuid4``) of the previous owner this one replaced (alive with
+            ``replace=True``, or gone), None when the rank was free."""
+            self._token = token
+            self.region = transport.register(view)
+        except BaseException:
+            try:
+                if self._token is not None:  # registering failed: the rank is free again
+                    self._release()
+            finally:
+                transport.close()
+            raise
+        self.transport = transport
         self.runtime = runtime
-        self.store = connect_store(store, timeout=max(timeout, 600.0))
-        self.client = clients.InferenceClient(self.store, rank, timeout=max(timeout, 600.0))
+        self.client = clients.InferenceClient(self.store, rank, timeout=timeout)
         if publish:
             self.publish()
 
@@ -103,9 +182,35 @@ class Receiver:
         self._keep = [t for *_, t in spans]  # the span view does not own the memory
         return metas, span_view(base, length)
 
+    def _owner(self) -> str | None:
+        """The token of the receiver that replaced this one; None while this one owns its rank
+        (or released it by :meth:`close`)."""
+        key = OWNER_KEY.format(rank=self.rank)
+        cur = self.store.get(key).decode() if self.store.check([key]) else ""
+        return None if cur in ("", self._token, f"left:{self._token}") else cur
+
+    def _release(self) -> None:
+        """Give the rank up (``left:{token}``), unless another receiver owns it by now."""
+        self.store.compare_set(OWNER_KEY.format(rank=self.rank), self._token, f"left:{self._token}")
+
+    def _check_owner(self) -> None:
+        """Raise ControlError naming the replacement (host, pid) once another receiver took this rank."""
+        by = self._owner()
+        if by is not None:
+            host, pid = _holder(by)
+            raise control.ControlError(f"Receiver: inference rank {self.rank} was taken over by another receiver "
+                                       f"(host {host}, pid {pid}); this one reads no version")
+
+    def _owned_state(self) -> control.WeightsState:
+        """:meth:`state`, raising ControlError once this receiver was replaced (:meth:`_check_owner`)."""
+        self._check_owner()
+        return self.state()
+
     def publish(self) -> None:
         """Publish ``(descriptor, metas)`` under ``meta/infer/{rank}`` (and the runtime layout,
-        when one was given), once; the coordinator plans against it."""
+        when one was given), once; the coordinator plans against it. Raises ControlError when
+        this receiver was replaced meanwhile (the rank is another's)."""
+        self._check_owner()
         if self.runtime is not None:
             control.put(self.store, RUNTIME_KEY.format(rank=self.rank), self.runtime)
         self.client.publish_meta(self.descriptor, self.metas)
@@ -121,8 +226,10 @@ class Receiver:
         ``incomplete`` with the version and a sequence number) as this rank holds it: ``none``
         while the rank is not in the plan or the published version predates the first update
         that included it (a rank that joined later never reads a version it did not receive,
-        C24)."""
+        C24), and for good once another receiver replaced this one (``replace=True``)."""
         s = self.client.state()
+        if self._owner() is not None:
+            return control.WeightsState(s.seq, "none", -1)
         since = membership.member_since(self.store, self.rank)
         if since is None and not self.store.check(["meta/world"]):
             return s  # no Coordinator keeps the membership (e.g. the harness's own controller): the global state
@@ -139,24 +246,29 @@ class Receiver:
     def wait_version(self, version: int, *, timeout: float | None = None) -> control.WeightsState:
         """Block until this rank holds ``complete version`` and return that state. Raises
         VersionError when ``version`` was skipped (a later one is written or complete),
-        ControlError when the update to it failed, on shutdown, or after ``timeout`` seconds
-        (default: the receiver's)."""
-        return self.client.wait_version(version, timeout=self.timeout if timeout is None else timeout, state=self.state)
+        ControlError when the update to it failed, on shutdown, after ``timeout`` seconds
+        (default: the receiver's), or when another receiver replaced this one (naming it)."""
+        timeout = self.timeout if timeout is None else check_seconds(timeout, "timeout", where="Receiver.wait_version")
+        return self.client.wait_version(version, timeout=timeout, state=self._owned_state)
 
     def read_consistent(self, read: Callable[[], Any], *, wait: bool = True, timeout: float = 30.0):
         """``(state, read())`` where no write happened during ``read`` and ``state`` is
         complete (a seqlock over the published state: :func:`weight_transfer.control.read_consistent`).
         Raises :class:`weight_transfer.control.UpdateInProgress` when no complete version can be
-        read (at once with ``wait=False``, after ``timeout`` seconds otherwise)."""
-        return control.read_consistent(self.state, read, wait=wait, timeout=timeout)
+        read (at once with ``wait=False``, after ``timeout`` seconds otherwise), ControlError
+        naming the replacement when another receiver replaced this one."""
+        return control.read_consistent(self._owned_state, read, wait=wait, timeout=timeout)
 
     def close(self) -> None:
-        """Announce leaving (the coordinator plans without this rank from its next update),
-        deregister the region (waits for any sender's batch in flight, C17) and release the
-        transport."""
+        """Announce leaving (the coordinator plans without this rank from its next update) and
+        give the rank up (another receiver may register it), deregister the region (waits for
+        any sender's batch in flight, C17) and release the transport. A receiver that was
+        replaced announces nothing: the rank is its replacement's."""
         if self.transport is not None:
             try:
-                membership.announce_leave(self.store, self.rank)
+                if self._owner() is None:
+                    membership.announce_leave(self.store, self.rank)
+                    self._release()
             except Exception:  # the store may be gone at the end of a job
                 pass
             self.transport.close()

@@ -88,7 +88,7 @@ def nothing_left(w: World, killed=()) -> None:
 # complete update
 
 
-def test_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
+def test_c28_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
     F = Fault
     pushes = [
         Push(1),                                   # 0
@@ -110,6 +110,8 @@ def test_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
         Push(13),                                  # 16
         Push(14, F("coord", 0, "commit", "stall")),  # 17
         Push(15),                                  # 18
+        Push(16, F("train", 0, "write", "stall")),   # 19 the coordinator's own rank stalls in a write
+        Push(17),                                  # 20
     ]
     w = run(World(pushes, timeout=T), str(tmp_path))
     ok_everywhere(w, 0, version=1)
@@ -141,6 +143,8 @@ def test_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
     ok_everywhere(w, 16, version=13)
     same_error_everywhere(w, 17, "ControlError", "commit of step 14 did not return within", bound=BOUND)
     ok_everywhere(w, 18, version=15)
+    same_error_everywhere(w, 19, "ControlError", "no answer within", "training 0", bound=BOUND + T + 3)
+    ok_everywhere(w, 20, version=17)
     never_complete_over_other_bytes(w)
     nothing_left(w)
 
@@ -149,7 +153,7 @@ def test_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
 # receivers: killed, stopped, closed mid-update; a training rank failing to set up its plan
 
 
-def test_tp2_dp2_a_receiver_killed_mid_update_drops_its_group_and_the_next_completes(tmp_path):
+def test_c28_tp2_dp2_a_receiver_killed_mid_update_drops_its_group_and_the_next_completes(tmp_path):
     """C28 at TP=2 x DP=2: one rank of one TP group killed mid-update fails that update, named,
     on every training rank; the next push plans without the whole group (a TP engine missing a
     rank serves nothing) and completes bit-exact on the other; the dropped group's surviving
@@ -236,3 +240,14 @@ def test_a_refused_plan_is_the_same_plan_error_on_every_rank(tmp_path):
     c = w.results["infer"][0][0]
     assert c["state"] == "none" and c["canary"], c
     nothing_left(w)
+
+
+def test_the_coordinator_process_killed_while_planning(tmp_path):
+    """A coordinator of its own killed in its planning step: every training rank's first push
+    raises ControlError naming the coordinator's process within the timeout; nothing moved."""
+    w = run(World([Push(1, Fault("coord", 0, "plan", "kill"), last=True)], tp=1, dp=1, coordinator="process",
+                  timeout=T), str(tmp_path))
+    same_error_everywhere(w, 0, "ControlError", "coordinator: process", "is gone", bound=BOUND)
+    c = w.results["infer"][0][0]
+    assert c["state"] == "none" and c["canary"], c
+    nothing_left(w, killed={"coord"})

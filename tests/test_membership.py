@@ -142,7 +142,7 @@ def test_c24_an_engine_killed_mid_update_fails_that_update_named_and_the_next_co
         t.copy_(new[n])
     with pytest.raises(wt.ControlError, match=r"inference rank\(s\) \[1\] gone") as err:
         tx.push(2)
-    assert "training 0" in str(err.value)  # the rank whose write failed, and why
+    assert "inference 1: process" in str(err.value) and "is gone" in str(err.value)  # the root cause, named
     assert coord.state().state == "incomplete"
     new = _weights(3)
     for n, t in params.items():

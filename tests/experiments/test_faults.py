@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.loopback import Loopback
-from weight_transfer import control
+from weight_transfer import clients, control
 from weight_transfer.engines import UpdateInProgress, expected_from_checkpoint
 from weight_transfer.engines.engine import GUARD, GUARD_BYTE
 from weight_transfer.experiments.faults import Fault
@@ -44,7 +44,7 @@ def test_c13_reader_never_gets_a_mixed_set_under_a_complete_version(store):
     cfg = load_config("qwen3-0.6b", **SMALL)
     lb = Loopback(cfg, InferenceLayout(tp=2))
     ctl = control.Controller(store, n_train=1, n_infer=2, timeout=5)
-    inf = control.InferenceClient(client(store), 0)
+    inf = clients.InferenceClient(client(store), 0)
     sources = {v: ckpt(cfg, v) for v in (1, 2, 3, 4)}
     ctl.begin(1)
     lb.transfer(sources[1])
@@ -95,7 +95,7 @@ def test_c13_naive_version_check_is_not_enough(store):
     in between is invisible unless the state moves first. Under the protocol the state read
     after differs from the one before (seq moved), so the seqlock retries."""
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=5)
-    inf = control.InferenceClient(client(store), 0)
+    inf = clients.InferenceClient(client(store), 0)
     ctl.begin(1)
     ctl.publish(1)
     before = inf.state()
@@ -133,7 +133,7 @@ def test_c14_in_process_failed_update_marked_incomplete_then_restored(store):
     cfg = load_config("qwen3-0.6b", **SMALL)
     lb = Loopback(cfg, InferenceLayout(tp=2))
     ctl = control.Controller(store, n_train=1, n_infer=2, timeout=5)
-    inf = control.InferenceClient(client(store), 0)
+    inf = clients.InferenceClient(client(store), 0)
     ctl.begin(1)
     lb.transfer(ckpt(cfg, 1))
     ctl.publish(1)

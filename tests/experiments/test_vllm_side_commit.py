@@ -10,7 +10,7 @@ incomplete label after a failure, also when vLLM already closed the update sessi
 """
 import pytest
 
-from weight_transfer import control
+from weight_transfer import clients, control
 from weight_transfer.experiments import vllm_side
 
 
@@ -56,7 +56,7 @@ def test_commit_sets_the_version(store):
 
 
 def test_a_refusing_worker_is_reported_failed_and_labelled_incomplete(store):
-    control.InferenceClient(store, 0).committed(3, ok=True, stats={"seconds": 0.0})   # worker 0 reported
+    clients.InferenceClient(store, 0).committed(3, ok=True, stats={"seconds": 0.0})   # worker 0 reported
     c = FakeClient(refuse=RuntimeError("inference 1: update_weights(version=3) refused: training 1 failed"),
                    closed_on_refusal=True)
     assert not vllm_side._commit_through_backend(c, store, 3, [0, 1], 0, "incomplete:3")

@@ -272,6 +272,10 @@ def coord_main(addr, w: World, out: str) -> None:
                            timeout=w.timeout)
     faults = {k: p.fault for k, p in enumerate(w.pushes) if p.fault is not None and p.fault.role == "coord"}
     served = {"n": 0}
+    if faults.get(0) is not None and faults[0].stage == "plan":
+        import weight_transfer.coordinator as api_coord
+
+        _inject_coord(faults[0], api_coord, w.timeout)
 
     def commit(ver):
         f = faults.get(served["n"])
