@@ -64,7 +64,8 @@ import time
 import traceback
 from pathlib import Path
 
-from weight_transfer import clients, control
+from weight_transfer import control
+from weight_transfer.clients import InferenceClient
 
 __all__ = ["vllm_instance_main", "prefill_oracle", "prefill_oracle_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
            "kill_group"]
@@ -305,7 +306,7 @@ def _commit_through_backend(client, store, step: int, ranks: list[int], instance
         why = f"update_weights failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         for r in ranks:
             if not store.check([f"step/{step}/committed/{r}"]):
-                clients.InferenceClient(store, r).committed(step, ok=False, error=why)
+                InferenceClient(store, r).committed(step, ok=False, error=why)
         _label(client, failed_label, instance)
         return False
     client.finish_weight_update(weight_version=str(step))
@@ -341,7 +342,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
     tp = cfg.inference.tp
     ranks = [instance * tp + t for t in range(tp)]
     store = control.make_store(addr[0], addr[1], is_master=False, timeout=cfg.transfer.control.timeout)
-    clients = {r: clients.InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
+    clients = {r: InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
     mcfg = cfg.model_config()
     root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
     side = loader = wt = None

@@ -223,8 +223,9 @@ class Coordinator:
         """Every training rank's readiness for push ``n`` (``{rank: {"version", "refuse"}}``);
         ControlError naming the ranks that did not answer within the timeout, or died."""
         keys = {r: PUSH_KEY.format(n=n, what=f"ready/{r}") for r in range(self.n_train)}
+        # training ranks' liveness only: an engine that died since the last update is dropped after the decision
         control.wait_keys(self.store, keys, timeout=self.timeout, what=f"push {n}: training ranks ready",
-                          liveness=self.ctl.live_t, failure=self.ctl._failure())
+                          liveness=self.ctl.live_t)
         return {r: control.get(self.store, k) for r, k in keys.items()}
 
     def _decide(self, n: int, ready: dict[int, dict], version: int | None):

@@ -31,6 +31,62 @@ BOUND = T + 9.0
 (5 s, ``Sender._run_watched``) and process start-up noise on 2 shared cores."""
 
 
+def _misuse_and_stage_faults() -> World:
+    F = Fault
+    return World([
+        Push(1),                                   # 0
+        Push(2),                                   # 1
+        Push(2),                                   # 2  the version repeated (C28)
+        Push(1),                                   # 3  a lower one
+        Push({0: 5, 1: 6}),                        # 4  the ranks disagree
+        Push({0: 7, 1: "7"}),                      # 5  a version from os.environ
+        Push(3),                                   # 6
+        Push(4, F("train", 1, "prepare", "raise")),  # 7  C28: a rank raising in prepare
+        Push(5),                                   # 8
+        Push(6, F("train", 0, "write", "raise")),    # 9
+        Push(7),                                   # 10
+        Push(8, F("train", 1, "release", "raise")),  # 11
+        Push(9),                                   # 12
+        Push(10, F("coord", 0, "commit", "raise")),  # 13
+        Push(11),                                  # 14
+        Push(12, F("train", 1, "prepare", "stall")),  # 15
+        Push(13),                                  # 16
+        Push(14, F("coord", 0, "commit", "stall")),  # 17
+        Push(15),                                  # 18
+        Push(16, F("train", 0, "write", "stall")),   # 19 the coordinator's own rank stalls in a write
+        Push(17),                                  # 20
+    ], timeout=T)
+
+
+def _killed(rank: int, stage: str) -> World:
+    first = [] if stage == "plan" else [Push(1)]
+    return World(first + [Push(2, Fault("train", rank, stage, "kill"), last=True)], tp=1, dp=1, timeout=T)
+
+
+KILLS = [(1, "plan"), (1, "prepare"), (0, "write"), (1, "release")]
+"""(training rank, stage) of the kill cases (rank 0 hosts the coordinator)."""
+
+WORLDS = {
+    "misuse_and_stage_faults": _misuse_and_stage_faults,
+    "tp2_dp2_receivers": lambda: World([Push(1, Fault("train", 1, "plan", "raise")),
+                                        Push(2),
+                                        Push(3, Fault("infer", 1, "write", "stall")),
+                                        Push(4, Fault("infer", 3, "write", "kill")),
+                                        Push(5)], tp=2, dp=2, timeout=T),
+    "coordinator_process": lambda: World([Push(1),
+                                          Push(2, Fault("infer", 1, "write", "raise")),
+                                          Push(3),
+                                          Push(4, Fault("coord", 0, "commit", "kill"), last=True)],
+                                         tp=1, dp=2, coordinator="process", timeout=T),
+    **{f"train{r}_killed_in_{st}": (lambda r=r, st=st: _killed(r, st)) for r, st in KILLS},
+    "plan_refused": lambda: World([Push(1, Fault("coord", 0, "plan", "raise"), last=True)], tp=1, dp=1, timeout=T),
+    "coordinator_killed_planning": lambda: World([Push(1, Fault("coord", 0, "plan", "kill"), last=True)], tp=1, dp=1,
+                                                 coordinator="process", timeout=T),
+}
+"""Every world of this module by name (``scripts/api_faults.py`` runs them and prints what each
+rank saw): a builder of its :class:`World`."""
+
+
 def _trainers(w: World, k: int) -> dict[int, dict]:
     return {r: w.results["train"][r].get(k) for r in range(w.n_train)}
 
@@ -89,31 +145,8 @@ def nothing_left(w: World, killed=()) -> None:
 
 
 def test_c28_refusals_and_failures_in_every_stage_leave_no_rank_behind(tmp_path):
-    F = Fault
-    pushes = [
-        Push(1),                                   # 0
-        Push(2),                                   # 1
-        Push(2),                                   # 2  the version repeated (C28)
-        Push(1),                                   # 3  a lower one
-        Push({0: 5, 1: 6}),                        # 4  the ranks disagree
-        Push({0: 7, 1: "7"}),                      # 5  a version from os.environ
-        Push(3),                                   # 6
-        Push(4, F("train", 1, "prepare", "raise")),  # 7  C28: a rank raising in prepare
-        Push(5),                                   # 8
-        Push(6, F("train", 0, "write", "raise")),    # 9
-        Push(7),                                   # 10
-        Push(8, F("train", 1, "release", "raise")),  # 11
-        Push(9),                                   # 12
-        Push(10, F("coord", 0, "commit", "raise")),  # 13
-        Push(11),                                  # 14
-        Push(12, F("train", 1, "prepare", "stall")),  # 15
-        Push(13),                                  # 16
-        Push(14, F("coord", 0, "commit", "stall")),  # 17
-        Push(15),                                  # 18
-        Push(16, F("train", 0, "write", "stall")),   # 19 the coordinator's own rank stalls in a write
-        Push(17),                                  # 20
-    ]
-    w = run(World(pushes, timeout=T), str(tmp_path))
+    pushes = WORLDS["misuse_and_stage_faults"]().pushes
+    w = run(WORLDS["misuse_and_stage_faults"](), str(tmp_path))
     ok_everywhere(w, 0, version=1)
     ok_everywhere(w, 1, version=2)
     same_error_everywhere(w, 2, "VersionError", "push(version=2): version 2 refused", "complete version 2")
@@ -161,13 +194,7 @@ def test_c28_tp2_dp2_a_receiver_killed_mid_update_drops_its_group_and_the_next_c
     the first push on every rank (nothing moved), and a receiver stopped (SIGSTOP) while the
     writes land is no failure at all (its memory takes one-sided writes; it reads the version
     once it runs again)."""
-    F = Fault
-    pushes = [Push(1, F("train", 1, "plan", "raise")),  # 0
-              Push(2),                                  # 1
-              Push(3, F("infer", 1, "write", "stall")),  # 2
-              Push(4, F("infer", 3, "write", "kill")),   # 3
-              Push(5)]                                  # 4
-    w = run(World(pushes, tp=2, dp=2, timeout=T), str(tmp_path))
+    w = run(WORLDS["tp2_dp2_receivers"](), str(tmp_path))
     same_error_everywhere(w, 0, "ControlError", "training 1: setting up the plan failed",
                           "injected: training rank 1 fails in plan")
     for i in range(4):
@@ -188,12 +215,7 @@ def test_coordinator_of_its_own_a_receiver_closing_mid_update_and_the_coordinato
     named, and the next completes on the other; the coordinator killed in its commit: every
     training rank raises ControlError naming it, within the timeout, and no receiver reads the
     version that was being written as complete."""
-    F = Fault
-    pushes = [Push(1),                                    # 0
-              Push(2, F("infer", 1, "write", "raise")),    # 1
-              Push(3),                                    # 2
-              Push(4, F("coord", 0, "commit", "kill"), last=True)]  # 3
-    w = run(World(pushes, tp=1, dp=2, coordinator="process", timeout=T), str(tmp_path))
+    w = run(WORLDS["coordinator_process"](), str(tmp_path))
     ok_everywhere(w, 0, version=1)
     same_error_everywhere(w, 1, "ControlError", "inference", "1")
     assert "inference rank(s) [1] gone" in w.results["train"][0][1]["msg"]
@@ -209,16 +231,15 @@ def test_coordinator_of_its_own_a_receiver_closing_mid_update_and_the_coordinato
 # a training rank killed: the survivor raises within the timeout, nothing reads as complete
 
 
-@pytest.mark.parametrize("rank,stage", [(1, "plan"), (1, "prepare"), (0, "write"), (1, "release")])
+@pytest.mark.parametrize("rank,stage", KILLS)
 def test_a_training_rank_killed_in_each_stage(tmp_path, rank, stage):
     """The other training rank raises ControlError within the control timeout naming the dead
     one (training rank 0 hosts the coordinator: killing it leaves rank 1 naming the
     coordinator), even where its writer stays blocked in a Gloo collective with the dead peer;
     no receiver reads the update's version as complete; every other process ends."""
     first = stage == "plan"
-    pushes = ([] if first else [Push(1)]) + [Push(2, Fault("train", rank, stage, "kill"), last=True)]
-    w = run(World(pushes, tp=1, dp=1, timeout=T), str(tmp_path))
-    k = len(pushes) - 1
+    w = run(WORLDS[f"train{rank}_killed_in_{stage}"](), str(tmp_path))
+    k = len(w.pushes) - 1
     if not first:
         ok_everywhere(w, 0, version=1)
     other = 1 - rank
@@ -235,7 +256,7 @@ def test_a_training_rank_killed_in_each_stage(tmp_path, rank, stage):
 def test_a_refused_plan_is_the_same_plan_error_on_every_rank(tmp_path):
     """The coordinator's plan refused (a PlanError naming what cannot be planned): every
     training rank raises that PlanError, same message, at the first push; nothing moved."""
-    w = run(World([Push(1, Fault("coord", 0, "plan", "raise"), last=True)], tp=1, dp=1, timeout=T), str(tmp_path))
+    w = run(WORLDS["plan_refused"](), str(tmp_path))
     same_error_everywhere(w, 0, "PlanError", "injected: the coordinator's plan is refused")
     c = w.results["infer"][0][0]
     assert c["state"] == "none" and c["canary"], c
@@ -245,8 +266,7 @@ def test_a_refused_plan_is_the_same_plan_error_on_every_rank(tmp_path):
 def test_the_coordinator_process_killed_while_planning(tmp_path):
     """A coordinator of its own killed in its planning step: every training rank's first push
     raises ControlError naming the coordinator's process within the timeout; nothing moved."""
-    w = run(World([Push(1, Fault("coord", 0, "plan", "kill"), last=True)], tp=1, dp=1, coordinator="process",
-                  timeout=T), str(tmp_path))
+    w = run(WORLDS["coordinator_killed_planning"](), str(tmp_path))
     same_error_everywhere(w, 0, "ControlError", "coordinator: process", "is gone", bound=BOUND)
     c = w.results["infer"][0][0]
     assert c["state"] == "none" and c["canary"], c
