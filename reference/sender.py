@@ -294,7 +294,13 @@ class Sender:
         else:
             self.client.done(v, ok=True, stats=stats)
         out = self._wait_outcome(n, v, local)
-        if out["ok"]:
+        if out["ok"]:  # claimed right before "complete v" is published: return once it is
+
+            def published() -> bool:
+                s = control.read_state(self.store)
+                return s.version > v or (s.version == v and s.complete)
+            self._wait_for(published, what=f"training {self.rank}: complete version {v} not published",
+                           bound=self.timeout)
             return stats
         raise control.ControlError(out["error"][1]) from local
 
@@ -360,8 +366,8 @@ class Sender:
         does not come within the timeout (or the coordinator is gone) this rank claims a
         failure itself, so that no rank returns success for an update another rank gave up on."""
         key = PUSH_KEY.format(n=n, what="outcome")
-        try:
-            return self._wait_key(key, what=f"no outcome of version {v}", bound=self.timeout + 5)
+        try:  # the coordinator waits up to the timeout for the writes, then up to the timeout for the commit
+            return self._wait_key(key, what=f"no outcome of version {v}", bound=2 * self.timeout + 5)
         except control.ControlError as e:
             return _claim_outcome(self.store, n, {"ok": False, "error": ("ControlError", str(e))})
 
