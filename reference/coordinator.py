@@ -224,8 +224,11 @@ class Coordinator:
         ControlError naming the ranks that did not answer within the timeout, or died."""
         keys = {r: PUSH_KEY.format(n=n, what=f"ready/{r}") for r in range(self.n_train)}
         # training ranks' liveness only: an engine that died since the last update is dropped after the decision
-        control.wait_keys(self.store, keys, timeout=self.timeout, what=f"push {n}: training ranks ready",
-                          liveness=self.ctl.live_t)
+        def dead() -> str | None:
+            gone = self.ctl.live_t() if self.ctl.live_t is not None else {}
+            missing = {r: why for r, why in sorted(gone.items()) if r in keys and not self.store.check([keys[r]])}
+            return "; ".join(f"training {r}: {why}" for r, why in missing.items()) or None
+        control.wait_keys(self.store, keys, timeout=self.timeout, what=f"push {n}: training ranks ready", failure=dead)
         return {r: control.get(self.store, k) for r, k in keys.items()}
 
     def _decide(self, n: int, ready: dict[int, dict], version: int | None):
