@@ -26,7 +26,7 @@ from .args import check_bool, check_int, check_seconds, check_type
 from .store import RUNTIME_KEY, connect_store
 from .types import DestTensorMeta, RegionDescriptor, dtype_name
 
-__all__ = ["Receiver", "span_view", "OWNER_KEY"]
+__all__ = ["Receiver", "span_view", "storage_parts", "OWNER_KEY"]
 
 OWNER_KEY = "infer/owner/{rank}"
 """Store key: the token (``host:pid:uuid4``) of the :class:`Receiver` that owns inference rank
@@ -72,15 +72,41 @@ def span_view(base: int, length: int) -> torch.Tensor:
     return view
 
 
+def storage_parts(tensors) -> list[torch.Tensor]:
+    """The memory of ``tensors`` as one ``uint8`` view per storage (allocation), covering that
+    storage's tensors from the lowest first byte to the highest last, in address order (each view
+    keeps its storage alive): the parts of one region
+    (:meth:`weight_transfer.transport.base.Transport.register_parts`). One storage gives one part.
+    On a GPU each storage is its own allocation, which no one tensor can span; on the CPU the same
+    parts make one region too (the transport registers their span)."""
+    by: dict[tuple[str, int], list] = {}
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        st = t.untyped_storage()
+        lo_hi = by.setdefault((str(t.device), st.data_ptr()), [st, t.data_ptr(), t.data_ptr() + n])
+        lo_hi[1], lo_hi[2] = min(lo_hi[1], t.data_ptr()), max(lo_hi[2], t.data_ptr() + n)
+    parts = []
+    for st, lo, hi in sorted(by.values(), key=lambda v: v[1]):
+        whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+        start = lo - st.data_ptr()
+        parts.append(whole[start:start + (hi - lo)])
+    return parts
+
+
 class Receiver:
     """One inference rank's side, for any engine's named tensors: register their memory once,
     publish the region descriptor and the tensors' metadata, then read versions. Passive:
     nothing runs here per update.
 
     ``tensors``: ``{inference-side name: tensor}`` -- the engine's parameters as it computes
-    with them (contiguous, distinct, non-overlapping; on the CPU for the ``cma`` transport).
-    One region spans them all, from the lowest ``data_ptr`` to the highest end: writes are
-    planned only into the tensors, and the transport refuses any write outside the region.
+    with them (contiguous, distinct, non-overlapping, on one device the transport registers:
+    the CPU for ``cma``, a GPU for ``cuda_ipc``). One region spans them all, from the lowest
+    ``data_ptr`` to the highest end, made of one part per allocation they live in
+    (:func:`storage_parts`): writes are planned only into the tensors, and the transport
+    refuses any write outside the region's parts. ``region`` / ``metas``: an arena the caller
+    allocated (a tensor, or its parts: a list of tensors on one device, the region spanning
+    them) and its tensors' :class:`~weight_transfer.types.DestTensorMeta` (offsets from the
+    region's lowest byte).
     ``rank``: this inference rank; ``store``: see :func:`connect_store`; ``transport``: the
     back end's name (``cma``, ``verbs``, ``cuda_ipc``, ...); ``runtime``: a runtime layout to
     plan against instead of ``tensors``' own (see :mod:`weight_transfer.retarget`); ``publish``:
@@ -92,8 +118,11 @@ class Receiver:
     ``str`` from ``os.environ`` included --, ``timeout`` not a number, ``transport`` not a str,
     ``tensors`` not a mapping, ``region`` not a tensor, ``publish``/``replace`` not a bool);
     ValueError for ``rank`` < 0, ``timeout`` not > 0, no tensors, a tensor that is empty,
-    non-contiguous or overlaps another (named), ``region=`` without ``metas=``, an unknown
-    transport, a malformed ``store`` address, and for ``rank`` already held by a live receiver
+    non-contiguous or overlaps another (named), tensors on several devices, ``region=`` without
+    ``metas=``, an unknown transport or one that cannot register the tensors' memory (the
+    transport's own message: a CUDA tensor for ``cma``, several GPU allocations for a transport
+    without :attr:`~weight_transfer.transport.base.Transport.parts_devices` ``cuda``), a
+    malformed ``store`` address, and for ``rank`` already held by a live receiver
     (naming its host and pid) without ``replace=True``;
     :class:`weight_transfer.control.ControlError` naming ``host:port`` when no store answers
     within ``timeout`` seconds."""
@@ -108,7 +137,8 @@ class Receiver:
         rank, timeout = check_int(rank, "rank", where=w, lo=0), check_seconds(timeout, "timeout", where=w)
         check_type(transport, "transport", str, where=w)
         check_type(tensors, "tensors", Mapping, where=w, allow_none=True, what="a mapping name -> tensor")
-        check_type(region, "region", torch.Tensor, where=w, allow_none=True)
+        check_type(region, "region", (torch.Tensor, list, tuple), where=w, allow_none=True,
+                   what="a tensor or a list of tensors (its parts)")
         check_bool(publish, "publish", where=w)
         check_bool(replace, "replace", where=w)
         self.rank, self.timeout, self._token = rank, timeout, None
@@ -129,7 +159,7 @@ class Receiver:
             """The token (``host:pid:uuid4``) of the previous owner this one replaced (alive with
             ``replace=True``, or gone), None when the rank was free."""
             self._token = token
-            self.region = transport.register(view)
+            self.region = transport.register(view) if isinstance(view, torch.Tensor) else transport.register_parts(view)
         except BaseException:
             try:
                 if self._token is not None:  # registering failed: the rank is free again
@@ -164,23 +194,13 @@ class Receiver:
             if a + n > b:
                 raise ValueError(f"Receiver: tensors {na!r} and {nb!r} overlap; refusing to register aliased memory")
         base = spans[0][0]
-        length = max(a + n for a, n, _, _ in spans) - base
         devs = {str(t.device) for *_, t in spans}
         if len(devs) != 1:
             raise ValueError(f"Receiver: tensors on several devices {sorted(devs)}; one region per device")
         metas = [DestTensorMeta(rank=self.rank, name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype),
                                 offset=a - base, nbytes=n) for a, n, name, t in spans]
-        storages = {t.untyped_storage().data_ptr() for *_, t in spans}
-        if len(storages) == 1:  # one allocation: view its bytes (keeps the storage alive)
-            t0 = spans[0][3]
-            st = t0.untyped_storage()
-            whole = torch.empty(0, dtype=torch.uint8, device=t0.device).set_(st, 0, (st.nbytes(),), (1,))
-            start = base - st.data_ptr()
-            return metas, whole[start:start + length]
-        if devs != {"cpu"}:
-            raise ValueError("Receiver: tensors in several allocations must be on the CPU (one address span)")
-        self._keep = [t for *_, t in spans]  # the span view does not own the memory
-        return metas, span_view(base, length)
+        parts = storage_parts(t for *_, t in spans)  # one per allocation; the region spans them
+        return metas, parts[0] if len(parts) == 1 else parts
 
     def _owner(self) -> str | None:
         """The token of the receiver that replaced this one; None while this one owns its rank

@@ -51,6 +51,25 @@ def _named_params(params) -> dict[str, torch.Tensor]:
     return out
 
 
+def receivers_transport(name: str, descriptors: Mapping) -> str:
+    """The transport to write with: ``name``, or for ``auto`` the one every receiver's region
+    descriptor names (a receiver chose it from its memory: e.g. the vLLM backend's workers,
+    ``cuda_ipc`` for GPU tensors, ``cma`` for host memory). ValueError when ``auto`` finds
+    receivers on different transports (naming two of their ranks) or none."""
+    from .options import AUTO_TRANSPORT
+
+    if name != AUTO_TRANSPORT:
+        return name
+    by = {}
+    for rank, d in sorted(descriptors.items()):
+        by.setdefault(d.transport, rank)
+    if len(by) != 1:
+        raise ValueError("transport 'auto': " + ("no receiver descriptor to follow" if not by else
+                         "the receivers registered with different transports ("
+                         + ", ".join(f"inference {r}: {t!r}" for t, r in by.items()) + "); name one transport"))
+    return next(iter(by))
+
+
 class Sender:
     """One training rank's side: publish metadata once, take its part of the schedule once,
     write one-sidedly on every :meth:`push`.
@@ -63,7 +82,8 @@ class Sender:
     groups). ``store``: see :func:`connect_store`. ``coordinator``: on the rank that hosts it (rank
     0), the :class:`Coordinator`; :meth:`push` then also drives the update and returns its
     :class:`UpdateResult` in ``last_update``. ``options``: :class:`TransferOptions` (the
-    coordinator's should be the same). ``group_barrier``: the barrier between mesh groups
+    coordinator's should be the same; transport ``auto``: the one every receiver registered
+    with, read from their descriptors when the plan comes). ``group_barrier``: the barrier between mesh groups
     (default ``torch.distributed.barrier`` when a default process group exists and more than one
     rank trains). ``offloaded``: the shards live in host memory
     (:class:`weight_transfer.metadata.OffloadedParams`). ``publish``: publish the metadata now
@@ -163,7 +183,7 @@ class Sender:
         from .executor import Executor
         from .transport import lease, make_transport
 
-        self.transport = make_transport(self.options.transport.name)
+        self.transport = make_transport(receivers_transport(self.options.transport.name, descriptors))
         lease.attach(self.transport, self.store)  # receivers' deregister waits for our batch in flight (C17)
         self.transport.connect(list(descriptors.values()))
         self.executor = Executor(rank_plan, self.params, self.transport, descriptors, options=self.options.executor,

@@ -21,6 +21,11 @@
 #             (weight-transfer run --device cuda --transport cuda_ipc)
 #   nixl      NIXL over UCX's CUDA transports, VRAM -> VRAM between two processes, verified
 #             (scripts/gpu_nixl_check.py)
+#   worker_cuda  the one_sided vLLM worker engine's own register-and-publish path
+#             (WorkerTargets.receive) over a CUDA nn.Module: transport chosen from the tensors
+#             (cuda_ipc), one region of one part per allocation, written by another process and
+#             verified byte for byte; the init refusals (cma forced, a meta tensor)
+#             (scripts/gpu_worker_receive.py --device cuda; needs no vLLM)
 #   vllm_backends  this project's one_sided vLLM weight-transfer backend beside vLLM's own nccl
 #             and ipc backends: the same tiny model, GPU and vLLM calls, every update verified
 #             (scripts/gpu_vllm_backends.py --device cuda); only with a CUDA build of vLLM in
@@ -37,14 +42,16 @@ set -uo pipefail
 unset TRITON_INTERPRET
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ALL_STEPS="env install tests quant cuda_ipc nixl vllm_backends"
+ALL_STEPS="env install tests quant cuda_ipc nixl worker_cuda vllm_backends"
 # time limits (s); their sum, 600 s, bounds the whole run at 10 minutes. Sized from CPU runs here:
 # the cuda_ipc step's job (4 updates, each verified against a CPU oracle in every inference
 # process) took 91 s on a loaded 2-core VM with all 5 processes on 2 cores; the tests step
 # runs 2 small trials of its own besides the transport and kernel tests; vllm_backends (a few
 # seconds when it skips) took 57 s here for one backend on the CPU (vLLM import, the fresh engines,
-# one engine start); on a GPU each backend is one engine start more.
-declare -A LIMIT=([env]=20 [install]=60 [tests]=150 [quant]=75 [cuda_ipc]=110 [nixl]=65 [vllm_backends]=120)
+# one engine start); on a GPU each backend is one engine start more. worker_cuda (two python
+# processes, a 6-parameter module) took 4-6 s here with --device cpu; its 30 s came from env
+# (20 -> 15), quant (75 -> 65) and vllm_backends (120 -> 105), none of them run on a GPU yet.
+declare -A LIMIT=([env]=15 [install]=60 [tests]=150 [quant]=65 [cuda_ipc]=110 [nixl]=65 [worker_cuda]=30 [vllm_backends]=105)
 
 PY="${PYTHON:-python3}"
 RESULTS="$ROOT/results/gpu"
@@ -178,6 +185,8 @@ QUANT_CMD="rm -f '$RESULTS/quant_bench.csv'; $PY $BENCH_QUANT --device cuda --re
 CUDA_IPC_CMD="rm -f '$RESULTS/main_cuda_ipc.csv'; $PY -m weight_transfer.experiments run --device cuda --transport cuda_ipc \
 --steps 3 --warmup 1 --timeout 60 --results '$RESULTS/main_cuda_ipc.csv'"
 NIXL_CMD="rm -f '$RESULTS/nixl_cuda.csv'; $PY scripts/gpu_nixl_check.py --out '$RESULTS/nixl_cuda.csv'"
+# the vLLM worker engine's registration over a CUDA module (exit 77 = SKIP without CUDA, the reason last)
+WORKER_CUDA_CMD="$PY scripts/gpu_worker_receive.py --device cuda --timeout 20"
 # vLLM's backends beside ours: only where PY has a CUDA build of vLLM (exit 77 = SKIP, the reason
 # as the log's last line). The H200 image has no vLLM, and a CUDA vLLM wheel (~400 MB) is over the
 # 64 MiB a device call carries, so there this step skips until an image brings one.
@@ -197,6 +206,7 @@ step tests "$TESTS_CMD"
 step quant "$QUANT_CMD"
 step cuda_ipc "$CUDA_IPC_CMD"
 step nixl "$NIXL_CMD"
+step worker_cuda "$WORKER_CUDA_CMD"
 step vllm_backends "$VLLM_BACKENDS_CMD"
 
 echo

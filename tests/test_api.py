@@ -145,10 +145,14 @@ def test_receiver_of_named_tensors_spans_them_and_refuses_aliases():
     d = rx.descriptor
     lo = min(a.data_ptr(), b.data_ptr())
     assert d.addr == lo and d.length >= 256
+    # two allocations: one region of two parts (what a CUDA module's parameters need), writes held to them
+    assert rx.region.parts == dict(d.extra)["parts"] and len(rx.region.parts) == 2
+    assert {(m.offset, m.nbytes) for m in rx.metas} == set(rx.region.parts)
     rx.close()
     base = torch.zeros(100)
     one = wt.Receiver({"x": base[:10], "y": base[50:60]}, rank=1, store=store)  # views of one storage
     assert {m.name: m.offset for m in one.metas} == {"x": 0, "y": 200}
+    assert one.region.parts is None and "parts" not in dict(one.descriptor.extra)  # one allocation: one plain region
     one.close()
     with pytest.raises(ValueError, match="overlap"):
         wt.Receiver({"x": base[:10], "y": base[5:20]}, rank=2, store=store)

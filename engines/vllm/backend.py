@@ -30,7 +30,11 @@ What happens (the reference's protocol, :mod:`weight_transfer.api`):
   store's address; vLLM's API has no return path). In every worker,
   :meth:`OneSidedWeightTransferEngine.init_transfer_engine` reports the runtime tensors (after
   ``process_weights_after_loading``), stages the layers vLLM keeps opaque (oneDNN handles on CPUs
-  without AMX: C22), registers the destination span once (one CMA region) and publishes its
+  without AMX: C22), registers the destination tensors once with the transport that fits their
+  memory (``cma`` for host memory, ``cuda_ipc`` for a CUDA vLLM's GPU memory, or the init info's
+  ``transport``: one region of one part per allocation,
+  :meth:`~weight_transfer.engines.vllm.worker_state.WorkerTargets.receive`; a tensor no
+  configured transport can register is refused here, naming it and its device) and publishes its
   descriptor, destination metadata and :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout`;
   worker 0 also publishes the HF config and layout (:data:`weight_transfer.api.ENGINE_KEY`).
   Rank 0 then builds the :class:`weight_transfer.api.Coordinator` (model and layout from the
@@ -65,8 +69,9 @@ What happens (the reference's protocol, :mod:`weight_transfer.api`):
   next update drives only the engines still in the coordinator's membership
   (:meth:`OneSidedTrainerEngine.active`).
 
-Trainer processes need no accelerator (CPU-only is fine); the workers run vLLM's own code only
-(nothing patched). The prefix cache: vLLM keeps KV blocks computed with the old weights; the
+Trainer processes need no accelerator with a CPU vLLM (``cma``); with a CUDA vLLM on their host
+(``cuda_ipc``) they need CUDA to open the workers' IPC handles (not run on a GPU yet: docs/GPU.md).
+The workers run vLLM's own code only (nothing patched). The prefix cache: vLLM keeps KV blocks computed with the old weights; the
 client adapters here (:class:`LLMClient`, :class:`AsyncLLMClient`) reset it at
 ``finish_weight_update``; over HTTP call ``/reset_prefix_cache`` (or pause with ``clear_cache``).
 """
@@ -171,14 +176,20 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     ``targets``: ``"auto"`` (staged only where vLLM keeps the runtime bytes opaque), ``"staged"``
     (every post-processed layer staged) or ``"direct"`` (nothing staged: opaque layers are refused
     at plan time), as :class:`weight_transfer.engines.vllm.VllmEngine`; ``transport``: the data
-    plane the trainers write with (``"cma"`` on one host); ``timeout``: seconds a store call may
-    block. ValueError (vLLM's ``parse_init_info`` passes it on) for a bad value."""
+    plane the trainers write with: ``"auto"`` (the worker chooses from its tensors' memory:
+    ``cma`` for host memory, ``cuda_ipc`` for CUDA memory on one host,
+    :func:`~weight_transfer.engines.vllm.worker_state.choose_transport`) or a transport's name
+    (``"nixl"`` for trainers on other hosts; refused at init, naming the tensor and its device,
+    when it cannot register the worker's tensors); the trainer engine passes its options'
+    transport (``auto`` unless set) and its senders follow the workers' choice; ``timeout``:
+    seconds a store call may block. ValueError (vLLM's ``parse_init_info`` passes it on) for a
+    bad value."""
 
     store_host: str
     store_port: int
     first_rank: int = 0
     targets: str = "auto"
-    transport: str = "cma"
+    transport: str = "auto"
     timeout: float = 120.0
 
     def __post_init__(self):
@@ -190,6 +201,10 @@ class OneSidedInitInfo(WeightTransferInitInfo):
             raise ValueError(f"first_rank={self.first_rank!r}: an inference rank >= 0")
         if self.targets not in TARGETS:
             raise ValueError(f"targets={self.targets!r}: one of {', '.join(TARGETS)}")
+        from weight_transfer.transport import TRANSPORTS
+
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: 'auto' or one of {', '.join(sorted(TRANSPORTS))}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
 
@@ -256,11 +271,15 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
     # ------------------------------------------------------------------ once
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
-        """Report, stage, register once, publish (see the module docstring). RuntimeError when
-        already initialized (``shutdown_weight_transfer_engine`` first) or for a parallel layout
-        this backend does not plan (pipeline parallelism)."""
+        """Report, stage, register once, publish (see the module docstring): the tensors are
+        registered with the transport that fits their memory (:meth:`WorkerTargets.receive`).
+        RuntimeError when already initialized (``shutdown_weight_transfer_engine`` first) or for a
+        parallel layout this backend does not plan (pipeline parallelism); ValueError, naming the
+        tensor and its device, before anything is registered or published, for a tensor no
+        configured transport can register (a CUDA tensor with ``transport="cma"``, a ``meta``
+        tensor, tensors on two devices)."""
         from weight_transfer import control
-        from weight_transfer.api import Receiver, connect_store
+        from weight_transfer.api import connect_store
         from weight_transfer.types import InferenceLayout
 
         from .runtime import opaque_layers, post_processed_layers, runtime_layout
@@ -286,17 +305,15 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         if not lay.targets:
             raise RuntimeError(f"{self._who()}: no runtime tensor to write (every weight refused: "
                                f"{lay.refused[:3]})")
-        view = WorkerTargets.span_view(lay.base, lay.length)
-        rx = Receiver(region=view, metas=lay.dest_metas(), rank=rank, store=store, transport=init_info.transport,
-                      timeout=max(init_info.timeout, 60.0), runtime=lay, publish=False)
-        lay.registered = rx.descriptor
-        if rank == init_info.first_rank:  # the deployment's first worker says what the model is (the plan's input)
-            mc = self.model_config
-            quant = getattr(mc, "quantization", None)
-            if quant not in (None, "fp8"):
-                rx.close()
-                raise RuntimeError(f"{self._who()}: quantization={quant!r}: the one_sided backend plans BF16 "
-                                   "or block-FP8 ('fp8') weights")
+        mc = self.model_config
+        quant = getattr(mc, "quantization", None)
+        if rank == init_info.first_rank and quant not in (None, "fp8"):
+            raise RuntimeError(f"{self._who()}: quantization={quant!r}: the one_sided backend plans BF16 "
+                               "or block-FP8 ('fp8') weights")
+
+        def engine_info(rx) -> None:  # the deployment's first worker says what the model is (the plan's input)
+            if rank != init_info.first_rank:
+                return
             layout = InferenceLayout(tp=int(pc.tensor_parallel_size), dp=int(getattr(pc, "data_parallel_size", 1)),
                                      ep=bool(getattr(pc, "enable_expert_parallel", False)), quant=quant,
                                      dtype=str(mc.dtype).removeprefix("torch."))
@@ -304,8 +321,13 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
                 "hf_config": hf_config_dict(mc.hf_config), "layout": layout,
                 "name": str(getattr(mc, "served_model_name", None) or mc.model),
                 "n_workers": int(pc.world_size) * int(getattr(pc, "data_parallel_size", 1)),
-                "vllm": __import__("vllm").__version__})
-        rx.publish()
+                "vllm": __import__("vllm").__version__, "transport": rx.transport.name})
+
+        # one path for every transport: chosen from the tensors' memory (or the init info's), refused
+        # naming the tensor and its device before anything is registered or published, one region of
+        # one part per allocation, then published
+        rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
+                                  timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
         self.receiver, self.layout, self.store = rx, lay, store
 
     # ------------------------------------------------------------------ per update
@@ -423,19 +445,21 @@ def _params_of(source):
 
 
 def transfer_options(options=None):
-    """A :class:`weight_transfer.options.TransferOptions` from ``None`` (the defaults), a
-    ``TransferOptions``, or a dict of flat overrides (a leaf field's name, or its ``flat``
-    name: ``{"transport": "cma", "watermark": 64 << 20, "timeout": 60}``). TypeError names an
-    unknown key; ValueError comes from the options' own checks."""
-    from weight_transfer.options import TransferOptions
+    """A :class:`weight_transfer.options.TransferOptions` from ``None`` (the defaults, with
+    transport ``"auto"``: the vLLM workers choose from their tensors' memory and the senders
+    follow), a ``TransferOptions`` (taken as it is), or a dict of flat overrides of those
+    defaults (a leaf field's name, or its ``flat`` name: ``{"transport": "cma", "watermark":
+    64 << 20, "timeout": 60}``). TypeError names an unknown key; ValueError comes from the
+    options' own checks."""
+    from weight_transfer.options import AUTO_TRANSPORT, TransferOptions, TransportOptions
 
+    base = TransferOptions(transport=TransportOptions(name=AUTO_TRANSPORT))
     if options is None:
-        return TransferOptions()
+        return base
     if isinstance(options, TransferOptions):
         return options
     if not isinstance(options, Mapping):
         raise TypeError(f"options: a dict of TransferOptions overrides or a TransferOptions, not {type(options).__name__}")
-    base = TransferOptions()
     where: dict[str, tuple[str, str]] = {}
     for part in dataclasses.fields(base):
         for leaf in dataclasses.fields(getattr(base, part.name)):
@@ -461,7 +485,9 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     ``torch.distributed.broadcast_object_list`` over the default process group, which must exist
     when ``world_size > 1``); ``n_infer``: inference ranks (None: every worker of the engine the
     client drives, as it reports); ``options``: :func:`transfer_options` (a dict of flat
-    ``TransferOptions`` overrides, a ``TransferOptions``, or None); ``timeout``: seconds any rank
+    ``TransferOptions`` overrides, a ``TransferOptions``, or None; the transport is ``"auto"``
+    unless set: the workers choose it from their tensors' memory and every rank's sender writes
+    with what they chose); ``timeout``: seconds any rank
     may take to answer (None: ``options``' control timeout); ``targets``: the workers' targets
     (:class:`OneSidedInitInfo`)."""
 
@@ -625,7 +651,8 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                                f"the new engine's backend {BACKEND!r}?")
         new, first = control.get(self.store, key), control.get(self.store, ENGINE_KEY)
         dep = Deployment(client, first_rank, int(new["n_workers"]), since=self.version + 1)
-        why = [f"{k}: {new[k]!r} != {first[k]!r}" for k in ("layout", "n_workers") if new[k] != first[k]]
+        why = [f"{k}: {new.get(k)!r} != {first.get(k)!r}" for k in ("layout", "n_workers", "transport")
+               if new.get(k) != first.get(k)]
         why += [f"hf_config[{k!r}]: {new['hf_config'].get(k)!r} != {v!r}" for k, v in first["hf_config"].items()
                 if k not in ("_name_or_path", "name_or_path") and new["hf_config"].get(k) != v][:3]
         if why:

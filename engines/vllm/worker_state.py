@@ -18,8 +18,16 @@ transferred byte (the commit of staged layers runs once per update, only for tho
   in ``layer.cpu_linear``'s closure, oneDNN handles), each MoE layer's expert kernel (class,
   ISA), and the worker's pid, TP rank and host. See ``engines/vllm/runtime.py`` for how the
   planner uses it.
+- :meth:`WorkerTargets.receive` (the ``one_sided`` backend, once): chooses the transport from
+  the destination tensors' memory (:func:`choose_transport`: host memory ``cma``, CUDA memory
+  ``cuda_ipc``, or the one the init info names when it can register them), registers them as
+  one region of one part per allocation (:func:`weight_transfer.receiver.storage_parts`) in a
+  :class:`weight_transfer.api.Receiver` and publishes it: one path for every transport, run on
+  the CPU by the tests and on a GPU by ``scripts/gpu_worker_receive.py``. Nothing here imports
+  vLLM, so that script runs where there is none.
 - :meth:`WorkerTargets.register`: registers the byte range holding the destination tensors
-  with the CMA transport and returns its region descriptor (once).
+  with the CMA transport and returns its region descriptor (once; the harness's
+  ``VllmEngine`` through the worker extension, CPU only).
 - :meth:`WorkerTargets.read`: copies of named runtime tensors (for byte verification; staging
   tensors as ``<module>.<param>:staging``).
 - :meth:`WorkerTargets.stage` (once) / :meth:`WorkerTargets.commit` (per update): **staged
@@ -32,11 +40,17 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable, Mapping
 
 import torch
 
 __all__ = ["WorkerTargets", "HIDE_AMX_ENV", "INIT_AMX_ENV", "STAGING_SUFFIX", "STAGING_ALIGN", "IN_PLACE_METHODS", "host_isa",
-           "gemm_path", "cpu_moe_layers", "tied_modules", "amx_check"]
+           "gemm_path", "cpu_moe_layers", "tied_modules", "amx_check", "choose_transport", "receive_transports",
+           "AUTO_TRANSPORT"]
+
+AUTO_TRANSPORT = "auto"
+"""The init info's transport that lets the worker choose from its tensors' memory
+(:func:`choose_transport`)."""
 
 STAGING_SUFFIX = ":staging"
 """Name suffix of a staging tensor in reports and reads: ``<module>.<param>:staging``."""
@@ -128,6 +142,75 @@ def host_isa() -> dict:
     hidden = bool(getattr(torch.cpu._is_amx_tile_supported, "_wt_hidden", False))
     return {"amx": _REAL_AMX, "amx_hidden": hidden, "amx_seen": bool(torch.cpu._is_amx_tile_supported()),
             "zentorch": zen}
+
+
+def _vllm_version() -> str:
+    """vLLM's version, or ``"none"`` in a process without vLLM (``scripts/gpu_worker_receive.py``
+    runs the worker's registration over a plain module)."""
+    try:
+        return __import__("vllm").__version__
+    except ImportError:
+        return "none"
+
+
+def receive_transports() -> dict[str, tuple[str, ...]]:
+    """transport name -> device types whose memory it can register and publish for a worker
+    whose tensors the engine allocated, in several allocations: the transport's
+    :attr:`~weight_transfer.transport.base.Transport.parts_devices`, none for one that publishes
+    only memory it allocated itself (``shm``). ``cma``: cpu; ``cuda_ipc``: cuda; ``nixl``: cpu,
+    cuda; ``verbs``: cpu."""
+    from weight_transfer.transport import TRANSPORTS
+
+    return {n: () if c.publishes_allocated_only else tuple(c.parts_devices) for n, c in sorted(TRANSPORTS.items())}
+
+
+def choose_transport(tensors: Mapping[str, torch.Tensor], requested: str = AUTO_TRANSPORT, *,
+                     who: str = "worker") -> str:
+    """The transport that registers one inference rank's destination ``tensors`` (name ->
+    tensor, as the worker reports them), before anything is registered or published.
+
+    ``requested``: ``"auto"`` chooses from the tensors' memory -- host memory ``cma``
+    (``process_vm_writev`` into the worker's own tensors; ``shm`` publishes only memory it
+    allocated itself, and vLLM allocates these), CUDA memory ``cuda_ipc`` (GPUs of one host;
+    name ``nixl`` for trainers on other hosts), as
+    :meth:`weight_transfer.options.TransportOptions.resolve` does; a transport's name is taken
+    when it can register the tensors' device (:func:`receive_transports`).
+
+    ValueError naming ``who``, the first tensor and its device, and what would register it: for
+    a tensor on a device no transport registers (``meta``, ``xpu``, ...), tensors on several
+    devices (one inference rank registers one region), a transport that cannot register them
+    (``cma`` or ``shm`` for CUDA tensors, ``cuda_ipc`` for host memory) or an unknown name."""
+    from weight_transfer.options import TransportOptions
+
+    can = receive_transports()
+    if requested != AUTO_TRANSPORT and requested not in can:
+        raise ValueError(f"{who}: transport {requested!r}: unknown; known: {', '.join(can)}, or {AUTO_TRANSPORT!r}")
+    if not tensors:
+        raise ValueError(f"{who}: no destination tensor to register")
+    types = {d for ds in can.values() for d in ds}
+    offer = "; ".join(f"{n}: {', '.join(ds)}" for n, ds in can.items() if ds)
+    first = None
+    for name, t in tensors.items():
+        if t.device.type not in types:
+            raise ValueError(f"{who}: tensor {name!r} is on device {t.device}, which no transport registers "
+                             f"(they register: {offer}); refusing before anything is registered or published")
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise ValueError(f"{who}: tensor {name!r} is on device {t.device} but {first[0]!r} on {first[1]}: one "
+                             "inference rank registers one region, on one device; refusing before anything is "
+                             "registered or published")
+    name, dev = first
+    if requested == AUTO_TRANSPORT:
+        return TransportOptions(name=AUTO_TRANSPORT).resolve(device=dev.type).name
+    if dev.type not in can[requested]:
+        why = ("it publishes only memory it allocated itself (ShmTransport.allocate), and the engine allocated "
+               "these tensors" if not can[requested] else f"it registers {', '.join(can[requested])} memory here")
+        fits = [n for n, ds in can.items() if dev.type in ds]
+        raise ValueError(f"{who}: tensor {name!r} is on device {dev}, which transport {requested!r} cannot register "
+                         f"({why}); for {dev.type} memory use {AUTO_TRANSPORT!r} or one of {fits}; refusing before "
+                         "anything is registered or published")
+    return requested
 
 
 def _tensor_info(t: torch.Tensor) -> dict:
@@ -268,7 +351,7 @@ class WorkerTargets:
                 "staged": staged, "staging_bytes": int(self.staging_bytes),
                 "params": params, "aliases": aliases, "derived": derived, "moe": moe, "gemm": gemm,
                 "isa": host_isa(),
-                "vllm": __import__("vllm").__version__, "torch": torch.__version__}
+                "vllm": _vllm_version(), "torch": torch.__version__}
 
     def runtime_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor :meth:`report` names: parameters, attribute tensors and tensors held
@@ -305,6 +388,48 @@ class WorkerTargets:
                 raise KeyError(f"worker pid {os.getpid()}: no runtime tensor {n!r}")
             out[n] = tensors[n].detach().clone()
         return out
+
+    def receive(self, layout, *, rank: int, store, transport: str = AUTO_TRANSPORT, timeout: float = 120.0,
+                who: str = "worker", before_publish: Callable[[object], None] | None = None):
+        """Register this worker's destination tensors once and publish them: the one path of
+        every transport (CPU memory through ``cma``, CUDA memory through ``cuda_ipc``, either
+        through ``nixl``), for ``layout`` (its
+        :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout`, made from :meth:`report`).
+
+        1. the runtime tensor of each target (:meth:`runtime_tensors`);
+        2. :func:`choose_transport` from their memory and ``transport`` (the init info's):
+           a refusal names the tensor and its device, before anything is registered or published;
+        3. a :class:`weight_transfer.api.Receiver` (``publish=False``) over one region of one part
+           per allocation (:func:`weight_transfer.receiver.storage_parts`; on a GPU no one tensor
+           can span two allocations) with ``layout.dest_metas()``: the plan's offsets count from
+           the lowest destination byte, ``layout.base``, as before; ``layout.registered`` is its
+           descriptor;
+        4. ``before_publish(receiver)`` (the backend's worker 0 publishes what the engine serves;
+           the receiver is closed when it raises), then ``receiver.publish()``.
+
+        Returns the published Receiver (the caller closes it). RuntimeError naming a target with
+        no runtime tensor; the Receiver's own errors (the store, the rank's ownership)."""
+        from weight_transfer.api import Receiver
+        from weight_transfer.receiver import storage_parts
+
+        tensors = self.runtime_tensors()
+        missing = [t.name for t in layout.targets if t.name not in tensors]
+        if missing:
+            raise RuntimeError(f"{who}: no runtime tensor {missing[0]!r} (of {len(missing)} target(s)) to register")
+        targets = {t.name: tensors[t.name] for t in layout.targets}
+        name = choose_transport(targets, transport, who=who)
+        rx = Receiver(region=storage_parts(targets.values()), metas=layout.dest_metas(), rank=rank, store=store,
+                      transport=name, timeout=timeout, runtime=layout, publish=False)
+        try:
+            layout.registered = rx.descriptor
+            layout.descriptor()  # the region is the destinations' span: [base, base + length)
+            if before_publish is not None:
+                before_publish(rx)
+            rx.publish()
+        except BaseException:
+            rx.close()
+            raise
+        return rx
 
     @staticmethod
     def span_view(base: int, length: int) -> torch.Tensor:
@@ -390,7 +515,9 @@ class WorkerTargets:
             if not specs:
                 raise ValueError(f"{mname}: no loadable parameter recorded by vLLM; cannot stage")
             layout.append((mname, "copy", why, specs))
-        arena = torch.zeros(max(total, 1), dtype=torch.uint8)
+        # on the model's device: one inference rank registers one region, on one device
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        arena = torch.zeros(max(total, 1), dtype=torch.uint8, device=dev)
         staged = {}
         for mname, mode, why, specs in layout:
             # zeros until the first update: every update writes every staging byte (the plan's cover check)

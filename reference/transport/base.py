@@ -27,7 +27,9 @@ What lives here, written once for every back end
   - offsets and lengths are >= 0, ``local_offset + length`` lies inside the local region and
     ``remote_offset + length`` inside the remote one -> :class:`BoundsError`; an op with
     :class:`Segments` (one write gathered from several local pieces) holds ``length`` bytes
-    and every segment lies inside the local region.
+    and every segment lies inside the local region; into a remote region of several
+    allocations (:meth:`Transport.register_parts`: its descriptor's ``extra["parts"]``) every op
+    lies inside one of them -> :class:`BoundsError`.
 
   One bad op refuses the whole batch: nothing of it is posted. Zero-length ops are skipped.
 - the epoch check (:meth:`Transport.check_epochs`, field case C17): every descriptor carries
@@ -54,6 +56,12 @@ tensor of the receiver's heap cannot be mapped by another process): a receiver (
 arena, a staging buffer) must then allocate through :meth:`Transport.allocate` and register a
 view of it, and ``descriptor()`` of any other region raises ValueError saying so. Senders
 register any tensor as a *local* source region on every back end (their memory is only read).
+
+An engine whose tensors are several allocations that no one tensor spans (a CUDA module's
+parameters: one caching-allocator block each) registers them as one region of several parts
+(:meth:`Transport.register_parts`): one descriptor per receiver as before, offsets counted from
+the lowest part, every write held inside one part (:attr:`Transport.parts_devices` says where a
+back end can).
 
 What a back end implements (the hooks, all prefixed ``_``): ``_check_device`` (which tensors it
 registers), ``_register`` / ``_deregister`` (native registration), ``_describe`` (the
@@ -92,6 +100,7 @@ from .ops import (  # noqa: F401  (re-exported: the contract's names stay import
     _unknown_msg,
     check_batch,
     describe_remote,
+    parts_bounds,
 )
 
 __all__ = [
@@ -168,6 +177,12 @@ class Transport(abc.ABC):
     publishes_allocated_only: bool = False
     """True when only memory from :meth:`allocate` can be published (its ``descriptor()``); see
     "Memory a receiver publishes" in the module docstring."""
+    parts_devices: tuple[str, ...] = ("cpu",)
+    """Device types on which :meth:`register_parts` registers several allocations as one region.
+    Host memory is one address space: a back end whose registration is an address range (CMA,
+    shm, verbs) registers the parts' span, and the op checks hold every write to the parts. A
+    back end that opens each allocation itself (CUDA IPC: one IPC handle per allocation; NIXL:
+    one registration entry per part) can list ``"cuda"``."""
 
     @classmethod
     def allocate(cls, nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -186,6 +201,7 @@ class Transport(abc.ABC):
         self.pid = os.getpid()
         self._local: dict[int, Region] = {}  # id(region) -> region
         self._remote: dict[Hashable, RegionDescriptor] = {}  # _remote_key(desc) -> desc
+        self._parted: dict[Hashable, tuple[list[int], list[int]]] = {}  # key -> parts of a remote region of several
         self._epochs = None  # EpochTable, made on the first published descriptor
         self._leases: dict = {}  # receiver's table id -> lease.HostLease, or lease.LeaseUnavailable
         self.lease_timeout = 30.0
@@ -197,7 +213,13 @@ class Transport(abc.ABC):
         """Register a contiguous tensor of >= 1 byte on a device this back end handles; the
         tensor must outlive the region (the region references it) and keep its storage.
         ValueError naming the shape, stride or device otherwise."""
-        who = f"{type(self).__name__}.register"
+        self._check_tensor(tensor, f"{type(self).__name__}.register")
+        region = Region(self, tensor)
+        region.native = self._register(region)
+        self._local[id(region)] = region
+        return region
+
+    def _check_tensor(self, tensor, who: str) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{who} needs a torch.Tensor, got {type(tensor).__name__}")
         self._check_device(tensor)
@@ -211,7 +233,42 @@ class Transport(abc.ABC):
                 f"{who} refuses a zero-byte tensor (shape {tuple(tensor.shape)}): a region must be at "
                 "least one byte; skip empty shards"
             )
-        region = Region(self, tensor)
+
+    def register_parts(self, parts: Sequence[torch.Tensor]) -> Region:
+        """Register several tensors of one device -- separate allocations, e.g. the storages of
+        a CUDA module's parameters, which no one tensor can span -- as **one** region: it spans
+        the lowest part's first byte to the highest part's last (``addr``, ``length``; a plan's
+        offsets count from ``addr`` as for a region of one tensor), but only the parts are its
+        memory: ``region.parts`` lists them as ``(offset, length)``, the descriptor carries them
+        (``extra["parts"]``) and every write must lie inside one part, checked with the other op
+        checks before any byte of a batch moves (:class:`BoundsError`). One part: :meth:`register`
+        of it. For a receiver's memory (a sender's local regions are single tensors).
+
+        ValueError for no parts, a part :meth:`register` would refuse (device, not contiguous,
+        empty), parts on several devices or overlapping, or a device on which this back end does
+        not register several allocations (:attr:`parts_devices`)."""
+        who = f"{type(self).__name__}.register_parts"
+        if isinstance(parts, torch.Tensor) or not isinstance(parts, Sequence) or not parts:
+            raise ValueError(f"{who} needs a non-empty sequence of tensors, got {type(parts).__name__}")
+        devs = sorted({str(p.device) for p in parts if isinstance(p, torch.Tensor)})
+        if len(devs) > 1:
+            raise ValueError(f"{who}: parts on several devices {devs}; one region is on one device")
+        for p in parts:
+            self._check_tensor(p, who)
+        if len(parts) == 1:
+            return self.register(parts[0])
+        if parts[0].device.type not in self.parts_devices:
+            raise ValueError(f"{who}: the {self.name} transport does not register several allocations on "
+                             f"{devs[0]} as one region (it does on: {', '.join(self.parts_devices) or 'none'})")
+        ordered = sorted(parts, key=lambda p: p.data_ptr())
+        for a, b in zip(ordered, ordered[1:]):
+            if a.data_ptr() + a.nbytes > b.data_ptr():
+                raise ValueError(f"{who}: parts {a.data_ptr():#x}+{a.nbytes} and {b.data_ptr():#x}+{b.nbytes} overlap")
+        region = Region(self, ordered[0])
+        lo = region.addr
+        region.length = max(p.data_ptr() + p.nbytes for p in ordered) - lo
+        region.parts = tuple((p.data_ptr() - lo, p.nbytes) for p in ordered)
+        region._parts = tuple(ordered)
         region.native = self._register(region)
         self._local[id(region)] = region
         return region
@@ -233,8 +290,8 @@ class Transport(abc.ABC):
             table.revoke(region._slot)
             stuck = table.await_senders(self.lease_timeout)
             if stuck:
-                self._held.append(region._tensor)
-                region._tensor = None
+                self._held.append(region._parts or region._tensor)
+                region._tensor = region._parts = None
                 raise LeaseTimeoutError(
                     f"deregister: {region!r} revoked, but senders (pid, seq) {stuck} are still inside a "
                     f"batch that started before the revocation after {self.lease_timeout} s; the memory "
@@ -244,7 +301,7 @@ class Transport(abc.ABC):
         try:
             self._deregister(region)
         finally:
-            region._tensor = None
+            region._tensor = region._parts = None
 
     def connect(self, descriptors: Sequence[RegionDescriptor]) -> None:
         """Accept remote regions as write targets (once, from the control plane). Every
@@ -261,8 +318,14 @@ class Transport(abc.ABC):
             self._check_descriptor(d)
             if d.addr <= 0 or d.length <= 0:
                 raise ValueError(f"connect: malformed descriptor {d}")
-        for d in descriptors:
-            self._remote[self._connect(d)] = d
+        parts = [parts_bounds(d) for d in descriptors]  # ValueError for malformed parts, before any is accepted
+        for d, pb in zip(descriptors, parts):
+            k = self._connect(d)
+            self._remote[k] = d
+            if pb is None:
+                self._parted.pop(k, None)
+            else:
+                self._parted[k] = pb
             if self.revocation == "lease":
                 lease.take(self, d)
 
@@ -273,11 +336,13 @@ class Transport(abc.ABC):
         lease.release_all(self)
         self._disconnect()
         self._remote.clear()
+        self._parted.clear()
 
     # ---- data path --------------------------------------------------------------------------
     def check(self, ops: Sequence[WriteOp]) -> Batch:
         """The checks of :meth:`write` alone (:func:`check_batch` over this transport's regions)."""
-        return check_batch(ops, self._local, self._remote, self._remote_key, self._group_key, self.segment_arrays)
+        return check_batch(ops, self._local, self._remote, self._remote_key, self._group_key, self.segment_arrays,
+                           self._parted)
 
     def write(self, ops: Sequence[WriteOp]) -> WriteHandle:
         """Check every op (see the module docstring), then post them all; return the completion.
@@ -359,10 +424,13 @@ class Transport(abc.ABC):
 
     def _descriptor(self, region: Region, key: int, extra: tuple = ()) -> RegionDescriptor:
         """A descriptor of ``region`` with a freshly published epoch (:mod:`.lease`):
-        ``epoch`` and ``extra["epochs"] = (table address, slot, table id)``."""
+        ``epoch`` and ``extra["epochs"] = (table address, slot, table id)``; for a region of
+        several allocations also ``extra["parts"]`` (:meth:`register_parts`)."""
         slot, epoch = self._epoch_table().publish()
         region._slot = slot
         extra = tuple(extra) + (("epochs", (self._epochs.addr, slot, self._epochs.ident)),)
+        if region.parts:
+            extra += (("parts", region.parts),)
         chan = lease.lease_channel(self._epochs)
         if chan is not None:
             extra += (("lease", chan),)

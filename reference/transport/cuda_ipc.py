@@ -8,7 +8,10 @@ caching allocator's block that holds it (plus the block size, the storage's offs
 block and torch's cross-process reference-counter handle). Those bytes travel in the
 :class:`~weight_transfer.types.RegionDescriptor`'s ``extra`` (``handle``: the tuple
 ``_share_cuda_`` returned; ``offset``: the tensor's byte offset inside its storage; ``dev``:
-device index; ``uuid``: the GPU's UUID). The sending (training) process opens each handle once
+device index; ``uuid``: the GPU's UUID; a region of several allocations,
+:meth:`~weight_transfer.transport.base.Transport.register_parts`, has ``handles`` instead: one
+``(offset in the region, length, handle, offset inside its storage)`` per part, since one IPC
+handle maps one allocation). The sending (training) process opens each handle once
 in :meth:`CudaIpcTransport.connect` (``torch.UntypedStorage._new_shared_cuda``, i.e.
 ``cudaIpcOpenMemHandle``), which maps the receiver's memory into its own address space, and
 each write is a ``copy_`` into that mapping on the sender's stream: NVLink/PCIe peer-to-peer
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import torch
@@ -78,11 +82,28 @@ class CudaIpcWriteHandle(WriteHandle):
         return f"CUDA IPC copies not complete after {timeout} s"
 
 
+class _PartViews:
+    """The mapped views of a remote region of several parts: ``starts`` (offsets in the region)
+    and one ``uint8`` view per part."""
+
+    __slots__ = ("starts", "views")
+
+    def __init__(self, starts: list[int], views: list[torch.Tensor]):
+        self.starts, self.views = starts, views
+
+    def at(self, offset: int) -> tuple[torch.Tensor, int]:
+        """The view holding region byte ``offset`` and the offset inside it (the op checks put
+        every write inside one part)."""
+        k = bisect_right(self.starts, offset) - 1
+        return self.views[k], offset - self.starts[k]
+
+
 class CudaIpcTransport(Transport):
     """One process's CUDA IPC endpoint. ``stream``: where copies are enqueued (default a new
     stream on the current device)."""
 
     name = "cuda_ipc"
+    parts_devices = ("cuda",)  # one IPC handle per allocation (``handles``); CPU memory is a sender's only
 
     def __init__(self, host: str | None = None, *, stream: torch.cuda.Stream | None = None):
         if not cuda_available():
@@ -100,7 +121,12 @@ class CudaIpcTransport(Transport):
     def _describe(self, region: Region) -> RegionDescriptor:
         tensor = region.tensor
         extra: tuple = ()
-        if tensor.device.type == "cuda":
+        if tensor.device.type == "cuda" and region.parts:
+            dev = tensor.device.index
+            handles = tuple((off, n, tuple(p.untyped_storage()._share_cuda_()), p.storage_offset() * p.element_size())
+                            for (off, n), p in zip(region.parts, region._parts))
+            extra = (("dev", dev), ("handles", handles), ("uuid", str(torch.cuda.get_device_properties(dev).uuid)))
+        elif tensor.device.type == "cuda":
             share = tensor.untyped_storage()._share_cuda_()
             dev = tensor.device.index
             extra = (("dev", dev), ("handle", tuple(share)),
@@ -111,7 +137,7 @@ class CudaIpcTransport(Transport):
     def _check_descriptor(self, d: RegionDescriptor) -> None:
         if d.host != self.host:
             raise ValueError(f"connect: descriptor on host {d.host!r}, this is {self.host!r}; CUDA IPC is one host only")
-        if "handle" not in dict(d.extra):
+        if "handle" not in dict(d.extra) and "handles" not in dict(d.extra):
             raise ValueError(f"connect: descriptor {describe_remote(d)} has no CUDA IPC handle (a CPU region?)")
         if d.epoch <= 0 or "epochs" not in dict(d.extra):
             raise ValueError(f"connect: descriptor {describe_remote(d)} carries no epoch (extra['epochs'])")
@@ -127,17 +153,24 @@ class CudaIpcTransport(Transport):
         return read_published_epochs(remotes)
 
     def _connect(self, d: RegionDescriptor):
-        """Open the descriptor's IPC handle (``cudaIpcOpenMemHandle``); TransportError when CUDA
-        refuses."""
+        """Open the descriptor's IPC handle(s) (``cudaIpcOpenMemHandle``; torch maps a handle
+        opened twice once); TransportError when CUDA refuses."""
         x = dict(d.extra)
-        try:
-            st = torch.UntypedStorage._new_shared_cuda(*x["handle"])
-        except Exception as e:
-            raise TransportError(f"connect: cudaIpcOpenMemHandle failed for {describe_remote(d)}: {e}") from e
-        view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{x['dev']}")
-        view.set_(st, x["offset"], (d.length,))
+
+        def view_of(share, offset: int, length: int) -> torch.Tensor:
+            try:
+                st = torch.UntypedStorage._new_shared_cuda(*share)
+            except Exception as e:
+                raise TransportError(f"connect: cudaIpcOpenMemHandle failed for {describe_remote(d)}: {e}") from e
+            view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{x['dev']}")
+            return view.set_(st, offset, (length,))
+
         k = self._remote_key(d)
-        self._views[k] = view
+        if "handles" in x:
+            parts = sorted(x["handles"], key=lambda h: h[0])
+            self._views[k] = _PartViews([off for off, *_ in parts], [view_of(sh, so, n) for _, n, sh, so in parts])
+        else:
+            self._views[k] = view_of(x["handle"], x["offset"], d.length)
         return k
 
     def _disconnect(self) -> None:
@@ -156,7 +189,10 @@ class CudaIpcTransport(Transport):
                 lbase, rbase = g.local.addr, g.remote.addr
                 for la, ra, n in zip(g.laddr, g.raddr, g.lens):
                     lo, ro = la - lbase, ra - rbase
-                    dst_all[ro:ro + n].copy_(src_all[lo:lo + n], non_blocking=True)
+                    dst = dst_all
+                    if isinstance(dst_all, _PartViews):  # the op checks put every write inside one part
+                        dst, ro = dst_all.at(ro)
+                    dst[ro:ro + n].copy_(src_all[lo:lo + n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return CudaIpcWriteHandle(ev, batch.nbytes)

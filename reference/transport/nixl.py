@@ -237,6 +237,7 @@ class NixlTransport(Transport):
     created. ``backends`` are NIXL plugin names (``("UCX",)``)."""
 
     name = "nixl"
+    parts_devices = ("cpu", "cuda")  # each part one entry of the registration list
 
     def __init__(self, host: str | None = None, *, agent_name: str | None = None,
                  backends: Sequence[str] = ("UCX",), progress_thread: bool = True,
@@ -280,12 +281,16 @@ class NixlTransport(Transport):
         _mem_of(tensor)
 
     def _register(self, region: Region):
+        """One NIXL registration list: the region, or each part of a region of several
+        allocations (a VRAM registration cannot span two allocations)."""
         mem, dev = _mem_of(region.tensor)
         addr, n = region.addr, region.length
+        spans = [(addr + o, k) for o, k in region.parts] if region.parts else [(addr, n)]
         try:
-            reg = self.agent.register_memory([(addr, n, dev, "")], mem)
+            reg = self.agent.register_memory([(a, k, dev, "") for a, k in spans], mem)
         except Exception as e:
-            raise TransportError(f"register: NIXL could not register {mem}:{dev} {addr:#x}+{n}: {e}") from e
+            raise TransportError(f"register: NIXL could not register {mem}:{dev} {addr:#x}+{n} "
+                                 f"({len(spans)} part(s)): {e}") from e
         return (reg, mem, dev)
 
     def _deregister(self, region: Region) -> None:

@@ -2,11 +2,13 @@
 (:mod:`weight_transfer.transport.base` re-exports all of it; split from there to keep each module
 short): the transport errors, :class:`Region` (a registered local range), :class:`Segments`
 and :class:`WriteOp`, and :func:`check_batch`, which refuses a batch before any byte moves
-(unknown or stale region, out of bounds, a segment outside its local region) and groups the
-checked ops by the back end's key (:class:`Group`, :class:`Batch`).
+(unknown or stale region, out of bounds, a segment outside its local region, an op between the
+parts of a region of several allocations) and groups the checked ops by the back end's key
+(:class:`Group`, :class:`Batch`).
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ from ..types import RegionDescriptor
 __all__ = [
     "Batch", "BoundsError", "Group", "PermissionDeniedError", "Region", "RemoteGoneError", "Segments", "TransportError",
     "UnknownRegionError", "WriteOp", "check_batch", "describe_remote", "LeaseRequiredError", "LeaseTimeoutError",
-    "StaleRegionError",
+    "StaleRegionError", "parts_bounds",
 ]
 
 class TransportError(RuntimeError):
@@ -125,9 +127,13 @@ class Region:
 
     Built by :meth:`weight_transfer.transport.base.Transport.register` only (``owner``: that
     transport; not imported here, ``base`` imports this module). ``tensor`` is None once
-    deregistered."""
+    deregistered.
 
-    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner", "_slot")
+    A region of several allocations (:meth:`~weight_transfer.transport.base.Transport.register_parts`)
+    spans its lowest part's first byte to its highest part's last; :attr:`parts` says which
+    bytes of that span are its memory, and ``tensor`` is its lowest part."""
+
+    __slots__ = ("_tensor", "addr", "length", "native", "_desc", "_owner", "_slot", "parts", "_parts")
 
     def __init__(self, owner, tensor: torch.Tensor):
         self._owner = owner
@@ -139,6 +145,10 @@ class Region:
         self.native = None
         self._desc: RegionDescriptor | None = None
         self._slot: int | None = None  # epoch-table slot once published
+        self.parts: tuple[tuple[int, int], ...] | None = None
+        """A region of several allocations: ``(offset from addr, length)`` of each, in address
+        order (bytes); every write must lie inside one of them. None: one tensor, all its bytes."""
+        self._parts: tuple[torch.Tensor, ...] | None = None  # the part tensors (referenced while registered)
 
     @property
     def tensor(self) -> torch.Tensor | None:
@@ -156,7 +166,8 @@ class Region:
 
     def __repr__(self) -> str:
         live = "" if self._tensor is not None else ", deregistered"
-        return f"Region({self._owner.name}, addr={self.addr:#x}, length={self.length}{live})"
+        parts = f", {len(self.parts)} parts" if self.parts else ""
+        return f"Region({self._owner.name}, addr={self.addr:#x}, length={self.length}{parts}{live})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,19 +262,21 @@ def describe_remote(d: RegionDescriptor) -> str:
 def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
                 remote_key: Callable[[RegionDescriptor], Hashable],
                 group_key: Callable[[Region, RegionDescriptor, Hashable], Hashable],
-                segment_arrays: bool = False) -> Batch:
+                segment_arrays: bool = False, remote_parts: dict | None = None) -> Batch:
     """Check every op of a batch (the rules in the module docstring) and group the non-empty
     ones. ``local``: ``id(region) -> region`` registered here; ``remote``:
-    ``remote_key(descriptor) -> descriptor`` connected here. Raises :class:`UnknownRegionError` /
-    :class:`BoundsError` naming the op index, the regions and the bounds; then nothing of the
-    batch may be issued. Regions and descriptors repeated across consecutive ops are looked up
-    once (cost per op ~1 us in CPython)."""
+    ``remote_key(descriptor) -> descriptor`` connected here; ``remote_parts``: ``remote_key ->
+    (starts, ends)`` of the connected remote regions made of several parts (their descriptor's
+    ``extra["parts"]``), whose ops must each lie inside one part. Raises
+    :class:`UnknownRegionError` / :class:`BoundsError` naming the op index, the regions and the
+    bounds; then nothing of the batch may be issued. Regions and descriptors repeated across
+    consecutive ops are looked up once (cost per op ~1 us in CPython)."""
     groups: dict[Hashable, Group] = {}
     remotes: dict[Hashable, tuple[RegionDescriptor, int]] = {}
     total = 0
     last_loc = last_rd = None
     llen = laddr = rlen = raddr = 0
-    c = None
+    c = rparts = None
     add_i = add_l = add_r = add_n = None
     for i, op in enumerate(ops):
         loc = op.local
@@ -273,6 +286,10 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
                     f"op {i}: local region {loc!r} is not registered with this transport "
                     "(deregistered, or registered elsewhere); nothing of the batch was issued"
                 )
+            if getattr(loc, "parts", None) is not None:
+                raise UnknownRegionError(f"op {i}: local region {loc!r} is a region of several parts (a receiver's "
+                                         "memory); a sender writes from regions of one tensor; nothing of the batch "
+                                         "was issued")
             last_loc, llen, laddr = loc, loc.length, loc.addr
             last_rd = None  # the group may depend on the local region
         rd = op.remote
@@ -282,6 +299,7 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
             if c is None or (c is not rd and c != rd):
                 raise UnknownRegionError(_unknown_msg(i, rd, c))
             last_rd, rlen, raddr = rd, c.length, c.addr
+            rparts = remote_parts.get(k) if remote_parts else None
             if k not in remotes:
                 remotes[k] = (c, i)
             gk = group_key(loc, c, k)
@@ -297,6 +315,8 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
                                   "nothing of the batch was issued")
             if lo < 0 or ro < 0 or lo + sg.end > llen or ro + n > rlen:
                 raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n, span=sg.end))
+            if rparts is not None:
+                _in_one_part(i, c, rparts, ro, n)
             total += n
             if segment_arrays:  # no Python per segment: the back end takes the arrays
                 g.chunks.append((len(g.lens), i, sg.offsets + (laddr + lo), sg.starts + (raddr + ro), sg.lengths))
@@ -308,6 +328,8 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
             continue
         if lo < 0 or ro < 0 or n < 0 or lo + n > llen or ro + n > rlen:
             raise BoundsError(_bounds_msg(i, loc, c, lo, ro, n))
+        if n and rparts is not None:
+            _in_one_part(i, c, rparts, ro, n)
         if n:
             add_i(i)
             add_l(laddr + lo)
@@ -317,6 +339,39 @@ def check_batch(ops: Sequence[WriteOp], local: dict, remote: dict,
     if any(not g.lens and not g.chunks for g in groups.values()):  # groups of zero-length ops only
         groups = {k: g for k, g in groups.items() if g.lens or g.chunks}
     return Batch(groups, total, remotes)
+
+
+def parts_bounds(d: RegionDescriptor) -> tuple[list[int], list[int]] | None:
+    """``(starts, ends)`` (bytes from ``d.addr``) of a remote region of several parts, from its
+    descriptor's ``extra["parts"]``; None for a region of one tensor. ValueError when the parts
+    are malformed (not ``(offset, length)`` int pairs in address order, disjoint, inside
+    ``[0, d.length)``, the first at 0 and the last ending at ``d.length``)."""
+    parts = dict(d.extra).get("parts") if isinstance(d.extra, tuple) else None
+    if parts is None:
+        return None
+    try:
+        starts = [int(o) for o, _ in parts]
+        ends = [int(o) + int(n) for o, n in parts]
+    except (TypeError, ValueError):
+        raise ValueError(f"connect: descriptor {describe_remote(d)} has malformed parts {parts!r}") from None
+    ok = (starts and starts[0] == 0 and ends[-1] == d.length and all(a < b for a, b in zip(starts, ends))
+          and all(e <= s for e, s in zip(ends, starts[1:])))
+    if not ok:
+        raise ValueError(f"connect: descriptor {describe_remote(d)} has malformed parts (not disjoint (offset, length) "
+                         f"pairs in address order covering [0, {d.length}) end to end): {parts[:4]!r}...")
+    return starts, ends
+
+
+def _in_one_part(i: int, c: RegionDescriptor, parts: tuple[list[int], list[int]], ro: int, n: int) -> None:
+    """Raise :class:`BoundsError` unless remote bytes ``[ro, ro + n)`` lie inside one part."""
+    starts, ends = parts
+    k = bisect_right(starts, ro) - 1
+    if k >= 0 and ro + n <= ends[k]:
+        return
+    near = f"; the part before starts at {starts[k]} and ends at {ends[k]}" if k >= 0 else ""
+    raise BoundsError(f"op {i}: remote bytes [{ro}, {ro + n}) of {describe_remote(c)} are not inside one of its "
+                      f"{len(starts)} parts (the allocations its owner registered as one region; the bytes between "
+                      f"them are not its memory){near}; nothing of the batch was issued")
 
 
 def _unknown_msg(i, rd: RegionDescriptor, c: RegionDescriptor | None) -> str:

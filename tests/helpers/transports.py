@@ -2,7 +2,9 @@
 1 MiB uint8 buffer of POISON and a bf16 tensor (on the GPU for ``cuda_ipc``), publishes their
 descriptors and then only answers requests (bytes, re-register, the C17 region commands). Used
 by tests/transport/test_base.py (every transport), tests/transport/test_cma.py and
-tests/transport/test_shm.py (C17). Its memory comes from the transport's ``allocate`` (plain
+tests/transport/test_shm.py (C17). Where the transport registers several allocations as one
+region on its device (``parts_devices``) it also publishes ``parts``: two slices of one buffer
+with a gap between them (``register_parts``). Its memory comes from the transport's ``allocate`` (plain
 ``torch.empty`` for most; a shared segment for ``shm``, which can publish nothing else)."""
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ TRANSPORTS = [
 
 
 C17_BYTES = 64 << 10  # the C17 region: 64 KiB
+PART_BYTES = 4096  # each part of the region of several parts ("parts")
 C17_NEW = 0x3C  # what the unrelated tensor at a reused address holds
 
 
@@ -110,6 +113,11 @@ def _receiver(conn, name: str, kw: dict) -> None:
         "bf16": alloc(t, BF16_N, torch.bfloat16, dev).zero_(),
     }
     regions = {k: t.register(v) for k, v in tensors.items()}
+    parts: list = []
+    if torch.device(dev).type in t.parts_devices:  # "parts": two slices of one buffer, PART_BYTES apart
+        ppool = alloc(t, 3 * PART_BYTES, device=dev).fill_(POISON)
+        parts = [ppool[:PART_BYTES], ppool[2 * PART_BYTES:]]
+        regions["parts"] = t.register_parts(parts)
     conn.send({k: r.descriptor() for k, r in regions.items()})
     while True:
         cmd, *args = conn.recv()
@@ -163,10 +171,13 @@ def _receiver(conn, name: str, kw: dict) -> None:
             tensors["c17"] = pool[:C17_BYTES].fill_(C17_NEW)  # a new tensor on the same block
             conn.send(tensors["c17"].data_ptr())
         elif cmd == "bytes":
-            conn.send(tensors[args[0]].view(torch.uint8).cpu().numpy().tobytes())
+            got = [p.cpu() for p in parts] if args[0] == "parts" else [tensors[args[0]].view(torch.uint8).cpu()]
+            conn.send(b"".join(x.numpy().tobytes() for x in got))  # "parts": the parts in address order
         elif cmd == "reset":
             tensors["buf"].fill_(POISON)
             tensors["bf16"].zero_()
+            for p in parts:
+                p.fill_(POISON)
             conn.send(True)
         elif cmd == "reregister":
             t.deregister(regions[args[0]])

@@ -16,7 +16,7 @@ from tests.helpers import ROOT
 
 CHECK = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
-STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl", "vllm_backends"]
+STEPS = ["env", "install", "tests", "quant", "cuda_ipc", "nixl", "worker_cuda", "vllm_backends"]
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_report  # noqa: E402
@@ -67,7 +67,7 @@ def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
     assert r.returncode == 0, r.stderr
     for s in STEPS:
         assert f"[dry-run] {s} (limit" in r.stdout
-    assert "0 passed, 0 failed, 7 skipped" in r.stdout
+    assert "0 passed, 0 failed, 8 skipped" in r.stdout
     with open(out / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [x["step"] for x in rows] == STEPS and {x["status"] for x in rows} == {"SKIP"}
@@ -77,6 +77,9 @@ def test_dry_run_prints_every_step_and_writes_only_the_table(tmp_path):
     assert "still missing after the install" in r.stdout  # the install is checked, not trusted
     assert "run --device cuda --transport cuda_ipc" in r.stdout and "--timeout 60" in r.stdout
     assert "bench-quant --device cuda" in r.stdout
+    # the vLLM worker engine's own registration over a CUDA module, through cuda_ipc (issue 42)
+    wc = next(l for l in r.stdout.splitlines() if l.startswith("[dry-run] worker_cuda (limit"))
+    assert "scripts/gpu_worker_receive.py --device cuda" in wc
     # vLLM's backends beside ours: only with a CUDA vLLM, else a SKIP saying why (exit 77)
     vb = next(l for l in r.stdout.splitlines() if l.startswith("[dry-run] vllm_backends (limit"))
     assert "scripts/gpu_vllm_backends.py --device cuda" in vb and "p.is_cuda()" in vb
@@ -149,6 +152,24 @@ def test_vllm_backends_step_skips_without_a_cuda_vllm(tmp_path):
     assert row["headline"].startswith("skipped: no CUDA vLLM in ") and "no vllm in this python (test)" in row["headline"]
     assert "the H200 image has none" in row["headline"]
     assert not (res / "vllm_backends.csv").exists()
+
+
+def test_worker_cuda_step_skips_without_cuda(tmp_path):
+    """Not a dry run: the worker_cuda step runs here for real (scripts/gpu_worker_receive.py
+    --device cuda). Without CUDA it is a SKIP (exit 77), the reason as the table's headline,
+    exit status 0; on a GPU machine it runs and passes."""
+    import torch
+
+    res = tmp_path / "res"
+    r = sh(CHECK, "--steps", "worker_cuda", "--results", res, timeout=120)
+    with open(res / "summary.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["step"] == "worker_cuda" and r.returncode == 0, r.stdout + r.stderr
+    if torch.cuda.is_available():
+        assert row["status"] == "PASS", row
+        return
+    assert (row["status"], row["exit_code"]) == ("SKIP", "77")
+    assert row["headline"].startswith("skipped: --device cuda but torch.cuda.is_available() is False")
 
 
 def test_env_step_really_runs_and_reports(tmp_path):

