@@ -231,7 +231,9 @@ class Sender:
         take part: the others still raise ControlError within the timeout, but their writer
         thread may stay blocked in a collective of your training world (your Gloo/NCCL group,
         whose own timeout the library does not own); such a rank refuses the next push with
-        ControlError while it stays blocked. ``commit`` and ``before_go``: handed to
+        ControlError while it stays blocked, :attr:`writer_blocked` says so, and no collective
+        of your own may run on that group until :meth:`wait_writer` returns True (or the
+        training world is restarted). ``commit`` and ``before_go``: handed to
         :meth:`Coordinator.update` on the coordinator's rank (ignored elsewhere)."""
         n = self._pushes
         self._pushes += 1
@@ -274,7 +276,8 @@ class Sender:
         except control.ControlError as e:
             if thread is not None:
                 thread.join(self.timeout + 5)
-                if e.__cause__ is None and box.get("error") is not None and box["error"] is not e:
+                if (e.__cause__ is None and box.get("error") is not None and box["error"] is not e
+                        and str(box["error"]) != str(e)):
                     e.__cause__ = box["error"]  # the coordinator's own account (a failed commit, before_go)
             raise
         finally:
@@ -367,7 +370,8 @@ class Sender:
                 return None, control.ControlError(
                     f"training {self.rank}: the writes of version {v} were cancelled but are still blocked after "
                     f"{grace:.0f} s (in a collective of the training world whose peer died or stopped: its own "
-                    "timeout applies)"), True
+                    "timeout applies); run no collective on that group until Sender.wait_writer() returns True, "
+                    "or restart the training world"), True
         if "error" in box:
             e = box["error"]
             return None, e, isinstance(e, UpdateCancelled)
@@ -390,6 +394,27 @@ class Sender:
             return self._wait_key(key, what=f"no outcome of version {v}", bound=2 * self.timeout + 5)
         except control.ControlError as e:
             return _claim_outcome(self.store, n, {"ok": False, "error": ("ControlError", str(e))})
+
+    @property
+    def writer_blocked(self) -> bool:
+        """True while the writer of an update that failed is still inside a ``full_tensor()``
+        collective or barrier of the training world (a peer died or stopped: see :meth:`push`).
+        Until it ends, that process group is mid-collective: run no collective of your own on
+        it (an FSDP forward/backward would interleave with it), but :meth:`wait_writer` or
+        restart the training world."""
+        return self._running is not None and self._running[0].is_alive()
+
+    def wait_writer(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes) for the writer left
+        blocked by a failed update (:attr:`writer_blocked`) to end; True once none is blocked.
+        A stopped peer that resumes lets it finish its collectives (it writes nothing more)."""
+        if self._running is None:
+            return True
+        self._running[0].join(timeout)
+        if self._running[0].is_alive():
+            return False
+        self._running = None
+        return True
 
     def _busy(self) -> str | None:
         """Why this rank cannot take part in a new update (its previous writer is still

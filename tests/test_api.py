@@ -259,12 +259,14 @@ def test_a_writer_left_blocked_refuses_the_next_push_until_it_ends(world, monkey
     with pytest.raises(wt.ControlError, match="no answer within 2 s from rank") as ei:
         tx.push(2)
     assert "still blocked" in str(ei.value.__cause__)  # this rank's own account
+    assert tx.writer_blocked and not tx.wait_writer(0.1)
     assert time.monotonic() - t0 < 2 + 2 + 3  # the timeout, the grace, slack
     assert rx.state().state == "incomplete"
     with pytest.raises(wt.ControlError, match="writes of version 2 are still blocked"):
         tx.push(3)
     monkeypatch.setattr(tx.executor, "run", real)
     gate.set()
+    assert tx.wait_writer(30) and not tx.writer_blocked
     new = _weights(4)
     for n, t in params.items():
         t.copy_(new[n])
