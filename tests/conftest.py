@@ -8,6 +8,7 @@ instead of every module repeating its own ``skipif``:
 - ``nixl``: needs NIXL's Python package (``nixl``, ``nixl_cu12`` or ``nixl_cu13``; ``pip install -e .[nixl]``);
 - ``vllm``: needs the ``vllm`` package (``make vllm``);
 - ``triton``: needs the ``triton`` package (run on CPU with ``TRITON_INTERPRET=1``);
+- ``trl``: needs Hugging Face TRL (``pip install -e .[trl]``; ``make vllm`` installs it);
 - ``slurm``: needs a SLURM cluster: ``sbatch`` on PATH and ``sinfo`` showing an idle (or
   partly allocated) node (``bash scripts/slurm_local.sh start`` makes one on this machine).
 
@@ -78,6 +79,7 @@ _REASONS = {
                      else "nixl not installed (pip install -e .[nixl])"),
     "vllm": lambda: None if _has("vllm") else "vllm not installed (make vllm)",
     "triton": lambda: None if _has("triton") else "triton not installed (pip install -e .[triton])",
+    "trl": lambda: None if _has("trl") else "trl not installed (pip install -e .[trl]; make vllm)",
     "slurm": _no_slurm_reason,
 }
 

@@ -7,7 +7,9 @@
 - :mod:`.planning`: FSDP metadata computed with ``shard_box``, exact-cover checks;
 - :mod:`.faults`: fault-injecting methods (``method="tests.helpers.faults:"``);
 - :mod:`.processes`: a command's processes found by their session;
-- :mod:`.slurm`: driving sweeps on the local SLURM cluster (scripts/slurm_local.sh).
+- :mod:`.slurm`: driving sweeps on the local SLURM cluster (scripts/slurm_local.sh);
+- :mod:`.api_world`: worlds driven through the public API with faults injected by role, stage and kind (C28);
+- :mod:`.trl_job`: one TRL async GRPO job per training rank, a script (tests/engines/vllm/test_trl.py).
 """
 from pathlib import Path
 

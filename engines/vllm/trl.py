@@ -1,0 +1,452 @@
+"""TRL's asynchronous GRPO trainer drives the ``one_sided`` backend.
+
+Written against **TRL 1.16.0** (``trl.experimental.async_grpo``: ``AsyncGRPOTrainer``, its
+``WeightTransferProtocol`` and ``_sync_weight_merged``) and **vLLM 0.32.0** (the server's
+``/pause``, ``/resume``, ``/reset_prefix_cache`` and weight-transfer routes). TRL's experimental
+API may change in another version: the trainer subclass below overrides a private method.
+
+TRL's ``AsyncGRPOTrainer(weight_transfer=...)`` takes any object with five methods
+(``init_weight_transfer``, ``pause``, ``send_weights(iterator)``, ``resume``, ``destroy``);
+:class:`OneSidedWeightTransfer` is one, built on the backend's trainer engine
+(:class:`~weight_transfer.engines.vllm.backend.OneSidedTrainerEngine`, via vLLM's
+``WeightTransferTrainerFactory.trainer_init`` and its ``HTTPVLLMWeightSyncClient``)::
+
+    # the server (VLLM_SERVER_DEV_MODE=1 for the weight-transfer and pause routes)
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --weight-transfer-config '{"backend": "one_sided"}'
+
+    # one training process: TRL's own trainer, unchanged
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from weight_transfer.engines.vllm.trl import OneSidedWeightTransfer
+    args = AsyncGRPOConfig(output_dir=..., vllm_server_base_url=url, ...)
+    trainer = AsyncGRPOTrainer(model=DIR, reward_funcs=..., args=args, train_dataset=...,
+                               weight_transfer=OneSidedWeightTransfer(url))
+    trainer.train()
+
+    # several training processes (FSDP2; torchrun / accelerate launch): the subclass
+    from weight_transfer.engines.vllm.trl import OneSidedAsyncGRPOTrainer
+    trainer = OneSidedAsyncGRPOTrainer(model=DIR, ..., weight_transfer=OneSidedWeightTransfer(url))
+
+What a weight sync does (TRL calls it once at train begin -- version 1, the initial model -- and
+after every ``weight_sync_steps`` optimizer steps): ``pause`` (rank 0: ``POST /pause?mode=keep``,
+as TRL's own client: requests in flight are frozen, not aborted), then the update (every
+training rank writes its own shards one-sidedly into the server's worker memory, in vLLM's
+runtime layout, after one static plan made at the first sync; rank 0 drives the server's
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update(weight_version=str(v))``),
+then ``POST /reset_prefix_cache?reset_running_requests=true`` (the KV blocks cached -- those of
+the frozen requests included -- were computed with the old weights: C21, C23), then ``resume``
+(``POST /resume``). vLLM labels every output with the version ``v`` (``/weight_info``), the same
+number as TRL's ``model_version`` the rollout worker tags its samples with.
+
+**One training rank.** TRL hands the protocol an iterator over the parameters
+(``AsyncGRPOTrainer._streaming_iter``: ``param.detach()``, the parameters' own memory on one
+rank), not the model. :class:`OneSidedWeightTransfer` sets up lazily at the first
+``send_weights``: it takes that stream once as its source (name -> tensor, the parameters
+themselves) and plans; later syncs only check that the stream still yields the same tensors
+(names and memory: a stream of copies would be refused, naming the tensor) and write from the
+parameters in place. :meth:`OneSidedWeightTransfer.bind` gives it the model up front instead
+(then no stream is read).
+
+**Several training ranks (FSDP2).** This backend needs ``send_weights`` on *every* training rank,
+each writing its own shards, and no gather beyond the ``full_tensor()`` the plan itself needs.
+TRL 1.16's ``_sync_weight_merged`` does the opposite: only the main process holds the
+``weight_transfer`` object and calls ``send_weights(self._streaming_iter())``, while every other
+rank runs ``_streaming_iter`` to take part in a ``full_tensor()`` all-gather of every parameter.
+:class:`OneSidedAsyncGRPOTrainer` (a small subclass) overrides that sync: every rank keeps the
+``weight_transfer`` object, binds it to its FSDP2 module (its DTensor shards) at the first sync,
+and calls :meth:`OneSidedWeightTransfer.push` with the same version; no rank runs
+``_streaming_iter``. With one rank it behaves as TRL's own trainer. With TRL's own trainer on
+several ranks, :meth:`OneSidedWeightTransfer.init_weight_transfer` refuses at train begin (a
+``RuntimeError`` naming the subclass) rather than funnel a gathered model through rank 0.
+
+Failures are the backend's (README: "What push promises inside your trainer"; docs/VLLM.md): a
+refused version (``VersionError``/``TypeError``/``ValueError``) on every rank before any byte
+moves; a failed update ``ControlError`` on every rank, vLLM's weight version ``incomplete:v``.
+The server then stays paused (``resume`` is not called: TRL's sync raises before it), as after a
+failed NCCL sync in TRL's own client: its weights are no complete version.
+
+Not covered: PEFT models (TRL merges the adapter into the base weights for the sync; which memory
+that touches is not checked here: :meth:`OneSidedWeightTransfer.bind` refuses a PEFT model),
+vision-language models whose frozen towers TRL does not send (the plan refuses the tensors it
+has no source for, naming them).
+
+CPU-only hosts: TRL's packed attention and its MFU helper need CUDA; the opt-in shims are in
+:mod:`weight_transfer.engines.vllm.trl_cpu` (never applied by importing this module).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import trl
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+from .backend import DTensorSource, OneSidedTrainerInitInfo
+
+__all__ = ["TRL_VERSION", "OneSidedWeightTransfer", "OneSidedAsyncGRPOTrainer"]
+
+TRL_VERSION = "1.16.0"
+"""The TRL version this module was written and tested against (the ``[trl]`` extra pins it);
+importing it with another TRL warns: :class:`OneSidedAsyncGRPOTrainer` overrides a private method."""
+
+if trl.__version__ != TRL_VERSION:
+    warnings.warn(f"weight_transfer.engines.vllm.trl was written against TRL {TRL_VERSION}; TRL {trl.__version__} is "
+                  "installed (OneSidedAsyncGRPOTrainer overrides AsyncGRPOTrainer._sync_weight_merged)", stacklevel=2)
+
+
+def _dist() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _named_for_vllm(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: parameter}`` as TRL names what it sends to vLLM
+    (``trl.experimental.async_grpo.async_grpo_trainer._iter_vllm_named_params``: trainable
+    parameters, wrapper prefixes removed). The parameters themselves (DTensors under FSDP2)."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    return dict(_iter_vllm_named_params(model))
+
+
+class OneSidedWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` (TRL 1.16.0) over the ``one_sided`` backend of a vLLM
+    server (see the module docstring).
+
+    ``base_url``: the vLLM server (started with ``--weight-transfer-config '{"backend":
+    "one_sided"}'`` and ``VLLM_SERVER_DEV_MODE=1``); ``rank`` / ``world_size``: this training
+    rank and the training ranks (None: the default process group's at setup, or 0 and 1
+    without one); ``store_host`` / ``store_port``: where training rank 0 starts the control-plane
+    store, an address the server's workers and the other ranks reach (``store_port=0``: a free
+    port; the data plane follows the workers' memory: on a host-memory vLLM, ``cma`` into the
+    server's processes on this host);
+    ``options``, ``timeout``, ``targets``: as
+    :class:`~weight_transfer.engines.vllm.backend.OneSidedTrainerInitInfo`; ``http_timeout``:
+    seconds per HTTP call (pause, resume, prefix-cache reset, and vLLM's weight-sync client);
+    ``reset_prefix_cache``: reset vLLM's prefix cache after each update (C21; only turn it off
+    when nothing is cached).
+
+    Attributes after the first update: :attr:`trainer` (the backend's trainer engine),
+    :attr:`version` (the last version sent or attempted), :attr:`last_stats` (this rank's
+    :class:`weight_transfer.executor.StepStats` of the last update: bytes, writes,
+    ``gather_bytes``), :attr:`last_result` (rank 0: the update's
+    :class:`weight_transfer.api.UpdateResult`), :attr:`schedule` (rank 0: the plan),
+    :attr:`seconds` (per update: wall seconds of the update call on this rank)."""
+
+    def __init__(self, base_url: str, *, rank: int | None = None, world_size: int | None = None,
+                 store_host: str = "127.0.0.1", store_port: int = 0, options: Any = None,
+                 timeout: float | None = None, targets: str = "auto", http_timeout: float = 300.0,
+                 reset_prefix_cache: bool = True) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={base_url!r}: the vLLM server's URL, http://host:port")
+        if not (isinstance(http_timeout, (int, float)) and http_timeout > 0):
+            raise ValueError(f"http_timeout={http_timeout!r}: seconds > 0")
+        self.base_url = base_url.rstrip("/")
+        self._rank, self._world = rank, world_size
+        self._init_kw = dict(store_host=store_host, store_port=store_port, options=options, timeout=timeout,
+                             targets=targets)
+        # the init info's own checks, now (rank and world size as far as given)
+        OneSidedTrainerInitInfo(rank=0 if rank is None else rank,
+                                world_size=(1 if rank is None else rank + 1) if world_size is None else world_size,
+                                **self._init_kw)
+        self.http_timeout = float(http_timeout)
+        self.reset_prefix_cache = bool(reset_prefix_cache)
+        self.params: dict[str, torch.Tensor] | None = None
+        self._bound_from = None  # "model" (bind) or "stream" (the first send_weights' iterator)
+        self.trainer = None
+        self.version = 0
+        self.last_stats = None
+        self.last_result = None
+        self.seconds: list[float] = []
+        self._all_ranks = False  # set by OneSidedAsyncGRPOTrainer: every rank calls push()
+
+    # ------------------------------------------------------------------ who and where
+    @property
+    def rank(self) -> int:
+        """This training rank (explicit, else the default process group's, else 0)."""
+        return self._rank if self._rank is not None else _dist()[0]
+
+    @property
+    def world_size(self) -> int:
+        """Training ranks (explicit, else the default process group's, else 1)."""
+        return self._world if self._world is not None else _dist()[1]
+
+    @property
+    def schedule(self):
+        """Rank 0: the static plan (:class:`weight_transfer.types.Schedule`; None before the first
+        update and on other ranks)."""
+        c = getattr(self.trainer, "coordinator", None)
+        return None if c is None else c.schedule
+
+    def _post(self, path: str, **params) -> dict:
+        import requests
+
+        r = requests.post(f"{self.base_url}/{path}", params=params or None, timeout=self.http_timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"training {self.rank}: POST {self.base_url}/{path} answered {r.status_code}: "
+                               f"{r.text[:300]}")
+        return r.json() if r.content else {}
+
+    def weight_version(self) -> str | None:
+        """vLLM's weight version label now (``GET /weight_info``)."""
+        import requests
+
+        r = requests.get(f"{self.base_url}/weight_info", timeout=self.http_timeout)
+        r.raise_for_status()
+        return r.json()["weight_version"]
+
+    # ------------------------------------------------------------------ the source
+    def bind(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> OneSidedWeightTransfer:
+        """Use ``model`` as this rank's source: an ``nn.Module`` (FSDP2: its DTensor shards;
+        named as TRL names what it sends, trainable parameters only) or a mapping ``{checkpoint
+        name: tensor | DTensor}``. Call before the first update (:class:`OneSidedAsyncGRPOTrainer`
+        does, at the first sync, after accelerate wrapped the model); binding the same parameters
+        again is a no-op. Returns ``self``.
+
+        Raises TypeError for another type, ValueError for a PEFT model (the adapter merge is not
+        covered) or an empty one, RuntimeError when already set up with other parameters (the plan
+        was made against them: a new :class:`OneSidedWeightTransfer` is needed)."""
+        if isinstance(model, torch.nn.Module):
+            if hasattr(model, "peft_config"):
+                raise ValueError("OneSidedWeightTransfer.bind: a PEFT model: TRL merges the adapter into the base "
+                                 "weights for each sync, which this integration does not cover; merge and unload it, "
+                                 "or train without PEFT")
+            params = _named_for_vllm(model)
+        elif isinstance(model, Mapping):
+            params = dict(model)
+        else:
+            raise TypeError(f"OneSidedWeightTransfer.bind: an nn.Module or a mapping name -> tensor, not "
+                            f"{type(model).__name__}")
+        if not params:
+            raise ValueError("OneSidedWeightTransfer.bind: no parameter to send (every parameter frozen?)")
+        self._set_params(params, "model")
+        return self
+
+    def _set_params(self, params: dict[str, torch.Tensor], how: str) -> None:
+        if self.params is not None:
+            same = params.keys() == self.params.keys() and all(params[n] is self.params[n] or _same_memory(
+                params[n], self.params[n]) for n in params)
+            if same:
+                return
+            if self.trainer is not None:
+                raise RuntimeError(f"training {self.rank}: OneSidedWeightTransfer is set up with other parameters "
+                                   "(the plan was made against them); build a new one for another model")
+        self.params, self._bound_from = params, how
+
+    def _check_stream(self, iterator) -> None:
+        """A later sync's stream (one rank, no bind): the same names and the parameters' own
+        memory, else RuntimeError naming the first tensor that differs (a stream of copies:
+        the writes would read the first sync's tensors, not the trainer's weights)."""
+        seen = []
+        for name, t in iterator:
+            seen.append(name)
+            mine = self.params.get(name)
+            if mine is None or not _same_memory(t, mine):
+                why = "is new" if mine is None else "is a copy, not the parameter's memory"
+                raise RuntimeError(f"training {self.rank}: send_weights: the stream's {name!r} {why}: the one-sided "
+                                   "backend writes from the parameters in place; bind(model) instead")
+        missing = sorted(set(self.params) - set(seen))
+        if missing:
+            raise RuntimeError(f"training {self.rank}: send_weights: the stream no longer yields {missing[:3]}")
+
+    # ------------------------------------------------------------------ TRL's protocol
+    def init_weight_transfer(self) -> None:
+        """TRL calls it once at train begin, on the main process only, before the first sync:
+        waits for the server's ``/health`` (``http_timeout``) and checks the training world.
+        The rendezvous and the plan come at the first update (a collective of every training
+        rank, which this call is not). Raises RuntimeError when several training ranks run
+        TRL's own ``AsyncGRPOTrainer`` (it calls ``send_weights`` on the main process only:
+        use :class:`OneSidedAsyncGRPOTrainer`), TimeoutError when the server does not answer."""
+        if self.world_size > 1 and not self._all_ranks:
+            raise RuntimeError(
+                f"OneSidedWeightTransfer: {self.world_size} training ranks under TRL's AsyncGRPOTrainer, which calls "
+                "send_weights on the main process only while the other ranks all-gather every parameter "
+                "(_streaming_iter); the one_sided backend needs every rank to write its own shards: use "
+                "weight_transfer.engines.vllm.trl.OneSidedAsyncGRPOTrainer")
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float | None = None) -> float:
+        """Poll ``/health`` until the server answers 200; returns the seconds waited.
+        TimeoutError after ``timeout`` (default ``http_timeout``) seconds."""
+        import requests
+
+        limit = self.http_timeout if timeout is None else float(timeout)
+        t0 = time.monotonic()
+        while True:
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except requests.RequestException:
+                pass
+            if time.monotonic() - t0 > limit:
+                raise TimeoutError(f"OneSidedWeightTransfer: the vLLM server at {self.base_url} did not answer "
+                                   f"/health within {limit:.0f} s")
+            time.sleep(1.0)
+
+    def pause(self) -> None:
+        """Rank 0 (TRL calls it on the main process): ``POST /pause?mode=keep``, as TRL's own
+        client -- requests in flight are frozen, not aborted, and continue after :meth:`resume`
+        under the new weights (their KV is recomputed: the prefix-cache reset after the update).
+        RuntimeError naming the answer when the server refuses."""
+        self._post("pause", mode="keep")
+
+    def resume(self) -> None:
+        """Rank 0: ``POST /resume``. RuntimeError naming the answer when the server refuses."""
+        self._post("resume")
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]] | None = None) -> None:
+        """TRL's call, on the main process, with ``iterator`` = ``_streaming_iter()``. One
+        training rank only (several: :class:`OneSidedAsyncGRPOTrainer` calls :meth:`push` on
+        each instead). The first call without :meth:`bind` takes the stream as this rank's
+        source (the parameters' own tensors on one rank; nothing is copied) and sets up; later
+        calls check the stream (:meth:`_check_stream`) and push. Once bound to a model the
+        stream is closed unread. Raises what :meth:`push` raises, RuntimeError for a stream
+        that yields copies or when called with several training ranks."""
+        if self.world_size > 1:
+            if hasattr(iterator, "close"):
+                iterator.close()
+            raise RuntimeError(f"training {self.rank}: OneSidedWeightTransfer.send_weights with {self.world_size} "
+                               "training ranks: TRL's AsyncGRPOTrainer calls it on the main process only; use "
+                               "OneSidedAsyncGRPOTrainer (every rank pushes its own shards)")
+        if self.params is None:
+            if iterator is None:
+                raise RuntimeError("OneSidedWeightTransfer.send_weights: no parameters: pass TRL's stream or "
+                                   "bind(model) first")
+            self._set_params(dict(iterator), "stream")
+        elif self._bound_from == "stream" and iterator is not None:
+            self._check_stream(iterator)
+        elif hasattr(iterator, "close"):
+            iterator.close()  # bound to the model: nothing is read from the stream
+        self.push()
+
+    def push(self, version: int | None = None):
+        """One update, on **every** training rank (a collective call): set up at the first call
+        (``WeightTransferTrainerFactory.trainer_init``: rank 0 starts the store and calls the
+        server's ``init_weight_transfer_engine`` through vLLM's ``HTTPVLLMWeightSyncClient``;
+        the plan is made once), then the trainer engine's ``send_weights(version)`` (None: the
+        last version + 1, from 1; vLLM labels its outputs ``str(version)``), then on rank 0 the
+        prefix-cache reset. Returns this rank's StepStats.
+
+        Raises RuntimeError when no source is bound or the server refuses the cache reset (its
+        ``success`` false: the update completed, but cached blocks may hold old-weight KV);
+        :class:`weight_transfer.plan.PlanError` at the first call for a tensor the plan cannot
+        target; otherwise what the trainer engine's ``send_weights`` raises, alike on every rank
+        (module docstring)."""
+        if self.params is None:
+            raise RuntimeError(f"training {self.rank}: OneSidedWeightTransfer.push: no source: bind(model) first")
+        if self.trainer is None:
+            self._setup()
+        t0 = time.perf_counter()
+        try:
+            self.last_stats = self.trainer.send_weights(version)
+        finally:
+            self.version = self.trainer.version
+        if self.trainer.is_sender:
+            self.last_result = self.trainer.last_result
+            if self.reset_prefix_cache:
+                ok = self._post("reset_prefix_cache", reset_running_requests="true").get("success")
+                if ok is False:
+                    raise RuntimeError(f"training 0: version {self.version} was written, but vLLM refused to reset "
+                                       "its prefix cache (/reset_prefix_cache answered success=false): cached "
+                                       "blocks may hold KV of the old weights")
+        self.seconds.append(time.perf_counter() - t0)
+        return self.last_stats
+
+    def _setup(self) -> None:
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+        rank, world = self.rank, self.world_size
+        info = OneSidedTrainerInitInfo(rank=rank, world_size=world, **self._init_kw)
+        client = HTTPVLLMWeightSyncClient(self.base_url, timeout=self.http_timeout) if rank == 0 else None
+        self.trainer = WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                                 source=DTensorSource(self.params))
+
+    def destroy(self) -> None:
+        """Release the transfer (TRL calls it at train end on the main process;
+        :class:`OneSidedAsyncGRPOTrainer` on every rank): rank 0 first asks the server to release
+        its registration (``shutdown_weight_transfer_engine``, so another trainer can set up
+        against the same server), then every rank closes its sender (rank 0: and ends the
+        control plane). Idempotent; a server that does not answer is not an error here."""
+        tr, self.trainer = self.trainer, None
+        if tr is None:
+            return
+        if tr.is_sender:
+            try:
+                tr.client.shutdown_weight_transfer_engine()
+            except Exception as e:  # the server may be gone already
+                print(f"[rank 0] OneSidedWeightTransfer.destroy: the server did not release its registration: "
+                      f"{type(e).__name__}: {e}", flush=True)
+        tr.shutdown()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view the same memory the same way (a parameter and its ``detach()``)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        return a is b
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
+
+
+class OneSidedAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """TRL 1.16's ``AsyncGRPOTrainer`` whose weight sync runs on **every** training rank
+    (module docstring): each rank writes its own FSDP2 shards through ``weight_transfer`` (an
+    :class:`OneSidedWeightTransfer`, required), none streams the model (``_streaming_iter`` is
+    not called) and none gathers beyond the plan's ``full_tensor()``. Everything else is TRL's:
+    rollouts, loss, logging, the sync's metrics (``perf/weight_sync_*``) and its place in the
+    loop (train begin, then every ``weight_sync_steps``). One rank: the same as TRL's trainer.
+
+    TypeError when ``weight_transfer`` is not an :class:`OneSidedWeightTransfer`."""
+
+    def __init__(self, *args, weight_transfer: OneSidedWeightTransfer, **kwargs) -> None:
+        if not isinstance(weight_transfer, OneSidedWeightTransfer):
+            raise TypeError(f"OneSidedAsyncGRPOTrainer: weight_transfer must be an OneSidedWeightTransfer, not "
+                            f"{type(weight_transfer).__name__}")
+        weight_transfer._all_ranks = True
+        super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
+        self.weight_transfer = weight_transfer  # TRL keeps it on the main process only; every rank pushes
+
+    def _sync_weight_merged(self, t0: float) -> tuple[float, float, float]:
+        """TRL's sync (pause on the main process, barrier, transfer, barrier, resume, version
+        bump) with the transfer replaced: every rank binds its (wrapped) module at the first
+        sync and calls :meth:`OneSidedWeightTransfer.push` with rank 0's ``model_version + 1``
+        (broadcast: TRL restores ``model_version`` on the main process only when resuming)."""
+        from accelerate.utils import broadcast_object_list
+
+        wt, acc = self.weight_transfer, self.accelerator
+        model = acc.unwrap_model(self.model)
+        if acc.is_main_process:
+            wt.pause()
+        t_pause = time.time()
+        acc.wait_for_everyone()
+        t_barrier = time.time()
+        if wt.params is None:
+            wt.bind(model)
+        version = self.model_version + 1
+        if acc.num_processes > 1:
+            version = broadcast_object_list([version], from_process=0)[0]
+        wt.push(version)
+        t_transfer = time.time()
+        acc.wait_for_everyone()
+        self.model_version = version  # on every rank (TRL bumps the main process's only)
+        if acc.is_main_process:
+            wt.resume()
+            if self.rollout_worker:
+                self.rollout_worker.update_model_version(self.model_version)
+        return t_pause, t_barrier, t_transfer
+
+    def _inner_training_loop(self, *args, **kwargs):
+        """TRL's loop; at its end every rank releases the transfer (TRL's ``destroy`` runs on the
+        main process only)."""
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            if not self.accelerator.is_main_process:
+                self.weight_transfer.destroy()
