@@ -276,9 +276,11 @@ class Sender:
         except control.ControlError as e:
             if thread is not None:
                 thread.join(self.timeout + 5)
-                if (e.__cause__ is None and box.get("error") is not None and box["error"] is not e
-                        and str(box["error"]) != str(e)):
-                    e.__cause__ = box["error"]  # the coordinator's own account (a failed commit, before_go)
+                own = box.get("error")
+                if e.__cause__ is None and own is not None and own is not e:
+                    # the coordinator's own account (a failed commit, before_go); when it says just what the
+                    # outcome says, what it was caused by (no copy of the same error as its own cause)
+                    e.__cause__ = own if str(own) != str(e) else own.__cause__
             raise
         finally:
             if thread is not None:
