@@ -391,6 +391,17 @@ class Engine:
         """vLLM name -> tensor (a view into :attr:`arena`), in arena order."""
         return dict(self._params)
 
+    def rebind(self, arena: torch.Tensor) -> None:
+        """Compute from ``arena`` (a flat ``uint8`` tensor of :attr:`arena`'s size, same layout)
+        from now on: every parameter becomes a view into it (flip shadow targets' go-live,
+        :mod:`weight_transfer.shadow`). ValueError for another size."""
+        if arena.numel() != self.arena.numel() or arena.dtype != torch.uint8:
+            raise ValueError(f"rebind: {arena.numel()} {arena.dtype} bytes, the arena is {self.arena.numel()} uint8")
+        self.arena = arena
+        for name, (off, n) in self._offsets.items():
+            p = self._params[name]
+            self._params[name] = arena[off:off + n].view(p.dtype).view(p.shape)
+
     def tensor_metas(self) -> list[DestTensorMeta]:
         return [DestTensorMeta(rank=self.rank, name=n, shape=tuple(self._params[n].shape),
                                dtype=dtype_name(self._params[n].dtype), offset=o, nbytes=nb)

@@ -216,6 +216,41 @@ def _step_pairs(flag: str, what: str):
 
 
 @dataclass(kw_only=True, slots=True)
+class ServeOptions:
+    """Serving while updates land (C27): shadow targets and a generation load.
+
+    With a generation load the inference engines generate through every update (the stand-in:
+    engines/generate.py; its steps timestamped in the engine), and each update's row carries
+    the engine's stall (experiments/stall.py): without shadow targets generation pauses for
+    the whole update (the pause-based update), with them only for the go-live."""
+
+    shadow: str = field(default="off", metadata={"choices": ("off", "flip", "copy")})
+    """Shadow targets (:mod:`weight_transfer.shadow`): each inference rank registers one shadow of
+    its weights once; every update writes it while the engine serves the live weights, and the
+    commit makes it live between two engine steps: ``flip`` swaps the halves of a double buffer
+    (the engine reads its weights at call time), ``copy`` copies shadow -> live (addresses
+    captured). ``off``: the writes land in the live weights."""
+    gen_load: int = 0
+    """Concurrent requests of a generation load running through the updates (0: none)."""
+    gen_tokens: int = 64
+    """Tokens per request of the generation load (a finished request is replaced)."""
+
+    def __post_init__(self):
+        from weight_transfer.shadow import check_mode
+
+        check_mode(self.shadow, where="--shadow")
+        for name in ("gen_load", "gen_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "gen_load" else 1):
+                raise ValueError(f"{name}={v!r}: an int >= {0 if name == 'gen_load' else 1}")
+
+    @property
+    def active(self) -> bool:
+        """True with shadow targets or a generation load."""
+        return self.shadow != "off" or self.gen_load > 0
+
+
+@dataclass(kw_only=True, slots=True)
 class FleetOptions:
     """Inference engines killed, restarted and scaled during one run (C24).
 
@@ -288,6 +323,8 @@ class TrialConfig:
     """Method, engine, updates, verification."""
     fleet: FleetOptions = field(default_factory=FleetOptions)
     """Inference engines killed, restarted and scaled during the run (C24)."""
+    serve: ServeOptions = field(default_factory=ServeOptions)
+    """Serving while updates land: shadow targets, a generation load (C27)."""
 
     def __post_init__(self):
         run, tr = self.run, self.transfer
@@ -305,6 +342,17 @@ class TrialConfig:
             if run.method in ("rank0_funnel", "rpc", "all") and self.inference.tp != 1:
                 raise ValueError(f"engine=vllm: method {run.method!r} is wired for --tp 1 (one vLLM worker per "
                                  "instance, use --dp for more); use --tp 1")
+        if self.serve.shadow != "off":
+            if run.method != "reference":
+                raise ValueError(f"--shadow {self.serve.shadow} with method={run.method!r}: shadow targets are the "
+                                 "reference's (the baselines write the live weights)")
+            if self.serve.shadow == "flip" and tr.executor.delta:
+                raise ValueError("--shadow flip with --delta: a flip shadow holds the version before last, not the "
+                                 "base a delta is computed against; use --shadow copy")
+            if self.fleet.active:
+                raise ValueError("--shadow with --kill-engine/--restart-engine/--engines-at: not wired together")
+        if self.serve.gen_load and run.engine == "vllm":
+            raise ValueError("--gen-load with engine=vllm: use weight-transfer bench-stall (an AsyncLLM load)")
         if tr.executor.delta and run.method != "reference":
             raise ValueError(f"delta=True with method={run.method!r}: delta updates are the reference method's "
                              "(its executor keeps the shadow); the baselines always send everything")

@@ -150,6 +150,10 @@ def format_table(result) -> str:
                  + ("" if n_ok == len(done) else "  <-- FAILED"))
     if fleet:
         lines += fleet_lines(rows)
+    if result.cfg.serve.active:  # the engines' stall through the updates (C27)
+        from .serving import serve_lines
+
+        lines += serve_lines(rows)
     for r in rows:
         if r.get("verify_error"):
             lines.append(f"#   step {r['step']}: {r['verify_error']}")

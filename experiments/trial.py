@@ -305,6 +305,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
         sched = cctx.extra.get("schedule")  # the reference's static schedule (None for the baselines)
         recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
         commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
+        ctl.shadow = dict(cctx.extra.get("shadow") or {})  # shadow targets: go-live at the commit (C27)
         if cfg.run.engine == "vllm" and not infer_cls.active:
             # vLLM's one_sided backend (experiments/vllm_side.py): every worker's update_weights
             # checks the update and commits it (staged layers or not) before the version is published
@@ -330,8 +331,18 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                     control.wait_keys(store, {d * cfg.inference.tp: KEY_PAUSED.format(step=step, instance=d)
                                               for d in range(cfg.inference.dp)},
                                       timeout=cfg.transfer.control.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
+                if cfg.serve.active:  # the update window's start; the pause-based update pauses the engines
+                    from .serving import before_update
+
+                    before_update(store, cfg.serve, step, cfg.n_infer, cfg.transfer.control.timeout, liveness_infer)
                 t_go = time.perf_counter()
-                seconds, results = ctl.transfer(step, inference_active=infer_cls.active, commit_ranks=commit_ranks)
+                try:
+                    seconds, results = ctl.transfer(step, inference_active=infer_cls.active, commit_ranks=commit_ranks)
+                finally:
+                    if cfg.serve.active:
+                        from .serving import after_update
+
+                        after_update(store, cfg.serve, step)
             except control.ControlError as e:
                 note_failure(e)
                 culprit = ctl.last_culprit or ""
@@ -414,6 +425,10 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "
                                                 f"guards={v.get('guards_written')}{_output_diff_text(v)}"
                                                 for i, v in sorted(bad.items()))
+            if cfg.serve.active:  # the engines' stall through this update (C27)
+                from .serving import serve_columns
+
+                row.update(serve_columns(ver))
             if driver is not None:  # membership, epoch, replan seconds, newcomers, trainers' pids
                 row.update(driver.columns(step), outcome="complete")
             rows.append(row)

@@ -53,11 +53,14 @@ def compare_engines(live, expected, *, max_report: int = 5) -> dict:
 
 
 def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
-                  dtype_override: str | None = None, gaps=None, change=None) -> dict:
+                  dtype_override: str | None = None, gaps=None, change=None, keep: dict | None = None) -> dict:
     """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``:
     ``{"ok", "bytes_checked", "mismatches", ...}`` plus ``gaps_written`` (changed gap spans)
-    and ``guards_written`` (:meth:`Engine.guard_damage`) when not empty."""
+    and ``guards_written`` (:meth:`Engine.guard_damage`) when not empty. ``keep``: a dict that
+    receives the oracle engine as ``keep["expected"]`` (e.g. to replay generation steps)."""
     exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override, change=change)
+    if keep is not None:
+        keep["expected"] = exp
     res = compare_engines(engine, exp)
     damage = engine.guard_damage() if hasattr(engine, "guard_damage") else []
     if damage:

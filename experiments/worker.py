@@ -248,7 +248,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=engine,
                                                   store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline,
                                                   model_config=mcfg, layout=cfg.inference,
-                                                  log=lambda m: log(tag, m)))
+                                                  log=lambda m: log(tag, m),
+                                                  shadow=None if cfg.serve.shadow == "off" else cfg.serve.shadow))
             client.publish_meta(*payload)
             if cfg.fleet.active:  # an elastic fleet (C24): the controller plans a rank in once it announced itself
                 from weight_transfer import membership
@@ -259,6 +260,11 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             raise
         install_watcher(fault, ("infer", rank), addr)
         gaps = engine_gap_snapshot(engine)
+        serving = None
+        if cfg.serve.active:  # a generation load, go-lives or pauses (C27): experiments/serving.py
+            from .serving import StandInServing
+
+            serving = StandInServing(cfg.serve, engine, side, store, rank, seed=cfg.run.seed, log=lambda m: log(tag, m))
         last, step = -1, 1
         while True:
             if side.active:
@@ -276,13 +282,21 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             last = v
             if cfg.run.verify:
                 t0 = time.perf_counter()
+                keep: dict = {}
                 res = verify_engine(engine, mcfg, cfg.inference, rank, step=v, seed=cfg.run.seed,
                                     change=cfg.run.change_fraction or None,
-                                    dtype_override=cfg.train.dtype_override, gaps=gaps)
+                                    dtype_override=cfg.train.dtype_override, gaps=gaps, keep=keep)
                 res["seconds"] = time.perf_counter() - t0
             else:
                 res = {"ok": None}
+            if serving is not None:
+                res["serve"] = serving.stats(v, oracle=keep.get("expected") if cfg.run.verify else None)
+                sh = getattr(getattr(side, "receiver", None), "shadow", None)
+                if sh is not None and sh.guard_damage():  # a write strayed outside the shadow's halves
+                    res["ok"], res["shadow_guards"] = False, sh.guard_damage()
             client.report(v, res)
+        if serving is not None:
+            serving.stop()
         side.teardown()
     except BaseException as e:
         traceback.print_exc()

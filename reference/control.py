@@ -16,6 +16,10 @@ Keys (values are pickled Python objects unless noted)::
     step/{s}/failed         set by any rank that reported ``ok=False`` for step s (fail fast)
     weights                 the published state of the inference weights (ASCII, see WeightsState)
     weights/reason          why the last update failed (ASCII), after a failure
+    weights/attempted       the highest version any update began (ASCII int): versions only increase
+    weights/shadow          the version being written into shadow targets (ASCII int; C27)
+    step/{s}/shift          controller -> trainers: {inference rank: bytes} added to the planned
+                            offsets of ranks with flip shadow targets (the half not live)
     version                 the complete version held (ASCII int); -1 while none is complete
     step/{s}/verified/{i}   inference rank i's verification result (harness only)
     hb/{name}               heartbeat counter of a process (``controller``, ``train{r}``, ``infer{i}``)
@@ -31,6 +35,13 @@ versions only increase (:class:`VersionError` otherwise), so a reader that sees 
 ``complete v`` state before and after reading saw no write in between (a seqlock:
 :func:`read_consistent`). A waiter for a version that was skipped or whose
 update failed gets :class:`VersionError` / :class:`ControlError`, not a hang.
+
+With shadow targets (:attr:`Controller.shadow`, case C27) the writes land in shadows the
+engines do not compute with: the state stays ``complete`` at the version being served while
+an update writes (``weights/shadow`` names the one written), the engines' go-live is the commit,
+and only then ``complete v`` is published; a failure before any go-live leaves ``complete`` at
+the previous version (nothing live was touched), a failure during the go-live publishes
+``incomplete v``.
 
 Liveness: waits take a timeout and name the ranks that did not answer; a ``liveness`` callback
 names ranks whose process died; :class:`Heartbeat` threads (one per process) let the controller
@@ -54,6 +65,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .heartbeat import Heartbeat, HeartbeatMonitor  # noqa: F401 -- part of this module's API (control.Heartbeat)
+
+SHADOW_KEY = "meta/infer_shadow/{rank}"
+"""Store key under which an inference rank with shadow targets publishes
+:meth:`weight_transfer.shadow.Shadow.info` (at registration and after each go-live: a flip
+receiver's ``shift`` moves with its live half)."""
 
 
 class ControlError(RuntimeError):
@@ -306,6 +322,11 @@ class Controller:
         """The root cause of the last failure ("training 1: ..."), once one was seen."""
         self.last_write_seconds: float | None = None
         """Seconds from "go" to the last trainer completion of the last :meth:`transfer`."""
+        self.shadow: dict[int, dict] = {}
+        """Inference rank -> its shadow targets' info (:meth:`weight_transfer.shadow.Shadow.info`,
+        published under :data:`weight_transfer.store.SHADOW_KEY`), set after planning; every
+        rank has one or none does. Non-empty: :meth:`transfer` follows the shadow protocol (see
+        the module docstring); the shadow ranks must be among its ``commit_ranks``."""
         if stall is not None:
             names = {r: f"train{r}" for r in range(n_train)}
             names.update({("infer", i): f"infer{i}" for i in range(n_infer)})
@@ -400,20 +421,39 @@ class Controller:
             self.store.set(f"complete/{version}", b"1")  # persistent: delta senders check it (C26)
         return new
 
+    def attempted(self) -> int:
+        """The highest version any update began (-1 before the first)."""
+        return int(self.store.get("weights/attempted").decode()) if self.store.check(["weights/attempted"]) else -1
+
     def begin(self, version: int) -> WeightsState:
-        """Publish ``writing version`` (before any byte of the update moves). Raises
-        VersionError unless ``version`` is above every version named so far (written,
-        published or failed): versions only increase, a failed one is not reused."""
+        """Publish ``writing version`` (before any byte of the update moves); with shadow
+        targets (:attr:`shadow`) the state stays as it is and ``weights/shadow`` names the
+        version written into the shadows. Raises VersionError unless ``version`` is above every
+        version named so far (written, published or failed): versions only increase, a failed
+        one is not reused."""
         cur = self.state()
-        if version <= cur.version:
-            raise VersionError(f"version {version} refused: the weights are {cur}; versions only increase")
+        top = max(cur.version, self.attempted())
+        if version <= top:
+            why = f"the weights are {cur}" + (f", version {top} was attempted" if top > cur.version else "")
+            raise VersionError(f"version {version} refused: {why}; versions only increase")
+        self.store.set("weights/attempted", str(version).encode())
+        if self.shadow:
+            self.store.set("weights/shadow", str(version).encode())
+            return cur
         return self._set_state("writing", version)
 
     def publish(self, version: int) -> WeightsState:
         """Publish ``complete version``: call only once every write of every rank of the update
-        begun with :meth:`begin` completed. Raises VersionError for any other version (one
-        lower than the current: versions never move back)."""
+        begun with :meth:`begin` completed (with shadow targets: every engine's go-live too).
+        Raises VersionError for any other version (one lower than the current: versions never
+        move back)."""
         cur = self.state()
+        if self.shadow:
+            ok = self.store.check(["weights/shadow"]) and self.store.get("weights/shadow").decode() == str(version)
+            if not ok or cur.version >= version:
+                raise VersionError(f"version {version} refused: the weights are {cur}; only the version written "
+                                   "into the shadows can be published, and versions only increase")
+            return self._set_state("complete", version)
         if cur.state != "writing" or cur.version != version:
             raise VersionError(f"version {version} refused: the weights are {cur}; only the version being written "
                                "can be published, and versions only increase")
@@ -455,7 +495,12 @@ class Controller:
         ControlError at once naming it ("training 1: ...", "inference 0: commit failed: ...")
         and publishes ``incomplete step``: the version is never published over bytes a commit
         did not finish."""
-        self.begin(step)
+        before = self.begin(step)
+        golive = False  # with shadow targets: whether any engine may have gone live
+        flips = {i: info for i, info in self.shadow.items() if info.get("mode") == "flip"}
+        if flips:  # the half each flip receiver does not compute with (it moves at each go-live)
+            put(self.store, f"step/{step}/shift",
+                {i: int(get(self.store, SHADOW_KEY.format(rank=i))["shift"]) for i in flips})
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
         try:
@@ -470,12 +515,14 @@ class Controller:
                 results.update({("infer", i): get(self.store, f"step/{step}/idone/{i}") for i in range(self.n_infer)})
             failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
             if not failed and commit_ranks:
+                golive = True
                 self.store.set(f"step/{step}/commit", b"1")
                 self._wait({i: f"step/{step}/committed/{i}" for i in commit_ranks}, f"step {step} commit", step,
                            poll=0.001)
                 results.update({("commit", i): get(self.store, f"step/{step}/committed/{i}") for i in commit_ranks})
                 failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
             if not failed and commit is not None:
+                golive = True
                 results[("commit", "call")] = {"ok": True, "error": "", "stats": self._commit(commit, step)}
             if not failed and claim is not None and (why := claim()) is not None:
                 raise ControlError(why)
@@ -489,6 +536,12 @@ class Controller:
         except BaseException as e:
             # the culprit, whether the wait saw step/N/failed or every rank had reported
             first = getattr(e, "culprit", None) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
+            if self.shadow and not golive:  # nothing live was touched: the served version stays complete
+                self.store.set("weights/reason", first.encode())
+                if isinstance(e, ControlError):
+                    raise ControlError(f"step {step}: update failed before any go-live, nothing live was touched "
+                                       f"({before} keeps serving): {first}") from e
+                raise
             self.mark_incomplete(step, first)
             if isinstance(e, ControlError):
                 raise ControlError(f"step {step}: update failed, weights marked incomplete: {first}") from e

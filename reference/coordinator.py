@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from . import control, membership
 from .args import check_callable, check_int, check_seconds, check_type
 from .options import TransferOptions
-from .store import connect_store, runtime_layouts
-from .types import InferenceLayout, Schedule
+from .store import connect_store, runtime_layouts, shadow_infos
+from .types import InferenceLayout, PlanError, Schedule
 from .update import (
     COORDINATOR_KEY,
     ENGINE_KEY,
@@ -148,6 +148,7 @@ class Coordinator:
                 raise
             raise _shared(control.ControlError(msg)) from e
         self.commit_ranks, self.bytes_staged = extra["commit_ranks"], extra["bytes_staged"]
+        self.ctl.shadow = extra["shadow"]
         self.plan_seconds = time.perf_counter() - t0
         self.log(f"plan: {self.schedule.summary()} ({self.plan_seconds:.2f} s)")
         return self.schedule
@@ -375,6 +376,7 @@ class Coordinator:
             epoch=self.epoch, version=version, where=f"version {version}")
         self.epoch, self.schedule, self.members, self._payloads = ch.epoch, ch.schedule, ch.members, ch.payloads
         self.commit_ranks, self.bytes_staged = ch.extra["commit_ranks"], ch.extra["bytes_staged"]
+        self.ctl.shadow = ch.extra["shadow"]
         rec = {"version": version, "epoch": self.epoch, "members": sorted(ch.members), "gone": sorted(ch.dropped),
                "joined": sorted(added), "seconds": time.perf_counter() - t0}
         self.replans.append(rec)
@@ -441,7 +443,11 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
     the runtime layouts inference ranks published under
     :data:`weight_transfer.store.RUNTIME_KEY` (refused, named, where a runtime tensor cannot be
     written), the static schedule, and each training rank's part published under ``plan/{r}``.
-    Returns ``(schedule, {"commit_ranks", "bytes_staged"})``. ``epoch``: the plan's epoch
+    Returns ``(schedule, {"commit_ranks", "bytes_staged", "shadow"})`` (``shadow``: inference
+    rank -> its shadow targets' info, :data:`weight_transfer.store.SHADOW_KEY`; those ranks go
+    live at the commit, so they are commit ranks). PlanError when some ranks have shadow targets
+    and others not, or with flip shadows and delta updates (a flip shadow holds the version
+    before last, not the base a delta needs). ``epoch``: the plan's epoch
     (0 the first plan, ``plan/{r}``; later ones after a membership change,
     :func:`weight_transfer.membership.plan_key`)."""
     from .plan import build_recipes, gc_paused, plan
@@ -461,9 +467,28 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
     descriptors = {i: desc for i, (desc, _) in infer_payloads.items()}
     for r, rp in sched.rank_plans.items():
         control.put(store, membership.plan_key(epoch, r), (rp, descriptors))
-    extra = {"commit_ranks": tuple(sorted(i for i, lay in runtime.items() if getattr(lay, "needs_commit", False))),
+    shadow = check_shadows(store, infer_payloads, options)
+    commit = {i for i, lay in runtime.items() if getattr(lay, "needs_commit", False)} | set(shadow)
+    extra = {"commit_ranks": tuple(sorted(commit)), "shadow": shadow,
              "bytes_staged": sum(getattr(lay, "staged_bytes", 0) for lay in runtime.values())}
     return sched, extra
+
+
+def check_shadows(store, infer_payloads: dict, options: TransferOptions) -> dict[int, dict]:
+    """The inference ranks' published shadow infos (:func:`weight_transfer.store.shadow_infos`),
+    checked before anything is planned: every rank has shadow targets or none does, and flip
+    shadows go without delta updates. PlanError naming the ranks otherwise."""
+    shadow = shadow_infos(store, infer_payloads)
+    if shadow and len(shadow) != len(infer_payloads):
+        without = sorted(set(infer_payloads) - set(shadow))
+        raise PlanError(f"shadow targets on inference rank(s) {sorted(shadow)} but not on {without}: every rank "
+                        "goes live at the same commit, so all of them or none must have shadow targets")
+    flips = sorted(i for i, info in shadow.items() if info.get("mode") == "flip")
+    if flips and options.executor.delta:
+        raise PlanError(f"inference rank(s) {flips} have flip shadow targets and delta updates are on: a flip "
+                        "shadow holds the version before last, not the base a delta is computed against; "
+                        "use copy shadows (or no delta)")
+    return shadow
 
 
 def only_ranks(recipes, ranks: set[int]):

@@ -185,6 +185,10 @@ class Executor(StageLoops):
         self.setup_stats: SetupStats = self.memory.stats
         """What registering the write memory once cost (regions, bytes, seconds); see
         :meth:`SetupStats.summary` for the one-line form."""
+        self.shift: dict[int, int] = {}
+        """Inference rank -> bytes added to its planned offsets in the next :meth:`run` (flip
+        shadow targets, :mod:`weight_transfer.shadow`: the half that is not live); the caller sets
+        it per update from the controller's ``step/{v}/shift``."""
         self.delta = None
         """:class:`weight_transfer.delta.DeltaState` with ``options.delta`` (the shadow and the
         full-or-delta decision), else None."""
@@ -373,7 +377,7 @@ class Executor(StageLoops):
         registered at setup; do not wait."""
         if w.ready_event is not None:
             w.ready_event.synchronize()
-        ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote, self.delta)
+        ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote, self.delta, self.shift)
         w.rec.copy_bytes += copied
         p = post_ops(w.task, ops, self.transport, self.remote, self.write_timeout, item=w)
         p.n_ops -= self.memory.extra_ops  # a planned write from several shard ranges counts once

@@ -480,7 +480,8 @@ class RegisteredMemory:
         return out
 
     def ops(self, index: int, task: Task, outputs: list[list[torch.Tensor]], off: int,
-            remote: dict[int, RegionDescriptor], delta=None) -> tuple[list[WriteOp], int]:
+            remote: dict[int, RegionDescriptor], delta=None,
+            shift: dict[int, int] | None = None) -> tuple[list[WriteOp], int]:
         """The batch of task ``index`` (``off``: its pool chunk): every write as a
         :class:`WriteOp` from the registered memory holding its output. An output the plan pools
         but which was built elsewhere (a caller's own prepare) is copied into its slot first.
@@ -489,8 +490,11 @@ class RegisteredMemory:
         shard was re-allocated since setup: shards must be updated in place). ``delta``
         (:class:`weight_transfer.delta.DeltaState`): each output's writes carry only the runs
         that changed since the last update (none when nothing did): one
-        :class:`weight_transfer.transport.runs.RunsOp` per output and receiver."""
+        :class:`weight_transfer.transport.runs.RunsOp` per output and receiver. ``shift``
+        (inference rank -> bytes): added to every planned remote offset of that rank (a receiver
+        with flip shadow targets: the half that is not live, :mod:`weight_transfer.shadow`)."""
         ops: list[WriteOp] = []
+        shift = shift or {}
         copied = extra = 0
         for ai, (a, outs, places) in enumerate(zip(task.assignments, outputs, self.places[index])):
             locs, runs = [], []
@@ -541,19 +545,19 @@ class RegisteredMemory:
                         raise RuntimeError(f"task {task.id}: {a.recipe.name} writes to inference rank {w.dst_rank}, "
                                            f"which has no region descriptor here (known: {sorted(remote)})")
                     loc = locs[w.output]
+                    ro = w.remote_offset + shift.get(w.dst_rank, 0)
                     if isinstance(loc, _Parts):  # one op per shard range, Segments for a strided one
-                        ro = w.remote_offset
                         ops += [WriteOp(reg, lo, d, ro + at, n, sg) for reg, lo, at, n, sg in loc.parts]
                         extra += len(loc.parts) - 1
                         continue
                     reg, lo = loc
                     r = runs[w.output]
                     if r is None:
-                        ops.append(WriteOp(reg, lo, d, w.remote_offset, w.length))
+                        ops.append(WriteOp(reg, lo, d, ro, w.length))
                     elif len(r):
                         from .transport.runs import RunsOp
 
-                        ops.append(RunsOp(reg, lo, d, w.remote_offset, w.length, r.starts, r.lens))
+                        ops.append(RunsOp(reg, lo, d, ro, w.length, r.starts, r.lens))
         self.extra_ops = extra
         return ops, copied
 

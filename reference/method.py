@@ -93,6 +93,8 @@ class InferenceContext:
     model_config: Any
     layout: InferenceLayout
     log: Callable[[str], None] = print
+    shadow: str | None = None
+    """Shadow targets (``"flip"`` / ``"copy"``, :mod:`weight_transfer.shadow`), None: off."""
 
 
 @dataclass(kw_only=True)
@@ -196,7 +198,8 @@ class ReferenceTrainer(TrainerSide):
 class ReferenceInference(InferenceSide):
     """A :class:`weight_transfer.api.Receiver` over the engine's arena: registers the memory
     once and returns (descriptor, tensor metas) for the harness to publish. Passive: nothing
-    runs here per step."""
+    runs here per step (with shadow targets, ``ctx.shadow``, the receiver registers the shadow
+    and the engine's go-live server makes each update live: experiments/serving.py)."""
 
     active = False
 
@@ -204,7 +207,8 @@ class ReferenceInference(InferenceSide):
         from .api import Receiver
 
         self.receiver = Receiver.from_arena(ctx.engine.arena, ctx.engine.tensor_metas(), rank=ctx.rank, store=ctx.store,
-                                            transport=ctx.transfer.transport.name, publish=False)
+                                            transport=ctx.transfer.transport.name, publish=False, shadow=ctx.shadow,
+                                            adopt=getattr(ctx.engine, "rebind", None))
         return (self.receiver.descriptor, self.receiver.metas)
 
     @property

@@ -113,6 +113,14 @@ class Receiver:
     publish now (False: call :meth:`publish` later); ``timeout``: seconds (> 0) that connecting
     to the store, a store call and :meth:`wait_version` may take; ``replace``: take ``rank`` over
     from a live receiver that holds it (that one then reads no version: :meth:`state`).
+    ``shadow``: ``"flip"`` or ``"copy"`` (None: off) -- shadow targets (C27,
+    :mod:`weight_transfer.shadow`): the writes land in a shadow the engine does not compute
+    with, and :meth:`go_live`, called between two engine steps once the coordinator asks for the
+    commit (:meth:`serve_go_live` waits for that in a thread), makes them live; the engine keeps
+    serving the last complete version meanwhile, and after a failed update. ``adopt``: with
+    ``"flip"``, how the engine re-points its tensors at the live half: ``adopt(arena)`` for
+    ``region=`` (an arena engine: one ``uint8`` tensor), ``adopt({name: tensor})`` for
+    ``tensors=``; called once here and at each go-live.
 
     Raises, before anything is published: TypeError for a wrong type (``rank`` not an int -- a
     ``str`` from ``os.environ`` included --, ``timeout`` not a number, ``transport`` not a str,
@@ -125,12 +133,14 @@ class Receiver:
     malformed ``store`` address, and for ``rank`` already held by a live receiver
     (naming its host and pid) without ``replace=True``;
     :class:`weight_transfer.control.ControlError` naming ``host:port`` when no store answers
-    within ``timeout`` seconds."""
+    within ``timeout`` seconds. ValueError for an unknown ``shadow`` mode, ``"flip"`` without
+    ``adopt``, or ``shadow`` with a region of several parts."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None, *, rank: int, store,
                  transport: str = "cma", timeout: float = 600.0, runtime=None, publish: bool = True,
                  region: torch.Tensor | None = None, metas: list[DestTensorMeta] | None = None,
-                 replace: bool = False):
+                 replace: bool = False, shadow: str | None = None, adopt: Callable | None = None):
+        from .shadow import Shadow, check_mode
         from .transport import make_transport
 
         w = "Receiver"  # every argument and tensor is checked before the store is reached
@@ -151,7 +161,28 @@ class Receiver:
             if not tensors:
                 raise ValueError("Receiver: no tensors to register")
             self.metas, view = self._span(tensors)
+        shadow = check_mode(shadow, where="Receiver")
         transport = make_transport(transport)  # ValueError naming an unknown transport
+        self.shadow = None
+        """The :class:`weight_transfer.shadow.Shadow` with ``shadow=``, else None."""
+        self.live_version = -1
+        """With shadow targets: the version the engine computes with (its last go-live)."""
+        self._server = None
+        if shadow is not None:
+            alloc = transport.allocate if getattr(transport, "publishes_allocated_only", False) else None
+            try:
+                if region is not None:
+                    if not isinstance(region, torch.Tensor):
+                        raise ValueError("Receiver: shadow= with a region of several parts; pass one arena tensor "
+                                         "or tensors=")
+                    self.shadow = Shadow.of_arena(shadow, region, self.metas, allocate=alloc, adopt=adopt)
+                else:
+                    self.shadow = Shadow.of_tensors(shadow, tensors, rank=rank, allocate=alloc, adopt=adopt)
+                    self.metas = self.shadow.metas
+            except BaseException:
+                transport.close()
+                raise
+            view = self.shadow.region
         try:
             self.store = connect_store(store, timeout=timeout)
             token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
@@ -169,6 +200,8 @@ class Receiver:
             raise
         self.transport = transport
         self.runtime = runtime
+        if self.shadow is not None:  # before the metadata: the plan reads it (also when the caller publishes)
+            control.put(self.store, control.SHADOW_KEY.format(rank=self.rank), self.shadow.info())
         self.client = clients.InferenceClient(self.store, rank, timeout=timeout)
         if publish:
             self.publish()
@@ -259,7 +292,10 @@ class Receiver:
 
     def version(self) -> int | None:
         """The complete version these tensors hold; -1 before this rank's first update; None
-        while one is written or after a failed one."""
+        while one is written or after a failed one. With shadow targets: the version of the
+        last go-live (-1 before the first), whatever is being written."""
+        if self.shadow is not None:
+            return self.live_version
         s = self.state()
         return s.version if s.state in ("complete", "none") else None
 
@@ -279,11 +315,57 @@ class Receiver:
         naming the replacement when another receiver replaced this one."""
         return control.read_consistent(self._owned_state, read, wait=wait, timeout=timeout)
 
+    # ------------------------------------------------------------------ shadow targets (C27)
+    def go_live(self, version: int, then: Callable[[int, dict], None] | None = None) -> dict:
+        """Make version ``version``, written into the shadow, the live one (call between two
+        engine steps, once the coordinator asked for the commit: :meth:`commit_requested`),
+        call ``then(version, stats)`` (e.g. the engine's version label, in the same window), and
+        report it committed. Returns :meth:`weight_transfer.shadow.Shadow.go_live`'s stats
+        (``{"mode", "seconds", "bytes"}``). RuntimeError without shadow targets; an exception
+        of the go-live or of ``then`` is reported as this rank's failed commit and raised."""
+        if self.shadow is None:
+            raise RuntimeError(f"Receiver (inference rank {self.rank}): go_live without shadow targets")
+        try:
+            stats = self.shadow.go_live()
+            self.live_version = int(version)
+            if then is not None:
+                then(int(version), stats)
+            control.put(self.store, control.SHADOW_KEY.format(rank=self.rank), self.shadow.info())
+        except BaseException as e:
+            self.client.committed(version, ok=False, error=f"go-live failed: {type(e).__name__}: {e}")
+            raise
+        self.client.committed(version, ok=True, stats=stats)
+        return stats
+
+    def commit_requested(self) -> int | None:
+        """The version whose go-live the coordinator asks for now (every write of it completed),
+        if it is above :attr:`live_version`; else None."""
+        key = "weights/shadow"
+        if not self.store.check([key]):
+            return None
+        v = int(self.store.get(key).decode())
+        return v if v > self.live_version and self.store.check([f"step/{v}/commit"]) else None
+
+    def serve_go_live(self, lock=None, on_live: Callable[[int, dict], None] | None = None, poll: float = 0.002):
+        """Start a thread that waits for each commit request and runs :meth:`go_live` holding
+        ``lock`` (the engine holds it around each step, so the go-live falls between two steps),
+        then ``on_live(version, stats)`` still holding it (the engine changes its version label
+        in the same window). Returns the :class:`weight_transfer.shadow.GoLiveServer` (stopped by
+        :meth:`close`)."""
+        from .shadow import GoLiveServer
+
+        if self._server is None:
+            self._server = GoLiveServer(self, lock, on_live, poll=poll)
+        return self._server
+
     def close(self) -> None:
         """Announce leaving (the coordinator plans without this rank from its next update) and
         give the rank up (another receiver may register it), deregister the region (waits for
         any sender's batch in flight, C17) and release the transport. A receiver that was
         replaced announces nothing: the rank is its replacement's."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
         if self.transport is not None:
             try:
                 if self._owner() is None:

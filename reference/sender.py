@@ -200,7 +200,14 @@ class Sender:
         rank's :class:`weight_transfer.executor.StepStats`; raises the executor's error."""
         self.plan()
         check_published(self.executor, self.store)  # delta: full after a version not published complete (C26)
+        self._set_shift(version)
         return self.executor.run(version)
+
+    def _set_shift(self, version: int) -> None:
+        """The controller's ``step/{version}/shift`` (flip shadow targets: the half each such
+        receiver does not compute with) onto the executor, after "go"; {} when none."""
+        key = f"step/{version}/shift"
+        self.executor.shift = control.get(self.store, key) if self.store.check([key]) else {}
 
     def push(self, version: int, *, commit: Callable[[int], object] | None = None,
              before_go: Callable[[int], None] | None = None):
@@ -343,6 +350,7 @@ class Sender:
 
         def run():
             try:
+                self._set_shift(v)
                 box["stats"] = self.executor.run(v, cancel=cancel)
             except BaseException as e:
                 box["error"] = e

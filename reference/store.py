@@ -20,9 +20,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .args import check_int, check_seconds, check_type
-from .control import ControlError, backoff, get, make_store
+from .control import SHADOW_KEY, ControlError, backoff, get, make_store
 
-__all__ = ["serve_store", "connect_store", "RUNTIME_KEY", "runtime_layouts"]
+__all__ = ["serve_store", "connect_store", "RUNTIME_KEY", "runtime_layouts", "SHADOW_KEY", "shadow_infos"]
 
 
 def serve_store(host: str = "0.0.0.0", port: int = 0, *, timeout: float = 600.0) -> dist.TCPStore:
@@ -102,6 +102,12 @@ RUNTIME_KEY = "meta/infer_runtime/{rank}"
 """Store key under which an inference rank may publish its engine's runtime layout (an object
 with ``targets`` / ``refused``, see :mod:`weight_transfer.retarget`; e.g. a live vLLM,
 ``experiments/vllm_side.py``)."""
+
+
+def shadow_infos(store, ranks) -> dict:
+    """Inference rank -> its published shadow info, for the ranks in ``ranks`` that have one."""
+    keys = {i: SHADOW_KEY.format(rank=i) for i in ranks}
+    return {i: get(store, k) for i, k in keys.items() if store.check([k])}
 
 
 def runtime_layouts(store, infer_payloads: dict) -> dict:

@@ -79,6 +79,11 @@ WORLDS = {
                                           Push(4, Fault("coord", 0, "commit", "kill"), last=True)],
                                          tp=1, dp=2, coordinator="process", timeout=T),
     **{f"train{r}_killed_in_{st}": (lambda r=r, st=st: _killed(r, st)) for r, st in KILLS},
+    **{f"shadow_{m}": (lambda m=m: World([Push(1),
+                                          Push(2, Fault("train", 1, "prepare", "raise")),
+                                          Push(3),
+                                          Push(4, Fault("train", 0, "write", "raise")),
+                                          Push(5)], tp=2, dp=1, shadow=m, timeout=T)) for m in ("flip", "copy")},
     "plan_refused": lambda: World([Push(1, Fault("coord", 0, "plan", "raise"), last=True)], tp=1, dp=1, timeout=T),
     "coordinator_killed_planning": lambda: World([Push(1, Fault("coord", 0, "plan", "kill"), last=True)], tp=1, dp=1,
                                                  coordinator="process", timeout=T),
@@ -271,3 +276,26 @@ def test_the_coordinator_process_killed_while_planning(tmp_path):
     c = w.results["infer"][0][0]
     assert c["state"] == "none" and c["canary"], c
     nothing_left(w, killed={"coord"})
+
+
+@pytest.mark.parametrize("mode", ["flip", "copy"])
+def test_c27_shadow_targets_a_failed_update_leaves_the_last_version_serving_complete(tmp_path, mode):
+    """C27 through the public API: receivers with shadow targets (each serving its go-lives).
+    Updates 1, 3, 5 go live (bit-exact, complete); a training rank raising in prepare (update 2)
+    and in a write (update 4) fails the update on every rank alike, saying nothing live was
+    touched, and every receiver keeps serving the last complete version: state ``complete``
+    at that version (not ``incomplete``), its live bytes unchanged and bit-exact, and the
+    next update goes live."""
+    w = run(WORLDS[f"shadow_{mode}"](), str(tmp_path))
+    nothing_left(w)
+    never_complete_over_other_bytes(w)
+    for k, v in ((0, 1), (2, 3), (4, 5)):
+        ok_everywhere(w, k, version=v)
+        for i in range(w.n_infer):
+            assert w.results["infer"][i][k]["live_version"] == v, (k, i, w.results["infer"][i][k])
+    for k, failing in ((1, "training 1"), (3, "training 0")):
+        same_error_everywhere(w, k, "ControlError", failing, "nothing live was touched")
+        for i in range(w.n_infer):
+            a, b = w.results["infer"][i][k - 1], w.results["infer"][i][k]
+            assert b["state"] == "complete" and b["version"] == a["version"] and b["bytes_ok"], (k, i, b)
+            assert b["digest"] == a["digest"] and b["live_version"] == a["live_version"], (k, i, a, b)

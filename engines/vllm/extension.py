@@ -164,3 +164,43 @@ class WeightTransferExtension:
     def _wt_tied_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """:func:`weight_transfer.engines.vllm.worker_state.tied_modules`."""
         return tied_modules(model)
+
+    # ------------------------------------------------------------ the step clock (issue 38)
+    def wt_step_clock_install(self) -> dict:
+        """Install the step clock on this worker's model, once (idempotent):
+        :meth:`weight_transfer.engines.vllm.steps.StepClock.install`. Returns ``{"pid",
+        "tp_rank", "installed_at"}`` (``time.time()`` seconds of the first install)."""
+        import os
+
+        from .steps import StepClock
+
+        clock = StepClock.install(self._wt_model())
+        return {"pid": os.getpid(), "tp_rank": self._wt_tp_rank(), "installed_at": clock.installed_at}
+
+    def wt_steps(self, since: float = 0.0) -> dict:
+        """This worker's step records and marks ending after ``since`` (``time.time()``
+        seconds): :meth:`weight_transfer.engines.vllm.steps.StepClock.snapshot` plus
+        ``"tp_rank"``. RuntimeError when :meth:`wt_step_clock_install` was not called."""
+        from .steps import StepClock
+
+        clock = StepClock.of(self._wt_model())
+        if clock is None:
+            raise RuntimeError("wt_steps: no step clock in this worker: call collective_rpc('wt_step_clock_install') first")
+        return dict(clock.snapshot(since), tp_rank=self._wt_tp_rank())
+
+    def wt_step_mark(self, kind: str, hold_s: float = 0.0, **info) -> tuple[float, float]:
+        """Mark ``kind`` on this worker's step clock over this call, which holds the worker
+        ``hold_s`` seconds (a stand-in for work done between two engine steps, e.g. a
+        go-live): returns the mark's ``(t0, t1)`` (``time.time()`` seconds). RuntimeError
+        when no clock is installed."""
+        import time
+
+        from .steps import mark
+
+        t0 = time.time()
+        if hold_s > 0:
+            time.sleep(hold_s)
+        t1 = time.time()
+        if not mark(self._wt_model(), kind, t0, t1, **info):
+            raise RuntimeError("wt_step_mark: no step clock in this worker: call collective_rpc('wt_step_clock_install') first")
+        return t0, t1

@@ -64,6 +64,17 @@ class SimulateOptions:
     """Delta mode: also predict with the per-WRITE posting cost (``rdma_msg_us``, 1 us) set to
     each of these, comma-separated (microseconds; e.g. 0.1 for work requests posted in batches)."""
 
+    shadow: bool = False
+    """Shadow targets: per inference GPU, the memory of one extra copy of the bytes it receives,
+    whether it fits, and the stall per update of pause / flip / copy go-live
+    (results/sim_<config>_shadow.csv; docs/SIMULATION.md, "Shadow targets")."""
+    shadow_reserve: float = 0.2
+    """``--shadow``: fraction of each inference GPU's memory kept for KV cache and activations
+    (0..1); the weights and the shadow must fit in the rest."""
+    shadow_copy_efficiency: float = 0.75
+    """``--shadow``: achieved fraction of the HBM datasheet rate for the copy go-live (read and
+    write traffic counted; 0.75 measured on H100, experiments/sim/shadow.py)."""
+
     @property
     def delta(self) -> bool:
         """Whether a delta mode option asks for a prediction."""
@@ -79,6 +90,12 @@ class SimulateOptions:
         if self.repeat < 1:
             raise ValueError(f"--repeat {self.repeat}: must be >= 1")
         self._check_delta()
+        if not 0.0 <= self.shadow_reserve < 1.0:
+            raise ValueError(f"--shadow-reserve {self.shadow_reserve}: must be in [0, 1)")
+        if not 0.0 < self.shadow_copy_efficiency <= 1.0:
+            raise ValueError(f"--shadow-copy-efficiency {self.shadow_copy_efficiency}: must be in (0, 1]")
+        if self.shadow and (self.map or self.bench_planner):
+            raise ValueError("--shadow with --map or --bench-planner is not supported")
 
     def _check_delta(self):
         for f in self.delta_fraction:

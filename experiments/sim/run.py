@@ -28,6 +28,7 @@ from weight_transfer.testing.catalog import load_config, param_specs, total_byte
 from ..paths import project_dir
 from . import metadata, model
 from .configs import CONFIGS, SimConfig, get_config
+from .shadow import ShadowSpec, format_shadow, shadow_rows
 
 DEFAULT_CSV = project_dir() / "results" / "simulated.csv"
 
@@ -74,12 +75,15 @@ def gantt_ranks(cfg: SimConfig) -> list[int]:
     return sorted({0, min(1, n - 1), min(g, n - 1), n - 1})
 
 
-def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpec | None = None) -> SimRun:
+def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpec | None = None,
+        shadow: ShadowSpec | None = None) -> SimRun:
     """Everything ``simulate`` does except printing and CSV. ``sensitivity``: also re-run the
     cost model on the same schedule with every :data:`~weight_transfer.experiments.sim.hardware.SENSITIVITY`
     parameter and the watermark halved and doubled (``extra["sensitivity"]``: rows of
     parameter, factor, value, seconds). ``delta``: also predict delta updates on the same
-    schedule (``extra["delta"]``: :func:`delta_rows`); the config must run ``reference``."""
+    schedule (``extra["delta"]``: :func:`delta_rows`); the config must run ``reference``.
+    ``shadow``: also the shadow targets' memory and stalls (``extra["shadow"]``:
+    :func:`~weight_transfer.experiments.sim.shadow.shadow_rows`)."""
     t0 = time.perf_counter()
     mcfg = load_config(cfg.model, **cfg.overrides)
     out = SimRun(cfg, [])
@@ -116,6 +120,8 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpe
                                                             writes_in_flight=WIF[head.method])
             if delta is not None:
                 out.extra["delta"] = delta_rows(sched, first, cfg, head, delta, log=log)
+            if shadow is not None:
+                out.extra["shadow"] = shadow_rows(cfg, head, dm, shadow)
             del sched
         tensors = model.baseline_tensors(first, hw)
         if recv_total is None:
@@ -354,6 +360,8 @@ def format_table(sr: SimRun) -> str:
     dt = format_delta(sr)
     if dt:
         L.append(dt)
+    if sr.extra.get("shadow"):
+        L.append(format_shadow(sr.extra["shadow"]))
     return "\n".join(L)
 
 
@@ -510,8 +518,15 @@ def main(args) -> int:
         print(f"error: delta mode: config {cfg.name} runs no reference schedule (methods: {', '.join(cfg.methods)})",
               file=sys.stderr)
         return 2
+    try:
+        shadow = ShadowSpec.from_options(args)
+        if shadow is not None:
+            shadow.check(cfg)  # refused before any planning
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), sensitivity=getattr(args, "sensitivity", False),
-             delta=delta)
+             delta=delta, shadow=shadow)
     print(format_table(sr))
     if not args.no_csv:
         import pandas as pd
@@ -534,4 +549,8 @@ def main(args) -> int:
             p = out_dir / f"sim_{cfg.name}_delta.csv"
             pd.DataFrame(sr.extra["delta"]).to_csv(p, index=False)
             print(f"# delta table written to {p}")
+        if sr.extra.get("shadow"):
+            p = out_dir / f"sim_{cfg.name}_shadow.csv"
+            pd.DataFrame(sr.extra["shadow"]).to_csv(p, index=False)
+            print(f"# shadow table written to {p}")
     return 0

@@ -72,6 +72,8 @@ class World:
     timeout: float = 4.0
     coordinator: str = "rank0"
     """``rank0`` (hosted by training rank 0) or ``process`` (its own, :meth:`Coordinator.serve`)."""
+    shadow: str | None = None
+    """Shadow targets of every receiver (``flip`` / ``copy``; C27): each serves its go-lives."""
     results: dict = field(default_factory=dict)
 
     @property
@@ -310,7 +312,10 @@ def infer_main(rank: int, addr, w: World, out: str) -> None:
     cfg, lay = _cfg(), _layout(w)
     engine = Engine(cfg, lay, rank)
     engine.arena.fill_(0xA5)  # canary: no version yet
-    rx = wt.Receiver.from_arena(engine.arena, engine.tensor_metas(), rank=rank, store=store, timeout=w.timeout)
+    rx = wt.Receiver.from_arena(engine.arena, engine.tensor_metas(), rank=rank, store=store, timeout=w.timeout,
+                                shadow=w.shadow, adopt=engine.rebind if w.shadow == "flip" else None)
+    if w.shadow:
+        rx.serve_go_live()
     specs = param_specs(cfg)
     want: dict[int, torch.Tensor] = {}
     rec: dict = {}
@@ -336,6 +341,7 @@ def infer_main(rank: int, addr, w: World, out: str) -> None:
                 want[s.version] = expected_from_checkpoint(cfg, lay, rank, ck.__getitem__, ck.names()).arena
             ok = bool(torch.equal(engine.arena, want[s.version]))
         rec[k] = {"state": s.state, "version": s.version, "seq": s.seq, "bytes_ok": ok, "closed": closed,
+                  "live_version": rx.live_version,
                   "digest": hashlib.sha1(engine.arena.numpy().tobytes()).hexdigest(),
                   "canary": bool((engine.arena == 0xA5).all())}
         _save(path, rec)
