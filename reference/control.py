@@ -18,8 +18,9 @@ Keys (values are pickled Python objects unless noted)::
     weights/reason          why the last update failed (ASCII), after a failure
     weights/attempted       the highest version any update began (ASCII int): versions only increase
     weights/shadow          the version being written into shadow targets (ASCII int; C27)
-    step/{s}/shift          controller -> trainers: {inference rank: bytes} added to the planned
-                            offsets of ranks with flip shadow targets (the half not live)
+    step/{s}/shift          controller -> trainers: {inference rank: bytes, or (lo, hi, bytes) for the
+                            planned offsets in [lo, hi)} added to the planned offsets of ranks with
+                            flip shadow targets (the half not live)
     version                 the complete version held (ASCII int); -1 while none is complete
     step/{s}/verified/{i}   inference rank i's verification result (harness only)
     hb/{name}               heartbeat counter of a process (``controller``, ``train{r}``, ``infer{i}``)
@@ -77,6 +78,12 @@ class ControlError(RuntimeError):
     ``culprit``: the "role rank: cause" line :func:`wait_keys` found, without its prefix, or None."""
 
     culprit: str | None = None
+
+
+class GoLiveNotStarted(RuntimeError):
+    """Raised by a commit callable (:meth:`Controller.transfer`) that failed before any engine
+    went live (e.g. a shadow's rebuild that did not finish): with shadow targets the update then
+    fails with nothing live touched, the served version stays ``complete``."""
 
 
 class VersionError(ControlError):
@@ -499,8 +506,7 @@ class Controller:
         golive = False  # with shadow targets: whether any engine may have gone live
         flips = {i: info for i, info in self.shadow.items() if info.get("mode") == "flip"}
         if flips:  # the half each flip receiver does not compute with (it moves at each go-live)
-            put(self.store, f"step/{step}/shift",
-                {i: int(get(self.store, SHADOW_KEY.format(rank=i))["shift"]) for i in flips})
+            put(self.store, f"step/{step}/shift", {i: get(self.store, SHADOW_KEY.format(rank=i))["shift"] for i in flips})
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
         try:
@@ -536,7 +542,9 @@ class Controller:
         except BaseException as e:
             # the culprit, whether the wait saw step/N/failed or every rank had reported
             first = getattr(e, "culprit", None) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
-            if self.shadow and not golive:  # nothing live was touched: the served version stays complete
+            cause = e.__cause__ if isinstance(e, ControlError) else e
+            if self.shadow and (not golive or isinstance(cause, GoLiveNotStarted)):
+                # nothing live was touched: the served version stays complete
                 self.store.set("weights/reason", first.encode())
                 if isinstance(e, ControlError):
                     raise ControlError(f"step {step}: update failed before any go-live, nothing live was touched "

@@ -492,7 +492,9 @@ class RegisteredMemory:
         that changed since the last update (none when nothing did): one
         :class:`weight_transfer.transport.runs.RunsOp` per output and receiver. ``shift``
         (inference rank -> bytes): added to every planned remote offset of that rank (a receiver
-        with flip shadow targets: the half that is not live, :mod:`weight_transfer.shadow`)."""
+        with flip shadow targets: the half that is not live, :mod:`weight_transfer.shadow`), or
+        ``(lo, hi, delta)``: ``delta`` added to the writes whose planned offset is in ``[lo, hi)``
+        (a flip buffer that is one part of a larger region, e.g. beside a vLLM worker's staging)."""
         ops: list[WriteOp] = []
         shift = shift or {}
         copied = extra = 0
@@ -545,7 +547,8 @@ class RegisteredMemory:
                         raise RuntimeError(f"task {task.id}: {a.recipe.name} writes to inference rank {w.dst_rank}, "
                                            f"which has no region descriptor here (known: {sorted(remote)})")
                     loc = locs[w.output]
-                    ro = w.remote_offset + shift.get(w.dst_rank, 0)
+                    sh = shift.get(w.dst_rank, 0)
+                    ro = w.remote_offset + (sh if isinstance(sh, int) else sh[2] if sh[0] <= w.remote_offset < sh[1] else 0)
                     if isinstance(loc, _Parts):  # one op per shard range, Segments for a strided one
                         ops += [WriteOp(reg, lo, d, ro + at, n, sg) for reg, lo, at, n, sg in loc.parts]
                         extra += len(loc.parts) - 1

@@ -83,13 +83,16 @@ class Shadow:
 
     def __init__(self, mode: str, live: dict[str, torch.Tensor], metas: list[DestTensorMeta], length: int,
                  device, *, allocate=None, adopt: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                 arena: torch.Tensor | None = None):
+                 arena: torch.Tensor | None = None, no_copy=()):
         mode = check_mode(mode)
         if mode is None:
             raise ValueError("Shadow: mode must be 'flip' or 'copy'")
         if mode == "flip" and adopt is None:
             raise ValueError("Shadow: mode 'flip' needs adopt= (the engine re-points its tensors at go-live)")
         self.mode, self.metas, self.length, self.adopt = mode, list(metas), int(length), adopt
+        self.no_copy = frozenset(no_copy)
+        """Names the copy go-live skips: bytes a consumer reads from the written half itself
+        (e.g. a vLLM worker's staging, re-processed by vLLM)."""
         self._live = dict(live)  # name -> the tensor the engine computes with now
         self.stride = -(-(self.length + GUARD) // ALIGN) * ALIGN  # half A to half B, bytes
         halves = 2 if mode == "flip" else 1
@@ -137,10 +140,11 @@ class Shadow:
 
     @classmethod
     def of_tensors(cls, mode: str, tensors: Mapping[str, torch.Tensor], *, rank: int = 0, allocate=None,
-                   adopt: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Shadow:
+                   adopt: Callable[[dict[str, torch.Tensor]], None] | None = None, no_copy=()) -> Shadow:
         """The shadow of named tensors (contiguous, on one device): one compact arena, tensors in
         address order at :data:`ALIGN`-aligned offsets. Flip: ``adopt({name: view})`` re-points
-        each tensor (e.g. ``param.data = view``) at construction and at each go-live."""
+        each tensor (e.g. ``param.data = view``) at construction and at each go-live. ``no_copy``:
+        names the copy go-live leaves alone (their consumer reads the written half)."""
         if not tensors:
             raise ValueError("Shadow: no tensors")
         devs = {str(t.device) for t in tensors.values()}
@@ -155,7 +159,7 @@ class Shadow:
                                         offset=off, nbytes=n))
             off += -(-n // ALIGN) * ALIGN
         dev = next(iter(tensors.values())).device
-        return cls(mode, dict(tensors), metas, max(off, 1), dev, allocate=allocate, adopt=adopt)
+        return cls(mode, dict(tensors), metas, max(off, 1), dev, allocate=allocate, adopt=adopt, no_copy=no_copy)
 
     # ------------------------------------------------------------------ layout
     def _half(self, index: int) -> torch.Tensor:
@@ -205,6 +209,8 @@ class Shadow:
         else:
             sh = self._half(0)
             for m in self.metas:
+                if m.name in self.no_copy:
+                    continue
                 dst = self._live[m.name]
                 src = sh[m.offset:m.offset + m.nbytes]
                 dst.reshape(-1).view(torch.uint8).copy_(src) if dst.is_contiguous() else dst.copy_(

@@ -103,7 +103,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta as VllmParamMeta
 
 from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worker, before the model is built
 
-__all__ = ["BACKEND", "INCOMPLETE", "register", "OneSidedInitInfo", "OneSidedUpdateInfo",
+__all__ = ["BACKEND", "INCOMPLETE", "GO_LIVE_UTILITY", "register", "OneSidedInitInfo", "OneSidedUpdateInfo",
            "OneSidedWeightTransferEngine", "OneSidedTrainerInitInfo", "OneSidedTrainerEngine", "DTensorSource",
            "LLMClient", "AsyncLLMClient", "Deployment", "engine_key", "transfer_options", "hf_config_dict"]
 
@@ -118,9 +118,14 @@ TARGETS = ("auto", "staged", "direct")
 
 def register() -> None:
     """Register :data:`BACKEND` in ``WeightTransferEngineFactory`` and
-    ``WeightTransferTrainerFactory``. Idempotent (vLLM runs general plugins once per process,
-    and importing this module registers too)."""
+    ``WeightTransferTrainerFactory``, and give vLLM's ``EngineCore`` the utility
+    :data:`GO_LIVE_UTILITY` (:func:`_engine_core_go_live`). Idempotent (vLLM runs general plugins
+    once per process -- driver, engine core, workers --, and importing this module registers too)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, GO_LIVE_UTILITY):
+        setattr(EngineCore, GO_LIVE_UTILITY, _engine_core_go_live)
 
     for factory, cls in ((WeightTransferEngineFactory, OneSidedWeightTransferEngine),
                          (WeightTransferTrainerFactory, OneSidedTrainerEngine)):
@@ -130,6 +135,31 @@ def register() -> None:
             factory.register_engine(BACKEND, cls)
         except ValueError:  # registered meanwhile (another thread): the same class
             pass
+
+
+GO_LIVE_UTILITY = "wt_go_live"
+"""The engine-core utility (``engine_core.call_utility_async(GO_LIVE_UTILITY, version, reset)``)
+that makes a shadow update live (C27), added to vLLM's ``EngineCore`` by :func:`register`."""
+
+
+def _engine_core_go_live(self, version: int, reset: bool = True) -> dict:
+    """Run in vLLM's engine core as one utility call, i.e. between two engine steps and before
+    the next: the workers' go-live (``update_weights({"version"})``: every worker's shadow
+    becomes live), the end of the update session, the weight version label, and (``reset``) the
+    prefix-cache reset with ``reset_running_requests`` (kept requests re-prefill under the new
+    weights: no KV computed with the old ones is used after the go-live, C21/C23). Separate
+    client calls would let steps run between them -- new weights under the old label, or new
+    weights on old KV. A worker's failure raises here before the label changes. Returns
+    ``{"seconds", "reset"}``.
+
+    Why a utility of our own: vLLM 0.32 sets the label in ``AsyncLLM.finish_weight_update`` after
+    the workers' RPC returned, a separate engine-core request (``set_weight_version``)."""
+    t0 = time.perf_counter()
+    self.collective_rpc("update_weights", kwargs={"update_info": {"version": int(version)}})
+    self.collective_rpc("finish_weight_update")
+    self.set_weight_version(str(version))
+    ok = self.reset_prefix_cache(reset_running_requests=True) if reset else True
+    return {"seconds": time.perf_counter() - t0, "reset": bool(ok)}
 
 
 def engine_key(first_rank: int) -> str:
@@ -182,8 +212,10 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     (``"nixl"`` for trainers on other hosts; refused at init, naming the tensor and its device,
     when it cannot register the worker's tensors); the trainer engine passes its options'
     transport (``auto`` unless set) and its senders follow the workers' choice; ``timeout``:
-    seconds a store call may block. ValueError (vLLM's ``parse_init_info`` passes it on) for a
-    bad value."""
+    seconds a store call may block; ``shadow``: ``"off"``, ``"copy"`` or ``"flip"`` -- shadow
+    targets (C27, :mod:`weight_transfer.engines.vllm.shadow`): the writes land in a shadow while
+    vLLM keeps generating, ``update_weights`` is the go-live. ValueError (vLLM's
+    ``parse_init_info`` passes it on) for a bad value."""
 
     store_host: str
     store_port: int
@@ -191,6 +223,7 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     targets: str = "auto"
     transport: str = "auto"
     timeout: float = 120.0
+    shadow: str = "off"
 
     def __post_init__(self):
         if not isinstance(self.store_host, str) or not self.store_host:
@@ -207,6 +240,9 @@ class OneSidedInitInfo(WeightTransferInitInfo):
             raise ValueError(f"transport={self.transport!r}: 'auto' or one of {', '.join(sorted(TRANSPORTS))}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
+        from weight_transfer.shadow import check_mode
+
+        check_mode(self.shadow, where="shadow")
 
 
 @dataclass
@@ -249,6 +285,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         self.version: int | None = None
         self.last_commit: dict | None = None
         self._active: int | None = None
+        self.shadow = None
+        """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info."""
 
     def _tp_rank(self) -> int:
         try:
@@ -326,8 +364,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         # one path for every transport: chosen from the tensors' memory (or the init info's), refused
         # naming the tensor and its device before anything is registered or published, one region of
         # one part per allocation, then published
-        rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
-                                  timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
+        if init_info.shadow != "off":  # writes into a shadow, update_weights goes live (C27)
+            from .shadow import receive_shadow
+
+            self.shadow, rx = receive_shadow(self.targets, lay, init_info.shadow, rank=rank, store=store,
+                                             transport=init_info.transport, timeout=max(init_info.timeout, 60.0),
+                                             who=self._who(), before_publish=engine_info)
+            lay = self.shadow.layout
+        else:
+            rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
+                                      timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
         self.receiver, self.layout, self.store = rx, lay, store
 
     # ------------------------------------------------------------------ per update
@@ -337,6 +383,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         ``init_weight_transfer_engine``): no byte may be written there."""
         if self.receiver is None:
             raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
+        if self.shadow is not None:
+            from .shadow import start_shadow_update
+
+            start_shadow_update(self.shadow, self.store, who=self._who())
+            self._active = -1
+            return
         tensors = self.targets.runtime_tensors()
         for t in self.layout.targets:
             now = tensors.get(t.name)
@@ -380,6 +432,13 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             res = control.get(store, key)
             if not res["ok"]:
                 raise RuntimeError(f"{refused}: training {r} failed: {res['error']}")
+        if self.shadow is not None:  # the go-live, between two engine steps
+            from .shadow import shadow_go_live
+
+            self.last_commit = shadow_go_live(self.shadow, store, v, rank=self.rank, timeout=self.timeout_s(),
+                                              refused=refused)
+            self.version, self._active = v, v
+            return
         state = control.read_state(store)
         if state.state != "writing" or state.version != v:
             reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
@@ -392,6 +451,13 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             raise
         control.put(store, f"step/{v}/committed/{self.rank}", {"ok": True, "error": "", "stats": stats})
         self.version, self.last_commit, self._active = v, stats, v
+
+    def timeout_s(self) -> float:
+        """Seconds a go-live may wait for the staged layers' rebuild (the store's timeout)."""
+        try:
+            return float(self.store.timeout.total_seconds())
+        except Exception:
+            return 120.0
 
     def finish_weight_update(self) -> None:
         """Bookkeeping only (vLLM sets the weight version after this returns)."""
@@ -489,7 +555,10 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     unless set: the workers choose it from their tensors' memory and every rank's sender writes
     with what they chose); ``timeout``: seconds any rank
     may take to answer (None: ``options``' control timeout); ``targets``: the workers' targets
-    (:class:`OneSidedInitInfo`)."""
+    (:class:`OneSidedInitInfo`); ``shadow``: the workers' shadow targets (``"off"``, ``"copy"``,
+    ``"flip"``; C27): with them no caller pauses generation, each update's commit is the
+    go-live, sent with the weight version label and the prefix-cache reset in one window
+    between two engine steps (:meth:`AsyncLLMClient.go_live`)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -500,8 +569,12 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     options: Any = None
     timeout: float | None = None
     targets: str = "auto"
+    shadow: str = "off"
 
     def __post_init__(self):
+        from weight_transfer.shadow import check_mode
+
+        check_mode(self.shadow, where="shadow")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r}: training ranks >= 1")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
@@ -721,6 +794,10 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                 started.append(d)
 
         def commit(ver: int) -> dict:
+            if self.info is not None and self.info.shadow not in (None, "off"):
+                from .shadow import trainer_go_live
+
+                return trainer_go_live(self.store, started, ver, timeout=self._timeout)
             t0 = time.perf_counter()
             for d in started:
                 try:
@@ -744,12 +821,37 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         except BaseException as e:
             if isinstance(e, ControlError) and not isinstance(e, VersionError) and isinstance(v, int):
                 self.version = max(self.version, int(v))  # a failed update: the next default is above it
-            self._mark_incomplete(v, started)  # only engines whose update began (none for a refusal)
+            if self._served_intact():  # shadow targets, failed before any go-live: the label stays
+                self._close_sessions(started)
+            else:
+                self._mark_incomplete(v, started)  # only engines whose update began (none for a refusal)
             raise
         self.version = operator.index(v)
         if self.is_sender:
             self.last_result = self.sender.last_update
         return stats
+
+    def _served_intact(self) -> bool:
+        """With shadow targets: the store still says ``complete`` (the update failed before any
+        go-live, so every engine serves the last complete version untouched)."""
+        if self.info is None or self.info.shadow in (None, "off") or self.store is None:
+            return False
+        from weight_transfer.control import read_state
+
+        try:
+            return read_state(self.store).complete
+        except Exception:
+            return False
+
+    def _close_sessions(self, deps: list[Deployment]) -> None:
+        """Close the update session of every engine in ``deps`` without changing its weight
+        version (``finish_weight_update()``); one that does not answer is said on stderr."""
+        for d in deps:
+            try:
+                d.client.finish_weight_update()
+            except Exception as e:
+                print(f"[rank 0] one_sided: could not close the update session of {d.who()}: {_first_line(e)}",
+                      file=sys.stderr, flush=True)
 
     def _mark_incomplete(self, v: int, deps: list[Deployment]) -> None:
         """After a failed update: vLLM's weight version :data:`INCOMPLETE` on every engine whose
@@ -781,7 +883,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
 def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float) -> dict:
     """The :class:`OneSidedInitInfo` (as a dict) rank 0 hands one engine's workers."""
     return {"store_host": host, "store_port": port, "first_rank": first_rank, "targets": info.targets,
-            "transport": opts.transport.name, "timeout": timeout}
+            "transport": opts.transport.name, "timeout": timeout, "shadow": info.shadow or "off"}
 
 
 def _init_inference(client, worker_info: dict) -> None:
@@ -806,7 +908,8 @@ class LLMClient:
     """A ``VLLMWeightSyncClient`` over an offline ``vllm.LLM`` in this process (vLLM ships HTTP
     and Ray clients only): each call is the ``LLM`` method of the same name.
     ``finish_weight_update`` also resets the prefix cache (``reset_prefix_cache``: cached KV
-    blocks were computed with the old weights, C21) unless ``reset_prefix_cache=False``."""
+    blocks were computed with the old weights, C21) unless ``reset_prefix_cache=False`` or no
+    weight version is given (a session closed with the weights unchanged)."""
 
     def __init__(self, llm, *, reset_prefix_cache: bool = True) -> None:
         self.llm, self.reset = llm, reset_prefix_cache
@@ -822,8 +925,22 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+        if weight_version is None:  # a session closed with the weights unchanged (shadow, failed before go-live)
+            return
         if self.reset and self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset the prefix cache after the update")
+
+    def go_live(self, version: int) -> dict:
+        """Shadow targets' go-live: the engine-core utility :data:`GO_LIVE_UTILITY` (the offline
+        ``LLM`` generates only between calls, so this is the go-live without a load)."""
+        core = self.llm.llm_engine.engine_core
+        if hasattr(core, "call_utility"):
+            out = core.call_utility(GO_LIVE_UTILITY, int(version), bool(self.reset))
+        else:  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            out = getattr(core.engine_core, GO_LIVE_UTILITY)(int(version), bool(self.reset))
+        if self.reset and not out["reset"]:
+            raise RuntimeError("vLLM refused to reset the prefix cache at the go-live")
+        return out
 
 
 class AsyncLLMClient:
@@ -832,7 +949,8 @@ class AsyncLLMClient:
     waits. ``finish_weight_update`` also resets the prefix cache with
     ``reset_running_requests=True`` (requests kept across a ``pause_generation(mode="keep")`` are
     recomputed under the new weights, so no cached block holds old-weight KV: C21, C23) unless
-    ``reset_prefix_cache=False``. ``timeout``: seconds per call."""
+    ``reset_prefix_cache=False`` or no weight version is given (a session closed with the weights
+    unchanged). ``timeout``: seconds per call."""
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, *, reset_prefix_cache: bool = True,
                  timeout: float = 300.0) -> None:
@@ -856,8 +974,20 @@ class AsyncLLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run(self.engine.finish_weight_update(weight_version))
+        if weight_version is None:  # a session closed with the weights unchanged (shadow, failed before go-live)
+            return
         if self.reset and self._run(self.engine.reset_prefix_cache(reset_running_requests=True)) is False:
             raise RuntimeError("vLLM refused to reset the prefix cache after the update")
+
+    def go_live(self, version: int) -> dict:
+        """Shadow targets' go-live (C27): one engine-core utility call, :data:`GO_LIVE_UTILITY`
+        (the workers' go-live, the session's end, the weight version label and the prefix-cache
+        reset, in one window between two engine steps). Returns its ``{"seconds", "reset"}``;
+        RuntimeError when vLLM refused the reset; the workers' error otherwise."""
+        out = self._run(self.engine.engine_core.call_utility_async(GO_LIVE_UTILITY, int(version), bool(self.reset)))
+        if self.reset and not out["reset"]:
+            raise RuntimeError("vLLM refused to reset the prefix cache at the go-live")
+        return out
 
 
 register()

@@ -26,13 +26,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["fresh_snapshots", "fresh_snapshots_subprocess", "main"]
+__all__ = ["fresh_snapshots", "fresh_snapshots_subprocess", "main", "score"]
 
 
 def fresh_snapshots(jobs: dict[str, dict], *, max_tokens: int = 6) -> dict[str, dict]:
     """``{key: snapshot}`` of a fresh engine per job, in this process (see module docstring).
     A job: ``{"dir": checkpoint directory, "prompts": [[token id, ...], ...], "hide_amx": bool,
-    "max_tokens": int (optional)}``. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the starts."""
+    "max_tokens": int (optional), "score": [[prefix, continuation], ...] (optional: the snapshot's
+    ``"scores"``, :func:`score`)}``. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the starts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm.envs
 
@@ -51,6 +52,8 @@ def fresh_snapshots(jobs: dict[str, dict], *, max_tokens: int = 6) -> dict[str, 
                 layouts = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in reports}
                 out[key] = snapshot(eng, layouts, job["prompts"], max_tokens=int(job.get("max_tokens", max_tokens)))
                 out[key]["isa"] = reports[0]["isa"]
+                if job.get("score"):
+                    out[key]["scores"] = score(eng, job["score"])
             finally:
                 eng.close()
     return out
@@ -93,6 +96,24 @@ def fresh_snapshots_subprocess(jobs: dict[str, dict], out: str | Path, *, max_to
         return torch.load(out, weights_only=False)
 
     return result() if wait else result
+
+
+def score(eng, pairs) -> list[list[float]]:
+    """Teacher-forced logprobs: for each ``(prefix, continuation)`` (token-id lists), the
+    logprob this engine gives each continuation token after the prefix and the continuation's
+    tokens before it (vLLM's ``prompt_logprobs`` over ``prefix + continuation``). Unlike greedy
+    decoding this does not diverge at a near-tie, so a span of tokens can be scored against
+    each version's weights."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = eng.llm.generate([TokensPrompt(prompt_token_ids=list(a) + list(b)) for a, b in pairs], sp, use_tqdm=False)
+    res = []
+    for (a, b), o in zip(pairs, outs):
+        lp = o.prompt_logprobs
+        res.append([float(lp[len(a) + i][t].logprob) for i, t in enumerate(b)])
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,8 +145,11 @@ class RuntimeLayout:
     ignored: list[str] = field(default_factory=list)
     """Runtime tensors that are not weights (KV cache, scales) or 0-byte husks of packed weights."""
     registered: RegionDescriptor | None = None
-    """The descriptor the worker itself registered for ``[base, base + length)``
+    """The descriptor the worker itself registered for ``[base, base + length + extra)``
     (:meth:`WeightTransferExtension.wt_register`); None before registration."""
+    extra: int = 0
+    """Registered bytes past the destinations' span: a flip shadow's second half
+    (:mod:`weight_transfer.engines.vllm.shadow`), written through the plan's offsets shifted."""
     staged: dict[str, dict] = field(default_factory=dict)
     """Staged layers: module -> ``{"mode": "copy"|"in_place", "why", "bytes"}`` (staging bytes;
     0 for ``in_place``, whose running parameters are the targets)."""
@@ -210,9 +213,10 @@ class RuntimeLayout:
         registered it. RuntimeError before :meth:`VllmEngine.runtime_layouts` registered it."""
         if self.registered is None:
             raise RuntimeError(f"rank {self.rank} (pid {self.pid}): region not registered by the worker yet")
-        if (self.registered.addr, self.registered.length) != (self.base, self.length):
+        if (self.registered.addr, self.registered.length) != (self.base, self.length + self.extra):
             raise RuntimeError(f"rank {self.rank}: registered region {self.registered.addr:#x}+{self.registered.length} "
-                               f"!= destination span {self.base:#x}+{self.length}")
+                               f"!= destination span {self.base:#x}+{self.length}"
+                               + (f" + {self.extra}" if self.extra else ""))
         return self.registered
 
     def dest_metas(self) -> list[DestTensorMeta]:
