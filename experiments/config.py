@@ -351,6 +351,10 @@ class TrialConfig:
                                  "base a delta is computed against; use --shadow copy")
             if self.fleet.active:
                 raise ValueError("--shadow with --kill-engine/--restart-engine/--engines-at: not wired together")
+        if self.serve.shadow != "off" and run.engine == "vllm":
+            raise ValueError("--shadow with engine=vllm: the harness's vLLM trials pause the engine around each update; "
+                             "the shadow path through vLLM is weight-transfer bench-stall (an AsyncLLM generating "
+                             "throughout) and the backend's shadow= option (docs/VLLM.md)")
         if self.serve.gen_load and run.engine == "vllm":
             raise ValueError("--gen-load with engine=vllm: use weight-transfer bench-stall (an AsyncLLM load)")
         if tr.executor.delta and run.method != "reference":
@@ -432,16 +436,33 @@ class TrialConfig:
         train = bf16 * (2 if self.train.dtype == "float32" else 1)
         return train + bf16 * self.inference.dp
 
+    def shadow_bytes(self) -> dict[int, int]:
+        """Inference rank -> the bytes its shadow targets add (``--shadow``; {} without): its
+        destination bytes (the stand-in engine's tensors, :func:`weight_transfer.engines.engine.engine_tensor_metas`;
+        a vLLM worker's are its runtime targets, about the same), once more (the flip's second
+        half, or the copy's shadow)."""
+        if self.serve.shadow == "off":
+            return {}
+        from weight_transfer.engines.engine import engine_tensor_metas
+
+        mcfg = self.model_config()
+        return {i: sum(m.nbytes for m in engine_tensor_metas(mcfg, self.inference, i)) for i in range(self.n_infer)}
+
     def _check_memory(self) -> None:
         """ValueError naming the model and its overrides when :meth:`memory_estimate` exceeds
         this machine's available memory (``MemAvailable`` of /proc/meminfo; skipped where that
         file is absent)."""
-        try:
-            with open("/proc/meminfo") as f:
-                avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration, ValueError):
+        avail = available_memory()
+        if avail is None:
             return
         need = self.memory_estimate()
+        shadow = self.shadow_bytes()
+        if shadow and need + sum(shadow.values()) > avail:
+            r = max(shadow, key=shadow.get)
+            raise ValueError(f"--shadow {self.serve.shadow}: the shadows do not fit: inference rank {r} needs "
+                             f"{shadow[r]} B ({shadow[r] / 1e6:.1f} MB) more for its shadow, "
+                             f"{sum(shadow.values()) / 1e9:.2f} GB over {len(shadow)} rank(s), on top of the "
+                             f"{need / 1e9:.1f} GB the trial holds; this machine has {avail / 1e9:.1f} GB available")
         if need > avail:
             raise ValueError(f"model {self.model_config().label} needs at least {need / 1e9:.1f} GB here (training copy "
                              f"and {self.inference.dp} inference replica(s)) but this machine has "
@@ -487,6 +508,16 @@ class TrialConfig:
     def model_config(self) -> ModelConfig:
         """The model's catalog config with the overrides."""
         return self.model.config()
+
+
+def available_memory() -> int | None:
+    """Bytes this machine has available (``MemAvailable`` of /proc/meminfo); None where that
+    file is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def main_job_default() -> TrialConfig:

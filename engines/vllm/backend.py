@@ -214,7 +214,8 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     transport (``auto`` unless set) and its senders follow the workers' choice; ``timeout``:
     seconds a store call may block; ``shadow``: ``"off"``, ``"copy"`` or ``"flip"`` -- shadow
     targets (C27, :mod:`weight_transfer.engines.vllm.shadow`): the writes land in a shadow while
-    vLLM keeps generating, ``update_weights`` is the go-live. ValueError (vLLM's
+    vLLM keeps generating, ``update_weights`` is the go-live; ``"auto"``: flip where every direct
+    target is a parameter vLLM reads at call time, copy otherwise (said on stderr). ValueError (vLLM's
     ``parse_init_info`` passes it on) for a bad value."""
 
     store_host: str
@@ -242,7 +243,8 @@ class OneSidedInitInfo(WeightTransferInitInfo):
             raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
         from weight_transfer.shadow import check_mode
 
-        check_mode(self.shadow, where="shadow")
+        if self.shadow != "auto":  # auto: each worker picks flip where it can, else copy (engines/vllm/shadow.py)
+            check_mode(self.shadow, where="shadow")
 
 
 @dataclass
@@ -556,7 +558,7 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     with what they chose); ``timeout``: seconds any rank
     may take to answer (None: ``options``' control timeout); ``targets``: the workers' targets
     (:class:`OneSidedInitInfo`); ``shadow``: the workers' shadow targets (``"off"``, ``"copy"``,
-    ``"flip"``; C27): with them no caller pauses generation, each update's commit is the
+    ``"flip"``, ``"auto"``; C27): with them no caller pauses generation, each update's commit is the
     go-live, sent with the weight version label and the prefix-cache reset in one window
     between two engine steps (:meth:`AsyncLLMClient.go_live`)."""
 
@@ -574,7 +576,8 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self):
         from weight_transfer.shadow import check_mode
 
-        check_mode(self.shadow, where="shadow")
+        if self.shadow != "auto":  # auto: each worker picks flip where it can, else copy (engines/vllm/shadow.py)
+            check_mode(self.shadow, where="shadow")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r}: training ranks >= 1")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:

@@ -104,17 +104,24 @@ class WorkerShadow:
     re-point (not a model parameter), or a mode that is neither."""
 
     def __init__(self, targets, layout, mode: str, *, who: str = "worker"):
-        mode = check_mode(mode, where=f"{who}: shadow")
+        auto = mode == "auto"
+        mode = "flip" if auto else check_mode(mode, where=f"{who}: shadow")
         if mode is None:
-            raise ValueError(f"{who}: shadow mode must be 'copy' or 'flip'")
-        self.targets, self.live_layout, self.mode, self.who = targets, layout, mode, who
+            raise ValueError(f"{who}: shadow mode must be 'copy', 'flip' or 'auto'")
         model = targets.model
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        bad = [t for t in layout.targets if not t.staged and t.name not in self.params]
+        if auto:  # flip where every direct target is a parameter vLLM reads at call time, else copy
+            mode = "copy" if bad else "flip"
+            self.why = (f"copy: {bad[0].name} is not a parameter vLLM reads at call time ({len(bad)} such)" if bad
+                        else "flip: every direct target is a parameter vLLM reads at call time")
+        else:
+            self.why = f"{mode}: as asked"
+        self.targets, self.live_layout, self.mode, self.who = targets, layout, mode, who
         live = targets.runtime_tensors()
         tensors = {t.name: live[t.name] for t in layout.targets}
         self.staging = {t.name for t in layout.targets if t.staged}
         if mode == "flip":
-            bad = [t for t in layout.targets if not t.staged and t.name not in self.params]
             if bad:
                 raise ValueError(f"{who}: shadow 'flip': {bad[0].name} is not a parameter vLLM reads at call time "
                                  f"({bad[0].step or 'a tensor derived after loading'}): it cannot be re-pointed "
@@ -146,6 +153,7 @@ class WorkerShadow:
         :meth:`Shadow.info` with ``shift`` as ``(lo, hi, delta)`` over the plan's offsets (half A:
         ``[0, length)``)."""
         out = self.shadow.info()
+        out["why"] = self.why
         out["shift"] = (0, self.shadow.length, self.shadow.shift) if self.mode == "flip" else 0
         return out
 
@@ -208,22 +216,45 @@ class WorkerShadow:
         return None
 
     def _rebuild(self) -> dict[str, torch.nn.Module]:
+        """Each staged layer's clone, processed from the written half's bytes, read in place: a
+        kernel that makes its own copy (oneDNN, the packed GEMM) leaves nothing pointing into the
+        shadow, so nothing large is allocated here or freed at the go-live; a clone whose
+        parameters or ``cpu_linear`` closure still point into the shadow (a kernel that keeps
+        the weight it was given: the next update would overwrite it while it serves) is rebuilt
+        from a private copy."""
         mods = dict(self.targets.model.named_modules())
         written = self.shadow.views(self.shadow.shadow_index)
         by_ptr = {ptr: name for name, ptr in self.live_ptrs().items()}  # a tied parameter's target is its canonical name
         out = {}
         for mname, st in self.targets.staged.items():
             if st["mode"] == "copy":
-                params = {pn: written[f"{mname}.{pn}{STAGING_SUFFIX}"].clone() for pn in st["params"]}
-            else:  # in place: the layer's own parameters are targets; the handle is made from a private copy
+                params = {pn: written[f"{mname}.{pn}{STAGING_SUFFIX}"] for pn in st["params"]}
+            else:  # in place: the layer's own parameters are targets
                 params = {}
                 for pn, p in mods[mname].named_parameters(recurse=False):
                     name = by_ptr.get(p.data_ptr())
                     if name is None:
                         raise RuntimeError(f"{self.who}: {mname}.{pn} (staged in place) is no target of this worker")
-                    params[pn] = written[name].clone()
-            out[mname] = clone_processed(mods[mname], params, self.targets.vllm_config)
+                    params[pn] = written[name]
+            clone = clone_processed(mods[mname], params, self.targets.vllm_config)
+            if self._points_into_shadow(clone, keep=st["mode"] != "copy"):
+                clone = clone_processed(mods[mname], {k: v.clone() for k, v in params.items()}, self.targets.vllm_config)
+            out[mname] = clone
         return out
+
+    def _points_into_shadow(self, clone, *, keep: bool) -> bool:
+        """Whether what the go-live would swap in from ``clone`` reads shadow memory: its
+        ``cpu_linear`` closure's tensors, and (unless ``keep``: in-place layers keep their own
+        parameters) its parameters."""
+        from .worker_state import _closure_tensors
+
+        lo = self.shadow.region.data_ptr()
+        hi = lo + self.shadow.region.numel()
+        ts = [v for _, v in _closure_tensors(getattr(clone, "cpu_linear", None))]
+        ts += list(getattr(getattr(clone, "cpu_linear", None), "__defaults__", None) or ())
+        if not keep:
+            ts += [p for p in clone._parameters.values() if p is not None]
+        return any(isinstance(t, torch.Tensor) and t.numel() and lo <= t.data_ptr() < hi for t in ts)
 
     # ------------------------------------------------------------------ go-live
     def go_live(self, version: int, timeout: float) -> dict:
@@ -297,6 +328,9 @@ def receive_shadow(targets, layout, mode: str, *, rank: int, store, transport: s
         rx.close()
         raise
     sh.rank = rank
+    import sys
+
+    print(f"[{who}] shadow targets: {sh.why}; {sh.extra_bytes / 1e6:.1f} MB extra", file=sys.stderr, flush=True)
     return sh, rx
 
 

@@ -7,6 +7,7 @@ Subcommands of the one CLI, their options generated from each module's config da
     weight-transfer bench-transports   # transports vs memcpy               (bench/transports.py)
     weight-transfer bench-peers        # reference vs awex, Mooncake (same tensors)  (bench/peers.py)
     weight-transfer bench-delta        # full vs delta updates, change fractions  (bench/delta.py)
+    weight-transfer bench-stall        # the engine's stall: pause-based vs shadow targets  (bench/stall.py)
 """
 from __future__ import annotations
 
@@ -20,5 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                     "the same tensor set and world through the reference, awex, Mooncake and torchstore, verified (docs/PEERS.md)"),
     "bench-delta": ("weight_transfer.experiments.bench.delta", "DeltaBenchConfig",
                     "full vs delta updates on the main job at given change fractions, verified (docs/DELTA.md)"),
+    "bench-stall": ("weight_transfer.experiments.bench.stall", "StallBenchConfig",
+                    "the engines' stall per update with a generation load: pause-based vs shadow targets, verified"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""
