@@ -42,7 +42,7 @@ from weight_transfer.shadow import Shadow, check_mode
 from .runtime import STAGING_SUFFIX
 
 __all__ = ["WorkerShadow", "clone_processed", "apply_clone", "receive_shadow", "start_shadow_update",
-           "shadow_go_live", "READY_KEY"]
+           "shadow_go_live", "trainer_go_live", "http_go_live", "READY_KEY"]
 
 READY_KEY = "shadow/{version}/ready/{rank}"
 """Store key: a worker's ``{"ok", "error", "rebuild_s"}`` once every write of ``version``
@@ -401,8 +401,9 @@ def trainer_go_live(store, deployments, version: int, *, timeout: float) -> dict
     ``version`` -- raising :class:`weight_transfer.control.GoLiveNotStarted` otherwise, so the
     update fails with nothing live touched --, then the go-live of each deployment: the
     client's ``go_live(version)`` (:meth:`AsyncLLMClient.go_live`: go-live, label and prefix
-    reset in one between-steps window) or, for a client without one, ``update_weights`` then
-    ``finish_weight_update(str(version))`` (the label lags the go-live by one round trip).
+    reset in one between-steps window), a server's (:func:`http_go_live`), or, for another
+    client, ``update_weights`` then ``finish_weight_update(str(version))`` (the label lags the
+    go-live by one round trip).
     Returns ``{"ready_wait_s", "go_live_s", "rebuild_s", "engines"}`` (seconds)."""
     from weight_transfer import control
 
@@ -422,6 +423,8 @@ def trainer_go_live(store, deployments, version: int, *, timeout: float) -> dict
         try:
             if hasattr(d.client, "go_live"):
                 d.client.go_live(version)
+            elif hasattr(d.client, "base_url"):  # vLLM's HTTPVLLMWeightSyncClient: a server
+                http_go_live(d.client, version)
             else:
                 d.client.update_weights({"version": version})
                 d.client.finish_weight_update(weight_version=str(version))
@@ -430,3 +433,33 @@ def trainer_go_live(store, deployments, version: int, *, timeout: float) -> dict
     return {"ready_wait_s": t1 - t0, "go_live_s": time.perf_counter() - t1,
             "rebuild_s": max((x.get("rebuild_s") or 0.0 for x in ready.values()), default=0.0),
             "engines": [d.first_rank for d in deployments]}
+
+
+def http_go_live(client, version: int) -> dict:
+    """The go-live through a vLLM server's routes (``client``: vLLM's ``HTTPVLLMWeightSyncClient``,
+    its ``base_url`` and ``timeout``; the server started with ``VLLM_SERVER_DEV_MODE=1``): the
+    engine-core call :data:`weight_transfer.engines.vllm.backend.GO_LIVE_UTILITY` is not reachable
+    over HTTP, so the go-live, the label and the prefix reset (with running requests) run inside a
+    ``/pause?mode=keep`` .. ``/resume`` bracket: no step runs between them, and requests stay in
+    flight (kept, not aborted). The bracket is only the go-live's: the transfer ran with the
+    server generating. Returns ``{"seconds"}``; ``requests``' HTTPError for a refused route
+    (``/resume`` is sent whatever happened)."""
+    import requests
+
+    base, timeout = client.base_url.rstrip("/"), getattr(client, "timeout", 300)
+
+    def post(path: str, **params):
+        r = requests.post(f"{base}/{path}", params=params or None, timeout=timeout)
+        r.raise_for_status()
+        return r
+
+    t0 = time.perf_counter()
+    post("pause", mode="keep")
+    try:
+        client.update_weights({"version": int(version)})
+        client.finish_weight_update(weight_version=str(version))
+        if not post("reset_prefix_cache", reset_running_requests="true").json().get("success", True):
+            raise RuntimeError("vLLM refused to reset the prefix cache at the go-live")
+    finally:
+        post("resume")
+    return {"seconds": time.perf_counter() - t0}

@@ -346,7 +346,8 @@ def main(c: StallBenchConfig) -> int:
         pd.DataFrame(rows).to_csv(c.out, index=False)
         print(f"# rows written to {c.out}")
     if c.plot and logs:
-        p = plot_tokens_per_s(logs, wins, c.plot, title_note=f"{c.engine}, {c.n_requests} requests")
+        note = f" ({c.engine}, {c.n_requests} requests; tokens of each engine step, prefill included)"
+        p = plot_tokens_per_s(logs, wins, c.plot, title_note=note)
         if p:
             print(f"# plot written to {p}")
     failed = any(r["verified"] is False or r.get("outputs_ok") is False or r.get("aborted") for r in rows)
