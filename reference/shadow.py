@@ -103,8 +103,10 @@ class Shadow:
         self.live_index = 0
         """Flip: the half the engine computes with (0 = A, 1 = B). Copy: always 0."""
         self.extra_bytes = total - GUARD - self.length if mode == "flip" else total
-        """Memory the shadow adds to the rank (bytes): the second half (flip: half A replaces the
-        engine's own arena, which the engine may free) or the whole shadow (copy), guards included."""
+        """Memory the shadow adds to the rank (bytes): the whole shadow (copy), or the second half
+        (flip: half A replaces the engine's own copy of the weights, which it can then free -- a
+        vLLM worker does; the stand-in engine keeps its first arena, so there both halves are
+        extra), guards included."""
         self.golives = 0
         if mode == "flip":  # move the live bytes into half A once; the engine computes from there
             half = self._half(0)
@@ -130,7 +132,6 @@ class Shadow:
         arena = arena.view(-1).view(torch.uint8)
         live = {m.name: arena[m.offset:m.offset + m.nbytes] for m in metas}
         sh = cls.__new__(cls)
-        sh._arena_adopt = adopt
         per = (lambda views: adopt(sh._half(sh.live_index))) if adopt is not None else None
         Shadow.__init__(sh, mode, live, metas, arena.numel(), arena.device, allocate=allocate, adopt=per,
                         arena=arena)

@@ -274,6 +274,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     init_info_cls = OneSidedInitInfo
     update_info_cls = OneSidedUpdateInfo
     supports_draft_weight_update = False  # a draft model's memory is not registered
+    shadow = None
+    """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info
+    (set at init; a class attribute too, for engines built without ``__init__``)."""
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -288,7 +291,6 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         self.last_commit: dict | None = None
         self._active: int | None = None
         self.shadow = None
-        """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info."""
 
     def _tp_rank(self) -> int:
         try:
