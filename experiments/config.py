@@ -538,7 +538,8 @@ KEY_EXCLUDE = ("timeout", "trace_dir")
 
 KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16",
                 "delta": False, "delta_granularity": 8, "delta_merge_gap": 0, "delta_op_cost": None, "delta_max_bytes": None,
-                "change_fraction": (), "kill_engine": (), "restart_engine": (), "engines_at": ()}
+                "change_fraction": (), "kill_engine": (), "restart_engine": (), "engines_at": (),
+                "shadow": "off", "gen_load": 0, "gen_tokens": 64}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match."""
 
