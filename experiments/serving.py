@@ -235,8 +235,10 @@ def serve_lines(rows: list[dict]) -> list[str]:
     r0 = have[0]
     how = {"off": "pause-based: generation paused for the whole update", "flip": "shadow targets, flip",
            "copy": "shadow targets, copy"}[r0["shadow"]]
-    out = ["#", f"# serving through the updates ({how}; generation load {r0.get('gen_load', 0)} concurrent requests, "
-                "the engine's steps timestamped in the engine):",
+    load = (f"generation load {r0.get('gen_load', 0)} concurrent requests, the engine's steps timestamped in the engine"
+            if r0.get("gen_load") else "no generation load: --gen-load N to measure the stall")
+    out = ["#", f"# serving through the updates ({how}; {load}); stall: the longest idle gap between two engine "
+                "steps overlapping the update; gap: the longest step-start to step-start interval:",
            f"# {'step':>4} {'stall':>9} {'go-live':>9} {'gap during':>11} {'gap between':>12} {'tok/s during':>13} "
            f"{'tok/s between':>14} {'label errors':>13}",
            f"# {'':>4} {'(s)':>9} {'(s)':>9} {'(s, max)':>11} {'(s, max)':>12} {'':>13} {'':>14} {'':>13}"]
@@ -244,7 +246,7 @@ def serve_lines(rows: list[dict]) -> list[str]:
         out.append(f"# {r['step']:>4} {_f(r.get('stall_s'), '9.4f')} {_f(r.get('golive_s'), '9.4f')} "
                    f"{_f(r.get('max_gap_during_s'), '11.4f')} {_f(r.get('max_gap_between_s'), '12.4f')} "
                    f"{_f(r.get('tok_s_during'), '13.0f')} {_f(r.get('tok_s_between'), '14.0f')} "
-                   f"{r.get('label_errors', 0):>13}")
+                   f"{r.get('label_errors', 0):>13}" + ("  (warmup)" if r.get("warmup") else ""))
     rep = sum(int(r.get("replayed") or 0) for r in have)
     if rep:
         bad = sum(int(r.get("replay_errors") or 0) for r in have)
@@ -256,5 +258,7 @@ def serve_lines(rows: list[dict]) -> list[str]:
 
         st, up = statistics.median(r["stall_s"] for r in meas), statistics.median(r["seconds"] for r in meas)
         out.append(f"# stall p50 {st:.4f} s over {len(meas)} measured update(s) = {100 * st / up:.1f}% of the update's "
-                   f"p50 {up:.4f} s; shadow {r0.get('shadow_extra_bytes', 0) / 1e6:.1f} MB extra per inference rank")
+                   f"p50 {up:.4f} s")
+    if r0.get("shadow") != "off":
+        out.append(f"# shadow: {r0.get('shadow_extra_bytes', 0) / 1e6:.1f} MB extra per inference rank")
     return out

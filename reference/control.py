@@ -523,8 +523,9 @@ class Controller:
             if not failed and commit_ranks:
                 golive = True
                 self.store.set(f"step/{step}/commit", b"1")
-                self._wait({i: f"step/{step}/committed/{i}" for i in commit_ranks}, f"step {step} commit", step,
-                           poll=0.001)
+                what = (f"step {step} go-live (shadow targets: a receiver goes live in Receiver.serve_go_live or "
+                        "Receiver.go_live)" if self.shadow else f"step {step} commit")
+                self._wait({i: f"step/{step}/committed/{i}" for i in commit_ranks}, what, step, poll=0.001)
                 results.update({("commit", i): get(self.store, f"step/{step}/committed/{i}") for i in commit_ranks})
                 failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
             if not failed and commit is not None:

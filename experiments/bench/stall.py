@@ -322,11 +322,16 @@ def format_table(rows: list[dict], notes: list[str]) -> str:
     L.append("#")
     for m, (st, tr) in p50.items():
         vs = f" = {st / p50['pause'][0]:.3f} x the pause-based stall" if "pause" in p50 and m != "pause" else ""
-        L.append(f"# {m}: stall p50 {st:.4f} s, update p50 {tr:.3f} s{vs}")
+        L.append(f"# {m}: stall p50 {st:.4f} s{vs} (update p50 {tr:.3f} s)")
     bad = [r for r in rows if r["verified"] is False or r.get("outputs_ok") is False]
-    L.append(f"# verified: {sum(1 for r in rows if r['verified'])}/{len(rows)} updates (bytes vs a fresh vLLM), "
-             f"outputs after each mode's last update: {[r.get('outputs_ok') for r in rows if r.get('outputs_ok') is not None]}"
-             + ("  <-- FAILED" if bad else ""))
+    outs = [r.get("outputs_ok") for r in rows if r.get("outputs_ok") is not None]
+    vllm = any(r.get("engine") == "vllm" for r in rows)
+    L.append(f"# verified: {sum(1 for r in rows if r['verified'])}/{len(rows)} updates "
+             + ("(bytes vs a fresh vLLM)" if vllm else "(bit-exact vs the engine's load_weights)")
+             + (f", outputs after each mode's last update: {outs}" if outs else "") + ("  <-- FAILED" if bad else ""))
+    L.append("# stall: the longest idle gap between two engine steps overlapping the update; gap dur / betw: the longest "
+             "step-start to step-start interval during / between updates; tok/s: tokens of the engine's steps (prefill "
+             "included); rebuild: the staged layers' rebuild, off the critical path; upd: the version")
     L += [f"# {n}" for n in notes]
     return "\n".join(L)
 
@@ -345,6 +350,8 @@ def main(c: StallBenchConfig) -> int:
         Path(c.out).parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(c.out, index=False)
         print(f"# rows written to {c.out}")
+    if c.plot and not logs:
+        print("# no plot: the stand-in's step logs stay in its engines' processes (the rows carry their statistics)")
     if c.plot and logs:
         note = f" ({c.engine}, {c.n_requests} requests; tokens of each engine step, prefill included)"
         p = plot_tokens_per_s(logs, wins, c.plot, title_note=note)

@@ -67,5 +67,5 @@ def test_bad_serving_options_are_refused():
         small(shadow="flip", delta=True)
     with pytest.raises(ValueError, match="shadow targets are the reference's"):
         small(shadow="copy", method="rank0_funnel")
-    with pytest.raises(ValueError, match="gen_load=-1"):
+    with pytest.raises(ValueError, match="--gen-load -1"):
         small(gen_load=-1)
