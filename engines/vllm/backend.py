@@ -122,10 +122,15 @@ def register() -> None:
     :data:`GO_LIVE_UTILITY` (:func:`_engine_core_go_live`). Idempotent (vLLM runs general plugins
     once per process -- driver, engine core, workers --, and importing this module registers too)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-    from vllm.v1.engine.core import EngineCore
 
-    if not hasattr(EngineCore, GO_LIVE_UTILITY):
-        setattr(EngineCore, GO_LIVE_UTILITY, _engine_core_go_live)
+    try:  # never let the utility stop the plugin (and so vLLM's process) from loading
+        from vllm.v1.engine.core import EngineCore
+
+        if not hasattr(EngineCore, GO_LIVE_UTILITY):
+            setattr(EngineCore, GO_LIVE_UTILITY, _engine_core_go_live)
+    except Exception as e:  # the shadow go-live then says the utility is missing
+        print(f"one_sided: could not add {GO_LIVE_UTILITY} to vLLM's EngineCore: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
 
     for factory, cls in ((WeightTransferEngineFactory, OneSidedWeightTransferEngine),
                          (WeightTransferTrainerFactory, OneSidedTrainerEngine)):
