@@ -463,10 +463,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
     def timeout_s(self) -> float:
         """Seconds a go-live may wait for the staged layers' rebuild (the store's timeout)."""
-        try:
-            return float(self.store.timeout.total_seconds())
-        except Exception:
-            return 120.0
+        from .shadow import store_timeout
+
+        return store_timeout(self.store)
 
     def finish_weight_update(self) -> None:
         """Bookkeeping only (vLLM sets the weight version after this returns)."""

@@ -292,9 +292,6 @@ class WorkerShadow:
         return {"mode": self.mode, "seconds": time.perf_counter() - t0, "copy_s": st["seconds"], "bytes": st["bytes"],
                 "swap_s": swap, "rebuild_s": self.build_seconds, "rebuild_wait_s": wait, "layers": layers}
 
-    def drop(self) -> None:
-        """A failed or abandoned update: forget the rebuild (the clones are dropped)."""
-        self._built, self._build_thread = None, None
 
 
 # ------------------------------------------------------------------ the worker engine's calls
@@ -357,10 +354,11 @@ def start_shadow_update(sh: WorkerShadow, store, *, who: str) -> None:
             v = int(store.get("weights/shadow").decode())
             return v if v > floor else None
         return None
-    sh.start_rebuild(store, version_of_update, n_train, timeout=_timeout(store), rank=sh.rank)
+    sh.start_rebuild(store, version_of_update, n_train, timeout=store_timeout(store), rank=sh.rank)
 
 
-def _timeout(store) -> float:
+def store_timeout(store) -> float:
+    """Seconds a call on ``store`` may block (its timeout; 120 s when it does not say)."""
     try:
         return float(store.timeout.total_seconds())
     except Exception:

@@ -2,6 +2,7 @@
 ``one_sided`` weight-transfer backend (tests/engines/vllm/test_backend.py, test_shadow.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -9,6 +10,26 @@ import time
 LIVE_CPU = str(min(os.sched_getaffinity(0)))
 """The one CPU a live engine's worker computes on (``VLLM_CPU_OMP_THREADS_BIND``)."""
 MAX_TOKENS = 6
+
+
+@contextlib.contextmanager
+def env_vars(**kv):
+    """Set environment variables (None: unset) for the ``with`` block, then restore them
+    (vLLM reads its ``VLLM_*`` variables when its processes start)."""
+    old = {k: os.environ.get(k) for k in kv}
+    for k, v in kv.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _free_port() -> int:

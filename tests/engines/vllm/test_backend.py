@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.vllm_server import Server
+from tests.helpers.vllm_server import env_vars as _env
 from weight_transfer.testing.tiny import TINY_QWEN3, TINY_QWEN3_MOE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -56,23 +57,6 @@ def _same(a, b) -> bool:
 
     return outputs_equal(a, b)[0]
 
-
-@contextlib.contextmanager
-def _env(**kv):
-    old = {k: os.environ.get(k) for k in kv}
-    for k, v in kv.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 LIVE_CPU = str(min(os.sched_getaffinity(0)))

@@ -19,12 +19,12 @@ on the thread count: :func:`weight_transfer.engines.vllm.oracle.fresh_snapshots_
 AMX is hidden from the workers (the oneDNN path, where every linear is a staged layer rebuilt
 off the critical path), so the test takes the same path on hosts with and without AMX.
 """
-import contextlib
-import os
 import time
 
 import pytest
 
+from tests.helpers.vllm_server import LIVE_CPU
+from tests.helpers.vllm_server import env_vars as _env
 from weight_transfer.testing.tiny import TINY_QWEN3
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -43,21 +43,6 @@ def _prompts():
 
 
 PROMPTS = None  # set at first use (importing vLLM-side helpers only inside the tests)
-LIVE_CPU = str(min(os.sched_getaffinity(0)))
-
-
-@contextlib.contextmanager
-def _env(**kv):
-    old = {k: os.environ.get(k) for k in kv}
-    os.environ.update({k: v for k, v in kv.items() if v is not None})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _cfg():
