@@ -83,6 +83,8 @@ class Coordinator:
         self.commit_ranks: tuple[int, ...] = ()
         """Inference ranks whose engine commits each update (staged targets)."""
         self.bytes_staged = 0
+        self.recipes_from = ""
+        """Where the plan's recipes come from (:func:`choose_recipes`), set by :meth:`plan`."""
         """Bytes per update into staged targets (post-processed by the engine at commit)."""
         self.plan_seconds: float | None = None
         self.members: set[int] = set(range(n_infer))
@@ -150,7 +152,8 @@ class Coordinator:
         self.commit_ranks, self.bytes_staged = extra["commit_ranks"], extra["bytes_staged"]
         self.ctl.shadow = extra["shadow"]
         self.plan_seconds = time.perf_counter() - t0
-        self.log(f"plan: {self.schedule.summary()} ({self.plan_seconds:.2f} s)")
+        self.recipes_from = extra["recipes"]
+        self.log(f"plan: {self.schedule.summary()} ({self.plan_seconds:.2f} s); {self.recipes_from}")
         return self.schedule
 
     def _training_gone(self) -> dict[int, str]:
@@ -443,18 +446,19 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
     the runtime layouts inference ranks published under
     :data:`weight_transfer.store.RUNTIME_KEY` (refused, named, where a runtime tensor cannot be
     written), the static schedule, and each training rank's part published under ``plan/{r}``.
-    Returns ``(schedule, {"commit_ranks", "bytes_staged", "shadow"})`` (``shadow``: inference
+    Returns ``(schedule, {"commit_ranks", "bytes_staged", "shadow", "recipes"})`` (``recipes``: where
+    the recipes come from, :func:`choose_recipes`; ``shadow``: inference
     rank -> its shadow targets' info, :data:`weight_transfer.store.SHADOW_KEY`; those ranks go
     live at the commit, so they are commit ranks). PlanError when some ranks have shadow targets
     and others not, or with flip shadows and delta updates (a flip shadow holds the version
     before last, not the base a delta needs). ``epoch``: the plan's epoch
     (0 the first plan, ``plan/{r}``; later ones after a membership change,
     :func:`weight_transfer.membership.plan_key`)."""
-    from .plan import build_recipes, gc_paused, plan
+    from .plan import gc_paused, plan
 
     sources = {m.name: m.dtype for ms in train_metas.values() for m in ms}
     with gc_paused():
-        recipes = build_recipes(model_config, layout, source_dtypes=sources)
+        recipes, how = choose_recipes(store, model_config, layout, sources, set(infer_payloads))
         recipes = only_ranks(recipes, set(infer_payloads))
         runtime = runtime_layouts(store, infer_payloads)
         if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)
@@ -469,9 +473,51 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
         control.put(store, membership.plan_key(epoch, r), (rp, descriptors))
     shadow = check_shadows(store, infer_payloads, options)
     commit = {i for i, lay in runtime.items() if getattr(lay, "needs_commit", False)} | set(shadow)
-    extra = {"commit_ranks": tuple(sorted(commit)), "shadow": shadow,
+    extra = {"commit_ranks": tuple(sorted(commit)), "shadow": shadow, "recipes": how,
              "bytes_staged": sum(getattr(lay, "staged_bytes", 0) for lay in runtime.values())}
     return sched, extra
+
+
+def _trace_problem(traces: dict) -> str:
+    for r, t in sorted(traces.items()):
+        if t.error:
+            return f"inference rank {r}: {t.error}"
+        for name, why in sorted(t.refused.items()):
+            return f"inference rank {r}: {name}: {why}"
+    return ""
+
+
+def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, ranks: set[int]):
+    """The recipes to plan with and a line saying where they come from (C29): the recipes
+    traced from vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`) when
+    every inference rank in ``ranks`` published a trace (:data:`weight_transfer.plan.traced.TRACE_KEY`)
+    and the layout is the BF16 load layout -- cross-checked against the hand-written rules where
+    the architecture has them (a difference is named in the line: vLLM's loader is what the
+    engine does); else the hand-written rules (:func:`weight_transfer.plan.build_recipes`).
+    PlanError for an architecture without hand-written rules and without (usable) traces, or
+    what :func:`~weight_transfer.plan.traced.recipes_from_traces` refuses (a loader step that
+    computes, a parameter the trainer's tensors do not fill)."""
+    from .plan import build_recipes
+    from .plan.traced import compare_recipes, loader_traces, recipes_from_traces
+
+    traces = loader_traces(store, ranks)
+    whole = bool(traces) and set(traces) >= ranks
+    label = model_config.label
+    if not whole or (model_config.hand_written and (layout.quant is not None or any(
+            t.error or t.refused for t in traces.values()))):
+        why = ("no inference rank traced its loader" if not traces else
+               "not every inference rank traced its loader" if not whole else
+               f"quant={layout.quant!r}: traced recipes are the BF16 load layout" if layout.quant else
+               "vLLM's loader was not traced cleanly: " + _trace_problem(traces))
+        return build_recipes(model_config, layout, source_dtypes=sources), f"recipes: hand-written rules ({why})"
+    traced = recipes_from_traces(traces, layout, model=label, source_dtypes=sources)
+    src = next(iter(traces.values())).source
+    how = f"recipes: traced from {src} on {len(traces)} inference rank(s)"
+    if model_config.hand_written:
+        diff = compare_recipes(build_recipes(model_config, layout, source_dtypes=sources), traced, max_problems=3)
+        how += ("; equal to the hand-written rules, every destination byte" if not diff else
+                f"; DIFFERENT from the hand-written rules (vLLM's loader is used): {'; '.join(diff)}")
+    return traced, how
 
 
 def check_shadows(store, infer_payloads: dict, options: TransferOptions) -> dict[int, dict]:

@@ -164,7 +164,7 @@ class ReferenceController(ControllerSide):
         # an engine with staged targets (e.g. a vLLM layer kept in an opaque kernel handle) commits
         # each update: its own post-processing runs on the staged bytes before the version is published
         ctx.extra.update(extra, schedule=sched)
-        return sched.summary()
+        return sched.summary() + (f"; {extra['recipes']}" if extra.get("recipes") else "")
 
 
 class ReferenceTrainer(TrainerSide):

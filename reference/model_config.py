@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
-"""``architectures[0]`` values whose weight layouts the recipes know."""
+"""``architectures[0]`` values with hand-written recipes (:mod:`weight_transfer.plan.rules`). Any
+other architecture is planned from recipes traced from vLLM's own loader
+(:mod:`weight_transfer.plan.traced`), published by the inference ranks that have a vLLM."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,7 +38,9 @@ class ModelConfig:
     """A model's published config (``hf``), its catalog ``name`` and the overrides applied.
 
     Properties expose the fields the weight layout depends on, with the names of the HF
-    config. Raises ValueError on an unknown architecture.
+    config. Raises ValueError when the config names no architecture; an architecture outside
+    :data:`ARCHITECTURES` is accepted (:attr:`hand_written` False): its recipes come from vLLM's
+    loader, and :func:`weight_transfer.plan.build_recipes` refuses it without them.
     """
 
     name: str
@@ -44,16 +48,15 @@ class ModelConfig:
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"model {self.name!r}: unknown architecture {self.architecture!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
+        if self.architecture == "<missing>":
+            raise ValueError(f"model {self.name!r}: the config names no architecture ('architectures' is "
+                             f"'<missing>'); hand-written recipes exist for {', '.join(ARCHITECTURES)}, "
+                             "others are traced from vLLM's loader")
 
     @classmethod
     def from_file(cls, path: str | Path, *, name: str | None = None) -> ModelConfig:
         """Read a Hugging Face ``config.json`` (a file, or a directory holding one); ``name``
-        defaults to the directory's name. Raises ValueError for an unknown architecture,
+        defaults to the directory's name. Raises ValueError for a config without an architecture,
         OSError / json.JSONDecodeError for an unreadable file."""
         p = Path(path)
         p = p / "config.json" if p.is_dir() else p
@@ -69,6 +72,11 @@ class ModelConfig:
     def architecture(self) -> str:
         archs = self.hf.get("architectures") or ["<missing>"]
         return archs[0]
+
+    @property
+    def hand_written(self) -> bool:
+        """Whether the architecture has hand-written recipes (:data:`ARCHITECTURES`)."""
+        return self.architecture in ARCHITECTURES
 
     @property
     def source(self) -> str:

@@ -279,6 +279,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     init_info_cls = OneSidedInitInfo
     update_info_cls = OneSidedUpdateInfo
     supports_draft_weight_update = False  # a draft model's memory is not registered
+    trace = None
+    """This worker's :class:`~weight_transfer.plan.traced.LoaderTrace` (published at init)."""
     shadow = None
     """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info
     (set at init; a class attribute too, for engines built without ``__init__``)."""
@@ -342,6 +344,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         rank = init_info.first_rank + dp_index * int(pc.world_size) + self.local_rank
         self.rank = rank
         store = connect_store((init_info.store_host, init_info.store_port), timeout=max(init_info.timeout, 60.0))
+        from .trace import publish_trace
+
+        self.trace = publish_trace(store, rank, self.vllm_config)  # the loader's recipes (C29), before any publish
         report = self.targets.report()
         if init_info.targets != "direct" and not self.targets.staged:
             mods = (opaque_layers if init_info.targets == "auto" else post_processed_layers)(report)
@@ -673,6 +678,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         coordinator, n_workers = None, 1
         if rank == 0:
             try:
+                _publish_sources(store, params)
                 _init_inference(client, _worker_info(host, port, 0, init_info, opts, timeout))
                 if not store.check([ENGINE_KEY]):
                     raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published "
@@ -887,6 +893,17 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             self.sender.close()
         if self.coordinator is not None:
             self.coordinator.shutdown()
+
+
+def _publish_sources(store, params) -> None:
+    """Training rank 0's checkpoint names, global shapes and dtypes, for the workers to trace
+    their loader with (:data:`weight_transfer.plan.traced.SOURCES_KEY`, C29)."""
+    from weight_transfer import control
+    from weight_transfer.plan.traced import SOURCES_KEY
+
+    named = dict(params.named_parameters()) if isinstance(params, torch.nn.Module) else dict(params)
+    control.put(store, SOURCES_KEY, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                     for n, t in named.items()})
 
 
 def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float) -> dict:

@@ -52,7 +52,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..model_config import ModelConfig
 from ..quant import QUANT_BLOCK, cdiv
-from ..types import DestTensorMeta, InferenceLayout, Recipe, itemsize, numel
+from ..types import DestTensorMeta, InferenceLayout, PlanError, Recipe, itemsize, numel
 from .rules import dense, mla, moe
 from .rules.base import VOCAB_PAD, RecipeBuilder
 
@@ -196,8 +196,16 @@ def build_recipes(
     checked by :func:`weight_transfer.plan.checks.validate`).
 
     Raises :class:`PlanError` naming the tensor and sizes when the layout does not divide the
-    model (heads, intermediate sizes, experts, padded vocab).
+    model (heads, intermediate sizes, experts, padded vocab), and for an architecture without
+    hand-written rules (``cfg.hand_written`` False): those are planned from recipes traced from
+    vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`).
     """
+    if not cfg.hand_written:
+        from ..model_config import ARCHITECTURES
+
+        raise PlanError(f"model {cfg.label}: architecture {cfg.architecture!r} has no hand-written recipes "
+                        f"({', '.join(ARCHITECTURES)}) and no inference rank published recipes traced from "
+                        "vLLM's loader (the vLLM backend's workers do; a stand-in engine cannot)")
     recipes = _build(RecipeBuilder(cfg, layout))
     ignored: frozenset[str] = frozenset()
     if source_dtypes:

@@ -26,6 +26,8 @@ import math
 import pytest
 
 from weight_transfer.model_config import ARCHITECTURES, ModelConfig
+from weight_transfer.plan import build_recipes
+from weight_transfer.types import InferenceLayout, PlanError
 from weight_transfer.testing import catalog
 from weight_transfer.testing.catalog import (
     available_models,
@@ -331,10 +333,12 @@ def test_unknown_override_key():
 
 
 def test_unknown_architecture():
-    with pytest.raises(ValueError) as exc:
-        ModelConfig(name="toy", hf={"architectures": ["Foo"]})
-    msg = _one_line(exc)
-    assert "'toy'" in msg and "'Foo'" in msg and all(a in msg for a in ARCHITECTURES)
+    cfg = ModelConfig(name="toy", hf={"architectures": ["Foo"]})  # accepted: planned from vLLM's loader (C29)
+    assert not cfg.hand_written
+    with pytest.raises(PlanError) as exc:  # ... and refused at plan time without a loader trace
+        build_recipes(cfg, InferenceLayout())
+    msg = str(exc.value)
+    assert "'Foo'" in msg and all(a in msg for a in ARCHITECTURES) and "traced from vLLM's loader" in msg
     with pytest.raises(ValueError, match="'<missing>'"):
         ModelConfig(name="toy", hf={"hidden_size": 8})
 

@@ -1,0 +1,263 @@
+"""Recipes compiled from the inference engine's own weight loader (C29).
+
+The hand-written rules (:mod:`weight_transfer.plan.rules`) know three families. Every other
+model vLLM serves is planned from a **loader trace**: each vLLM worker runs its model's own
+``load_weights`` once, on ``meta`` tensors (a skeleton of the model, never the live weights),
+with the trainer's checkpoint names and shapes as input, and records every ``copy_`` into a
+parameter (which slice of which checkpoint tensor lands at which slice of which parameter) and
+every zero fill (vocabulary padding). :mod:`weight_transfer.engines.vllm.trace` makes the traces
+(it needs vLLM); this module, which does not, turns the traces of every inference rank into the
+planner's :class:`~weight_transfer.plan.RecipeSet` (:func:`recipes_from_traces`), and compares two
+recipe sets destination byte by destination byte (:func:`compare_recipes`, the cross-check of the
+hand-written rules against the traced ones).
+
+What a trace cannot express as a copy of checkpoint bytes (an arithmetic op on the loaded
+tensor, a broadcast, a transpose into the parameter, a partial overwrite) is recorded per
+parameter as **refused**, with the loader step (the aten op) that did it; the plan refuses such a
+model naming the parameter. Dtype changes are planned casts (the source is cast to the
+parameter's dtype, as ``copy_`` does). Parameters the loader never fills from the trainer's
+tensors are refused too (the trainer lacks a tensor the engine loads), naming them.
+
+Granularity is the hand-written rules': one recipe per (parameter, distinct content) with the
+ranks that receive identical bytes merged (replicated norms: one recipe for every rank), and a
+parameter of three or more dims whose pieces each fill whole slots of its first dim (the experts
+of a fused MoE ``w13_weight`` / ``w2_weight``) cut into one recipe per slot, so a trainer
+materializes an expert's tensors, not a layer's.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..types import Box, InferenceLayout, Piece, PlanError, new_output, new_piece, new_recipe
+
+__all__ = ["TracedParam", "LoaderTrace", "TRACE_KEY", "SOURCES_KEY", "recipes_from_traces", "loader_traces", "canonical_pieces",
+           "compare_recipes", "box_volume"]
+
+TRACE_KEY = "meta/infer_trace/{rank}"
+"""Store key under which an inference rank publishes its :class:`LoaderTrace`."""
+SOURCES_KEY = "meta/train_sources"
+"""Store key under which training rank 0 publishes ``{checkpoint name: (global shape, dtype name)}``
+before the inference side initializes: the names and shapes the workers trace their loader with
+(without it they read their checkpoint's safetensors headers)."""
+
+
+def box_volume(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+@dataclass(frozen=True)
+class TracedParam:
+    """One parameter as vLLM's loader fills it: its load-time ``shape`` and ``dtype`` name and
+    the :class:`~weight_transfer.types.Piece` s (checkpoint source and slice -> the slice of the
+    parameter; ``source`` None: a zero fill), in the order the loader wrote them."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class LoaderTrace:
+    """What one inference rank's loader does with the trainer's tensors.
+
+    ``params``: vLLM parameter name -> :class:`TracedParam` (the loader's order); ``refused``:
+    vLLM parameter name -> why it is not a copy of checkpoint bytes (the loader step named);
+    ``skipped``: checkpoint names the loader consumed without writing them anywhere on this
+    rank (a tied ``lm_head.weight``, experts of another EP rank, rotary buffers); ``error``: the
+    loader raised (one line) and the trace is unusable; ``source``: which loader, e.g.
+    ``"vllm 0.32.0 LlamaForCausalLM.load_weights"``; ``seconds``: how long tracing took."""
+
+    params: dict[str, TracedParam]
+    refused: dict[str, str] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+    error: str = ""
+    source: str = ""
+    seconds: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the traced parameters (their load-layout size)."""
+        from ..types import itemsize
+
+        return sum(math.prod(p.shape) * itemsize(p.dtype) for p in self.params.values())
+
+
+def loader_traces(store, ranks) -> dict[int, LoaderTrace]:
+    """Inference rank -> its published :class:`LoaderTrace`, for the ranks in ``ranks`` that
+    published one (``{}`` when none did)."""
+    from ..control import get
+
+    keys = {i: TRACE_KEY.format(rank=i) for i in ranks}
+    return {i: get(store, k) for i, k in keys.items() if store.check([k])}
+
+
+def _check(rank: int, name: str, tp: TracedParam, problems: list[str]) -> bool:
+    n = math.prod(tp.shape)
+    got = sum(box_volume(p.dst_box) for p in tp.pieces)
+    if got == n:
+        return True
+    what = "fills" if got < n else "writes"
+    problems.append(f"inference rank {rank}: vLLM's loader {what} {got} of the {n} elements of {name} "
+                    f"{list(tp.shape)} from the trainer's tensors"
+                    + (" (a tensor the engine loads is missing on the training side)" if got < n else
+                       " (some elements twice)"))
+    return False
+
+
+def _slots(name: str, tp: TracedParam):
+    """``tp`` cut into one part per slot of its first dim when every piece fills whole slots
+    (``[(j, pieces re-based to slot j)]``), else None."""
+    if len(tp.shape) < 3 or tp.shape[0] < 2:
+        return None
+    per: dict[int, list[Piece]] = {}
+    for p in tp.pieces:
+        (a, b) = p.dst_box[0]
+        if b - a != 1:
+            return None
+        per.setdefault(a, []).append(new_piece(p.source, p.src_box, ((0, 1),) + tuple(p.dst_box[1:])))
+    if sorted(per) != list(range(tp.shape[0])):
+        return None
+    return sorted(per.items())
+
+
+def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayout | None = None, *,
+                        model: str = "", source_dtypes: Mapping[str, str] | None = None):
+    """The :class:`~weight_transfer.plan.RecipeSet` of the traced loaders of every inference rank
+    in ``traces`` (rank -> :class:`LoaderTrace`): one ``"copy"`` recipe per (parameter,
+    content), the ranks receiving identical bytes merged, MoE expert slots cut (module docstring);
+    each recipe's output is the whole parameter (or slot) in its load-time dtype, for
+    :func:`weight_transfer.retarget.retarget` to aim at the runtime layout as for the
+    hand-written recipes. ``ignored``: the ``source_dtypes`` names no recipe reads that some
+    rank's loader skipped (a tied head, rotary buffers); any other unused trainer tensor is left
+    to :func:`weight_transfer.plan.checks.validate` to refuse (C2).
+
+    Raises :class:`PlanError` (one line per problem, the first 20) when a rank's loader raised,
+    refused a parameter (a computation, not a copy: the loader step is named), or fills a
+    parameter only partly or twice; and for ``layout.quant == "fp8"`` (the traced recipes are
+    the BF16 load layout; block FP8 is planned by the hand-written families only)."""
+    from . import RecipeSet
+
+    if layout is not None and layout.quant == "fp8":
+        raise PlanError(f"model {model}: quant='fp8' with recipes traced from vLLM's loader: traced recipes plan "
+                        "the BF16 load layout; block FP8 (e4m3 + weight_scale_inv) is planned for the hand-written "
+                        "families only")
+    problems: list[str] = []
+    for r, t in sorted(traces.items()):
+        if t.error:
+            problems.append(f"inference rank {r}: tracing vLLM's loader failed: {t.error}")
+        for name, why in sorted(t.refused.items()):
+            problems.append(f"inference rank {r}: {name} is not a copy of checkpoint bytes ({why}); "
+                            "it cannot be written one-sidedly")
+    groups: dict[tuple, list[int]] = {}
+    order: list[tuple] = []
+    for r, t in sorted(traces.items()):
+        if t.error:
+            continue
+        for name, tp in t.params.items():
+            if name in t.refused or not _check(r, name, tp, problems):
+                continue
+            key = (name, tp.shape, tp.dtype, tp.pieces)
+            if key not in groups:
+                groups[key] = []
+                order.append(key)
+            groups[key].append(r)
+    if problems:
+        raise PlanError(f"model {model}: {len(problems)} problem(s) in the recipes traced from vLLM's loader\n"
+                        + "\n".join(problems[:20]))
+    tp_size = layout.tp if layout is not None else 1
+    n_variants: dict[str, int] = {}
+    for key in order:
+        n_variants[key[0]] = n_variants.get(key[0], 0) + 1
+    recipes = []
+    for key in order:
+        name, shape, dtype, pieces = key
+        ranks = tuple(sorted(groups[key]))
+        rname = name if n_variants[name] == 1 else f"{name}@tp{ranks[0] % tp_size}"
+        tp = TracedParam(shape, dtype, pieces)
+        slots = _slots(name, tp)
+        if slots is None:
+            recipes.append(new_recipe(rname, ranks, shape, dtype, pieces, "copy",
+                                      (new_output(name, tuple((0, s) for s in shape), dtype),)))
+            continue
+        rest = tuple((0, s) for s in shape[1:])
+        for j, ps in slots:
+            recipes.append(new_recipe(f"{rname}[{j}]", ranks, (1,) + tuple(shape[1:]), dtype, tuple(ps), "copy",
+                                      (new_output(name, ((j, j + 1),) + rest, dtype),)))
+    ignored: frozenset[str] = frozenset()
+    if source_dtypes:
+        used = {p.source for r in recipes for p in r.pieces if p.source is not None}
+        skipped = {s for t in traces.values() for s in t.skipped}
+        ignored = frozenset(n for n in source_dtypes if n not in used and n in skipped)
+    return RecipeSet(recipes, ignored, layout=layout, model=model)
+
+
+# ============================================================================================
+# cross-check
+
+
+def canonical_pieces(recipes) -> dict[tuple[int, str], tuple]:
+    """``(inference rank, destination tensor, dtype) -> sorted pieces`` in the destination tensor's own
+    coordinates (each piece's ``dst_box`` moved by its recipe's output box; leading unit dims
+    kept), for ``"copy"`` recipes in the identity layout: two recipe sets that write the same
+    bytes from the same source slices have equal canonical pieces, however their recipes are cut.
+    Pieces are further cut at every row where either set cuts (:func:`compare_recipes`)."""
+    out: dict[tuple[int, str], list] = {}
+    for r in recipes:
+        if r.transform != "copy" or len(r.outputs) != 1:
+            continue
+        o = r.outputs[0]
+        origin = [a for a, _ in o.box]
+        for p in r.pieces:
+            k = len(o.box) - len(p.dst_box)
+            dst = tuple((origin[d + k] + a, origin[d + k] + b) for d, (a, b) in enumerate(p.dst_box))
+            dst = tuple(o.box[:k]) + dst
+            for rank in r.ranks:
+                out.setdefault((rank, o.tensor, o.dtype), []).append((dst, p.source, tuple(p.src_box)))
+    return {k: tuple(sorted(v, key=lambda x: (x[0], x[1] or "", x[2]))) for k, v in out.items()}
+
+
+def _rows(pieces) -> list:
+    """Pieces cut into single rows of their first dim of extent > 1 (a normal form)."""
+    out = []
+    for dst, src, sb in pieces:
+        dst_core = [(a, b) for a, b in dst]
+        # the first dst dim with extent > 1, and the matching source dim (same trailing position)
+        d = next((i for i, (a, b) in enumerate(dst_core) if b - a > 1), None)
+        if d is None:
+            out.append((dst, src, sb))
+            continue
+        k = len(dst) - len(sb)
+        a0, b0 = dst[d]
+        for i in range(b0 - a0):
+            nd = list(dst)
+            nd[d] = (a0 + i, a0 + i + 1)
+            ns = list(sb)
+            if src is not None and d >= k:
+                s0 = sb[d - k][0]
+                ns[d - k] = (s0 + i, s0 + i + 1)
+            out.append((tuple(nd), src, tuple(ns)))
+    return sorted(out, key=lambda x: (x[0], x[1] or "", x[2]))
+
+
+def compare_recipes(a, b, *, max_problems: int = 20) -> list[str]:
+    """Where two recipe sets write different bytes: one line per (inference rank, destination
+    tensor) that only one of them writes or that they make from different source slices (the
+    first ``max_problems``); ``[]`` when every destination byte comes from the same source byte
+    in both. Compares canonical pieces (:func:`canonical_pieces`), cut to single rows where the two
+    sets cut a tensor differently; ``"copy"`` recipes only (the BF16 load layout)."""
+    ca, cb = canonical_pieces(a), canonical_pieces(b)
+    out = []
+    for key in sorted(set(ca) | set(cb)):
+        pa, pb = ca.get(key), cb.get(key)
+        if pa is None or pb is None:
+            out.append(f"inference rank {key[0]}: {key[1]} ({key[2]}) is written by only the "
+                       f"{'first' if pb is None else 'second'} recipe set")
+        elif pa != pb and _rows(pa) != _rows(pb):
+            ra, rb = _rows(pa), _rows(pb)
+            diff = next(((x, y) for x, y in zip(ra, rb) if x != y), (ra[len(rb):][:1], rb[len(ra):][:1]))
+            out.append(f"inference rank {key[0]}: {key[1]} differs: {diff[0]} against {diff[1]}")
+        if len(out) >= max_problems:
+            break
+    return out
