@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
 
-__all__ = ["trace_load", "trace_worker", "trace_layout", "meta_model", "view_box"]
+__all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "meta_model", "view_box", "parse_layout",
+           "checkpoint_sources", "publish_trace"]
 
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
@@ -248,10 +249,12 @@ def trace_load(model: torch.nn.Module, sources: Mapping[str, tuple[tuple[int, ..
         error = f"{type(e).__name__} in {type(model).__name__}.load_weights: {str(e).splitlines()[0] if str(e) else ''}"
     out = {n: TracedParam(shapes[n][0], shapes[n][1], tuple(rec.pieces[n])) for n in shapes if n in rec.pieces}
     skipped = tuple(n for n in sources if n not in rec.used)
-    import vllm
+    import sys
 
+    vllm = sys.modules.get("vllm")  # a real model's loader imported it; a toy loader did not
+    who = f"vllm {getattr(vllm, '__version__', '?')}" if vllm is not None else "a loader without vllm:"
     return LoaderTrace(params=out, refused=dict(rec.refused), skipped=skipped, error=error,
-                       source=f"vllm {vllm.__version__} {type(model).__name__}.load_weights" + (f" {label}" if label else ""),
+                       source=f"{who} {type(model).__name__}.load_weights" + (f" {label}" if label else ""),
                        seconds=time.perf_counter() - t0)
 
 
@@ -384,31 +387,64 @@ def trace_layout(model_dir: str, layout, sources: Mapping[str, tuple[tuple[int, 
     return {i: per_tp[i % layout.tp] for i in range(layout.world_size)}
 
 
+def parse_layout(spec: str, dtype: str = "bfloat16"):
+    """``"T"``, ``"T+ep"`` or ``"TxD"`` (TP size, expert-parallel, DP replicas) as an
+    :class:`~weight_transfer.types.InferenceLayout`. ValueError for another form."""
+    from weight_transfer.types import InferenceLayout
+
+    s = spec.strip().lower()
+    ep = s.endswith("+ep")
+    s = s.removesuffix("+ep")
+    tp, _, dp = s.partition("x")
+    if not tp.isdigit() or (dp and not dp.isdigit()):
+        raise ValueError(f"layout {spec!r}: 'T', 'T+ep' or 'TxD' (e.g. '2', '2+ep', '2x2')")
+    return InferenceLayout(tp=int(tp), dp=int(dp or 1), ep=ep, dtype=dtype)
+
+
 def main(argv=None) -> int:
-    """``python -m weight_transfer.engines.vllm.trace MODEL_DIR SOURCES.pkl OUT.pkl --tp T [--ep]
-    [--dp D]``: :func:`trace_layout` in a process of its own (vLLM's global state stays there);
-    ``SOURCES.pkl`` holds ``{checkpoint name: (shape, dtype)}``, ``OUT.pkl`` gets
-    ``{inference rank: LoaderTrace}``."""
+    """``python -m weight_transfer.engines.vllm.trace MODEL_DIR SOURCES.pkl OUT.pkl --layouts
+    "1 2 2+ep 2x2"``: :func:`trace_layout` in a process of its own (vLLM's global state stays
+    there) for each layout (:func:`parse_layout`); ``SOURCES.pkl`` holds ``{checkpoint name:
+    (shape, dtype)}``, ``OUT.pkl`` gets ``{layout spec: {inference rank: LoaderTrace}}``."""
     import argparse
     import pickle
-
-    from weight_transfer.types import InferenceLayout
 
     ap = argparse.ArgumentParser(prog="python -m weight_transfer.engines.vllm.trace")
     ap.add_argument("model_dir")
     ap.add_argument("sources")
     ap.add_argument("out")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--ep", action="store_true")
+    ap.add_argument("--layouts", default="1", help="space-separated: 'T', 'T+ep' or 'TxD'")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
     with open(a.sources, "rb") as f:
         sources = pickle.load(f)
-    traces = trace_layout(a.model_dir, InferenceLayout(tp=a.tp, dp=a.dp, ep=a.ep, dtype=a.dtype), sources)
+    out = {spec: trace_layout(a.model_dir, parse_layout(spec, a.dtype), sources) for spec in a.layouts.split()}
     with open(a.out, "wb") as f:
-        pickle.dump(traces, f)
+        pickle.dump(out, f)
     return 0
+
+
+def trace_subprocess(model_dir: str, sources: Mapping[str, tuple[tuple[int, ...], str]], layouts: list[str], *,
+                     timeout: float = 600.0) -> dict:
+    """:func:`main` in a child process (``{layout spec: {rank: LoaderTrace}}``): vLLM's global
+    state (its process group, the current config) stays out of the caller. RuntimeError with
+    the child's last lines when it fails."""
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "sources.pkl"), os.path.join(d, "traces.pkl")
+        with open(src, "wb") as f:
+            pickle.dump(dict(sources), f)
+        p = subprocess.run([sys.executable, "-m", "weight_transfer.engines.vllm.trace", model_dir, src, out,
+                            "--layouts", " ".join(layouts)], capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-5:])
+            raise RuntimeError(f"tracing vLLM's loader for {model_dir} failed (exit {p.returncode}):\n{tail}")
+        with open(out, "rb") as f:
+            return pickle.load(f)
 
 
 if __name__ == "__main__":

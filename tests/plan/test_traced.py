@@ -1,0 +1,142 @@
+"""Recipes from loader traces (weight_transfer.plan.traced) and the loader recorder
+(weight_transfer.engines.vllm.trace's view boxes and dispatch recorder, which need torch only):
+synthetic traces and toy loaders, no vLLM. The traces of vLLM's real loaders are checked in
+tests/engines/vllm/test_trace.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weight_transfer.engines.vllm.trace import trace_load, view_box
+from weight_transfer.plan import build_recipes
+from weight_transfer.plan.traced import LoaderTrace, TracedParam, compare_recipes, recipes_from_traces
+from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.types import InferenceLayout, Piece, PlanError
+
+
+def _trace(params, **kw):
+    return LoaderTrace(params={n: TracedParam(tuple(s), "bfloat16", tuple(ps)) for n, (s, ps) in params.items()}, **kw)
+
+
+def test_view_box_accepts_slices_and_refuses_reshapes():
+    base = torch.empty(6, 4, 8, device="meta")
+    assert view_box(base, (6, 4, 8)) == ((0, 6), (0, 4), (0, 8))
+    assert view_box(base.narrow(0, 2, 3), (6, 4, 8)) == ((2, 5), (0, 4), (0, 8))
+    assert view_box(base[4], (6, 4, 8)) == ((4, 5), (0, 4), (0, 8))           # select: a slot
+    assert view_box(base[1, :, 2:6], (6, 4, 8)) == ((1, 2), (0, 4), (2, 6))
+    assert view_box(base.chunk(2, dim=2)[1], (6, 4, 8)) == ((0, 6), (0, 4), (4, 8))
+    assert view_box(base.transpose(1, 2), (6, 4, 8)) is None                   # a permutation
+    assert view_box(base.view(24, 8)[3:9], (6, 4, 8)) is None                  # rows across two slots
+    assert view_box(base[0, 0].expand(3, 8), (6, 4, 8)) is None                # a broadcast
+
+
+class _ToyLoader(torch.nn.Module):
+    """A vLLM-style model: a fused qkv parameter filled by narrow + copy_, a padded embedding
+    (zero fill), a norm loaded with arithmetic (Gemma-style +1 at load), a transposed copy."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        with torch.device("meta"):
+            self.qkv = torch.nn.Parameter(torch.empty(12, 4, dtype=torch.bfloat16))
+            self.embed = torch.nn.Parameter(torch.empty(8, 4, dtype=torch.bfloat16))
+            self.norm = torch.nn.Parameter(torch.empty(4, dtype=torch.bfloat16))
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                off = {"q": 0, "k": 4, "v": 8}[name]
+                self.qkv.data.narrow(0, off, 4).copy_(w)
+            elif name == "embed":
+                self.embed.data[: w.shape[0]].copy_(w)
+                self.embed.data[w.shape[0]:].fill_(0)
+            elif name == "norm":
+                self.norm.data.copy_(w + 1 if self.mode == "plus_one" else w)
+            elif name == "t" and self.mode == "transpose":
+                self.qkv.data[:4].copy_(w.t())
+            elif name == "lm_head":
+                continue  # tied: the loader skips it
+
+
+SOURCES = {"q": ((4, 4), "float32"), "k": ((4, 4), "bfloat16"), "v": ((4, 4), "bfloat16"),
+           "embed": ((6, 4), "bfloat16"), "norm": ((4,), "bfloat16"), "lm_head": ((6, 4), "bfloat16")}
+
+
+def test_recorder_turns_a_loader_into_pieces():
+    t = trace_load(_ToyLoader("plain"), SOURCES)
+    assert not t.error and not t.refused
+    assert t.params["qkv"].pieces == (Piece("q", ((0, 4), (0, 4)), ((0, 4), (0, 4))),
+                                      Piece("k", ((0, 4), (0, 4)), ((4, 8), (0, 4))),
+                                      Piece("v", ((0, 4), (0, 4)), ((8, 12), (0, 4))))
+    assert t.params["embed"].pieces == (Piece("embed", ((0, 6), (0, 4)), ((0, 6), (0, 4))),
+                                        Piece(None, (), ((6, 8), (0, 4))))
+    assert t.skipped == ("lm_head",)
+    rs = recipes_from_traces({0: t}, InferenceLayout(), source_dtypes={n: d for n, (_, d) in SOURCES.items()})
+    assert [r.name for r in rs] == ["qkv", "embed", "norm"] and rs.ignored == {"lm_head"}
+
+
+def test_recorder_refuses_what_the_loader_computes_naming_the_step():
+    t = trace_load(_ToyLoader("plus_one"), SOURCES)
+    assert t.refused == {"norm": "aten.copy_ of checkpoint bytes computed by aten.add.Tensor"}
+    with pytest.raises(PlanError, match=r"norm is not a copy of checkpoint bytes \(aten.copy_ of checkpoint bytes "
+                                        r"computed by aten.add.Tensor\)"):
+        recipes_from_traces({0: t}, InferenceLayout())
+    t = trace_load(_ToyLoader("transpose"), {**SOURCES, "t": ((4, 4), "bfloat16")})
+    assert "qkv" in t.refused and "not a box" in t.refused["qkv"]
+
+
+def test_recorder_reports_the_loader_raising_and_never_traces_live_weights():
+    class Raises(_ToyLoader):
+        def load_weights(self, weights):
+            for name, _ in weights:
+                raise KeyError(name)
+    t = trace_load(Raises("plain"), SOURCES)
+    assert t.error.startswith("KeyError in Raises.load_weights") and not t.params
+    live = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="weight is on cpu, not meta"):
+        trace_load(live, SOURCES)
+
+
+def test_ranks_with_equal_bytes_merge_and_expert_slots_are_cut():
+    norm = ((4,), [Piece("n", ((0, 4),), ((0, 4),))])
+    w = ((2, 3, 4), [Piece(f"e{j}", ((0, 3), (0, 4)), ((j, j + 1), (0, 3), (0, 4))) for j in (1, 0)])
+    tr = {0: _trace({"norm": norm, "w13": w, "row": ((2, 4), [Piece("r", ((0, 2), (0, 4)), ((0, 2), (0, 4)))])}),
+          1: _trace({"norm": norm, "w13": w, "row": ((2, 4), [Piece("r", ((2, 4), (0, 4)), ((0, 2), (0, 4)))])})}
+    rs = recipes_from_traces(tr, InferenceLayout(tp=2))
+    by = {r.name: r for r in rs}
+    assert by["norm"].ranks == (0, 1) and by["row@tp0"].ranks == (0,) and by["row@tp1"].ranks == (1,)
+    assert by["w13[0]"].shape == (1, 3, 4) and by["w13[0]"].outputs[0].box == ((0, 1), (0, 3), (0, 4))
+    assert by["w13[1]"].pieces == (Piece("e1", ((0, 3), (0, 4)), ((0, 1), (0, 3), (0, 4))),)
+    assert len(rs) == 5
+
+
+def test_partial_fills_fp8_and_missing_traces_are_refused():
+    tr = {0: _trace({"x": ((4, 4), [Piece("a", ((0, 2), (0, 4)), ((0, 2), (0, 4)))])})}
+    with pytest.raises(PlanError, match=r"fills 8 of the 16 elements of x \[4, 4\].*missing on the training side"):
+        recipes_from_traces(tr, InferenceLayout())
+    with pytest.raises(PlanError, match="quant='fp8' with recipes traced"):
+        recipes_from_traces(tr, InferenceLayout(quant="fp8"))
+    with pytest.raises(PlanError, match="tracing vLLM's loader failed: boom"):
+        recipes_from_traces({0: LoaderTrace(params={}, error="boom")}, InferenceLayout())
+
+
+def test_compare_finds_a_swapped_slice_and_accepts_a_different_cut():
+    cfg = load_config("qwen3-0.6b", num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, vocab_size=128)
+    lay = InferenceLayout(tp=2)
+    hand = build_recipes(cfg, lay)
+    assert compare_recipes(hand, hand) == []
+    from weight_transfer.transforms import split_recipe
+
+    cut = [p for r in hand for p in split_recipe(r, 8)]  # the same bytes, cut in row bands
+    assert compare_recipes(hand, cut) == []
+    swapped = []
+    for r in hand:
+        if r.name.endswith("qkv_proj.weight@tp1"):  # k and v rows swapped: a different byte per element
+            ps = list(r.pieces)
+            ps[1], ps[2] = (Piece(ps[2].source, ps[2].src_box, ps[1].dst_box), Piece(ps[1].source, ps[1].src_box, ps[2].dst_box))
+            r = type(r)(r.name, r.ranks, r.shape, r.assembled_dtype, tuple(ps), r.transform, r.outputs)
+        swapped.append(r)
+    diff = compare_recipes(hand, swapped)
+    assert len(diff) == 1 and "inference rank 1: model.layers.0.self_attn.qkv_proj.weight differs" in diff[0]
+    assert {p.name for p in param_specs(cfg)} >= {s for r in hand for s in r.sources}
