@@ -456,9 +456,14 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
     :func:`weight_transfer.membership.plan_key`)."""
     from .plan import gc_paused, plan
 
-    sources = {m.name: m.dtype for ms in train_metas.values() for m in ms}
+    from .plan.traced import SOURCE_VIEWS_KEY, apply_source_views, expand_sources
+
+    views = control.get(store, SOURCE_VIEWS_KEY) if store.check([SOURCE_VIEWS_KEY]) else {}
+    held = {m.name: (tuple(m.global_shape), m.dtype) for ms in train_metas.values() for m in ms}
+    sources = {n: dt for n, (_, dt) in expand_sources(held, views).items()}  # the checkpoint names
     with gc_paused():
         recipes, how = choose_recipes(store, model_config, layout, sources, set(infer_payloads))
+        recipes = apply_source_views(recipes, views)  # fused training tensors (C29): their slices
         recipes = only_ranks(recipes, set(infer_payloads))
         runtime = runtime_layouts(store, infer_payloads)
         if runtime:  # a live engine reported what it computes with: aim there, or refuse (C20)

@@ -87,7 +87,11 @@ class Sender:
     (default ``torch.distributed.barrier`` when a default process group exists and more than one
     rank trains). ``offloaded``: the shards live in host memory
     (:class:`weight_transfer.metadata.OffloadedParams`). ``publish``: publish the metadata now
-    (False when the caller already did).
+    (False when the caller already did). ``views``: checkpoint name -> (name of the training tensor
+    holding it, box of that tensor), for training tensors that fuse several checkpoint tensors
+    (transformers 5's ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``:
+    :func:`weight_transfer.plan.traced.fused_expert_views` reads them from transformers'
+    conversion mapping); the plan reads the viewed slices in place (rank 0 publishes them).
 
     Every argument is checked before anything is published: TypeError for a wrong type
     (``params`` not a module/mapping of tensors or mixing DTensors and plain tensors, ``rank``/
@@ -102,7 +106,8 @@ class Sender:
 
     def __init__(self, params, *, rank: int, world_size: int, store, coordinator: Coordinator | None = None,
                  options: TransferOptions | None = None, group_barrier: Callable[[], None] | None = None,
-                 timeout: float | None = None, log: Callable[[str], None] | None = None, publish: bool = True):
+                 timeout: float | None = None, log: Callable[[str], None] | None = None, publish: bool = True,
+                 views=None):
         from torch.distributed.tensor import DTensor
 
         from .metadata import collect_metas, whole_metas
@@ -143,6 +148,13 @@ class Sender:
                              f"({WORLD_KEY!r}): every training rank's world_size is n_train")
         self.client = clients.TrainerClient(self.store, rank, timeout=max(self.timeout, 600.0))
         self.metas = metas
+        self.views = {}
+        if views:  # checkpoint tensors held as slices of fused training tensors (C29)
+            from .plan.traced import SOURCE_VIEWS_KEY, check_views
+
+            self.views = check_views(views, {m.name: tuple(m.global_shape) for m in metas}, where="Sender: views")
+            if rank == 0:
+                control.put(self.store, SOURCE_VIEWS_KEY, self.views)
         if publish:
             self.client.publish_meta(metas)
         self.executor = self.transport = None

@@ -491,15 +491,23 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
 class DTensorSource(WeightSource):
     """A ``WeightSource`` over a training rank's own parameters: an ``nn.Module`` (FSDP2:
-    DTensors) or a mapping ``{checkpoint name: DTensor | tensor}``. The one-sided backend reads
+    DTensors) or a mapping ``{checkpoint name: DTensor | tensor}``; ``views`` for training
+    tensors that fuse several checkpoint tensors (transformers 5's fused experts: pass
+    ``fused_expert_views({n: p.shape for n, p in model.named_parameters()}, config.model_type)``). The one-sided backend reads
     the shards in place (``to_local()``, ``full_tensor()`` only where a recipe needs rows of
     other ranks); iterating yields full tensors like vLLM's ``ModuleSource`` (a collective for
     DTensors), for other backends."""
 
-    def __init__(self, params) -> None:
+    def __init__(self, params, *, views=None) -> None:
         if not isinstance(params, (torch.nn.Module, Mapping)):
             raise TypeError(f"DTensorSource: an nn.Module or a mapping name -> tensor, not {type(params).__name__}")
+        if views is not None and not isinstance(views, Mapping):
+            raise TypeError(f"DTensorSource: views is a mapping checkpoint name -> (tensor name, box), not "
+                            f"{type(views).__name__}")
         self.params = params
+        self.views = dict(views or {})
+        """Checkpoint name -> (training tensor name, box): the checkpoint tensors a fused training
+        tensor holds (:func:`weight_transfer.plan.traced.fused_expert_views`), C29."""
 
     def named(self) -> dict[str, torch.Tensor]:
         return dict(self.params.named_parameters()) if isinstance(self.params, torch.nn.Module) else dict(self.params)
@@ -678,7 +686,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         coordinator, n_workers = None, 1
         if rank == 0:
             try:
-                _publish_sources(store, params)
+                _publish_sources(store, params, getattr(source, "views", None) or {})
                 _init_inference(client, _worker_info(host, port, 0, init_info, opts, timeout))
                 if not store.check([ENGINE_KEY]):
                     raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published "
@@ -691,7 +699,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                 store.set("abort", f"training 0: trainer_init failed: {_first_line(e)}".encode())  # other ranks stop
                 raise
         sender = Sender(params, rank=rank, world_size=world, store=store, coordinator=coordinator, options=opts,
-                        timeout=timeout)
+                        timeout=timeout, views=getattr(source, "views", None) or None)
         self = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info, store=store,
                    sender=sender, coordinator=coordinator, n_workers=n_workers)
         self._worker_addr, self._opts, self._timeout = (host, port), opts, timeout
@@ -895,15 +903,16 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             self.coordinator.shutdown()
 
 
-def _publish_sources(store, params) -> None:
-    """Training rank 0's checkpoint names, global shapes and dtypes, for the workers to trace
-    their loader with (:data:`weight_transfer.plan.traced.SOURCES_KEY`, C29)."""
+def _publish_sources(store, params, views) -> None:
+    """Training rank 0's checkpoint names, global shapes and dtypes (fused tensors replaced by
+    the checkpoint tensors their ``views`` hold), for the workers to trace their loader with
+    (:data:`weight_transfer.plan.traced.SOURCES_KEY`, C29)."""
     from weight_transfer import control
-    from weight_transfer.plan.traced import SOURCES_KEY
+    from weight_transfer.plan.traced import SOURCES_KEY, expand_sources
 
     named = dict(params.named_parameters()) if isinstance(params, torch.nn.Module) else dict(params)
-    control.put(store, SOURCES_KEY, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                                     for n, t in named.items()})
+    held = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named.items()}
+    control.put(store, SOURCES_KEY, expand_sources(held, views))
 
 
 def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float) -> dict:

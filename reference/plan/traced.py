@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from ..types import Box, InferenceLayout, Piece, PlanError, new_output, new_piece, new_recipe
 
 __all__ = ["TracedParam", "LoaderTrace", "TRACE_KEY", "SOURCES_KEY", "recipes_from_traces", "loader_traces", "canonical_pieces",
-           "compare_recipes", "box_volume"]
+           "compare_recipes", "box_volume", "SOURCE_VIEWS_KEY", "check_views", "view_shape", "expand_sources",
+           "apply_source_views", "fused_expert_views"]
 
 TRACE_KEY = "meta/infer_trace/{rank}"
 """Store key under which an inference rank publishes its :class:`LoaderTrace`."""
@@ -260,4 +261,131 @@ def compare_recipes(a, b, *, max_problems: int = 20) -> list[str]:
             out.append(f"inference rank {key[0]}: {key[1]} differs: {diff[0]} against {diff[1]}")
         if len(out) >= max_problems:
             break
+    return out
+
+
+# ============================================================================================
+# training tensors that hold several checkpoint tensors (fused experts)
+
+SOURCE_VIEWS_KEY = "meta/train_views"
+"""Store key under which training rank 0 publishes its source views (:func:`apply_source_views`)."""
+
+
+def check_views(views: Mapping[str, tuple[str, Box]], shapes: Mapping[str, tuple[int, ...]], *,
+                where: str = "views") -> dict[str, tuple[str, Box]]:
+    """``views`` (checkpoint name -> (training tensor name, box of it)) checked against the
+    training tensors' global ``shapes``: the tensor exists, the box lies inside it, and the
+    checkpoint name is not itself a training tensor. Returns a plain dict with tuple boxes;
+    ValueError naming the first bad view."""
+    out = {}
+    for ck, (name, box) in views.items():
+        box = tuple((int(a), int(b)) for a, b in box)
+        if name not in shapes:
+            raise ValueError(f"{where}: {ck!r} is a view of {name!r}, which is not a training tensor")
+        if ck in shapes:
+            raise ValueError(f"{where}: {ck!r} is a training tensor and a view of {name!r}: one or the other")
+        sh = shapes[name]
+        if len(box) != len(sh) or any(not (0 <= a < b <= n) for (a, b), n in zip(box, sh)):
+            raise ValueError(f"{where}: {ck!r} = {name}{list(box)} is outside its shape {list(sh)}")
+        out[ck] = (name, box)
+    return out
+
+
+def view_shape(box: Box) -> tuple[int, ...]:
+    """The checkpoint tensor's shape of a view: the box's extents without its leading unit dims
+    (an expert's ``[I, H]`` rows of a fused ``[E, 2I, H]`` tensor)."""
+    ext = [b - a for a, b in box]
+    while len(ext) > 1 and ext[0] == 1:
+        ext.pop(0)
+    return tuple(ext)
+
+
+def expand_sources(sources: Mapping[str, tuple[tuple[int, ...], str]], views: Mapping[str, tuple[str, Box]]):
+    """The checkpoint names, shapes and dtypes a loader consumes: ``sources`` (training name ->
+    (shape, dtype)) with every tensor that views cover replaced by its views."""
+    covered = {name for name, _ in views.values()}
+    out = {n: v for n, v in sources.items() if n not in covered}
+    for ck, (name, box) in views.items():
+        out[ck] = (view_shape(box), sources[name][1])
+    return out
+
+
+def apply_source_views(recipes, views: Mapping[str, tuple[str, Box]]):
+    """``recipes`` (over checkpoint names) read from the training tensors that hold them: each
+    piece of a viewed checkpoint tensor becomes a piece of the training tensor, its slice moved
+    into the view's box (leading unit dims kept: the recipe's destination box then has as many
+    dims as the source slice, as an expert slot of ``w13_weight`` has). PlanError when a view's
+    slice has more dims than the piece's destination (a fused tensor feeding a 2-D parameter
+    through a unit dim)."""
+    from . import RecipeSet
+
+    if not views:
+        return recipes
+    out = []
+    for r in recipes:
+        if not any(p.source in views for p in r.pieces):
+            out.append(r)
+            continue
+        pieces = []
+        for p in r.pieces:
+            v = views.get(p.source) if p.source is not None else None
+            if v is None:
+                pieces.append(p)
+                continue
+            name, box = v
+            k = len(box) - len(p.src_box)
+            sb = tuple(box[:k]) + tuple((box[k + d][0] + a, box[k + d][0] + b) for d, (a, b) in enumerate(p.src_box))
+            if len(sb) > len(p.dst_box):
+                raise PlanError(f"recipe {r.name!r}: checkpoint tensor {p.source} is a view {list(box)} of {name} with "
+                                f"{k} leading unit dim(s) more than its destination box {list(p.dst_box)}")
+            pieces.append(new_piece(name, sb, p.dst_box))
+        out.append(new_recipe(r.name, r.ranks, r.shape, r.assembled_dtype, tuple(pieces), r.transform, r.outputs))
+    ignored = {views[n][0] if n in views else n for n in recipes.ignored}
+    return RecipeSet(out, ignored, layout=recipes.layout, model=recipes.model)
+
+
+def fused_expert_views(shapes: Mapping[str, tuple[int, ...]], model_type: str) -> dict[str, tuple[str, Box]]:
+    """The views of a transformers-5 model whose experts are fused (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``) onto the per-expert checkpoint names
+    vLLM's loader consumes, read from transformers' own checkpoint conversion mapping
+    (``transformers.conversion_mapping``, the rules it loads such checkpoints with) for
+    ``model_type`` (``config.model_type``, e.g. ``"qwen3_moe"``). ``shapes``: training tensor name
+    -> global shape. Only converters made of ``MergeModulelist`` and ``Concatenate`` (pure slices)
+    are turned into views; ValueError naming the converter for another operation on a tensor the
+    model holds (a transpose or interleave is not a slice). ``{}`` when nothing is fused. Needs
+    transformers (the ``vllm`` extra)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    out: dict[str, tuple[str, Box]] = {}
+    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+        if not isinstance(conv, WeightConverter) or len(conv.target_patterns) != 1:
+            continue
+        target = conv.target_patterns[0]
+        held = [n for n in shapes if n.endswith("." + target) or n.endswith("." + target + ".weight")
+                or n.endswith(target)]
+        if not held:
+            continue
+        ops = conv.operations
+        if not all(isinstance(op, (MergeModulelist, Concatenate)) for op in ops) or not any(
+                isinstance(op, MergeModulelist) and op.dim == 0 for op in ops):
+            raise ValueError(f"{model_type}: {held[0]} is converted by {[type(op).__name__ for op in ops]}: not "
+                             "slices of the checkpoint's tensors; declare its views by hand")
+        cat = next((op.dim for op in ops if isinstance(op, Concatenate)), None)
+        srcs = list(conv.source_patterns)
+        for name in held:
+            shape = shapes[name]
+            prefix = name[: len(name) - len(target)] if name.endswith(target) else name.rsplit(target, 1)[0]
+            parts = len(srcs)
+            if cat is not None and shape[cat] % parts:
+                raise ValueError(f"{name} {list(shape)}: dim {cat} does not split into {parts} parts")
+            step = shape[cat] // parts if cat is not None else None
+            for e in range(shape[0]):
+                for i, pat in enumerate(srcs):
+                    box = [(0, n) for n in shape]
+                    box[0] = (e, e + 1)
+                    if cat is not None:
+                        box[cat] = (i * step, (i + 1) * step)
+                    ck = (prefix + pat.replace("*", str(e))).replace("..", ".")
+                    out[ck] = (name, tuple(box))
     return out

@@ -140,3 +140,35 @@ def test_compare_finds_a_swapped_slice_and_accepts_a_different_cut():
     diff = compare_recipes(hand, swapped)
     assert len(diff) == 1 and "inference rank 1: model.layers.0.self_attn.qkv_proj.weight differs" in diff[0]
     assert {p.name for p in param_specs(cfg)} >= {s for r in hand for s in r.sources}
+
+
+def test_fused_experts_read_through_views_make_the_same_bytes():
+    """A trainer holding transformers 5's fused experts (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) declares the per-expert checkpoint slices, read from transformers' conversion
+    mapping; the recipes read them in place and make the bytes the per-expert tensors make."""
+    pytest.importorskip("transformers")
+    from weight_transfer.plan.traced import apply_source_views, check_views, expand_sources, fused_expert_views
+    from weight_transfer.transforms import assemble
+
+    cfg = load_config("qwen3-30b-a3b", num_hidden_layers=1, num_experts=4, hidden_size=64, moe_intermediate_size=32,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=128)
+    g = torch.Generator().manual_seed(1)
+    ck = {p.name: torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in param_specs(cfg)}
+    pre = "model.layers.0.mlp.experts."
+    fused = {n: t for n, t in ck.items() if not n.startswith(pre)}
+    fused[pre + "gate_up_proj"] = torch.stack([torch.cat([ck[f"{pre}{e}.gate_proj.weight"], ck[f"{pre}{e}.up_proj.weight"]])
+                                               for e in range(4)])
+    fused[pre + "down_proj"] = torch.stack([ck[f"{pre}{e}.down_proj.weight"] for e in range(4)])
+    shapes = {n: tuple(t.shape) for n, t in fused.items()}
+    views = check_views(fused_expert_views(shapes, "qwen3_moe"), shapes)
+    assert views[pre + "3.up_proj.weight"] == (pre + "gate_up_proj", ((3, 4), (32, 64), (0, 64)))
+    held = {n: (s, "bfloat16") for n, s in shapes.items()}
+    assert expand_sources(held, views) == {p.name: (p.shape, "bfloat16") for p in param_specs(cfg)}
+    for lay in (InferenceLayout(tp=2), InferenceLayout(tp=2, ep=True)):
+        rs = build_recipes(cfg, lay)
+        vs = apply_source_views(rs, views)
+        assert {s for r in vs for s in r.sources} == set(fused)
+        for a, b in zip(rs, vs):
+            assert torch.equal(assemble(a, ck.__getitem__), assemble(b, fused.__getitem__)), a.name
+    with pytest.raises(ValueError, match="outside its shape"):
+        check_views({"x": (pre + "down_proj", ((4, 5), (0, 64), (0, 32)))}, shapes)
