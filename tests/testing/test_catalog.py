@@ -110,8 +110,14 @@ def n_params(name: str) -> int:
     return sum(math.prod(p.shape) for p in specs(name))
 
 
+TRACED_ONLY = ("gemma-3-1b", "glm-4.5-air", "llama-3.2-1b", "opt-125m", "phi-3-mini", "qwen2.5-0.5b")
+"""Catalog models without hand-written recipes (planned from vLLM's traced loader, C29); their
+configs are checked in tests/testing/test_catalog_traced.py."""
+
+
 def test_catalog_lists_every_config():
-    assert available_models() == sorted(HF_REPOS)
+    assert available_models() == sorted(set(HF_REPOS) | set(TRACED_ONLY))
+    assert all(not load_config(n).hand_written for n in TRACED_ONLY)
 
 
 @pytest.mark.parametrize("name", sorted(HF_REPOS))
@@ -346,12 +352,17 @@ def test_unknown_architecture():
 def test_unknown_architecture_from_catalog_file(tmp_path, monkeypatch):
     (tmp_path / "llama-toy.json").write_text(json.dumps(
         {"_source": "test", "architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
+    (tmp_path / "no-arch.json").write_text(json.dumps({"_source": "test", "hidden_size": 8}))
     monkeypatch.setattr(catalog, "CONFIG_DIR", tmp_path)
-    assert available_models() == ["llama-toy"]
+    assert available_models() == ["llama-toy", "no-arch"]
+    assert not load_config("llama-toy").hand_written  # planned from vLLM's traced loader
+    with pytest.raises(PlanError) as exc:
+        build_recipes(load_config("llama-toy"), InferenceLayout())
+    assert "'LlamaForCausalLM' has no hand-written recipes" in str(exc.value)
     with pytest.raises(ValueError) as exc:
-        load_config("llama-toy")
+        load_config("no-arch")
     msg = _one_line(exc)
-    assert "'llama-toy'" in msg and "'LlamaForCausalLM'" in msg
+    assert "'no-arch'" in msg and "names no architecture" in msg
 
 
 def test_override_of_the_wrong_kind_is_refused_in_one_line():
