@@ -230,11 +230,29 @@ def tiny_qwen3_moe_2x2() -> SimConfig:
                      layout=InferenceLayout(tp=2, dp=2, quant="fp8"), watermark=256 << 20)
 
 
+def glm45_air_64xh100_to_16_traced() -> SimConfig:
+    """GLM-4.5-Air (106B, 128 routed experts + a shared one) 64 -> 16: no hand-written rules, the
+    recipes traced from vLLM's own loader (C29; needs vLLM). No published anchor."""
+    return SimConfig(name="glm45_air_64xh100_to_16_traced", model="glm-4.5-air", train_nodes=8, moe_width=8,
+                     layout=InferenceLayout(tp=8, dp=2, ep=True),
+                     label="no anchor; recipes traced from vLLM's loader; MoE width 8, 2 x TP8+EP BF16, H100 + CX-7")
+
+
+def tiny_glm45_2x2_traced() -> SimConfig:
+    """A small traced world for tests: GLM-4.5-Air with 2 layers (the first dense), 8 experts,
+    2x2 training ranks, 2 x TP2 inference ranks, recipes traced from vLLM's loader."""
+    return SimConfig(name="tiny_glm45_2x2_traced", model="glm-4.5-air",
+                     overrides={"num_hidden_layers": 2, "num_experts": 8}, train_nodes=2,
+                     hardware=Hardware(gpus_per_node=2, nics_per_node=2),
+                     layout=InferenceLayout(tp=2, dp=2), watermark=256 << 20)
+
+
 CONFIGS: dict[str, Callable[[], SimConfig]] = {f.__name__: f for f in (
     kimi_k2_256xh200efa_to_128_dpa_ep32, kimi_k2_256xh200efa_to_128_dpa_ep16, kimi_k2_256xh200efa_to_128_dpa_ep64,
     kimi_k2_256xh200efa_to_128_dpa_ep128, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
     kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128xh200efa_to_32_dpa_ep8, qwen3_235b_128_to_32,
-    deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2)}
+    deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2,
+    glm45_air_64xh100_to_16_traced, tiny_glm45_2x2_traced)}
 
 
 def get_config(name: str) -> SimConfig:

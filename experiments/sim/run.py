@@ -62,6 +62,15 @@ def build(cfg: SimConfig):
     mcfg = load_config(cfg.model, **cfg.overrides)
     tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
                               offloaded=cfg.offloaded, moe_width=cfg.moe_width)
+    if not mcfg.hand_written:  # recipes traced from vLLM's loader (C29); the destinations are what they write
+        from weight_transfer.experiments.traced import recipes_for
+        from weight_transfer.plan.recipes import expected_dests, make_dest_metas
+
+        with gc_paused():
+            rs, _ = recipes_for(mcfg, cfg.layout)
+        flat = make_dest_metas(expected_dests(rs))
+        dm = {r: [m for (rk, _), m in flat.items() if rk == r] for r in range(cfg.layout.world_size)}
+        return mcfg, tm, dm, rs
     dm = metadata.dest_metas(mcfg, cfg.layout)
     with gc_paused():  # a planning process of its own (millions of small acyclic objects)
         rs = build_recipes(mcfg, cfg.layout)
@@ -96,7 +105,7 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpe
         out.setup_seconds = time.perf_counter() - t0
         recv_total = None
         if "reference" in cfg.methods:
-            log(f"# planning {len(rs)} recipes ...")
+            log(f"# planning {len(rs)} recipes ({'hand-written rules' if mcfg.hand_written else 'traced from vLLM loader'}) ...")
             gc.collect()
             c0, w0 = _cpu_seconds(), time.perf_counter()
             sched = plan(rs, tm, dm, max_chunk_bytes=cfg.max_chunk_bytes, local_writes=cfg.local_writes,

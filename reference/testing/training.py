@@ -67,13 +67,26 @@ def build_fsdp_model(cfg: ModelConfig, mesh: DeviceMesh, *, dtype_override: str 
     specs = param_specs(cfg) if specs is None else specs
     with torch.device("meta"):
         model = _build_tree(specs, dtype_override)
-    layers = model.model.layers
+    layers = model.get_submodule(decoder_layers_path(specs))  # model.layers; OPT: model.decoder.layers
     for i in range(cfg.num_layers):
         if hasattr(layers, str(i)):
             fully_shard(getattr(layers, str(i)), mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=mesh_device(mesh))
     return model
+
+
+def decoder_layers_path(specs: Iterable[ParamSpec]) -> str:
+    """The dotted path of the decoder layers' container in the checkpoint names
+    (``model.layers``; ``model.decoder.layers`` for OPT): the prefix of the first
+    ``<path>.<int>.`` name whose last part is ``layers``. ValueError when there is none."""
+    import re
+
+    for s in specs:
+        m = re.match(r"^(.*?\blayers)\.\d+\.", s.name)
+        if m:
+            return m.group(1)
+    raise ValueError("no decoder layers (<path>.layers.<i>.) among the checkpoint names")
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

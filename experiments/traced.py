@@ -1,0 +1,79 @@
+"""Recipes for the harness's planning without a live engine (the simulation): the hand-written
+rules for the three families that have them, the recipes traced from vLLM's own loader for the
+rest, where a vLLM is installed (C29).
+
+A live vLLM worker traces its own loader (:mod:`weight_transfer.engines.vllm.trace`); without
+one, :func:`recipes_for` traces in a child process from the model's ``config.json``
+(:func:`weight_transfer.engines.vllm.trace.trace_subprocess`: a meta skeleton per TP rank, no
+weights) and keeps the traces in a cache directory (``WT_TRACE_CACHE``, default
+``~/.cache/weight_transfer/traces``), keyed by the config, the layout and vLLM's version, so a
+sweep traces each (model, layout) once. The report says which recipes it planned with.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+from weight_transfer.model_config import ModelConfig
+from weight_transfer.types import InferenceLayout, PlanError
+
+__all__ = ["recipes_for", "trace_cache_dir", "layout_spec"]
+
+
+def trace_cache_dir() -> Path:
+    """Where traces are kept (``WT_TRACE_CACHE`` or ``~/.cache/weight_transfer/traces``)."""
+    return Path(os.environ.get("WT_TRACE_CACHE") or Path.home() / ".cache" / "weight_transfer" / "traces")
+
+
+def layout_spec(layout: InferenceLayout) -> str:
+    """``"T"``, ``"T+ep"`` or ``"TxD"`` (:func:`weight_transfer.engines.vllm.trace.parse_layout`)."""
+    return f"{layout.tp}" + ("+ep" if layout.ep else "") + (f"x{layout.dp}" if layout.dp > 1 else "")
+
+
+def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=None):
+    """``(RecipeSet, how)``: the hand-written recipes (``how`` = ``"hand-written rules"``) for an
+    architecture that has them, else the recipes traced from vLLM's loader for ``layout``
+    (``how`` names vLLM's version and the model class). PlanError for a traced architecture
+    without vLLM installed, with FP8 or data-parallel attention (not traced without workers), or
+    when the traced loader computes a tensor (named)."""
+    from weight_transfer.plan import build_recipes
+    from weight_transfer.plan.traced import recipes_from_traces
+
+    if mcfg.hand_written:
+        return build_recipes(mcfg, layout, source_dtypes=source_dtypes), "hand-written rules"
+    from weight_transfer.engines.vllm.engine import vllm_available, vllm_version
+
+    if not vllm_available():
+        raise PlanError(f"model {mcfg.label}: architecture {mcfg.architecture!r} is planned from vLLM's traced "
+                        "loader and vLLM is not installed (make vllm)")
+    if layout.quant is not None or layout.dp_attention:
+        raise PlanError(f"model {mcfg.label}: {layout.describe()}: traced recipes are the BF16 load layout "
+                        "without data-parallel attention")
+    from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.testing.catalog import param_specs
+
+    sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
+    cfgjson = json.dumps(hf_config(mcfg), sort_keys=True)
+    spec = layout_spec(layout)
+    key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}".encode()).hexdigest()[:20]
+    path = trace_cache_dir() / f"{key}.pkl"
+    if path.exists():
+        traces = pickle.loads(path.read_bytes())
+    else:
+        import tempfile
+
+        from weight_transfer.engines.vllm.trace import trace_subprocess
+
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(cfgjson)
+            traces = trace_subprocess(d, sources, [spec])[spec]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(traces, protocol=pickle.HIGHEST_PROTOCOL))
+        tmp.replace(path)
+    dtypes = source_dtypes or {n: dt for n, (_, dt) in sources.items()}
+    rs = recipes_from_traces(traces, layout, model=mcfg.label, source_dtypes=dtypes)
+    return rs, f"traced from {next(iter(traces.values())).source}"
