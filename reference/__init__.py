@@ -21,7 +21,7 @@ __all__ = [
     "Sender", "Coordinator", "Receiver", "UpdateResult", "serve_store", "connect_store",
     # options and layouts
     "TransferOptions", "PlanOptions", "ExecutorOptions", "TransportOptions", "ControlOptions",
-    "InferenceLayout", "ModelConfig",
+    "InferenceLayout", "ModelConfig", "fused_expert_views",
     # state and errors
     "WeightsState", "ControlError", "VersionError", "UpdateInProgress", "read_consistent", "PlanError",
     "UpdateStats", "StepStats",
@@ -33,6 +33,7 @@ _WHERE = {
     "TransferOptions": "options", "PlanOptions": "options", "ExecutorOptions": "options",
     "TransportOptions": "options", "ControlOptions": "options",
     "InferenceLayout": "types", "PlanError": "types", "ModelConfig": "model_config",
+    "fused_expert_views": "plan.traced",
     "WeightsState": "control", "ControlError": "control", "VersionError": "control",
     "UpdateInProgress": "control", "read_consistent": "control",
     "UpdateStats": "method", "StepStats": "executor",

@@ -172,3 +172,50 @@ def test_fused_experts_read_through_views_make_the_same_bytes():
             assert torch.equal(assemble(a, ck.__getitem__), assemble(b, fused.__getitem__)), a.name
     with pytest.raises(ValueError, match="outside its shape"):
         check_views({"x": (pre + "down_proj", ((4, 5), (0, 64), (0, 32)))}, shapes)
+
+
+def test_the_planner_chooses_traced_recipes_and_says_why_not():
+    """choose_recipes: traced when every rank published a clean trace (cross-checked for a
+    hand-written family), the hand-written rules otherwise (saying why), a refusal for an
+    architecture with neither."""
+    from weight_transfer import control
+    from weight_transfer.coordinator import choose_recipes
+    from weight_transfer.model_config import ModelConfig
+    from weight_transfer.plan.traced import TRACE_KEY
+    from weight_transfer.store import serve_store
+
+    cfg = load_config("qwen3-0.6b", num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, vocab_size=128)
+    lay = InferenceLayout(tp=2)
+    hand = build_recipes(cfg, lay)
+    traces = {}
+    for rank in (0, 1):  # a trace that is exactly the hand-written recipes of each rank
+        params = {}
+        for r in hand:
+            if rank in r.ranks:
+                o = r.outputs[0]
+                params[o.tensor] = TracedParam(tuple(r.shape), o.dtype, r.pieces)
+        traces[rank] = LoaderTrace(params=params, source="vllm test Qwen3ForCausalLM.load_weights")
+    store = serve_store("127.0.0.1", 0, timeout=10)
+    dtypes = {p.name: p.dtype for p in param_specs(cfg)}
+    rs, how = choose_recipes(store, cfg, lay, dtypes, {0, 1})
+    assert how == "recipes: hand-written rules (no inference rank traced its loader)"
+    control.put(store, TRACE_KEY.format(rank=0), traces[0])
+    assert "not every inference rank traced" in choose_recipes(store, cfg, lay, dtypes, {0, 1})[1]
+    control.put(store, TRACE_KEY.format(rank=1), traces[1])
+    rs, how = choose_recipes(store, cfg, lay, dtypes, {0, 1})
+    assert how.startswith("recipes: traced from vllm test") and how.endswith("equal to the hand-written rules, every "
+                                                                            "destination byte")
+    assert compare_recipes(rs, hand) == []
+    assert "quant='fp8'" in choose_recipes(store, cfg, InferenceLayout(tp=2, quant="fp8"), dtypes, {0, 1})[1]
+    bad = LoaderTrace(params=traces[1].params, refused={"model.norm.weight": "aten.copy_ of checkpoint bytes computed "
+                                                                            "by aten.add.Tensor"})
+    control.put(store, TRACE_KEY.format(rank=1), bad)
+    rs, how = choose_recipes(store, cfg, lay, dtypes, {0, 1})
+    assert "not traced cleanly: inference rank 1: model.norm.weight: aten.copy_" in how
+    llama = ModelConfig(name="toy", hf=dict(cfg.hf, architectures=["LlamaForCausalLM"]))
+    with pytest.raises(PlanError, match="model.norm.weight is not a copy of checkpoint bytes"):
+        choose_recipes(store, llama, lay, dtypes, {0, 1})
+    control.put(store, TRACE_KEY.format(rank=1), traces[1])
+    rs, how = choose_recipes(store, llama, lay, dtypes, {0, 1})
+    assert how.startswith("recipes: traced") and "hand-written" not in how and compare_recipes(rs, hand) == []

@@ -1071,13 +1071,16 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", 
 
 
 @pytest.mark.long  # its own vLLM server (1.5-2 min here): outside CI's 25-minute budget, make test-long
-def test_rlhf_http_example_updates_the_server(checkpoints, tmp_path_factory):
+@pytest.mark.parametrize("model", ["qwen3", "opt"])
+def test_rlhf_http_example_updates_the_server(checkpoints, tmp_path_factory, model):
     """examples/rlhf_http.py -- vLLM's RLHF HTTP example with only the backend name and the
     trainer init info changed -- against the OpenAI server started as the example says
     (``--load-format dummy``; the host's own path, ``WT_VLLM_INIT_AMX=1``): its greedy tokens
     and logprobs after the update equal a fresh engine's loaded from the checkpoint the script
     trained from (a prompt over two KV blocks included), differ from the dummy weights'
-    before, and the server's weight version is 1."""
+    before, and the server's weight version is 1. ``opt``: the example's own model family
+    (OPT; the trainer is transformers' ``OPTForCausalLM``), planned from vLLM's traced loader
+    (C29)."""
     import importlib.util
     import json
     import subprocess
@@ -1090,10 +1093,19 @@ def test_rlhf_http_example_updates_the_server(checkpoints, tmp_path_factory):
     spec.loader.exec_module(ex)
     key, tmp = "no_amx", tmp_path_factory.mktemp("rlhf_http")
     model_dir = checkpoints[key][1]                  # the trainer's model; the server starts from dummy weights
+    serve_dir = checkpoints[key][0]
+    if model == "opt":
+        from weight_transfer.engines.vllm import write_checkpoint
+        from weight_transfer.testing.catalog import load_config
+        from weight_transfer.testing.tiny import TINY_TRACED
+
+        cfg = load_config("opt-125m", **TINY_TRACED["opt-125m"])
+        serve_dir = write_checkpoint(cfg, tmp / "opt0", step=0, seed=0)
+        model_dir = write_checkpoint(cfg, tmp / "opt1", step=1, seed=0)
     fresh = fresh_snapshots_subprocess({"step1": {"dir": model_dir, "prompts": ex.PROMPTS, "hide_amx": False,
                                                   "max_tokens": ex.MAX_TOKENS}}, tmp / "fresh.pt", wait=False,
                                        omp_threads=1)
-    srv = Server(checkpoints[key][0], tmp / "server.log", amx="init", extra=("--load-format", "dummy"))
+    srv = Server(serve_dir, tmp / "server.log", amx="init", extra=("--load-format", "dummy"))
     try:
         ready = srv.wait_ready()
         t = time.monotonic()

@@ -502,3 +502,26 @@ def test_writes_in_flight_rejects_unknown_mode():
     sched, tm = _small_sched(nodes=2, g=2)
     with pytest.raises(ValueError, match="writes_in_flight"):
         model.simulate(sched, tm, Hardware(gpus_per_node=2, nics_per_node=2), writes_in_flight="all")
+
+
+def test_traced_architecture_simulated_from_vllms_loader(tmp_path, monkeypatch, capsys):
+    """C29: an architecture without hand-written rules (GLM-4.5-Air, tiny) is planned from vLLM's
+    loader traced in a child process (cached: the second run traces nothing), its destinations
+    are what the traced recipes write, and the run says so."""
+    from weight_transfer.engines.vllm.engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (make vllm): traced recipes need vLLM's loader")
+    from weight_transfer.experiments.sim.run import build, run
+    from weight_transfer.experiments.traced import recipes_for, trace_cache_dir
+
+    monkeypatch.setenv("WT_TRACE_CACHE", str(tmp_path / "traces"))
+    cfg = get_config("tiny_glm45_2x2_traced")
+    mcfg, tm, dm, rs = build(cfg)
+    assert not mcfg.hand_written and len(list(trace_cache_dir().glob("*.pkl"))) == 1
+    assert sorted(dm) == list(range(cfg.layout.world_size)) and all(dm.values())
+    assert {s for r in rs for s in r.sources} == {m.name for ms in tm.values() for m in ms}  # every tensor planned
+    _, how = recipes_for(mcfg, cfg.layout)  # from the cache
+    assert how.startswith("traced from vllm ") and "Glm4MoeForCausalLM.load_weights" in how
+    out = run(cfg)
+    assert out.plan_summary and "traced from vLLM loader" in capsys.readouterr().out
