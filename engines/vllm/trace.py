@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
 
-__all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "loaded_params", "loaded_params_subprocess", "meta_model", "view_box", "parse_layout",
+__all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "trace_many_subprocess", "loaded_params", "loaded_params_subprocess", "meta_model", "view_box", "parse_layout",
            "checkpoint_sources", "publish_trace"]
 
 _aten = torch.ops.aten
@@ -475,7 +475,11 @@ def main(argv=None) -> int:
         return 0
     with open(a.sources, "rb") as f:
         sources = pickle.load(f)
-    out = {spec: trace_layout(a.model_dir, parse_layout(spec, a.dtype), sources) for spec in a.layouts.split()}
+    if a.model_dir == "-":  # SOURCES holds a list of jobs (trace_many_subprocess)
+        out = [{spec: trace_layout(j["model_dir"], parse_layout(spec, a.dtype), j["sources"]) for spec in j["layouts"]}
+               for j in sources]
+    else:
+        out = {spec: trace_layout(a.model_dir, parse_layout(spec, a.dtype), sources) for spec in a.layouts.split()}
     with open(a.out, "wb") as f:
         pickle.dump(out, f)
     return 0
@@ -486,6 +490,17 @@ def trace_subprocess(model_dir: str, sources: Mapping[str, tuple[tuple[int, ...]
     """:func:`main` in a child process (``{layout spec: {rank: LoaderTrace}}``): vLLM's global
     state (its process group, the current config) stays out of the caller. RuntimeError with
     the child's last lines when it fails."""
+    return _child(model_dir, dict(sources), " ".join(layouts), timeout)
+
+
+def trace_many_subprocess(jobs: list[dict], *, timeout: float = 900.0) -> list[dict]:
+    """:func:`trace_subprocess` for several models in one child (vLLM imported once): ``jobs``
+    are ``{"model_dir", "sources", "layouts": [spec, ...]}``; one ``{spec: {rank: LoaderTrace}}``
+    per job, in order."""
+    return _child("-", [dict(j, sources=dict(j["sources"]), layouts=list(j["layouts"])) for j in jobs], "1", timeout)
+
+
+def _child(model_dir: str, payload, layouts: str, timeout: float):
     import pickle
     import subprocess
     import sys
@@ -494,9 +509,9 @@ def trace_subprocess(model_dir: str, sources: Mapping[str, tuple[tuple[int, ...]
     with tempfile.TemporaryDirectory() as d:
         src, out = os.path.join(d, "sources.pkl"), os.path.join(d, "traces.pkl")
         with open(src, "wb") as f:
-            pickle.dump(dict(sources), f)
+            pickle.dump(payload, f)
         p = subprocess.run([sys.executable, "-m", "weight_transfer.engines.vllm.trace", model_dir, src, out,
-                            "--layouts", " ".join(layouts)], capture_output=True, text=True, timeout=timeout)
+                            "--layouts", layouts], capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-5:])
             raise RuntimeError(f"tracing vLLM's loader for {model_dir} failed (exit {p.returncode}):\n{tail}")

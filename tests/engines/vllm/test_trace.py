@@ -39,10 +39,10 @@ LAYOUTS = ["1", "2", "2+ep", "2x2"]
 def traced(tmp_path_factory):
     """model -> (cfg, sources, {layout spec: {rank: LoaderTrace}}), each model traced in one child."""
     from weight_transfer.engines.vllm.checkpoint import hf_config
-    from weight_transfer.engines.vllm.trace import trace_subprocess
+    from weight_transfer.engines.vllm.trace import trace_many_subprocess
     from weight_transfer.testing.catalog import load_config, param_specs
 
-    out = {}
+    jobs, cfgs = [], {}
     for key, (name, ov) in MODELS.items():
         cfg = load_config(name, **ov)
         d = tmp_path_factory.mktemp(key)
@@ -51,8 +51,10 @@ def traced(tmp_path_factory):
         if key == "qwen3_tied_lm_head_saved":  # a trainer that saves the tied head anyway: the loader skips it
             sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
         lays = [s for s in LAYOUTS if "ep" not in s or cfg.num_experts]
-        out[key] = (cfg, sources, trace_subprocess(str(d), sources, lays))
-    return out
+        jobs.append({"model_dir": str(d), "sources": sources, "layouts": lays})
+        cfgs[key] = (cfg, sources)
+    traced = trace_many_subprocess(jobs)  # one child: vLLM imported once
+    return {key: (*cfgs[key], t) for key, t in zip(MODELS, traced)}
 
 
 def _dest_bytes(recipes, sources) -> dict:
