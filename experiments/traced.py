@@ -29,8 +29,8 @@ def trace_cache_dir() -> Path:
 
 
 def layout_spec(layout: InferenceLayout) -> str:
-    """``"T"``, ``"T+ep"`` or ``"TxD"`` (:func:`weight_transfer.engines.vllm.trace.parse_layout`)."""
-    return f"{layout.tp}" + ("+ep" if layout.ep else "") + (f"x{layout.dp}" if layout.dp > 1 else "")
+    """``"T"``, ``"TxD"``, with ``"+ep"`` (:func:`weight_transfer.engines.vllm.trace.parse_layout`)."""
+    return f"{layout.tp}" + (f"x{layout.dp}" if layout.dp > 1 else "") + ("+ep" if layout.ep else "")
 
 
 def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=None):

@@ -437,8 +437,8 @@ def loaded_params_subprocess(model_dir: str, layout_spec: str, tensors: Mapping[
 
 
 def parse_layout(spec: str, dtype: str = "bfloat16"):
-    """``"T"``, ``"T+ep"`` or ``"TxD"`` (TP size, expert-parallel, DP replicas) as an
-    :class:`~weight_transfer.types.InferenceLayout`. ValueError for another form."""
+    """``"T"``, ``"TxD"``, either with ``"+ep"`` (TP size, DP replicas, expert-parallel; e.g.
+    ``"8x2+ep"``) as an :class:`~weight_transfer.types.InferenceLayout`. ValueError for another form."""
     from weight_transfer.types import InferenceLayout
 
     s = spec.strip().lower()
@@ -446,7 +446,7 @@ def parse_layout(spec: str, dtype: str = "bfloat16"):
     s = s.removesuffix("+ep")
     tp, _, dp = s.partition("x")
     if not tp.isdigit() or (dp and not dp.isdigit()):
-        raise ValueError(f"layout {spec!r}: 'T', 'T+ep' or 'TxD' (e.g. '2', '2+ep', '2x2')")
+        raise ValueError(f"layout {spec!r}: 'T' or 'TxD', either with '+ep' (e.g. '2', '2+ep', '2x2', '8x2+ep')")
     return InferenceLayout(tp=int(tp), dp=int(dp or 1), ep=ep, dtype=dtype)
 
 

@@ -515,6 +515,12 @@ def test_traced_architecture_simulated_from_vllms_loader(tmp_path, monkeypatch, 
     from weight_transfer.experiments.sim.run import build, run
     from weight_transfer.experiments.traced import recipes_for, trace_cache_dir
 
+    from weight_transfer.engines.vllm.trace import parse_layout
+    from weight_transfer.experiments.traced import layout_spec
+
+    for lay in (InferenceLayout(tp=8, dp=2, ep=True), InferenceLayout(tp=2), InferenceLayout(tp=2, dp=2),
+                InferenceLayout(tp=4, ep=True)):
+        assert parse_layout(layout_spec(lay)) == lay, lay
     monkeypatch.setenv("WT_TRACE_CACHE", str(tmp_path / "traces"))
     cfg = get_config("tiny_glm45_2x2_traced")
     mcfg, tm, dm, rs = build(cfg)
