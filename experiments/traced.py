@@ -11,26 +11,11 @@ sweep traces each (model, layout) once. The report says which recipes it planned
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import pickle
-from pathlib import Path
-
+from weight_transfer.engines.vllm.trace import layout_spec, trace_cache_dir  # re-exported
 from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import InferenceLayout, PlanError
 
 __all__ = ["recipes_for", "trace_cache_dir", "layout_spec"]
-
-
-def trace_cache_dir() -> Path:
-    """Where traces are kept (``WT_TRACE_CACHE`` or ``~/.cache/weight_transfer/traces``)."""
-    return Path(os.environ.get("WT_TRACE_CACHE") or Path.home() / ".cache" / "weight_transfer" / "traces")
-
-
-def layout_spec(layout: InferenceLayout) -> str:
-    """``"T"``, ``"TxD"``, with ``"+ep"`` (:func:`weight_transfer.engines.vllm.trace.parse_layout`)."""
-    return f"{layout.tp}" + (f"x{layout.dp}" if layout.dp > 1 else "") + ("+ep" if layout.ep else "")
 
 
 def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=None):
@@ -44,7 +29,7 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
 
     if mcfg.hand_written:
         return build_recipes(mcfg, layout, source_dtypes=source_dtypes), "hand-written rules"
-    from weight_transfer.engines.vllm.engine import vllm_available, vllm_version
+    from weight_transfer.engines.vllm.engine import vllm_available
 
     if not vllm_available():
         raise PlanError(f"model {mcfg.label}: architecture {mcfg.architecture!r} is planned from vLLM's traced "
@@ -52,28 +37,11 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     if layout.quant is not None or layout.dp_attention:
         raise PlanError(f"model {mcfg.label}: {layout.describe()}: traced recipes are the BF16 load layout "
                         "without data-parallel attention")
-    from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.engines.vllm.trace import cached_traces
     from weight_transfer.testing.catalog import param_specs
 
+    traces = cached_traces(mcfg, layout)
     sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
-    cfgjson = json.dumps(hf_config(mcfg), sort_keys=True)
-    spec = layout_spec(layout)
-    key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}".encode()).hexdigest()[:20]
-    path = trace_cache_dir() / f"{key}.pkl"
-    if path.exists():
-        traces = pickle.loads(path.read_bytes())
-    else:
-        import tempfile
-
-        from weight_transfer.engines.vllm.trace import trace_subprocess
-
-        with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "config.json").write_text(cfgjson)
-            traces = trace_subprocess(d, sources, [spec])[spec]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(pickle.dumps(traces, protocol=pickle.HIGHEST_PROTOCOL))
-        tmp.replace(path)
     dtypes = source_dtypes or {n: dt for n, (_, dt) in sources.items()}
     rs = recipes_from_traces(traces, layout, model=mcfg.label, source_dtypes=dtypes)
     return rs, f"traced from {next(iter(traces.values())).source}"

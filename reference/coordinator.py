@@ -455,7 +455,6 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
     (0 the first plan, ``plan/{r}``; later ones after a membership change,
     :func:`weight_transfer.membership.plan_key`)."""
     from .plan import gc_paused, plan
-
     from .plan.traced import SOURCE_VIEWS_KEY, apply_source_views, expand_sources
 
     views = control.get(store, SOURCE_VIEWS_KEY) if store.check([SOURCE_VIEWS_KEY]) else {}

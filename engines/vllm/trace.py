@@ -46,7 +46,7 @@ from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
 
 __all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "trace_many_subprocess", "loaded_params", "loaded_params_subprocess", "meta_model", "view_box", "parse_layout",
-           "checkpoint_sources", "publish_trace"]
+           "checkpoint_sources", "publish_trace", "cached_traces", "trace_cache_dir", "layout_spec"]
 
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
@@ -301,7 +301,6 @@ def meta_model(vllm_config) -> torch.nn.Module:
     there, not beside the live engine's)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
-
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     cfg = _isolated(vllm_config)
@@ -519,9 +518,6 @@ def _child(model_dir: str, payload, layouts: str, timeout: float):
             return pickle.load(f)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
               "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -575,3 +571,57 @@ def publish_trace(store, rank: int, vllm_config) -> LoaderTrace:
         trace = LoaderTrace(params={}, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     control.put(store, TRACE_KEY.format(rank=rank), trace)
     return trace
+
+
+def trace_cache_dir():
+    """Where :func:`cached_traces` keeps traces (``WT_TRACE_CACHE`` or
+    ``~/.cache/weight_transfer/traces``)."""
+    from pathlib import Path
+
+    return Path(os.environ.get("WT_TRACE_CACHE") or Path.home() / ".cache" / "weight_transfer" / "traces")
+
+
+def layout_spec(layout) -> str:
+    """``"T"`` or ``"TxD"``, with ``"+ep"``: the inverse of :func:`parse_layout`."""
+    return f"{layout.tp}" + (f"x{layout.dp}" if layout.dp > 1 else "") + ("+ep" if layout.ep else "")
+
+
+def cached_traces(mcfg, layout) -> dict:
+    """``{inference rank: LoaderTrace}`` of ``mcfg`` (a catalog
+    :class:`~weight_transfer.model_config.ModelConfig`; its checkpoint names from
+    :func:`weight_transfer.testing.catalog.param_specs`) on ``layout``, traced without a live engine
+    (:func:`trace_subprocess` on its ``config.json``) and kept in :func:`trace_cache_dir` keyed by
+    the config, the layout and vLLM's version, so the processes of one trial or sweep trace once.
+    ValueError for FP8 or data-parallel attention (not traced without workers)."""
+    import hashlib
+    import json
+    import pickle
+    import tempfile
+    from pathlib import Path
+
+    from weight_transfer.testing.catalog import param_specs
+
+    from .checkpoint import hf_config
+    from .engine import vllm_version
+
+    if layout.quant is not None or layout.dp_attention:
+        raise ValueError(f"{layout.describe()}: traced recipes are the BF16 load layout without data-parallel attention")
+    cfgjson = json.dumps(hf_config(mcfg), sort_keys=True)
+    spec = layout_spec(layout)
+    key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}".encode()).hexdigest()[:20]
+    path = trace_cache_dir() / f"{key}.pkl"
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(cfgjson)
+        traces = trace_subprocess(d, sources, [spec])[spec]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(pickle.dumps(traces, protocol=pickle.HIGHEST_PROTOCOL))
+    tmp.replace(path)
+    return traces
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

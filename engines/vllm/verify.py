@@ -125,7 +125,7 @@ def _loader_staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) ->
     from .trace import loaded_params_subprocess
 
     want = {}
-    for rank, lay in layouts.items():
+    for lay in layouts.values():
         w = sorted({n.removesuffix(STAGING_SUFFIX) for n in lay.staging_names()})
         if w:
             want.setdefault(lay.tp_rank, []).extend(w)

@@ -27,7 +27,6 @@ import pytest
 
 from weight_transfer.model_config import ARCHITECTURES, ModelConfig
 from weight_transfer.plan import build_recipes
-from weight_transfer.types import InferenceLayout, PlanError
 from weight_transfer.testing import catalog
 from weight_transfer.testing.catalog import (
     available_models,
@@ -35,6 +34,7 @@ from weight_transfer.testing.catalog import (
     param_specs,
     total_bytes,
 )
+from weight_transfer.types import InferenceLayout, PlanError
 
 HF_REPOS = {
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
