@@ -306,12 +306,32 @@ def _plan(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[tuple[_P
         raise ValueError(f"rank {rank} out of range for layout {layout.describe()} "
                          f"({layout.world_size} ranks)")
     out, off = [], 0
-    for p in _Builder(cfg, layout, rank % layout.tp).build():
+    params = _Builder(cfg, layout, rank % layout.tp).build() if cfg.hand_written else _traced_params(cfg, layout, rank)
+    for p in params:
         off = -(-off // ALIGN) * ALIGN
         nbytes = math.prod(p.shape) * torch_dtype(p.dtype).itemsize
         out.append((p, off, nbytes))
         off += nbytes
     return out
+
+
+def _traced_params(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[_Param]:
+    """An architecture without hand-written rules (C29): the parameters of ``rank`` as vLLM's
+    own loader fills them (names, load-time shapes and dtypes, in the loader's order), from the
+    trace of :func:`weight_transfer.engines.vllm.trace.cached_traces` (needs vLLM). ValueError
+    naming what the trace refused."""
+    from .vllm.engine import vllm_available
+
+    if not vllm_available():
+        raise ValueError(f"model {cfg.label}: architecture {cfg.architecture!r} has no stand-in rules; its "
+                         "parameters come from vLLM's traced loader and vLLM is not installed (make vllm)")
+    from .vllm.trace import cached_traces
+
+    t = cached_traces(cfg, layout)[rank]
+    if t.error or t.refused:
+        raise ValueError(f"model {cfg.label}: vLLM's loader was not traced cleanly on inference rank {rank}: "
+                         + (t.error or "; ".join(f"{k}: {v}" for k, v in sorted(t.refused.items())[:3])))
+    return [_Param(n, tuple(tp.shape), tp.dtype, "traced") for n, tp in t.params.items()]
 
 
 def engine_tensor_metas(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[DestTensorMeta]:
@@ -489,6 +509,10 @@ class Engine:
         """Load full checkpoint tensors by Hugging Face name (vLLM semantics; see module
         docstring). Returns the engine tensors written. KeyError names an unknown checkpoint
         tensor; ValueError names a tensor whose shape does not match the model."""
+        if not self.cfg.hand_written:
+            raise ValueError(f"model {self.cfg.label}: the stand-in engine of a traced architecture "
+                             f"({self.cfg.architecture}) receives planned writes only; loading through load_weights "
+                             "(the baselines) needs vLLM's own loader: --engine vllm")
         touched: set[str] = set()
         for name, w in weights:
             targets = self._route(name)
@@ -610,11 +634,38 @@ def expected_from_checkpoint(cfg: ModelConfig, layout: InferenceLayout, rank: in
     """The oracle: a fresh :class:`Engine` for ``rank`` that loaded ``get_tensor(n)`` for every
     name in ``names`` and ran :meth:`Engine.process_weights_after_loading`. Compare its
     ``arena`` bytes with a transferred rank's. ``strict=True`` also raises ValueError naming
-    the engine tensors the names left incomplete."""
+    the engine tensors the names left incomplete. For an architecture without hand-written
+    rules the engine's tensors are what vLLM's own ``load_weights`` makes of the tensors, on a
+    CPU skeleton in a child process (:func:`weight_transfer.engines.vllm.trace.loaded_params`):
+    independent of the traced recipes the update was planned with."""
     eng = Engine(cfg, layout, rank)
+    if not cfg.hand_written:  # C29: vLLM's own load_weights, on real bytes, in a child process
+        _load_traced(eng, get_tensor, names)
+        return eng
     eng.load_weights((n, get_tensor(n)) for n in names)
     eng.process_weights_after_loading()
     if strict and (missing := eng.missing_after_load()):
         raise ValueError(f"rank {rank}: checkpoint left {len(missing)} engine tensors incomplete: "
                          + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
     return eng
+
+
+def _load_traced(eng: Engine, get_tensor, names) -> None:
+    """Fill ``eng``'s tensors with what vLLM's ``load_weights`` makes of ``get_tensor(n)`` for
+    ``names`` at its TP rank (a child process). KeyError names a tensor vLLM did not produce."""
+    import json
+    import tempfile
+
+    from .vllm.checkpoint import hf_config
+    from .vllm.trace import layout_spec, loaded_params_subprocess
+
+    params = eng.named_parameters()
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/config.json", "w") as f:
+            json.dump(hf_config(eng.cfg), f)
+        got = loaded_params_subprocess(d, layout_spec(eng.layout), {n: get_tensor(n) for n in names},
+                                       {eng.tp_rank: list(params)})[eng.tp_rank]
+    for n, t in params.items():
+        if n not in got:
+            raise KeyError(f"vLLM's load_weights made no {n!r} on TP rank {eng.tp_rank}")
+        t.copy_(got[n])

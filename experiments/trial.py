@@ -128,17 +128,21 @@ def preflight(cfg: TrialConfig) -> None:
     cfg.preflight(local=True)  # transport importable, trace dir writable, process count (C18)
     mcfg = cfg.model_config()
     get_method(cfg.run.method)
-    if not mcfg.hand_written:  # planned from the recipes vLLM's workers trace from their loader (C29)
-        from weight_transfer.model_config import ARCHITECTURES
-
-        if cfg.run.engine != "vllm":
-            raise ValueError(f"model {mcfg.label}: architecture {mcfg.architecture!r} has no stand-in engine (it "
-                             f"implements {', '.join(ARCHITECTURES)}); use --engine vllm, whose workers trace vLLM's "
-                             "own loader")
+    if not mcfg.hand_written:  # planned from the recipes traced from vLLM's loader (C29)
         if cfg.inference.quant is not None:
             raise ValueError(f"model {mcfg.label}: --quant {cfg.inference.quant} with architecture "
                              f"{mcfg.architecture!r}: recipes traced from vLLM's loader are the BF16 load layout "
                              "(--quant none)")
+        if cfg.run.engine != "vllm":  # the stand-in's tensors and oracle come from vLLM's loader: trace it now, once
+            from weight_transfer.experiments.traced import recipes_for
+
+            if cfg.run.method != "reference":
+                raise ValueError(f"model {mcfg.label}: --method {cfg.run.method} with the stand-in engine: architecture "
+                                 f"{mcfg.architecture!r} has no stand-in load_weights (its baselines need vLLM's own "
+                                 "loader: --engine vllm)")
+            recipes_for(mcfg, cfg.inference)  # PlanError naming what vLLM's loader computes; cached for the ranks
+            for rank in range(min(cfg.n_infer, cfg.inference.tp)):
+                engine_tensor_metas(mcfg, cfg.inference, rank)
     else:
         build_recipes(mcfg, cfg.inference)
         for rank in range(min(cfg.n_infer, cfg.inference.tp)):

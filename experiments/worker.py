@@ -241,6 +241,11 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             # a transport that publishes only memory it allocated (shm) allocates the reference's arena
             alloc = T.allocate if (cfg.run.method == "reference" and getattr(T, "publishes_allocated_only", False)) else None
             engine = Engine(mcfg, cfg.inference, rank, device=device, allocate=alloc)
+            if not mcfg.hand_written:  # C29: the loader trace the engine's tensors come from, for the plan
+                from weight_transfer.engines.vllm.trace import cached_traces
+                from weight_transfer.plan.traced import TRACE_KEY
+
+                control.put(store, TRACE_KEY.format(rank=rank), cached_traces(mcfg, cfg.inference)[rank])
             if cfg.run.poison:
                 engine.arena.fill_(0xA5)
             _, _, infer_cls = get_method(cfg.run.method)

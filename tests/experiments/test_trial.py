@@ -202,3 +202,24 @@ def test_delta_trial_every_update_bit_exact_nothing_everything_partial():
 
     text = format_table(res)
     assert "delta_bytes" in text and "delta updates: bytes written p50" in text
+
+
+def test_c29_traced_architecture_on_the_stand_in_engine(tmp_path, monkeypatch):
+    """C29 without a vLLM engine: OPT (no hand-written rules) on the stand-in engine at TP 2, its
+    tensors and plan from vLLM's loader traced in a child process (cached once for every rank),
+    each update verified against vLLM's own load_weights of the step's checkpoint (a CPU
+    skeleton, real bytes); the baselines, which need a load_weights, are refused before any
+    process starts."""
+    from weight_transfer.engines.vllm.engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (make vllm): a traced architecture needs vLLM's loader")
+    from weight_transfer.testing.tiny import TINY_TRACED
+
+    monkeypatch.setenv("WT_TRACE_CACHE", str(tmp_path / "traces"))
+    cfg = small(model="opt-125m", overrides=dict(TINY_TRACED["opt-125m"]), steps=1)
+    res = run_trial(cfg)
+    assert_all_verified(res, 1)
+    assert len(list((tmp_path / "traces").glob("*.pkl"))) == 1
+    with pytest.raises(ValueError, match="no stand-in load_weights .* --engine vllm"):
+        run_trial(small(model="opt-125m", overrides=dict(TINY_TRACED["opt-125m"]), method="rank0_funnel"))
