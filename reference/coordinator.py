@@ -509,8 +509,9 @@ def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, 
     label = model_config.label
     if not whole or (model_config.hand_written and (layout.quant is not None or any(
             t.error or t.refused for t in traces.values()))):
-        why = ("no inference rank traced its loader" if not traces else
-               "not every inference rank traced its loader" if not whole else
+        if not traces:  # an engine without a vLLM (the stand-in, your own): the rules, nothing to explain
+            return build_recipes(model_config, layout, source_dtypes=sources), "recipes: hand-written rules"
+        why = ("not every inference rank traced its loader" if not whole else
                f"quant={layout.quant!r}: traced recipes are the BF16 load layout" if layout.quant else
                "vLLM's loader was not traced cleanly: " + _trace_problem(traces))
         return build_recipes(model_config, layout, source_dtypes=sources), f"recipes: hand-written rules ({why})"

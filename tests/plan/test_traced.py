@@ -199,7 +199,7 @@ def test_the_planner_chooses_traced_recipes_and_says_why_not():
     store = serve_store("127.0.0.1", 0, timeout=10)
     dtypes = {p.name: p.dtype for p in param_specs(cfg)}
     rs, how = choose_recipes(store, cfg, lay, dtypes, {0, 1})
-    assert how == "recipes: hand-written rules (no inference rank traced its loader)"
+    assert how == "recipes: hand-written rules"
     control.put(store, TRACE_KEY.format(rank=0), traces[0])
     assert "not every inference rank traced" in choose_recipes(store, cfg, lay, dtypes, {0, 1})[1]
     control.put(store, TRACE_KEY.format(rank=1), traces[1])
