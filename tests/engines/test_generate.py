@@ -92,11 +92,21 @@ def test_go_live_under_the_lock_changes_label_and_tokens(versions):
     lock, ver = threading.Lock(), [0]
     load = GenerationLoad(live.named_parameters, lock, label=lambda: ver[0], sample_every=3, max_tokens=16).start()
     wait_for(lambda: load.n_steps >= 30)
-    with lock:  # the go-live: new bytes land between two steps
-        g0 = time.time()
-        live.arena.copy_(v1.arena)
-        ver[0] = 1
-        g1 = time.time()
+
+    def mid_request() -> bool:  # every request in flight has tokens before and after: it spans the go-live
+        # (all requests start together and end after max_tokens steps; a go-live on that boundary spans none;
+        # the step just released may not be accounted yet, hence the margin of one)
+        return all(1 <= r["n_tokens"] <= 16 - 2 for r in load.snapshot()["requests"] if not r["done"])
+
+    while True:
+        with lock:  # the go-live: new bytes land between two steps
+            if mid_request():
+                g0 = time.time()
+                live.arena.copy_(v1.arena)
+                ver[0] = 1
+                g1 = time.time()
+                break
+        time.sleep(0.0005)
     n_at = load.n_steps
     wait_for(lambda: load.n_steps >= n_at + 30)
     assert load.stop() and not load.running
