@@ -177,7 +177,15 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
 
 def run_all(cfg, *, results_path, methods=COMPARE_METHODS) -> int:
     """The ``--method all`` command: run, print the table, append every row. Exit status 0
-    only if every method ran and every update verified."""
+    only if every method ran and every update verified. Every method's
+    :func:`~weight_transfer.experiments.trial.preflight` runs first: ValueError / PlanError
+    (the command's exit status 2) before any process starts."""
+    import dataclasses
+
+    from .trial import preflight
+
+    for m in methods:  # every method refused now, before the first one starts (not after the reference ran)
+        preflight(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, method=m)))
     runs = run_compare(cfg, methods, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_comparison(cfg, runs))
     rows = [row for _, r in runs if not isinstance(r, BaseException) for row in r.rows]

@@ -134,12 +134,17 @@ def preflight(cfg: TrialConfig) -> None:
                              f"{mcfg.architecture!r}: recipes traced from vLLM's loader are the BF16 load layout "
                              "(--quant none)")
         if cfg.run.engine != "vllm":  # the stand-in's tensors and oracle come from vLLM's loader: trace it now, once
-            from weight_transfer.experiments.traced import recipes_for
+            from weight_transfer.experiments.traced import recipes_for, trace_cache_dir
 
             if cfg.run.method != "reference":
                 raise ValueError(f"model {mcfg.label}: --method {cfg.run.method} with the stand-in engine: architecture "
                                  f"{mcfg.architecture!r} has no stand-in load_weights (its baselines need vLLM's own "
                                  "loader: --engine vllm)")
+            import sys
+
+            print(f"# {mcfg.architecture}: tracing vLLM's loader (cached in {trace_cache_dir()}); each update is "
+                  "verified against vLLM's own load_weights in a child process (about 10 s per rank)",
+                  file=sys.stderr, flush=True)
             recipes_for(mcfg, cfg.inference)  # PlanError naming what vLLM's loader computes; cached for the ranks
             for rank in range(min(cfg.n_infer, cfg.inference.tp)):
                 engine_tensor_metas(mcfg, cfg.inference, rank)

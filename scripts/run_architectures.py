@@ -1,7 +1,8 @@
 """Every architecture without hand-written recipes through the harness into real vLLM (C29):
 ``weight-transfer run --engine vllm --model <name> <tiny overrides> --quant none --tp 1`` for each
 model of :data:`weight_transfer.testing.tiny.TINY_TRACED`, one after another, and a table of what
-each run printed (verified updates, warm p50, where the recipes came from).
+each run printed (verified updates, warm p50, where the recipes came from). Each run makes one
+warm-up update and ``--steps`` measured ones.
 
     .venv/bin/python scripts/run_architectures.py [--models a,b] [--steps 2] [--results results/architectures.csv]
 
@@ -45,8 +46,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(TINY_TRACED), help="comma-separated catalog names")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--results", default=str(ROOT / "results" / "architectures.csv"))
+    ap.add_argument("--steps", type=int, default=2, help="measured updates per model (after one warm-up update)")
+    ap.add_argument("--results", default=str(ROOT / "results" / "architectures.csv"),
+                    help="the harness's tidy CSV the runs append their rows to")
     a = ap.parse_args(argv)
     names = [n for n in a.models.split(",") if n]
     unknown = [n for n in names if n not in TINY_TRACED]

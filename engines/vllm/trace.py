@@ -591,7 +591,8 @@ def cached_traces(mcfg, layout) -> dict:
     :class:`~weight_transfer.model_config.ModelConfig`; its checkpoint names from
     :func:`weight_transfer.testing.catalog.param_specs`) on ``layout``, traced without a live engine
     (:func:`trace_subprocess` on its ``config.json``) and kept in :func:`trace_cache_dir` keyed by
-    the config, the layout and vLLM's version, so the processes of one trial or sweep trace once.
+    the config, the layout, vLLM's version and this module's source (a changed tracer traces
+    again), so the processes of one trial or sweep trace once.
     ValueError for FP8 or data-parallel attention (not traced without workers)."""
     import hashlib
     import json
@@ -608,7 +609,8 @@ def cached_traces(mcfg, layout) -> dict:
         raise ValueError(f"{layout.describe()}: traced recipes are the BF16 load layout without data-parallel attention")
     cfgjson = json.dumps(hf_config(mcfg), sort_keys=True)
     spec = layout_spec(layout)
-    key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}".encode()).hexdigest()[:20]
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # a changed tracer traces again
+    key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}|{code}".encode()).hexdigest()[:20]
     path = trace_cache_dir() / f"{key}.pkl"
     if path.exists():
         return pickle.loads(path.read_bytes())

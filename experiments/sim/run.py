@@ -534,6 +534,15 @@ def main(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not load_config(cfg.model, **cfg.overrides).hand_written:  # traced recipes (C29): refused now, one line
+        from weight_transfer.experiments.traced import recipes_for
+        from weight_transfer.types import PlanError
+
+        try:
+            recipes_for(load_config(cfg.model, **cfg.overrides), cfg.layout)
+        except (PlanError, ValueError, RuntimeError) as e:
+            print(f"error: simulation config {cfg.name}: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
     sr = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True), sensitivity=getattr(args, "sensitivity", False),
              delta=delta, shadow=shadow)
     print(format_table(sr))

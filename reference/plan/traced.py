@@ -352,13 +352,19 @@ def fused_expert_views(shapes: Mapping[str, tuple[int, ...]], model_type: str) -
     ``model_type`` (``config.model_type``, e.g. ``"qwen3_moe"``). ``shapes``: training tensor name
     -> global shape. Only converters made of ``MergeModulelist`` and ``Concatenate`` (pure slices)
     are turned into views; ValueError naming the converter for another operation on a tensor the
-    model holds (a transpose or interleave is not a slice). ``{}`` when nothing is fused. Needs
-    transformers (the ``vllm`` extra)."""
+    model holds (a transpose or interleave is not a slice), or for a ``model_type`` transformers
+    has no conversion for while ``shapes`` holds fused experts (a typo). ``{}`` when nothing is
+    fused. Needs transformers (the ``vllm`` extra)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
+    convs = get_checkpoint_conversion_mapping(model_type) or []
+    fused = sorted(n for n in shapes if n.endswith((".experts.gate_up_proj", ".experts.down_proj")))
+    if not convs and fused:
+        raise ValueError(f"model_type {model_type!r}: transformers has no checkpoint conversion for it, but the model "
+                         f"holds fused experts ({fused[0]}, ...): check config.model_type, or declare the views by hand")
     out: dict[str, tuple[str, Box]] = {}
-    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+    for conv in convs:
         if not isinstance(conv, WeightConverter) or len(conv.target_patterns) != 1:
             continue
         target = conv.target_patterns[0]

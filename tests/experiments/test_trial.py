@@ -2,6 +2,8 @@
 ranks, one-sided writes (process_vm_writev), bit-exact verification against the engine's own
 load_weights. Small models; each trial takes a few seconds. Failure kinds of
 shared/CASES.md named by id."""
+import time
+
 import pytest
 
 from weight_transfer.control import ControlError
@@ -223,3 +225,11 @@ def test_c29_traced_architecture_on_the_stand_in_engine(tmp_path, monkeypatch):
     assert len(list((tmp_path / "traces").glob("*.pkl"))) == 1
     with pytest.raises(ValueError, match="no stand-in load_weights .* --engine vllm"):
         run_trial(small(model="opt-125m", overrides=dict(TINY_TRACED["opt-125m"]), method="rank0_funnel"))
+    from weight_transfer.experiments.command import main
+    from weight_transfer.testing.tiny import override_args
+
+    t0 = time.monotonic()  # --method all: every method refused before the first one starts
+    assert main(["run", "--model", "opt-125m", *override_args(TINY_TRACED["opt-125m"]), "--method", "all",
+                 "--steps", "1", "--warmup", "0", "--results", str(tmp_path / "rows.csv")]) == 2
+    rows = tmp_path / "rows.csv"
+    assert time.monotonic() - t0 < 30 and (not rows.exists() or len(rows.read_text().splitlines()) <= 1)

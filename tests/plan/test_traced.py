@@ -172,6 +172,9 @@ def test_fused_experts_read_through_views_make_the_same_bytes():
             assert torch.equal(assemble(a, ck.__getitem__), assemble(b, fused.__getitem__)), a.name
     with pytest.raises(ValueError, match="outside its shape"):
         check_views({"x": (pre + "down_proj", ((4, 5), (0, 64), (0, 32)))}, shapes)
+    with pytest.raises(ValueError, match="'qwen3_mo': transformers has no checkpoint conversion .*holds fused experts"):
+        fused_expert_views(shapes, "qwen3_mo")  # a typo is not "nothing is fused"
+    assert fused_expert_views({n: s for n, s in shapes.items() if ".experts." not in n}, "qwen3_mo") == {}
 
 
 def test_the_planner_chooses_traced_recipes_and_says_why_not():

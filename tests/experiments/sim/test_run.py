@@ -529,3 +529,12 @@ def test_traced_architecture_simulated_from_vllms_loader(tmp_path, monkeypatch, 
     assert how.startswith("traced from vllm ") and "Glm4MoeForCausalLM.load_weights" in how
     out = run(cfg)
     assert out.plan_summary and "traced from vLLM loader" in capsys.readouterr().out
+    from weight_transfer.engines.vllm import engine as vllm_engine
+    from weight_transfer.experiments.command import main
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # without vLLM: one error line, exit 2
+    assert main(["simulate", "tiny_glm45_2x2_traced", "--no-csv"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: simulation config tiny_glm45_2x2_traced: model glm-4.5-air[num_hidden_layers=2,num_experts=8]: "
+                   "architecture 'Glm4MoeForCausalLM' is planned from vLLM's traced loader and vLLM is not installed "
+                   "(make vllm)"], err
