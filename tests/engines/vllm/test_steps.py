@@ -26,6 +26,8 @@ import torch
 from weight_transfer.engines.vllm.steps import CLOCK_ATTR, StepClock, gaps, mark, max_gap, step_log
 from weight_transfer.experiments.vllm_load import max_arrival_gap, span_problems, spans_ok
 
+from ...helpers.vllm_server import LIVE_CPU, env_vars
+
 
 class Toy(torch.nn.Module):
     """Stands in for vLLM's top-level model: called with keyword arguments, like
@@ -145,12 +147,8 @@ def live(tmp_path_factory):
 
     name, ov = TINY_QWEN3_MOE
     ckpt = write_checkpoint(load_config(name, **ov), tmp_path_factory.mktemp("ckpt") / "step0", step=0, seed=0)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)))}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     w = SimpleNamespace()
-    try:
+    with env_vars(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU):
         t = time.monotonic()
         with async_engine(ckpt, max_num_seqs=4) as (engine, loop):
             w.start_s = time.monotonic() - t
@@ -167,12 +165,6 @@ def live(tmp_path_factory):
             w.snap = load.stop(timeout=30)
             w.clock = run(loop, engine.collective_rpc("wt_steps"))[0]
             w.late = run(loop, engine.collective_rpc("wt_steps", args=(time.time(),)))[0]
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return w
 
 
