@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # (on an existing .venv: rm .venv/.installed first, or .venv/bin/pip install -e ".[triton]")
 EXTRAS ?= dev
 
-.PHONY: setup demo test lint clean gpu-check vllm test-vllm
+.PHONY: setup demo test lint clean gpu-check vllm test-vllm nixl delta-wire
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
@@ -56,6 +56,29 @@ vllm: setup
 	$(PY) -m uv pip install -q --python $(PY) $(if $(UV_FIND_LINKS),--find-links $(UV_FIND_LINKS)) -e ".[dev,vllm,trl]"
 	-$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, transformers, trl; print('vllm', vllm.__version__, 'trl', trl.__version__, 'ok')"
+
+# NIXL (the `nixl` extra: nixl-cu12 1.5.1; needs only torch and numpy), for the netns trials.
+nixl: setup
+	@$(PY) -c "from weight_transfer.transport.nixl import load_nixl; load_nixl()" 2>/dev/null || \
+	  ($(PY) -m pip install -q uv && $(PY) -m uv pip install -q --python $(PY) "nixl-cu12==1.5.1")
+	$(PY) -c "from weight_transfer.transport.nixl import load_nixl; load_nixl(); print('nixl ok')"
+
+# Full against delta on a wire-bound link (docs/DELTA.md, "On a wire-bound link"; root, ip netns, tc):
+# NIXL installed if missing, the RL loop's lr 1e-6 and 1e-5 steps saved if missing (make vllm first;
+# ~5 min each), then bf16 and FP8 at both lrs over a veth rate-limited to memcpy/RATIO, paired
+# full/delta pushes of the same replayed weights, every update verified. Rows: results/delta_wire.csv.
+# DELTA_WIRE_ARGS picks the delta (e.g. --delta-mode packed once the receivers register landing regions).
+RATIO ?= 100
+STEPS_DIR ?= results/runs/rl_steps
+DELTA_WIRE_ARGS ?= --delta-mode scattered
+DELTA_WIRE_MODEL = --model qwen3-0.6b --override num_hidden_layers=2 --override vocab_size=8192 --n-train 2 --tp 1
+delta-wire: nixl
+	@for lr in 1e-6 1e-5; do test -f $(STEPS_DIR)/lr$$lr/manifest.json || \
+	  $(PY) -m weight_transfer.experiments rl --lr $$lr --steps 10 --save-steps $(STEPS_DIR)/lr$$lr --out-dir results/runs/rl_save || exit 1; done
+	$(PY) scripts/netns_trial.py --memory-wire-ratio $(RATIO) $(DELTA_WIRE_MODEL) --replay $(STEPS_DIR)/lr1e-6 --replay-start 1 --delta --delta-pairs --delta-op-cost 0 $(DELTA_WIRE_ARGS) --warmup 2 --steps 8
+	$(PY) scripts/netns_trial.py --memory-wire-ratio $(RATIO) $(DELTA_WIRE_MODEL) --quant fp8 --replay $(STEPS_DIR)/lr1e-6 --replay-start 1 --delta --delta-pairs --delta-op-cost 0 $(DELTA_WIRE_ARGS) --warmup 2 --steps 8
+	$(PY) scripts/netns_trial.py --memory-wire-ratio $(RATIO) $(DELTA_WIRE_MODEL) --replay $(STEPS_DIR)/lr1e-5 --replay-start 1 --delta --delta-pairs $(DELTA_WIRE_ARGS) --warmup 2 --steps 8
+	$(PY) scripts/netns_trial.py --memory-wire-ratio $(RATIO) $(DELTA_WIRE_MODEL) --quant fp8 --replay $(STEPS_DIR)/lr1e-5 --replay-start 1 --delta --delta-pairs $(DELTA_WIRE_ARGS) --warmup 2 --steps 8
 
 test-vllm: setup
 	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)

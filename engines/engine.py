@@ -422,6 +422,14 @@ class Engine:
             p = self._params[name]
             self._params[name] = arena[off:off + n].view(p.dtype).view(p.shape)
 
+    def commit_delta(self, landing, version: int) -> dict:
+        """The stand-in's commit of a packed delta: scatter every record of ``version`` in
+        ``landing`` (a :class:`weight_transfer.delta_packed.Landing` this engine's receiver
+        registered beside :attr:`arena`) into the arena, every record checked before any byte
+        moves (:class:`weight_transfer.delta_packed.PackedError` otherwise). Returns the apply's
+        stats (``delta_apply_s`` seconds, records, runs, bytes)."""
+        return landing.apply(version, self.arena.data_ptr(), [(0, self.arena.numel())])
+
     def tensor_metas(self) -> list[DestTensorMeta]:
         return [DestTensorMeta(rank=self.rank, name=n, shape=tuple(self._params[n].shape),
                                dtype=dtype_name(self._params[n].dtype), offset=o, nbytes=nb)

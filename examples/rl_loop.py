@@ -18,7 +18,7 @@ With --delta every step's weights are pushed twice, as a delta update and as a f
 same executor with its delta state set aside), alternating which goes first; both verified
 against the oracle; one row per push in results/rl_delta.csv (docs/DELTA.md).
 
-Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] [--help]   (= weight-transfer rl)
+Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] [--save-steps DIR] [--help]   (= weight-transfer rl)
 Writes results/rl_<tag>.csv and .png (--changes: results/rl_changes.csv, docs/DELTA.md).
 """
 import os, shutil, socket, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -63,7 +63,7 @@ def train(rank, port, o, engine, workdir):
         res = check(served) if o.verify else {"ok": None, "bytes": 0, "seconds": 0.0}
         assert res["ok"] is not False, f"version {version}: the engine's bytes differ from the oracle's: {res}"
         u = push.last_result if rank == 0 else None        # rank 0: the update as the coordinator saw it
-        if u is not None and mode: pushes.append(rl.push_row(o, step, mode, first, u, res))
+        if u is not None and mode: pushes.append(rl.push_row(o, step, mode, first, u, res, rl.commit_stats(push.store, version)))
         return served, {"pushed_version": version, "push_call_seconds": call, "verified": res["ok"],
                         "verified_bytes": res["bytes"], "verify_s": res["seconds"],
                         "oracle_outputs_equal": res.get("outputs_ok"), "oracle_logprob_ulps": res.get("logprob_ulps"),
@@ -71,7 +71,7 @@ def train(rank, port, o, engine, workdir):
                         "push_bytes": u.bytes, "push_writes": u.n_writes} if u else {})}
 
     served, rec = publish(1)
-    if rank == 0: out.add(step=0, **rec); first = served
+    if rank == 0: out.add(step=0, **rec); first = served; rl.save_served(o, 0, served)   # --save-steps DIR
     changes, version = [], 1
     for step in range(1, o.steps + 1):
         t0 = time.perf_counter()
@@ -97,6 +97,7 @@ def train(rank, port, o, engine, workdir):
             new, rec = publish(version)                    # version step + 1 = the weights after this step
         t3 = time.perf_counter()
         if rank == 0 and o.changes: changes += rl.change_rows(o.lr, step, served, new)
+        if rank == 0: rl.save_served(o, step, new)       # --save-steps: the weights after this step, as served
         served = new
         if rank == 0:
             r = out.add(step=step, rollout_version=rv, reward_mean=float(rewards.mean()), loss=float(lsum) / 2, **st,

@@ -183,8 +183,55 @@ class RunOptions:
     scattered, deterministic by ``seed``; several values are cycled step by step, e.g.
     ``0,1,0.01``: nothing, everything, 1%); empty: every element changes every step
     (:mod:`weight_transfer.testing.weights`). The input of ``--delta`` measurements."""
+    replay: str = field(default="", metadata={"metavar": "DIR"})
+    """Replay the weights an RL run saved after each optimizer step (``weight-transfer rl
+    --save-steps DIR``, :mod:`weight_transfer.testing.replay`) as the trial's steps instead of
+    synthetic ones: trial step ``s`` loads saved step ``replay_start + s - 1`` (with
+    ``delta_pairs``, pair ``k`` loads ``replay_start + k - 1``), on every training rank and in the
+    oracle. The model must be the saved run's (the RL loop's: ``--model qwen3-0.6b --override
+    num_hidden_layers=2,vocab_size=8192``); empty: synthetic steps."""
+    replay_start: int = 0
+    """With ``replay``: the saved step trial step 1 loads (0: the initial weights)."""
+    delta_pairs: bool = False
+    """With ``delta``: push every step's weights twice through the same executor, once as a
+    delta and once as a full update (the executor's delta state set aside: the plain path), both
+    verified, alternating which goes first (pair ``k`` odd: full first). Trial steps ``2k - 1`` and
+    ``2k`` are pair ``k`` and load the same weights; each row's ``pair_mode`` says which push it
+    was. Full against delta on the same weights in one run (``warmup`` and ``steps`` count pushes:
+    use even numbers)."""
+
+    def source_step(self, step: int) -> int:
+        """The step of the weights trial step ``step`` loads (before ``replay_start``): ``step``,
+        or with ``delta_pairs`` its pair ``(step + 1) // 2``."""
+        return (step + 1) // 2 if self.delta_pairs else step
+
+    def push_mode(self, step: int) -> str | None:
+        """With ``delta_pairs``: ``"full"`` or ``"delta"``, the push trial step ``step`` is (pair
+        ``k`` odd: full first, even: delta first); None without."""
+        if not self.delta_pairs:
+            return None
+        k = (step + 1) // 2
+        return "full" if (step % 2 == 1) == (k % 2 == 1) else "delta"
+
+    def step_source(self):
+        """What the training ranks and the oracle read a step's weights from: a
+        :class:`weight_transfer.testing.replay.ReplaySteps` with ``replay``, else None (the
+        synthetic weights of :mod:`weight_transfer.testing.weights`)."""
+        if not self.replay:
+            return None
+        from weight_transfer.testing.replay import open_replay
+
+        return open_replay(self.replay, self.replay_start)
 
     def __post_init__(self):
+        if self.replay_start < 0:
+            raise ValueError(f"replay_start={self.replay_start}: a saved step, >= 0")
+        if self.replay:
+            import os
+
+            self.replay = os.path.abspath(self.replay)  # every rank process reads it, whatever its cwd
+        if self.replay and self.change_fraction:
+            raise ValueError("--replay with --change-fraction: the replayed steps are the RL run's changes; give one")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps={self.steps}, warmup={self.warmup}: need steps >= 1, warmup >= 0")
         self.change_fraction = tuple(self.change_fraction)
@@ -358,6 +405,19 @@ class TrialConfig:
                 raise ValueError("--shadow with --kill-engine/--restart-engine/--engines-at: not wired together")
         if self.serve.gen_load and run.engine == "vllm":
             raise ValueError("--gen-load with engine=vllm: use weight-transfer bench-stall (an AsyncLLM load)")
+        if run.delta_pairs and not tr.executor.delta:
+            raise ValueError("--delta-pairs without --delta: the pairs push each step as a delta and as a full update")
+        if run.replay:
+            if run.engine == "vllm":
+                raise ValueError("--replay with engine=vllm: not wired for vLLM's checkpoints; use the stand-in")
+            from weight_transfer.testing.catalog import param_specs
+
+            rp = run.step_source()
+            rp.check_specs(param_specs(self.model.config()))
+            need = run.source_step(run.warmup + run.steps)
+            if need > rp.n_trial_steps:
+                raise ValueError(f"--replay {run.replay}: the trial needs {need} saved steps from {run.replay_start}, "
+                                 f"{rp.n_trial_steps} are saved (steps {rp.steps[0]}..{rp.steps[-1]})")
         if tr.executor.delta and run.method != "reference":
             raise ValueError(f"delta=True with method={run.method!r}: delta updates are the reference method's "
                              "(its executor keeps the shadow); the baselines always send everything")
@@ -539,7 +599,8 @@ KEY_EXCLUDE = ("timeout", "trace_dir")
 
 KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "dtype": "bfloat16",
                 "delta": False, "delta_granularity": 8, "delta_merge_gap": 0, "delta_op_cost": None, "delta_max_bytes": None,
-                "change_fraction": (), "kill_engine": (), "restart_engine": (), "engines_at": (),
+                "delta_mode": "auto", "delta_wire_gbps": None, "delta_landing": 0.25, "delta_fused": True,
+                "change_fraction": (), "replay": "", "replay_start": 0, "delta_pairs": False, "kill_engine": (), "restart_engine": (), "engines_at": (),
                 "shadow": "off", "gen_load": 0, "gen_tokens": 64}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match."""

@@ -40,7 +40,7 @@ from pathlib import Path
 from .paths import project_dir
 
 __all__ = ["RLOptions", "ParityTask", "group_advantages", "clipped_pg_loss", "rollout", "served_weights",
-           "OracleCheck", "StepLog", "change_rows", "magnitude_rows", "save_changes", "final_check", "broadcast", "options_from_argv", "main"]
+           "OracleCheck", "StepLog", "change_rows", "save_served", "magnitude_rows", "save_changes", "final_check", "broadcast", "options_from_argv", "main"]
 
 RESULTS = project_dir() / "results"
 CHANGES_CSV = "rl_changes.csv"
@@ -87,12 +87,27 @@ class RLOptions:
     """Push every step's weights twice, as a delta update and as a full one (the same executor,
     its delta state set aside), alternating which goes first, both verified: one row per push in
     out_dir/rl_delta.csv and the full-vs-delta table (issue 26 item 4)."""
+    save_steps: str = field(default="", metadata={"metavar": "DIR"})
+    """Save every version's weights as served (bf16, checkpoint names; the fp32 master cast once,
+    the bytes each push sends) into DIR: ``step_00000.safetensors`` the initial model, then one
+    file per optimizer step, and ``manifest.json`` (:mod:`weight_transfer.testing.replay`;
+    ~80 MB per step for the default model). A trial replays them with ``--replay DIR``
+    (docs/DELTA.md, "On a wire-bound link"); empty: nothing saved."""
     delta_granularity: int = 8
     """--delta: block size of the comparison (bytes)."""
-    delta_op_cost: int = 0
-    """--delta: an output whose runs cost more than this many bytes each (plus their bytes) than
-    writing it whole is written whole; 0: never (the fewest bytes), -1: the transport's measured
-    cost (cma 1024)."""
+    delta_op_cost: int = -1
+    """--delta: what one scattered run costs, in bytes at the wire (the cost model's run cost);
+    0: runs are free (scattered always beats packed and whole: the fewest bytes), -1: the
+    transport's measured cost (cma ~300 ns)."""
+    delta_mode: str = field(default="auto", metadata={"choices": ("auto", "scattered", "packed")})
+    """--delta: how each changed output is written (``ExecutorOptions.delta_mode``): ``auto`` the
+    cost model's cheapest of scattered runs, one packed record (scattered by vLLM's worker at
+    ``update_weights``) or whole; ``scattered``; ``packed``."""
+    delta_wire_gbps: float = 0.0
+    """--delta: the cost model's wire bandwidth (GB/s); 0: the transport's default."""
+    delta_landing: float = 0.25
+    """--delta: the landing region each vLLM worker registers for packed records (a fraction of
+    its target bytes)."""
 
     def __post_init__(self):
         for name in ("steps", "group", "values", "layers", "vocab"):
@@ -138,7 +153,8 @@ def transfer_overrides(o: RLOptions) -> dict | None:
     if not o.delta:
         return None
     return {"delta": True, "delta_granularity": o.delta_granularity,
-            "delta_op_cost": None if o.delta_op_cost < 0 else o.delta_op_cost}
+            "delta_op_cost": None if o.delta_op_cost < 0 else o.delta_op_cost, "delta_mode": o.delta_mode,
+            "delta_wire_gbps": o.delta_wire_gbps or None, "delta_landing": o.delta_landing}
 
 
 @contextlib.contextmanager
@@ -163,23 +179,75 @@ def push_mode(executor, mode: str | None):
 
 DELTA_CSV = "rl_delta.csv"
 """--delta's rows (one per push), in ``out_dir``; rows of other learning rates are kept."""
+PHASES = ("delta_compare_s", "delta_fused_s", "delta_pack_s", "delta_wire_s", "delta_apply_s")
+"""Per-phase delta seconds of a push row (the slowest rank's; apply: the slowest receiver's)."""
+MODE_NAMES = ("full", "scattered", "packed", "unchanged")
 DELTA_COLUMNS = ["lr", "step", "mode", "first", "version", "seconds", "write_seconds", "bytes", "full_bytes",
-                 "n_writes", "compare_s", "whole_outputs", "delta", "verified", "timestamp"]
+                 "n_writes", "compare_s", "whole_outputs", *PHASES, *(f"n_{m}" for m in MODE_NAMES),
+                 *(f"bytes_{m}" for m in MODE_NAMES), *(f"out_bytes_{m}" for m in MODE_NAMES), "delta", "verified",
+                 "timestamp"]
+TENSOR_CSV = "rl_delta_tensors.csv"
+"""--delta's per-tensor rows (one per write of every delta push): the cost model's mode per tensor."""
+TENSOR_COLUMNS = ["lr", "step", "version", "rank", "tensor", "kind", "mode", "out_bytes", "written", "runs"]
 
 
-def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict) -> dict:
+def commit_stats(store, version: int, ranks: int = 64) -> list[dict]:
+    """The inference ranks' commit reports of ``version`` (``step/{v}/committed/{i}`` stats)."""
+    from weight_transfer import control
+
+    out = []
+    for i in range(ranks):
+        k = f"step/{version}/committed/{i}"
+        if not store.check([k]):
+            break
+        out.append((control.get(store, k) or {}).get("stats") or {})
+    return out
+
+
+def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict, commits: list | None = None) -> dict:
     """One --delta row from rank 0's :class:`weight_transfer.api.UpdateResult` ``u`` and the
     oracle check ``res``: ``seconds`` (go -> commit done), ``write_seconds`` (go -> the last
     training rank's writes done), ``bytes`` written, ``full_bytes`` (a full update's),
-    ``compare_s`` (the slowest rank's comparison + runs + shadow seconds), ``whole_outputs``."""
+    ``compare_s`` (the slowest rank's comparison + runs + shadow seconds), ``whole_outputs``,
+    the per-phase seconds (:data:`PHASES`; ``commits``: the workers' commit stats, for apply),
+    and per mode the writes, bytes written and output bytes (``n_*``, ``bytes_*``,
+    ``out_bytes_*``); ``tensors``: the per-tensor rows (:data:`TENSOR_COLUMNS`)."""
     st = list(u.stats.values())
-    return {"lr": o.lr, "step": step, "mode": mode, "first": first, "version": u.version, "seconds": u.seconds,
+    modes = {m: [0, 0, 0] for m in MODE_NAMES}
+    tensors = []
+    for s in st:
+        for m, kinds in (getattr(s, "delta_modes", None) or {}).items():
+            for v in kinds.values():
+                modes.setdefault(m, [0, 0, 0])
+                modes[m] = [a + b for a, b in zip(modes[m], v)]
+        tensors += [{"lr": o.lr, "step": step, "version": u.version, "rank": s.rank, "tensor": t[0], "kind": t[1],
+                     "mode": t[2], "out_bytes": t[3], "written": t[4], "runs": t[5]}
+                    for t in (getattr(s, "delta_tensors", None) or [])]
+    phases = {p: max((getattr(s, p, 0.0) for s in st), default=0.0) for p in PHASES}
+    phases["delta_apply_s"] = max([c.get("delta_apply_s", 0.0) for c in commits or []], default=0.0)
+    return {**phases, **{f"n_{m}": v[0] for m, v in modes.items()}, **{f"bytes_{m}": v[1] for m, v in modes.items()},
+            **{f"out_bytes_{m}": v[2] for m, v in modes.items()}, "tensors": tensors if mode == "delta" else [],
+            "lr": o.lr, "step": step, "mode": mode, "first": first, "version": u.version, "seconds": u.seconds,
             "write_seconds": u.write_seconds, "bytes": u.bytes,
             "full_bytes": sum(getattr(s, "full_bytes", 0) for s in st), "n_writes": u.n_writes,
             "compare_s": max((getattr(s, "delta_compare_s", 0.0) for s in st), default=0.0),
             "whole_outputs": sum(getattr(s, "delta_whole", 0) for s in st),
             "delta": ";".join(sorted({getattr(s, "delta", "") for s in st})) if mode == "delta" else "",
             "verified": res.get("ok"), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def save_served(o: RLOptions, step: int, served: dict) -> str | None:
+    """``--save-steps``: write ``served`` (name -> bf16 tensor, :func:`served_weights`) as saved
+    step ``step`` (0: the initial weights) into ``o.save_steps`` with the run's options in its
+    manifest; rank 0 calls it. Returns the file's path, None without ``--save-steps``."""
+    if not o.save_steps:
+        return None
+    from weight_transfer.testing.replay import save_step
+
+    return save_step(o.save_steps, step, served, info={
+        "model": o.model, "layers": o.layers, "vocab": o.vocab, "lr": o.lr, "seed": o.seed,
+        "weight_decay": o.weight_decay, "group": o.group, "values": o.values, "run": o.name,
+        "overrides": f"num_hidden_layers={o.layers},vocab_size={o.vocab}"})
 
 
 def save_pushes(o: RLOptions, rows: list[dict]) -> Path:
@@ -194,6 +262,14 @@ def save_pushes(o: RLOptions, rows: list[dict]) -> Path:
         w = csv.DictWriter(f, DELTA_COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(keep + rows)
+    tpath, tkeep = Path(o.out_dir) / TENSOR_CSV, []
+    if tpath.exists():
+        with open(tpath, newline="") as f:
+            tkeep = [r for r in csv.DictReader(f) if float(r["lr"]) != o.lr]
+    with open(tpath, "w", newline="") as f:
+        w = csv.DictWriter(f, TENSOR_COLUMNS)
+        w.writeheader()
+        w.writerows(tkeep + [t for r in rows for t in r.get("tensors", [])])
     print(delta_table(path))
     return path
 
@@ -225,6 +301,16 @@ def delta_table(path: str | Path) -> str:
             lines.append(f"{'':7} delta/full p50: {p50['delta']['seconds'] / p50['full']['seconds']:.3f}x seconds, "
                          f"{p50['delta']['write_seconds'] / p50['full']['write_seconds']:.3f}x write phase, "
                          f"{p50['delta']['bytes'] / p50['full']['bytes']:.4f}x bytes")
+        rs = [r for r in rows if float(r["lr"]) == lr and r["mode"] == "delta" and r.get("delta") == "delta"]
+        if rs and rs[0].get("delta_wire_s") not in (None, ""):
+            ph = {k: median(float(r[k] or 0) for r in rs) for k in PHASES}
+            out = {m: sum(float(r.get(f"out_bytes_{m}") or 0) for r in rs) for m in MODE_NAMES}
+            tot = sum(out.values()) or 1.0
+            lines.append(f"{'':7} delta phases p50 (s): compare {ph['delta_compare_s']:.4f} (fused in prepare "
+                         f"{ph['delta_fused_s']:.4f}), pack {ph['delta_pack_s']:.4f}, wire {ph['delta_wire_s']:.4f}, "
+                         f"apply {ph['delta_apply_s']:.4f}")
+            lines.append(f"{'':7} output bytes by mode over {len(rs)} delta pushes: "
+                         + ", ".join(f"{m} {100 * out[m] / tot:.1f}%" for m in MODE_NAMES))
     return "\n".join(lines)
 
 

@@ -420,6 +420,12 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             }
             row.update(phase_columns(stats, seconds, ctl.last_write_seconds, results, recv_bytes, bytes_staged,
                                      cfg.n_infer))
+            row.update(delta_mode_columns(stats))  # writes and bytes per delta mode (cost model)
+            for k, val in delta_phase_columns(stats).items():  # delta_<phase>_s the executor reports (slowest rank)
+                row.setdefault(k, val)
+            if cfg.run.delta_pairs or cfg.run.replay:  # which push of a pair, and which weights (docs/DELTA.md)
+                row["pair_mode"] = cfg.run.push_mode(step) or ""
+                row["source_step"] = cfg.run.source_step(step) + (cfg.run.replay_start - 1 if cfg.run.replay else 0)
             if cfg.run.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
                 from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
@@ -509,6 +515,31 @@ def phase_columns(stats: list, seconds: float, write_seconds: float | None, resu
     out["train_extra_bytes"] = max(s.peak_alloc_bytes for s in stats)
     out["infer_extra_bytes"] = bytes_staged // max(1, n_infer)
     return out
+
+
+def delta_mode_columns(stats: list) -> dict:
+    """Per delta mode (``full``, ``scattered``, ``packed``, ``unchanged``: the cost model's choice
+    per output and receiver, :attr:`weight_transfer.records.StepStats.delta_modes`), summed over
+    training ranks: ``delta_n_<mode>`` writes and ``delta_bytes_<mode>`` bytes written (a packed
+    record's bytes for ``packed``). Empty without delta updates."""
+    out: dict = {}
+    for s in stats:
+        for m, kinds in (getattr(s, "delta_modes", None) or {}).items():
+            for n, wrote, _size in kinds.values():
+                out[f"delta_n_{m}"] = out.get(f"delta_n_{m}", 0) + n
+                out[f"delta_bytes_{m}"] = out.get(f"delta_bytes_{m}", 0) + wrote
+    return out
+
+
+def delta_phase_columns(stats: list) -> dict:
+    """``delta_<phase>_s`` (seconds: the largest over training ranks) for every such attribute
+    the ranks' stats carry (the executor's delta phases: ``delta_compare_s`` and, where the
+    executor reports them, pack / wire / apply). Empty for stats without any (full-only methods)."""
+    keys = set()
+    for s in stats:
+        names = list(getattr(s, "__dataclass_fields__", {})) + list(getattr(s, "__dict__", {}))
+        keys |= {n for n in names if n.startswith("delta_") and n.endswith("_s")}
+    return {k: max((float(getattr(s, k, 0.0) or 0.0) for s in stats), default=0.0) for k in sorted(keys)}
 
 
 def _output_diff_text(v: dict) -> str:

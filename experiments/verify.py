@@ -24,12 +24,19 @@ from weight_transfer.types import InferenceLayout
 
 
 def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
-                    dtype_override: str | None = None, change=None):
+                    dtype_override: str | None = None, change=None, source=None):
     """A fresh engine loaded through ``load_weights`` with the full checkpoint of ``step``
-    (``change``: the run's per-step change fractions, :mod:`weight_transfer.testing.weights`)."""
+    (``change``: the run's per-step change fractions, :mod:`weight_transfer.testing.weights`;
+    ``source``: a :class:`weight_transfer.testing.replay.ReplaySteps` whose step ``step`` is the
+    checkpoint instead, the same bytes the training ranks loaded)."""
     from weight_transfer.engines import expected_from_checkpoint
 
-    ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override, change=change)
+    if source is not None:
+        from weight_transfer.testing.replay import ReplayCheckpoint
+
+        ckpt = ReplayCheckpoint(source, param_specs(mcfg), step=step, dtype_override=dtype_override)
+    else:
+        ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override, change=change)
     return expected_from_checkpoint(mcfg, layout, rank, ckpt.__getitem__, ckpt.names())
 
 
@@ -53,12 +60,15 @@ def compare_engines(live, expected, *, max_report: int = 5) -> dict:
 
 
 def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
-                  dtype_override: str | None = None, gaps=None, change=None, keep: dict | None = None) -> dict:
+                  dtype_override: str | None = None, gaps=None, change=None, keep: dict | None = None,
+                  source=None) -> dict:
     """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``:
     ``{"ok", "bytes_checked", "mismatches", ...}`` plus ``gaps_written`` (changed gap spans)
     and ``guards_written`` (:meth:`Engine.guard_damage`) when not empty. ``keep``: a dict that
-    receives the oracle engine as ``keep["expected"]`` (e.g. to replay generation steps)."""
-    exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override, change=change)
+    receives the oracle engine as ``keep["expected"]`` (e.g. to replay generation steps).
+    ``source``: replayed steps (:func:`expected_engine`)."""
+    exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override, change=change,
+                          source=source)
     if keep is not None:
         keep["expected"] = exp
     res = compare_engines(engine, exp)

@@ -144,6 +144,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
 
     from .inject import install_trainer
     from .methods import get_method
+    from .rl import push_mode
 
     _exit_with_parent(parent)
     torch.set_num_threads(1)
@@ -181,7 +182,8 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             raise
         step = first_step
         while client.next_command(step) == "load":
-            load_step(params, step=step, seed=cfg.run.seed, change=cfg.run.change_fraction or None)
+            load_step(params, step=cfg.run.source_step(step), seed=cfg.run.seed,
+                      change=cfg.run.change_fraction or None, source=cfg.run.step_source())
             if cfg.fleet.active:  # the rows show that the trainers never restarted for a membership change
                 from .fleet import record_pid
 
@@ -189,7 +191,8 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             client.ready(step)
             client.wait_go(step)
             try:
-                stats = side.transfer(step)
+                with push_mode(getattr(side, "executor", None), cfg.run.push_mode(step)):  # --delta-pairs
+                    stats = side.transfer(step)
                 client.done(step, ok=True, stats=stats)
             except Exception as e:
                 traceback.print_exc()
@@ -288,8 +291,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             if cfg.run.verify:
                 t0 = time.perf_counter()
                 keep: dict = {}
-                res = verify_engine(engine, mcfg, cfg.inference, rank, step=v, seed=cfg.run.seed,
-                                    change=cfg.run.change_fraction or None,
+                res = verify_engine(engine, mcfg, cfg.inference, rank, step=cfg.run.source_step(v), seed=cfg.run.seed,
+                                    change=cfg.run.change_fraction or None, source=cfg.run.step_source(),
                                     dtype_override=cfg.train.dtype_override, gaps=gaps, keep=keep)
                 res["seconds"] = time.perf_counter() - t0
             else:

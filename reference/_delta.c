@@ -67,8 +67,14 @@ int64_t wt_delta_runs(const uint8_t *nw, uint8_t *old, int64_t n, int64_t g, int
         }
         for (int64_t b = i; b < lim; b += g) {
             int64_t e = b + g < n ? b + g : n;
-            if (!differs(nw + b, old + b, e - b)) continue;
-            memcpy(old + b, nw + b, (size_t)(e - b));
+            if (e - b == 8) { /* the default block: one 64-bit word */
+                uint64_t x = ld64(nw + b);
+                if (x == ld64(old + b)) continue;
+                memcpy(old + b, &x, 8);
+            } else {
+                if (!differs(nw + b, old + b, e - b)) continue;
+                memcpy(old + b, nw + b, (size_t)(e - b));
+            }
             if (cs >= 0 && b - ce <= gap) {
                 ce = e;
             } else {
@@ -229,4 +235,126 @@ int64_t wt_cma_write(int pid, uint64_t lbase, uint64_t rbase, const int64_t *sta
     *failed = -1;
     *done = tot;
     return tot;
+}
+
+/* ---- packed delta (weight_transfer.delta_packed) ------------------------------------------
+ * A packed record's index holds one entry per run: two uint32, the gap (bytes from the end of
+ * the previous run, the first from the span's first byte) and the length; the changed bytes
+ * follow the index back to back, in run order. */
+
+/* Pack runs (starts/lens, ascending, disjoint, each < 2^32 from the previous end) of src into
+ * index (2 x m uint32) and data; returns the data bytes. The caller checked the bounds. */
+int64_t wt_pack_runs(const uint8_t *src, const int64_t *starts, const int64_t *lens, int64_t m, uint32_t *index,
+                     uint8_t *data) {
+    int64_t end = 0, at = 0;
+    for (int64_t k = 0; k < m; k++) {
+        index[2 * k] = (uint32_t)(starts[k] - end);
+        index[2 * k + 1] = (uint32_t)lens[k];
+        memcpy(data + at, src + starts[k], (size_t)lens[k]);
+        at += lens[k];
+        end = starts[k] + lens[k];
+    }
+    return at;
+}
+
+/* Check a packed index of m runs against a span of `span` bytes: every run non-empty and
+ * inside [0, span) (runs ascending by construction: gaps are unsigned). Returns -1 when all are
+ * fine (then *tot is the data bytes the runs carry), else the index of the first bad run. */
+int64_t wt_check_packed(const uint32_t *index, int64_t m, int64_t span, int64_t *tot) {
+    int64_t end = 0, t = 0;
+    for (int64_t k = 0; k < m; k++) {
+        int64_t s = end + (int64_t)index[2 * k], l = (int64_t)index[2 * k + 1];
+        if (l <= 0 || s > span - l) return k;
+        end = s + l;
+        t += l;
+    }
+    *tot = t;
+    return -1;
+}
+
+/* Scatter a checked packed record: run k's bytes from data to dst + its start. Returns bytes. */
+int64_t wt_unpack(uint8_t *dst, const uint32_t *index, const uint8_t *data, int64_t m) {
+    int64_t end = 0, at = 0;
+    for (int64_t k = 0; k < m; k++) {
+        int64_t s = end + (int64_t)index[2 * k], l = (int64_t)index[2 * k + 1];
+        memcpy(dst + s, data + at, (size_t)l);
+        at += l;
+        end = s + l;
+    }
+    return at;
+}
+
+/* ---- fused cast + compare (weight_transfer.delta_fused) ------------------------------------
+ * fp32 -> bf16 as torch rounds it (round to nearest even; NaN -> 0x7FC0 with its sign dropped,
+ * as c10::BFloat16 does), written to out, compared with the shadow in g-byte blocks of the bf16
+ * output in the same pass (4 KiB at a time, so the output is compared while in L1), changed
+ * blocks copied into the shadow and emitted as runs like wt_delta_runs. Returns the runs, or
+ * -1 when there would be more than cap (the conversion still completes and the shadow is then
+ * refreshed whole), or -2 at the first NaN (nothing defined: the caller casts with torch and
+ * refreshes the shadow whole). g must divide 4096. */
+int64_t wt_cast_bf16_delta(const uint32_t *src, int64_t n_el, uint16_t *out, uint16_t *shadow, int64_t g, int64_t gap,
+                           int64_t *starts, int64_t *lens, int64_t cap, int64_t *changed) {
+    const int64_t n = n_el * 2, CH = 4096;
+    const uint8_t *nw = (const uint8_t *)out;
+    uint8_t *old = (uint8_t *)shadow;
+    int64_t nr = 0, cs = -1, ce = 0, tot = 0;
+    int over = 0;
+    for (int64_t lo = 0; lo < n; lo += CH) {
+        int64_t hi = lo + CH < n ? lo + CH : n;
+        uint32_t nan = 0;
+        for (int64_t e = lo / 2; e < hi / 2; e++) { /* branch-free: vectorizes; a NaN chunk is redone by torch */
+            uint32_t u = src[e];
+            nan |= (u & 0x7fffffffu) > 0x7f800000u;
+            out[e] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        if (nan) return -2; /* torch's NaN bits differ by code path: the caller casts with torch, writes whole */
+        if (over) {
+            memcpy(old + lo, nw + lo, (size_t)(hi - lo));
+            continue;
+        }
+        for (int64_t i = lo; i < hi;) {
+            int64_t lim;
+            if (g <= 64 && 64 % g == 0 && i + 64 <= hi) {
+                uint64_t d = 0;
+                for (int k = 0; k < 64; k += 8) d |= ld64(nw + i + k) ^ ld64(old + i + k);
+                if (!d) {
+                    i += 64;
+                    continue;
+                }
+                lim = i + 64;
+            } else {
+                lim = hi;
+            }
+            for (int64_t b = i; b < lim; b += g) {
+                int64_t e = b + g < n ? b + g : n;
+                if (e - b == 8) { /* the default block: one 64-bit word */
+                    uint64_t x = ld64(nw + b);
+                    if (x == ld64(old + b)) continue;
+                    memcpy(old + b, &x, 8);
+                } else {
+                    if (!differs(nw + b, old + b, e - b)) continue;
+                    memcpy(old + b, nw + b, (size_t)(e - b));
+                }
+                if (cs >= 0 && b - ce <= gap) {
+                    ce = e;
+                } else {
+                    if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) {
+                        over = 1;
+                        break;
+                    }
+                    cs = b;
+                    ce = e;
+                }
+            }
+            if (over) {
+                memcpy(old + lo, nw + lo, (size_t)(hi - lo));
+                break;
+            }
+            i = lim;
+        }
+    }
+    if (over) return -1;
+    if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) return -1;
+    *changed = tot;
+    return nr;
 }

@@ -56,11 +56,18 @@ into int64 start/length arrays (no Python per run); the transports post such arr
 (:class:`weight_transfer.transport.base.RunsOp`: ``process_vm_writev`` with 1024 iovecs per
 call from C for cma, a C loop of memcpy into the receiver's mapping for shm).
 
-``op_cost_bytes`` is the transport's cost of one more segment, in bytes at its bandwidth
-(:attr:`weight_transfer.transport.base.Transport.segment_cost_bytes`: cma ~1 KiB, the kernel pins
-the remote pages of every iovec; shm 64 B): an output whose runs would cost more than writing it
-whole (``runs x op_cost_bytes + changed bytes >= its size``) is written whole (the comparison
-stops as soon as that is certain). ``op_cost_bytes=0`` never falls back (fewest bytes).
+**How each changed output is written** is the per-output cost model's choice
+(:mod:`weight_transfer.delta_cost`, ``delta_mode``): ``scattered`` runs (one ``RunsOp``, a remote
+segment per run: cma ~300 ns each, the kernel pins the remote pages of every iovec), one
+``packed`` record (the runs' index and bytes in one contiguous write into the receiver's landing
+region, scattered by its commit: :mod:`weight_transfer.delta_packed`), or the ``full`` output,
+from the measured per-run cost, the wire's cost per byte (``delta_wire_gbps``) and the pack and
+apply costs. The comparison stops as soon as no delta mode can beat the whole output
+(:meth:`~weight_transfer.delta_cost.CostModel.max_runs`). ``delta_op_cost`` (bytes at the wire
+per run) overrides the run cost; ``0`` makes runs free (scattered always, the fewest bytes).
+Where an output is a plain fp32 -> bf16 cast, the comparison is fused into the prepare stage's
+cast (:mod:`weight_transfer.delta_fused`). Every write's mode is recorded per tensor
+(:attr:`DeltaState.tensors`, the step record's ``delta_modes`` / ``delta_tensors``).
 
 """
 from __future__ import annotations
@@ -93,6 +100,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.wt_copy_pieces.restype = I
     lib.wt_cma_write.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, P, P, I, P, P]
     lib.wt_cma_write.restype = I
+    lib.wt_pack_runs.argtypes = [P, P, P, I, P, P]
+    lib.wt_pack_runs.restype = I
+    lib.wt_check_packed.argtypes = [P, I, I, P]
+    lib.wt_check_packed.restype = I
+    lib.wt_unpack.argtypes = [P, P, P, I]
+    lib.wt_unpack.restype = I
+    lib.wt_cast_bf16_delta.argtypes = [P, I, P, P, I, I, P, P, I, P]
+    lib.wt_cast_bf16_delta.restype = I
 
 
 _CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
@@ -112,11 +127,15 @@ class Runs:
     output's first byte; ascending, disjoint, non-empty). Iterates as ``(start, length)`` pairs
     and compares equal to such a list (for tests); ``nbytes``: bytes the runs cover."""
 
-    __slots__ = ("starts", "lens", "nbytes")
+    __slots__ = ("starts", "lens", "nbytes", "mode", "data")
 
     def __init__(self, starts: torch.Tensor, lens: torch.Tensor, nbytes: int | None = None):
         self.starts, self.lens = starts, lens
         self.nbytes = int(lens.sum()) if nbytes is None else nbytes
+        self.mode = "scattered"
+        """How the cost model writes them: ``"scattered"`` or ``"packed"``."""
+        self.data = None
+        """The output's bytes (flat uint8) the runs index, for packing."""
 
     def __len__(self) -> int:
         return self.starts.numel()
@@ -221,23 +240,45 @@ def changed_runs_native(new: torch.Tensor, old: torch.Tensor, granularity: int =
 
 
 class DeltaState:
-    """One executor's delta bookkeeping: the shadow of every output its writes read, and whether
-    the next update must be full (the module docstring). ``places``: the executor's
-    :attr:`weight_transfer.memory.RegisteredMemory.places` (per task, per assignment, per
-    output: None or an object with ``nbytes``). Raises ValueError when the shadow would exceed
-    ``max_bytes``."""
+    """One executor's delta bookkeeping: the shadow of every output its writes read, whether
+    the next update must be full (the module docstring), and per output the cost model's choice
+    (:class:`weight_transfer.delta_cost.CostModel`: scattered runs, a packed record, or whole).
+    ``places``: the executor's :attr:`weight_transfer.memory.RegisteredMemory.places` (per task,
+    per assignment, per output: None or an object with ``nbytes``). ``cost``: the cost model
+    (default: scattered only, ``op_cost_bytes`` per run at 1 byte/s, the first delta's rule
+    ``runs x op_cost_bytes + changed >= size`` -> whole); ``packer``: a
+    :class:`weight_transfer.delta_packed.Packer` (None: nothing is packed); ``names``: key ->
+    destination tensor name, for the per-tensor record. Raises ValueError when the shadow would
+    exceed ``max_bytes``."""
 
     def __init__(self, places, *, device, granularity: int = 8, merge_gap: int = 0,
-                 max_bytes: int | None = None, rank: int = 0, op_cost_bytes: int = 0):
+                 max_bytes: int | None = None, rank: int = 0, op_cost_bytes: int = 0, cost=None, packer=None,
+                 names: dict | None = None):
+        from .delta_cost import CostModel
+
         if granularity < 1 or merge_gap < 0 or op_cost_bytes < 0:
             raise ValueError(f"delta: granularity={granularity} (bytes >= 1), merge_gap={merge_gap} (bytes >= 0), "
                              f"op_cost_bytes={op_cost_bytes} (bytes >= 0)")
         self.granularity, self.merge_gap, self.op_cost_bytes = granularity, merge_gap, op_cost_bytes
+        self.cost = cost if cost is not None else CostModel(wire_s_per_byte=1.0, run_s=float(op_cost_bytes),
+                                                            mode="scattered")
+        self.packer = packer
+        self.names = names or {}
         self.seconds = 0.0
         """Seconds this update spent comparing, building runs and updating the shadow (reset by
         :meth:`begin`)."""
         self.whole = 0
         """Outputs of this update written whole by the cost model (reset by :meth:`begin`)."""
+        self.tensors: list[tuple[str, str, str, int, int, int]] = []
+        """This update's writes: ``(tensor, kind, mode, output bytes, bytes written, runs)``,
+        mode ``full``, ``scattered`` (or ``unchanged``: nothing written) or ``packed`` (bytes
+        written: the record's)."""
+        self.runs_op = None
+        """:class:`weight_transfer.transport.runs.RunsOp` (set by the executor: that module imports
+        this one's kernel)."""
+        self.fused: dict = {}
+        """key -> :class:`Runs` the prepare stage's fused cast + compare found this update
+        (:mod:`weight_transfer.delta_fused`; the shadow is already updated)."""
         self._at: dict[tuple[int, int, int], tuple[int, int]] = {}
         off = 0
         for i, per_a in enumerate(places):
@@ -267,9 +308,10 @@ class DeltaState:
         if self.full_reason is None:
             self.full_reason = reason
 
-    def begin(self, remote: dict) -> bool:
-        """Before an update: decide full or delta (returns True for full). ``remote``: the
-        executor's inference rank -> descriptor (a changed descriptor forces full)."""
+    def begin(self, remote: dict, version: int = 0) -> bool:
+        """Before update ``version``: decide full or delta (returns True for full). ``remote``:
+        the executor's inference rank -> descriptor, landing regions included (a changed
+        descriptor forces full)."""
         sig = {r: (d.pid, d.addr, d.length, d.key, d.epoch) for r, d in remote.items()}
         if self._sig is not None and sig != self._sig:
             changed = sorted(r for r in set(sig) | set(self._sig) if sig.get(r) != self._sig.get(r))
@@ -277,7 +319,9 @@ class DeltaState:
         self._sig = sig
         self.full = self.full_reason is not None
         self.reason = self.full_reason
-        self.seconds, self.whole = 0.0, 0
+        self.seconds, self.whole, self.tensors, self.fused = 0.0, 0, [], {}
+        if self.packer is not None:
+            self.packer.begin(version)
         self.full_reason = "an update in progress did not finish"  # cleared by end(ok=True)
         return self.full
 
@@ -292,9 +336,9 @@ class DeltaState:
     def runs(self, key: tuple[int, int, int], data: torch.Tensor) -> Runs | None:
         """The runs of output ``key`` (task index, assignment, output) to write now, its bytes
         ``data`` (flat uint8, ``nbytes`` of the plan): None for the whole output (a full update,
-        or runs that would cost more than the whole output: ``op_cost_bytes``), else the changed
-        runs as :class:`Runs` (possibly none). The shadow takes ``data``'s changed bytes (all
-        of them in a full update)."""
+        or the cost model prefers it), else the changed runs as :class:`Runs` (possibly none)
+        with :attr:`Runs.mode` the cost model's choice. The shadow takes ``data``'s changed bytes
+        (all of them in a full update)."""
         at = self._at.get(key)
         if at is None:
             return None
@@ -305,15 +349,69 @@ class DeltaState:
             if self.full:
                 old.copy_(data)
                 return None
-            c = self.op_cost_bytes
-            seg = changed_runs_native(data, old, self.granularity, self.merge_gap,
-                                   max_runs=n // c + 1 if c else None)
-            if seg is None or (c and len(seg) * c + seg.nbytes >= n):
+            packable = self.packer is not None and self.packer.nbytes > 0 and data.device.type == "cpu"
+            seg = self.fused.pop(key, None)
+            if seg is None:
+                seg = changed_runs_native(data, old, self.granularity, self.merge_gap,
+                                          max_runs=self.cost.max_runs(n, packable))
+            elif seg is False:
+                seg = None  # the fused pass found too many runs (the shadow is refreshed)
+            mode = "full" if seg is None else self.cost.choose(n, len(seg), seg.nbytes, packable) if len(seg) else "scattered"
+            if mode == "full":
                 self.whole += 1
                 return None
+            seg.mode, seg.data = mode, data
             return seg
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def ops(self, key, r: Runs | None, region, local_offset: int, remote, remote_offset: int, length: int,
+            dst: int) -> list:
+        """The ops of one planned write of output ``key`` (``r``: what :meth:`runs` returned):
+        a :class:`~weight_transfer.transport.base.WriteOp` of the whole output, a
+        :class:`~weight_transfer.transport.runs.RunsOp` of its runs, or the packed record's
+        write into inference rank ``dst``'s landing region (a record that does not fit goes
+        scattered or whole, whichever costs less); none when nothing changed."""
+        from .transport.base import WriteOp
+
+        RunsOp = self.runs_op  # noqa: N806 -- the class, handed over by the executor (no import cycle with transport.runs)
+        name = self.names.get(key, "?")
+        if r is None:
+            self.tensors.append((name, _kind(name), "full", length, length, 0))
+            return [WriteOp(region, local_offset, remote, remote_offset, length)]
+        if not len(r):
+            self.tensors.append((name, _kind(name), "unchanged", length, 0, 0))
+            return []
+        mode = r.mode
+        if mode == "packed":
+            op = self.packer.pack(dst, r.data, r, remote_offset, length)
+            if op is not None:
+                self.tensors.append((name, _kind(name), "packed", length, op.length, len(r)))
+                return [op]
+            mode = self.cost.choose(length, len(r), r.nbytes, False)  # did not fit: runs or whole
+        if mode == "full":
+            self.whole += 1
+            self.tensors.append((name, _kind(name), "full", length, length, 0))
+            return [WriteOp(region, local_offset, remote, remote_offset, length)]
+        self.tensors.append((name, _kind(name), "scattered", length, r.nbytes, len(r)))
+        return [RunsOp(region, local_offset, remote, remote_offset, length, r.starts, r.lens)]
+
+    def summary(self) -> dict[str, dict[str, list[int]]]:
+        """This update's writes per mode and tensor kind: ``{mode: {kind: [writes, bytes written,
+        output bytes]}}``."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for _name, kind, mode, n, wrote, _runs in self.tensors:
+            e = out.setdefault(mode, {}).setdefault(kind, [0, 0, 0])
+            e[0] += 1
+            e[1] += wrote
+            e[2] += n
+        return out
+
+
+def _kind(name: str) -> str:
+    from .changes import tensor_kind
+
+    return tensor_kind(name)
 
 
 def check_published(executor, store) -> None:

@@ -102,6 +102,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .delta_fused import fuse
 from .memory import RegisteredMemory, SetupStats, built_bytes
 from .options import ExecutorOptions
 from .records import BarrierRecord, StepStats, TaskRecord  # noqa: F401 -- re-exported (the records of an update)
@@ -153,7 +154,7 @@ class Executor(StageLoops):
     def __init__(self, plan: RankPlan, params: dict[str, DTensor], transport: Transport,
                  remote: dict[int, RegionDescriptor], *, options: ExecutorOptions | None = None,
                  group_barrier=None, write_timeout: float | None = 60.0, n_groups: int | None = None, log=None,
-                 pool_bytes: int | None = None):
+                 pool_bytes: int | None = None, landing: dict[int, RegionDescriptor] | None = None, senders: int = 1):
         options = ExecutorOptions() if options is None else options
         self.options = options
         self.plan, self.params, self.transport, self.remote = plan, params, transport, remote
@@ -192,17 +193,11 @@ class Executor(StageLoops):
         self.delta = None
         """:class:`weight_transfer.delta.DeltaState` with ``options.delta`` (the shadow and the
         full-or-delta decision), else None."""
+        self.landing = dict(landing or {})
+        """Inference rank -> its landing region's descriptor (packed deltas,
+        :mod:`weight_transfer.delta_packed`; connected on ``transport``)."""
         if options.delta:
-            from .delta import DeltaState
-            from .transport.runs import segment_cost_bytes
-
-            cost = options.delta_op_cost if options.delta_op_cost is not None else segment_cost_bytes(self.transport)
-            self.delta = DeltaState(self.memory.places, device=self.device, granularity=options.delta_granularity,
-                                    merge_gap=options.delta_merge_gap, max_bytes=options.delta_max_bytes,
-                                    op_cost_bytes=cost, rank=plan.rank)
-            self._say(f"delta updates: shadow of {self.delta.shadow_bytes / 1e6:.1f} MB "
-                      f"(granularity {options.delta_granularity} B, merge gap {options.delta_merge_gap} B, "
-                      f"run cost {cost} B)")
+            self._delta_setup(options, senders)
         self._close = weakref.finalize(self, self.memory.close)  # an executor dropped unclosed: no leak
 
     def close(self) -> None:
@@ -210,8 +205,39 @@ class Executor(StageLoops):
         executor is garbage-collected, so one built per update leaks nothing, but registers
         every time: build it once)."""
         self._close()
+        if self.delta is not None and self.delta.packer is not None:
+            self.delta.packer.close()
 
     # -- setup helpers
+
+    def _delta_setup(self, options: ExecutorOptions, senders: int) -> None:
+        """The delta state (:mod:`weight_transfer.delta`): shadow, cost model, and a packer when
+        receivers published landing regions and ``delta_mode`` is not ``scattered``."""
+        from .delta import DeltaState
+        from .delta_cost import CostModel
+        from .delta_packed import Packer
+
+        name = getattr(self.transport, "name", "cma")
+        cost = CostModel.for_transport(name, mode=options.delta_mode, wire_gbps=options.delta_wire_gbps,
+                                       op_cost_bytes=options.delta_op_cost)
+        packer = None
+        if self.landing and options.delta_mode != "scattered" and self.device.type == "cpu":
+            packer = Packer(self.landing, self.transport, rank=self.plan.rank, senders=senders, device=self.device)
+        names = {(i, j, k): o.tensor for i, t in enumerate(self.plan.tasks) for j, a in enumerate(t.assignments)
+                 for k, o in enumerate(a.recipe.outputs)}
+        self.delta = DeltaState(self.memory.places, device=self.device, granularity=options.delta_granularity,
+                                merge_gap=options.delta_merge_gap, max_bytes=options.delta_max_bytes,
+                                rank=self.plan.rank, cost=cost, packer=packer, names=names)
+        self.delta.fuse = options.delta_fused
+        from .transport.runs import RunsOp
+
+        self.delta.runs_op = RunsOp
+        if packer is not None:
+            self.memory.stats.registered_bytes += packer.nbytes
+        self._say(f"delta updates: shadow of {self.delta.shadow_bytes / 1e6:.1f} MB (granularity "
+                  f"{options.delta_granularity} B, merge gap {options.delta_merge_gap} B, mode {options.delta_mode}, "
+                  f"wire {1e-9 / cost.wire_s_per_byte:.2f} GB/s, run {cost.run_s * 1e9:.0f} ns; packing into "
+                  f"{len(packer._at) if packer else 0} landing region(s), {packer.nbytes / 1e6 if packer else 0:.1f} MB)")
 
     def _agree_n_groups(self, n_groups: int | None) -> int:
         local = max((t.group for t in self.plan.tasks), default=-1) + 1
@@ -340,7 +366,11 @@ class Executor(StageLoops):
             if self._last_of_group.get(task.group) == w.index:
                 w.barriers_issued = True
                 self._issue_barriers_through(task.group)
-            outs = prepare_outputs(task, full, into=self.memory.buffers(w.index, w.pool_off))
+            into = self.memory.buffers(w.index, w.pool_off)
+            fused = fuse(self.delta, task, w.index, full, into)  # delta: cast + compare in one pass
+            outs = prepare_outputs(task, full, into=into)
+            for ai, o in fused.items():
+                outs[ai] = o
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
@@ -446,15 +476,26 @@ class Executor(StageLoops):
                        offloaded=self.offloaded, step=step, full_bytes=self.plan.send_bytes)
         stop = cancel if cancel is not None else threading.Event()
         if self.delta is not None:
-            st.delta = f"full: {self.delta.reason}" if self.delta.begin(self.remote) else "delta"
-            st.delta_shadow_bytes = self.delta.shadow_bytes
+            d = self.delta
+            sig = {**self.remote, **{("landing", r): x for r, x in self.landing.items()}}
+            st.delta = f"full: {d.reason}" if d.begin(sig, step) else "delta"
+            d.fused_s = 0.0
+            st.delta_shadow_bytes = d.shadow_bytes
             try:
                 out = self._run(st, step, stop)
+                t0 = time.perf_counter()
+                dir_ops = d.packer.finish() if d.packer is not None else []
+                if dir_ops:  # the directory entries, once every record landed (the receiver's commit reads them)
+                    st.bytes_sent += self.transport.write(dir_ops).wait()
+                    st.n_writes += len(dir_ops)
             except BaseException:
-                self.delta.end(step, ok=False)
+                d.end(step, ok=False)
                 raise
-            self.delta.end(step, ok=True)
-            st.delta_compare_s, st.delta_whole = self.delta.seconds, self.delta.whole
+            d.end(step, ok=True)
+            st.delta_compare_s, st.delta_whole, st.delta_fused_s = d.seconds, d.whole, d.fused_s
+            st.delta_pack_s = d.packer.seconds if d.packer is not None else 0.0
+            st.delta_wire_s = st.stage_busy().get("write", 0.0) + (time.perf_counter() - t0)
+            st.delta_modes, st.delta_tensors = d.summary(), list(d.tensors)
             return out
         return self._run(st, step, stop)
 

@@ -488,9 +488,10 @@ class RegisteredMemory:
         Returns (ops, bytes copied so). RuntimeError when an output's size differs from the
         plan's writes, or a view-of-shard output is not inside the storage registered for it (the
         shard was re-allocated since setup: shards must be updated in place). ``delta``
-        (:class:`weight_transfer.delta.DeltaState`): each output's writes carry only the runs
-        that changed since the last update (none when nothing did): one
-        :class:`weight_transfer.transport.runs.RunsOp` per output and receiver. ``shift``
+        (:class:`weight_transfer.delta.DeltaState`): each output's writes carry only what
+        changed since the last update (none when nothing did), as its cost model chooses per
+        output and receiver: one :class:`weight_transfer.transport.runs.RunsOp`, one packed
+        record into the receiver's landing region, or the whole output. ``shift``
         (inference rank -> bytes): added to every planned remote offset of that rank (a receiver
         with flip shadow targets: the half that is not live, :mod:`weight_transfer.shadow`), or
         ``(lo, hi, delta)``: ``delta`` added to the writes whose planned offset is in ``[lo, hi)``
@@ -554,13 +555,10 @@ class RegisteredMemory:
                         extra += len(loc.parts) - 1
                         continue
                     reg, lo = loc
-                    r = runs[w.output]
-                    if r is None:
+                    if delta is not None:  # whole, runs (RunsOp) or a packed record: the cost model's choice
+                        ops += delta.ops((index, ai, w.output), runs[w.output], reg, lo, d, ro, w.length, w.dst_rank)
+                    else:
                         ops.append(WriteOp(reg, lo, d, ro, w.length))
-                    elif len(r):
-                        from .transport.runs import RunsOp
-
-                        ops.append(RunsOp(reg, lo, d, ro, w.length, r.starts, r.lens))
         self.extra_ops = extra
         return ops, copied
 

@@ -97,6 +97,23 @@ class ExecutorOptions:
     more than writing it whole is written whole (:mod:`weight_transfer.delta`). None: the
     transport's measured cost (cma 1024, shm 64, others 12288:
     :func:`weight_transfer.transport.runs.segment_cost_bytes`); 0: never (fewest bytes)."""
+    delta_mode: str = field(default="auto", metadata={"choices": ("auto", "scattered", "packed")})
+    """How a delta writes each changed output (:mod:`weight_transfer.delta_cost`): ``auto`` the
+    cost model's cheapest of scattered runs, one packed record (into the receiver's landing
+    region, scattered at its commit: :mod:`weight_transfer.delta_packed`) or the whole output;
+    ``scattered`` never packed (runs or whole); ``packed`` packed whenever it fits."""
+    delta_wire_gbps: float | None = field(default=None, metadata={"unit": "GB/s"})
+    """The cost model's wire bandwidth (GB/s, 1e9 bytes/s); None: the transport's default
+    (:data:`weight_transfer.delta_cost.WIRE_GBPS`: cma 3, shm 6, nixl/verbs 12.5). A slow link
+    (a rate-limited veth) makes packed deltas win."""
+    delta_landing: float = 0.25
+    """Landing region a receiver registers for packed deltas, as a fraction of its target
+    bytes (receivers started by this project's launchers: the one_sided vLLM backend); a packed
+    record that would not fit goes scattered or whole. 0: none (no packed deltas)."""
+    delta_fused: bool = True
+    """Fuse the comparison into the prepare stage's fp32 -> bf16 cast where an output is one
+    contiguous cast of one source (:mod:`weight_transfer.delta_fused`): one pass casts,
+    compares, updates the shadow and emits the runs."""
     delta_max_bytes: int | None = field(default=None, metadata={"flag": "--delta-max-mb", "unit": "MiB", "scale": MiB})
     """Most bytes of shadow copy one training rank may hold for delta updates (bytes; on the
     command line MiB); a plan needing more is refused when the executor is built. None: no bound
@@ -111,6 +128,12 @@ class ExecutorOptions:
             raise ValueError(f"delta_merge_gap={self.delta_merge_gap}: bytes >= 0")
         if self.delta_op_cost is not None and self.delta_op_cost < 0:
             raise ValueError(f"delta_op_cost={self.delta_op_cost}: bytes >= 0, or None for the transport's")
+        if self.delta_mode not in ("auto", "scattered", "packed"):
+            raise ValueError(f"delta_mode={self.delta_mode!r}: auto, scattered or packed")
+        if self.delta_wire_gbps is not None and not self.delta_wire_gbps > 0:
+            raise ValueError(f"delta_wire_gbps={self.delta_wire_gbps}: GB/s > 0, or None for the transport's")
+        if not 0 <= self.delta_landing <= 4:
+            raise ValueError(f"delta_landing={self.delta_landing}: a fraction of the target bytes in [0, 4]")
         if self.delta_max_bytes is not None and self.delta_max_bytes < 0:
             raise ValueError(f"delta_max_bytes={self.delta_max_bytes}: bytes >= 0, or None for unbounded")
 

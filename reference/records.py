@@ -94,6 +94,22 @@ class StepStats:
     delta_whole: int = 0
     """Outputs of a delta update written whole because their runs would cost more (the cost
     model of :mod:`weight_transfer.delta`)."""
+    delta_fused_s: float = 0.0
+    """Seconds of the prepare stage's fused cast + compare passes (:mod:`weight_transfer.delta_fused`;
+    they replace the cast and the separate comparison of those outputs)."""
+    delta_pack_s: float = 0.0
+    """Seconds spent packing records (:mod:`weight_transfer.delta_packed`, inside the write stage)."""
+    delta_wire_s: float = 0.0
+    """Seconds the write stage was busy (union of post -> completion; the directory write included)."""
+    delta_apply_s: float = 0.0
+    """Seconds the receivers' commits spent scattering packed records (the slowest receiver;
+    filled in by the caller from the commit reports, 0 here)."""
+    delta_modes: dict = field(default_factory=dict)
+    """This update's writes per mode and kind (:meth:`weight_transfer.delta.DeltaState.summary`):
+    ``{mode: {kind: [writes, bytes written, output bytes]}}``, modes ``full``, ``scattered``,
+    ``packed``, ``unchanged``."""
+    delta_tensors: list = field(default_factory=list)
+    """Per write: ``(tensor, kind, mode, output bytes, bytes written, runs)``."""
 
     @property
     def wire_bytes(self) -> int:

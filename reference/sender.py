@@ -198,13 +198,37 @@ class Sender:
         self.transport = make_transport(receivers_transport(self.options.transport.name, descriptors))
         lease.attach(self.transport, self.store)  # receivers' deregister waits for our batch in flight (C17)
         self.transport.connect(list(descriptors.values()))
+        landing = self._landing(descriptors)
         self.executor = Executor(rank_plan, self.params, self.transport, descriptors, options=self.options.executor,
-                                 group_barrier=self.group_barrier)
+                                 group_barrier=self.group_barrier, landing=landing, senders=self.world_size)
         su = getattr(self.executor, "setup_stats", None)
         reg = (f"; registered once: {su.n_regions} region(s), {su.registered_bytes / 1e6:.1f} MB in "
                f"{su.register_seconds * 1e3:.1f} ms ({su.transport})" if su is not None else "")
         self.log(f"plan: {len(rank_plan.tasks)} tasks, {rank_plan.n_writes} writes, "
                  f"{rank_plan.send_bytes / 1e9:.3f} GB to send{reg}")
+
+    def _landing(self, descriptors) -> dict:
+        """Packed deltas: the landing regions the receivers of ``descriptors`` published
+        (:data:`weight_transfer.delta_packed.LANDING_KEY`), connected on this transport; one that
+        cannot be connected (another transport, a receiver gone) is left out (that receiver gets
+        no packed records)."""
+        ex = self.options.executor
+        if not ex.delta or ex.delta_mode == "scattered":
+            return {}
+        from .delta_packed import LANDING_KEY
+
+        out = {}
+        for r in descriptors:
+            key = LANDING_KEY.format(rank=r)
+            if self.store.check([key]):
+                d = control.get(self.store, key)
+                try:
+                    self.transport.connect([d])
+                except (ValueError, OSError, RuntimeError) as e:
+                    self.log(f"delta: inference rank {r}'s landing region not used: {e}")
+                    continue
+                out[r] = d
+        return out
 
     def send(self, version: int):
         """Run this rank's writes of the update to ``version`` now, outside the push protocol

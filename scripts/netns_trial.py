@@ -38,6 +38,27 @@ What happens:
 5. The namespaces are deleted on exit, also on failure, Ctrl-C or SIGTERM (deleting a
    namespace removes its veth end); every task process is killed first.
 
+A wire-bound link (``--link-rate RATE`` or ``--memory-wire-ratio X``; docs/DELTA.md, "On a
+wire-bound link"): a ``tc`` token bucket (tbf) on the training-side veth's egress, the direction
+the writes flow, at ``RATE`` (tc units: ``400mbit``, ``1.5gbit``, ``50mbps`` = MB/s) or at the
+same run's single-thread memcpy bandwidth divided by ``X`` (measured here before the namespaces
+exist; a cluster's HBM:NIC is ~100). Burst 128 KiB (two of veth's 64 KiB GSO packets; the
+bucket's depth), queue ``max(4 MiB, 20 ms)``; no added delay (no netem in this kernel). The
+report states the rate, the memcpy, their ratio, the veth's tx/rx counters and the bucket's
+sent / dropped / overlimit counts, and each update's bytes on the link (``link_tx_bytes``: the
+training veth's tx growth, read by the controller after every update); it compares the full
+updates' p50 with ``bytes x 8 / rate`` and flags them when the wire is under 70% of it (not
+wire-bound). Replayed RL steps and paired pushes (``--replay DIR --delta --delta-pairs``: every
+step's weights pushed as a full update and as a delta in the same run) print the full-against-
+delta table (:func:`weight_transfer.experiments.link.pair_table`) and append every row to
+``--wire-csv`` (default results/delta_wire.csv)::
+
+    .venv/bin/python scripts/netns_trial.py --memory-wire-ratio 100 \
+        --model qwen3-0.6b --override num_hidden_layers=2 --override vocab_size=8192 --n-train 2 --tp 1 \
+        --replay results/runs/rl_steps/lr1e-6 --replay-start 1 --delta --delta-pairs --delta-op-cost 0 \
+        --warmup 2 --steps 12
+    make delta-wire      # NIXL installed if missing, the RL steps saved if missing, bf16 and FP8 at both lrs
+
 Exit status: 0 when every update verified and the veth check holds; 1 otherwise; 2 for bad
 input or when namespaces cannot be created. The last line is
 ``netns trial: ... verified N/N ... veth check: True``.
@@ -93,12 +114,28 @@ def task_main(argv: list[str]) -> int:
     if a.global_rank == 0:
         progress = lambda r: print(f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}",  # noqa: E731
                                    file=sys.stderr, flush=True)
+    link_dev = os.environ.get("WT_LINK_DEV")
+    if a.global_rank == 0 and link_dev:  # each update's bytes on the training veth (tx; the controller is in its namespace)
+        prev = [_sys_counter(link_dev, "tx_bytes"), _sys_counter(link_dev, "tx_packets")]
+
+        def progress(r):
+            now = [_sys_counter(link_dev, "tx_bytes"), _sys_counter(link_dev, "tx_packets")]
+            r["link_tx_bytes"], r["link_tx_packets"] = now[0] - prev[0], now[1] - prev[1]
+            prev[:] = now
+            print(f"# step {r['step']}: {r['seconds']:.3f} s, verified={r['verified']}, {r.get('pair_mode') or r.get('delta') or 'full'}, "
+                  f"{r.get('delta_bytes', r['bytes'])} B written, {r['link_tx_bytes']} B on the link", file=sys.stderr, flush=True)
     result = run_task(cfg, a.global_rank, host, int(port), progress=progress)
     if a.global_rank == 0 and a.result:
         with open(a.result + ".part", "wb") as f:
             pickle.dump(result, f)
         os.replace(a.result + ".part", a.result)
     return 0
+
+
+def _sys_counter(dev: str, name: str) -> int:
+    """``/sys/class/net/<dev>/statistics/<name>`` of this process's namespace."""
+    with open(f"/sys/class/net/{dev}/statistics/{name}") as f:
+        return int(f.read())
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +190,26 @@ def parse_args(argv: list[str]):
                "--n-train, --tp, --steps, --results, ...).")
     ap.add_argument("--store-port", type=int, default=STORE_PORT, help="controller's TCPStore port (inside A)")
     ap.add_argument("--no-csv", action="store_true", help="do not append rows to --results")
+    lk = ap.add_mutually_exclusive_group()
+    lk.add_argument("--link-rate", default=None, metavar="RATE",
+                    help="rate-limit the link (tc tbf on the training veth): tc units, e.g. 400mbit, 2gbit, 50mbps (MB/s)")
+    lk.add_argument("--memory-wire-ratio", type=float, default=None, metavar="X",
+                    help="rate-limit the link to this run's single-thread memcpy bandwidth / X (a cluster's ~100)")
+    ap.add_argument("--link-burst", type=int, default=None, metavar="BYTES",
+                    help="the token bucket's burst (default 131072: two 64 KiB GSO packets)")
+    ap.add_argument("--wire-csv", default=os.path.join(ROOT, "results", "delta_wire.csv"), metavar="PATH",
+                    help="with a link rate: append every row (with the link's columns) here; '' for none")
     own, rest = ap.parse_known_args(argv)
+    if own.link_rate is not None:
+        from weight_transfer.experiments.link import parse_rate
+
+        parse_rate(own.link_rate)  # ValueError: reported as one error line before anything starts
+    if own.memory_wire_ratio is not None and not own.memory_wire_ratio > 1:
+        raise ValueError(f"--memory-wire-ratio {own.memory_wire_ratio}: > 1 (a cluster's is ~100)")
+    if own.link_burst is not None and own.link_burst < 65536 + 128:
+        raise ValueError(f"--link-burst {own.link_burst}: at least 65664 (one 64 KiB GSO packet plus headers)")
+    if own.link_burst is not None and own.link_rate is None and own.memory_wire_ratio is None:
+        raise ValueError("--link-burst without --link-rate or --memory-wire-ratio")
     args = build_parser().parse_args(["run", *rest])
     return own, args
 
@@ -162,15 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_task":
         return task_main(argv[1:])
-    own, args = parse_args(argv)
-
+    try:
+        own, args = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
 
     from weight_transfer.experiments.command import config_from_args
     from weight_transfer.types import PlanError
 
     try:
-        if args.transport not in (None, "nixl"):
-            raise ValueError(f"--transport {args.transport}: this launcher moves the weights with nixl only")
+        transport = getattr(args, "transport", None)  # options not given are absent from the namespace
+        if transport not in (None, "nixl"):
+            raise ValueError(f"--transport {transport}: this launcher moves the weights with nixl only")
         cfg = config_from_args(args).replace(transport="nixl")
         if cfg.run.method == "all":
             raise ValueError("--method all: one method per launch here (reference, rank0_funnel or rpc)")
@@ -193,8 +253,24 @@ def main(argv: list[str] | None = None) -> int:
 
         load_nixl()
     except ImportError as e:
-        print(f"netns trial: cannot run: {e}", file=sys.stderr)
+        print(f"netns trial: cannot run: {e} (install it: make nixl, or "
+              f"{sys.executable} -m pip install 'nixl-cu12==1.5.1')", file=sys.stderr)
         return 2
+    limited = own.link_rate is not None or own.memory_wire_ratio is not None
+    if limited and shutil.which("tc") is None:
+        print("netns trial: cannot run: --link-rate / --memory-wire-ratio need tc (iproute2)", file=sys.stderr)
+        return 2
+    from weight_transfer.experiments import link
+    from weight_transfer.experiments.env import measure_memcpy_gbps
+
+    memcpy = measure_memcpy_gbps()  # the same run's local memory bandwidth (one thread, 256 MiB, best of 3)
+    rate_bits = how = None
+    if limited:
+        rate_bits, how = link.wire_rate_bits(link_rate=own.link_rate, ratio=own.memory_wire_ratio, memcpy_gbps=memcpy)
+    burst = own.link_burst or link.BURST_BYTES
+    ex = cfg.transfer.executor
+    if rate_bits and ex.delta and getattr(ex, "delta_wire_gbps", "absent") is None:
+        cfg = cfg.replace(delta_wire_gbps=rate_bits / 8e9)  # the delta cost model prices bytes at the link's rate
 
     stale = cleanup_stale(sh)
     if stale:
@@ -229,6 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     try:
         demo.make_veth_pair(ns_t, ns_i, dev_t, dev_i, TRAIN_IP, INFER_IP)
+        if rate_bits:  # the wire-bound link: a token bucket on the training side's egress (the writes' direction)
+            tbf = link.tbf_command(dev_t, rate_bits, burst=burst)
+            sh("ip", "netns", "exec", ns_t, *tbf)
+            print(f"# link: {' '.join(tbf)} in {ns_t} ({how}); "
+                  f"{link.format_rate(rate_bits)}; memcpy {memcpy:.2f} GB/s -> memory:wire "
+                  f"{link.memory_wire_ratio(memcpy, rate_bits):.1f}:1", file=sys.stderr, flush=True)
+
+        def counters():
+            return {k: int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/{k}").stdout)
+                    for ns, dev, keys in ((ns_t, dev_t, ("tx_bytes", "tx_packets")), (ns_i, dev_i, ("rx_bytes", "rx_packets")))
+                    for k in keys}
+        c0 = counters()
 
         cfg_path, res_path = os.path.join(tmp, "cfg.pkl"), os.path.join(tmp, "result.pkl")
         with open(cfg_path, "wb") as f:
@@ -246,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             role, _ = task_role(cfg, g)
             ns, dev = (ns_i, dev_i) if role == "infer" else (ns_t, dev_t)
             env = dict(base_env, UCX_NET_DEVICES=dev, GLOO_SOCKET_IFNAME=dev)
+            if g == 0:
+                env["WT_LINK_DEV"] = dev_t  # the controller records each update's bytes on the link
             cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "_task",
                    "--cfg", cfg_path, "--global-rank", str(g), "--store", f"{TRAIN_IP}:{own.store_port}"]
             if g == 0:
@@ -276,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"netns trial: FAILED: {failed or 'the controller wrote no result'}", file=sys.stderr)
             return 1
         rx = demo.rx_bytes(ns_i, dev_i) - rx0
+        c1 = counters()
+        tc_stats = link.parse_tc_stats(sh("ip", "netns", "exec", ns_t, "tc", "-s", "qdisc", "show", "dev", dev_t,
+                                          check=False).stdout) if rate_bits else {}
         with open(res_path, "rb") as f:
             result = pickle.load(f)
     finally:
@@ -286,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     from weight_transfer.experiments.report import append_csv, format_table
 
     rows = result.rows
-    written = sum(r["bytes"] for r in rows)
+    written = sum(r.get("delta_bytes", r["bytes"]) for r in rows)  # what was written (a delta writes less than `bytes`)
     veth_ok = rx >= written
     n_ok = sum(1 for r in rows if r["verified"])
     all_ok = n_ok == len(rows) and all(r["verified"] for r in rows)
@@ -295,11 +388,44 @@ def main(argv: list[str] | None = None) -> int:
           f"({INFER_IP}); NIXL/UCX over TCP on veth {dev_t} <-> {dev_i} (UCX_TLS=tcp)")
     print(f"# veth {dev_i} rx_bytes grew by {rx} during the trial; bytes written by {len(rows)} updates "
           f"(warm-up included): {written}; crossed the link: {veth_ok}")
+    wire = {}
+    if rate_bits or cfg.run.delta_pairs:
+        grown = {k: c1[k] - c0[k] for k in c0}
+        lr = None
+        if cfg.run.replay:
+            lr = cfg.run.step_source().manifest.get("lr")
+        for r in rows:
+            r.update(link_rate_bits=rate_bits or 0, link_burst=burst if rate_bits else 0, memcpy_gbps=memcpy,
+                     memory_wire_ratio=link.memory_wire_ratio(memcpy, rate_bits) if rate_bits else None,
+                     replay=os.path.basename(cfg.run.replay) if cfg.run.replay else "", replay_lr=lr,
+                     delta_op_cost=cfg.transfer.executor.delta_op_cost,
+                     delta_mode=getattr(cfg.transfer.executor, "delta_mode", "") if cfg.transfer.executor.delta else "",
+                     delta_wire_gbps=getattr(cfg.transfer.executor, "delta_wire_gbps", None))
+        if rate_bits:
+            print(f"# link: tbf rate {link.format_rate(rate_bits)} ({how}), burst {burst} B, limit "
+                  f"{link.queue_limit(rate_bits)} B, no delay; memcpy (1 thread, this run) {memcpy:.2f} GB/s; "
+                  f"memory:wire {link.memory_wire_ratio(memcpy, rate_bits):.1f}:1")
+            print(f"# link counters over the trial: {dev_t} tx {grown['tx_bytes']} B / {grown['tx_packets']} packets, "
+                  f"{dev_i} rx {grown['rx_bytes']} B / {grown['rx_packets']} packets "
+                  f"({grown['tx_bytes'] / max(1, grown['tx_packets']):.0f} B per packet); tbf sent {tc_stats.get('bytes')} B, "
+                  f"dropped {tc_stats.get('dropped')}, overlimits {tc_stats.get('overlimits')} (packets held for tokens); "
+                  f"link bytes / bytes written {grown['tx_bytes'] / max(1, written):.3f}")
+            wire = link.wire_check(rows, rate_bits)
+            if wire:
+                print(f"# wire-bound check: full updates p50 {wire['full_p50_s']:.4f} s against bytes x 8 / rate = "
+                      f"{wire['full_bytes']:.0f} B -> {wire['wire_s']:.4f} s on the wire ({100 * wire['share']:.0f}% of "
+                      f"the update): {'wire-bound' if wire['wire_bound'] else 'NOT WIRE-BOUND (the link is not the limit)'}")
+        if cfg.run.delta_pairs or cfg.transfer.executor.delta:
+            table, _ = link.pair_table(rows, rate_bits)
+            print(table)
+        if own.wire_csv and not own.no_csv:
+            print(f"# rows appended to {append_csv(rows, own.wire_csv)}")
     if not own.no_csv:
         print(f"# rows appended to {append_csv(rows, args.results)}")
     print(f"netns trial: {cfg.model_config().label} {cfg.train.n_train} -> {cfg.n_infer} ranks, transport nixl over veth: "
           f"verified {n_ok}/{len(rows)}; veth rx {rx} >= {written} bytes written; veth check: {veth_ok}; "
-          f"wall {time.perf_counter() - t_start:.1f} s")
+          + (f"link {link.format_rate(rate_bits)}, wire-bound: {wire.get('wire_bound')}; " if rate_bits else "")
+          + f"wall {time.perf_counter() - t_start:.1f} s")
     return 0 if all_ok and veth_ok else 1
 
 

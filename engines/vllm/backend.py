@@ -101,6 +101,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.base import ParamMeta as VllmParamMeta
 
+from . import delta_apply  # packed deltas: the landing region and the commit's scatter
 from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worker, before the model is built
 
 __all__ = ["BACKEND", "INCOMPLETE", "GO_LIVE_UTILITY", "register", "OneSidedInitInfo", "OneSidedUpdateInfo",
@@ -230,6 +231,9 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     transport: str = "auto"
     timeout: float = 120.0
     shadow: str = "off"
+    delta_landing: float = 0.0
+    """Packed delta updates: register a landing region of this fraction of the worker's target
+    bytes (:mod:`weight_transfer.engines.vllm.delta_apply`); 0: none."""
 
     def __post_init__(self):
         if not isinstance(self.store_host, str) or not self.store_host:
@@ -297,6 +301,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         self.version: int | None = None
         self.last_commit: dict | None = None
         self._active: int | None = None
+        self.delta_landing = None
         self.shadow = None
 
     def _tp_rank(self) -> int:
@@ -389,6 +394,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
                                       timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
         self.receiver, self.layout, self.store = rx, lay, store
+        self.delta_landing = delta_apply.attach(self, rx, lay, store, rank, init_info.delta_landing)  # packed deltas
 
     # ------------------------------------------------------------------ per update
     def start_weight_update(self) -> None:
@@ -446,6 +452,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             res = control.get(store, key)
             if not res["ok"]:
                 raise RuntimeError(f"{refused}: training {r} failed: {res['error']}")
+        dstats = delta_apply.apply_delta(self, v)  # packed delta records scattered into place, before the go-live/commit
         if self.shadow is not None:  # the go-live, between two engine steps
             from .shadow import shadow_go_live
 
@@ -463,6 +470,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         except Exception as e:
             control.put(store, f"step/{v}/committed/{self.rank}", {"ok": False, "error": _first_line(e), "stats": None})
             raise
+        stats = {**stats, **dstats}
         control.put(store, f"step/{v}/committed/{self.rank}", {"ok": True, "error": "", "stats": stats})
         self.version, self.last_commit, self._active = v, stats, v
 
@@ -480,6 +488,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         """Release the registration (waits for a sender's batch in flight); idempotent. The
         staging tensors stay (vLLM's post-processing reads them only at a commit)."""
         rx, self.receiver = self.receiver, None
+        delta_apply.close(self)
         if rx is not None:
             rx.close()
         self.targets.release()
@@ -918,7 +927,8 @@ def _publish_sources(store, params, views) -> None:
 def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float) -> dict:
     """The :class:`OneSidedInitInfo` (as a dict) rank 0 hands one engine's workers."""
     return {"store_host": host, "store_port": port, "first_rank": first_rank, "targets": info.targets,
-            "transport": opts.transport.name, "timeout": timeout, "shadow": info.shadow or "off"}
+            "transport": opts.transport.name, "timeout": timeout, "shadow": info.shadow or "off",
+            "delta_landing": opts.executor.delta_landing if opts.executor.delta and opts.executor.delta_mode != "scattered" else 0.0}
 
 
 def _init_inference(client, worker_info: dict) -> None:

@@ -148,6 +148,74 @@ def op_costs(transports=("cma", "shm"), sizes=(8, 64, 128, 256, 1024, 4096, 1638
     return out
 
 
+def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int = 3) -> list[dict]:
+    """Seconds of each delta phase on one bf16 output of ``elements`` elements cast from an fp32
+    master, ``fraction`` of its elements changed (uniformly scattered, 8-byte blocks), best of
+    ``repeats``, in this process: ``separate`` the cast (torch) then the native comparison,
+    ``fused`` the fused cast + compare (:mod:`weight_transfer.delta_fused`), ``pack`` packing the
+    runs into one record, ``apply`` the receiver's scatter of it (:mod:`weight_transfer.delta_packed`).
+    Rows as :func:`op_costs`' (``ops``: runs, ``us_per_op``: per run) plus ``seconds``."""
+    import ctypes
+
+    import torch
+
+    from weight_transfer.delta import KERNEL, changed_runs_native
+    from weight_transfer.delta_fused import cast_bf16_delta
+
+    lib = KERNEL.lib()
+    if lib is None:
+        return []
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(elements, generator=g) * 0.02
+    b = a.clone()
+    idx = torch.randperm(elements, generator=g)[:int(elements * fraction)]
+    b[idx] = b[idx].to(torch.bfloat16).float() * (1 + 2 ** -6)  # a changed bf16 element
+    base = a.to(torch.bfloat16).view(torch.uint8)
+    out = torch.empty(2 * elements, dtype=torch.uint8)
+    rows, best = [], {}
+
+    def timed(name, fn):
+        t = float("inf")
+        for _ in range(repeats):
+            shadow = base.clone()
+            t0 = time.perf_counter()
+            r = fn(shadow)
+            t = min(t, time.perf_counter() - t0)
+        best[name] = (t, r)
+
+    def separate(shadow):
+        out.view(torch.bfloat16).copy_(b)
+        return changed_runs_native(out, shadow, 8)
+
+    timed("separate", separate)
+    timed("fused", lambda shadow: cast_bf16_delta(b, out, shadow, 8))
+    runs = best["fused"][1]
+    m, c = len(runs), runs.nbytes
+    rec = torch.empty(8 * m + c, dtype=torch.uint8)
+    timed("pack", lambda _s: lib.wt_pack_runs(out.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m,
+                                              rec.data_ptr(), rec[8 * m:].data_ptr()))
+    dst = base.clone()
+    timed("apply", lambda _s: lib.wt_unpack(ctypes.c_void_p(dst.data_ptr()), rec.data_ptr(), rec[8 * m:].data_ptr(), m))
+    for name, (t, _r) in best.items():
+        rows.append({"transport": "cpu", "path": name, "op_bytes": 2 * elements, "ops": m, "us_per_op": t * 1e6 / m,
+                     "gbps": 2 * elements / t / 1e9, "seconds": t})
+    return rows
+
+
+def _packed_table(rows: list[dict]) -> list[str]:
+    lines = ["# delta phases on one bf16 output cast from fp32 (1.28% of elements changed, 8-byte blocks):",
+             "# separate = torch cast + native compare; fused = one pass (cast, compare, shadow, runs);",
+             "# pack = the runs into one record; apply = the receiver's scatter of it",
+             f"{'path':>9} {'output':>10} {'runs':>8} {'seconds':>9} {'per run':>8} {'output GB/s':>11}",
+             f"{'':>9} {'(B)':>10} {'':>8} {'(s)':>9} {'(us)':>8} {'':>11}"]
+    for r in rows:
+        lines.append(f"{r['path']:>9} {r['op_bytes']:>10} {r['ops']:>8} {r['seconds']:>9.4f} {r['us_per_op']:>8.4f} "
+                     f"{r['gbps']:>11.2f}")
+    if len(rows) >= 2:
+        lines.append(f"# fused / separate: {rows[1]['seconds'] / rows[0]['seconds']:.3f}x")
+    return lines
+
+
 def _ops_table(rows: list[dict]) -> list[str]:
     lines = ["# op: one WriteOp per write (+ base checks + post); run: one RunsOp holding every write as a run",
              "# (checked and posted from C); writes spread over a 64 MiB region of another process",
@@ -173,6 +241,9 @@ def main(args: DeltaBenchConfig) -> int:
 
     ops = op_costs(sizes=args.op_sizes)
     print("\n".join(["# weight-transfer bench-delta: the cost of one op", *_ops_table(ops)]), flush=True)
+    phases = packed_costs()
+    print("\n".join(_packed_table(phases)), flush=True)
+    ops += phases
     if args.ops_out:
         pd.DataFrame(ops).to_csv(args.ops_out, index=False)
     if args.ops_only:

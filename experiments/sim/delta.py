@@ -111,11 +111,23 @@ def expected_runs_and_units(n: int, p: float, gap_units: int) -> tuple[float, fl
 # ------------------------------------------------------------------------------ the delta model
 
 
+BLOCK_BYTES = 8
+"""The executor's compare unit since issue 26 (``--delta-granularity 8``): granularity ``block8``."""
+MODES = ("scattered", "packed")
+"""How a delta's changed units reach the receiver: one RDMA WRITE per run, or one packed record
+per output and receiver (64-byte header + 8 bytes of index per run + the changed bytes, 64-byte
+aligned: :mod:`weight_transfer.delta_packed`) scattered by the receiver at its commit."""
+
+
 def _unit(recipe: Recipe, out_index: int, dtype: str, granularity: str) -> tuple[str, int, int]:
     """(measured granularity, unit bytes, measured units per unit) of one output."""
     if recipe.transform == "fp8_block" and out_index == 1:  # weight_scale_inv, float32
+        if granularity == "block8":
+            return "scales", BLOCK_BYTES, BLOCK_BYTES // 4
         return ("scales", 4, 1) if granularity == "elems" else ("scales", ROW_BYTES, ROW_BYTES // 4)
     sz = itemsize(dtype)
+    if granularity == "block8":  # from the element fractions: a block changes when any element does
+        return ("fp8_elems" if sz == 1 else "bf16_elems"), BLOCK_BYTES, max(1, BLOCK_BYTES // sz)
     if sz == 1:  # FP8 e4m3 weight
         return {"elems": ("fp8_elems", 1, 1), "rows": ("fp8_rows", ROW_BYTES, 1),
                 "blocks": ("fp8_blocks", ROW_BYTES, 1)}[granularity]
@@ -132,8 +144,17 @@ class DeltaModel:
     (floats); cached per (kind, unit, length)."""
 
     def __init__(self, fractions: Fractions, hw: Hardware, *, granularity: str = "rows", merge_gap: int = 4096,
-                 header_bytes: int = RDMA_HEADER_BYTES):
-        if granularity not in GRANULARITIES:
+                 header_bytes: int = RDMA_HEADER_BYTES, mode: str = "scattered", costs=None):
+        """``mode``: :data:`MODES`; ``costs``: measured passes per byte
+        (:class:`~weight_transfer.experiments.sim.delta_costs.DeltaCosts`) for the compare, pack
+        and apply, scaled by its rule; None: the compare's read-and-write count, ``(2 x output +
+        changed) / hbm`` (``packed`` needs ``costs``)."""
+        if mode not in MODES:
+            raise ValueError(f"delta mode {mode!r}: expected one of {', '.join(MODES)}")
+        if mode == "packed" and costs is None:
+            raise ValueError("delta mode packed: needs measured costs (--delta-costs)")
+        self.mode, self.costs = mode, costs
+        if granularity not in (*GRANULARITIES, "block8"):
             raise ValueError(f"delta granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
         if merge_gap < 0:
             raise ValueError(f"delta merge gap {merge_gap}: must be >= 0 bytes")
@@ -159,13 +180,24 @@ class DeltaModel:
             n = -(-nbytes // unit)
             runs, units = expected_runs_and_units(n, p, self.merge_gap // unit)
             payload = min(float(nbytes), units * unit)
-            got = self._cost[key] = (payload + runs * self.header_bytes, runs, payload)
+            if self.mode == "packed":  # one record: header + 8 B of index per run + the changed bytes, 64-aligned
+                rec = -(-(64 + 8 * runs + payload) // 64) * 64 if runs > 0 else 0.0
+                got = self._cost[key] = (rec, min(1.0, runs), payload, runs)
+            else:
+                got = self._cost[key] = (payload + runs * self.header_bytes, runs, payload, runs)
         return got
+
+    def apply_seconds(self, received: float) -> float:
+        """Seconds a receiver's commit spends scattering ``received`` packed bytes (0 unless
+        packed): ``apply_passes x 2 x bytes / hbm``."""
+        if self.mode != "packed":
+            return 0.0
+        return self.costs.seconds(self.costs.apply, received, self.hw.hbm_gbs)
 
     def write(self, recipe: Recipe, out_index: int, length: int) -> tuple[float, float]:
         """(wire bytes, ops) of one write of the schedule (all ``length`` bytes of output
         ``out_index``) as a delta."""
-        b, n, _ = self._output_cost(recipe, out_index, length)
+        b, n, _, _ = self._output_cost(recipe, out_index, length)
         return b, n
 
     def compare_seconds(self, recipe: Recipe) -> float:
@@ -180,9 +212,14 @@ class DeltaModel:
                 nb = itemsize(o.dtype)
                 for a, b in o.box:
                     nb *= b - a
-                _, runs, payload = self._output_cost(recipe, i, nb)
-                got += ((2 * nb + payload) / (hw.hbm_gbs * 1e9) + 3 * hw.kernel_us * 1e-6
-                        + runs * RUN_DESCRIPTOR_BYTES / (hw.pcie_gbs * 1e9))
+                wire, _, payload, runs = self._output_cost(recipe, i, nb)
+                c = self.costs
+                cmp_s = (c.seconds(c.compare, nb, hw.hbm_gbs) if c is not None
+                         else (2 * nb + payload) / (hw.hbm_gbs * 1e9))
+                if self.mode == "packed":  # pack the record on the GPU: no run list crosses PCIe
+                    got += cmp_s + c.seconds(c.pack, wire, hw.hbm_gbs) + 4 * hw.kernel_us * 1e-6
+                else:
+                    got += cmp_s + 3 * hw.kernel_us * 1e-6 + runs * RUN_DESCRIPTOR_BYTES / (hw.pcie_gbs * 1e9)
             self._cmp[key] = got
         return got
 
@@ -204,4 +241,18 @@ def assumptions(header_bytes: int = RDMA_HEADER_BYTES) -> list[str]:
         "shadow (one byte per distinct output byte per rank) is persistent memory, outside the watermark",
         "left out, as for the full update: switch congestion and incast, the receiver NIC's message rate, the "
         "control plane's go/complete round trip",
+    ]
+
+
+def packed_assumptions(costs) -> list[str]:
+    """The measured-cost rows' assumptions (``--delta-costs``), one line each."""
+    return [
+        f"measured costs ({costs.source}): compare {costs.compare:.2f} passes per output byte, pack {costs.pack:.2f} and "
+        f"apply {costs.apply:.2f} per packed byte (a pass = one memcpy of the bytes on the measuring machine)",
+        "scaling rule: a pass over B bytes costs 2 B / hbm_gbs on the simulated GPU (read + write at the datasheet "
+        "bandwidth, as the fusion copies are charged); the CPU loop's ratio to a copy is assumed for the GPU kernel",
+        "scattered (measured): the executor's 8-byte blocks, gap 0, one RDMA WRITE per run; packed: one record per "
+        "output and receiver (64 B header + 8 B per run + changed bytes), one WRITE each, the compare and the pack in "
+        "the prepare stage, the receiver's apply at its commit before the version is published (the busiest receiver's "
+        "apply added to the update; off the critical path with shadow targets, section 9)",
     ]

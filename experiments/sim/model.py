@@ -431,7 +431,11 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
         sent = {r: sum(b for t in lst for _, b, _ in t[5]) for r, lst in per_rank.items()}
         ops = {r: sum(n for t in lst for _, _, n in t[5]) for r, lst in per_rank.items()}
         nbytes, n_writes = sum(sent.values()), round(sum(ops.values()))
+        apply_s = max((delta.apply_seconds(b) for b in rb["infer_recv"].values()), default=0.0) \
+            if hasattr(delta, "apply_seconds") else 0.0
+        t_end += apply_s  # a packed delta's records are scattered by each receiver's commit, before publishing
         extra = {"wire_bytes": nbytes, "ops": sum(ops.values()), "max_sender_ops": max(ops.values(), default=0.0),
+                 "apply_seconds_max": apply_s,
                  "max_sender_bytes": max(sent.values(), default=0.0),
                  "max_receiver_bytes": max(rb["infer_recv"].values(), default=0.0),
                  "shadow_bytes_max": max(shadow.values(), default=0), "full_bytes": sched.total_bytes,

@@ -63,6 +63,12 @@ class SimulateOptions:
     delta_post_us: tuple[float, ...] = ()
     """Delta mode: also predict with the per-WRITE posting cost (``rdma_msg_us``, 1 us) set to
     each of these, comma-separated (microseconds; e.g. 0.1 for work requests posted in batches)."""
+    delta_costs: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """Delta mode: measured passes per byte of the compare, pack and apply
+    (``python -m weight_transfer.experiments.sim.delta_costs``: results/delta_costs.csv); every
+    scenario is also predicted at the executor's 8-byte blocks with these costs, scattered (one
+    WRITE per run) and packed (one record per output and receiver, applied at the receiver's
+    commit) (docs/SIMULATION.md section 8, "With the measured costs")."""
 
     shadow: bool = False
     """Shadow targets: per inference GPU, the memory of one extra copy of the bytes it receives,
@@ -110,6 +116,12 @@ class SimulateOptions:
         for u in self.delta_post_us:
             if not u > 0.0:
                 raise ValueError(f"--delta-post-us {u}: must be > 0 microseconds")
+        if self.delta_costs:
+            if not self.delta:
+                raise ValueError("--delta-costs needs --delta-fractions or --delta-fraction (the steps it prices)")
+            from .delta_costs import load_costs
+
+            load_costs(self.delta_costs)
         if self.delta_lr and not self.delta_fractions:
             raise ValueError("--delta-lr needs --delta-fractions (the CSV whose steps it selects)")
         if self.delta_fractions:

@@ -168,6 +168,9 @@ class DeltaSpec:
     """Bytes."""
     post_us: tuple[float, ...] = ()
     """Per-WRITE costs (us) to predict with besides the hardware's ``rdma_msg_us``."""
+    costs_path: str | None = None
+    """``--delta-costs``: the measured passes per byte (a CSV); also predict scattered and packed
+    at 8-byte blocks with them (:mod:`~weight_transfer.experiments.sim.delta_costs`)."""
 
     @classmethod
     def from_options(cls, opts) -> DeltaSpec | None:
@@ -182,7 +185,7 @@ class DeltaSpec:
         sc = [load_fractions(path, lr, rows) for lr in lrs or ()] + [uniform_fractions(f) for f in fr or ()]
         return cls(sc, tuple(getattr(opts, "delta_granularity", ("rows",))),
                    tuple(int(g) for g in getattr(opts, "delta_merge_gap", (4096,))),
-                   tuple(getattr(opts, "delta_post_us", ()) or ()))
+                   tuple(getattr(opts, "delta_post_us", ()) or ()), getattr(opts, "delta_costs", None))
 
 
 def delta_rows(sched, first, cfg: SimConfig, head: model.SimResult, spec: DeltaSpec, *, log=print) -> list[dict]:
@@ -195,15 +198,23 @@ def delta_rows(sched, first, cfg: SimConfig, head: model.SimResult, spec: DeltaS
 
     out = []
     for fr in spec.scenarios:
-        for g, gap, us in ((g, gap, us) for g in spec.granularities for gap in spec.merge_gaps
-                           for us in (cfg.hardware.rdma_msg_us, *spec.post_us)):
+        combos = [(g, gap, us, "scattered", None) for g in spec.granularities for gap in spec.merge_gaps
+                  for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
+        if spec.costs_path:  # the measured costs, at the executor's 8-byte blocks, scattered and packed
+            from .delta_costs import load_costs
+
+            lr_frac = fr.by_kind.get("all", {}).get("bf16_elems")
+            costs = load_costs(spec.costs_path, lr_frac)  # the measured row nearest this step's density
+            combos += [("block8", 0, us, mode, costs) for mode in ("scattered", "packed")
+                       for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
+        for g, gap, us, mode, costs in combos:
             hw = replace(cfg.hardware, rdma_msg_us=us)
-            dm = DeltaModel(fr, hw, granularity=g, merge_gap=gap)
+            dm = DeltaModel(fr, hw, granularity=g, merge_gap=gap, mode=mode, costs=costs)
             res = model.simulate(sched, first, hw, watermark=cfg.watermark, writes_in_flight=WIF[head.method],
                                  method=f"{head.method}+delta", delta=dm)
             x = res.extra
-            log(f"# delta {fr.label}, {g}, gap {gap} B, {us:g} us per WRITE: {res.seconds:.3f} s, {x['wire_bytes'] / 1e9:.3f} GB, "
-                f"{x['ops']:.4g} ops")
+            log(f"# delta {fr.label}, {g}, gap {gap} B, {us:g} us per WRITE, {mode}{' (measured costs)' if costs else ''}: "
+                f"{res.seconds:.3f} s, {x['wire_bytes'] / 1e9:.3f} GB, {x['ops']:.4g} ops")
             fb = "" if fr.source == "uniform" else "; ".join(f"{a} <- {b}" for a, b in sorted(fr.used_fallbacks))
             out.append({"config": cfg.name, "method": res.method, "fractions": fr.label, "source": fr.source,
                         "granularity": g, "merge_gap": gap, "rdma_msg_us": us, "seconds": res.seconds,
@@ -214,6 +225,9 @@ def delta_rows(sched, first, cfg: SimConfig, head: model.SimResult, spec: DeltaS
                         "max_sender_bytes": x["max_sender_bytes"], "max_receiver_bytes": x["max_receiver_bytes"],
                         "shadow_bytes_max": x["shadow_bytes_max"], "busy_prepare_seconds": res.stage_busy["prepare"],
                         "busy_write_seconds": res.stage_busy["write"], "fallbacks": fb,
+                        "mode": mode, "costs": costs.source if costs else "",
+                        "compare_passes": costs.compare if costs else None, "pack_passes": costs.pack if costs else None,
+                        "apply_passes": costs.apply if costs else None, "apply_seconds": x.get("apply_seconds_max", 0.0),
                         **{f"all_{k}": fr.by_kind.get("all", {}).get(k) for k in ("bf16_elems", "fp8_elems", "fp8_rows",
                                                                                  "fp8_blocks")}})
     return out
@@ -229,15 +243,17 @@ def format_delta(sr: SimRun) -> str:
     r0 = rows[0]
     L = [f"# delta mode (SIMULATED; {r0['method']}: the full prediction's schedule and write semantics): full update "
          f"{r0['full_seconds']:.3f} s, full-model floor {r0['full_floor_seconds']:.3f} s",
-         f"{'fractions':>42} {'gran':>6} {'gap':>5} {'us/':>5} {'wire':>9} {'of':>7} {'ops':>10} {'ops per':>9} {'recv':>7} "
-         f"{'prepare':>8} {'time':>7} {'time/':>6} {'time/':>6}",
-         f"{'':>42} {'':>6} {'(B)':>5} {'WRITE':>5} {'(GB)':>9} {'full':>7} {'(all)':>10} {'sender':>9} {'(GB)':>7} "
-         f"{'(s)':>8} {'(s)':>7} {'full':>6} {'floor':>6}"]
+         f"{'fractions':>42} {'gran':>6} {'gap':>5} {'us/':>5} {'mode':>10} {'wire':>9} {'of':>7} {'ops':>10} {'ops per':>9} "
+         f"{'recv':>7} {'prepare':>8} {'apply':>7} {'time':>7} {'time/':>6} {'time/':>6}",
+         f"{'':>42} {'':>6} {'(B)':>5} {'WRITE':>5} {'':>10} {'(GB)':>9} {'full':>7} {'(all)':>10} {'sender':>9} {'(GB)':>7} "
+         f"{'(s)':>8} {'(s)':>7} {'(s)':>7} {'full':>6} {'floor':>6}"]
     for r in rows:
-        L.append(f"{r['fractions']:>42} {r['granularity']:>6} {r['merge_gap']:>5} {r['rdma_msg_us']:>5g} {r['wire_bytes'] / 1e9:>9.3f} "
+        mode = r.get("mode", "scattered") + ("*" if r.get("costs") else "")
+        L.append(f"{r['fractions']:>42} {r['granularity']:>6} {r['merge_gap']:>5} {r['rdma_msg_us']:>5g} {mode:>10} "
+                 f"{r['wire_bytes'] / 1e9:>9.3f} "
                  f"{r['wire_fraction']:>7.2%} {r['ops']:>10.3g} {r['max_sender_ops']:>9.3g} "
-                 f"{r['max_receiver_bytes'] / 1e9:>7.2f} {r['busy_prepare_seconds']:>8.3f} {r['seconds']:>7.3f} "
-                 f"{r['seconds'] / r['full_seconds']:>6.2f} {r['seconds'] / r['full_floor_seconds']:>6.2f}")
+                 f"{r['max_receiver_bytes'] / 1e9:>7.2f} {r['busy_prepare_seconds']:>8.3f} {r.get('apply_seconds', 0.0):>7.3f} "
+                 f"{r['seconds']:>7.3f} {r['seconds'] / r['full_seconds']:>6.2f} {r['seconds'] / r['full_floor_seconds']:>6.2f}")
     L.append(f"# (full update: {r0['full_bytes'] / 1e9:.1f} GB in {r0['full_writes']} writes; wire = runs' payload + "
              "headers; ops = RDMA WRITEs, one per run; recv = busiest inference GPU; prepare = busiest rank's prepare "
              "stage, the compare included; time/floor against the full-model floor)")
@@ -253,6 +269,15 @@ def format_delta(sr: SimRun) -> str:
         L.append(f"# fractions {r['fractions']} ({r['source']}): all kinds {vals}"
                  + (f"; stand-ins: {r['fallbacks']}" if r["fallbacks"] else ""))
     L += [f"# assumption: {a}" for a in assumptions()]
+    if any(r.get("costs") for r in rows):
+        from .delta import packed_assumptions
+        from .delta_costs import DeltaCosts
+
+        L.append("# *: with the measured costs (--delta-costs); apply = the busiest receiver's commit scatter")
+        for src in sorted({r["costs"] for r in rows if r.get("costs")}):
+            r = next(x for x in rows if x.get("costs") == src)
+            L += [f"# measured: {a}" for a in packed_assumptions(DeltaCosts(r["compare_passes"], r["pack_passes"],
+                                                                            r["apply_passes"], src))]
     return "\n".join(L)
 
 

@@ -185,18 +185,21 @@ def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, moe
     return build_dtensor_params(specs, mesh_for, dtype_override=dtype_override)
 
 
-def load_step(params: dict[str, DTensor], *, step: int, seed: int, change=None) -> int:
+def load_step(params: dict[str, DTensor], *, step: int, seed: int, change=None, source=None) -> int:
     """Overwrite every local shard with the synthetic weights of ``step`` (in place: the
     memory a transfer reads is the memory the trainer updates). Returns bytes written.
     ``change``: per-step fractions of elements that change, cycled (e.g. ``(0.01,)``: 1% of the
-    elements of every tensor per step; :mod:`weight_transfer.testing.weights`); None: all."""
+    elements of every tensor per step; :mod:`weight_transfer.testing.weights`); None: all.
+    ``source``: read the weights from it instead (an object with ``param_box(name, shape, box, *,
+    step, dtype, out)``, e.g. :class:`weight_transfer.testing.replay.ReplaySteps`: an RL run's
+    saved steps); ``seed`` and ``change`` are then unused."""
     total = 0
     with torch.no_grad():
-        total = _load_step(params, step, seed, change)
+        total = _load_step(params, step, seed, change, source)
     return total
 
 
-def _load_step(params, step, seed, change=None) -> int:
+def _load_step(params, step, seed, change=None, source=None) -> int:
     total = 0
     host = getattr(params, "host", None) or {}  # offloaded: the trainer updates the host copies
     for name, p in params.items():
@@ -208,7 +211,10 @@ def _load_step(params, step, seed, change=None) -> int:
         if local.numel() == 0:
             continue
         box = shard_box(tuple(p.shape), tuple(mesh.mesh.shape), tuple(coord), tuple(p.placements))
-        param_box(name, tuple(p.shape), box, step=step, seed=seed, dtype=local.dtype, out=local, change=change)
+        if source is not None:
+            source.param_box(name, tuple(p.shape), box, step=step, dtype=local.dtype, out=local)
+        else:
+            param_box(name, tuple(p.shape), box, step=step, seed=seed, dtype=local.dtype, out=local, change=change)
         total += local.nbytes
     return total
 

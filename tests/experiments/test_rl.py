@@ -147,7 +147,9 @@ def test_delta_push_mode_overrides_and_table(tmp_path):
 
     assert rl.transfer_overrides(rl.RLOptions()) is None
     assert rl.transfer_overrides(rl.RLOptions(delta=True, delta_op_cost=-1)) == {
-        "delta": True, "delta_granularity": 8, "delta_op_cost": None}
+        "delta": True, "delta_granularity": 8, "delta_op_cost": None, "delta_mode": "auto", "delta_wire_gbps": None,
+        "delta_landing": 0.25}
+    assert rl.transfer_overrides(rl.RLOptions(delta=True, delta_mode="packed", delta_wire_gbps=0.5))["delta_mode"] == "packed"
     with pytest.raises(ValueError):
         rl.RLOptions(delta_op_cost=-2)
     d = DeltaState([], device="cpu")
@@ -169,3 +171,17 @@ def test_delta_push_mode_overrides_and_table(tmp_path):
     rows[0]["full_bytes"] = rows[1]["full_bytes"] = 10
     text = rl.delta_table(rl.save_pushes(o, rows))
     assert "delta/full p50: 2.000x seconds" in text and "0.1000x bytes" in text
+    # the per-phase seconds and the modes of a delta push, from its ranks' step records and the commits
+    from weight_transfer.records import StepStats
+
+    st = StepStats(rank=0, delta="delta", delta_compare_s=0.01, delta_pack_s=0.002, delta_wire_s=0.003,
+                   delta_modes={"packed": {"mlp": [2, 100, 1000]}, "full": {"norms": [1, 50, 50]}},
+                   delta_tensors=[("model.layers.0.mlp.down_proj.weight", "mlp", "packed", 1000, 100, 7)])
+    u.stats = {0: st}
+    row = rl.push_row(o, 2, "delta", True, u, {"ok": True}, [{"delta_apply_s": 0.004}, {}])
+    assert (row["delta_pack_s"], row["delta_apply_s"], row["n_packed"], row["bytes_packed"], row["out_bytes_full"]) == \
+        (0.002, 0.004, 2, 100, 50) and row["tensors"][0]["mode"] == "packed"
+    row["full_bytes"] = 10
+    text = rl.delta_table(rl.save_pushes(o, rows + [row]))
+    assert "pack 0.0020" in text and "apply 0.0040" in text and "packed " in text
+    assert (tmp_path / rl.TENSOR_CSV).read_text().count("down_proj") == 1

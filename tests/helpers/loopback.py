@@ -32,7 +32,7 @@ class Loopback:
     the engine's own load_weights of the same sources."""
 
     def __init__(self, cfg, layout, *, poison=True, max_chunk_bytes=64 << 20, transport="cma", options=None,
-                 **executor_kw):
+                 landing: float | None = None, **executor_kw):
         self.cfg, self.layout = cfg, layout
         self.rx = make_transport(transport)
         allocate = self.rx.allocate if self.rx.publishes_allocated_only else None
@@ -42,8 +42,18 @@ class Loopback:
                 e.arena.fill_(0xA5)
         self.regions = {r: self.rx.register(e.arena) for r, e in enumerate(self.engines)}
         self.desc = {r: reg.descriptor() for r, reg in self.regions.items()}
+        self.landings = {}
+        """Inference rank -> :class:`weight_transfer.delta_packed.Landing` (``landing``: a
+        fraction of each arena registered for packed deltas, committed by :meth:`transfer`)."""
+        if landing:
+            from weight_transfer.delta_packed import Landing
+
+            self.landings = {r: Landing(Landing.size_for(e.arena.numel(), landing), self.rx)
+                             for r, e in enumerate(self.engines)}
         self.tx = make_transport(transport)
-        self.tx.connect(list(self.desc.values()))
+        self.tx.connect(list(self.desc.values()) + [x.descriptor for x in self.landings.values()])
+        self.commits = {}
+        """Inference rank -> the last commit's stats."""
         self.max_chunk_bytes = max_chunk_bytes
         self.options, self.executor_kw = options, executor_kw
         self.schedule = self.executor = self.sources = None
@@ -60,7 +70,7 @@ class Loopback:
             self.schedule = self.plan(sources)
             self.sources = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t) for n, t in sources.items()}
             self.executor = Executor(self.schedule.rank_plans[0], self.sources, self.tx, self.desc, options=self.options,
-                                     **self.executor_kw)
+                                     landing={r: x.descriptor for r, x in self.landings.items()}, **self.executor_kw)
         return self.executor
 
     def transfer(self, sources):
@@ -70,7 +80,14 @@ class Loopback:
         else:
             for n, t in sources.items():
                 self.sources[n].copy_(t)  # the trainer updates its shards in place
-        return self.executor.run()
+        st = self.executor.run()
+        self.commit(st.step)
+        return st
+
+    def commit(self, version):
+        """Every engine's commit of ``version``: scatter its packed records (none: nothing)."""
+        self.commits = {r: self.engines[r].commit_delta(x, version) for r, x in self.landings.items()}
+        return self.commits
 
     def verify(self, sources):
         """[(rank, tensor name)] that differ from the oracle (empty when bit-exact)."""

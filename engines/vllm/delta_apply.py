@@ -1,0 +1,87 @@
+"""Packed delta updates in a vLLM worker of the ``one_sided`` backend: the landing region,
+registered once beside the worker's targets, and the scatter its ``update_weights`` runs
+(:mod:`weight_transfer.delta_packed` has the format and the checks).
+
+- :func:`attach` (``init_transfer_engine``, after the targets are registered and published):
+  with ``OneSidedInitInfo.delta_landing > 0`` (the trainer sets it from its
+  ``ExecutorOptions.delta_landing`` when it runs delta updates that may pack), allocate
+  ``delta_landing x`` the worker's target bytes of host memory, register it with the
+  receiver's own transport and publish its descriptor
+  (:data:`weight_transfer.delta_packed.LANDING_KEY`); the senders read it when they build their
+  executors. CPU targets only (``cma``; a GPU worker would scatter with a kernel: not built), so a
+  worker on another transport publishes none and gets no packed records.
+- :func:`apply_delta` (``update_weights(v)``, after the backend checked every training rank
+  reported ``ok`` for ``v``, before the staged layers are post-processed or the shadow goes
+  live): every record of version ``v`` checked, then scattered into the registered target
+  region -- the staging tensors of staged layers, the runtime bytes of direct ones, the shadow
+  with shadow targets (the trainers' offsets already point there). A malformed payload is
+  refused before any byte is scattered; any failure is reported as this rank's failed commit
+  (``step/{v}/committed/{rank}``) and raised, so the version is not published complete and the
+  next update is full (C26).
+- :func:`close` (``shutdown``): unpublish and deregister.
+"""
+from __future__ import annotations
+
+__all__ = ["attach", "apply_delta", "close"]
+
+
+def attach(engine, rx, layout, store, rank: int, fraction: float):
+    """Register and publish a landing region of ``fraction`` x the target bytes of ``layout``
+    for the worker whose receiver is ``rx``; returns the
+    :class:`~weight_transfer.delta_packed.Landing`, or None (``fraction`` 0, a transport other
+    than ``cma``/``shm``, or GPU targets). ValueError for a fraction outside [0, 4]."""
+    from weight_transfer.delta_packed import LANDING_KEY, Landing
+
+    fraction = float(fraction or 0.0)
+    if not 0 <= fraction <= 4:
+        raise ValueError(f"delta_landing={fraction}: a fraction of the target bytes in [0, 4]")
+    try:
+        store.delete_key(LANDING_KEY.format(rank=rank))  # a predecessor's, if any
+    except Exception:
+        pass
+    tx = getattr(rx, "transport", None)
+    if not fraction or tx is None or tx.name not in ("cma", "shm"):
+        return None
+    target = sum(m.nbytes for m in layout.dest_metas())
+    landing = Landing(Landing.size_for(target, fraction), tx)
+    landing.publish(store, rank)
+    landing.rank = rank
+    return landing
+
+
+def apply_delta(engine, version: int) -> dict:
+    """Scatter the packed records of ``version`` in ``engine.delta_landing`` (none: ``{}``) into
+    the registered target region of ``engine.receiver``. Returns the apply's stats
+    (``delta_apply_s`` seconds, ``delta_records``, ``delta_runs``, ``delta_bytes``); on any
+    error reports this rank's commit failed in the store and raises RuntimeError."""
+    landing = getattr(engine, "delta_landing", None)
+    if landing is None:
+        return {}
+    from weight_transfer import control
+    from weight_transfer.transport.ops import parts_bounds
+
+    try:
+        d = engine.receiver.descriptor
+        pb = parts_bounds(d)
+        parts = list(zip(*pb)) if pb is not None else [(0, d.length)]
+        return landing.apply(version, d.addr, parts)
+    except Exception as e:
+        why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
+        raise RuntimeError(f"{engine._who()}: {why}") from e
+
+
+def close(engine) -> None:
+    """Unpublish and deregister ``engine.delta_landing`` (idempotent)."""
+    landing = getattr(engine, "delta_landing", None)
+    if landing is None:
+        return
+    engine.delta_landing = None
+    from weight_transfer.delta_packed import LANDING_KEY
+
+    try:
+        engine.store.delete_key(LANDING_KEY.format(rank=landing.rank))
+    except Exception:
+        pass
+    landing.close()
+

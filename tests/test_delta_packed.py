@@ -1,0 +1,351 @@
+"""Packed delta updates, the per-output cost model and the fused cast + compare (issue 40 items 3
+and 5): the payload format and its checks, the landing region's fallback, loopback updates
+through the real planner, executor and transports (cma, shm; bf16 and FP8) verified bit-exact
+against a fresh oracle every update, and C26 after a failed scatter or a re-registered landing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.loopback import Loopback
+from weight_transfer.delta import Runs, changed_runs, check_published, native_status
+from weight_transfer.delta_cost import CostModel
+from weight_transfer.delta_packed import DIR_BYTES, HEADER, MIN_LANDING, Landing, Packer, PackedError, record_bytes
+from weight_transfer.options import ExecutorOptions
+from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.weights import SyntheticCheckpoint
+from weight_transfer.transport import make_transport
+from weight_transfer.types import InferenceLayout
+
+TINY = dict(num_hidden_layers=1, vocab_size=500, hidden_size=256, intermediate_size=256,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+
+
+def _u8(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _ckpt(cfg, step, change, dtype=None):
+    out = {n: t for n, t in SyntheticCheckpoint(param_specs(cfg), step=step, seed=0, change=change)}
+    if dtype is not None:  # an fp32 master: bf16 values plus a sub-ulp nudge that rounding removes
+        out = {n: t.to(dtype) * (1 + 2 ** -12) for n, t in out.items()}
+    return out
+
+
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def native(request, monkeypatch):
+    from weight_transfer import delta
+
+    if request.param and native_status() != "ok":
+        pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    if not request.param:
+        monkeypatch.setattr(delta.KERNEL, "lib", lambda: None)
+    return request.param
+
+
+def _pair(transport="cma", length=1 << 20, target=1 << 16):
+    rx, tx = make_transport(transport), make_transport(transport)
+    landing = Landing(length, rx)
+    arena = rx.allocate(target) if rx.publishes_allocated_only else torch.empty(target, dtype=torch.uint8)
+    arena.fill_(0xA5)
+    tx.connect([landing.descriptor])
+    return rx, tx, landing, arena
+
+
+# ---- the payload --------------------------------------------------------------------------------
+
+
+def test_pack_then_apply_lands_exactly_the_runs(native):
+    """Records packed by a Packer, written one-sidedly (cma), scattered by the receiver's apply:
+    exactly the runs' bytes change, other bytes keep their value; a version with no directory
+    entry scatters nothing."""
+    rx, tx, landing, arena = _pair()
+    pk = Packer({0: landing.descriptor}, tx, rank=0, senders=2)
+    src = _u8(1 << 16, 1)
+    starts = torch.tensor([0, 100, 5000, 9000, 65000], dtype=torch.int64)
+    lens = torch.tensor([8, 50, 1, 1000, 536], dtype=torch.int64)
+    runs = Runs(starts, lens)
+    pk.begin(7)
+    op = pk.pack(0, src, runs, target_offset=0, span=1 << 16)
+    assert op is not None and op.length == record_bytes(5, int(lens.sum())) == -(-(HEADER + 40 + 1595) // 64) * 64
+    op2 = pk.pack(0, src[:4096], Runs(torch.tensor([8]), torch.tensor([16])), target_offset=8192, span=4096)
+    tx.write([op, op2]).wait()
+    tx.write(pk.finish()).wait()
+    before = arena.clone()
+    assert landing.apply(6, arena.data_ptr(), [(0, arena.numel())])["delta_records"] == 0  # another version
+    assert torch.equal(arena, before)
+    st = landing.apply(7, arena.data_ptr(), [(0, arena.numel())])
+    assert st["delta_records"] == 2 and st["delta_runs"] == 6 and st["delta_bytes"] == 1595 + 16
+    want = before.clone()
+    for s, n in zip(starts.tolist(), lens.tolist()):
+        want[s:s + n] = src[s:s + n]
+    want[8192 + 8:8192 + 24] = src[8:24]
+    assert torch.equal(arena, want)
+    pk.close()
+    landing.close()
+    tx.close()
+    rx.close()
+
+
+def _packed_landing(version=3):
+    """A landing buffer holding one valid record of ``version`` (plus its directory entry), built
+    locally (no transport): (landing buffer, the record's offset, the source bytes)."""
+    rx = make_transport("cma")
+    landing = Landing(MIN_LANDING, rx)
+    pk = Packer({0: landing.descriptor}, None, rank=0, senders=1)
+    src = _u8(4096, 2)
+    pk.begin(version)
+    op = pk.pack(0, src, Runs(torch.tensor([0, 64, 1000]), torch.tensor([8, 16, 24])), target_offset=128, span=4096)
+    landing.buffer[op.remote_offset:op.remote_offset + op.length] = pk.buffer[op.local_offset:op.local_offset + op.length]
+    (d,) = pk.finish()
+    landing.buffer[d.remote_offset:d.remote_offset + HEADER] = pk.buffer[d.local_offset:d.local_offset + HEADER]
+    return landing, op.remote_offset, rx
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "span", "run", "data", "outside", "dircheck", "used"])
+def test_malformed_payload_is_refused_before_any_byte_is_scattered(damage, native):
+    landing, at, rx = _packed_landing()
+    buf = landing.buffer
+    hdr = buf[at:at + HEADER].view(torch.int64)
+    arena = torch.full((8192,), 0x5A, dtype=torch.uint8)
+    # a second, valid record is first in line: it must not be scattered either
+    if damage == "magic":
+        hdr[0] ^= 1
+    elif damage == "version":
+        hdr[6] += 1
+    elif damage == "span":
+        hdr[2] = 16  # runs now leave the span
+    elif damage == "run":
+        buf[at + HEADER + 8:at + HEADER + 12].view(torch.int32)[0] = 10 ** 6  # a gap past the span
+    elif damage == "data":
+        hdr[4] += 8
+        hdr[5] = record_bytes(int(hdr[3]), int(hdr[4]))
+    elif damage == "outside":
+        hdr[1] = 8192 - 100  # the span leaves the target region
+    elif damage == "dircheck":
+        buf[:DIR_BYTES].view(torch.int64)[3] += 64
+    elif damage == "used":
+        e = buf[:DIR_BYTES].view(torch.int64)
+        e[3] = 10 ** 9
+    with pytest.raises(PackedError, match="nothing scattered"):
+        landing.apply(3, arena.data_ptr(), [(0, arena.numel())])
+    assert bool((arena == 0x5A).all())
+    landing.close()
+    rx.close()
+
+
+def test_a_valid_record_applies_and_the_span_must_sit_in_one_part(native):
+    landing, at, rx = _packed_landing()
+    arena = torch.zeros(8192, dtype=torch.uint8)
+    with pytest.raises(PackedError, match="outside every part"):  # a region of two parts, the span across the gap
+        landing.apply(3, arena.data_ptr(), [(0, 1024), (2048, 8192)])
+    assert bool((arena == 0).all())
+    st = landing.apply(3, arena.data_ptr(), [(0, 8192)])
+    assert st["delta_records"] == 1 and st["delta_bytes"] == 48 and int((arena != 0).sum()) > 0
+    landing.close()
+    rx.close()
+
+
+def test_a_record_that_does_not_fit_is_not_packed():
+    rx, tx, landing, arena = _pair(length=MIN_LANDING)
+    pk = Packer({0: landing.descriptor}, tx, rank=0, senders=1)
+    pk.begin(1)
+    big = Runs(torch.arange(0, 1 << 20, 16, dtype=torch.int64), torch.full(((1 << 20) // 16,), 8, dtype=torch.int64))
+    assert pk.pack(0, torch.zeros(1 << 20, dtype=torch.uint8), big, 0, 1 << 20) is None  # ~1 MiB > 68 KiB area
+    assert pk.pack(1, torch.zeros(64, dtype=torch.uint8), Runs(torch.tensor([0]), torch.tensor([8])), 0, 64) is None
+    assert pk.finish() == []  # nothing packed: no directory entry
+    pk.close()
+    landing.close()
+    tx.close()
+    rx.close()
+
+
+# ---- the cost model -----------------------------------------------------------------------------
+
+
+def test_cost_model_picks_by_wire_and_run_cost():
+    n = 1 << 20
+    runs, changed = n // 160, n // 20  # lr 1e-6 bf16 at 8-byte blocks: ~1 run per 160 B, 5% of the bytes
+    cma = CostModel.for_transport("cma")
+    assert cma.choose(n, runs, changed, packable=True) == "packed"
+    assert cma.choose(n, runs, changed, packable=False) == "full"  # 6.5k runs x 300 ns > 1 MiB at 4 GB/s
+    assert CostModel.for_transport("shm").choose(n, runs, changed, packable=False) == "scattered"
+    assert cma.choose(n, 1, 8, packable=True) == "scattered"  # one run: no record to pack and apply
+    assert cma.choose(n, n // 16, n // 2, packable=True) == "full"  # half the bytes changed, a run per 16 B
+    slow = CostModel.for_transport("nixl", wire_gbps=0.1)
+    assert slow.choose(n, n // 16, n // 2, packable=True) == "full"
+    assert slow.choose(n, runs, changed, packable=True) == "packed"
+    assert CostModel.for_transport("cma", mode="scattered").choose(n, runs, changed, packable=True) == "full"
+    assert CostModel.for_transport("cma", mode="packed").choose(n, n, n, packable=True) == "packed"
+    assert CostModel.for_transport("cma", op_cost_bytes=0).max_runs(n, packable=False) is None
+    with pytest.raises(ValueError, match="delta_mode"):
+        CostModel.for_transport("cma", mode="sparse")
+    for kw in (dict(delta_mode="x"), dict(delta_wire_gbps=0.0), dict(delta_landing=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            ExecutorOptions(**kw)
+
+
+# ---- the fused cast + compare -------------------------------------------------------------------
+
+
+def test_fused_cast_compare_equals_torch_cast_then_compare():
+    if native_status() != "ok":
+        pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    from weight_transfer.delta_fused import cast_bf16_delta
+
+    g = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        n = int(torch.randint(1, 20000, (1,), generator=g))
+        a = torch.randn(n, generator=g) * 10 ** float(torch.randint(-30, 30, (1,), generator=g))
+        b = a.clone()
+        k = int(torch.randint(0, 50, (1,), generator=g))
+        b[torch.randint(0, n, (k,), generator=g)] *= 1.01
+        gran = (2, 8, 16, 64, 128)[trial % 5]
+        out, shadow = torch.empty(2 * n, dtype=torch.uint8), a.to(torch.bfloat16).view(torch.uint8).clone()
+        got = cast_bf16_delta(b, out, shadow, gran, merge_gap=(0, 16)[trial % 2])
+        want_out = b.to(torch.bfloat16).view(torch.uint8)
+        assert torch.equal(out, want_out) and torch.equal(shadow, want_out)
+        assert got == changed_runs(want_out, a.to(torch.bfloat16).view(torch.uint8), gran, (0, 16)[trial % 2])
+    x = torch.tensor([1.0, float("nan"), 2.0])  # a NaN: torch's cast, written whole
+    out, shadow = torch.empty(6, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8)
+    assert cast_bf16_delta(x, out, shadow) is None
+    assert torch.equal(out, x.to(torch.bfloat16).view(torch.uint8)) and torch.equal(shadow, out)
+    y = torch.randn(50000)  # more runs than allowed: None, cast and shadow complete
+    out, shadow = torch.empty(100000, dtype=torch.uint8), y.to(torch.bfloat16).view(torch.uint8).clone()
+    y[::100] *= 2
+    assert cast_bf16_delta(y, out, shadow, max_runs=3) is None
+    assert torch.equal(out, y.to(torch.bfloat16).view(torch.uint8)) and torch.equal(shadow, out)
+
+
+# ---- through the planner, executor and transports (loopback) ------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm"])
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("mode", ["packed", "auto"])
+def test_packed_updates_bit_exact_every_step(transport, quant, mode):
+    """Steps of fractions 1, 0, 1, 0.01, 0.3, 0, 0.001 through the real planner, executor and
+    transport, each committed (the receivers scatter their records) and checked bit-exact against
+    a fresh oracle; packed records carry the sparse steps."""
+    cfg = load_config("qwen3-0.6b", **TINY)
+    change = (1.0, 0.0, 1.0, 0.01, 0.3, 0.0, 0.001)
+    lb = Loopback(cfg, InferenceLayout(tp=2, quant=quant), transport=transport,
+                  options=ExecutorOptions(delta=True, delta_mode=mode, delta_wire_gbps=1.0), landing=0.5)
+    seen = []
+    for step in range(1, 8):
+        src = _ckpt(cfg, step, change)
+        st = lb.transfer(src)
+        assert lb.verify(src) == [], (step, st.delta, st.delta_modes)
+        seen.append((st.delta, st.bytes_sent, st.full_bytes, st.delta_modes,
+                     sum(c["delta_records"] for c in lb.commits.values())))
+    assert seen[0][0] == "full: first update" and seen[0][4] == 0
+    assert seen[1][1] == 0 and seen[5][1] == 0  # nothing changed: nothing written, nothing packed
+    for i in (3, 6):  # sparse steps: packed (auto on shm: a run costs 20 ns there, runs win), fewer bytes than full
+        assert seen[i][0] == "delta" and seen[i][1] < seen[i][2] / 2
+        if mode == "packed" or transport == "cma":
+            assert "packed" in seen[i][3] and seen[i][4] > 0
+        else:
+            assert "scattered" in seen[i][3]
+    assert all(t[2] in ("full", "scattered", "packed", "unchanged") for t in lb.executor.delta.tensors)
+    lb.executor.close()
+
+
+def test_landing_too_small_falls_back_and_stays_exact():
+    cfg = load_config("qwen3-0.6b", **TINY)
+    change = (1.0, 0.3)
+    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True, delta_mode="packed"),
+                  landing=0.001)  # MIN_LANDING: some records fit, the large ones do not
+    lb.transfer(_ckpt(cfg, 1, change))
+    src = _ckpt(cfg, 2, change)
+    st = lb.transfer(src)
+    assert lb.verify(src) == []
+    assert "packed" in st.delta_modes and ({"scattered", "full"} & set(st.delta_modes))
+    lb.executor.close()
+
+
+def test_fused_cast_compare_through_the_executor_is_bit_exact():
+    """An fp32 master into a bf16 engine: the casts are fused with the comparison in prepare
+    (delta_fused_s > 0), every update bit-exact; the same with fusing off."""
+    if native_status() != "ok":
+        pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    cfg = load_config("qwen3-0.6b", **TINY)
+    change = (1.0, 0.01, 0.0, 0.3)
+    for fused in (True, False):
+        lb = Loopback(cfg, InferenceLayout(tp=1), options=ExecutorOptions(delta=True, delta_fused=fused), landing=0.25)
+        for step in range(1, 5):
+            src = _ckpt(cfg, step, change, dtype=torch.float32)
+            st = lb.transfer(src)
+            assert lb.verify(src) == [], (fused, step)
+            if step > 1:
+                assert (st.delta_fused_s > 0) == fused
+            if step == 3:
+                assert st.bytes_sent == 0
+        lb.executor.close()
+
+
+# ---- C26 ----------------------------------------------------------------------------------------
+
+
+class _Store:
+    def __init__(self, keys=()):
+        self.keys = set(keys)
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+
+def test_C26_a_failed_scatter_fails_the_version_and_the_next_update_is_full():
+    """A receiver's scatter fails (a damaged record): the version is not published complete (the
+    coordinator publishes complete only after every commit), so check_published makes the next
+    update full, and that update is bit-exact though the failed one left the receiver mixed."""
+    cfg = load_config("qwen3-0.6b", **TINY)
+    change = (1.0, 0.01, 0.01)
+    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True, delta_mode="packed"), landing=0.5)
+    lb.transfer(_ckpt(cfg, 1, change))
+    real = lb.commit
+    lb.commit = lambda v: None  # the commit happens below, by hand
+    st = lb.transfer(_ckpt(cfg, 2, change))
+    lb.commit = real
+    assert st.delta == "delta" and "packed" in st.delta_modes
+    buf = lb.landings[1].buffer
+    d = buf[:DIR_BYTES].view(torch.int64)
+    buf[int(d[2]):int(d[2]) + HEADER].view(torch.int64)[0] ^= 1  # rank 1's first record: bad magic
+    before = lb.engines[1].arena.clone()
+    with pytest.raises(PackedError):
+        lb.commit(st.step)
+    assert torch.equal(lb.engines[1].arena, before)  # refused before any byte was scattered
+    check_published(lb.executor, _Store({"complete/1"}))  # version 2 was never published complete
+    src = _ckpt(cfg, 3, change)
+    st = lb.transfer(src)
+    assert st.delta == "full: version 2 was not published complete" and st.bytes_sent == st.full_bytes
+    assert lb.verify(src) == []
+    src = _ckpt(cfg, 3, change)
+    assert lb.transfer(src).bytes_sent == 0 and lb.verify(src) == []
+    lb.executor.close()
+
+
+def test_C26_a_reregistered_landing_region_makes_the_next_update_full():
+    cfg = load_config("qwen3-0.6b", **TINY)
+    change = (1.0, 0.01)
+    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True), landing=0.5)
+    lb.transfer(_ckpt(cfg, 1, change))
+    old = lb.landings[0]
+    lb.landings[0] = Landing(old.buffer.numel(), lb.rx)  # the receiver registered its landing region again
+    old.close()
+    lb.tx.connect([lb.landings[0].descriptor])
+    lb.executor.landing[0] = lb.landings[0].descriptor  # the control plane's new plan hands it over
+    lb.executor.delta.packer.landing[0] = lb.landings[0].descriptor
+    src = _ckpt(cfg, 2, change)
+    st = lb.transfer(src)
+    assert st.delta.startswith("full: receiver region(s)") and "landing" in st.delta
+    assert lb.verify(src) == []
+    lb.executor.close()
+
+
+def test_C26_a_newcomer_executor_starts_full():
+    cfg = load_config("qwen3-0.6b", **TINY)
+    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True), landing=0.5)
+    src = _ckpt(cfg, 1, (1.0,))
+    assert lb.transfer(src).delta == "full: first update" and lb.verify(src) == []
+    lb.executor.close()
