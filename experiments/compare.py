@@ -47,7 +47,9 @@ def run_compare(cfg, methods=COMPARE_METHODS, *, progress=None) -> list[tuple[st
 class _VllmOracleDir:
     """With ``--engine vllm``: a temporary directory, named in ``WT_VLLM_ORACLE_DIR`` for the
     trials of this comparison, where each step's fresh-engine snapshot is kept and reused by
-    the other methods (``experiments/vllm_side.py``); removed afterwards."""
+    the other methods (``experiments/vllm_side.py``); removed afterwards. When the caller already
+    names a directory there, that one is used and kept (snapshots are keyed by model, step, seed,
+    TP, vLLM version and host path, so a later run of the same trial reuses them)."""
 
     def __init__(self):
         import os
@@ -56,14 +58,16 @@ class _VllmOracleDir:
         from .vllm_side import ORACLE_DIR_ENV
 
         self.env, self.prev = ORACLE_DIR_ENV, os.environ.get(ORACLE_DIR_ENV)
-        self.dir = tempfile.mkdtemp(prefix="wt-vllm-oracle-")
+        self.keep = bool(self.prev)
+        self.dir = self.prev if self.keep else tempfile.mkdtemp(prefix="wt-vllm-oracle-")
         os.environ[self.env] = self.dir
 
     def close(self):
         import os
         import shutil
 
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
         if self.prev is None:
             os.environ.pop(self.env, None)
         else:

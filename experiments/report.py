@@ -7,7 +7,9 @@ the CSV; GB/s in the table is ``bytes / seconds / 1e9``.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import statistics
 from pathlib import Path
 
@@ -119,6 +121,7 @@ def format_table(result) -> str:
                f"(same run, 1 thread: {result.memcpy_gbps:.2f} GB/s)" if result.memcpy_gbps else ""),
         ]
         lines += phase_lines(meas, result.memcpy_gbps)
+        lines += kind_lines(meas)
         if delta:
             db = [r.get("delta_bytes", r["bytes"]) for r in meas]
             lines.append(f"# delta updates: bytes written p50 {statistics.median(db):.0f} "
@@ -194,6 +197,45 @@ def fleet_lines(rows: list[dict]) -> list[str]:
         same = len(pids) == 1
         out.append(f"# training ranks' pids: {', '.join(sorted(str(p) for p in pids))} at every update "
                    + ("(unchanged: the trainers never restarted)" if same else "<-- CHANGED"))
+    return out
+
+
+def _layer_kind(module: str) -> str:
+    """``"model.layers.3.self_attn.qkv_proj"`` -> ``"self_attn.qkv_proj"`` (the layer index dropped)."""
+    return re.sub(r"^(?:.*?\.)?layers\.\d+\.", "", module)
+
+
+def kind_lines(meas: list[dict]) -> list[str]:
+    """The reference's prepare and the engine's commit per tensor kind (issue 43), from the warm
+    rows' ``prepare_by_kind`` (JSON per kind: tasks, ``full_tensor()`` seconds, build seconds,
+    gathered and built bytes, summed over training ranks) and ``commit_by_layer`` (the slowest
+    worker's seconds per staged layer, summed here over the layers of one kind): p50 over the
+    rows of each figure. [] when the rows have neither."""
+    pk = [json.loads(r["prepare_by_kind"]) for r in meas if r.get("prepare_by_kind")]
+    cl = [json.loads(r["commit_by_layer"]) for r in meas if r.get("commit_by_layer")]
+    if not pk and not cl:
+        return []
+    out = []
+    if pk:
+        out += ["#", "# prepare per kind (p50 over warm updates; seconds summed over training ranks, stages overlap):",
+                f"#   {'kind':<58} {'tasks':>5} {'gather':>8} {'build':>8} {'gathered':>10} {'built':>10}",
+                f"#   {'':<58} {'':>5} {'(s)':>8} {'(s)':>8} {'(MB)':>10} {'(MB)':>10}"]
+        for k in sorted({k for d in pk for k in d}, key=lambda k: -statistics.median(
+                [d.get(k, [0, 0, 0])[1] + d.get(k, [0, 0, 0])[2] for d in pk])):
+            v = [d.get(k, [0, 0.0, 0.0, 0, 0]) for d in pk]
+            med = [statistics.median(x[i] for x in v) for i in range(5)]
+            out.append(f"#   {k[:58]:<58} {med[0]:>5.0f} {med[1]:>8.4f} {med[2]:>8.4f} {med[3] / 1e6:>10.1f} "
+                       f"{med[4] / 1e6:>10.1f}")
+    if cl:
+        by = [{} for _ in cl]
+        for d, b in zip(cl, by):
+            for m, t in d.items():
+                k = _layer_kind(m)
+                b[k] = b.get(k, 0.0) + t
+        out += ["#", "# engine commit per staged layer kind (p50 over warm updates, the slowest worker, summed over layers):"]
+        for k in sorted({k for b in by for k in b}):
+            n = sum(1 for m in cl[0] if _layer_kind(m) == k)
+            out.append(f"#   {k:<58} {n:>3} layer(s) {statistics.median(b.get(k, 0.0) for b in by):>8.4f} s")
     return out
 
 

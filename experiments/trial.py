@@ -15,6 +15,7 @@ training world after a training-side failure instead, and the run goes on.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -426,6 +427,9 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             if cfg.run.delta_pairs or cfg.run.replay:  # which push of a pair, and which weights (docs/DELTA.md)
                 row["pair_mode"] = cfg.run.push_mode(step) or ""
                 row["source_step"] = cfg.run.source_step(step) + (cfg.run.replay_start - 1 if cfg.run.replay else 0)
+            kinds = _prepare_kinds(stats)
+            if kinds:  # the reference's prepare per tensor kind, summed over training ranks (issue 43)
+                row["prepare_by_kind"] = kinds
             if cfg.run.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
                 from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
 
@@ -439,6 +443,12 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
             if commits:
                 row["commit_seconds"] = max(c.get("seconds", 0.0) for c in commits)
+                layers: dict[str, float] = {}  # the slowest worker's seconds per staged layer (issue 43)
+                for c in commits:
+                    for m, t in (c.get("per_layer") or {}).items():
+                        layers[m] = max(layers.get(m, 0.0), t)
+                if layers:
+                    row["commit_by_layer"] = json.dumps({m: round(t, 6) for m, t in layers.items()})
             ulps = [v["logprob_ulps"] for v in ver.values() if v.get("logprob_ulps") is not None]
             if ulps:  # largest greedy-logprob difference from a fresh vLLM, in float32 ulps (0: bit-identical)
                 row["logprob_ulps"] = max(ulps)
@@ -470,6 +480,21 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     finally:
         beat.stop()
     return TrialResult(cfg, rows, summary, plan_s, memcpy_gbps, env)
+
+
+def _prepare_kinds(stats: list) -> str:
+    """JSON ``{kind: [tasks, gather_s, build_s, gathered_bytes, built_bytes]}`` summed over the
+    training ranks' task records (:func:`weight_transfer.records.prepare_by_kind`); ``""`` for a
+    method without task records (the baselines)."""
+    from weight_transfer.records import prepare_by_kind
+
+    tot: dict[str, list] = {}
+    for s in stats:
+        for k, v in prepare_by_kind(getattr(s, "records", None) or []).items():
+            t = tot.setdefault(k, [0, 0.0, 0.0, 0, 0])
+            for i, x in enumerate(v):
+                t[i] += x
+    return json.dumps({k: [v[0], round(v[1], 6), round(v[2], 6), v[3], v[4]] for k, v in sorted(tot.items())}) if tot else ""
 
 
 PHASES = ("h2d", "prepare", "write", "release", "barrier", "commit", "publish")

@@ -374,7 +374,7 @@ class DeltaState:
         scattered or whole, whichever costs less); none when nothing changed."""
         from .transport.base import WriteOp
 
-        RunsOp = self.runs_op  # noqa: N806 -- the class, handed over by the executor (no import cycle with transport.runs)
+        RunsOp = self.runs_op
         name = self.names.get(key, "?")
         if r is None:
             self.tensors.append((name, _kind(name), "full", length, length, 0))

@@ -105,7 +105,7 @@ from torch.distributed.tensor import DTensor
 from .delta_fused import fuse
 from .memory import RegisteredMemory, SetupStats, built_bytes
 from .options import ExecutorOptions
-from .records import BarrierRecord, StepStats, TaskRecord  # noqa: F401 -- re-exported (the records of an update)
+from .records import BarrierRecord, StepStats, TaskRecord, task_kind  # noqa: F401 -- re-exported (the records of an update)
 from .stages import _STOP, StageLoops, UpdateCancelled, _Skip, _Work  # noqa: F401 -- UpdateCancelled: part of this module's API
 from .tasks import (
     MemoryGate,
@@ -362,7 +362,10 @@ class Executor(StageLoops):
         if w.h2d_event is not None:
             torch.cuda.current_stream(self.device).wait_event(w.h2d_event)
         with torch.no_grad():
+            tg = time.perf_counter()
             full = self._gather(w)
+            w.rec.gather_s = time.perf_counter() - tg if w.task.sources else 0.0
+            w.rec.kind = task_kind(task)
             if self._last_of_group.get(task.group) == w.index:
                 w.barriers_issued = True
                 self._issue_barriers_through(task.group)

@@ -33,11 +33,13 @@ trainer in the executor's ``prepare`` stage after the recipe's transform.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
 
-__all__ = ["IDENTITY", "TRANSPOSED", "apply_layout", "parse_layout", "check_layout", "layout_row_block"]
+__all__ = ["IDENTITY", "TRANSPOSED", "apply_layout", "parse_layout", "check_layout", "layout_row_block",
+           "has_runtime_layout", "recipe_row_block", "layout_box_ok"]
 
 IDENTITY = "identity"
 TRANSPOSED = "transposed"
@@ -46,9 +48,44 @@ _BLOCKED = re.compile(r"^blocked:(\d+)x(\d+)$")
 
 def has_runtime_layout(recipe) -> bool:
     """Whether an output of ``recipe`` (a :class:`~weight_transfer.types.Recipe`) goes to an engine's
-    post-processed runtime layout: such a recipe is neither cut into row bands nor made from
-    local shards (its rows move across any band); it is assembled and written whole."""
+    post-processed runtime layout. Such a recipe is cut into row bands (shard-local prepare, chunking)
+    only along a leading (expert slot) dimension or at multiples of :func:`recipe_row_block` rows
+    of its ``[N, K]`` matrices, where a band of whole row blocks is one byte range in the
+    runtime order too (:func:`layout_box_ok`)."""
     return any(o.layout != IDENTITY for o in recipe.outputs)
+
+
+def recipe_row_block(recipe) -> int:
+    """Rows of ``recipe``'s ``[..., N, K]`` matrices a band must keep together so every output
+    stays whole row blocks of its runtime layout: the least common multiple of the outputs'
+    :func:`layout_row_block` (1 when all are identity; 0 = never cut along N, e.g.
+    ``"transposed"``)."""
+    rb = 1
+    for o in recipe.outputs:
+        b = layout_row_block(o.layout)
+        if b == 0:
+            return 0
+        rb = math.lcm(rb, b)
+    return rb
+
+
+def layout_box_ok(layout: str, box, shape) -> bool:
+    """Whether writing ``box`` (``[(start, end)]`` per dim) of a destination tensor of ``shape``
+    in ``layout`` is one byte range holding exactly those elements' runtime bytes: identity
+    always (the C-order range check is elsewhere); otherwise the box covers whole ``[N, K]``
+    rows (all of K; any leading indices) and its N range starts at a multiple of the layout's
+    row block and ends at one or at N. ``"transposed"`` only whole ``[N, K]`` matrices."""
+    if layout == IDENTITY:
+        return True
+    box, shape = tuple(tuple(b) for b in box), tuple(shape)
+    if len(shape) < 2 or box[-1] != (0, shape[-1]):
+        return False
+    rb = layout_row_block(layout)
+    a, b = box[-2]
+    n = shape[-2]
+    if rb == 0:
+        return (a, b) == (0, n)
+    return a % rb == 0 and (b % rb == 0 or b == n)
 
 
 def parse_layout(layout: str) -> tuple[int, int] | None:
@@ -96,9 +133,16 @@ def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     bn, pair = p
     *lead, n, k = t.shape
     src = t.reshape(-1, n, k)
-    out = torch.empty((src.shape[0], n * k), dtype=t.dtype, device=t.device)
-    for n0 in range(0, n, bn):
-        b = min(bn, n - n0)
-        blk = src[:, n0:n0 + b, :].reshape(src.shape[0], b, k // pair, pair).permute(0, 2, 1, 3)
-        out[:, n0 * k:(n0 + b) * k] = blk.reshape(src.shape[0], b * k)
+    m = src.shape[0]
+    full = (n // bn) * bn
+    # one strided copy for the whole blocks (a view [m, blocks, bn, K/pair, pair] permuted to the
+    # runtime order), one more for a short last block: two passes at most, no per-block loop
+    out = torch.empty((m, n * k), dtype=t.dtype, device=t.device)
+    if full:
+        blocks = src[:, :full, :].reshape(m, full // bn, bn, k // pair, pair).permute(0, 1, 3, 2, 4)
+        out[:, :full * k].view(m, full // bn, k // pair, bn, pair).copy_(blocks)
+    if full < n:
+        b = n - full
+        tail = src[:, full:, :].reshape(m, b, k // pair, pair).permute(0, 2, 1, 3)
+        out[:, full * k:].view(m, k // pair, b, pair).copy_(tail)
     return out.view(*lead, n, k)

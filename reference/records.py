@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .timeline import union_seconds
 
-__all__ = ["BarrierRecord", "StepStats", "TaskRecord"]
+__all__ = ["BarrierRecord", "StepStats", "TaskRecord", "task_kind", "prepare_by_kind"]
 
 
 @dataclass
@@ -35,6 +35,13 @@ class TaskRecord:
     gate_wait: float = 0.0
     """Seconds the task waited at the watermark gate (and for output pool space) before its
     first stage."""
+    gather_s: float = 0.0
+    """Seconds of the prepare stage spent in ``full_tensor()`` (0 for a local task); the rest of
+    prepare is building the outputs (assembly, cast, quantization, runtime layout)."""
+    kind: str = ""
+    """What the task builds (:func:`task_kind`): the destination tensor kind of its first
+    recipe, e.g. ``"w13_weight [blocked:16x1]"`` or ``"qkv_proj.weight:staging"``, and
+    ``"local"`` / ``"gathered"``."""
 
     @property
     def start(self) -> float:
@@ -141,3 +148,37 @@ class StepStats:
             for s, ab in r.stages.items():
                 per.setdefault(s, []).append(ab)
         return {s: union_seconds(iv) for s, iv in per.items()}
+
+
+def task_kind(task) -> str:
+    """A short label of what ``task`` (a :class:`~weight_transfer.types.Task`) builds, for the
+    per-kind breakdown of prepare (:func:`prepare_by_kind`): the first recipe's first output's
+    destination tensor without its module path (``"mlp.experts.w13_weight"`` ->
+    ``"experts.w13_weight"``), its runtime layout when not identity, and whether the task's
+    sources are gathered with ``full_tensor()`` or read from this rank's shards, e.g.
+    ``"mlp.experts.w13_weight [blocked:16x1] (local)"``."""
+    if not task.assignments:
+        return "empty"
+    rec = task.assignments[0].recipe
+    o = rec.outputs[0]
+    name = o.tensor.split(".layers.")[-1]
+    name = name.split(".", 1)[1] if name[:1].isdigit() and "." in name else name
+    name = name.replace("model.", "", 1) if name.startswith("model.") else name
+    lay = f" [{o.layout}]" if o.layout != "identity" else ""
+    return f"{name}{lay} ({'gathered' if task.sources else 'local'})"
+
+
+def prepare_by_kind(records) -> dict[str, list]:
+    """Per :attr:`TaskRecord.kind`: ``[tasks, gather seconds, build seconds, gathered bytes,
+    built bytes]`` over ``records`` (one rank's :class:`TaskRecord` s of one update). Seconds are
+    stage time (wall, not CPU); build = prepare minus ``full_tensor()``."""
+    out: dict[str, list] = {}
+    for r in records:
+        a, b = r.stages.get("prepare", (0.0, 0.0))
+        k = out.setdefault(r.kind or "?", [0, 0.0, 0.0, 0, 0])
+        k[0] += 1
+        k[1] += r.gather_s
+        k[2] += max(0.0, (b - a) - r.gather_s)
+        k[3] += r.gather_bytes
+        k[4] += r.copy_bytes
+    return out

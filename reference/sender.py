@@ -204,8 +204,11 @@ class Sender:
         su = getattr(self.executor, "setup_stats", None)
         reg = (f"; registered once: {su.n_regions} region(s), {su.registered_bytes / 1e6:.1f} MB in "
                f"{su.register_seconds * 1e3:.1f} ms ({su.transport})" if su is not None else "")
+        gathered = {n for t in rank_plan.tasks for n in t.sources}
+        gb = sum(self.params[n].numel() * self.params[n].element_size() for n in gathered if n in self.params)
         self.log(f"plan: {len(rank_plan.tasks)} tasks, {rank_plan.n_writes} writes, "
-                 f"{rank_plan.send_bytes / 1e9:.3f} GB to send{reg}")
+                 f"{rank_plan.send_bytes / 1e9:.3f} GB to send, gathers {gb / 1e6:.1f} MB per update "
+                 f"(full_tensor() of {len(gathered)} source(s)){reg}")
 
     def _landing(self, descriptors) -> dict:
         """Packed deltas: the landing regions the receivers of ``descriptors`` published

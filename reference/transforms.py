@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .layouts import IDENTITY, apply_layout
+from .layouts import IDENTITY, apply_layout, recipe_row_block
 from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block, scale_shape
 from .types import Box, Recipe, new_output, new_piece, new_recipe, torch_dtype
 
@@ -156,8 +156,11 @@ def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor],
             raise ValueError(f"recipe_outputs {recipe.name!r}: buffer for {o.tensor} is {tuple(b.shape)} {b.dtype}, "
                              f"need ({n},) uint8")
     shape = tuple(recipe.shape)
-    if any(o.layout != IDENTITY for o in recipe.outputs):  # built first, then copied in
-        made = apply_transform(recipe, assemble(recipe, get_source))
+    if any(o.layout != IDENTITY for o in recipe.outputs):
+        fused = assemble_in_layout(recipe, get_source, bufs[0]) if recipe.transform == "copy" else None
+        if fused is not None:  # one pass: each piece copied (and cast) straight into the runtime order
+            return [fused]
+        made = apply_transform(recipe, assemble(recipe, get_source))  # built first, then copied in
         for b, t in zip(bufs, made):
             b.copy_(t.contiguous().view(-1).view(torch.uint8))
         return [b.view(t.dtype).view(t.shape) for b, t in zip(bufs, made)]
@@ -177,6 +180,64 @@ def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor],
     raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
 
 
+def assemble_in_layout(recipe: Recipe, get_source: Callable[[str], torch.Tensor],
+                       buf: torch.Tensor) -> torch.Tensor | None:
+    """A ``"copy"`` recipe with one output in a runtime layout, built in one pass: each piece's
+    source slice is copied (and cast: ``copy_`` rounds as ``.to()`` does) straight into the
+    positions ``layout`` gives its elements in ``buf`` (flat ``uint8``, :func:`output_nbytes`
+    bytes), with no assembled tensor and no second copy -- the layout transform of issue 43 as
+    one strided copy per piece, what :func:`assemble` then
+    :func:`~weight_transfer.layouts.apply_layout` make in three passes. Returns the typed view
+    of ``buf`` (the output's shape, the runtime order in memory), byte-identical to
+    :func:`recipe_outputs` without it; None when a piece does not cover whole ``[N, K]`` rows
+    in whole row blocks of ``"blocked:*"`` (or when a leading dim of the recipe is cut by a
+    piece), so the caller takes the general path."""
+    from .layouts import TRANSPOSED, parse_layout
+
+    (o,) = recipe.outputs
+    shape = tuple(recipe.shape)
+    if len(shape) < 2:
+        return None
+    *lead, n, k = shape
+    n_lead = math.prod(lead)
+    p = parse_layout(o.layout)
+    dt = torch_dtype(o.dtype)
+    dst = buf.view(dt)
+    plan = []
+    for pc in recipe.pieces:
+        box = pc.dst_box
+        if tuple(box[-1]) != (0, k) or any(tuple(b) != (0, e) for b, e in zip(box[:-2], lead)):
+            return None  # part of K, or part of the leading dims: the general path
+        a, b = box[-2]
+        if o.layout != TRANSPOSED and (a % p[0] or (b % p[0] and b != n)):
+            return None
+        plan.append((pc, a, b))
+    for pc, a, b in plan:
+        rows = b - a
+        if pc.source is None:
+            src = None
+        else:
+            src = get_source(pc.source)[_slices(pc.src_box)].reshape(n_lead, rows, k)
+        if o.layout == TRANSPOSED:
+            v = dst.view(n_lead, k, n)[:, :, a:b]
+            v.zero_() if src is None else v.copy_(src.transpose(1, 2))
+            continue
+        bn, pair = p
+        band = dst.view(n_lead, n * k)[:, a * k:b * k]
+        if src is None:
+            band.zero_()
+            continue
+        full = (rows // bn) * bn
+        if full:
+            band[:, :full * k].view(n_lead, full // bn, k // pair, bn, pair).copy_(
+                src[:, :full].reshape(n_lead, full // bn, bn, k // pair, pair).permute(0, 1, 3, 2, 4))
+        if full < rows:
+            t = rows - full
+            band[:, full * k:].view(n_lead, k // pair, t, pair).copy_(
+                src[:, full:].reshape(n_lead, t, k // pair, pair).permute(0, 2, 1, 3))
+    return dst.view(shape)
+
+
 # --------------------------------------------------------------------------------------------
 # splitting
 
@@ -187,8 +248,9 @@ def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
     names get a ``#rows a:b`` suffix. For ``"fp8_block"`` recipes cut along one of the two
     quantized dims, bands are multiples of 128 (at least 128) so no block straddles two bands,
     and the ``weight_scale_inv`` box is cut at ``a/128``; the outputs of the parts are then
-    byte-identical to the matching parts of the unsplit recipe's outputs. Returns
-    ``[recipe]`` when nothing needs cutting.
+    byte-identical to the matching parts of the unsplit recipe's outputs. An output in a runtime
+    layout is cut in whole row blocks of that layout (:func:`~weight_transfer.layouts.recipe_row_block`;
+    never along K, never for ``"transposed"``). Returns ``[recipe]`` when nothing needs cutting.
     """
     if max_rows < 1:
         raise ValueError(f"split_recipe: max_rows must be >= 1, got {max_rows}")
@@ -205,6 +267,12 @@ def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
     step = max_rows
     if block_dim:
         step = max(QUANT_BLOCK, (max_rows // QUANT_BLOCK) * QUANT_BLOCK)
+    if any(o.layout != IDENTITY for o in recipe.outputs) and d >= nd - 2:
+        rb = recipe_row_block(recipe)
+        if rb == 0 or d != nd - 2:
+            return [recipe]  # a layout never cut, or a cut along K: written whole
+        unit = math.lcm(rb, QUANT_BLOCK) if block_dim else rb
+        step = max(unit, (step // unit) * unit)
     if n <= step:
         return [recipe]
     return split_recipe_bands(recipe, [(a, min(n, a + step)) for a in range(0, n, step)])
@@ -220,16 +288,21 @@ def split_dim(recipe: Recipe) -> int:
 
 def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Recipe]:
     """Cut ``recipe`` into the given row bands ``[a, b)`` of :func:`split_dim` (they must tile
-    it; for ``"fp8_block"`` along a quantized dim, every cut a multiple of 128). Pieces are
+    it; for ``"fp8_block"`` along a quantized dim, every cut a multiple of 128; for an output in
+    a runtime layout, cuts along N at multiples of its row block, none along K). Pieces are
     clipped and re-based, output boxes shifted; names get a ``#rows a:b`` suffix."""
     shape = recipe.shape
     nd = len(shape)
     d = split_dim(recipe)
     quant = recipe.transform == "fp8_block"
     block_dim = quant and d >= nd - 2
-    if any(o.layout != IDENTITY for o in recipe.outputs):
-        raise ValueError(f"split {recipe.name!r}: an output in a runtime layout "
-                         f"({', '.join(sorted({o.layout for o in recipe.outputs}))}) is written whole")
+    if any(o.layout != IDENTITY for o in recipe.outputs) and d >= nd - 2:
+        rb = recipe_row_block(recipe)
+        bad = [(a, b) for a, b in bands if d != nd - 2 or rb == 0 or a % rb or (b % rb and b != shape[d])]
+        if bad:
+            raise ValueError(f"split {recipe.name!r}: band {bad[0][0]}:{bad[0][1]} cuts a row block of the runtime "
+                             f"layout ({', '.join(sorted({o.layout for o in recipe.outputs}))}; "
+                             f"{rb or 'no'} row{'s' if rb != 1 else ''} per block)")
     # each piece clipped to [a, b) of dim d and re-based to a (its source slice along with it),
     # each output box shifted, all inline; shard-local prepare cuts 590k bands at Qwen3-235B 128 -> 32 scale
     k_of = [len(p.dst_box) - len(p.src_box) for p in recipe.pieces]

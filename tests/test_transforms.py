@@ -268,3 +268,33 @@ def test_recipe_outputs_into_buffers_same_bytes(quant, dtype):
     assert views > 0 or dtype == "float32"
     with pytest.raises(ValueError, match="need"):
         recipe_outputs(recipes[0], src.__getitem__, out=[torch.empty(1, dtype=torch.uint8)] * len(recipes[0].outputs))
+
+
+@pytest.mark.parametrize("layout", ["blocked:16x1", "blocked:16x2", "blocked:32x2", "blocked:4x1", "transposed"])
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_assemble_in_layout_one_pass_equals_the_general_path(layout, src_dtype):
+    """Issue 43: an expert slot ``[gate rows; up rows]`` (and a zero piece, a short last block)
+    built straight into a runtime layout, cast from the fp32 master on the way, has the bytes of
+    assemble -> cast -> apply_layout; a piece that cuts a row block falls back, still exact."""
+    from weight_transfer.transforms import assemble_in_layout, recipe_outputs
+    from weight_transfer.types import Output, Piece, Recipe
+
+    g = torch.Generator().manual_seed(1)
+    srcs = {"gate": torch.randn(64, 24, generator=g).to(src_dtype), "up": torch.randn(64, 24, generator=g).to(src_dtype)}
+    for cuts in [(48, 96, 112), (48, 96, 100), (40, 96, 112)]:  # aligned, short last block, a cut inside a block
+        a, b, n = cuts
+        pieces = (Piece("gate", ((0, a), (0, 24)), ((0, 1), (0, a), (0, 24))),
+                  Piece("up", ((0, b - a), (0, 24)), ((0, 1), (a, b), (0, 24))),
+                  Piece(None, (), ((0, 1), (b, n), (0, 24))))
+        rec = Recipe("slot", (0,), (1, n, 24), "bfloat16", pieces, "copy",
+                     (Output("w", ((0, 1), (0, n), (0, 24)), "bfloat16", layout),))
+        want = recipe_outputs(rec, srcs.__getitem__)[0]
+        buf = torch.full((n * 24 * 2,), 0xAB, dtype=torch.uint8)
+        got = recipe_outputs(rec, srcs.__getitem__, out=[buf])[0]
+        assert torch.equal(buf, want.contiguous().reshape(-1).view(torch.uint8)), (layout, cuts)
+        assert got.data_ptr() == buf.data_ptr()
+        one_pass = assemble_in_layout(rec, srcs.__getitem__, torch.empty_like(buf))
+        bn = 0 if layout == "transposed" else int(layout.split(":")[1].split("x")[0])
+        assert (one_pass is not None) == (bn == 0 or (a % bn == 0 and b % bn == 0)), (layout, cuts)
+        if one_pass is not None:
+            assert torch.equal(one_pass.reshape(-1).view(torch.uint8), buf)

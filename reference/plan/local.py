@@ -19,14 +19,22 @@ What still needs ``full_tensor()`` (the recipe is gathered whole, as before):
 - a piece whose source rows do not run along the recipe's cut dimension (a transpose, a
   column-sharded placement: ``Shard(1)``), or a source with no row-range shards;
 - a recipe smaller than ``min_bytes`` whose rows span several ranks (norms, biases: one
-  collective for a few KB costs less than several tiny writes per receiver).
+  collective for a few KB costs less than several tiny writes per receiver);
+- an output in an engine's runtime layout (:mod:`weight_transfer.layouts`) whose rows change
+  hands inside one of the layout's row blocks (16 or 32 rows of vLLM's CPU prepack), or whose
+  layout is never cut (``"transposed"``, the MoE router's float32 transpose) and whose rows lie
+  on several ranks. A band of whole row blocks is one byte range in the runtime order, so the
+  rank holding those rows builds and writes its blocks itself (:func:`~weight_transfer.layouts.layout_box_ok`).
+
+:func:`localize_group` says which of these applies to each gathered recipe (``reasons=``; the
+plan's :attr:`~weight_transfer.types.Schedule.gathers`, printed in its summary).
 
 Only the planner calls this (:func:`localize_group`); it is a pure function of the recipes and
 the shards' row ranges.
 """
 from __future__ import annotations
 
-from ..layouts import has_runtime_layout
+from ..layouts import has_runtime_layout, recipe_row_block
 from ..quant import QUANT_BLOCK
 from ..transforms import split_dim, split_recipe_bands
 from ..types import Recipe
@@ -60,9 +68,9 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
     stretches held by a common rank stay one band. Bands of a quantized recipe along a
     quantized dimension start and end on 128-row boundaries (or the tensor's end)."""
     cut = _cut(rec, owners, mesh)
-    if cut is None:
-        return None
     kind, x = cut
+    if kind == "gather":
+        return None
     if kind == "whole":
         return [(rec, x)]
     if kind == "slots":
@@ -78,7 +86,7 @@ def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[t
 
 
 def _cut(rec: Recipe, owners: Owners, mesh: frozenset[int]):
-    """Where :func:`localize_recipe` cuts ``rec`` along its split dim: None (gather it),
+    """Where :func:`localize_recipe` cuts ``rec`` along its split dim: ``("gather", why)``,
     ``("whole", holders)`` (some rank holds all of it), ``("bands", [(first row, end row,
     holders)])``, or ``("slots", [(first row, end row)])`` (cut between expert slots, each part
     localized on its own). A function of what :func:`_shape_key` covers only."""
@@ -86,17 +94,17 @@ def _cut(rec: Recipe, owners: Owners, mesh: frozenset[int]):
     for p in rec.pieces:
         h = _holders(p, owners, mesh)
         if h is None:
-            return None
+            return ("gather", "a source without row-range shards (not Shard(0) on its mesh)")
         hs.append(h)
     common = frozenset.intersection(*hs) if hs else mesh
     if common:
         return ("whole", common)
     if not rec.shape:
-        return None
+        return ("gather", "a scalar whose holders differ")
     d = split_dim(rec)
     n = rec.shape[d]
     if n <= 1:
-        return None
+        return ("gather", "one row along its split dim, held by several ranks")
     # atomic cuts: piece boundaries along d, and shard boundaries inside a piece's rows
     cuts = {0, n}
     slot_dim = False
@@ -110,10 +118,10 @@ def _cut(rec: Recipe, owners: Owners, mesh: frozenset[int]):
             slot_dim = True  # cutting between slots: each slot is localized on its own
             continue
         if d != k:
-            return None  # the source's rows run along another destination dim (transpose)
+            return ("gather", "transpose: the source's rows run along another destination dim")  # the source's rows run along another destination dim (transpose)
         sa, sb = p.src_box[0]
         if sb - sa != db - da:
-            return None
+            return ("gather", "a piece whose source and destination rows differ in length")
         cuts.update(da + x - sa for oa, ob, _ in owners[p.source] for x in (oa, ob) if sa < x < sb)
     atoms = sorted(c for c in cuts if 0 <= c <= n)
     bands = list(zip(atoms, atoms[1:]))
@@ -131,14 +139,18 @@ def _cut(rec: Recipe, owners: Owners, mesh: frozenset[int]):
             sb = p.src_box[0][0] + (b - pa)
             h = h & frozenset(r for oa, ob, r in owners[p.source] if oa <= sa and sb <= ob)
         if not h:
-            return None
+            return ("gather", "a band needs rows of several ranks")
         if merged and merged[-1][2] & h:
             a0, _, h0 = merged[-1]
             merged[-1] = (a0, b, h0 & h)
         else:
             merged.append((a, b, h))
     if _block_dim(rec, d) and any(a % QUANT_BLOCK for a, _, _ in merged):
-        return None  # rows change hands inside a quantization block: gather
+        return ("gather", "FP8: rows change hands inside a 128-row quantization block")  # rows change hands inside a quantization block: gather
+    if has_runtime_layout(rec):
+        rb = recipe_row_block(rec)
+        if d != len(rec.shape) - 2 or rb == 0 or any(a % rb for a, _, _ in merged):
+            return ("gather", _layout_reason(rec, d))  # rows change hands inside a runtime-layout row block (or along K): gather
     return ("bands", merged)
 
 
@@ -156,11 +168,11 @@ def _shape_key(rec: Recipe, owners: Owners, mesh: frozenset[int], owner_keys: di
             own = owners.get(p.source)
             ok = owner_keys[p.source] = () if own is None else tuple(own)
         pk.append((ok, p.src_box, p.dst_box))
-    return (rec.shape, rec.transform, mesh, tuple(pk))
+    return (rec.shape, rec.transform, tuple(o.layout for o in rec.outputs), mesh, tuple(pk))
 
 
 def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], min_bytes: int = 0,
-                   cache: dict | None = None, owner_keys: dict | None = None,
+                   cache: dict | None = None, owner_keys: dict | None = None, reasons: dict | None = None,
                    ) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
     """Split a fusion group into (local bands with their candidate senders, recipes to gather).
 
@@ -171,7 +183,8 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
     once per :func:`_shape_key` -- thousands of Kimi-K2 experts share one -- and only the
     cutting itself (:func:`~weight_transfer.transforms.split_recipe_bands`) is done per recipe.
     ``owner_keys``: source name -> a key equal for two names only when their ``owners`` lists
-    are (:func:`weight_transfer.plan.owners.row_owners` gives one); by default the lists themselves."""
+    are (:func:`weight_transfer.plan.owners.row_owners` gives one); by default the lists themselves.
+    ``reasons`` (optional dict): filled with recipe name -> why it is gathered, for each gathered recipe."""
     ms = frozenset(mesh)
     local, gathered = [], []
     cuts = None
@@ -180,9 +193,6 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
         if owner_keys is None:
             owner_keys = cache.setdefault("owner_keys", {})
     for rec in group:
-        if has_runtime_layout(rec):  # an engine's runtime layout: made whole
-            gathered.append(rec)
-            continue
         if cuts is None:
             v = _verdict(rec, owners, ms)
         else:
@@ -190,10 +200,12 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
             v = cuts.get(key, _UNSEEN)
             if v is _UNSEEN:
                 v = cuts[key] = _verdict(rec, owners, ms)
-        if v is None:
-            gathered.append(rec)
-            continue
         kind, x, cands = v
+        if kind == "gather":
+            gathered.append(rec)
+            if reasons is not None:
+                reasons[rec.name] = x
+            continue
         if kind == "whole":
             local.append((rec, cands))
             continue
@@ -201,11 +213,16 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
             bands = localize_recipe(rec, owners, ms)
             if bands is None or (len(bands) > 1 and rec.output_nbytes < min_bytes):
                 gathered.append(rec)
+                if reasons is not None:
+                    reasons[rec.name] = ("an expert slot whose rows need several ranks" if bands is None else
+                                         f"under {min_bytes} B and on several ranks (one collective beats tiny writes)")
             else:
                 local.extend((part, tuple(sorted(h))) for part, h in bands)
             continue
         if len(x) > 1 and rec.output_nbytes < min_bytes:
             gathered.append(rec)
+            if reasons is not None:
+                reasons[rec.name] = f"under {min_bytes} B and on several ranks (one collective beats tiny writes)"
         else:
             local.extend(zip(split_recipe_bands(rec, x), cands))
     return local, gathered
@@ -215,15 +232,27 @@ _UNSEEN = object()
 
 
 def _verdict(rec: Recipe, owners: Owners, mesh: frozenset[int]):
-    """:func:`_cut` as :func:`localize_group` uses it: None, ``("whole", None, candidates)``,
-    ``("bands", [(a, b)], [candidates])`` or ``("slots", None, None)``; candidates are sorted
-    rank tuples."""
-    cut = _cut(rec, owners, mesh)
-    if cut is None:
-        return None
-    kind, x = cut
+    """:func:`_cut` as :func:`localize_group` uses it: ``("gather", why, None)``, ``("whole",
+    None, candidates)``, ``("bands", [(a, b)], [candidates])`` or ``("slots", None, None)``;
+    candidates are sorted rank tuples."""
+    kind, x = _cut(rec, owners, mesh)
+    if kind == "gather":
+        return ("gather", x, None)
     if kind == "whole":
         return ("whole", None, tuple(sorted(x)))
     if kind == "slots":
         return ("slots", None, None)
     return ("bands", [(a, b) for a, b, _ in x], [tuple(sorted(h)) for _, _, h in x])
+
+
+def _layout_reason(rec: Recipe, d: int) -> str:
+    layouts = ", ".join(sorted({o.layout for o in rec.outputs if o.layout != "identity"}))
+    rb = recipe_row_block(rec)
+    if rb == 0:
+        return f"runtime layout {layouts}: never cut, and its rows lie on several ranks"
+    if d != len(rec.shape) - 2:
+        return f"runtime layout {layouts}: the rows change hands along K"
+    return f"runtime layout {layouts}: rows change hands inside a {rb}-row block"
+
+
+_UNSEEN = object()

@@ -25,7 +25,6 @@ from functools import partial
 from operator import attrgetter
 from typing import NamedTuple
 
-from ..layouts import has_runtime_layout
 from ..quant import QUANT_BLOCK
 from ..transforms import split_dim, split_recipe
 from ..types import (
@@ -82,9 +81,10 @@ def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
 
 def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
     """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
-    rank (FP8 bands in whole :data:`~weight_transfer.quant.QUANT_BLOCK`-row quantization blocks), each with its output bytes."""
+    rank (FP8 bands in whole :data:`~weight_transfer.quant.QUANT_BLOCK`-row quantization blocks, runtime
+    layouts in whole row blocks: :func:`~weight_transfer.transforms.split_recipe`), each with its output bytes."""
     per_rank = recipe.output_nbytes
-    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0 or has_runtime_layout(recipe):  # layouts: written whole
+    if per_rank <= max_chunk_bytes or len(recipe.shape) == 0:
         return [(recipe, per_rank)]
     rows = recipe.shape[split_dim(recipe)]
     row_bytes = max(1, per_rank // max(rows, 1))
@@ -125,6 +125,9 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
         return f
 
     task_defs = []
+    why: dict[str, str] = {}  # gathered recipe -> why (localize_group)
+    gathers: dict[str, tuple[int, int]] = {}  # why -> (recipes, source bytes)
+    seen_src: set[str] = set()
     for g in groups:
         srcs = sorted({pc.source for r in g for pc in r.pieces if pc.source is not None}, key=order.__getitem__)
         meshes = {mesh_flat(s) for s in srcs}
@@ -132,9 +135,18 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
         if local_writes and srcs:
-            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache, owner_keys)
+            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache, owner_keys, why)
         else:
             loc, gat = [], g
+            if srcs:
+                why.update((r.name, "shard-local prepare is off (local_writes=False)") for r in g)
+        for r in gat:  # the bytes each reason gathers: its recipes' distinct sources, each once
+            rs = why.get(r.name, "?")
+            for pc in r.pieces:
+                if pc.source is not None and pc.source not in seen_src:
+                    seen_src.add(pc.source)
+                    gathers[rs] = (gathers.get(rs, (0, 0))[0], gathers.get(rs, (0, 0))[1] + sources[pc.source].nbytes)
+            gathers[rs] = (gathers.get(rs, (0, 0))[0] + 1, gathers.get(rs, (0, 0))[1])
         if gat:  # only the recipes that need rows of several ranks; their sources are gathered
             gsrcs = srcs if not loc else sorted({pc.source for r in gat for pc in r.pieces if pc.source is not None},
                                                 key=order.__getitem__)
@@ -168,4 +180,5 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     n_groups = len(set(gid.values()))
     rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted(set(map(_GROUP, ts)))), n_groups) for r, ts in per_rank.items()}
     # every mesh rank published (checked), so the senders are training ranks
-    return Schedule(rank_plans, send, recv, len(task_defs), n_groups, sum(src_bytes))
+    return Schedule(rank_plans, send, recv, len(task_defs), n_groups, sum(src_bytes),
+                    tuple(sorted(((w, n, b) for w, (n, b) in gathers.items()), key=lambda x: -x[2])))

@@ -138,3 +138,80 @@ def test_localize_recipe_rules():
     transposed = _rec([Piece("a", ((0, 512), (0, 64)), ((0, 64), (0, 512)))], (64, 512))
     assert localize_recipe(transposed, owners, mesh) is None
     assert localize_recipe(fused, {"a": owners["a"]}, mesh) is None  # "b" has no row shards
+
+
+def _with_runtime_layouts(rs, expert_layout):
+    """``rs`` with vLLM CPU's runtime layouts on its outputs (engines/vllm/runtime.py): experts in
+    ``expert_layout``, the MoE router ``gate`` transposed, dense linears ``blocked:32x2``."""
+    from dataclasses import replace
+
+    from weight_transfer.plan.recipes import RecipeSet
+
+    def lay(o):
+        t = o.tensor
+        if t.endswith(("w13_weight", "w2_weight")):
+            return expert_layout
+        if t.endswith("mlp.gate.weight"):
+            return "transposed"
+        if t.endswith(("qkv_proj.weight", "o_proj.weight")):
+            return "blocked:32x2"
+        return o.layout
+
+    recs = [replace(r, outputs=tuple(replace(o, layout=lay(o)) for o in r.outputs)) for r in rs.recipes]
+    return RecipeSet(recs, rs.ignored, layout=rs.layout, model=rs.model)
+
+
+@pytest.mark.parametrize("expert_layout", ["blocked:16x1", "blocked:16x2"])
+def test_runtime_layouts_made_from_the_shards(expert_layout):
+    """Issue 43: outputs in vLLM CPU's runtime layouts (MoE prepack blocks, packed linears) are cut
+    at shard boundaries in whole row blocks and built by the rank holding the rows, bit-exact
+    with the gather-all plan; what still needs rows of several ranks (the router's transpose) is
+    gathered and the schedule names why; shards that change hands inside a 16-row block gather."""
+    from weight_transfer.layouts import apply_layout
+
+    cfg = load_config("qwen3-30b-a3b", **MOE)
+    layout = InferenceLayout(tp=1)
+    rs = _with_runtime_layouts(build_recipes(cfg, layout), expert_layout)
+    dests = dest_metas(cfg, layout)
+    full = _sources(cfg)
+    metas = fsdp_metas(cfg, 2)
+    loc = plan(rs, metas, dests, local_min_bytes=0)  # the tiny model's experts are KBs
+    gat = plan(rs, metas, dests, local_writes=False)
+    check_exact_cover(loc, dests)
+    got, want = _run(loc, metas, dests, full), _run(gat, metas, dests, full)
+    assert torch.equal(got[0], want[0])
+    # and against load_weights, each runtime tensor rearranged into its layout
+    oracle = expected_from_checkpoint(cfg, layout, 0, full.__getitem__, full)
+    lays = {o.tensor: o.layout for r in rs.recipes for o in r.outputs}
+    for m in dests[0]:
+        t = oracle.named_parameters()[m.name]
+        want_b = apply_layout(t, lays[m.name]) if lays.get(m.name, "identity") != "identity" else t
+        assert torch.equal(got[0][m.offset:m.offset + m.nbytes], want_b.contiguous().reshape(-1).view(torch.uint8)), m.name
+    gathered = {a.recipe.name for rp in loc.rank_plans.values() for t in rp.tasks if t.sources for a in t.assignments}
+    assert not [n for n in gathered if "experts" in n or "proj" in n], gathered
+    assert loc.gather_bytes < gat.gather_bytes / 20
+    reasons = {why for why, _, _ in loc.gathers}
+    assert any("transposed: never cut" in w for w in reasons), loc.gathers
+    assert "transposed" in loc.summary()
+    # 3 ranks: 128 expert rows cut 43/43/42, inside 16-row blocks: those slots are gathered, bit-exact still
+    metas3 = fsdp_metas(cfg, 3)
+    loc3, gat3 = plan(rs, metas3, dests, local_min_bytes=0), plan(rs, metas3, dests, local_writes=False)
+    assert torch.equal(_run(loc3, metas3, dests, full)[0], _run(gat3, metas3, dests, full)[0])
+    assert any("16-row block" in why for why, _, _ in loc3.gathers), loc3.gathers
+
+
+def test_layout_box_rules():
+    """A band of whole row blocks of a runtime layout is one byte range; anything else is refused."""
+    from weight_transfer.layouts import layout_box_ok, recipe_row_block
+
+    assert layout_box_ok("blocked:16x1", ((2, 3), (32, 64), (0, 8)), (4, 70, 8))
+    assert layout_box_ok("blocked:16x1", ((0, 1), (64, 70), (0, 8)), (4, 70, 8))  # the short last block
+    assert not layout_box_ok("blocked:16x1", ((0, 1), (8, 32), (0, 8)), (4, 70, 8))
+    assert not layout_box_ok("blocked:16x1", ((0, 1), (0, 32), (0, 4)), (4, 70, 8))  # part of K
+    assert layout_box_ok("transposed", ((0, 8), (0, 4)), (8, 4))
+    assert not layout_box_ok("transposed", ((0, 4), (0, 4)), (8, 4))
+    rec = _rec([Piece("a", ((0, 64), (0, 64)), ((0, 64), (0, 64)))], (64, 64))
+    from dataclasses import replace
+    assert recipe_row_block(rec) == 1
+    assert recipe_row_block(replace(rec, outputs=(replace(rec.outputs[0], layout="blocked:32x2"),))) == 32
+    assert recipe_row_block(replace(rec, outputs=(replace(rec.outputs[0], layout="transposed"),))) == 0

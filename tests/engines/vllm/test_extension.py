@@ -29,6 +29,33 @@ def test_tied_modules_are_the_second_owners_with_a_quant_method():
     assert WeightTransferExtension._wt_tied_modules(model) == []
 
 
+def _vocab(cls, weight=None):
+    m = cls.__new__(cls)  # vLLM's class (isinstance is what is read), without its TP group setup
+    torch.nn.Module.__init__(m)
+    m.weight = weight if weight is not None else torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+    return m
+
+
+def test_unread_gemm_handles_are_untied_input_embeddings_only():
+    """Issue 43: an untied embed_tokens' oneDNN handle is never read (only lm_head's GEMM is), so
+    the commit does not rebuild it; a tied embedding (lm_head *is* the module, as Qwen3ForCausalLM
+    ties, or shares its Parameter) and the lm_head itself are rebuilt."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from weight_transfer.engines.vllm.worker_state import unread_gemm_handles
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = _vocab(VocabParallelEmbedding)
+    model.lm_head = _vocab(ParallelLMHead)
+    assert unread_gemm_handles(model) == {"model.embed_tokens"}
+    model.lm_head = model.model.embed_tokens                     # tied: the same module
+    assert unread_gemm_handles(model) == set()
+    model.lm_head = _vocab(ParallelLMHead, model.model.embed_tokens.weight)  # tied: the same Parameter
+    assert unread_gemm_handles(model) == set()
+
+
 def test_cpu_moe_layers_found_by_their_prepacking_kernel():
     class Experts:
         isa = "amx"
