@@ -10,7 +10,7 @@ import torch
 from tests.helpers.loopback import Loopback
 from weight_transfer.delta import Runs, changed_runs, check_published, native_status
 from weight_transfer.delta_cost import CostModel
-from weight_transfer.delta_packed import DIR_BYTES, HEADER, MIN_LANDING, Landing, Packer, PackedError, record_bytes
+from weight_transfer.delta_packed import DIR_BYTES, HEADER, MIN_LANDING, Landing, PackedError, Packer, record_bytes
 from weight_transfer.options import ExecutorOptions
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.testing.weights import SyntheticCheckpoint
