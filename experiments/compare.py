@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from .report import append_csv, coverage_line, percentile, train_layout_text
+from .report import append_csv, coverage_line, kind_lines, percentile, train_layout_text
 
 COMPARE_METHODS = ("reference", "rank0_funnel", "rpc")
 
@@ -172,6 +172,11 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
         cov = None if isinstance(r, BaseException) else coverage_line(r.rows)
         if cov:
             lines.append(f"# [{m}] " + cov[2:])
+    for m, r in runs:  # the reference's prepare per tensor kind and commit per staged layer (issue 43)
+        if m == "reference" and not isinstance(r, BaseException):
+            kinds = kind_lines([x for x in r.rows if not x.get("warmup") and x.get("outcome") != "failed"])
+            lines += [ln.replace("# prepare per kind", "# [reference] prepare per kind", 1)
+                      .replace("# engine commit per", "# [reference] engine commit per", 1) for ln in kinds]
     against = ("a fresh vLLM from the step's checkpoint (every addressable runtime byte, staged bytes vs the "
                "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)" if cfg.run.engine == "vllm" else "the engine's load_weights")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{n_all} updates over "

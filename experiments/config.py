@@ -398,6 +398,10 @@ class TrialConfig:
                 raise ValueError(f"--shadow {self.serve.shadow} with method={run.method!r}: shadow targets are the "
                                  "reference's (the baselines write the live weights); use --method reference or "
                                  "--shadow off")
+            if tr.executor.delta and tr.executor.delta_mode == "packed" and run.engine != "vllm":
+                raise ValueError(f"--shadow {self.serve.shadow} with --delta-mode packed: the stand-in registers no "
+                                 "landing region with shadow targets (its commit is the go-live); use --delta-mode "
+                                 "auto or scattered, or --shadow off")
             if self.serve.shadow == "flip" and tr.executor.delta:
                 raise ValueError("--shadow flip with --delta: a flip shadow holds the version before last, not the "
                                  "base a delta is computed against; use --shadow copy")

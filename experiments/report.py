@@ -218,13 +218,13 @@ def kind_lines(meas: list[dict]) -> list[str]:
     out = []
     if pk:
         out += ["#", "# prepare per kind (p50 over warm updates; seconds summed over training ranks, stages overlap):",
-                f"#   {'kind':<58} {'tasks':>5} {'gather':>8} {'build':>8} {'gathered':>10} {'built':>10}",
-                f"#   {'':<58} {'':>5} {'(s)':>8} {'(s)':>8} {'(MB)':>10} {'(MB)':>10}"]
+                f"#   {'kind':<66} {'tasks':>5} {'gather':>8} {'build':>8} {'gathered':>10} {'built':>10}",
+                f"#   {'':<66} {'':>5} {'(s)':>8} {'(s)':>8} {'(MB)':>10} {'(MB)':>10}"]
         for k in sorted({k for d in pk for k in d}, key=lambda k: -statistics.median(
                 [d.get(k, [0, 0, 0])[1] + d.get(k, [0, 0, 0])[2] for d in pk])):
             v = [d.get(k, [0, 0.0, 0.0, 0, 0]) for d in pk]
             med = [statistics.median(x[i] for x in v) for i in range(5)]
-            out.append(f"#   {k[:58]:<58} {med[0]:>5.0f} {med[1]:>8.4f} {med[2]:>8.4f} {med[3] / 1e6:>10.1f} "
+            out.append(f"#   {k[:66]:<66} {med[0]:>5.0f} {med[1]:>8.4f} {med[2]:>8.4f} {med[3] / 1e6:>10.1f} "
                        f"{med[4] / 1e6:>10.1f}")
     if cl:
         by = [{} for _ in cl]
@@ -235,7 +235,7 @@ def kind_lines(meas: list[dict]) -> list[str]:
         out += ["#", "# engine commit per staged layer kind (p50 over warm updates, the slowest worker, summed over layers):"]
         for k in sorted({k for b in by for k in b}):
             n = sum(1 for m in cl[0] if _layer_kind(m) == k)
-            out.append(f"#   {k:<58} {n:>3} layer(s) {statistics.median(b.get(k, 0.0) for b in by):>8.4f} s")
+            out.append(f"#   {k:<66} {n:>3} layer(s) {statistics.median(b.get(k, 0.0) for b in by):>8.4f} s")
     return out
 
 

@@ -335,6 +335,15 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
 
             control.put(store, WORLD_KEY, {"n_train": cfg.train.n_train, "n_infer": cfg.n_infer})
             commit_ranks = tuple(range(cfg.n_infer))
+        if cfg.run.engine != "vllm" and cfg.run.method == "reference":
+            # stand-in ranks with a landing region scatter packed delta records at each commit (experiments/landing.py)
+            from .landing import landing_ranks, wants_landing
+
+            packed = landing_ranks(store, cfg.n_infer)
+            commit_ranks = tuple(sorted(set(commit_ranks) | set(packed)))
+            if wants_landing(cfg.resolved_transfer):
+                print(f"# delta ({cfg.transfer.executor.delta_mode}): landing regions for packed records on inference "
+                      f"rank(s) {list(packed)} of {cfg.n_infer}", file=sys.stderr, flush=True)
         bytes_staged = int(cctx.extra.get("bytes_staged", 0))
         plan_s = time.perf_counter() - t0
         gen, step = 0, 1
@@ -443,6 +452,11 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
             commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
             if commits:
                 row["commit_seconds"] = max(c.get("seconds", 0.0) for c in commits)
+                if any("delta_records" in c for c in commits):  # packed records scattered at the commit
+                    row["delta_apply_s"] = max(c.get("delta_apply_s", 0.0) for c in commits)
+                    row["delta_records"] = sum(c.get("delta_records", 0) for c in commits)
+                    row["delta_packed_runs"] = sum(c.get("delta_runs", 0) for c in commits)
+                    row["delta_packed_bytes"] = sum(c.get("delta_bytes", 0) for c in commits)
                 layers: dict[str, float] = {}  # the slowest worker's seconds per staged layer (issue 43)
                 for c in commits:
                     for m, t in (c.get("per_layer") or {}).items():

@@ -258,6 +258,12 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
                                                   model_config=mcfg, layout=cfg.inference,
                                                   log=lambda m: log(tag, m),
                                                   shadow=None if cfg.serve.shadow == "off" else cfg.serve.shadow))
+            landing = None
+            if cfg.run.method == "reference":  # packed deltas: a landing region, scattered at each commit
+                from .landing import attach
+
+                landing = attach(cfg.resolved_transfer, engine, side.receiver, store, rank,
+                                 shadow=cfg.serve.shadow != "off", log=lambda m: log(tag, m))
             client.publish_meta(*payload)
             if cfg.fleet.active:  # an elastic fleet (C24): the controller plans a rank in once it announced itself
                 from weight_transfer import membership
@@ -267,6 +273,12 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
             raise
         install_watcher(fault, ("infer", rank), addr)
+        committer = None
+        if landing is not None:  # scatter the packed records at every commit, before `complete v` (C26 on failure)
+            from .landing import CommitServer
+
+            committer = CommitServer(engine, landing, _connect(addr, cfg.transfer.control.timeout), rank,
+                                     log=lambda m: log(tag, m))
         gaps = engine_gap_snapshot(engine)
         serving = None
         if cfg.serve.active:  # a generation load, go-lives or pauses (C27): experiments/serving.py
@@ -305,6 +317,10 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             client.report(v, res)
         if serving is not None:
             serving.stop()
+        if committer is not None:
+            committer.stop()
+        if landing is not None:
+            landing.close()
         side.teardown()
     except BaseException as e:
         traceback.print_exc()

@@ -158,7 +158,7 @@ def task_kind(task) -> str:
     sources are gathered with ``full_tensor()`` or read from this rank's shards, e.g.
     ``"mlp.experts.w13_weight [blocked:16x1] (local)"``."""
     if not task.assignments:
-        return "empty"
+        return "(full_tensor() only: nothing to send)"
     rec = task.assignments[0].recipe
     o = rec.outputs[0]
     name = o.tensor.split(".layers.")[-1]

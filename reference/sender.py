@@ -231,6 +231,9 @@ class Sender:
                     self.log(f"delta: inference rank {r}'s landing region not used: {e}")
                     continue
                 out[r] = d
+            elif ex.delta_mode == "packed":
+                self.log(f"delta: --delta-mode packed but inference rank {r} published no landing region: "
+                         "its outputs go scattered or whole")
         return out
 
     def send(self, version: int):
