@@ -452,6 +452,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             res = control.get(store, key)
             if not res["ok"]:
                 raise RuntimeError(f"{refused}: training {r} failed: {res['error']}")
+        if self.shadow is None:
+            state = control.read_state(store)
+            if state.state != "writing" or state.version != v:
+                reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
+                raise RuntimeError(f"{refused}: the store says the weights are {state}, not 'writing {v}'"
+                                   + (f" ({reason})" if reason and state.state == "incomplete" else ""))
         dstats = delta_apply.apply_delta(self, v)  # packed delta records scattered into place, before the go-live/commit
         if self.shadow is not None:  # the go-live, between two engine steps
             from .shadow import shadow_go_live
@@ -460,11 +466,6 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
                                               refused=refused)
             self.version, self._active = v, v
             return
-        state = control.read_state(store)
-        if state.state != "writing" or state.version != v:
-            reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
-            raise RuntimeError(f"{refused}: the store says the weights are {state}, not 'writing {v}'"
-                               + (f" ({reason})" if reason and state.state == "incomplete" else ""))
         try:
             stats = self.targets.commit() if self.targets.staged else {"seconds": 0.0, "layers": 0, "bytes": 0}
         except Exception as e:
