@@ -67,10 +67,11 @@ nixl: setup
 # NIXL installed if missing, the RL loop's lr 1e-6 and 1e-5 steps saved if missing (make vllm first;
 # ~5 min each), then bf16 and FP8 at both lrs over a veth rate-limited to memcpy/RATIO, paired
 # full/delta pushes of the same replayed weights, every update verified. Rows: results/delta_wire.csv.
-# DELTA_WIRE_ARGS picks the delta (e.g. --delta-mode packed once the receivers register landing regions).
+# DELTA_WIRE_ARGS picks the delta: the cost model's choice by default (--delta-mode auto; the lr 1e-6
+# runs with --delta-op-cost 0 write every run, packed where it fits); --delta-mode packed or scattered to force one.
 RATIO ?= 100
 STEPS_DIR ?= results/runs/rl_steps
-DELTA_WIRE_ARGS ?= --delta-mode scattered
+DELTA_WIRE_ARGS ?= --delta-mode auto --wire-csv results/delta_wire.csv
 DELTA_WIRE_MODEL = --model qwen3-0.6b --override num_hidden_layers=2 --override vocab_size=8192 --n-train 2 --tp 1
 delta-wire: nixl
 	@for lr in 1e-6 1e-5; do test -f $(STEPS_DIR)/lr$$lr/manifest.json || \

@@ -128,6 +128,14 @@ def format_table(result) -> str:
                          f"({100 * statistics.median(db) / max(1, meas[0]['bytes']):.2f}% of the update's bytes); "
                          f"shadow on the trainers {meas[0].get('delta_shadow_bytes', 0) / 1e6:.1f} MB; full updates at "
                          f"steps {[r['step'] for r in rows if r.get('delta', 'delta') != 'delta']}")
+            modes = [m for m in ("full", "scattered", "packed") if any(f"delta_n_{m}" in r for r in meas)]
+            if modes:  # the cost model's choice per output (reference/delta_cost.py): writes per mode, p50
+                per = ", ".join(f"{m} {statistics.median(int(r.get(f'delta_n_{m}', 0) or 0) for r in meas):.0f}"
+                                for m in modes)
+                rec = statistics.median(int(r.get("delta_records", 0) or 0) for r in meas)
+                lines.append(f"# delta modes (p50 per update, outputs written each way): {per}; packed records "
+                             f"scattered by the receivers' commit: {rec:.0f}"
+                             + ("" if rec else " (none: no receiver offered a landing region, or none fit)"))
     if meas and meas[-1].get("trainer_copy_bytes") is not None:
         c = meas[-1]["trainer_copy_bytes"]
         lines.append(f"# trainers copied outside the writes: {c} B per update ({100 * c / max(1, meas[-1]['bytes']):.1f}% "

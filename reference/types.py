@@ -499,10 +499,10 @@ class Schedule:
     """Bytes of source parameters materialized with ``full_tensor()`` per update (global sizes,
     each gathered source once per task; every rank of its mesh receives the ``(n-1)/n`` of it it
     does not hold). 0 when every recipe is made from the ranks' own shards."""
-    gathers: tuple[tuple[str, int, int], ...] = ()
-    """Why the rest is gathered: ``(reason, recipes, bytes of their sources)`` per reason, most
-    bytes first (:func:`weight_transfer.plan.local.localize_group`); a source shared by recipes
-    of two reasons counts under the first."""
+    gathers: tuple[tuple[str, int, int, str], ...] = ()
+    """Why the rest is gathered: ``(reason, recipes, bytes of their sources, the first such
+    recipe's name)`` per reason, most bytes first (:func:`weight_transfer.plan.local.localize_group`);
+    a source shared by recipes of two reasons counts under the first."""
 
     @property
     def total_bytes(self) -> int:
@@ -521,10 +521,11 @@ class Schedule:
                 f"gathers {self.gather_bytes / 1e6:.1f} MB (full_tensor())" + self.gathers_line())
 
     def gathers_line(self) -> str:
-        """``": <reason> <n> recipes <MB>; ..."`` for the reasons of :attr:`gathers` (at most 4,
-        most bytes first), or ``""`` when nothing is gathered."""
+        """``": <reason> (<n> recipes, <MB>; e.g. <recipe>); ..."`` for the reasons of
+        :attr:`gathers` (at most 4, most bytes first), or ``""`` when nothing is gathered."""
         if not self.gathers:
             return ""
-        parts = [f"{why} ({n} recipe{'s' if n != 1 else ''}, {b / 1e6:.1f} MB)" for why, n, b in self.gathers[:4]]
+        parts = [f"{why} ({n} recipe{'s' if n != 1 else ''}, {b / 1e6:.1f} MB; e.g. {ex})"
+                 for why, n, b, ex in self.gathers[:4]]
         more = len(self.gathers) - 4
         return ": " + "; ".join(parts) + (f"; {more} more reason(s)" if more > 0 else "")

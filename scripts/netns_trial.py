@@ -51,7 +51,8 @@ updates' p50 with ``bytes x 8 / rate`` and flags them when the wire is under 70%
 wire-bound). Replayed RL steps and paired pushes (``--replay DIR --delta --delta-pairs``: every
 step's weights pushed as a full update and as a delta in the same run) print the full-against-
 delta table (:func:`weight_transfer.experiments.link.pair_table`) and append every row to
-``--wire-csv`` (default results/delta_wire.csv)::
+``--wire-csv`` (default results/runs/delta_wire.csv, untracked; ``make delta-wire`` records into
+results/delta_wire.csv)::
 
     .venv/bin/python scripts/netns_trial.py --memory-wire-ratio 100 \
         --model qwen3-0.6b --override num_hidden_layers=2 --override vocab_size=8192 --n-train 2 --tp 1 \
@@ -197,8 +198,10 @@ def parse_args(argv: list[str]):
                     help="rate-limit the link to this run's single-thread memcpy bandwidth / X (a cluster's ~100)")
     ap.add_argument("--link-burst", type=int, default=None, metavar="BYTES",
                     help="the token bucket's burst (default 131072: two 64 KiB GSO packets)")
-    ap.add_argument("--wire-csv", default=os.path.join(ROOT, "results", "delta_wire.csv"), metavar="PATH",
-                    help="with a link rate: append every row (with the link's columns) here; '' for none")
+    ap.add_argument("--wire-csv", default=os.path.join(ROOT, "results", "runs", "delta_wire.csv"), metavar="PATH",
+                    help="with a link rate: append every row (with the link's columns) here (default "
+                         "results/runs/delta_wire.csv, untracked; the committed record is results/delta_wire.csv, "
+                         "written by `make delta-wire`); '' for none")
     own, rest = ap.parse_known_args(argv)
     if own.link_rate is not None:
         from weight_transfer.experiments.link import parse_rate

@@ -128,6 +128,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     why: dict[str, str] = {}  # gathered recipe -> why (localize_group)
     gathers: dict[str, tuple[int, int]] = {}  # why -> (recipes, source bytes)
     seen_src: set[str] = set()
+    example: dict[str, str] = {}  # why -> the first recipe gathered for it
     for g in groups:
         srcs = sorted({pc.source for r in g for pc in r.pieces if pc.source is not None}, key=order.__getitem__)
         meshes = {mesh_flat(s) for s in srcs}
@@ -142,6 +143,7 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
                 why.update((r.name, "shard-local prepare is off (local_writes=False)") for r in g)
         for r in gat:  # the bytes each reason gathers: its recipes' distinct sources, each once
             rs = why.get(r.name, "?")
+            example.setdefault(rs, r.name)
             for pc in r.pieces:
                 if pc.source is not None and pc.source not in seen_src:
                     seen_src.add(pc.source)
@@ -181,4 +183,4 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
     rank_plans = {r: RankPlan(r, tuple(ts), tuple(sorted(set(map(_GROUP, ts)))), n_groups) for r, ts in per_rank.items()}
     # every mesh rank published (checked), so the senders are training ranks
     return Schedule(rank_plans, send, recv, len(task_defs), n_groups, sum(src_bytes),
-                    tuple(sorted(((w, n, b) for w, (n, b) in gathers.items()), key=lambda x: -x[2])))
+                    tuple(sorted(((w, n, b, example[w]) for w, (n, b) in gathers.items()), key=lambda x: -x[2])))

@@ -190,14 +190,14 @@ def test_runtime_layouts_made_from_the_shards(expert_layout):
     gathered = {a.recipe.name for rp in loc.rank_plans.values() for t in rp.tasks if t.sources for a in t.assignments}
     assert not [n for n in gathered if "experts" in n or "proj" in n], gathered
     assert loc.gather_bytes < gat.gather_bytes / 20
-    reasons = {why for why, _, _ in loc.gathers}
+    reasons = {why for why, _, _, _ in loc.gathers}
     assert any("transposed: never cut" in w for w in reasons), loc.gathers
-    assert "transposed" in loc.summary()
+    assert "transposed" in loc.summary() and "e.g. model.layers." in loc.summary()
     # 3 ranks: 128 expert rows cut 43/43/42, inside 16-row blocks: those slots are gathered, bit-exact still
     metas3 = fsdp_metas(cfg, 3)
     loc3, gat3 = plan(rs, metas3, dests, local_min_bytes=0), plan(rs, metas3, dests, local_writes=False)
     assert torch.equal(_run(loc3, metas3, dests, full)[0], _run(gat3, metas3, dests, full)[0])
-    assert any("16-row block" in why for why, _, _ in loc3.gathers), loc3.gathers
+    assert any("16-row block" in why for why, _, _, _ in loc3.gathers), loc3.gathers
 
 
 def test_layout_box_rules():
