@@ -621,6 +621,8 @@ def trial_key(cfg: TrialConfig) -> str:
     baseline = {lf.flat for lf in leaves(TrialConfig) if lf.path[0] == "baseline"}
     d = {k: v for k, v in cfg.flat().items() if k not in KEY_EXCLUDE and k not in baseline}
     d["transport"] = cfg.transport  # what the trial writes with: `auto` keys as the back end it picks
+    if not d.get("delta") and d.get("delta_granularity") is None:
+        d["delta_granularity"] = 8  # unused without --delta: key as before the mode's default (None) existed
     for k, v in KEY_DEFAULTS.items():
         if d.get(k) == v:
             del d[k]

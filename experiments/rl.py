@@ -93,8 +93,9 @@ class RLOptions:
     file per optimizer step, and ``manifest.json`` (:mod:`weight_transfer.testing.replay`;
     ~80 MB per step for the default model). A trial replays them with ``--replay DIR``
     (docs/DELTA.md, "On a wire-bound link"); empty: nothing saved."""
-    delta_granularity: int = 8
-    """--delta: block size of the comparison (bytes)."""
+    delta_granularity: int = 0
+    """--delta: block size of the comparison (bytes); 0: the delta mode's default (1 when it may
+    pack, else 8: :func:`weight_transfer.delta.default_granularity`)."""
     delta_op_cost: int = -1
     """--delta: what one scattered run costs, in bytes at the wire (the cost model's run cost);
     0: runs are free (scattered always beats packed and whole: the fewest bytes), -1: the
@@ -117,8 +118,9 @@ class RLOptions:
             raise ValueError(f"--group {self.group}: at least 2 (advantages are normalized within a group)")
         if not self.lr > 0 or not 0 < self.clip < 1 or self.timeout <= 0:
             raise ValueError(f"--lr {self.lr} > 0, 0 < --clip {self.clip} < 1, --timeout {self.timeout} > 0")
-        if self.delta_granularity < 1 or self.delta_op_cost < -1:
-            raise ValueError(f"--delta-granularity {self.delta_granularity} >= 1, --delta-op-cost {self.delta_op_cost} >= -1")
+        if self.delta_granularity < 0 or self.delta_op_cost < -1:
+            raise ValueError(f"--delta-granularity {self.delta_granularity} >= 0 (0: the mode's default), "
+                             f"--delta-op-cost {self.delta_op_cost} >= -1")
         if self.first_token + self.values > self.vocab:
             raise ValueError(f"--first-token {self.first_token} + --values {self.values} > --vocab {self.vocab}")
 
@@ -152,7 +154,7 @@ def transfer_overrides(o: RLOptions) -> dict | None:
     updates with ``--delta``, else None (the defaults)."""
     if not o.delta:
         return None
-    return {"delta": True, "delta_granularity": o.delta_granularity,
+    return {"delta": True, "delta_granularity": o.delta_granularity or None,
             "delta_op_cost": None if o.delta_op_cost < 0 else o.delta_op_cost, "delta_mode": o.delta_mode,
             "delta_wire_gbps": o.delta_wire_gbps or None, "delta_landing": o.delta_landing}
 

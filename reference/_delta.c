@@ -32,15 +32,101 @@ static inline int differs(const uint8_t *a, const uint8_t *b, int64_t len) {
     return d != 0;
 }
 
-/* Append the run [cs, ce) as starts[*nr], lens[*nr] and add its bytes to *tot; 0, or -1 when
- * cap runs are already there (nothing written). */
-static inline int emit_run(int64_t *starts, int64_t *lens, int64_t cap, int64_t *nr, int64_t *tot, int64_t cs,
-                           int64_t ce) {
-    if (*nr >= cap) return -1;
-    starts[*nr] = cs;
-    lens[*nr] = ce - cs;
-    *tot += ce - cs;
-    (*nr)++;
+/* The runs being built by a comparison: changed blocks [b, e) are appended to the open run
+ * [cs, ce) when they start at most `gap` bytes after it, else the open run is emitted. */
+typedef struct {
+    int64_t *starts, *lens, cap, nr, cs, ce, tot, gap;
+} runs_t;
+
+/* Append the open run as starts[nr], lens[nr]; 0, or -1 when cap runs are already there. */
+static inline int emit_run(runs_t *r) {
+    if (r->nr >= r->cap) return -1;
+    r->starts[r->nr] = r->cs;
+    r->lens[r->nr] = r->ce - r->cs;
+    r->tot += r->ce - r->cs;
+    r->nr++;
+    return 0;
+}
+
+/* A changed block [b, e): extend the open run or start a new one; -1 when over cap. */
+static inline int block(runs_t *r, int64_t b, int64_t e) {
+    if (r->cs >= 0 && b - r->ce <= r->gap) {
+        r->ce = e;
+        return 0;
+    }
+    if (r->cs >= 0 && emit_run(r) < 0) return -1;
+    r->cs = b;
+    r->ce = e;
+    return 0;
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define WT_LANES 1
+#else
+#define WT_LANES 0
+#endif
+
+/* One bit (the lane's top bit) per g-byte lane of x that is non-zero, g in {1, 2, 4, 8}. */
+static inline uint64_t lane_mask(uint64_t x, int64_t g) {
+    uint64_t L;
+    switch (g) {
+    case 1: L = 0x7f7f7f7f7f7f7f7full; break;
+    case 2: L = 0x7fff7fff7fff7fffull; break;
+    case 4: L = 0x7fffffff7fffffffull; break;
+    default: return x ? 1ull << 63 : 0;
+    }
+    return (((x & L) + L) | x) & ~L;
+}
+
+/* The 8-byte word at w (w + 8 <= n, w a multiple of g): its changed g-byte blocks as runs, the
+ * word copied into the shadow when any byte differs. Cost: one load pair per word, one step
+ * per changed block (a bit scan), whatever g. */
+static inline int word(const uint8_t *nw, uint8_t *old, int64_t w, int64_t g, runs_t *r) {
+    uint64_t a = ld64(nw + w), x = a ^ ld64(old + w);
+    if (!x) return 0;
+    memcpy(old + w, &a, 8);
+    for (uint64_t m = lane_mask(x, g); m; m &= m - 1) {
+        int64_t b = w + (((int64_t)__builtin_ctzll(m) >> 3) / g) * g;
+        if (block(r, b, b + g) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Compare [lo, hi) of nw against old (n: the output's length; lo a multiple of g and of 8),
+ * in g-byte blocks counted from byte 0 (the last block clipped at n); changed blocks copied
+ * into old and added to r. 0, or -1 when r is over cap. Whole 64-byte chunks that are equal
+ * are skipped at once; g in {1, 2, 4, 8} is compared a word at a time (lane masks). */
+static int compare_range(const uint8_t *nw, uint8_t *old, int64_t lo, int64_t hi, int64_t n, int64_t g,
+                         runs_t *r) {
+    int64_t i = lo;
+    if (WT_LANES && (g == 1 || g == 2 || g == 4 || g == 8)) {
+        for (; i + 64 <= hi; i += 64) {
+            uint64_t d = 0;
+            for (int k = 0; k < 64; k += 8) d |= ld64(nw + i + k) ^ ld64(old + i + k);
+            if (!d) continue;
+            for (int k = 0; k < 64; k += 8)
+                if (word(nw, old, i + k, g, r) < 0) return -1;
+        }
+        for (; i + 8 <= hi; i += 8)
+            if (word(nw, old, i, g, r) < 0) return -1;
+    } else if (g <= 64 && 64 % g == 0) {
+        for (; i + 64 <= hi; i += 64) {
+            uint64_t d = 0;
+            for (int k = 0; k < 64; k += 8) d |= ld64(nw + i + k) ^ ld64(old + i + k);
+            if (!d) continue;
+            for (int64_t b = i; b < i + 64; b += g) {
+                if (!differs(nw + b, old + b, g)) continue;
+                memcpy(old + b, nw + b, (size_t)g);
+                if (block(r, b, b + g) < 0) return -1;
+            }
+        }
+    }
+    for (int64_t b = i; b < hi; b += g) {
+        int64_t e = b + g < n ? b + g : n;
+        if (!differs(nw + b, old + b, e - b)) continue;
+        memcpy(old + b, nw + b, (size_t)(e - b));
+        if (block(r, b, e) < 0) return -1;
+    }
     return 0;
 }
 
@@ -49,45 +135,11 @@ static inline int emit_run(int64_t *starts, int64_t *lens, int64_t cap, int64_t 
  * *changed: bytes covered by the runs (including merged gaps). */
 int64_t wt_delta_runs(const uint8_t *nw, uint8_t *old, int64_t n, int64_t g, int64_t gap, int64_t *starts,
                       int64_t *lens, int64_t cap, int64_t *changed) {
-    int64_t nr = 0, cs = -1, ce = 0, tot = 0;
-    const int fast = (g <= 64) && (64 % g == 0);
-    int64_t i = 0;
-    while (i < n) {
-        int64_t lim;
-        if (fast && i + 64 <= n) {
-            uint64_t d = 0;
-            for (int k = 0; k < 64; k += 8) d |= ld64(nw + i + k) ^ ld64(old + i + k);
-            if (!d) {
-                i += 64;
-                continue;
-            }
-            lim = i + 64;
-        } else {
-            lim = fast ? n : (i + g < n ? i + g : n);
-        }
-        for (int64_t b = i; b < lim; b += g) {
-            int64_t e = b + g < n ? b + g : n;
-            if (e - b == 8) { /* the default block: one 64-bit word */
-                uint64_t x = ld64(nw + b);
-                if (x == ld64(old + b)) continue;
-                memcpy(old + b, &x, 8);
-            } else {
-                if (!differs(nw + b, old + b, e - b)) continue;
-                memcpy(old + b, nw + b, (size_t)(e - b));
-            }
-            if (cs >= 0 && b - ce <= gap) {
-                ce = e;
-            } else {
-                if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) return -1;
-                cs = b;
-                ce = e;
-            }
-        }
-        i = lim;
-    }
-    if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) return -1;
-    *changed = tot;
-    return nr;
+    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap};
+    if (compare_range(nw, old, 0, n, n, g, &r) < 0) return -1;
+    if (r.cs >= 0 && emit_run(&r) < 0) return -1;
+    *changed = r.tot;
+    return r.nr;
 }
 
 /* Index of the first segment not inside [0, span) or empty, or -1 when all are fine (then
@@ -238,48 +290,143 @@ int64_t wt_cma_write(int pid, uint64_t lbase, uint64_t rbase, const int64_t *sta
 }
 
 /* ---- packed delta (weight_transfer.delta_packed) ------------------------------------------
- * A packed record's index holds one entry per run: two uint32, the gap (bytes from the end of
- * the previous run, the first from the span's first byte) and the length; the changed bytes
- * follow the index back to back, in run order. */
+ * A packed record's index (format 2) holds two LEB128 varints per run, in units of q bytes (the
+ * record's unit, the compare granularity): the gap since the previous run's end (the first from
+ * the span's first byte) and the run's length. A run's end is clipped to the span: only the
+ * last run may end inside its last unit. Varints are minimal (no trailing 0x80 .. 0x00 bytes)
+ * and at most 9 bytes (63 bits). The changed bytes follow the index back to back, in run order.
+ * Bad index -> a reason code (wt_check_packed's *why). */
+#define WT_PK_TRUNC 1 /* a varint runs past the end of the index */
+#define WT_PK_LONG 2  /* a varint longer than 9 bytes, or not minimal */
+#define WT_PK_EMPTY 3 /* a run of length 0 */
+#define WT_PK_SPAN 4  /* a run not inside its span */
+#define WT_PK_TRAIL 5 /* index bytes left after the last run */
 
-/* Pack runs (starts/lens, ascending, disjoint, each < 2^32 from the previous end) of src into
- * index (2 x m uint32) and data; returns the data bytes. The caller checked the bounds. */
-int64_t wt_pack_runs(const uint8_t *src, const int64_t *starts, const int64_t *lens, int64_t m, uint32_t *index,
-                     uint8_t *data) {
-    int64_t end = 0, at = 0;
+static inline int vlen(uint64_t v) {
+    int k = 1;
+    while (v >= 0x80) v >>= 7, k++;
+    return k;
+}
+
+static inline uint8_t *vput(uint8_t *p, uint64_t v) {
+    while (v >= 0x80) *p++ = (uint8_t)(v | 0x80), v >>= 7;
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+static inline int vget(const uint8_t **pp, const uint8_t *pe, uint64_t *v) {
+    const uint8_t *p = *pp;
+    if (p < pe && *p < 0x80) { /* the common one-byte varint */
+        *v = *p;
+        *pp = p + 1;
+        return 0;
+    }
+    uint64_t x = 0;
+    for (int k = 0;; k++) {
+        if (p + k >= pe) return WT_PK_TRUNC;
+        uint8_t b = p[k];
+        x |= (uint64_t)(b & 0x7f) << (7 * k);
+        if (!(b & 0x80)) {
+            if (k > 0 && b == 0) return WT_PK_LONG;
+            *v = x;
+            *pp = p + k + 1;
+            return 0;
+        }
+        if (k == 8) return WT_PK_LONG;
+    }
+}
+
+/* Copy l bytes; runs of a packed record are mostly 1-2 bytes: no memcpy call for those. */
+static inline void copy_run(uint8_t *d, const uint8_t *s, int64_t l) {
+    if (l <= 8) {
+        for (int64_t i = 0; i < l; i++) d[i] = s[i];
+    } else {
+        memcpy(d, s, (size_t)l);
+    }
+}
+
+/* Decode the next run after *end (bytes from the span's start): 0 and its [*s, *end), or a
+ * reason code. span <= 2^62, q >= 1. */
+static inline int run_next(const uint8_t **p, const uint8_t *pe, int64_t span, int64_t q, int64_t *end, int64_t *s) {
+    uint64_t gp, ln;
+    int w;
+    if ((w = vget(p, pe, &gp)) || (w = vget(p, pe, &ln))) return w;
+    if (!ln) return WT_PK_EMPTY;
+    int64_t left = span - *end;
+    if (left <= 0 || gp > (uint64_t)((left - 1) / q)) return WT_PK_SPAN;
+    int64_t st = *end + (int64_t)gp * q, rest = span - st;
+    if (ln > (uint64_t)((rest - 1) / q) + 1) return WT_PK_SPAN;
+    int64_t e = st + (int64_t)ln * q;
+    *s = st;
+    *end = e < span ? e : span;
+    return 0;
+}
+
+/* Index bytes of runs (starts/lens: ascending, disjoint, non-empty, inside [0, span)) in units
+ * of q, or -1 when a run does not start on a unit boundary or is not whole units (the last may
+ * end at span), or the runs are not ascending and inside the span. */
+int64_t wt_index_bytes(const int64_t *starts, const int64_t *lens, int64_t m, int64_t span, int64_t q) {
+    int64_t end = 0, t = 0;
     for (int64_t k = 0; k < m; k++) {
-        index[2 * k] = (uint32_t)(starts[k] - end);
-        index[2 * k + 1] = (uint32_t)lens[k];
-        memcpy(data + at, src + starts[k], (size_t)lens[k]);
+        int64_t s = starts[k], l = lens[k];
+        if (s < end || l <= 0 || s > span - l || (s - end) % q || (l % q && s + l != span)) return -1;
+        t += vlen((uint64_t)((s - end) / q)) + vlen((uint64_t)((l + q - 1) / q));
+        end = s + l;
+    }
+    return t;
+}
+
+/* Pack runs of src (as wt_index_bytes accepted them, for the same q) into index (the varints)
+ * and data (the bytes); returns the index bytes written. */
+int64_t wt_pack_runs(const uint8_t *src, const int64_t *starts, const int64_t *lens, int64_t m, int64_t q,
+                     uint8_t *index, uint8_t *data) {
+    int64_t end = 0, at = 0;
+    uint8_t *p = index;
+    for (int64_t k = 0; k < m; k++) {
+        p = vput(p, (uint64_t)((starts[k] - end) / q));
+        p = vput(p, (uint64_t)((lens[k] + q - 1) / q));
+        copy_run(data + at, src + starts[k], lens[k]);
         at += lens[k];
         end = starts[k] + lens[k];
     }
-    return at;
+    return (int64_t)(p - index);
 }
 
-/* Check a packed index of m runs against a span of `span` bytes: every run non-empty and
- * inside [0, span) (runs ascending by construction: gaps are unsigned). Returns -1 when all are
- * fine (then *tot is the data bytes the runs carry), else the index of the first bad run. */
-int64_t wt_check_packed(const uint32_t *index, int64_t m, int64_t span, int64_t *tot) {
-    int64_t end = 0, t = 0;
+/* Check a packed index of nix bytes holding m runs against a span of `span` bytes in units of
+ * q: every varint whole and minimal, every run non-empty and inside [0, span), the index
+ * consumed exactly. Returns -1 when all is fine (then *tot is the data bytes the runs carry),
+ * else the index of the first bad run (m: bytes left after the last) and *why its reason. */
+int64_t wt_check_packed(const uint8_t *index, int64_t nix, int64_t m, int64_t span, int64_t q, int64_t *tot,
+                        int64_t *why) {
+    const uint8_t *p = index, *pe = index + nix;
+    int64_t end = 0, t = 0, s;
     for (int64_t k = 0; k < m; k++) {
-        int64_t s = end + (int64_t)index[2 * k], l = (int64_t)index[2 * k + 1];
-        if (l <= 0 || s > span - l) return k;
-        end = s + l;
-        t += l;
+        int w = run_next(&p, pe, span, q, &end, &s);
+        if (w) {
+            *why = w;
+            return k;
+        }
+        t += end - s;
+    }
+    if (p != pe) {
+        *why = WT_PK_TRAIL;
+        return m;
     }
     *tot = t;
+    *why = 0;
     return -1;
 }
 
-/* Scatter a checked packed record: run k's bytes from data to dst + its start. Returns bytes. */
-int64_t wt_unpack(uint8_t *dst, const uint32_t *index, const uint8_t *data, int64_t m) {
-    int64_t end = 0, at = 0;
+/* Scatter a checked packed record: run k's bytes from data to dst + its start. Returns the
+ * bytes, or -1 at a bad index (nothing past that run is copied: check first). */
+int64_t wt_unpack(uint8_t *dst, const uint8_t *index, int64_t nix, const uint8_t *data, int64_t m, int64_t span,
+                  int64_t q) {
+    const uint8_t *p = index, *pe = index + nix;
+    int64_t end = 0, at = 0, s;
     for (int64_t k = 0; k < m; k++) {
-        int64_t s = end + (int64_t)index[2 * k], l = (int64_t)index[2 * k + 1];
-        memcpy(dst + s, data + at, (size_t)l);
-        at += l;
-        end = s + l;
+        if (run_next(&p, pe, span, q, &end, &s)) return -1;
+        copy_run(dst + s, data + at, end - s);
+        at += end - s;
     }
     return at;
 }
@@ -297,7 +444,7 @@ int64_t wt_cast_bf16_delta(const uint32_t *src, int64_t n_el, uint16_t *out, uin
     const int64_t n = n_el * 2, CH = 4096;
     const uint8_t *nw = (const uint8_t *)out;
     uint8_t *old = (uint8_t *)shadow;
-    int64_t nr = 0, cs = -1, ce = 0, tot = 0;
+    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap};
     int over = 0;
     for (int64_t lo = 0; lo < n; lo += CH) {
         int64_t hi = lo + CH < n ? lo + CH : n;
@@ -308,53 +455,11 @@ int64_t wt_cast_bf16_delta(const uint32_t *src, int64_t n_el, uint16_t *out, uin
             out[e] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
         }
         if (nan) return -2; /* torch's NaN bits differ by code path: the caller casts with torch, writes whole */
-        if (over) {
-            memcpy(old + lo, nw + lo, (size_t)(hi - lo));
-            continue;
-        }
-        for (int64_t i = lo; i < hi;) {
-            int64_t lim;
-            if (g <= 64 && 64 % g == 0 && i + 64 <= hi) {
-                uint64_t d = 0;
-                for (int k = 0; k < 64; k += 8) d |= ld64(nw + i + k) ^ ld64(old + i + k);
-                if (!d) {
-                    i += 64;
-                    continue;
-                }
-                lim = i + 64;
-            } else {
-                lim = hi;
-            }
-            for (int64_t b = i; b < lim; b += g) {
-                int64_t e = b + g < n ? b + g : n;
-                if (e - b == 8) { /* the default block: one 64-bit word */
-                    uint64_t x = ld64(nw + b);
-                    if (x == ld64(old + b)) continue;
-                    memcpy(old + b, &x, 8);
-                } else {
-                    if (!differs(nw + b, old + b, e - b)) continue;
-                    memcpy(old + b, nw + b, (size_t)(e - b));
-                }
-                if (cs >= 0 && b - ce <= gap) {
-                    ce = e;
-                } else {
-                    if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) {
-                        over = 1;
-                        break;
-                    }
-                    cs = b;
-                    ce = e;
-                }
-            }
-            if (over) {
-                memcpy(old + lo, nw + lo, (size_t)(hi - lo));
-                break;
-            }
-            i = lim;
-        }
+        if (!over && compare_range(nw, old, lo, hi, n, g, &r) < 0) over = 1;
+        if (over) memcpy(old + lo, nw + lo, (size_t)(hi - lo));
     }
     if (over) return -1;
-    if (cs >= 0 && emit_run(starts, lens, cap, &nr, &tot, cs, ce) < 0) return -1;
-    *changed = tot;
-    return nr;
+    if (r.cs >= 0 && emit_run(&r) < 0) return -1;
+    *changed = r.tot;
+    return r.nr;
 }

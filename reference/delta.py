@@ -33,8 +33,9 @@ When the receiver may not hold what the shadow says (case C26), the next update 
   the region was re-registered);
 - :meth:`DeltaState.invalidate` (a caller that knows better).
 
-Granularity and merge gap (``granularity`` 8 bytes, ``merge_gap`` 0; chosen from the RL loop's
-measured change fractions, docs/DELTA.md). A real RL step at lr 1e-6 changes ~1.2-1.3% of the bf16
+Granularity and merge gap (``granularity`` 8 bytes for a delta that never packs, 1 byte for one
+that may: :func:`default_granularity`; ``merge_gap`` 0; chosen from the RL loop's measured
+change fractions, docs/DELTA.md). A real RL step at lr 1e-6 changes ~1.2-1.3% of the bf16
 elements and ~0.11% of the FP8 ones, uniformly scattered; a block of ``g`` bytes then changes with
 probability ``1 - (1 - p)^(g / element size)``, and that is the fraction of bytes a delta writes:
 
@@ -49,9 +50,14 @@ block (B)  bf16 bytes, p=1.28%   FP8 bytes, p=0.11%      runs per MB (bf16, gap 
 
 So the 128-byte rows of issue 26's first delta carried ~55% of a bf16 update; 16 bytes sits at
 the 10% line, 8 bytes (4 bf16 or 8 FP8 elements, one 64-bit word) halves it while the number of
-runs -- about one per changed element either way -- barely moves. The comparison is native code
-(``_delta.c``, :func:`changed_runs_native`): one pass over the output and its shadow, whole
-64-byte chunks skipped at once when equal, the shadow updated in the same pass, the runs written
+runs -- about one per changed element either way -- barely moves: for scattered runs, which
+cost a remote segment each, 8 is the default. A packed run costs its bytes plus ~2 bytes of
+index, so a delta that may pack compares bytes (most bf16 elements of a small step change only
+in their low byte: 3.6% of the bytes in records at 1-byte blocks, 4.5% at 2, 10.7% at 8, on the
+lr 1e-6 steps). The comparison is native code (``_delta.c``, :func:`changed_runs_native`): one
+pass over the output and its shadow, whole 64-byte chunks skipped at once when equal, blocks of
+1, 2, 4 or 8 bytes found a 64-bit word at a time (a lane mask, one bit scan per changed block:
+as fast at 1 byte as at 8), the shadow updated in the same pass, the runs written
 into int64 start/length arrays (no Python per run); the transports post such arrays as one op
 (:class:`weight_transfer.transport.base.RunsOp`: ``process_vm_writev`` with 1024 iovecs per
 call from C for cma, a C loop of memcpy into the receiver's mapping for shm).
@@ -81,7 +87,7 @@ import torch
 from .native import NativeKernel
 
 __all__ = ["DeltaState", "changed_runs", "changed_runs_native", "check_published", "native_status",
-           "COMPLETE_KEY"]
+           "default_granularity", "index_size", "COMPLETE_KEY"]
 
 COMPLETE_KEY = "complete/{version}"
 """Control-plane key the coordinator sets when it publishes ``complete version`` (persistent:
@@ -100,11 +106,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.wt_copy_pieces.restype = I
     lib.wt_cma_write.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, P, P, I, P, P]
     lib.wt_cma_write.restype = I
-    lib.wt_pack_runs.argtypes = [P, P, P, I, P, P]
+    lib.wt_index_bytes.argtypes = [P, P, I, I, I]
+    lib.wt_index_bytes.restype = I
+    lib.wt_pack_runs.argtypes = [P, P, P, I, I, P, P]
     lib.wt_pack_runs.restype = I
-    lib.wt_check_packed.argtypes = [P, I, I, P]
+    lib.wt_check_packed.argtypes = [P, I, I, I, I, P, P]
     lib.wt_check_packed.restype = I
-    lib.wt_unpack.argtypes = [P, P, P, I]
+    lib.wt_unpack.argtypes = [P, P, I, P, I, I, I]
     lib.wt_unpack.restype = I
     lib.wt_cast_bf16_delta.argtypes = [P, I, P, P, I, I, P, P, I, P]
     lib.wt_cast_bf16_delta.restype = I
@@ -127,7 +135,7 @@ class Runs:
     output's first byte; ascending, disjoint, non-empty). Iterates as ``(start, length)`` pairs
     and compares equal to such a list (for tests); ``nbytes``: bytes the runs cover."""
 
-    __slots__ = ("starts", "lens", "nbytes", "mode", "data")
+    __slots__ = ("starts", "lens", "nbytes", "mode", "data", "index")
 
     def __init__(self, starts: torch.Tensor, lens: torch.Tensor, nbytes: int | None = None):
         self.starts, self.lens = starts, lens
@@ -136,6 +144,9 @@ class Runs:
         """How the cost model writes them: ``"scattered"`` or ``"packed"``."""
         self.data = None
         """The output's bytes (flat uint8) the runs index, for packing."""
+        self.index = None
+        """``(asked unit, unit, index bytes)`` of their packed record, once the cost model sized it
+        (:func:`index_size`)."""
 
     def __len__(self) -> int:
         return self.starts.numel()
@@ -251,11 +262,13 @@ class DeltaState:
     destination tensor name, for the per-tensor record. Raises ValueError when the shadow would
     exceed ``max_bytes``."""
 
-    def __init__(self, places, *, device, granularity: int = 8, merge_gap: int = 0,
+    def __init__(self, places, *, device, granularity: int | None = 8, merge_gap: int = 0,
                  max_bytes: int | None = None, rank: int = 0, op_cost_bytes: int = 0, cost=None, packer=None,
                  names: dict | None = None):
         from .delta_cost import CostModel
 
+        if granularity is None:
+            granularity = default_granularity(packer is not None and getattr(cost, "mode", "scattered") != "scattered")
         if granularity < 1 or merge_gap < 0 or op_cost_bytes < 0:
             raise ValueError(f"delta: granularity={granularity} (bytes >= 1), merge_gap={merge_gap} (bytes >= 0), "
                              f"op_cost_bytes={op_cost_bytes} (bytes >= 0)")
@@ -356,7 +369,12 @@ class DeltaState:
                                           max_runs=self.cost.max_runs(n, packable))
             elif seg is False:
                 seg = None  # the fused pass found too many runs (the shadow is refreshed)
-            mode = "full" if seg is None else self.cost.choose(n, len(seg), seg.nbytes, packable) if len(seg) else "scattered"
+            ix = None
+            if seg is not None and len(seg) and packable and self.cost.mode != "scattered":
+                q, ix = index_size(seg, n, self.granularity)
+                seg.index = (self.granularity, q, ix)
+            mode = ("full" if seg is None else self.cost.choose(n, len(seg), seg.nbytes, packable, index_bytes=ix)
+                    if len(seg) else "scattered")
             if mode == "full":
                 self.whole += 1
                 return None
@@ -384,7 +402,7 @@ class DeltaState:
             return []
         mode = r.mode
         if mode == "packed":
-            op = self.packer.pack(dst, r.data, r, remote_offset, length)
+            op = self.packer.pack(dst, r.data, r, remote_offset, length, unit=self.granularity)
             if op is not None:
                 self.tensors.append((name, _kind(name), "packed", length, op.length, len(r)))
                 return [op]
@@ -406,6 +424,63 @@ class DeltaState:
             e[1] += wrote
             e[2] += n
         return out
+
+
+def _vlen(v: torch.Tensor) -> torch.Tensor:
+    """LEB128 bytes of each value of int64 ``v`` (>= 0)."""
+    n = torch.ones_like(v)
+    for k in range(1, 9):
+        n += (v >= (1 << (7 * k))).to(v.dtype)
+    return n
+
+
+def _units(starts: torch.Tensor, lens: torch.Tensor, span: int, unit: int) -> torch.Tensor | None:
+    """The varint values of runs (int64 tensors) in units of ``unit``: ``[gap0, len0, gap1, ...]``,
+    or None when a run is not whole units (the last may end at ``span``) or the runs are not
+    ascending, non-empty and inside ``[0, span)``."""
+    ends = starts + lens
+    gaps = starts - torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1]])
+    ok = (gaps >= 0) & (lens > 0) & (ends <= span) & (gaps % unit == 0) & ((lens % unit == 0) | (ends == span))
+    if not bool(ok.all()):
+        return None
+    return torch.stack([gaps // unit, (lens + unit - 1) // unit], 1).flatten()
+
+
+def index_size(runs, span: int, unit: int) -> tuple[int, int]:
+    """``(unit, index bytes)`` of ``runs`` (:class:`Runs`) in a packed record of ``span`` bytes
+    (:mod:`weight_transfer.delta_packed`, format 2; C ``wt_index_bytes``, else torch): in units
+    of ``unit`` bytes when every run is whole units, else of 1 byte. ValueError when the runs
+    are not ascending, non-empty and inside the span."""
+    lib = KERNEL.lib()
+    m = len(runs)
+    for q in ((unit, 1) if unit > 1 else (1,)):
+        if not m:
+            return q, 0
+        if lib is not None:
+            ix = lib.wt_index_bytes(runs.starts.data_ptr(), runs.lens.data_ptr(), m, span, q)
+        else:
+            v = _units(runs.starts, runs.lens, span, q)
+            ix = -1 if v is None else int(_vlen(v).sum())
+        if ix >= 0:
+            return q, ix
+    raise ValueError(f"packed record: {m} runs are not ascending, non-empty and inside a span of {span} bytes")
+
+
+PACKED_GRANULARITY = 1
+"""Default compare block of a delta that may pack (``delta_mode`` packed or auto with a landing
+region; bytes). A packed run costs its bytes plus ~2 bytes of varint index whatever its length,
+and a small RL step changes only the low byte of most bf16 elements: on the RL loop's lr 1e-6
+steps 1-byte blocks put 3.6% of a full bf16 update in the records, 2-byte (the element) 4.5%,
+8-byte 10.7% (docs/DELTA.md, "Packed delta and the fused compare"); FP8's element is 1 byte."""
+SCATTERED_GRANULARITY = 8
+"""Default compare block of a delta that never packs (bytes): a scattered run costs a remote
+segment whatever its length, so one 64-bit word per block (issue 26's measurement)."""
+
+
+def default_granularity(packs: bool) -> int:
+    """The compare block (bytes) when ``delta_granularity`` is not given: :data:`PACKED_GRANULARITY`
+    when the delta may pack, else :data:`SCATTERED_GRANULARITY`."""
+    return PACKED_GRANULARITY if packs else SCATTERED_GRANULARITY
 
 
 def _kind(name: str) -> str:

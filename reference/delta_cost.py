@@ -9,8 +9,11 @@ way of writing it costs, in seconds (``w`` the wire's seconds per byte):
   :class:`weight_transfer.transport.runs.RunsOp`; ``run`` the transport's cost of one more
   segment);
 - ``packed``: ``record x w + m x (pack_run + apply_run) + c x (pack_byte + apply_byte) + op``
-  with ``record = 64 + 8m + c`` rounded up to 64 (:mod:`weight_transfer.delta_packed`: the
-  sender packs, one write, the receiver scatters at commit).
+  with ``record = 64 + index + c`` rounded up to 64 (:mod:`weight_transfer.delta_packed`, format
+  2: the sender packs, one write, the receiver scatters at commit). ``index`` is the exact
+  varint index of the runs (two LEB128 varints per run in units of the compare block, ~2-2.3
+  bytes per run on a real RL step) when the caller sized it (:class:`weight_transfer.delta.DeltaState`
+  does, in C, before choosing), else :meth:`CostModel.index_estimate` (runs spread uniformly).
 
 The comparison itself is the same for all three (it is what finds ``m`` and ``c``) and is not
 part of the choice. ``w`` is the one parameter that moves the choice most: on one host, where
@@ -22,6 +25,7 @@ measurements (docs/DELTA.md); pack and apply costs from the packed microbenchmar
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["MODES", "CostModel", "WIRE_GBPS", "RUN_NS"]
@@ -80,9 +84,26 @@ class CostModel:
         """Seconds to write ``runs`` runs of ``changed`` bytes as remote segments."""
         return runs * self.run_s + changed * self.wire_s_per_byte
 
-    def packed(self, runs: int, changed: int) -> float:
-        """Seconds to pack, write and apply a record of ``runs`` runs and ``changed`` bytes."""
-        rec = -(-(64 + 8 * runs + changed) // 64) * 64
+    @staticmethod
+    def index_estimate(n: int, runs: int, changed: int) -> int:
+        """Bytes of a packed record's index for ``runs`` runs of ``changed`` bytes spread
+        uniformly over ``n`` bytes, in 1-byte units (an upper estimate for larger units): per
+        run one varint of the gap and one of the length, each ``1 + sum_k P(value >= 128^k)``
+        bytes with geometrically distributed values of the run's mean."""
+        if runs <= 0:
+            return 0
+        per = 0.0
+        for mean in (max(n - changed, 0) / runs, changed / runs):
+            per += 1.0 + sum(math.exp(-(128 ** k) / mean) for k in range(1, 9)) if mean > 0 else 1.0
+        return int(math.ceil(runs * per))
+
+    def packed(self, runs: int, changed: int, index_bytes: int | None = None, n: int | None = None) -> float:
+        """Seconds to pack, write and apply a record of ``runs`` runs and ``changed`` bytes with
+        ``index_bytes`` of index (None: :meth:`index_estimate` over ``n`` bytes, default
+        ``changed`` x 64)."""
+        if index_bytes is None:
+            index_bytes = self.index_estimate(n if n is not None else 64 * changed, runs, changed)
+        rec = -(-(64 + index_bytes + changed) // 64) * 64
         return (rec * self.wire_s_per_byte + self.op_s + runs * (self.pack_run_s + self.apply_run_s)
                 + changed * (self.pack_byte_s + self.apply_byte_s))
 
@@ -91,20 +112,21 @@ class CostModel:
         (the comparison stops past it); None when unbounded (a run costs nothing)."""
         per = [self.run_s] if self.mode != "packed" or not packable else []
         if packable and self.mode != "scattered":
-            per.append(8 * self.wire_s_per_byte + self.pack_run_s + self.apply_run_s)
+            per.append(3 * self.wire_s_per_byte + self.pack_run_s + self.apply_run_s)  # >= 2 B index + 1 B data
         best = min(per) if per else self.run_s
         if best <= 0:
             return None
         return int(self.full(n) / best) + 1
 
-    def choose(self, n: int, runs: int, changed: int, packable: bool) -> str:
+    def choose(self, n: int, runs: int, changed: int, packable: bool, index_bytes: int | None = None) -> str:
         """``"full"``, ``"scattered"`` or ``"packed"`` for an ``n``-byte output with ``runs``
-        changed runs of ``changed`` bytes; ``packable``: a landing region can take it."""
+        changed runs of ``changed`` bytes; ``packable``: a landing region can take it;
+        ``index_bytes``: its packed record's index (None: estimated)."""
         costs = {"full": self.full(n)}
         if self.mode != "packed" or not packable:
             costs["scattered"] = self.scattered(runs, changed)
         if packable and self.mode != "scattered":
-            costs["packed"] = self.packed(runs, changed)
+            costs["packed"] = self.packed(runs, changed, index_bytes, n)
         if self.mode == "packed" and packable:
             return "packed"  # forced whenever it fits
         return min(costs, key=lambda k: (costs[k], k != "full"))

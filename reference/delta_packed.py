@@ -22,15 +22,20 @@ reads it when it builds its executor; none published: no packed mode for that ra
   is ``[DIR + r*A, DIR + (r+1)*A)``, ``A = floor((length - DIR) / senders / 64) * 64``. Records
   are appended from the area's start each update.
 
-**A record** (one output written to one receiver), 64-byte aligned: a 64-byte header of eight
-int64 ``[magic, target offset, span, runs, data bytes, record bytes, version, 0]`` (the target
-offset counts from the receiver's registered target region, shadow shift included; the span
-is the planned write's length); then the index, **8 bytes per run**: two uint32, the gap since
-the previous run's end and the run's length (so a span is at most 4 GiB - 1; a larger output is
-never packed); then the changed bytes back to back. Byte cost: ``64 + 8 x runs + changed bytes``
-rounded up to 64. At 8-byte blocks, where a real step has about one run per changed block, the
-index is about as large as the data: a packed delta at lr 1e-6 (~5% of bf16 bytes changed) is
-~10% of a full update (docs/DELTA.md).
+**A record** (one output written to one receiver; format 2), 64-byte aligned: a 64-byte header
+of eight int64 ``[magic, target offset, span, runs, data bytes, index bytes, version, unit]``
+(the target offset counts from the receiver's registered target region, shadow shift
+included; the span is the planned write's length, at most :data:`MAX_SPAN`; the unit ``q``,
+1..:data:`MAX_UNIT` bytes, is the compare granularity the runs are whole multiples of); then
+the index, **two LEB128 varints per run** in units of ``q``: the gap since the previous run's
+end (the first from the span's first byte) and the run's length (the last run may end inside
+its last unit: its end is clipped to the span), each minimal and at most 9 bytes; then the
+changed bytes back to back. Byte cost: ``64 + index + changed`` rounded up to 64
+(:func:`record_size`), the index ~2-2.3 bytes per run on a real RL step (a 1-byte gap below 128
+units, a 1-byte length). At 1-byte units -- the default block of packed deltas: a small step
+changes only the low byte of most bf16 elements -- a packed delta of an lr 1e-6 step is ~3.6% of
+a full bf16 update (docs/DELTA.md). A format-1 record (its magic; two uint32 per run) is refused
+by name, any other magic as malformed.
 
 **Fit and fallback.** A record that does not fit what is left of the sender's area in that
 receiver is not packed: the output goes scattered or whole, whichever the cost model prefers
@@ -40,8 +45,9 @@ any other).
 
 **Commit** (:meth:`Landing.apply`, the receiver's commit of version ``v``): read the directory;
 for every entry of version ``v``, check the entry (magic, check word, area, used bytes), then
-every record (magic, version, sizes, the span inside one part of the target region, every run
-non-empty and inside its span, the data bytes equal to the runs' sum) -- **all records of all
+every record (magic, version, sizes, unit, the span inside one part of the target region, every
+varint whole and minimal, every run non-empty and inside its span, the index consumed exactly,
+the data bytes equal to the runs' sum) -- **all records of all
 entries before any byte is scattered**; a malformed one raises :class:`PackedError` and nothing
 is scattered. Then one C loop per record copies the runs into place. A failed apply fails the
 commit, so the version is not published complete and every sender's next update is full (C26).
@@ -54,10 +60,11 @@ import time
 
 import torch
 
+from .delta import _units, _vlen, index_size
 from .transport.base import WriteOp
 
-__all__ = ["DIR_SLOTS", "DIR_BYTES", "HEADER", "LANDING_KEY", "MIN_LANDING", "Landing", "Packer", "PackedError",
-           "area", "record_bytes", "apply_landing"]
+__all__ = ["DIR_SLOTS", "DIR_BYTES", "HEADER", "LANDING_KEY", "MIN_LANDING", "MAX_SPAN", "MAX_UNIT", "Landing",
+           "Packer", "PackedError", "area", "record_size", "index_size", "encode_index", "check_index", "apply_landing"]
 
 LANDING_KEY = "infer/delta_landing/{rank}"
 """Store key: the :class:`~weight_transfer.types.RegionDescriptor` of inference rank ``rank``'s
@@ -70,9 +77,16 @@ DIR_BYTES = DIR_SLOTS * HEADER
 """Bytes of the directory at the start of a landing region."""
 MIN_LANDING = DIR_BYTES + (64 << 10)
 """Smallest landing region (bytes)."""
-MAGIC_REC = 0x3143524450545700  # "\0WTPDRC1"
+MAGIC_REC = 0x3243524450545700  # "\0WTPDRC2": format 2 (varint index)
+MAGIC_REC_V1 = 0x3143524450545700  # "\0WTPDRC1": format 1 (two uint32 per run), refused by name
 MAGIC_DIR = 0x3152494450545700  # "\0WTPDIR1"
-MAX_SPAN = (1 << 32) - 1
+MAX_SPAN = 1 << 48
+"""Largest span of one record (bytes)."""
+MAX_UNIT = 1 << 16
+"""Largest unit of a record's index (bytes)."""
+WHY = {1: "a varint runs past the end of the index", 2: "a varint is longer than 9 bytes or not minimal",
+       3: "a run is empty", 4: "a run leaves its span", 5: "index bytes are left after the last run"}
+"""Reasons of a malformed index (``wt_check_packed``'s codes)."""
 
 
 class PackedError(ValueError):
@@ -85,9 +99,62 @@ def _lib():
     return KERNEL.lib()
 
 
-def record_bytes(runs: int, changed: int) -> int:
-    """Bytes of a packed record of ``runs`` runs carrying ``changed`` bytes (64-byte aligned)."""
-    return -(-(HEADER + 8 * runs + changed) // 64) * 64
+def record_size(index_bytes: int, changed: int) -> int:
+    """Bytes of a packed record with ``index_bytes`` of index carrying ``changed`` bytes (64-byte
+    aligned)."""
+    return -(-(HEADER + index_bytes + changed) // 64) * 64
+
+
+def encode_index(starts: torch.Tensor, lens: torch.Tensor, span: int, unit: int) -> torch.Tensor:
+    """The index of runs ``starts``/``lens`` (int64, bytes) as flat uint8, in units of ``unit``
+    (vectorized torch; the native ``wt_pack_runs`` writes the same bytes). ValueError as
+    :func:`index_size`."""
+    v = _units(starts, lens, span, unit)
+    if v is None:
+        raise ValueError(f"packed record: runs not whole {unit}-byte units inside a span of {span} bytes")
+    n = _vlen(v)
+    at = torch.cumsum(n, 0) - n
+    out = torch.empty(int(n.sum()), dtype=torch.uint8)
+    for k in range(9):
+        sel = n > k
+        b = (v[sel] >> (7 * k)) & 0x7F
+        out[at[sel] + k] = (b | ((n[sel] > k + 1).to(torch.int64) << 7)).to(torch.uint8)
+    return out
+
+
+def check_index(index: torch.Tensor, m: int, span: int, unit: int):
+    """Decode and check a record's index (flat uint8) of ``m`` runs against a span of ``span``
+    bytes in units of ``unit``, as ``wt_check_packed`` does (vectorized torch). Returns ``(bad,
+    why, starts, lens)``: ``bad`` -1 when all is fine (then the runs in bytes, the last clipped
+    to the span), else the first bad run (``m``: bytes left after the last) and ``why`` its
+    :data:`WHY` code."""
+    b = index.to(torch.int64)
+    ends = (b < 0x80).nonzero().flatten()
+    t0 = torch.cat([torch.zeros(1, dtype=torch.int64), ends + 1])[:-1]
+    tl = ends - t0 + 1
+    pos = torch.arange(int(tl.sum())) - torch.repeat_interleave(t0, tl)
+    tok = torch.repeat_interleave(torch.arange(ends.numel()), tl)
+    vals = torch.zeros(ends.numel(), dtype=torch.int64)
+    vals.index_add_(0, tok, (b[:pos.numel()] & 0x7F) << (7 * pos.clamp(max=8)))
+    err = torch.where((tl > 9) | ((tl > 1) & (b[ends] == 0)), 2, 0)
+    left = b.numel() - (int(ends[-1]) + 1 if ends.numel() else 0)
+    if left:  # an unterminated token at the end
+        err = torch.cat([err, torch.tensor([2 if left >= 9 else 1])])
+    need = 2 * m
+    err = torch.cat([err, torch.ones(max(0, need - err.numel()), dtype=torch.int64)])[:need] if m else err[:0]
+    vals = torch.cat([vals, torch.zeros(max(0, need - vals.numel()), dtype=torch.int64)])[:need]
+    cap = span // unit + 2  # a value clamped to it still leaves the span; no overflow before the first bad run
+    g, ln = vals[0::2].clamp(max=cap), vals[1::2].clamp(max=cap)
+    s = (torch.cumsum(g + ln, 0) - ln) * unit
+    why = torch.where(err[0::2] > 0, err[0::2], torch.where(err[1::2] > 0, err[1::2], 0))
+    why = torch.where(why > 0, why, torch.where(ln == 0, 3, torch.where((s >= span) | (s + (ln - 1) * unit >= span), 4, 0)))
+    badk = (why > 0).nonzero().flatten()
+    if badk.numel():
+        k = int(badk[0])
+        return k, int(why[k]), None, None
+    if ends.numel() > need or left:
+        return m, 5, None, None
+    return -1, 0, s, (s + ln * unit).clamp(max=span) - s
 
 
 def area(length: int, senders: int, rank: int) -> tuple[int, int]:
@@ -141,33 +208,38 @@ class Packer:
         at = self._at.get(dst)
         return 0 if at is None else at[2] - self.pos.get(dst, 0)
 
-    def pack(self, dst: int, data: torch.Tensor, runs, target_offset: int, span: int) -> WriteOp | None:
+    def pack(self, dst: int, data: torch.Tensor, runs, target_offset: int, span: int, unit: int = 1) -> WriteOp | None:
         """Pack ``runs`` (:class:`weight_transfer.delta.Runs` of flat uint8 CPU ``data``) as a
-        record for inference rank ``dst``'s span ``[target_offset, target_offset + span)`` and
-        return the :class:`WriteOp` that writes it into the landing region; None when it does
-        not fit (nothing changed) or the span is too large for the index."""
+        record for inference rank ``dst``'s span ``[target_offset, target_offset + span)``, its
+        index in units of ``unit`` bytes (the compare granularity; 1 when the runs are not whole
+        units), and return the :class:`WriteOp` that writes it into the landing region; None
+        when it does not fit (nothing changed) or the span is larger than :data:`MAX_SPAN`."""
         m, c = len(runs), runs.nbytes
-        size = record_bytes(m, c)
         at = self._at.get(dst)
-        if at is None or span > MAX_SPAN or size > self.room(dst) or data.device.type != "cpu":
+        if at is None or span > MAX_SPAN or data.device.type != "cpu" or not 1 <= unit <= MAX_UNIT:
             return None
         t0 = time.perf_counter()
+        got = getattr(runs, "index", None)
+        q, ix = got[1:] if got is not None and got[0] == unit else index_size(runs, span, unit)
+        size = record_size(ix, c)
+        if size > self.room(dst):
+            self.seconds += time.perf_counter() - t0
+            return None
         base, ao, _ = at
         pos = self.pos.get(dst, 0)
         lo = base + pos
         rec = self.buffer[lo:lo + size]
         rec[:HEADER].view(torch.int64).copy_(torch.tensor(
-            [MAGIC_REC, target_offset, span, m, c, size, self.version, 0], dtype=torch.int64))
-        idx = rec[HEADER:HEADER + 8 * m]
-        body = rec[HEADER + 8 * m:HEADER + 8 * m + c]
+            [MAGIC_REC, target_offset, span, m, c, ix, self.version, q], dtype=torch.int64))
+        idx = rec[HEADER:HEADER + ix]
+        body = rec[HEADER + ix:HEADER + ix + c]
         lib = _lib()
         if lib is not None and m:
-            lib.wt_pack_runs(data.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m, idx.data_ptr(),
+            lib.wt_pack_runs(data.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m, q, idx.data_ptr(),
                              body.data_ptr())
         elif m:
             st, ln = runs.starts, runs.lens
-            prev_end = torch.cat([torch.zeros(1, dtype=torch.int64), (st + ln)[:-1]])
-            idx.view(torch.int32).view(m, 2).copy_(torch.stack([st - prev_end, ln], 1).to(torch.int32))
+            idx.copy_(encode_index(st, ln, span, q))
             body.copy_(data[_byte_index(st, ln)])
         self.pos[dst] = pos + size
         self.records[dst] = self.records.get(dst, 0) + 1
@@ -242,9 +314,9 @@ class Landing:
         return self.last
 
 
-def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int, int, int]]:
+def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int, int, int, int, int]]:
     """Every record of ``version`` in landing ``buf``, checked: (record offset, target offset,
-    span, runs, data bytes). Raises :class:`PackedError`."""
+    span, runs, data bytes, index bytes, unit). Raises :class:`PackedError`."""
     n = buf.numel()
     d = buf[:DIR_BYTES].view(torch.int64).view(DIR_SLOTS, 8).tolist()
     out = []
@@ -265,39 +337,36 @@ def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int
             if at + HEADER > ao + used:
                 raise PackedError(f"landing entry {r}: record {k} starts past the {used} bytes used; nothing scattered")
             h = buf[at:at + HEADER].view(torch.int64).tolist()
-            magic, to, span, m, c, size, ver = h[:7]
-            if magic != MAGIC_REC or ver != version or m < 0 or c < 0 or size != record_bytes(m, c) \
-                    or at + size > ao + used or not 0 < span <= MAX_SPAN:
+            magic, to, span, m, c, ix, ver, q = h
+            if magic == MAGIC_REC_V1:
+                raise PackedError(f"landing entry {r}: record {k} at {at} is packed format 1 (an 8-byte index per run, "
+                                  "an older sender); this receiver reads format 2 (varint index): update the "
+                                  "trainer's weight_transfer; nothing scattered")
+            size = record_size(ix, c) if ix >= 0 and c >= 0 else -1
+            if magic != MAGIC_REC or ver != version or m < 0 or c < 0 or ix < 0 or size < 0 \
+                    or at + size > ao + used or not 0 < span <= MAX_SPAN or not 1 <= q <= MAX_UNIT:
                 raise PackedError(f"landing entry {r}: record {k} at {at} is malformed (magic {magic:#x}, version "
-                                  f"{ver}, span {span}, runs {m}, data {c}, size {size}); nothing scattered")
+                                  f"{ver}, span {span}, runs {m}, data {c}, index {ix}, unit {q}); nothing scattered")
             if not any(lo <= to and to + span <= hi for lo, hi in parts):
                 raise PackedError(f"landing entry {r}: record {k} targets [{to}, {to + span}), outside every part of "
                                   "the registered target region; nothing scattered")
-            idx = buf[at + HEADER:at + HEADER + 8 * m]
+            idx = buf[at + HEADER:at + HEADER + ix]
             if lib is not None:
-                tot = ctypes.c_int64(0)
-                bad = lib.wt_check_packed(idx.data_ptr(), m, span, ctypes.byref(tot)) if m else -1
-                got = tot.value if m else 0
+                tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+                bad = lib.wt_check_packed(idx.data_ptr(), ix, m, span, q, ctypes.byref(tot), ctypes.byref(why))
+                got, why = tot.value, why.value
             else:
-                st, ln = _decode(idx, m)
-                badm = (ln <= 0) | (st > span - ln)
-                bad = int(badm.nonzero()[0]) if bool(badm.any()) else -1
-                got = int(ln.sum())
+                bad, why, _, ln = check_index(idx, m, span, q)
+                got = int(ln.sum()) if bad < 0 else 0
             if bad >= 0:
-                raise PackedError(f"landing entry {r}: record {k}: run {bad} is empty or leaves its span of {span} "
-                                  "bytes; nothing scattered")
+                raise PackedError(f"landing entry {r}: record {k}: run {bad} of {m}: {WHY.get(why, why)} (span "
+                                  f"{span} bytes, unit {q}, index {ix} bytes); nothing scattered")
             if got != c:
                 raise PackedError(f"landing entry {r}: record {k}: runs carry {got} bytes, header says {c}; "
                                   "nothing scattered")
-            out.append((at, to, span, m, c))
+            out.append((at, to, span, m, c, ix, q))
             at += size
     return out
-
-
-def _decode(idx: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = idx.view(torch.int32).view(m, 2).to(torch.int64) & 0xFFFFFFFF
-    ends = torch.cumsum(g[:, 0] + g[:, 1], 0)
-    return ends - g[:, 1], g[:, 1]
 
 
 def apply_landing(buf: torch.Tensor, version: int, base: int, parts) -> dict:
@@ -312,13 +381,14 @@ def apply_landing(buf: torch.Tensor, version: int, base: int, parts) -> dict:
     recs = _records(buf, version, parts)
     lib = _lib()
     runs = nbytes = 0
-    for at, to, span, m, c in recs:
-        idx = buf[at + HEADER:at + HEADER + 8 * m]
-        data = buf[at + HEADER + 8 * m:at + HEADER + 8 * m + c]
+    for at, to, span, m, c, ix, q in recs:
+        idx = buf[at + HEADER:at + HEADER + ix]
+        data = buf[at + HEADER + ix:at + HEADER + ix + c]
         if lib is not None:
-            lib.wt_unpack(ctypes.c_void_p(base + to), idx.data_ptr(), data.data_ptr(), m)
+            if lib.wt_unpack(ctypes.c_void_p(base + to), idx.data_ptr(), ix, data.data_ptr(), m, span, q) != c:
+                raise RuntimeError(f"packed record at {at}: the scatter disagrees with its check (a bug)")
         elif m:
-            st, ln = _decode(idx, m)
+            _, _, st, ln = check_index(idx, m, span, q)
             span_view(base + to, span)[_byte_index(st, ln)] = data
         runs += m
         nbytes += c

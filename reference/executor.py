@@ -235,7 +235,7 @@ class Executor(StageLoops):
         if packer is not None:
             self.memory.stats.registered_bytes += packer.nbytes
         self._say(f"delta updates: shadow of {self.delta.shadow_bytes / 1e6:.1f} MB (granularity "
-                  f"{options.delta_granularity} B, merge gap {options.delta_merge_gap} B, mode {options.delta_mode}, "
+                  f"{self.delta.granularity} B, merge gap {options.delta_merge_gap} B, mode {options.delta_mode}, "
                   f"wire {1e-9 / cost.wire_s_per_byte:.2f} GB/s, run {cost.run_s * 1e9:.0f} ns; packing into "
                   f"{len(packer._at) if packer else 0} landing region(s), {packer.nbytes / 1e6 if packer else 0:.1f} MB)")
 

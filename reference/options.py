@@ -85,10 +85,13 @@ class ExecutorOptions:
     output that differ from what this sender wrote there last (exact comparison against a shadow
     copy, one per byte of the rank's outputs); the first update, and the one after a failed or
     incomplete update or a re-registered receiver, is full (C26)."""
-    delta_granularity: int = field(default=8, metadata={"unit": "bytes"})
+    delta_granularity: int | None = field(default=None, metadata={"unit": "bytes"})
     """Block size the delta comparison works in (bytes, counted from each output's first byte):
-    a changed byte sends its whole block. 8: a real RL step at lr 1e-6 (1.3% of bf16 elements
-    scattered) then writes ~5% of the bytes (docs/DELTA.md)."""
+    a changed byte sends its whole block. None: 1 when the delta may pack (``delta_mode``
+    packed or auto and a receiver published a landing region: a packed run costs its bytes plus
+    a ~2-byte index entry, and a small step changes only the low byte of most bf16 elements),
+    else 8 (a scattered run costs a remote segment whatever its length)
+    (:func:`weight_transfer.delta.default_granularity`, docs/DELTA.md)."""
     delta_merge_gap: int = field(default=0, metadata={"unit": "bytes"})
     """Changed runs separated by at most this many unchanged bytes are written as one run
     (bytes; 0: only adjacent changed blocks coalesce)."""
@@ -122,8 +125,8 @@ class ExecutorOptions:
     def __post_init__(self):
         if self.watermark is not None and self.watermark < 0:
             raise ValueError(f"watermark={self.watermark}: bytes >= 0, or None for unbounded")
-        if self.delta_granularity < 1:
-            raise ValueError(f"delta_granularity={self.delta_granularity}: bytes >= 1")
+        if self.delta_granularity is not None and self.delta_granularity < 1:
+            raise ValueError(f"delta_granularity={self.delta_granularity}: bytes >= 1, or None for the mode's default")
         if self.delta_merge_gap < 0:
             raise ValueError(f"delta_merge_gap={self.delta_merge_gap}: bytes >= 0")
         if self.delta_op_cost is not None and self.delta_op_cost < 0:

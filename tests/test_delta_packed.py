@@ -10,7 +10,19 @@ import torch
 from tests.helpers.loopback import Loopback
 from weight_transfer.delta import Runs, changed_runs, check_published, native_status
 from weight_transfer.delta_cost import CostModel
-from weight_transfer.delta_packed import DIR_BYTES, HEADER, MIN_LANDING, Landing, PackedError, Packer, record_bytes
+from weight_transfer.delta_packed import (
+    DIR_BYTES,
+    HEADER,
+    MAGIC_REC_V1,
+    MIN_LANDING,
+    Landing,
+    PackedError,
+    Packer,
+    check_index,
+    encode_index,
+    index_size,
+    record_size,
+)
 from weight_transfer.options import ExecutorOptions
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.testing.weights import SyntheticCheckpoint
@@ -68,7 +80,10 @@ def test_pack_then_apply_lands_exactly_the_runs(native):
     runs = Runs(starts, lens)
     pk.begin(7)
     op = pk.pack(0, src, runs, target_offset=0, span=1 << 16)
-    assert op is not None and op.length == record_bytes(5, int(lens.sum())) == -(-(HEADER + 40 + 1595) // 64) * 64
+    # varint index, 1-byte units: gaps 0, 92, 4850, 3999, 55000 and lengths 8, 50, 1, 1000, 536
+    ix = 1 + 1 + 1 + 1 + 2 + 1 + 2 + 2 + 3 + 2
+    assert index_size(runs, 1 << 16, 1) == (1, ix)
+    assert op is not None and op.length == record_size(ix, int(lens.sum())) == -(-(HEADER + ix + 1595) // 64) * 64
     op2 = pk.pack(0, src[:4096], Runs(torch.tensor([8]), torch.tensor([16])), target_offset=8192, span=4096)
     tx.write([op, op2]).wait()
     tx.write(pk.finish()).wait()
@@ -103,7 +118,8 @@ def _packed_landing(version=3):
     return landing, op.remote_offset, rx
 
 
-@pytest.mark.parametrize("damage", ["magic", "version", "span", "run", "data", "outside", "dircheck", "used"])
+@pytest.mark.parametrize("damage", ["magic", "format1", "version", "span", "run", "unit", "data", "outside", "dircheck",
+                                    "used", "truncated", "overlong", "trailing", "empty"])
 def test_malformed_payload_is_refused_before_any_byte_is_scattered(damage, native):
     landing, at, rx = _packed_landing()
     buf = landing.buffer
@@ -116,11 +132,22 @@ def test_malformed_payload_is_refused_before_any_byte_is_scattered(damage, nativ
         hdr[6] += 1
     elif damage == "span":
         hdr[2] = 16  # runs now leave the span
-    elif damage == "run":
-        buf[at + HEADER + 8:at + HEADER + 12].view(torch.int32)[0] = 10 ** 6  # a gap past the span
+    elif damage == "format1":
+        hdr[0] = MAGIC_REC_V1
+    elif damage == "run":  # index [0, 8, 56, 16, 920 (2 bytes), 24]: the last length 24 -> 127 units, past 4096
+        hdr[7] = 32
+    elif damage == "unit":
+        hdr[7] = 0
     elif damage == "data":
         hdr[4] += 8
-        hdr[5] = record_bytes(int(hdr[3]), int(hdr[4]))
+    elif damage == "truncated":  # the last length's varint cut off
+        hdr[5] -= 1
+    elif damage == "overlong":  # gap 0 written as 0x80 0x00
+        buf[at + HEADER:at + HEADER + 2] = torch.tensor([0x80, 0x00], dtype=torch.uint8)
+    elif damage == "trailing":  # one index byte more than the runs use
+        hdr[5] += 1
+    elif damage == "empty":  # the first run's length 8 -> 0
+        buf[at + HEADER + 1] = 0
     elif damage == "outside":
         hdr[1] = 8192 - 100  # the span leaves the target region
     elif damage == "dircheck":
@@ -128,11 +155,199 @@ def test_malformed_payload_is_refused_before_any_byte_is_scattered(damage, nativ
     elif damage == "used":
         e = buf[:DIR_BYTES].view(torch.int64)
         e[3] = 10 ** 9
-    with pytest.raises(PackedError, match="nothing scattered"):
+    why = {"format1": "format 1", "run": "leaves its span", "truncated": "past the end of the index",
+           "overlong": "not minimal", "trailing": "left after the last run", "empty": "empty",
+           "data": "header says|malformed"}.get(damage, "nothing scattered")
+    with pytest.raises(PackedError, match=why) as e:
         landing.apply(3, arena.data_ptr(), [(0, arena.numel())])
+    assert "nothing scattered" in str(e.value)
     assert bool((arena == 0x5A).all())
     landing.close()
     rx.close()
+
+
+# ---- the varint index: C against the torch code against a plain Python reference ---------------
+
+
+def _ref_encode(runs, q):
+    """The format-2 index of ``[(start, length)]`` in units of ``q``: plain Python LEB128."""
+    out, end = bytearray(), 0
+    for st, ln in runs:
+        for v in ((st - end) // q, -(-ln // q)):
+            while v >= 0x80:
+                out.append(v & 0x7F | 0x80)
+                v >>= 7
+            out.append(v)
+        end = st + ln
+    return bytes(out)
+
+
+def _ref_check(index: bytes, m, span, q):
+    """``(bad, why, runs)`` as ``wt_check_packed`` defines them, one run at a time."""
+    p, end, runs = 0, 0, []
+
+    def get():
+        nonlocal p
+        x = 0
+        for k in range(9):
+            if p + k >= len(index):
+                return None, 1
+            b = index[p + k]
+            x |= (b & 0x7F) << (7 * k)
+            if b < 0x80:
+                if k and b == 0:
+                    return None, 2
+                p += k + 1
+                return x, 0
+        return None, 2
+
+    for k in range(m):
+        g, w = get()
+        if not w:
+            ln, w = get()
+        if w:
+            return k, w, None
+        if ln == 0:
+            return k, 3, None
+        st = end + g * q
+        if st >= span or st + (ln - 1) * q >= span:
+            return k, 4, None
+        end = min(st + ln * q, span)
+        runs.append((st, end - st))
+    return (m, 5, None) if p != len(index) else (-1, 0, runs)
+
+
+def _c_check(index: bytes, m, span, q):
+    import ctypes
+
+    from weight_transfer.delta import KERNEL
+
+    buf = torch.frombuffer(bytearray(index) or bytearray(1), dtype=torch.uint8)
+    tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+    bad = KERNEL.lib().wt_check_packed(buf.data_ptr(), len(index), m, span, q, ctypes.byref(tot), ctypes.byref(why))
+    return bad, why.value, tot.value
+
+
+def _random_runs(rng, n, q, huge=False):
+    """Up to 200 ascending runs of whole ``q``-byte units in a span of ``n`` bytes (the last
+    clipped at n when it gets there)."""
+    runs, at = [], 0
+    while len(runs) < 200:
+        gap = rng.randrange(1 << rng.randint(0, 42 if huge else 12))
+        ln = rng.randrange(1, 1 << rng.randint(1, 8))
+        st = at + gap * q
+        if st >= n:
+            return runs, n
+        runs.append((st, min(ln * q, n - st)))
+        at = st + ln * q
+        if at >= n:
+            return runs, n
+    return runs, n
+
+
+def test_index_round_trip_c_torch_and_python_agree():
+    """Random runs at units 1, 2, 8 (odd lengths, the last run clipped at an odd span, gaps up
+    to 2^40 units needing 6-byte varints): the C size, the C and torch encodings and the Python
+    reference are the same bytes; C, torch and the reference decode the same runs; and a record
+    of the small cases packed, written and scattered lands exactly those bytes."""
+    from weight_transfer.delta import KERNEL
+
+    lib = KERNEL.lib() if native_status() == "ok" else None
+    import random
+
+    rng = random.Random(9)
+    for trial in range(60):
+        q = (1, 2, 8)[trial % 3]
+        huge = trial % 4 == 3
+        n = (1 << 50) + 3 if huge else rng.randrange(1, 50000) * 2 + 1
+        runs, span = _random_runs(rng, n, q, huge)
+        r = Runs(torch.tensor([a for a, _ in runs], dtype=torch.int64), torch.tensor([b for _, b in runs], dtype=torch.int64))
+        want = _ref_encode(runs, q)
+        assert _ref_check(want, len(runs), span, q) == (-1, 0, runs)
+        assert bytes(encode_index(r.starts, r.lens, span, q).tolist()) == want
+        assert index_size(r, span, q) == (q, len(want))
+        bad, why, st, ln = check_index(torch.frombuffer(bytearray(want) or bytearray(1), dtype=torch.uint8)[:len(want)],
+                                       len(runs), span, q)
+        assert bad == -1 and list(zip(st.tolist(), ln.tolist())) == runs
+        if lib is None:
+            continue
+        assert _c_check(want, len(runs), span, q) == (-1, 0, sum(b for _, b in runs))
+        if huge:
+            continue
+        src, dst = _u8(span, trial), torch.zeros(span, dtype=torch.uint8)
+        ix, data = torch.empty(len(want) + 1, dtype=torch.uint8), torch.empty(r.nbytes + 1, dtype=torch.uint8)
+        assert lib.wt_pack_runs(src.data_ptr(), r.starts.data_ptr(), r.lens.data_ptr(), len(r), q, ix.data_ptr(),
+                                data.data_ptr()) == len(want)
+        assert bytes(ix[:len(want)].tolist()) == want
+        assert lib.wt_unpack(dst.data_ptr(), ix.data_ptr(), len(want), data.data_ptr(), len(r), span, q) == r.nbytes
+        mask = torch.zeros(span, dtype=torch.bool)
+        for a, b in runs:
+            mask[a:a + b] = True
+        assert torch.equal(dst[mask], src[mask]) and not bool(dst[~mask].any())
+    # runs that are not whole units are indexed in bytes; runs out of order or past the span are refused
+    assert index_size(Runs(torch.tensor([3]), torch.tensor([2])), 100, 2) == (1, 2)
+    with pytest.raises(ValueError, match="not ascending"):
+        index_size(Runs(torch.tensor([8, 4]), torch.tensor([2, 2])), 100, 2)
+    with pytest.raises(ValueError, match="not ascending"):
+        index_size(Runs(torch.tensor([98]), torch.tensor([4])), 100, 1)
+
+
+@pytest.mark.parametrize("index,m,span,q,want", [
+    (b"\x00\x08\x05", 2, 100, 1, (1, 1)),           # the second run's length is cut off
+    (b"\x80", 1, 100, 1, (0, 1)),                    # a varint that never ends
+    (b"\x80\x00\x08", 1, 100, 1, (0, 2)),           # gap 0 written in two bytes
+    (b"\x00" + b"\xff" * 9 + b"\x01", 1, 100, 1, (0, 2)),  # a 10-byte varint
+    (b"\x00\x00", 1, 100, 1, (0, 3)),                # an empty run
+    (b"\x00\x08\x5c\x01", 2, 100, 1, (1, 4)),       # a run starting at 100: past the span
+    (b"\x00\x0e", 1, 100, 8, (0, 4)),                # 14 units of 8 = 112 bytes: a clip may cut < 8, not 12
+    (b"\x00\x08\x00\x01", 2, 8, 1, (1, 4)),         # nothing left after a run that ends the span
+    (b"\x00\x08\x00", 1, 100, 1, (1, 5)),           # a byte after the last run
+    (b"\x00\x01", 0, 100, 1, (0, 5)),                # runs in an index of no runs
+])
+def test_malformed_index_is_refused_alike(index, m, span, q, want):
+    got = _ref_check(index, m, span, q)
+    assert got[:2] == want
+    t = check_index(torch.frombuffer(bytearray(index), dtype=torch.uint8), m, span, q)
+    assert t[:2] == want
+    if native_status() == "ok":
+        assert _c_check(index, m, span, q)[:2] == want
+    assert _ref_check(b"\x00\x0d", 1, 100, 8) == (-1, 0, [(0, 100)])  # 13 units, clipped to 100: the last run
+
+
+def test_a_span_across_4_gib():
+    """Runs around the 4 GiB marks of a 6 GiB span (format 1 capped spans at 4 GiB - 1) packed,
+    written and scattered into a sparse mapping; multi-byte varints."""
+    import mmap
+
+    try:
+        ms = [mmap.mmap(-1, 6 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+    except (OSError, ValueError) as e:
+        pytest.skip(f"no 6 GiB sparse mapping here: {e}")
+    src, dst = (torch.frombuffer(m, dtype=torch.uint8) for m in ms)
+    span = 6 << 30
+    starts = torch.tensor([5, (1 << 32) - 3, (1 << 32) + 1000, span - 7], dtype=torch.int64)
+    lens = torch.tensor([1, 6, 3, 7], dtype=torch.int64)
+    for a, b in zip(starts.tolist(), lens.tolist()):
+        src[a:a + b] = torch.arange(1, b + 1, dtype=torch.uint8)
+    rx = make_transport("cma")
+    landing = Landing(MIN_LANDING, rx)
+    pk = Packer({0: landing.descriptor}, None, rank=0, senders=1)
+    pk.begin(4)
+    op = pk.pack(0, src, Runs(starts, lens), target_offset=0, span=span)
+    assert op is not None and index_size(Runs(starts, lens), span, 1)[1] == 1 + 1 + 5 + 1 + 2 + 1 + 5 + 1
+    landing.buffer[op.remote_offset:op.remote_offset + op.length] = pk.buffer[op.local_offset:op.local_offset + op.length]
+    (d,) = pk.finish()
+    landing.buffer[d.remote_offset:d.remote_offset + HEADER] = pk.buffer[d.local_offset:d.local_offset + HEADER]
+    st = landing.apply(4, dst.data_ptr(), [(0, span)])
+    assert st["delta_runs"] == 4 and st["delta_bytes"] == 17
+    for a, b in zip(starts.tolist(), lens.tolist()):
+        assert torch.equal(dst[a - 1:a + b + 1], torch.cat([torch.zeros(1, dtype=torch.uint8), src[a:a + b],
+                                                              torch.zeros(1, dtype=torch.uint8)])[:b + 2 if a + b < span else b + 1])
+    landing.close()
+    rx.close()
+    del src, dst
+    for m in ms:
+        m.close()
 
 
 def test_a_valid_record_applies_and_the_span_must_sit_in_one_part(native):
@@ -174,7 +389,10 @@ def test_cost_model_picks_by_wire_and_run_cost():
     assert cma.choose(n, 1, 8, packable=True) == "scattered"  # one run: no record to pack and apply
     assert cma.choose(n, n // 16, n // 2, packable=True) == "full"  # half the bytes changed, a run per 16 B
     slow = CostModel.for_transport("nixl", wire_gbps=0.1)
-    assert slow.choose(n, n // 16, n // 2, packable=True) == "full"
+    assert slow.choose(n, n // 16, n // 2, packable=True) == "packed"  # record 0.5 n + ~2 B x n/16 of index
+    assert slow.choose(n, n // 4, 3 * n // 4, packable=True) == "full"  # record 0.75 n + 0.5 n of index > n
+    assert slow.choose(n, n // 16, n // 2, packable=True, index_bytes=n) == "full"  # an exact index size wins
+    assert 2800 < CostModel.index_estimate(n, 1000, 1000) < 3000  # gaps ~1 KiB: mostly 2 bytes; lengths 1 byte
     assert slow.choose(n, runs, changed, packable=True) == "packed"
     assert CostModel.for_transport("cma", mode="scattered").choose(n, runs, changed, packable=True) == "full"
     assert CostModel.for_transport("cma", mode="packed").choose(n, n, n, packable=True) == "packed"
@@ -201,7 +419,7 @@ def test_fused_cast_compare_equals_torch_cast_then_compare():
         b = a.clone()
         k = int(torch.randint(0, 50, (1,), generator=g))
         b[torch.randint(0, n, (k,), generator=g)] *= 1.01
-        gran = (2, 8, 16, 64, 128)[trial % 5]
+        gran = (1, 2, 4, 8, 16, 64, 128)[trial % 7]
         out, shadow = torch.empty(2 * n, dtype=torch.uint8), a.to(torch.bfloat16).view(torch.uint8).clone()
         got = cast_bf16_delta(b, out, shadow, gran, merge_gap=(0, 16)[trial % 2])
         want_out = b.to(torch.bfloat16).view(torch.uint8)
@@ -254,8 +472,8 @@ def test_packed_updates_bit_exact_every_step(transport, quant, mode):
 def test_landing_too_small_falls_back_and_stays_exact():
     cfg = load_config("qwen3-0.6b", **TINY)
     change = (1.0, 0.3)
-    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True, delta_mode="packed"),
-                  landing=0.001)  # MIN_LANDING: some records fit, the large ones do not
+    lb = Loopback(cfg, InferenceLayout(tp=2), options=ExecutorOptions(delta=True, delta_mode="packed", delta_granularity=8),
+                  landing=0.001)  # MIN_LANDING: some records fit, the large ones do not (8-byte blocks: few runs)
     lb.transfer(_ckpt(cfg, 1, change))
     src = _ckpt(cfg, 2, change)
     st = lb.transfer(src)

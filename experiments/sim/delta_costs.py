@@ -20,7 +20,7 @@ measured costs").
 - ``apply``: ``wt_unpack``: the record's runs scattered into a target of ``N`` bytes.
 
 **Passes per byte**: ``compare_passes = t_compare / t_memcpy(N)`` per output byte;
-``pack_passes`` and ``apply_passes = t / t_memcpy(R)`` per record byte ``R`` (``64 + 8 x runs +
+``pack_passes`` and ``apply_passes = t / t_memcpy(R)`` per record byte ``R`` (``64 + varint index +
 changed bytes``), i.e. how many memcpys of the bytes each costs here.
 
 **Scaling rule** (stated with every prediction): a pass over ``B`` bytes costs what a memcpy of
@@ -81,8 +81,8 @@ def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, 
     costs are not what the simulation should scale."""
     import torch
 
-    from weight_transfer.delta import KERNEL, changed_runs_native
-    from weight_transfer.delta_packed import HEADER, record_bytes
+    from weight_transfer.delta import KERNEL, changed_runs_native, index_size
+    from weight_transfer.delta_packed import HEADER, record_size
 
     lib = KERNEL.lib()
     if lib is None:
@@ -102,13 +102,14 @@ def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, 
     t_cmp = _best(lambda: changed_runs_native(nb, next(it), 8), repeats)
     runs = changed_runs_native(nb, ob.clone(), 8)
     m, c = len(runs), runs.nbytes
-    size = record_bytes(m, c)
+    q, nix = index_size(runs, nbytes, 8)
+    size = record_size(nix, c)
     rec = torch.zeros(size, dtype=torch.uint8)
-    ix, body = rec[HEADER:HEADER + 8 * m], rec[HEADER + 8 * m:HEADER + 8 * m + c]
-    t_pack = _best(lambda: lib.wt_pack_runs(nb.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m,
+    ix, body = rec[HEADER:HEADER + nix], rec[HEADER + nix:HEADER + nix + c]
+    t_pack = _best(lambda: lib.wt_pack_runs(nb.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m, q,
                                             ix.data_ptr(), body.data_ptr()), repeats)
     target = ob.clone()
-    t_apply = _best(lambda: lib.wt_unpack(target.data_ptr(), ix.data_ptr(), body.data_ptr(), m), repeats)
+    t_apply = _best(lambda: lib.wt_unpack(target.data_ptr(), ix.data_ptr(), nix, body.data_ptr(), m, nbytes, q), repeats)
     if not torch.equal(target, nb):
         raise RuntimeError("delta costs: the applied record does not reproduce the new bytes (kernel bug)")
     per_byte = t_copy / nbytes
