@@ -36,14 +36,31 @@ static inline int differs(const uint8_t *a, const uint8_t *b, int64_t len) {
  * [cs, ce) when they start at most `gap` bytes after it, else the open run is emitted. */
 typedef struct {
     int64_t *starts, *lens, cap, nr, cs, ce, tot, gap;
+    /* Optional, for a packed record (weight_transfer.delta_packed): nw, the compared bytes;
+     * vals (NULL: none), per run of at most 8 bytes its bytes (little-endian, zero-padded),
+     * taken while they are in cache so that packing need not read the output again; q, the
+     * unit the index counts in (the block size g), ix its bytes so far, pe the last run's end. */
+    const uint8_t *nw;
+    int64_t *vals, q, ix, pe;
 } runs_t;
 
-/* Append the open run as starts[nr], lens[nr]; 0, or -1 when cap runs are already there. */
+static inline int vlen(uint64_t v);
+
+/* Append the open run as starts[nr], lens[nr] (and its value, its index bytes); 0, or -1 when
+ * cap runs are already there. */
 static inline int emit_run(runs_t *r) {
     if (r->nr >= r->cap) return -1;
+    int64_t l = r->ce - r->cs;
     r->starts[r->nr] = r->cs;
-    r->lens[r->nr] = r->ce - r->cs;
-    r->tot += r->ce - r->cs;
+    r->lens[r->nr] = l;
+    if (r->vals) {
+        uint64_t v = 0;
+        if (l <= 8) memcpy(&v, r->nw + r->cs, (size_t)l);
+        r->vals[r->nr] = (int64_t)v;
+    }
+    r->ix += vlen((uint64_t)((r->cs - r->pe) / r->q)) + vlen((uint64_t)((l + r->q - 1) / r->q));
+    r->pe = r->ce;
+    r->tot += l;
     r->nr++;
     return 0;
 }
@@ -92,6 +109,29 @@ static inline int word(const uint8_t *nw, uint8_t *old, int64_t w, int64_t g, ru
     return 0;
 }
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* The changed bytes of a 64-byte chunk as a 64-bit mask (bit k: byte k differs). */
+static inline uint64_t chunk_mask(const uint8_t *a, const uint8_t *b) {
+    uint64_t eq = 0;
+    for (int k = 0; k < 4; k++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(a + 16 * k)), y = _mm_loadu_si128((const __m128i *)(b + 16 * k));
+        eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) << (16 * k);
+    }
+    return ~eq;
+}
+
+/* A changed-byte mask widened to whole g-byte blocks (g in {2, 4, 8}): every bit of a block
+ * set when any is. */
+static inline uint64_t widen(uint64_t m, int64_t g) {
+    static const uint64_t first[9] = {0, 0, 0x5555555555555555ull, 0, 0x1111111111111111ull, 0, 0, 0,
+                                      0x0101010101010101ull};
+    for (int64_t k = 1; k < g; k <<= 1) m |= m >> k;
+    m &= first[g];
+    return m * ((1ull << g) - 1); /* blocks are disjoint: no carries */
+}
+#endif
+
 /* Compare [lo, hi) of nw against old (n: the output's length; lo a multiple of g and of 8),
  * in g-byte blocks counted from byte 0 (the last block clipped at n); changed blocks copied
  * into old and added to r. 0, or -1 when r is over cap. Whole 64-byte chunks that are equal
@@ -99,6 +139,23 @@ static inline int word(const uint8_t *nw, uint8_t *old, int64_t w, int64_t g, ru
 static int compare_range(const uint8_t *nw, uint8_t *old, int64_t lo, int64_t hi, int64_t n, int64_t g,
                          runs_t *r) {
     int64_t i = lo;
+#if defined(__SSE2__)
+    if (g == 1 || g == 2 || g == 4 || g == 8) {
+        for (; i + 64 <= hi; i += 64) {
+            uint64_t m = chunk_mask(nw + i, old + i);
+            if (!m) continue;
+            memcpy(old + i, nw + i, 64);
+            if (g > 1) m = widen(m, g);
+            while (m) { /* one step per run of changed blocks in the chunk, not per block */
+                int s = __builtin_ctzll(m);
+                uint64_t t = ~(m >> s);
+                int e = s + (t ? __builtin_ctzll(t) : 64 - s);
+                if (block(r, i + s, i + e) < 0) return -1;
+                m = e >= 64 ? 0 : m & (~0ull << e);
+            }
+        }
+    }
+#endif
     if (WT_LANES && (g == 1 || g == 2 || g == 4 || g == 8)) {
         for (; i + 64 <= hi; i += 64) {
             uint64_t d = 0;
@@ -132,13 +189,16 @@ static int compare_range(const uint8_t *nw, uint8_t *old, int64_t lo, int64_t hi
 
 /* Returns the number of runs (<= cap), or -1 when there would be more than cap (then the
  * shadow holds an unspecified mix of old and new bytes: the caller refreshes it whole).
- * *changed: bytes covered by the runs (including merged gaps). */
+ * *changed: bytes covered by the runs (including merged gaps); *ixb: their packed index's
+ * bytes in units of g (wt_index_bytes); vals (NULL: not wanted): per run of at most 8 bytes
+ * its bytes, for wt_pack_runs_v. */
 int64_t wt_delta_runs(const uint8_t *nw, uint8_t *old, int64_t n, int64_t g, int64_t gap, int64_t *starts,
-                      int64_t *lens, int64_t cap, int64_t *changed) {
-    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap};
+                      int64_t *lens, int64_t cap, int64_t *changed, int64_t *vals, int64_t *ixb) {
+    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap, nw, vals, g, 0, 0};
     if (compare_range(nw, old, 0, n, n, g, &r) < 0) return -1;
     if (r.cs >= 0 && emit_run(&r) < 0) return -1;
     *changed = r.tot;
+    *ixb = r.ix;
     return r.nr;
 }
 
@@ -377,19 +437,32 @@ int64_t wt_index_bytes(const int64_t *starts, const int64_t *lens, int64_t m, in
 }
 
 /* Pack runs of src (as wt_index_bytes accepted them, for the same q) into index (the varints)
- * and data (the bytes); returns the index bytes written. */
-int64_t wt_pack_runs(const uint8_t *src, const int64_t *starts, const int64_t *lens, int64_t m, int64_t q,
-                     uint8_t *index, uint8_t *data) {
+ * and data (the bytes); returns the index bytes written. vals (NULL: none): the bytes of every
+ * run of at most 8 bytes as the comparison took them (wt_delta_runs), so that src is read only
+ * for longer runs: the output is not read again at random places after it left the cache. */
+int64_t wt_pack_runs_v(const uint8_t *src, const int64_t *starts, const int64_t *lens, const int64_t *vals,
+                       int64_t m, int64_t q, uint8_t *index, uint8_t *data) {
     int64_t end = 0, at = 0;
     uint8_t *p = index;
     for (int64_t k = 0; k < m; k++) {
+        int64_t l = lens[k];
         p = vput(p, (uint64_t)((starts[k] - end) / q));
-        p = vput(p, (uint64_t)((lens[k] + q - 1) / q));
-        copy_run(data + at, src + starts[k], lens[k]);
-        at += lens[k];
-        end = starts[k] + lens[k];
+        p = vput(p, (uint64_t)((l + q - 1) / q));
+        if (vals && l <= 8) {
+            uint64_t v = (uint64_t)vals[k];
+            copy_run(data + at, (const uint8_t *)&v, l);
+        } else {
+            copy_run(data + at, src + starts[k], l);
+        }
+        at += l;
+        end = starts[k] + l;
     }
     return (int64_t)(p - index);
+}
+
+int64_t wt_pack_runs(const uint8_t *src, const int64_t *starts, const int64_t *lens, int64_t m, int64_t q,
+                     uint8_t *index, uint8_t *data) {
+    return wt_pack_runs_v(src, starts, lens, NULL, m, q, index, data);
 }
 
 /* Check a packed index of nix bytes holding m runs against a span of `span` bytes in units of
@@ -438,13 +511,14 @@ int64_t wt_unpack(uint8_t *dst, const uint8_t *index, int64_t nix, const uint8_t
  * blocks copied into the shadow and emitted as runs like wt_delta_runs. Returns the runs, or
  * -1 when there would be more than cap (the conversion still completes and the shadow is then
  * refreshed whole), or -2 at the first NaN (nothing defined: the caller casts with torch and
- * refreshes the shadow whole). g must divide 4096. */
+ * refreshes the shadow whole). g must divide 4096. vals, *ixb: as wt_delta_runs. */
 int64_t wt_cast_bf16_delta(const uint32_t *src, int64_t n_el, uint16_t *out, uint16_t *shadow, int64_t g, int64_t gap,
-                           int64_t *starts, int64_t *lens, int64_t cap, int64_t *changed) {
+                           int64_t *starts, int64_t *lens, int64_t cap, int64_t *changed, int64_t *vals,
+                           int64_t *ixb) {
     const int64_t n = n_el * 2, CH = 4096;
     const uint8_t *nw = (const uint8_t *)out;
     uint8_t *old = (uint8_t *)shadow;
-    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap};
+    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap, nw, vals, g, 0, 0};
     int over = 0;
     for (int64_t lo = 0; lo < n; lo += CH) {
         int64_t hi = lo + CH < n ? lo + CH : n;
@@ -461,5 +535,28 @@ int64_t wt_cast_bf16_delta(const uint32_t *src, int64_t n_el, uint16_t *out, uin
     if (over) return -1;
     if (r.cs >= 0 && emit_run(&r) < 0) return -1;
     *changed = r.tot;
+    *ixb = r.ix;
+    return r.nr;
+}
+
+/* As wt_cast_bf16_delta for a source already in the output's dtype (n bytes: a bf16 replay, a
+ * bf16 training copy): copied into out and compared with the shadow 4 KiB at a time, in the
+ * same pass. Returns the runs or -1 (more than cap: the copy completes, the shadow is refreshed
+ * whole). */
+int64_t wt_copy_delta(const uint8_t *src, int64_t n, uint8_t *out, uint8_t *old, int64_t g, int64_t gap,
+                      int64_t *starts, int64_t *lens, int64_t cap, int64_t *changed, int64_t *vals, int64_t *ixb) {
+    const int64_t CH = 4096;
+    runs_t r = {starts, lens, cap, 0, -1, 0, 0, gap, out, vals, g, 0, 0};
+    int over = 0;
+    for (int64_t lo = 0; lo < n; lo += CH) {
+        int64_t hi = lo + CH < n ? lo + CH : n;
+        memcpy(out + lo, src + lo, (size_t)(hi - lo));
+        if (!over && compare_range(out, old, lo, hi, n, g, &r) < 0) over = 1;
+        if (over) memcpy(old + lo, out + lo, (size_t)(hi - lo));
+    }
+    if (over) return -1;
+    if (r.cs >= 0 && emit_run(&r) < 0) return -1;
+    *changed = r.tot;
+    *ixb = r.ix;
     return r.nr;
 }

@@ -96,7 +96,7 @@ later states overwrite ``weights``, not this)."""
 
 def _declare(lib: ctypes.CDLL) -> None:
     P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.wt_delta_runs.argtypes = [P, P, I, I, I, P, P, I, P]
+    lib.wt_delta_runs.argtypes = [P, P, I, I, I, P, P, I, P, P, P]
     lib.wt_delta_runs.restype = I
     lib.wt_check_segments.argtypes = [P, P, I, I, P]
     lib.wt_check_segments.restype = I
@@ -110,12 +110,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.wt_index_bytes.restype = I
     lib.wt_pack_runs.argtypes = [P, P, P, I, I, P, P]
     lib.wt_pack_runs.restype = I
+    lib.wt_pack_runs_v.argtypes = [P, P, P, P, I, I, P, P]
+    lib.wt_pack_runs_v.restype = I
     lib.wt_check_packed.argtypes = [P, I, I, I, I, P, P]
     lib.wt_check_packed.restype = I
     lib.wt_unpack.argtypes = [P, P, I, P, I, I, I]
     lib.wt_unpack.restype = I
-    lib.wt_cast_bf16_delta.argtypes = [P, I, P, P, I, I, P, P, I, P]
+    lib.wt_cast_bf16_delta.argtypes = [P, I, P, P, I, I, P, P, I, P, P, P]
     lib.wt_cast_bf16_delta.restype = I
+    lib.wt_copy_delta.argtypes = [P, I, P, P, I, I, P, P, I, P, P, P]
+    lib.wt_copy_delta.restype = I
 
 
 _CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
@@ -135,7 +139,7 @@ class Runs:
     output's first byte; ascending, disjoint, non-empty). Iterates as ``(start, length)`` pairs
     and compares equal to such a list (for tests); ``nbytes``: bytes the runs cover."""
 
-    __slots__ = ("starts", "lens", "nbytes", "mode", "data", "index")
+    __slots__ = ("starts", "lens", "nbytes", "mode", "data", "index", "vals")
 
     def __init__(self, starts: torch.Tensor, lens: torch.Tensor, nbytes: int | None = None):
         self.starts, self.lens = starts, lens
@@ -146,7 +150,11 @@ class Runs:
         """The output's bytes (flat uint8) the runs index, for packing."""
         self.index = None
         """``(asked unit, unit, index bytes)`` of their packed record, once the cost model sized it
-        (:func:`index_size`)."""
+        (:func:`index_size`) or the native comparison counted it."""
+        self.vals = None
+        """int64 per run: the bytes of each run of at most 8 bytes as the native comparison took
+        them (little-endian, zero-padded), so that packing does not read the output again; None
+        when not taken."""
 
     def __len__(self) -> int:
         return self.starts.numel()
@@ -213,11 +221,13 @@ def changed_runs(new: torch.Tensor, old: torch.Tensor, granularity: int = 128,
 
 
 def changed_runs_native(new: torch.Tensor, old: torch.Tensor, granularity: int = 8, merge_gap: int = 0, *,
-                     update: bool = True, max_runs: int | None = None) -> Runs | None:
+                     update: bool = True, max_runs: int | None = None, inline: bool = False) -> Runs | None:
     """The runs of :func:`changed_runs` as :class:`Runs` (vectorized: the native kernel, else
     torch), and with ``update`` the shadow ``old`` made equal to ``new`` (flat uint8 CPU tensors of
     one length). ``max_runs``: None (returned) when there would be more runs than that (then
-    ``old`` is refreshed whole when ``update``)."""
+    ``old`` is refreshed whole when ``update``). The native kernel also counts the runs' packed
+    index (:attr:`Runs.index`, in units of ``granularity``) and, with ``inline``, takes the bytes
+    of every run of at most 8 bytes (:attr:`Runs.vals`) for packing."""
     n = new.numel()
     if n == 0:
         return Runs(_EMPTY, _EMPTY, 0)
@@ -228,13 +238,15 @@ def changed_runs_native(new: torch.Tensor, old: torch.Tensor, granularity: int =
     if lib is not None:
         st = torch.empty(cap, dtype=torch.int64)
         ln = torch.empty(cap, dtype=torch.int64)
-        tot = ctypes.c_int64(0)
+        vals = torch.empty(cap, dtype=torch.int64) if inline else None
+        tot, ixb = ctypes.c_int64(0), ctypes.c_int64(0)
         m = lib.wt_delta_runs(new.data_ptr(), old.data_ptr(), n, granularity, merge_gap, st.data_ptr(),
-                              ln.data_ptr(), cap, ctypes.byref(tot))
+                              ln.data_ptr(), cap, ctypes.byref(tot), None if vals is None else vals.data_ptr(),
+                              ctypes.byref(ixb))
         if m < 0:
             old.copy_(new)
             return None
-        return Runs(st[:m], ln[:m], tot.value)
+        return _native_runs(st, ln, vals, m, tot.value, granularity, ixb.value)
     m = changed_blocks(new, old, granularity)
     idx = m.nonzero().flatten()
     if idx.numel() == 0:
@@ -248,6 +260,16 @@ def changed_runs_native(new: torch.Tensor, old: torch.Tensor, granularity: int =
     if max_runs is not None and starts.numel() > max_runs:
         return None
     return Runs(starts.cpu(), (ends - starts).cpu())
+
+
+def _native_runs(st: torch.Tensor, ln: torch.Tensor, vals: torch.Tensor | None, m: int, nbytes: int, unit: int,
+                 ixb: int) -> Runs:
+    """The first ``m`` runs a native comparison wrote, with the packed index bytes it counted
+    (in units of ``unit``, the compare block) and the run values it took (``vals``, or None)."""
+    r = Runs(st[:m], ln[:m], nbytes)
+    r.index = (unit, unit, ixb)
+    r.vals = None if vals is None else vals[:m]
+    return r
 
 
 class DeltaState:
@@ -364,15 +386,18 @@ class DeltaState:
                 return None
             packable = self.packer is not None and self.packer.nbytes > 0 and data.device.type == "cpu"
             seg = self.fused.pop(key, None)
+            packs = packable and self.cost.mode != "scattered"
             if seg is None:
                 seg = changed_runs_native(data, old, self.granularity, self.merge_gap,
-                                          max_runs=self.cost.max_runs(n, packable))
+                                          max_runs=self.cost.max_runs(n, packable), inline=packs)
             elif seg is False:
                 seg = None  # the fused pass found too many runs (the shadow is refreshed)
             ix = None
-            if seg is not None and len(seg) and packable and self.cost.mode != "scattered":
-                q, ix = index_size(seg, n, self.granularity)
-                seg.index = (self.granularity, q, ix)
+            if seg is not None and len(seg) and packs:
+                if seg.index is None or seg.index[0] != self.granularity:
+                    q, ix = index_size(seg, n, self.granularity)
+                    seg.index = (self.granularity, q, ix)
+                ix = seg.index[2]
             mode = ("full" if seg is None else self.cost.choose(n, len(seg), seg.nbytes, packable, index_bytes=ix)
                     if len(seg) else "scattered")
             if mode == "full":

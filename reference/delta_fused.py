@@ -1,24 +1,28 @@
 """The delta comparison fused into the pass that already reads every byte: the prepare stage's
-fp32 -> bf16 cast (``ExecutorOptions.delta_fused``, default on).
+fp32 -> bf16 cast, or its bf16 copy (``ExecutorOptions.delta_fused``, default on).
 
 Without it a delta update reads each output twice more after building it: the cast writes the
 output into its pool slot, then the write stage's comparison (:func:`weight_transfer.delta.changed_runs_native`)
-reads the slot and the shadow. Fused (``_delta.c``, ``wt_cast_bf16_delta``), one native pass
-per output reads the fp32 source, rounds to bf16 exactly as torch does (nearest even; an
-output holding a NaN is cast by torch instead and written whole), writes the output into its slot and compares it with the shadow 4 KiB at a time while
-those bytes are in L1, copies the changed blocks into the shadow and emits the runs; the write
-stage then only chooses the mode and packs (:meth:`weight_transfer.delta.DeltaState.runs` takes
-the runs from :attr:`~weight_transfer.delta.DeltaState.fused`). Memory traffic per bf16 element:
+reads the slot and the shadow. Fused (``_delta.c``, ``wt_cast_bf16_delta`` / ``wt_copy_delta``),
+one native pass per output reads the source, rounds fp32 to bf16 exactly as torch does (nearest
+even; an output holding a NaN is cast by torch instead and written whole) or copies bf16 as is,
+writes the output into its slot and compares it with the shadow 4 KiB at a time while those
+bytes are in L1, copies the changed blocks into the shadow and emits the runs (with their packed
+index size and, when the delta may pack, the bytes of every run of at most 8 bytes, so that
+packing does not read the output again); the write stage then only chooses the mode and packs
+(:meth:`weight_transfer.delta.DeltaState.runs` takes the runs from
+:attr:`~weight_transfer.delta.DeltaState.fused`). Memory traffic per bf16 element from fp32:
 fused 4 (read fp32) + 2 (write) + 2 (read shadow) bytes, separate 4 + 2 + 2 + 2 -- the output is
 not read again.
 
 Where it applies: an assignment whose recipe is a ``copy`` with one identity-layout bfloat16
-output made of one piece that fills it, a contiguous float32 slice of one source (a plain cast
-of a parameter or of a row band of it: what the RL loop's fp32 master sends to a bf16 engine), built
-in a pool slot, on the CPU, in a delta (not full) update, with the native kernel and a block
-size dividing 4096. Everything else (fused projections, FP8 quantization, layouts) keeps the
-separate comparison. Not fused yet: FP8 block quantization (the quantizer would compare its
-output block by block the same way).
+output whose pieces are bands of whole rows (one piece filling the output, or a fused
+``qkv_proj`` / ``gate_up_proj`` of row bands: each band is cast or copied and compared in place
+and their runs joined), each a contiguous slice of a source that is float32 (the RL loop's fp32
+master into a bf16 engine) or bfloat16 with a bfloat16 assembly (a bf16 training copy, a
+replayed bf16 step), built in a pool slot, on the CPU, in a delta (not full) update, with the
+native kernel and a block size dividing 4096. Everything else (FP8 block quantization, layouts,
+pieces that are not whole-row bands) keeps the separate comparison.
 """
 from __future__ import annotations
 
@@ -31,21 +35,23 @@ __all__ = ["cast_bf16_delta", "fuse"]
 
 
 def cast_bf16_delta(src: torch.Tensor, out: torch.Tensor, shadow: torch.Tensor, granularity: int = 8,
-                    merge_gap: int = 0, max_runs: int | None = None):
-    """Cast contiguous float32 CPU ``src`` into ``out`` (flat uint8, 2 bytes per element),
-    compare with ``shadow`` (flat uint8, same length) in ``granularity``-byte blocks, update the
-    shadow and return the :class:`weight_transfer.delta.Runs`; None when there would be more
-    than ``max_runs`` (the cast and the shadow are still complete). ValueError when the native
-    kernel is unavailable or the arguments do not fit (the caller then casts and compares
-    separately)."""
-    from .delta import _EMPTY, KERNEL, Runs
+                    merge_gap: int = 0, max_runs: int | None = None, inline: bool = False):
+    """Cast contiguous float32 CPU ``src`` into ``out`` (flat uint8, 2 bytes per element; a
+    bfloat16 ``src`` is copied: ``wt_copy_delta``), compare with ``shadow`` (flat uint8, same
+    length) in ``granularity``-byte blocks, update the shadow and return the
+    :class:`weight_transfer.delta.Runs`; None when there would be more than ``max_runs`` (the
+    cast and the shadow are still complete). The runs carry their packed index bytes and, with
+    ``inline``, their values (:func:`weight_transfer.delta.changed_runs_native`). ValueError
+    when the native kernel is unavailable or the arguments do not fit (the caller then casts and
+    compares separately)."""
+    from .delta import _EMPTY, KERNEL, Runs, _native_runs
 
     lib = KERNEL.lib()
     n = src.numel()
-    if (lib is None or src.dtype != torch.float32 or not src.is_contiguous() or src.device.type != "cpu"
-            or out.numel() != 2 * n or shadow.numel() != 2 * n or 4096 % granularity):
-        raise ValueError("cast_bf16_delta: needs the native kernel, contiguous float32 CPU input, 2-byte outputs "
-                         "and a block size dividing 4096")
+    if (lib is None or src.dtype not in (torch.float32, torch.bfloat16) or not src.is_contiguous()
+            or src.device.type != "cpu" or out.numel() != 2 * n or shadow.numel() != 2 * n or 4096 % granularity):
+        raise ValueError("cast_bf16_delta: needs the native kernel, contiguous float32 or bfloat16 CPU input, "
+                         "2-byte outputs and a block size dividing 4096")
     if n == 0:
         return Runs(_EMPTY, _EMPTY, 0)
     cap = (2 * n + granularity - 1) // granularity // 2 + 1 + (merge_gap == 0)
@@ -53,16 +59,18 @@ def cast_bf16_delta(src: torch.Tensor, out: torch.Tensor, shadow: torch.Tensor, 
         cap = min(cap, max_runs)
     st = torch.empty(cap, dtype=torch.int64)
     ln = torch.empty(cap, dtype=torch.int64)
-    tot = ctypes.c_int64(0)
-    m = lib.wt_cast_bf16_delta(src.data_ptr(), n, out.data_ptr(), shadow.data_ptr(), granularity, merge_gap,
-                               st.data_ptr(), ln.data_ptr(), cap, ctypes.byref(tot))
+    vals = torch.empty(cap, dtype=torch.int64) if inline else None
+    tot, ixb = ctypes.c_int64(0), ctypes.c_int64(0)
+    fn, size = (lib.wt_cast_bf16_delta, n) if src.dtype == torch.float32 else (lib.wt_copy_delta, 2 * n)
+    m = fn(src.data_ptr(), size, out.data_ptr(), shadow.data_ptr(), granularity, merge_gap, st.data_ptr(),
+           ln.data_ptr(), cap, ctypes.byref(tot), None if vals is None else vals.data_ptr(), ctypes.byref(ixb))
     if m == -2:  # a NaN: torch's own cast (its NaN bits depend on its code path), written whole
         out.view(torch.bfloat16).copy_(src)
         shadow.copy_(out)
         return None
     if m < 0:
         return None
-    return Runs(st[:m], ln[:m], tot.value)
+    return _native_runs(st, ln, vals, m, tot.value, granularity, ixb.value)
 
 
 def fuse(delta, task, index: int, full: dict, into: list) -> dict[int, list[torch.Tensor]]:
@@ -85,22 +93,22 @@ def fuse(delta, task, index: int, full: dict, into: list) -> dict[int, list[torc
         rec = a.recipe
         if (bufs is None or bufs is DIRECT or len(bufs) != 1 or bufs[0] is None or rec.transform != "copy"
                 or len(rec.outputs) != 1 or rec.outputs[0].layout != IDENTITY or rec.outputs[0].dtype != "bfloat16"
-                or rec.assembled_dtype not in ("float32", "bfloat16") or len(rec.pieces) != 1):
+                or rec.assembled_dtype not in ("float32", "bfloat16")):
             continue
         at = delta._at.get((index, ai, 0))
         if at is None or at[1] != bufs[0].numel():
             continue
         try:
-            src = _whole_piece(rec, full)
+            bands = _bands(rec, full, delta.granularity)
         except (KeyError, IndexError, RuntimeError, ValueError):
             continue
-        if src is None or src.dtype != torch.float32 or not src.is_contiguous() or src.device.type != "cpu":
+        if bands is None:
             continue
         off, n = at
-        shadow = delta.shadow[off:off + n]
+        packs = delta.packer is not None and delta.packer.nbytes > 0
         try:
-            runs = cast_bf16_delta(src.reshape(-1), bufs[0], shadow, delta.granularity, delta.merge_gap,
-                                   max_runs=delta.cost.max_runs(n, delta.packer is not None and delta.packer.nbytes > 0))
+            runs = _fused_bands(bands, bufs[0], delta.shadow[off:off + n], delta, delta.cost.max_runs(n, packs),
+                                packs and delta.cost.mode != "scattered")
         except ValueError:
             continue
         delta.fused[(index, ai, 0)] = False if runs is None else runs
@@ -108,6 +116,83 @@ def fuse(delta, task, index: int, full: dict, into: list) -> dict[int, list[torc
         out[ai] = [bufs[0].view(torch.bfloat16).view(tuple(rec.shape))]
     delta.fused_s = getattr(delta, "fused_s", 0.0) + time.perf_counter() - t0
     return out
+
+
+def _bands(rec, full: dict, granularity: int) -> list[tuple[int, torch.Tensor]] | None:
+    """The recipe's pieces as ``[(byte offset in the bf16 output, flat contiguous float32 or
+    bfloat16 CPU source slice)]`` when every piece is a band of whole rows of the output (its
+    ``dst_box`` spans every dimension but the first: one piece filling the output, or a fused
+    ``qkv_proj`` / ``gate_up_proj`` of row bands), each starting on a compare block, together
+    tiling the output in order, and a bfloat16 source is assembled as bfloat16 (a copy; through
+    float32 torch would make a NaN's payload canonical); None otherwise."""
+    ok_dtypes = (torch.float32, torch.bfloat16) if rec.assembled_dtype == "bfloat16" else (torch.float32,)
+    shape = tuple(rec.shape)
+    if len(shape) < 1:
+        src = _whole_piece(rec, full)
+        ok = src is not None and src.dtype in ok_dtypes and src.is_contiguous() and src.device.type == "cpu"
+        return [(0, src.reshape(-1))] if ok else None
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    out, at = [], 0
+    for p in sorted(rec.pieces, key=lambda p: p.dst_box[0][0] if p.dst_box else 0):
+        if p.source is None or len(p.dst_box) != len(shape):
+            return None
+        (a, b), rest = p.dst_box[0], p.dst_box[1:]
+        if (a * row != at or any(lo != 0 or hi != d for (lo, hi), d in zip(rest, shape[1:]))
+                or (2 * a * row) % granularity):
+            return None
+        src = full[p.source][tuple(slice(x, y) for x, y in p.src_box)]
+        if (src.dtype not in ok_dtypes or not src.is_contiguous() or src.device.type != "cpu"
+                or src.numel() != (b - a) * row):
+            return None
+        out.append((2 * a * row, src.reshape(-1)))
+        at = b * row
+    return out if out and at == row * shape[0] else None
+
+
+def _fused_bands(bands, out: torch.Tensor, shadow: torch.Tensor, delta, max_runs: int | None, inline: bool):
+    """Cast + compare each band of ``bands`` (:func:`_bands`) into its slice of ``out`` and
+    ``shadow`` (flat uint8) and join their runs into the output's: offsets shifted, the packed
+    index's byte count corrected for each band's first gap (counted from the previous band's
+    last run instead of the band's start). None when the output has more than ``max_runs`` runs
+    or a band holds a NaN (every band is still cast and its shadow refreshed: the output is then
+    written whole). ValueError as :func:`cast_bf16_delta`."""
+    from .delta import _EMPTY, Runs
+
+    g = delta.granularity
+    parts, whole = [], False
+    for boff, src in bands:
+        nb = 2 * src.numel()
+        r = cast_bf16_delta(src, out[boff:boff + nb], shadow[boff:boff + nb], g, delta.merge_gap,
+                            max_runs=0 if whole else max_runs, inline=inline)
+        if r is None:
+            whole = True
+        elif len(r):
+            parts.append((boff, r))
+    if whole:
+        return None
+    if not parts:
+        return Runs(_EMPTY, _EMPTY, 0)
+    if len(parts) == 1 and parts[0][0] == 0:
+        return parts[0][1]
+    st = torch.cat([r.starts + b for b, r in parts])
+    if max_runs is not None and st.numel() > max_runs:
+        return None
+    joined = Runs(st, torch.cat([r.lens for _, r in parts]), sum(r.nbytes for _, r in parts))
+    ix, prev = 0, 0
+    for b, r in parts:
+        first = int(r.starts[0])
+        ix += r.index[2] - _vlen_int(first // g) + _vlen_int((b + first - prev) // g)
+        prev = b + int(r.starts[-1]) + int(r.lens[-1])
+    joined.index = (g, g, ix)
+    joined.vals = torch.cat([r.vals for _, r in parts]) if inline else None
+    return joined
+
+
+def _vlen_int(v: int) -> int:
+    """LEB128 bytes of ``v`` >= 0."""
+    return max(1, (v.bit_length() + 6) // 7)
 
 
 def _whole_piece(rec, full: dict):

@@ -37,6 +37,11 @@ changes only the low byte of most bf16 elements -- a packed delta of an lr 1e-6 
 a full bf16 update (docs/DELTA.md). A format-1 record (its magic; two uint32 per run) is refused
 by name, any other magic as malformed.
 
+**Posting.** The executor holds back every record write of an update and posts them as one
+batch after its last task (one round trip per update on a transport that pays one per batch,
+NIXL's epoch READ and completion among them, instead of one per task), then, once that batch
+completed, the directory entries.
+
 **Fit and fallback.** A record that does not fit what is left of the sender's area in that
 receiver is not packed: the output goes scattered or whole, whichever the cost model prefers
 (:meth:`weight_transfer.delta.DeltaState.ops`); nothing is ever written outside the landing
@@ -234,9 +239,10 @@ class Packer:
         idx = rec[HEADER:HEADER + ix]
         body = rec[HEADER + ix:HEADER + ix + c]
         lib = _lib()
+        vals = getattr(runs, "vals", None)
         if lib is not None and m:
-            lib.wt_pack_runs(data.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m, q, idx.data_ptr(),
-                             body.data_ptr())
+            lib.wt_pack_runs_v(data.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(),
+                               None if vals is None else vals.data_ptr(), m, q, idx.data_ptr(), body.data_ptr())
         elif m:
             st, ln = runs.starts, runs.lens
             idx.copy_(encode_index(st, ln, span, q))

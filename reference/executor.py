@@ -412,6 +412,12 @@ class Executor(StageLoops):
             w.ready_event.synchronize()
         ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote, self.delta, self.shift)
         w.rec.copy_bytes += copied
+        packer = self.delta.packer if self.delta is not None else None
+        if packer is not None and packer.region is not None:  # packed records: one batch at the end (run())
+            recs = [o for o in ops if getattr(o, "local", None) is packer.region]
+            if recs:
+                self._records.extend(recs)
+                ops = [o for o in ops if getattr(o, "local", None) is not packer.region]
         p = post_ops(w.task, ops, self.transport, self.remote, self.write_timeout, item=w)
         p.n_ops -= self.memory.extra_ops  # a planned write from several shard ranges counts once
         return p
@@ -484,12 +490,17 @@ class Executor(StageLoops):
             st.delta = f"full: {d.reason}" if d.begin(sig, step) else "delta"
             d.fused_s = 0.0
             st.delta_shadow_bytes = d.shadow_bytes
+            self._records = []
             try:
                 out = self._run(st, step, stop)
                 t0 = time.perf_counter()
+                recs, self._records = self._records, []
+                if recs:  # every packed record of the update in one batch: one round trip, not one per task
+                    st.bytes_sent += self.transport.write(recs).wait(self.write_timeout)
+                    st.n_writes += len(recs)
                 dir_ops = d.packer.finish() if d.packer is not None else []
                 if dir_ops:  # the directory entries, once every record landed (the receiver's commit reads them)
-                    st.bytes_sent += self.transport.write(dir_ops).wait()
+                    st.bytes_sent += self.transport.write(dir_ops).wait(self.write_timeout)
                     st.n_writes += len(dir_ops)
             except BaseException:
                 d.end(step, ok=False)

@@ -436,6 +436,55 @@ def test_fused_cast_compare_equals_torch_cast_then_compare():
     assert torch.equal(out, y.to(torch.bfloat16).view(torch.uint8)) and torch.equal(shadow, out)
 
 
+def test_fused_bands_join_like_one_compare_and_pack_from_their_values():
+    """A fused ``qkv_proj`` of three row bands: each band cast and compared in place, the runs
+    joined with their offsets equal one comparison of the whole output; the packed index size
+    the kernel counted equals :func:`index_size`; packing from the run values the comparison
+    took writes the same record as packing from the output."""
+    if native_status() != "ok":
+        pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    from types import SimpleNamespace
+
+    from weight_transfer.delta import KERNEL, index_size
+    from weight_transfer.delta_fused import _fused_bands
+
+    lib = KERNEL.lib()
+    g = torch.Generator().manual_seed(7)
+    for trial, gran in enumerate((1, 2, 8, 1, 2, 8)):
+        rows, cols = (8, 4, 4), 24 + 8 * trial
+        a = [torch.randn(r, cols, generator=g) for r in rows]
+        b = [x.clone() for x in a]
+        for x in b:
+            x.view(-1)[torch.randint(0, x.numel(), (7,), generator=g)] += 1e-3 * (trial + 1)
+        if trial == 3:
+            b[1] = a[1].clone()  # an unchanged band between two changed ones
+        offs = [0]
+        for r in rows:
+            offs.append(offs[-1] + 2 * r * cols)
+        n = offs[-1]
+        old = torch.cat([x.reshape(-1) for x in a]).to(torch.bfloat16).view(torch.uint8)
+        new = torch.cat([x.reshape(-1) for x in b]).to(torch.bfloat16).view(torch.uint8)
+        out, shadow = torch.empty(n, dtype=torch.uint8), old.clone()
+        d = SimpleNamespace(granularity=gran, merge_gap=0)
+        got = _fused_bands([(o, x.reshape(-1)) for o, x in zip(offs, b)], out, shadow, d, None, True)
+        assert torch.equal(out, new) and torch.equal(shadow, new)
+        want = changed_runs(new, old, gran, 0)
+        assert got == want and got.nbytes == sum(ln for _, ln in want)
+        assert got.index == (gran, *index_size(got, n, gran))
+        m = len(got)
+        ix = torch.zeros(max(got.index[2], 1), dtype=torch.uint8)
+        body = torch.zeros(max(got.nbytes, 1), dtype=torch.uint8)
+        ix2, body2 = ix.clone(), body.clone()
+        assert lib.wt_pack_runs_v(new.data_ptr(), got.starts.data_ptr(), got.lens.data_ptr(), got.vals.data_ptr(), m,
+                                  gran, ix.data_ptr(), body.data_ptr()) == got.index[2]
+        assert lib.wt_pack_runs(new.data_ptr(), got.starts.data_ptr(), got.lens.data_ptr(), m, gran, ix2.data_ptr(),
+                                body2.data_ptr()) == got.index[2]
+        assert torch.equal(ix, ix2) and torch.equal(body, body2)
+    out, shadow = torch.empty(n, dtype=torch.uint8), old.clone()  # more runs than allowed: None, all bands cast
+    assert _fused_bands([(o, x.reshape(-1)) for o, x in zip(offs, b)], out, shadow, d, 2, True) is None
+    assert torch.equal(out, new) and torch.equal(shadow, new)
+
+
 # ---- through the planner, executor and transports (loopback) ------------------------------------
 
 
@@ -487,8 +536,27 @@ def test_fused_cast_compare_through_the_executor_is_bit_exact():
     (delta_fused_s > 0), every update bit-exact; the same with fusing off."""
     if native_status() != "ok":
         pytest.skip(f"native delta kernel unavailable: {native_status()}")
+    import weight_transfer.delta_fused as df
+
     cfg = load_config("qwen3-0.6b", **TINY)
     change = (1.0, 0.01, 0.0, 0.3)
+    seen, bands = set(), df._bands
+
+    def spy(rec, full, granularity):
+        r = bands(rec, full, granularity)
+        if r is not None:
+            seen.add(rec.name)
+        return r
+
+    df._bands = spy
+    try:
+        _fused_through_the_executor(cfg, change)
+    finally:
+        df._bands = bands
+    assert any("qkv_proj" in s for s in seen) and any("gate_up_proj" in s for s in seen), seen  # row bands fused too
+
+
+def _fused_through_the_executor(cfg, change):
     for fused in (True, False):
         lb = Loopback(cfg, InferenceLayout(tp=1), options=ExecutorOptions(delta=True, delta_fused=fused), landing=0.25)
         for step in range(1, 5):

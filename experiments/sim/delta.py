@@ -38,6 +38,7 @@ derived (:func:`uniform_fractions`).
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -115,8 +116,26 @@ BLOCK_BYTES = 8
 """The executor's compare unit since issue 26 (``--delta-granularity 8``): granularity ``block8``."""
 MODES = ("scattered", "packed")
 """How a delta's changed units reach the receiver: one RDMA WRITE per run, or one packed record
-per output and receiver (64-byte header + 8 bytes of index per run + the changed bytes, 64-byte
-aligned: :mod:`weight_transfer.delta_packed`) scattered by the receiver at its commit."""
+per output and receiver (64-byte header + a varint index of :func:`index_per_run` bytes per run
++ the changed bytes, 64-byte aligned: :mod:`weight_transfer.delta_packed`, format 2) scattered by
+the receiver at its commit."""
+
+
+def _vlen(v: float) -> int:
+    """LEB128 bytes of a value ``v`` >= 0 (rounded up)."""
+    return max(1, (int(math.ceil(v)).bit_length() + 6) // 7)
+
+
+def index_per_run(n: float, runs: float, units: float) -> float:
+    """Bytes of packed index per run of an output of ``n`` compare units with ``runs`` expected
+    runs covering ``units`` units (format 2, :mod:`weight_transfer.delta_packed`: two LEB128
+    varints per run, the gap since the previous run and the length, in units), at the mean gap
+    ``(n - units) / runs`` and the mean length ``units / runs``. An estimate: a varint's size is
+    a step function of its value, so the mean of the sizes can exceed the size at the mean (the
+    executor's packed records of the RL loop's lr 1e-6 steps average ~2-2.3 bytes per run)."""
+    if runs <= 0:
+        return 0.0
+    return float(_vlen(max(0.0, n - units) / runs) + _vlen(units / runs))
 
 
 def _unit(recipe: Recipe, out_index: int, dtype: str, granularity: str) -> tuple[str, int, int]:
@@ -180,8 +199,8 @@ class DeltaModel:
             n = -(-nbytes // unit)
             runs, units = expected_runs_and_units(n, p, self.merge_gap // unit)
             payload = min(float(nbytes), units * unit)
-            if self.mode == "packed":  # one record: header + 8 B of index per run + the changed bytes, 64-aligned
-                rec = -(-(64 + 8 * runs + payload) // 64) * 64 if runs > 0 else 0.0
+            if self.mode == "packed":  # one record: header + varint index + the changed bytes, 64-aligned
+                rec = -(-(64 + runs * index_per_run(n, runs, units) + payload) // 64) * 64 if runs > 0 else 0.0
                 got = self._cost[key] = (rec, min(1.0, runs), payload, runs)
             else:
                 got = self._cost[key] = (payload + runs * self.header_bytes, runs, payload, runs)

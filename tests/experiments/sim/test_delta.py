@@ -191,3 +191,25 @@ def test_cli_delta_tiny(tmp_path, capsys):
     assert (zero.wire_bytes == 0).all() and (zero.seconds < zero.full_seconds).all()
     every = d[d.fractions.str.startswith("uniform 100")]
     assert len(every) == 4 and (every.seconds >= every.full_seconds).all()
+
+
+def test_packed_index_per_run_is_format_2_varints():
+    """The packed record's index the model charges per run (two LEB128 varints: mean gap, mean
+    length) against the real format-2 index of uniformly scattered 1-byte changes."""
+    import torch
+
+    from weight_transfer.delta import changed_runs_native, index_size
+    from weight_transfer.experiments.sim.delta import expected_runs_and_units, index_per_run
+
+    assert index_per_run(1000, 0, 0) == 0.0
+    assert index_per_run(1000, 10, 10) == 2.0  # gap 99 units, length 1: one byte each
+    assert index_per_run(10**6, 10, 10) == 4.0  # gap ~1e5 units: a 3-byte varint
+    g = torch.Generator().manual_seed(3)
+    for p in (0.001, 0.012, 0.1):
+        n = 1 << 20
+        old = torch.zeros(n, dtype=torch.uint8)
+        new = (torch.rand(n, generator=g) < p).to(torch.uint8)
+        runs = changed_runs_native(new, old, 1, update=False)
+        real = index_size(runs, n, 1)[1] / len(runs)
+        r, u = expected_runs_and_units(n, p, 0)
+        assert abs(index_per_run(n, r, u) - real) < 0.35, (p, real, index_per_run(n, r, u))
