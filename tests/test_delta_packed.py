@@ -425,6 +425,9 @@ def test_fused_cast_compare_equals_torch_cast_then_compare():
         want_out = b.to(torch.bfloat16).view(torch.uint8)
         assert torch.equal(out, want_out) and torch.equal(shadow, want_out)
         assert got == changed_runs(want_out, a.to(torch.bfloat16).view(torch.uint8), gran, (0, 16)[trial % 2])
+        out2, shadow2 = torch.empty(2 * n, dtype=torch.uint8), a.to(torch.bfloat16).view(torch.uint8).clone()
+        assert cast_bf16_delta(b.to(torch.bfloat16), out2, shadow2, gran, merge_gap=(0, 16)[trial % 2]) == got  # a bf16 copy
+        assert torch.equal(out2, want_out) and torch.equal(shadow2, want_out)
     x = torch.tensor([1.0, float("nan"), 2.0])  # a NaN: torch's cast, written whole
     out, shadow = torch.empty(6, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8)
     assert cast_bf16_delta(x, out, shadow) is None
