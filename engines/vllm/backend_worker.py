@@ -1,0 +1,256 @@
+"""The ``one_sided`` backend's worker engine (:mod:`weight_transfer.engines.vllm.backend`): one per
+vLLM worker, built by vLLM from ``WeightTransferConfig(backend="one_sided")``. Once it reports,
+stages, registers and publishes the worker's runtime tensors; per update it only checks, in the
+store, that every training rank wrote the version, and commits it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from . import delta_apply  # packed deltas: the landing region and the commit's scatter
+from .backend_config import OneSidedInitInfo, OneSidedUpdateInfo, _first_line, engine_key
+from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worker, before the model is built
+
+__all__ = ["OneSidedWeightTransferEngine", "hf_config_dict"]
+
+
+def hf_config_dict(hf_config) -> dict:
+    """The model's Hugging Face config as a dict, as vLLM holds it (``hf_config.to_dict()``), with
+    each ``attribute_map`` alias added under its published name too: transformers 5 writes
+    canonical names (``num_local_experts`` for Qwen3-MoE's ``num_experts``), the planner reads
+    the published ``config.json`` names."""
+    d = hf_config.to_dict()
+    for alias, canon in (getattr(hf_config, "attribute_map", None) or {}).items():
+        if canon in d and alias not in d:
+            d[alias] = d[canon]
+    return d
+
+
+class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSidedUpdateInfo]):
+    """The worker engine (one per vLLM worker; vLLM builds it in ``Worker.load_model`` after
+    ``process_weights_after_loading``). Passive on the data plane: the trainers write into its
+    registered memory; per update it only checks and commits. See the module docstring.
+
+    Attributes: :attr:`targets` (the :class:`~weight_transfer.engines.vllm.worker_state.WorkerTargets`
+    of this worker, shared with ``WeightTransferExtension`` when both run), :attr:`layout` (the
+    :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout` published), :attr:`rank` (this
+    worker's inference rank), :attr:`version` (the last version committed)."""
+
+    init_info_cls = OneSidedInitInfo
+    update_info_cls = OneSidedUpdateInfo
+    supports_draft_weight_update = False  # a draft model's memory is not registered
+    trace = None
+    """This worker's :class:`~weight_transfer.plan.traced.LoaderTrace` (published at init)."""
+    shadow = None
+    """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info
+    (set at init; a class attribute too, for engines built without ``__init__``)."""
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.tp_rank = self._tp_rank()
+        self.local_rank = self._local_rank()
+        self.targets = WorkerTargets(model, vllm_config, self.tp_rank)
+        self.receiver = None
+        self.layout = None
+        self.rank: int | None = None
+        self.store = None
+        self.version: int | None = None
+        self.last_commit: dict | None = None
+        self._active: int | None = None
+        self.delta_landing = None
+        self.shadow = None
+
+    def _tp_rank(self) -> int:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:
+            return 0
+
+    def _local_rank(self) -> int:
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            return int(get_world_group().rank_in_group)
+        except Exception:
+            return self.tp_rank
+
+    def _who(self) -> str:
+        return f"inference {self.rank if self.rank is not None else '?'} (vLLM worker pid {os.getpid()})"
+
+    # ------------------------------------------------------------------ once
+    def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
+        """Report, stage, register once, publish (see the module docstring): the tensors are
+        registered with the transport that fits their memory (:meth:`WorkerTargets.receive`).
+        RuntimeError when already initialized (``shutdown_weight_transfer_engine`` first) or for a
+        parallel layout this backend does not plan (pipeline parallelism); ValueError, naming the
+        tensor and its device, before anything is registered or published, for a tensor no
+        configured transport can register (a CUDA tensor with ``transport="cma"``, a ``meta``
+        tensor, tensors on two devices)."""
+        from weight_transfer import control
+        from weight_transfer.api import connect_store
+        from weight_transfer.types import InferenceLayout
+
+        from .runtime import opaque_layers, post_processed_layers, runtime_layout
+
+        if self.receiver is not None:
+            raise RuntimeError(f"{self._who()}: the one_sided engine is initialized already; "
+                               "shutdown_weight_transfer_engine first")
+        pc = self.parallel_config
+        if getattr(pc, "pipeline_parallel_size", 1) != 1:
+            raise RuntimeError(f"{self._who()}: pipeline_parallel_size={pc.pipeline_parallel_size}: the one_sided "
+                               "backend plans tensor/expert/data-parallel layouts only")
+        dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
+        rank = init_info.first_rank + dp_index * int(pc.world_size) + self.local_rank
+        self.rank = rank
+        store = connect_store((init_info.store_host, init_info.store_port), timeout=max(init_info.timeout, 60.0))
+        from .trace_publish import publish_trace
+
+        self.trace = publish_trace(store, rank, self.vllm_config)  # the loader's recipes (C29), before any publish
+        report = self.targets.report()
+        if init_info.targets != "direct" and not self.targets.staged:
+            mods = (opaque_layers if init_info.targets == "auto" else post_processed_layers)(report)
+            if mods:
+                self.targets.stage(mods)
+                report = self.targets.report()
+        lay = runtime_layout(report, rank)
+        if not lay.targets:
+            raise RuntimeError(f"{self._who()}: no runtime tensor to write (every weight refused: "
+                               f"{lay.refused[:3]})")
+        mc = self.model_config
+        quant = getattr(mc, "quantization", None)
+        if rank == init_info.first_rank and quant not in (None, "fp8"):
+            raise RuntimeError(f"{self._who()}: quantization={quant!r}: the one_sided backend plans BF16 "
+                               "or block-FP8 ('fp8') weights")
+
+        def engine_info(rx) -> None:  # the deployment's first worker says what the model is (the plan's input)
+            if rank != init_info.first_rank:
+                return
+            layout = InferenceLayout(tp=int(pc.tensor_parallel_size), dp=int(getattr(pc, "data_parallel_size", 1)),
+                                     ep=bool(getattr(pc, "enable_expert_parallel", False)), quant=quant,
+                                     dtype=str(mc.dtype).removeprefix("torch."))
+            control.put(store, engine_key(init_info.first_rank), {
+                "hf_config": hf_config_dict(mc.hf_config), "layout": layout,
+                "name": str(getattr(mc, "served_model_name", None) or mc.model),
+                "n_workers": int(pc.world_size) * int(getattr(pc, "data_parallel_size", 1)),
+                "vllm": __import__("vllm").__version__, "transport": rx.transport.name})
+
+        # one path for every transport: chosen from the tensors' memory (or the init info's), refused
+        # naming the tensor and its device before anything is registered or published, one region of
+        # one part per allocation, then published
+        if init_info.shadow != "off":  # writes into a shadow, update_weights goes live (C27)
+            from .shadow import receive_shadow
+
+            self.shadow, rx = receive_shadow(self.targets, lay, init_info.shadow, rank=rank, store=store,
+                                             transport=init_info.transport, timeout=max(init_info.timeout, 60.0),
+                                             who=self._who(), before_publish=engine_info)
+            lay = self.shadow.layout
+        else:
+            rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
+                                      timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
+        self.receiver, self.layout, self.store = rx, lay, store
+        self.delta_landing = delta_apply.attach(self, rx, lay, store, rank, init_info.delta_landing)  # packed deltas
+
+    # ------------------------------------------------------------------ per update
+    def start_weight_update(self) -> None:
+        """Begin an update: refuses (RuntimeError naming the tensor) when a destination tensor
+        is no longer where it was registered (vLLM reloaded or rebuilt the layer since
+        ``init_weight_transfer_engine``): no byte may be written there."""
+        if self.receiver is None:
+            raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
+        if self.shadow is not None:
+            from .shadow import start_shadow_update
+
+            start_shadow_update(self.shadow, self.store, who=self._who())
+            self._active = -1
+            return
+        tensors = self.targets.runtime_tensors()
+        for t in self.layout.targets:
+            now = tensors.get(t.name)
+            if now is None or now.data_ptr() != t.data_ptr or now.numel() * now.element_size() != t.nbytes:
+                where = "gone" if now is None else f"now {now.data_ptr():#x}+{now.numel() * now.element_size()}"
+                raise RuntimeError(f"{self._who()}: the model's layout changed since init_weight_transfer_engine: "
+                                   f"{t.name} was {t.data_ptr:#x}+{t.nbytes}, {where}; refusing the update "
+                                   "(shutdown_weight_transfer_engine and init again)")
+        self._active = -1
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """:meth:`receive_weights`; the base class's ``torch.accelerator.synchronize()`` only on
+        an accelerator (it raises on a CPU-only host)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu" and torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: OneSidedUpdateInfo) -> None:
+        """Commit version ``update_info.version``: check in the store, independently of the
+        caller, that every training rank (:data:`weight_transfer.api.WORLD_KEY`) reported its
+        writes of that version ``ok`` and that the update is the one being written, then re-run
+        vLLM's post-processing for the staged layers (:meth:`WorkerTargets.commit`). Raises
+        RuntimeError naming the training rank that did not report or failed (the weights are
+        then not one version: vLLM must not label them ``v``)."""
+        from weight_transfer import control
+        from weight_transfer.api import WORLD_KEY
+
+        if self.receiver is None:
+            raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
+        v = update_info.version
+        store = self.store
+        refused = f"{self._who()}: update_weights(version={v}) refused"
+        if not store.check([WORLD_KEY]):
+            raise RuntimeError(f"{refused}: no coordinator published {WORLD_KEY!r}")
+        n_train = int(control.get(store, WORLD_KEY)["n_train"])
+        for r in range(n_train):
+            key = f"step/{v}/done/{r}"
+            if not store.check([key]):
+                raise RuntimeError(f"{refused}: training {r} has not reported its writes of version {v} "
+                                   f"(weights: {control.read_state(store)})")
+            res = control.get(store, key)
+            if not res["ok"]:
+                raise RuntimeError(f"{refused}: training {r} failed: {res['error']}")
+        if self.shadow is None:
+            state = control.read_state(store)
+            if state.state != "writing" or state.version != v:
+                reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
+                raise RuntimeError(f"{refused}: the store says the weights are {state}, not 'writing {v}'"
+                                   + (f" ({reason})" if reason and state.state == "incomplete" else ""))
+        dstats = delta_apply.apply_delta(self, v)  # packed delta records scattered into place, before the go-live/commit
+        if self.shadow is not None:  # the go-live, between two engine steps
+            from .shadow import shadow_go_live
+
+            self.last_commit = shadow_go_live(self.shadow, store, v, rank=self.rank, timeout=self.timeout_s(),
+                                              refused=refused)
+            self.version, self._active = v, v
+            return
+        try:
+            stats = self.targets.commit() if self.targets.staged else {"seconds": 0.0, "layers": 0, "bytes": 0}
+        except Exception as e:
+            control.put(store, f"step/{v}/committed/{self.rank}", {"ok": False, "error": _first_line(e), "stats": None})
+            raise
+        stats = {**stats, **dstats}
+        control.put(store, f"step/{v}/committed/{self.rank}", {"ok": True, "error": "", "stats": stats})
+        self.version, self.last_commit, self._active = v, stats, v
+
+    def timeout_s(self) -> float:
+        """Seconds a go-live may wait for the staged layers' rebuild (the store's timeout)."""
+        from .shadow import store_timeout
+
+        return store_timeout(self.store)
+
+    def finish_weight_update(self) -> None:
+        """Bookkeeping only (vLLM sets the weight version after this returns)."""
+        self._active = None
+
+    def shutdown(self) -> None:
+        """Release the registration (waits for a sender's batch in flight); idempotent. The
+        staging tensors stay (vLLM's post-processing reads them only at a commit)."""
+        rx, self.receiver = self.receiver, None
+        delta_apply.close(self)
+        if rx is not None:
+            rx.close()
+        self.targets.release()
+        self.layout, self.store, self._active = None, None, None
