@@ -19,6 +19,7 @@ from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout
 
 from .cli import build_flat, flatten, replace_flat
+from .engine_options import FleetOptions, ServeOptions
 
 LOCAL_PROCESSES_PER_CPU = 8
 """A trial launched on this machine (``weight-transfer run``, a ``local`` or ``debug``
@@ -243,96 +244,6 @@ class RunOptions:
             raise ValueError(f"vllm_targets={self.vllm_targets!r}: auto, staged or direct")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: cpu or cuda")
-
-
-def _kills(s: str) -> tuple[tuple[int, int, str], ...]:
-    """``3:1`` -> ``((3, 1, "during"),)``; ``2:0:before,4:1`` -> ``((2, 0, "before"), (4, 1,
-    "during"))`` (the ``--kill-engine`` option, :class:`FleetOptions`)."""
-    from .fleet import parse_kills
-
-    return parse_kills(s)
-
-
-def _step_pairs(flag: str, what: str):
-    """A parser of ``STEP:X[,STEP:X...]`` -> ``((STEP, X), ...)`` for option ``flag``."""
-    def parse(s: str) -> tuple[tuple[int, int], ...]:
-        from .fleet import parse_pairs
-
-        return parse_pairs(s, flag, what)
-    return parse
-
-
-@dataclass(kw_only=True, slots=True)
-class ServeOptions:
-    """Serving while updates land (C27): shadow targets and a generation load.
-
-    With a generation load the inference engines generate through every update (the stand-in:
-    engines/generate.py; its steps timestamped in the engine), and each update's row carries
-    the engine's stall (experiments/stall.py): without shadow targets generation pauses for
-    the whole update (the pause-based update), with them only for the go-live."""
-
-    shadow: str = field(default="off", metadata={"choices": ("off", "flip", "copy")})
-    """Shadow targets (:mod:`weight_transfer.shadow`): each inference rank registers one shadow of
-    its weights once; every update writes it while the engine serves the live weights, and the
-    commit makes it live between two engine steps: ``flip`` swaps the halves of a double buffer
-    (the engine reads its weights at call time), ``copy`` copies shadow -> live (addresses
-    captured). ``off``: the writes land in the live weights."""
-    gen_load: int = 0
-    """Concurrent requests of a generation load running through the updates (0: none)."""
-    gen_tokens: int = 64
-    """Tokens per request of the generation load (a finished request is replaced)."""
-
-    def __post_init__(self):
-        from weight_transfer.shadow import check_mode
-
-        check_mode(self.shadow, where="--shadow")
-        for name in ("gen_load", "gen_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "gen_load" else 1):
-                raise ValueError(f"--{name.replace('_', '-')} {v!r}: an int >= {0 if name == 'gen_load' else 1}")
-
-    @property
-    def active(self) -> bool:
-        """True with shadow targets or a generation load."""
-        return self.shadow != "off" or self.gen_load > 0
-
-
-@dataclass(kw_only=True, slots=True)
-class FleetOptions:
-    """Inference engines killed, restarted and scaled during one run (C24).
-
-    The trainers keep training; the plan is recomputed for each new membership
-    (experiments/fleet.py)."""
-
-    kill_engine: tuple[tuple[int, int, str], ...] = field(
-        default=(), metadata={"parse": _kills, "metavar": "STEP:E[:before],..."})
-    """SIGKILL every process of inference engine ``E`` (instance ``E`` of the layout: ranks
-    ``E*tp .. E*tp+tp-1``) while update ``STEP`` writes (half-way through training rank 0's
-    write tasks: that update fails, named, ``incomplete``; the next completes on the
-    survivors), or with ``:before`` between updates, before update ``STEP``'s go (found gone,
-    planned without it: update ``STEP`` completes on the survivors). Comma-separated."""
-    restart_engine: tuple[tuple[int, int], ...] = field(
-        default=(), metadata={"parse": _step_pairs("--restart-engine", "E"), "metavar": "STEP:E,..."})
-    """Start a fresh process (fresh memory, poisoned) for engine ``E``, killed by
-    ``--kill-engine`` at an earlier update, before update ``STEP``: it registers, the plan is
-    recomputed with it, and update ``STEP`` is its first (complete, verified bit-exact)."""
-    engines_at: tuple[tuple[int, int], ...] = field(
-        default=(), metadata={"parse": _step_pairs("--engines-at", "N"), "metavar": "STEP:N,..."})
-    """Scale the fleet to ``N`` engines before update ``STEP`` (``1:N`` sets the first
-    update's; without it the run starts with all ``dp`` engines): engines ``0..N-1`` of the
-    layout, which has room for ``dp``. Scaling down asks the highest-numbered running engines
-    to leave (they deregister and exit); scaling up starts the lowest-numbered stopped ones
-    fresh. E.g. ``--dp 3 --engines-at 1:1,3:3,5:1``."""
-
-    def __post_init__(self):
-        from .fleet import normalize_options
-
-        normalize_options(self)
-
-    @property
-    def active(self) -> bool:
-        """True when any engine is killed, restarted or scaled in this run."""
-        return bool(self.kill_engine or self.restart_engine or self.engines_at)
 
 
 @dataclass(kw_only=True, slots=True)

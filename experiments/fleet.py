@@ -1,7 +1,7 @@
 """Inference engines killed, restarted and scaled during one ``weight-transfer run`` (C24).
 
-The options (:class:`weight_transfer.experiments.config.FleetOptions`: ``--kill-engine``,
-``--restart-engine``, ``--engines-at``) are checked here before any process starts
+The options (:class:`weight_transfer.experiments.engine_options.FleetOptions`: ``--kill-engine``,
+``--restart-engine``, ``--engines-at``; parsed there) are checked here before any process starts
 (:func:`check_fleet`: one ``ValueError`` naming the option), and turned into what happens at each
 update (:func:`plan_fleet`). An *engine* is one instance of the inference layout: engine ``E``
 is inference ranks ``E*tp .. E*tp+tp-1``; the layout (``--dp``) is the room the fleet has.
@@ -35,90 +35,13 @@ trainers' pids, and for a failed update the named error (``outcome`` ``failed``)
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 
-WHENS = ("during", "before")
-"""When ``--kill-engine`` kills: while the update writes (default) or before its go."""
-
-
-# --------------------------------------------------------------------------------------------
-# parsing and checking (no process exists yet)
-
-
-def _int(text: str, flag: str, item: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} {item!r}: {text!r} is not an integer") from None
-
-
-def parse_kills(s: str) -> tuple[tuple[int, int, str], ...]:
-    """``--kill-engine`` text -> ``((step, engine, when), ...)``: ``STEP:E`` (when ``during``)
-    or ``STEP:E:before``, comma-separated. ArgumentTypeError naming the option and the item."""
-    out = []
-    for item in (x.strip() for x in s.split(",") if x.strip()):
-        parts = item.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in WHENS):
-            raise argparse.ArgumentTypeError(f"--kill-engine {item!r}: wants STEP:E or STEP:E:before "
-                                             "(e.g. 3:1, 2:0:before)")
-        out.append((_int(parts[0], "--kill-engine", item), _int(parts[1], "--kill-engine", item),
-                    parts[2] if len(parts) == 3 else "during"))
-    return tuple(out)
-
-
-def parse_pairs(s: str, flag: str, what: str) -> tuple[tuple[int, int], ...]:
-    """``STEP:X[,STEP:X...]`` -> ``((STEP, X), ...)`` for ``flag`` (``what`` names X in the
-    message). ArgumentTypeError naming the option and the item."""
-    out = []
-    for item in (x.strip() for x in s.split(",") if x.strip()):
-        parts = item.split(":")
-        if len(parts) != 2:
-            raise argparse.ArgumentTypeError(f"{flag} {item!r}: wants STEP:{what} (e.g. 5:1)")
-        out.append((_int(parts[0], flag, item), _int(parts[1], flag, item)))
-    return tuple(out)
-
-
-def normalize_options(opts) -> None:
-    """:class:`FleetOptions`'s own checks: tuples of tuples (a config built from lists, a CSV),
-    ``:during`` filled in, steps >= 1, engines >= 0, counts >= 1. ValueError naming the option."""
-    kills = []
-    for k in opts.kill_engine:
-        k = tuple(k)
-        if len(k) == 2:
-            k = (*k, "during")
-        if len(k) != 3 or k[2] not in WHENS:
-            raise ValueError(f"--kill-engine {k!r}: wants (step, engine[, 'during'|'before'])")
-        kills.append((int(k[0]), int(k[1]), str(k[2])))
-    opts.kill_engine = tuple(kills)
-    opts.restart_engine = tuple((int(a), int(b)) for a, b in opts.restart_engine)
-    opts.engines_at = tuple((int(a), int(b)) for a, b in opts.engines_at)
-    for flag, items in (("--kill-engine", [(s, e) for s, e, _ in opts.kill_engine]),
-                        ("--restart-engine", opts.restart_engine)):
-        for s, e in items:
-            if s < 1 or e < 0:
-                raise ValueError(f"{flag} {s}:{e}: updates are numbered from 1, engines from 0")
-    for s, n in opts.engines_at:
-        if s < 1 or n < 1:
-            raise ValueError(f"--engines-at {s}:{n}: updates are numbered from 1 and at least 1 engine serves")
-    steps = [s for s, _ in opts.engines_at]
-    if len(set(steps)) != len(steps):
-        raise ValueError(f"--engines-at {text_of(opts.engines_at)}: one count per update")
-    seen = set()
-    for s, e, _ in opts.kill_engine:
-        if (s, e) in seen:
-            raise ValueError(f"--kill-engine {s}:{e} given twice")
-        seen.add((s, e))
-
-
-def text_of(items) -> str:
-    """``((3, 1, "during"), (5, 0, "before"))`` -> ``3:1,5:0:before`` (the options' own text;
-    a row's column)."""
-    return ",".join(":".join(str(x) for x in (it[:2] if len(it) == 3 and it[2] == "during" else it)) for it in items)
+from .engine_options import text_of
 
 
 @dataclass

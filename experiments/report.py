@@ -57,9 +57,28 @@ def coverage_line(rows: list[dict]) -> str | None:
 
 
 def format_table(result) -> str:
-    cfg, env, rows = result.cfg, result.env, result.rows
+    """The table of one trial (:class:`weight_transfer.experiments.trial.TrialResult`), in the
+    nccl-tests shape: ``#`` lines with the environment and the plan, a header and a units row,
+    one fixed-width row per update (bytes, seconds, GB/s, phase seconds, writes, peak temporary
+    MB, verified), then a footer: the warm statistics, the per-phase and per-kind lines, and
+    what each update was verified against."""
+    rows = result.rows
+    staged = any(r.get("bytes_staged") for r in rows)
+    delta = any(r.get("delta") for r in rows)  # --delta: bytes actually written beside the update's bytes
+    fleet = any("members" in r for r in rows)  # engines that come and go (C24): each update's members, replan time
+    done = [r for r in rows if r.get("outcome") != "failed"]
+    meas = [r for r in done if not r["warmup"]]
+    lines = _header_lines(result) + _update_lines(rows, staged=staged, delta=delta, fleet=fleet)
+    lines += _warm_lines(result, meas, staged=staged, delta=delta)
+    lines += _verified_lines(result, done, fleet=fleet)
+    return "\n".join(lines)
+
+
+def _header_lines(result) -> list[str]:
+    """The ``#`` lines above the table: method, host, model, both worlds, the plan."""
+    cfg, env = result.cfg, result.env
     mcfg = cfg.model_config()
-    lines = [
+    return [
         f"# weight-transfer trial: method={cfg.run.method} transport={cfg.transport}"
         + (f" device={cfg.run.device}" if cfg.run.device != "cpu" else ""),
         f"# host: {env['host']}  cpus: {env['cpus']}  torch: {env['torch']}  python: {env['python']}  git: {env['git_sha']}",
@@ -70,14 +89,16 @@ def format_table(result) -> str:
         f"# plan: {result.schedule_summary}; computed once in {result.plan_seconds:.3f} s",
         "#",
     ]
-    staged = any(r.get("bytes_staged") for r in rows)
+
+
+def _update_lines(rows: list[dict], *, staged: bool, delta: bool, fleet: bool) -> list[str]:
+    """The header, the units row and one fixed-width row per update (a failed one named);
+    ``staged``, ``delta`` and ``fleet`` add their columns."""
     st_h = (f" {'staged':>12} {'commit':>8}", f" {'(B)':>12} {'(s)':>8}") if staged else ("", "")
-    delta = any(r.get("delta") for r in rows)  # --delta: bytes actually written beside the update's bytes
     if delta:
         st_h = (f" {'delta_bytes':>14}" + st_h[0], f" {'(B)':>14}" + st_h[1])
-    fleet = any("members" in r for r in rows)  # engines that come and go (C24): each update's members, replan time
     fl_h = (f" {'members':>9} {'epoch':>5} {'replan':>8}", f" {'(ranks)':>9} {'':>5} {'(s)':>8}") if fleet else ("", "")
-    lines += [
+    lines = [
         f"{'step':>6} {'bytes':>14}{st_h[0]} {'time':>10} {'algbw':>8} {'prepare':>8} {'write':>8} {'publish':>8} "
         f"{'writes':>7} {'peak_tmp':>9} {'verified':>9}{fl_h[0]}",
         f"{'':>6} {'(B)':>14}{st_h[1]} {'(s)':>10} {'(GB/s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'':>7} {'(MB)':>9} "
@@ -101,10 +122,16 @@ def format_table(result) -> str:
                      f"{r.get('phase_prepare_s', 0.0):>8.4f} {r.get('phase_write_s', 0.0):>8.4f} "
                      f"{r.get('phase_publish_s', 0.0):>8.4f} "
                      f"{r['n_writes']:>7} {r['peak_temp_bytes'] / 1e6:>9.1f} {v:>9}{fl}{note}")
-    done = [r for r in rows if r.get("outcome") != "failed"]
-    meas = [r for r in done if not r["warmup"]]
+    return lines
+
+
+def _warm_lines(result, meas: list[dict], *, staged: bool, delta: bool) -> list[str]:
+    """The footer's statistics: the cold first update, the warm updates' seconds (p50, p95,
+    p99, min, max) and GB/s, the per-phase and per-kind lines, the delta updates, the
+    trainers' copies and the staged bytes."""
+    rows = result.rows
     secs = [r["seconds"] for r in meas]
-    n_ok = sum(1 for r in done if r["verified"])
+    lines: list[str] = []
     if rows and rows[0]["warmup"] and rows[0].get("outcome") != "failed":
         c = rows[0]
         lines += ["#", f"# cold first update (step {c['step']}, reported, not in the warm statistics): {c['seconds']:.4f} s "
@@ -148,6 +175,15 @@ def format_table(result) -> str:
         lines.append(f"# bytes per update: {b - bs} direct (where vLLM computes with them) + {bs} staged "
                      f"(checkpoint layout; vLLM re-runs process_weights_after_loading for those layers at commit, "
                      f"receiver-side p50 {statistics.median(cs):.4f} s, included in time)")
+    return lines
+
+
+def _verified_lines(result, done: list[dict], *, fleet: bool) -> list[str]:
+    """The footer's last lines: memcpy, the checks' coverage, what every update was verified
+    against and how many were, the fleet's and the serving engines' lines, what failed."""
+    rows = result.rows
+    n_ok = sum(1 for r in done if r["verified"])
+    lines: list[str] = []
     if result.memcpy_gbps:
         lines.append(f"# memcpy on this machine (same run, 1 thread, 256 MiB): {result.memcpy_gbps:.2f} GB/s")
     cov = coverage_line(rows)
@@ -171,7 +207,7 @@ def format_table(result) -> str:
     for r in rows:
         if r.get("verify_error"):
             lines.append(f"#   step {r['step']}: {r['verify_error']}")
-    return "\n".join(lines)
+    return lines
 
 
 def fleet_lines(rows: list[dict]) -> list[str]:
@@ -248,7 +284,7 @@ def kind_lines(meas: list[dict]) -> list[str]:
 
 
 def phase_lines(meas: list[dict], memcpy_gbps: float | None) -> list[str]:
-    """Footer lines from the per-phase columns of the warm rows (``experiments.trial.phase_columns``):
+    """Footer lines from the per-phase columns of the warm rows (``experiments.columns.phase_columns``):
     the p50 busy seconds of each phase, the slowest sender and receiver with their GB/s against
     the same-run memcpy, and the extra memory per side. [] when the rows have no phase columns."""
     if not meas or "phase_write_s" not in meas[0]:

@@ -4,7 +4,9 @@ Flow (DESIGN.md "control plane"): start the TCPStore, spawn ``n_train`` training
 ``n_infer`` inference ranks, collect their metadata, build the recipes and the static schedule
 once, hand each training rank its part, then per update: "load" (the optimizer-step stand-in),
 "go", wait for every completion, publish the version, wait for every inference rank's
-verification. One tidy row per update.
+verification. One tidy row per update (experiments/columns.py). :func:`run_controller` reads in
+that order: :func:`_configure` (metadata, the plan, once), then per update :func:`_before_go`,
+:func:`_go`, :func:`_verify` and the update's row.
 
 Failures (docs/FAULTS.md): the controller names the first failed process ("training 1: ...",
 "inference 0: ...") as soon as it reports an error, dies or stops beating, publishes the
@@ -15,7 +17,6 @@ training world after a training-side failure instead, and the run goes on.
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -25,8 +26,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from weight_transfer import control
-from weight_transfer.method import ControllerContext, UpdateStats
+from weight_transfer.method import ControllerContext
 
+from .columns import update_row
 from .config import TrialConfig
 from .env import environment, git_sha, measure_memcpy_gbps  # noqa: F401  (git_sha: re-exported)
 from .methods import get_method
@@ -71,22 +73,6 @@ class _Procs:
         """Process groups led by inference processes (vLLM instances, :func:`weight_transfer.experiments.vllm_side.own_process_group`)."""
         return [p.pid for p in self.infer.values() if p.name.startswith("vllm") and p.pid is not None]
 
-
-
-def _update_bytes(stats) -> int:
-    """The update's bytes: what a full update writes (the plan's, also with ``--delta``: then
-    ``delta_bytes`` is what was written); the bytes that landed for methods that do not say."""
-    return sum((getattr(s, "full_bytes", 0) or s.bytes_sent) if getattr(s, "delta", "") else s.bytes_sent
-               for s in stats)
-
-
-def _delta_mode(stats) -> str:
-    """``""`` without ``--delta``; ``delta`` when every training rank wrote a delta; else the
-    first rank's ``full: <why>``."""
-    modes = [getattr(s, "delta", "") for s in stats]
-    if not any(modes):
-        return ""
-    return next((m for m in modes if m != "delta"), "delta")
 
 def stop_processes(ps, grace: float = 0.5, groups=()) -> None:
     """End every process of ``ps`` and reap it: SIGTERM, ``grace`` seconds, then SIGKILL (a
@@ -198,17 +184,7 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
         stop_processes(procs.train.values())
         spawn_training(gen, first_step)
 
-    if cfg.run.engine == "vllm":  # one process per vLLM instance; vLLM starts its own children (not a daemon)
-        from .vllm_side import vllm_instance_main
-
-        for d in range(cfg.inference.dp):
-            procs.infer[d * cfg.inference.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr),
-                                                   kwargs=dict(parent=parent), name=f"vllm{d}")
-    else:
-        for i in range(fleet_initial_ranks(cfg)):
-            procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
-                                         kwargs=dict(stall=stall, fault=fault, parent=parent), name=f"infer{i}",
-                                         daemon=True)
+    _add_inference(cfg, procs, ctx, addr, stall=stall, fault=fault, parent=parent)
     spawn_training(0, 1)
     for p in procs.infer.values():
         p.start()
@@ -225,6 +201,22 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
         p.join(max(0.0, deadline - time.monotonic()))
     stop_processes(procs.all(), groups=procs.groups())
     return result
+
+
+def _add_inference(cfg: TrialConfig, procs: _Procs, ctx, addr, *, stall: float, fault, parent: int) -> None:
+    """The inference processes of a local trial, not yet started: one per vLLM instance (vLLM
+    starts its own children, so not a daemon), else one per inference rank the run starts with."""
+    if cfg.run.engine == "vllm":
+        from .vllm_side import vllm_instance_main
+
+        for d in range(cfg.inference.dp):
+            procs.infer[d * cfg.inference.tp] = ctx.Process(target=vllm_instance_main, args=(cfg, d, addr),
+                                                   kwargs=dict(parent=parent), name=f"vllm{d}")
+    else:
+        for i in range(fleet_initial_ranks(cfg)):
+            procs.infer[i] = ctx.Process(target=inference_main, args=(cfg, i, addr),
+                                         kwargs=dict(stall=stall, fault=fault, parent=parent), name=f"infer{i}",
+                                         daemon=True)
 
 
 def fleet_initial_ranks(cfg: TrialConfig) -> int:
@@ -263,10 +255,6 @@ def _fleet_procs(cfg: TrialConfig, procs: _Procs, ctx, addr, store, stall: float
                       dead=procs.dead_infer)
 
 
-def _short_state(s) -> str:
-    return f"{s.state} v{s.version}"
-
-
 def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=None, *, progress=None,
                    env: dict | None = None, memcpy_gbps: float | None = None, stall: float | None = None,
                    restarts: int = 0, restart_training=None, fault=None, probe: dict | None = None,
@@ -298,101 +286,24 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     run_id = uuid.uuid4().hex[:12]
     rows: list[dict] = []
     probe = probe if probe is not None else {}
-
-    def note_failure(e: BaseException) -> None:
-        if "error" in probe:
-            return
-        msg = str(e).splitlines()[0] if str(e) else ""
-        if not isinstance(e, control.ControlError):  # the controller's own error
-            msg = f"controller: {type(e).__name__}: {msg}"
-        probe.update(error=msg, t_error=time.time(),
-                     state_after_fault=_short_state(ctl.state()))
-        if store.check(["fault/fired"]):
-            probe["fired"] = float(store.get("fault/fired").decode())
-
     try:
-        train_metas, infer = ctl.collect()
-        t0 = time.perf_counter()
-        mcfg = cfg.model_config()
-        ctl_cls, _, infer_cls = get_method(cfg.run.method)
-        cctx = ControllerContext(store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline, model_config=mcfg,
-                                 layout=cfg.inference, train_metas=train_metas, infer_payloads=infer)
-        summary = ctl_cls().setup(cctx)
-        driver = None
-        if fleet is not None:  # engines come and go (C24): membership, replans, kills (experiments/fleet.py)
-            from .fleet import FleetDriver
-
-            driver = FleetDriver(cfg, store, ctl, fleet, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
-            driver.setup(train_metas, infer)
-        sched = cctx.extra.get("schedule")  # the reference's static schedule (None for the baselines)
-        recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
-        commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
-        ctl.shadow = dict(cctx.extra.get("shadow") or {})  # shadow targets: go-live at the commit (C27)
-        if cfg.run.engine == "vllm" and not infer_cls.active:
-            # vLLM's one_sided backend (experiments/vllm_side.py): every worker's update_weights
-            # checks the update and commits it (staged layers or not) before the version is published
-            from weight_transfer.api import WORLD_KEY
-
-            control.put(store, WORLD_KEY, {"n_train": cfg.train.n_train, "n_infer": cfg.n_infer})
-            commit_ranks = tuple(range(cfg.n_infer))
-        if cfg.run.engine != "vllm" and cfg.run.method == "reference":
-            # stand-in ranks with a landing region scatter packed delta records at each commit (experiments/landing.py)
-            from .landing import landing_ranks, wants_landing
-
-            packed = landing_ranks(store, cfg.n_infer)
-            commit_ranks = tuple(sorted(set(commit_ranks) | set(packed)))
-            if wants_landing(cfg.resolved_transfer):
-                print(f"# delta ({cfg.transfer.executor.delta_mode}): landing regions for packed records on inference "
-                      f"rank(s) {list(packed)} of {cfg.n_infer}", file=sys.stderr, flush=True)
-        bytes_staged = int(cctx.extra.get("bytes_staged", 0))
-        plan_s = time.perf_counter() - t0
+        plan = _configure(cfg, ctl, store, fleet)
         gen, step = 0, 1
         while step <= cfg.run.warmup + cfg.run.steps:
             try:
-                if driver is not None:
-                    driver.before_load(step)
-                ctl.load(step)
-                if driver is not None:  # the members of this update: replanned when they changed
-                    if driver.replan(step, mcfg) is not None:
-                        recv_bytes = dict(driver.schedule.recv_bytes)
-                    driver.arm(step)
-                if cfg.run.engine == "vllm":  # generation paused in every instance before the first write
-                    from .vllm_side import KEY_PAUSED
-
-                    control.wait_keys(store, {d * cfg.inference.tp: KEY_PAUSED.format(step=step, instance=d)
-                                              for d in range(cfg.inference.dp)},
-                                      timeout=cfg.transfer.control.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
-                if cfg.serve.active:  # the update window's start; the pause-based update pauses the engines
-                    from .serving import before_update
-
-                    before_update(store, cfg.serve, step, cfg.n_infer, cfg.transfer.control.timeout, liveness_infer)
+                _before_go(cfg, ctl, store, plan, step, liveness_infer)
                 t_go = time.perf_counter()
-                try:
-                    seconds, results = ctl.transfer(step, inference_active=infer_cls.active, commit_ranks=commit_ranks)
-                finally:
-                    if cfg.serve.active:
-                        from .serving import after_update
-
-                        after_update(store, cfg.serve, step)
+                seconds, results = _go(cfg, ctl, store, plan, step)
             except control.ControlError as e:
-                note_failure(e)
+                _note_failure(probe, e, ctl, store)
                 culprit = ctl.last_culprit or ""
-                if driver is not None:
-                    driver.disarm()
-                    lost = driver.lost_in(step)
-                    if lost:  # the update lost an engine: a row naming it, then the survivors' next update
-                        row = driver.failed_row(step, e, t_go, base={
-                            "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                            "host": env["host"], "method": cfg.run.method, "model": mcfg.label,
-                            "dtype": cfg.inference.quant or "bfloat16", "train_dtype": cfg.train.dtype,
-                            "n_train": cfg.train.n_train, "layout": cfg.inference.describe(),
-                            "transport": cfg.transport, "device": cfg.run.device, "engine": cfg.run.engine,
-                            "warmup": step <= cfg.run.warmup, "plan_seconds": plan_s}, lost=lost)
-                        rows.append(row)
-                        if progress:
-                            progress(row)
-                        step += 1
-                        continue
+                lost = _lost_engines(plan.driver, step)
+                if lost:  # the update lost an engine: a row naming it, then the survivors' next update
+                    row = plan.driver.failed_row(step, e, t_go, base=_failed_base(cfg, env, run_id, plan, step),
+                                                 lost=lost)
+                    _emit(rows, row, progress)
+                    step += 1
+                    continue
                 if restart_training is None or gen >= restarts or not culprit.startswith("training"):
                     raise
                 print(f"# step {step}: {str(e).splitlines()[0]}; restarting the training world", file=sys.stderr,
@@ -402,196 +313,177 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                 ctl.training_restarted()
                 step += 1
                 continue
-            if driver is not None:
-                driver.disarm(step)
-            ver = (driver.verified(step) if driver is not None else ctl.verified(step)) if cfg.run.verify else {}
-            ok = all(v.get("ok") for v in ver.values()) if cfg.run.verify else None
-            stats: list[UpdateStats] = [res["stats"] for r, res in results.items() if not isinstance(r, tuple)]
-            row = {
-                "run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "host": env["host"], "method": cfg.run.method, "model": mcfg.label, "dtype": cfg.inference.quant or "bfloat16",
-                "train_dtype": cfg.train.dtype, "n_train": cfg.train.n_train, "n_infer": cfg.n_infer,
-                "layout": cfg.inference.describe(), "watermark": cfg.transfer.executor.watermark, "transport": cfg.transport,
-                "device": cfg.run.device, "engine": cfg.run.engine, "step": step,
-                "warmup": step <= cfg.run.warmup, "bytes": _update_bytes(stats), "seconds": seconds,
-                # bytes actually written (less than ``bytes`` with --delta; equal without it)
-                "delta_bytes": sum(s.bytes_sent for s in stats), "delta": _delta_mode(stats),
-                "delta_shadow_bytes": sum(getattr(s, "delta_shadow_bytes", 0) for s in stats),
-                "delta_compare_s": max((getattr(s, "delta_compare_s", 0.0) for s in stats), default=0.0),
-                "verified": ok, "peak_temp_bytes": max(s.peak_temp_bytes for s in stats),
-                "peak_alloc_bytes": max(s.peak_alloc_bytes for s in stats),
-                "wire_bytes": sum(s.wire_bytes for s in stats),
-                "n_writes": sum(s.n_writes for s in stats), "plan_seconds": plan_s,
-                # bytes the training ranks copied outside the writes (reference: gathered sources +
-                # outputs in buffers of their own; None for methods that do not say)
-                "trainer_copy_bytes": (sum(s.gather_bytes + s.copy_bytes for s in stats)
-                                       if all(hasattr(s, "copy_bytes") for s in stats) else None),
-                "write_seconds": ctl.last_write_seconds,
-            }
-            row.update(phase_columns(stats, seconds, ctl.last_write_seconds, results, recv_bytes, bytes_staged,
-                                     cfg.n_infer))
-            row.update(delta_mode_columns(stats))  # writes and bytes per delta mode (cost model)
-            for k, val in delta_phase_columns(stats).items():  # delta_<phase>_s the executor reports (slowest rank)
-                row.setdefault(k, val)
-            if cfg.run.delta_pairs or cfg.run.replay:  # which push of a pair, and which weights (docs/DELTA.md)
-                row["pair_mode"] = cfg.run.push_mode(step) or ""
-                row["source_step"] = cfg.run.source_step(step) + (cfg.run.replay_start - 1 if cfg.run.replay else 0)
-            kinds = _prepare_kinds(stats)
-            if kinds:  # the reference's prepare per tensor kind, summed over training ranks (issue 43)
-                row["prepare_by_kind"] = kinds
-            if cfg.run.engine == "vllm":  # which path vLLM took: its targets and the ISA its workers were shown
-                from weight_transfer.engines.vllm.extension import HIDE_AMX_ENV
-
-                row["vllm_targets"] = cfg.run.vllm_targets if cfg.run.method == "reference" else "direct"
-                # how the bytes reach vLLM: its weight-transfer API with the one_sided backend, or its reload path
-                row["vllm_path"] = "one_sided" if not infer_cls.active else "reload"
-                row["vllm_hide_amx"] = os.environ.get(HIDE_AMX_ENV, "") in ("1", "true", "yes")
-            if cfg.run.method == "reference":  # bytes into staged targets (post-processed by the engine at commit)
-                row["bytes_staged"] = bytes_staged
-                row["bytes_direct"] = row["bytes"] - bytes_staged
-            commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
-            if commits:
-                row["commit_seconds"] = max(c.get("seconds", 0.0) for c in commits)
-                if any("delta_records" in c for c in commits):  # packed records scattered at the commit
-                    row["delta_apply_s"] = max(c.get("delta_apply_s", 0.0) for c in commits)
-                    row["delta_records"] = sum(c.get("delta_records", 0) for c in commits)
-                    row["delta_packed_runs"] = sum(c.get("delta_runs", 0) for c in commits)
-                    row["delta_packed_bytes"] = sum(c.get("delta_bytes", 0) for c in commits)
-                layers: dict[str, float] = {}  # the slowest worker's seconds per staged layer (issue 43)
-                for c in commits:
-                    for m, t in (c.get("per_layer") or {}).items():
-                        layers[m] = max(layers.get(m, 0.0), t)
-                if layers:
-                    row["commit_by_layer"] = json.dumps({m: round(t, 6) for m, t in layers.items()})
-            ulps = [v["logprob_ulps"] for v in ver.values() if v.get("logprob_ulps") is not None]
-            if ulps:  # largest greedy-logprob difference from a fresh vLLM, in float32 ulps (0: bit-identical)
-                row["logprob_ulps"] = max(ulps)
-            covs = [v["coverage"] for v in ver.values() if v.get("coverage")]
-            if covs:  # fractions of the engine's bytes each check covered (experiments/vllm_side.py)
-                tot = sum(c["engine_bytes"] for c in covs) or 1
-                for k in ("direct", "staged", "outputs_only"):
-                    row[f"check_{k}"] = sum(c[k] * c["engine_bytes"] for c in covs) / tot
-            if cfg.run.verify and not ok:
-                bad = {i: v for i, v in ver.items() if not v.get("ok")}
-                row["verify_error"] = "; ".join(f"infer {i}: {v.get('mismatches')} gaps={v.get('gaps_written')} "
-                                                f"guards={v.get('guards_written')}{_output_diff_text(v)}"
-                                                for i, v in sorted(bad.items()))
-            if cfg.serve.active:  # the engines' stall through this update (C27)
-                from .serving import serve_columns
-
-                row.update(serve_columns(ver))
-            if driver is not None:  # membership, epoch, replan seconds, newcomers, trainers' pids
-                row.update(driver.columns(step), outcome="complete")
-            rows.append(row)
-            if progress:
-                progress(row)
+            ver, ok = _verify(cfg, ctl, plan.driver, step)
+            row = update_row(cfg, run_id=run_id, env=env, mcfg=plan.mcfg, step=step, seconds=seconds,
+                             write_seconds=ctl.last_write_seconds, results=results, ver=ver, ok=ok,
+                             plan_s=plan.plan_s, recv_bytes=plan.recv_bytes, bytes_staged=plan.bytes_staged,
+                             infer_active=plan.infer_cls.active)
+            if plan.driver is not None:  # membership, epoch, replan seconds, newcomers, trainers' pids
+                row.update(plan.driver.columns(step), outcome="complete")
+            _emit(rows, row, progress)
             step += 1
         ctl.shutdown()
     except BaseException as e:
-        note_failure(e)
+        _note_failure(probe, e, ctl, store)
         ctl.shutdown(reason=f"controller: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
     finally:
         beat.stop()
-    return TrialResult(cfg, rows, summary, plan_s, memcpy_gbps, env)
+    return TrialResult(cfg, rows, plan.summary, plan.plan_s, memcpy_gbps, env)
 
 
-def _prepare_kinds(stats: list) -> str:
-    """JSON ``{kind: [tasks, gather_s, build_s, gathered_bytes, built_bytes]}`` summed over the
-    training ranks' task records (:func:`weight_transfer.records.prepare_by_kind`); ``""`` for a
-    method without task records (the baselines)."""
-    from weight_transfer.records import prepare_by_kind
+@dataclass
+class _Plan:
+    """What the controller set up once, before the first update (:func:`_configure`)."""
 
-    tot: dict[str, list] = {}
-    for s in stats:
-        for k, v in prepare_by_kind(getattr(s, "records", None) or []).items():
-            t = tot.setdefault(k, [0, 0.0, 0.0, 0, 0])
-            for i, x in enumerate(v):
-                t[i] += x
-    return json.dumps({k: [v[0], round(v[1], 6), round(v[2], 6), v[3], v[4]] for k, v in sorted(tot.items())}) if tot else ""
-
-
-PHASES = ("h2d", "prepare", "write", "release", "barrier", "commit", "publish")
-"""The per-phase columns of a row (``phase_<name>_s``, docs/PERFORMANCE.md)."""
-
-
-def phase_columns(stats: list, seconds: float, write_seconds: float | None, results: dict, recv_bytes: dict,
-                  bytes_staged: int, n_infer: int) -> dict:
-    """The report's per-phase and per-process columns of one update (seconds, bytes):
-
-    - ``phase_{h2d,prepare,write,release}_s``: busy seconds of that executor stage (the union
-      of its tasks' intervals; prepare = ``full_tensor()`` + fusion + cast/quantization), the
-      largest over training ranks; ``phase_barrier_s``: seconds a rank waited at mesh-group
-      barriers (largest over ranks). Stages overlap in the pipeline: they do not add up to
-      ``seconds``. Methods without stages (the baselines) leave them 0.
-    - ``phase_commit_s``: the slowest engine commit (staged targets; 0 without);
-      ``phase_publish_s``: the rest of the update after the last write and the commit (the
-      controller's completion checks and the version publish).
-    - ``slowest_sender`` / ``slowest_sender_s`` / ``sender_gbps_min``: the training rank whose
-      part took longest, its seconds, and the lowest per-sender GB/s (its bytes over its seconds).
-    - ``slowest_receiver`` / ``receiver_gbps_min``: the inference rank receiving the most bytes
-      (receivers are passive: their bytes land over the whole update) and its GB/s over the
-      update's seconds (None without a schedule).
-    - ``train_extra_bytes``: the largest peak of bytes allocated by tasks in flight on a training
-      rank; ``infer_extra_bytes``: bytes an inference rank holds beyond the engine's own weights
-      for the transfer (the staging of staged targets; 0 for in-place one-sided writes)."""
-    busy = [s.stage_busy() for s in stats]
-    out = {f"phase_{p}_s": max((b.get(p, 0.0) for b in busy), default=0.0) for p in ("h2d", "prepare", "write", "release")}
-    out["phase_barrier_s"] = max((sum(br.waited[1] - br.waited[0] for br in getattr(s, "barriers", []) if br.waited)
-                                  for s in stats), default=0.0)
-    commits = [res.get("stats") or {} for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"]
-    out["phase_commit_s"] = max((c.get("seconds", 0.0) for c in commits if isinstance(c, dict)), default=0.0)
-    ws = write_seconds if write_seconds is not None else seconds
-    out["phase_publish_s"] = max(0.0, seconds - ws - out["phase_commit_s"])
-    slow = max(stats, key=lambda s: s.seconds)
-    out["slowest_sender"], out["slowest_sender_s"] = slow.rank, slow.seconds
-    out["sender_gbps_min"] = min((s.bytes_sent / s.seconds / 1e9 for s in stats if s.seconds > 0), default=None)
-    if recv_bytes:
-        i, b = max(recv_bytes.items(), key=lambda kv: (kv[1], -kv[0]))
-        out["slowest_receiver"], out["receiver_gbps_min"] = i, b / seconds / 1e9 if seconds > 0 else None
-    else:
-        out["slowest_receiver"] = out["receiver_gbps_min"] = None
-    out["train_extra_bytes"] = max(s.peak_alloc_bytes for s in stats)
-    out["infer_extra_bytes"] = bytes_staged // max(1, n_infer)
-    return out
+    mcfg: object
+    """The model config (:class:`weight_transfer.model_config.ModelConfig`)."""
+    infer_cls: type
+    """The method's inference side (``.active``: it takes part in each update)."""
+    summary: str
+    """The method's one-line plan summary (the report's ``# plan:`` line)."""
+    plan_s: float
+    """Seconds from the collected metadata to the plan (the rows' ``plan_seconds``)."""
+    recv_bytes: dict
+    """Bytes per inference rank of the schedule (empty without one; replaced at a replan)."""
+    commit_ranks: tuple
+    """Inference ranks that commit each update before the version is published."""
+    bytes_staged: int
+    """Bytes per update into staged targets (post-processed by the engine at commit)."""
+    driver: object = None
+    """The fleet's :class:`weight_transfer.experiments.fleet.FleetDriver` (None: a fixed fleet)."""
 
 
-def delta_mode_columns(stats: list) -> dict:
-    """Per delta mode (``full``, ``scattered``, ``packed``, ``unchanged``: the cost model's choice
-    per output and receiver, :attr:`weight_transfer.records.StepStats.delta_modes`), summed over
-    training ranks: ``delta_n_<mode>`` writes and ``delta_bytes_<mode>`` bytes written (a packed
-    record's bytes for ``packed``). Empty without delta updates."""
-    out: dict = {}
-    for s in stats:
-        for m, kinds in (getattr(s, "delta_modes", None) or {}).items():
-            for n, wrote, _size in kinds.values():
-                out[f"delta_n_{m}"] = out.get(f"delta_n_{m}", 0) + n
-                out[f"delta_bytes_{m}"] = out.get(f"delta_bytes_{m}", 0) + wrote
-    return out
+def _configure(cfg: TrialConfig, ctl, store, fleet) -> _Plan:
+    """Collect every rank's metadata and plan once: the method's controller side sets up (the
+    reference: recipes + static schedule, handed to the training ranks), the fleet's driver
+    takes the first membership, and the ranks that commit each update are settled."""
+    train_metas, infer = ctl.collect()
+    t0 = time.perf_counter()
+    mcfg = cfg.model_config()
+    ctl_cls, _, infer_cls = get_method(cfg.run.method)
+    cctx = ControllerContext(store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline, model_config=mcfg,
+                             layout=cfg.inference, train_metas=train_metas, infer_payloads=infer)
+    summary = ctl_cls().setup(cctx)
+    driver = None
+    if fleet is not None:  # engines come and go (C24): membership, replans, kills (experiments/fleet.py)
+        from .fleet import FleetDriver
+
+        driver = FleetDriver(cfg, store, ctl, fleet, log=lambda m: print(f"# {m}", file=sys.stderr, flush=True))
+        driver.setup(train_metas, infer)
+    sched = cctx.extra.get("schedule")  # the reference's static schedule (None for the baselines)
+    recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
+    commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
+    ctl.shadow = dict(cctx.extra.get("shadow") or {})  # shadow targets: go-live at the commit (C27)
+    if cfg.run.engine == "vllm" and not infer_cls.active:
+        # vLLM's one_sided backend (experiments/vllm_side.py): every worker's update_weights
+        # checks the update and commits it (staged layers or not) before the version is published
+        from weight_transfer.api import WORLD_KEY
+
+        control.put(store, WORLD_KEY, {"n_train": cfg.train.n_train, "n_infer": cfg.n_infer})
+        commit_ranks = tuple(range(cfg.n_infer))
+    if cfg.run.engine != "vllm" and cfg.run.method == "reference":
+        # stand-in ranks with a landing region scatter packed delta records at each commit (experiments/landing.py)
+        from .landing import landing_ranks, wants_landing
+
+        packed = landing_ranks(store, cfg.n_infer)
+        commit_ranks = tuple(sorted(set(commit_ranks) | set(packed)))
+        if wants_landing(cfg.resolved_transfer):
+            print(f"# delta ({cfg.transfer.executor.delta_mode}): landing regions for packed records on inference "
+                  f"rank(s) {list(packed)} of {cfg.n_infer}", file=sys.stderr, flush=True)
+    bytes_staged = int(cctx.extra.get("bytes_staged", 0))
+    return _Plan(mcfg=mcfg, infer_cls=infer_cls, summary=summary, plan_s=time.perf_counter() - t0,
+                 recv_bytes=recv_bytes, commit_ranks=commit_ranks, bytes_staged=bytes_staged, driver=driver)
 
 
-def delta_phase_columns(stats: list) -> dict:
-    """``delta_<phase>_s`` (seconds: the largest over training ranks) for every such attribute
-    the ranks' stats carry (the executor's delta phases: ``delta_compare_s`` and, where the
-    executor reports them, pack / wire / apply). Empty for stats without any (full-only methods)."""
-    keys = set()
-    for s in stats:
-        names = list(getattr(s, "__dataclass_fields__", {})) + list(getattr(s, "__dict__", {}))
-        keys |= {n for n in names if n.startswith("delta_") and n.endswith("_s")}
-    return {k: max((float(getattr(s, k, 0.0) or 0.0) for s in stats), default=0.0) for k in sorted(keys)}
+def _before_go(cfg: TrialConfig, ctl, store, plan: _Plan, step: int, liveness_infer) -> None:
+    """Update ``step`` up to its go: the fleet's changes before the load, "load" (the
+    optimizer-step stand-in), a replan when the members changed, every vLLM instance paused,
+    the generation load's update window opened. ControlError on a failed rank."""
+    driver = plan.driver
+    if driver is not None:
+        driver.before_load(step)
+    ctl.load(step)
+    if driver is not None:  # the members of this update: replanned when they changed
+        if driver.replan(step, plan.mcfg) is not None:
+            plan.recv_bytes = dict(driver.schedule.recv_bytes)
+        driver.arm(step)
+    if cfg.run.engine == "vllm":  # generation paused in every instance before the first write
+        from .vllm_side import KEY_PAUSED
+
+        control.wait_keys(store, {d * cfg.inference.tp: KEY_PAUSED.format(step=step, instance=d)
+                                  for d in range(cfg.inference.dp)},
+                          timeout=cfg.transfer.control.timeout, what=f"vLLM paused for step {step}", liveness=liveness_infer)
+    if cfg.serve.active:  # the update window's start; the pause-based update pauses the engines
+        from .serving import before_update
+
+        before_update(store, cfg.serve, step, cfg.n_infer, cfg.transfer.control.timeout, liveness_infer)
 
 
-def _output_diff_text(v: dict) -> str:
-    """`` outputs: prompt p token t: live (id, logprob) != fresh (id, logprob)`` for the first
-    difference of each differing prompt of a vLLM verification result ('' when none)."""
-    parts = []
-    for d in v.get("output_diffs") or []:
-        (lt, ll), (ft, fl) = d["live"], d["fresh"]
-        t = next((j for j, (a, b, x, y) in enumerate(zip(lt, ft, ll, fl)) if a != b or x != y), min(len(lt), len(ft)))
-        live = (lt[t], ll[t]) if t < len(lt) else None
-        fresh = (ft[t], fl[t]) if t < len(ft) else None
-        parts.append(f"prompt {d['prompt']} token {t}: live {live} != fresh {fresh}")
-    return f" outputs: {'; '.join(parts)}" if parts else ""
+def _go(cfg: TrialConfig, ctl, store, plan: _Plan, step: int) -> tuple[float, dict]:
+    """Send "go" for update ``step``, wait for every completion and commit, publish the
+    version: ``(seconds, {rank: result})``; the generation load's update window closes
+    either way. ControlError on a failed rank."""
+    try:
+        return ctl.transfer(step, inference_active=plan.infer_cls.active, commit_ranks=plan.commit_ranks)
+    finally:
+        if cfg.serve.active:
+            from .serving import after_update
+
+            after_update(store, cfg.serve, step)
+
+
+def _verify(cfg: TrialConfig, ctl, driver, step: int) -> tuple[dict, bool | None]:
+    """The inference ranks' verification of update ``step`` (in an elastic fleet: exactly the
+    engines in it): ``({rank: result}, all ok)``; ``({}, None)`` without ``cfg.run.verify``."""
+    if driver is not None:
+        driver.disarm(step)
+    ver = (driver.verified(step) if driver is not None else ctl.verified(step)) if cfg.run.verify else {}
+    ok = all(v.get("ok") for v in ver.values()) if cfg.run.verify else None
+    return ver, ok
+
+
+def _lost_engines(driver, step: int) -> list[int]:
+    """Inference ranks update ``step`` lost (killed, gone) in an elastic fleet; [] without one."""
+    if driver is None:
+        return []
+    driver.disarm()
+    return driver.lost_in(step)
+
+
+def _failed_base(cfg: TrialConfig, env: dict, run_id: str, plan: _Plan, step: int) -> dict:
+    """The trial's common columns of a failed update's row (:meth:`FleetDriver.failed_row`)."""
+    return {"run_id": run_id, "git_sha": env["git_sha"], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host": env["host"], "method": cfg.run.method, "model": plan.mcfg.label,
+            "dtype": cfg.inference.quant or "bfloat16", "train_dtype": cfg.train.dtype,
+            "n_train": cfg.train.n_train, "layout": cfg.inference.describe(),
+            "transport": cfg.transport, "device": cfg.run.device, "engine": cfg.run.engine,
+            "warmup": step <= cfg.run.warmup, "plan_seconds": plan.plan_s}
+
+
+def _emit(rows: list[dict], row: dict, progress) -> None:
+    """Keep ``row`` and hand it to ``progress`` (if given) as soon as its update is done."""
+    rows.append(row)
+    if progress:
+        progress(row)
+
+
+def _note_failure(probe: dict, e: BaseException, ctl, store) -> None:
+    """Record the first failure in ``probe``: ``error`` (named), ``t_error``, the weights'
+    state after it, and when the injected fault fired (``fired``, if it did)."""
+    if "error" in probe:
+        return
+    msg = str(e).splitlines()[0] if str(e) else ""
+    if not isinstance(e, control.ControlError):  # the controller's own error
+        msg = f"controller: {type(e).__name__}: {msg}"
+    probe.update(error=msg, t_error=time.time(),
+                 state_after_fault=_short_state(ctl.state()))
+    if store.check(["fault/fired"]):
+        probe["fired"] = float(store.get("fault/fired").decode())
+
+
+def _short_state(s) -> str:
+    return f"{s.state} v{s.version}"
 
 
 def world_size(cfg: TrialConfig) -> int:

@@ -328,23 +328,21 @@ def _label(client, label: str, instance: int) -> None:
         _log(instance, f"could not set vLLM's weight version to {label!r}: {type(e).__name__}: {e}")
 
 
-def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | None = None) -> None:
-    """vLLM instance ``instance`` of the trial (see module docstring). Runs in a process group
-    of its own (:func:`own_process_group`): no vLLM process outlives it."""
-    own_process_group(parent)
+def _start_instance(cfg, instance: int, addr: tuple[str, int], store, clients: dict, ranks: list[int], mcfg,
+                    root: Path):
+    """Start vLLM instance ``instance`` from the step-0 checkpoint (written under ``root``): for
+    the reference with vLLM's weight-transfer API and the one_sided backend (every worker
+    reported, staged, registered and published its layout), for a baseline with vLLM's own
+    reload path and the baseline's inference side (tp 1). Returns ``(engine, runtime layouts
+    by rank, weight-transfer client or None, baseline side or None, its loader or None)``; on
+    an error the abort key names the instance and no vLLM process outlives it."""
     from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
-    from weight_transfer.engines.vllm.backend import BACKEND, INCOMPLETE
-    from weight_transfer.engines.vllm.verify import compare_snapshots, coverage, fixed_prompts, snapshot, staging_oracle
+    from weight_transfer.engines.vllm.backend import BACKEND
     from weight_transfer.method import InferenceContext
 
-    from .methods import get_method, serve_active_step
+    from .methods import get_method
 
     tp = cfg.inference.tp
-    ranks = [instance * tp + t for t in range(tp)]
-    store = control.make_store(addr[0], addr[1], is_master=False, timeout=cfg.transfer.control.timeout)
-    clients = {r: InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
-    mcfg = cfg.model_config()
-    root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
     side = loader = wt = None
     engine = None
     try:
@@ -388,27 +386,101 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             engine.close()  # no vLLM process outlives a failed setup
         shutil.rmtree(root, ignore_errors=True)
         raise
+    return engine, layouts, wt, side, loader
+
+
+def _verify_version(engine, layouts: dict, wt, cfg, mcfg, root: Path, v: int, instance: int, ranks: list[int],
+                    prompts) -> dict:
+    """Verify published version ``v`` of this instance against a fresh vLLM loaded from the
+    step's checkpoint: every addressable runtime byte, the staged bytes against what
+    ``load_weights`` makes of the checkpoint, greedy outputs, and vLLM's own weight version;
+    timed and logged. A verification that raises is a failed result naming the error."""
+    from weight_transfer.engines.vllm.verify import compare_snapshots, coverage, snapshot, staging_oracle
+
+    t0 = time.perf_counter()
+    try:
+        # the fresh engine first, while this process holds no copy of the live bytes: at 1.85 GB the
+        # live engine, the fresh one, the trainers and these copies together outgrew a 23 GB host
+        fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
+        live = snapshot(engine, layouts, prompts)
+        expected = None
+        if live["staging"]:  # staged bytes vs what load_weights makes from the step's checkpoint
+            from weight_transfer.testing.catalog import param_specs
+            from weight_transfer.testing.weights import SyntheticCheckpoint
+
+            ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.run.seed)
+            expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=cfg.inference.tp)
+        res = compare_snapshots(live, fresh, staging_expected=expected)
+        res["coverage"] = coverage({r: layouts[r] for r in ranks}, res)
+        if wt is not None:  # vLLM's own label of the weights: the version published, set by finish_weight_update
+            res["weight_version"] = engine.llm.get_weight_version()
+            if res["weight_version"] != str(v):
+                res["ok"] = False
+                res["mismatches"] = [*res["mismatches"],
+                                     f"vLLM's weight version {res['weight_version']!r}, published {v}"]
+        del live, fresh, expected
+    except Exception as e:
+        traceback.print_exc()
+        res = {"ok": False, "mismatches": [f"verification failed: {type(e).__name__}: {e}"]}
+    res["seconds"] = time.perf_counter() - t0
+    cov = res.get("coverage") or {}
+    lp = res.get("logprob_ulps")
+    lp = "" if lp is None else f" (logprobs {'bit-identical' if lp == 0 else f'within {lp:.0f} ulp'})"
+    wv = "" if "weight_version" not in res else f", weight version {res['weight_version']!r}"
+    _log(instance, f"version {v}: bytes {'ok' if res.get('bytes_ok') else 'MISMATCH'}"
+                   f"{'' if res.get('staging_ok') is None else ', staging ' + ('ok' if res['staging_ok'] else 'MISMATCH')}"
+                   f", outputs {'ok' if res.get('outputs_ok') else 'MISMATCH'}"
+                   f"{lp}{wv}"
+                   f" vs a fresh vLLM "
+                   f"({res['seconds']:.0f} s; byte check {100 * cov.get('direct', 0):.1f}% of the engine's bytes)")
+    return res
+
+
+def _pause_at_load(engine, wt, store, step: int, instance: int, ranks: list[int]) -> bool:
+    """Pause generation before the first write of ``step``, once its "load" is out (the
+    controller waits for :data:`KEY_PAUSED` before "go"), and open vLLM's update session.
+    Returns without pausing at a shutdown; False when the session could not start (the abort
+    key names this instance)."""
+    key = f"step/{step}/load"
+    while not store.check([key]):
+        if store.check(["shutdown"]):
+            return True
+        time.sleep(0.005)
+    engine.pause()
+    if wt is not None:  # vLLM's update session; the workers refuse if a destination moved since init
+        try:
+            wt.start_weight_update()
+        except Exception as e:
+            traceback.print_exc()
+            store.set("abort", f"inference {ranks[0]} (vLLM instance {instance}): start_weight_update of "
+                               f"version {step} failed: {type(e).__name__}: {str(e).splitlines()[0]}".encode())
+            return False
+    store.set(KEY_PAUSED.format(step=step, instance=instance), b"1")
+    return True
+
+
+def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | None = None) -> None:
+    """vLLM instance ``instance`` of the trial (see module docstring). Runs in a process group
+    of its own (:func:`own_process_group`): no vLLM process outlives it."""
+    own_process_group(parent)
+    from weight_transfer.engines.vllm.backend import INCOMPLETE
+    from weight_transfer.engines.vllm.verify import fixed_prompts
+
+    from .methods import serve_active_step
+
+    tp = cfg.inference.tp
+    ranks = [instance * tp + t for t in range(tp)]
+    store = control.make_store(addr[0], addr[1], is_master=False, timeout=cfg.transfer.control.timeout)
+    clients = {r: InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
+    mcfg = cfg.model_config()
+    root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))
+    engine, layouts, wt, side, loader = _start_instance(cfg, instance, addr, store, clients, ranks, mcfg, root)
     prompts = fixed_prompts(mcfg.vocab_size)
     last, step = -1, 1
     while True:
-        # pause before the first write of `step`: the controller waits for this key before "go"
-        key = f"step/{step}/load"
-        while not store.check([key]):
-            if store.check(["shutdown"]):
-                break
-            time.sleep(0.005)
-        else:
-            engine.pause()
-            if wt is not None:  # vLLM's update session; the workers refuse if a destination moved since init
-                try:
-                    wt.start_weight_update()
-                except Exception as e:
-                    traceback.print_exc()
-                    store.set("abort", f"inference {ranks[0]} (vLLM instance {instance}): start_weight_update of "
-                                       f"version {step} failed: {type(e).__name__}: {str(e).splitlines()[0]}".encode())
-                    break
-            store.set(KEY_PAUSED.format(step=step, instance=instance), b"1")
-        if store.check(["shutdown"]) and not store.check([key]):
+        if not _pause_at_load(engine, wt, store, step, instance, ranks):
+            break
+        if store.check(["shutdown"]) and not store.check([f"step/{step}/load"]):
             break
         if side is not None:  # a baseline takes part in the update (vLLM's own loading path)
             try:
@@ -438,42 +510,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
             for r in ranks:
                 clients[r].report(v, {"ok": None})
             continue
-        t0 = time.perf_counter()
-        try:
-            # the fresh engine first, while this process holds no copy of the live bytes: at 1.85 GB the
-            # live engine, the fresh one, the trainers and these copies together outgrew a 23 GB host
-            fresh = _fresh_snapshot(mcfg, root, v, cfg, instance, prompts)
-            live = snapshot(engine, layouts, prompts)
-            expected = None
-            if live["staging"]:  # staged bytes vs what load_weights makes from the step's checkpoint
-                from weight_transfer.testing.catalog import param_specs
-                from weight_transfer.testing.weights import SyntheticCheckpoint
-
-                ck = SyntheticCheckpoint(param_specs(mcfg), step=v, seed=cfg.run.seed)
-                expected = staging_oracle(mcfg, {r: layouts[r] for r in ranks}, ck.__getitem__, ck.names(), tp=tp)
-            res = compare_snapshots(live, fresh, staging_expected=expected)
-            res["coverage"] = coverage({r: layouts[r] for r in ranks}, res)
-            if wt is not None:  # vLLM's own label of the weights: the version published, set by finish_weight_update
-                res["weight_version"] = engine.llm.get_weight_version()
-                if res["weight_version"] != str(v):
-                    res["ok"] = False
-                    res["mismatches"] = [*res["mismatches"],
-                                         f"vLLM's weight version {res['weight_version']!r}, published {v}"]
-            del live, fresh, expected
-        except Exception as e:
-            traceback.print_exc()
-            res = {"ok": False, "mismatches": [f"verification failed: {type(e).__name__}: {e}"]}
-        res["seconds"] = time.perf_counter() - t0
-        cov = res.get("coverage") or {}
-        lp = res.get("logprob_ulps")
-        lp = "" if lp is None else f" (logprobs {'bit-identical' if lp == 0 else f'within {lp:.0f} ulp'})"
-        wv = "" if "weight_version" not in res else f", weight version {res['weight_version']!r}"
-        _log(instance, f"version {v}: bytes {'ok' if res.get('bytes_ok') else 'MISMATCH'}"
-                       f"{'' if res.get('staging_ok') is None else ', staging ' + ('ok' if res['staging_ok'] else 'MISMATCH')}"
-                       f", outputs {'ok' if res.get('outputs_ok') else 'MISMATCH'}"
-                       f"{lp}{wv}"
-                       f" vs a fresh vLLM "
-                       f"({res['seconds']:.0f} s; byte check {100 * cov.get('direct', 0):.1f}% of the engine's bytes)")
+        res = _verify_version(engine, layouts, wt, cfg, mcfg, root, v, instance, ranks, prompts)
         for r in ranks:
             clients[r].report(v, res)
     if side is not None:

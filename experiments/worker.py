@@ -222,12 +222,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
     :func:`trainer_main`. With ``cfg.device == "cuda"`` the engine's arena is allocated on
     this process's GPU (:func:`local_cuda_device`) and verification copies it to the host."""
     torch.set_num_threads(1)
-    from weight_transfer.engines import Engine
-    from weight_transfer.method import InferenceContext
-
     from .inject import install_watcher
-    from .methods import get_method
-    from .verify import verify_engine
 
     _exit_with_parent(parent)
     tag = f"infer {rank}"
@@ -235,43 +230,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
     hb = control.Heartbeat(addr, f"infer{rank}", watch="controller", stall=stall or cfg.transfer.control.timeout)
     client = clients.InferenceClient(store, rank, timeout=max(cfg.transfer.control.timeout, 600.0))
     try:
-        try:
-            mcfg = cfg.model_config()
-            device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.run.device == "cuda" else "cpu"
-            from weight_transfer.transport import TRANSPORTS
-
-            T = TRANSPORTS.get(cfg.transport)
-            # a transport that publishes only memory it allocated (shm) allocates the reference's arena
-            alloc = T.allocate if (cfg.run.method == "reference" and getattr(T, "publishes_allocated_only", False)) else None
-            engine = Engine(mcfg, cfg.inference, rank, device=device, allocate=alloc)
-            if not mcfg.hand_written:  # C29: the loader trace the engine's tensors come from, for the plan
-                from weight_transfer.engines.vllm.trace import cached_traces
-                from weight_transfer.plan.traced import TRACE_KEY
-
-                control.put(store, TRACE_KEY.format(rank=rank), cached_traces(mcfg, cfg.inference)[rank])
-            if cfg.run.poison:
-                engine.arena.fill_(0xA5)
-            _, _, infer_cls = get_method(cfg.run.method)
-            side = infer_cls()
-            payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=engine,
-                                                  store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline,
-                                                  model_config=mcfg, layout=cfg.inference,
-                                                  log=lambda m: log(tag, m),
-                                                  shadow=None if cfg.serve.shadow == "off" else cfg.serve.shadow))
-            landing = None
-            if cfg.run.method == "reference":  # packed deltas: a landing region, scattered at each commit
-                from .landing import attach
-
-                landing = attach(cfg.resolved_transfer, engine, side.receiver, store, rank,
-                                 shadow=cfg.serve.shadow != "off", log=lambda m: log(tag, m))
-            client.publish_meta(*payload)
-            if cfg.fleet.active:  # an elastic fleet (C24): the controller plans a rank in once it announced itself
-                from weight_transfer import membership
-
-                membership.announce_join(store, rank)
-        except Exception as e:
-            store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
-            raise
+        mcfg, engine, side, landing = _setup_inference(cfg, rank, store, client, local_rank, tag)
         install_watcher(fault, ("infer", rank), addr)
         committer = None
         if landing is not None:  # scatter the packed records at every commit, before `complete v` (C26 on failure)
@@ -300,21 +259,7 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             if v is None:
                 break
             last = v
-            if cfg.run.verify:
-                t0 = time.perf_counter()
-                keep: dict = {}
-                res = verify_engine(engine, mcfg, cfg.inference, rank, step=cfg.run.source_step(v), seed=cfg.run.seed,
-                                    change=cfg.run.change_fraction or None, source=cfg.run.step_source(),
-                                    dtype_override=cfg.train.dtype_override, gaps=gaps, keep=keep)
-                res["seconds"] = time.perf_counter() - t0
-            else:
-                res = {"ok": None}
-            if serving is not None:
-                res["serve"] = serving.stats(v, oracle=keep.get("expected") if cfg.run.verify else None)
-                sh = getattr(getattr(side, "receiver", None), "shadow", None)
-                if sh is not None and sh.guard_damage():  # a write strayed outside the shadow's halves
-                    res["ok"], res["shadow_guards"] = False, sh.guard_damage()
-            client.report(v, res)
+            client.report(v, _check_version(cfg, engine, mcfg, rank, v, gaps, side, serving))
         if serving is not None:
             serving.stop()
         if committer is not None:
@@ -331,6 +276,80 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
         raise
     finally:
         hb.stop()
+
+
+def _setup_inference(cfg: TrialConfig, rank: int, store, client, local_rank: int | None, tag: str):
+    """Inference rank ``rank``'s setup, once: allocate the engine (poisoned with
+    ``cfg.run.poison``), publish its loader trace (C29) and the method's metadata, attach the
+    landing region for packed deltas, announce the rank to an elastic fleet. Returns ``(model
+    config, engine, inference side, landing region or None)``; on an error the abort key names
+    the rank before it propagates."""
+    from weight_transfer.engines import Engine
+    from weight_transfer.method import InferenceContext
+
+    from .methods import get_method
+
+    try:
+        mcfg = cfg.model_config()
+        device = _setup_cuda(cfg, "infer", rank, local_rank) if cfg.run.device == "cuda" else "cpu"
+        from weight_transfer.transport import TRANSPORTS
+
+        T = TRANSPORTS.get(cfg.transport)
+        # a transport that publishes only memory it allocated (shm) allocates the reference's arena
+        alloc = T.allocate if (cfg.run.method == "reference" and getattr(T, "publishes_allocated_only", False)) else None
+        engine = Engine(mcfg, cfg.inference, rank, device=device, allocate=alloc)
+        if not mcfg.hand_written:  # C29: the loader trace the engine's tensors come from, for the plan
+            from weight_transfer.engines.vllm.trace import cached_traces
+            from weight_transfer.plan.traced import TRACE_KEY
+
+            control.put(store, TRACE_KEY.format(rank=rank), cached_traces(mcfg, cfg.inference)[rank])
+        if cfg.run.poison:
+            engine.arena.fill_(0xA5)
+        _, _, infer_cls = get_method(cfg.run.method)
+        side = infer_cls()
+        payload = side.setup(InferenceContext(rank=rank, n_train=cfg.train.n_train, n_infer=cfg.n_infer, engine=engine,
+                                              store=store, transfer=cfg.resolved_transfer, method_options=cfg.baseline,
+                                              model_config=mcfg, layout=cfg.inference,
+                                              log=lambda m: log(tag, m),
+                                              shadow=None if cfg.serve.shadow == "off" else cfg.serve.shadow))
+        landing = None
+        if cfg.run.method == "reference":  # packed deltas: a landing region, scattered at each commit
+            from .landing import attach
+
+            landing = attach(cfg.resolved_transfer, engine, side.receiver, store, rank,
+                             shadow=cfg.serve.shadow != "off", log=lambda m: log(tag, m))
+        client.publish_meta(*payload)
+        if cfg.fleet.active:  # an elastic fleet (C24): the controller plans a rank in once it announced itself
+            from weight_transfer import membership
+
+            membership.announce_join(store, rank)
+    except Exception as e:
+        store.set("abort", f"inference rank {rank} failed during setup: {type(e).__name__}: {e}".encode())
+        raise
+    return mcfg, engine, side, landing
+
+
+def _check_version(cfg: TrialConfig, engine, mcfg, rank: int, v: int, gaps, side, serving) -> dict:
+    """What inference rank ``rank`` reports for published version ``v``: the oracle's verdict
+    (``{"ok": None}`` without ``cfg.run.verify``), timed, and with a generation load the
+    engine's stall and any write outside the shadow's halves (C27)."""
+    from .verify import verify_engine
+
+    if cfg.run.verify:
+        t0 = time.perf_counter()
+        keep: dict = {}
+        res = verify_engine(engine, mcfg, cfg.inference, rank, step=cfg.run.source_step(v), seed=cfg.run.seed,
+                            change=cfg.run.change_fraction or None, source=cfg.run.step_source(),
+                            dtype_override=cfg.train.dtype_override, gaps=gaps, keep=keep)
+        res["seconds"] = time.perf_counter() - t0
+    else:
+        res = {"ok": None}
+    if serving is not None:
+        res["serve"] = serving.stats(v, oracle=keep.get("expected") if cfg.run.verify else None)
+        sh = getattr(getattr(side, "receiver", None), "shadow", None)
+        if sh is not None and sh.guard_damage():  # a write strayed outside the shadow's halves
+            res["ok"], res["shadow_guards"] = False, sh.guard_damage()
+    return res
 
 
 def engine_gap_snapshot(engine) -> list[tuple[int, int, bytes]]:

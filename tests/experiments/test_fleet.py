@@ -13,7 +13,8 @@ import argparse
 import pytest
 
 from weight_transfer.experiments.config import FleetOptions, TrialConfig, main_job_default, trial_key
-from weight_transfer.experiments.fleet import parse_kills, parse_pairs, plan_fleet, text_of
+from weight_transfer.experiments.engine_options import parse_kills, parse_pairs, text_of
+from weight_transfer.experiments.fleet import plan_fleet
 
 SMALL = dict(num_hidden_layers=1, vocab_size=1024, hidden_size=256, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)

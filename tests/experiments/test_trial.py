@@ -138,7 +138,7 @@ def test_gpu_cuda_ipc_every_process_on_the_gpu(kw):
 def test_phase_columns_from_the_ranks_stats():
     """The report's per-phase and per-process columns (issue 28 item 4) from two ranks' stats."""
     from weight_transfer.executor import BarrierRecord, StepStats, TaskRecord
-    from weight_transfer.experiments.trial import phase_columns
+    from weight_transfer.experiments.columns import phase_columns
 
     def rank(r, secs, sent, prep, write, wait):
         st = StepStats(rank=r, bytes_sent=sent, seconds=secs, peak_alloc_bytes=100 * (r + 1))
