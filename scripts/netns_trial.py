@@ -77,6 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -217,170 +218,240 @@ def parse_args(argv: list[str]):
     return own, args
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "_task":
-        return task_main(argv[1:])
-    try:
-        own, args = parse_args(argv)
-    except ValueError as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
-
+def trial_config(args):
+    """The TrialConfig of the parsed ``weight-transfer run`` options, transport nixl. Raises
+    ValueError (another transport, ``--method all``) or PlanError (a model it cannot plan)."""
     from weight_transfer.experiments.command import config_from_args
-    from weight_transfer.types import PlanError
 
-    try:
-        transport = getattr(args, "transport", None)  # options not given are absent from the namespace
-        if transport not in (None, "nixl"):
-            raise ValueError(f"--transport {transport}: this launcher moves the weights with nixl only")
-        cfg = config_from_args(args).replace(transport="nixl")
-        if cfg.run.method == "all":
-            raise ValueError("--method all: one method per launch here (reference, rank0_funnel or rpc)")
-        cfg.model_config()
-        from weight_transfer.experiments.methods import get_method
+    transport = getattr(args, "transport", None)  # options not given are absent from the namespace
+    if transport not in (None, "nixl"):
+        raise ValueError(f"--transport {transport}: this launcher moves the weights with nixl only")
+    cfg = config_from_args(args).replace(transport="nixl")
+    if cfg.run.method == "all":
+        raise ValueError("--method all: one method per launch here (reference, rank0_funnel or rpc)")
+    cfg.model_config()
+    from weight_transfer.experiments.methods import get_method
 
-        get_method(cfg.run.method)
-    except (ValueError, PlanError) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    get_method(cfg.run.method)
+    return cfg
 
-    demo = _demo()
-    sh = demo.sh
+
+def _cannot_run(demo, own) -> str | None:
+    """Why this machine cannot run the launch (no network namespaces, no NIXL, no tc for a
+    rate-limited link); None when it can."""
     ok, why = demo.netns_supported()
     if not ok:
-        print(f"netns trial: cannot run: {why}", file=sys.stderr)
-        return 2
+        return why
     try:
         from weight_transfer.transport.nixl import load_nixl
 
         load_nixl()
     except ImportError as e:
-        print(f"netns trial: cannot run: {e} (install it: make nixl, or "
-              f"{sys.executable} -m pip install 'nixl-cu12==1.5.1')", file=sys.stderr)
-        return 2
-    limited = own.link_rate is not None or own.memory_wire_ratio is not None
-    if limited and shutil.which("tc") is None:
-        print("netns trial: cannot run: --link-rate / --memory-wire-ratio need tc (iproute2)", file=sys.stderr)
-        return 2
+        return f"{e} (install it: make nixl, or {sys.executable} -m pip install 'nixl-cu12==1.5.1')"
+    if (own.link_rate is not None or own.memory_wire_ratio is not None) and shutil.which("tc") is None:
+        return "--link-rate / --memory-wire-ratio need tc (iproute2)"
+    return None
+
+
+@dataclass
+class _Wire:
+    """The link of one launch: this run's single-thread memcpy (GB/s) and, when rate-limited,
+    the token bucket's rate (bits/s), how it was chosen and its burst (bytes)."""
+
+    memcpy: float
+    rate_bits: float | None
+    how: str | None
+    burst: int
+
+
+def _wire(own, cfg):
+    """(the link, the config): the memcpy is measured now, before the namespaces exist; a
+    rate-limited delta run prices its bytes at the link's rate."""
     from weight_transfer.experiments import link
     from weight_transfer.experiments.env import measure_memcpy_gbps
 
     memcpy = measure_memcpy_gbps()  # the same run's local memory bandwidth (one thread, 256 MiB, best of 3)
     rate_bits = how = None
-    if limited:
+    if own.link_rate is not None or own.memory_wire_ratio is not None:
         rate_bits, how = link.wire_rate_bits(link_rate=own.link_rate, ratio=own.memory_wire_ratio, memcpy_gbps=memcpy)
-    burst = own.link_burst or link.BURST_BYTES
     ex = cfg.transfer.executor
     if rate_bits and ex.delta and getattr(ex, "delta_wire_gbps", "absent") is None:
         cfg = cfg.replace(delta_wire_gbps=rate_bits / 8e9)  # the delta cost model prices bytes at the link's rate
+    return _Wire(memcpy, rate_bits, how, own.link_burst or link.BURST_BYTES), cfg
 
-    stale = cleanup_stale(sh)
-    if stale:
-        print(f"# removed stale namespaces/links of an earlier run: {' '.join(stale)}", file=sys.stderr)
-    tag = os.getpid()
-    ns_t, ns_i = f"wt-train-{tag}", f"wt-infer-{tag}"
-    dev_t, dev_i = f"wtt{tag}", f"wti{tag}"
-    procs: dict[int, subprocess.Popen] = {}
-    tmp = tempfile.mkdtemp(prefix="wt-netns-trial-")
 
-    def cleanup() -> None:
-        for p in procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+def _cleanup(sh, procs: dict[int, subprocess.Popen], names: tuple[str, str, str, str], tmp: str) -> None:
+    """Kill every task process, delete both namespaces (their veth ends go with them), the
+    training veth if setup broke before moving it, and the temporary folder."""
+    ns_t, ns_i, dev_t, _ = names
+    for p in procs.values():
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs.values():
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    for ns in (ns_t, ns_i):
+        sh("ip", "netns", "del", ns, check=False)
+    sh("ip", "link", "del", dev_t, check=False)  # only left in the root namespace if setup broke early
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _on_signal(signum, _frame):
+    """SIGTERM / SIGHUP: leave through the cleanup like Ctrl-C."""
+    raise SystemExit(128 + signum)
+
+
+def _counters(sh, names: tuple[str, str, str, str]) -> dict[str, int]:
+    """tx bytes / packets of the training veth and rx bytes / packets of the inference veth."""
+    ns_t, ns_i, dev_t, dev_i = names
+    return {k: int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/{k}").stdout)
+            for ns, dev, keys in ((ns_t, dev_t, ("tx_bytes", "tx_packets")), (ns_i, dev_i, ("rx_bytes", "rx_packets")))
+            for k in keys}
+
+
+def _start_tasks(cfg, own, names, cfg_path: str, res_path: str, procs: dict[int, subprocess.Popen]) -> None:
+    """Start every task of the trial in its namespace (into ``procs`` as they start, so the
+    cleanup finds them): the controller and the training ranks in A, the inference ranks in B."""
+    from weight_transfer.experiments.trial import task_role, world_size
+
+    ns_t, ns_i, dev_t, dev_i = names
+    base_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    UCX_TLS="tcp", OMP_NUM_THREADS="1")
+    for g in range(world_size(cfg)):
+        role, _ = task_role(cfg, g)
+        ns, dev = (ns_i, dev_i) if role == "infer" else (ns_t, dev_t)
+        env = dict(base_env, UCX_NET_DEVICES=dev, GLOO_SOCKET_IFNAME=dev)
+        if g == 0:
+            env["WT_LINK_DEV"] = dev_t  # the controller records each update's bytes on the link
+        cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "_task",
+               "--cfg", cfg_path, "--global-rank", str(g), "--store", f"{TRAIN_IP}:{own.store_port}"]
+        if g == 0:
+            cmd += ["--result", res_path]
+        procs[g] = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
+
+
+def _wait_tasks(cfg, procs: dict[int, subprocess.Popen]) -> str | None:
+    """Wait for the controller; a rank that dies fails the trial at once. Then the others (60 s
+    at most). What failed, or None."""
+    from weight_transfer.experiments.trial import task_role
+
+    failed = None
+    while procs[0].poll() is None:
+        bad = {g: p.returncode for g, p in procs.items() if g and p.poll() not in (None, 0)}
+        if bad:
+            failed = "; ".join(f"task {g} ({'/'.join(map(str, task_role(cfg, g)))}) exited with {rc}"
+                               for g, rc in sorted(bad.items()))
+            break
+        time.sleep(0.2)
+    if failed is None and procs[0].returncode:
+        failed = f"controller exited with {procs[0].returncode}"
+    if failed is None:
+        deadline = time.monotonic() + 60
         for p in procs.values():
             try:
-                p.wait(10)
+                p.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for ns in (ns_t, ns_i):
-            sh("ip", "netns", "del", ns, check=False)
-        sh("ip", "link", "del", dev_t, check=False)  # only left in the root namespace if setup broke early
-        shutil.rmtree(tmp, ignore_errors=True)
+        bad = {g: p.returncode for g, p in procs.items() if p.returncode != 0}
+        if bad:
+            failed = "; ".join(f"task {g} exited with {rc}" for g, rc in sorted(bad.items()))
+    return failed
 
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    t_start = time.perf_counter()
-    try:
-        demo.make_veth_pair(ns_t, ns_i, dev_t, dev_i, TRAIN_IP, INFER_IP)
-        if rate_bits:  # the wire-bound link: a token bucket on the training side's egress (the writes' direction)
-            tbf = link.tbf_command(dev_t, rate_bits, burst=burst)
-            sh("ip", "netns", "exec", ns_t, *tbf)
-            print(f"# link: {' '.join(tbf)} in {ns_t} ({how}); "
-                  f"{link.format_rate(rate_bits)}; memcpy {memcpy:.2f} GB/s -> memory:wire "
-                  f"{link.memory_wire_ratio(memcpy, rate_bits):.1f}:1", file=sys.stderr, flush=True)
+def _run_in_namespaces(demo, own, cfg, wire: _Wire, names, procs, tmp: str) -> dict | None:
+    """The veth pair (and its token bucket), the trial's tasks, the link's counters around them;
+    the controller's TrialResult with ``rx`` (the inference veth's rx growth), the counters
+    before / after and the bucket's statistics. None when the trial failed (said on stderr)."""
+    from weight_transfer.experiments import link
 
-        def counters():
-            return {k: int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/{k}").stdout)
-                    for ns, dev, keys in ((ns_t, dev_t, ("tx_bytes", "tx_packets")), (ns_i, dev_i, ("rx_bytes", "rx_packets")))
-                    for k in keys}
-        c0 = counters()
+    sh = demo.sh
+    ns_t, ns_i, dev_t, dev_i = names
+    demo.make_veth_pair(ns_t, ns_i, dev_t, dev_i, TRAIN_IP, INFER_IP)
+    if wire.rate_bits:  # the wire-bound link: a token bucket on the training side's egress (the writes' direction)
+        tbf = link.tbf_command(dev_t, wire.rate_bits, burst=wire.burst)
+        sh("ip", "netns", "exec", ns_t, *tbf)
+        print(f"# link: {' '.join(tbf)} in {ns_t} ({wire.how}); "
+              f"{link.format_rate(wire.rate_bits)}; memcpy {wire.memcpy:.2f} GB/s -> memory:wire "
+              f"{link.memory_wire_ratio(wire.memcpy, wire.rate_bits):.1f}:1", file=sys.stderr, flush=True)
+    c0 = _counters(sh, names)
+    cfg_path, res_path = os.path.join(tmp, "cfg.pkl"), os.path.join(tmp, "result.pkl")
+    with open(cfg_path, "wb") as f:
+        pickle.dump(cfg, f)
+    print(f"# starting: controller + {cfg.train.n_train} training rank(s) in {ns_t} ({TRAIN_IP}, {dev_t}), "
+          f"{cfg.n_infer} inference rank(s) in {ns_i} ({INFER_IP}, {dev_i}); NIXL/UCX tcp over the veth",
+          file=sys.stderr, flush=True)
+    rx0 = demo.rx_bytes(ns_i, dev_i)
+    _start_tasks(cfg, own, names, cfg_path, res_path, procs)
+    failed = _wait_tasks(cfg, procs)
+    if failed is not None or not os.path.exists(res_path):
+        print(f"netns trial: FAILED: {failed or 'the controller wrote no result'}", file=sys.stderr)
+        return None
+    rx = demo.rx_bytes(ns_i, dev_i) - rx0
+    c1 = _counters(sh, names)
+    tc_stats = link.parse_tc_stats(sh("ip", "netns", "exec", ns_t, "tc", "-s", "qdisc", "show", "dev", dev_t,
+                                      check=False).stdout) if wire.rate_bits else {}
+    with open(res_path, "rb") as f:
+        result = pickle.load(f)
+    return {"result": result, "rx": rx, "c0": c0, "c1": c1, "tc_stats": tc_stats}
 
-        cfg_path, res_path = os.path.join(tmp, "cfg.pkl"), os.path.join(tmp, "result.pkl")
-        with open(cfg_path, "wb") as f:
-            pickle.dump(cfg, f)
-        from weight_transfer.experiments.trial import task_role, world_size
 
-        n_tasks = world_size(cfg)
-        print(f"# starting: controller + {cfg.train.n_train} training rank(s) in {ns_t} ({TRAIN_IP}, {dev_t}), "
-              f"{cfg.n_infer} inference rank(s) in {ns_i} ({INFER_IP}, {dev_i}); NIXL/UCX tcp over the veth",
-              file=sys.stderr, flush=True)
-        rx0 = demo.rx_bytes(ns_i, dev_i)
-        base_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        UCX_TLS="tcp", OMP_NUM_THREADS="1")
-        for g in range(n_tasks):
-            role, _ = task_role(cfg, g)
-            ns, dev = (ns_i, dev_i) if role == "infer" else (ns_t, dev_t)
-            env = dict(base_env, UCX_NET_DEVICES=dev, GLOO_SOCKET_IFNAME=dev)
-            if g == 0:
-                env["WT_LINK_DEV"] = dev_t  # the controller records each update's bytes on the link
-            cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "_task",
-                   "--cfg", cfg_path, "--global-rank", str(g), "--store", f"{TRAIN_IP}:{own.store_port}"]
-            if g == 0:
-                cmd += ["--result", res_path]
-            procs[g] = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
-        # wait for the controller; a rank that dies fails the trial at once
-        failed = None
-        while procs[0].poll() is None:
-            bad = {g: p.returncode for g, p in procs.items() if g and p.poll() not in (None, 0)}
-            if bad:
-                failed = "; ".join(f"task {g} ({'/'.join(map(str, task_role(cfg, g)))}) exited with {rc}"
-                                   for g, rc in sorted(bad.items()))
-                break
-            time.sleep(0.2)
-        if failed is None and procs[0].returncode:
-            failed = f"controller exited with {procs[0].returncode}"
-        if failed is None:
-            deadline = time.monotonic() + 60
-            for p in procs.values():
-                try:
-                    p.wait(max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-            bad = {g: p.returncode for g, p in procs.items() if p.returncode != 0}
-            if bad:
-                failed = "; ".join(f"task {g} exited with {rc}" for g, rc in sorted(bad.items()))
-        if failed is not None or not os.path.exists(res_path):
-            print(f"netns trial: FAILED: {failed or 'the controller wrote no result'}", file=sys.stderr)
-            return 1
-        rx = demo.rx_bytes(ns_i, dev_i) - rx0
-        c1 = counters()
-        tc_stats = link.parse_tc_stats(sh("ip", "netns", "exec", ns_t, "tc", "-s", "qdisc", "show", "dev", dev_t,
-                                          check=False).stdout) if rate_bits else {}
-        with open(res_path, "rb") as f:
-            result = pickle.load(f)
-    finally:
-        cleanup()
-        for s, h in old.items():
-            signal.signal(s, h)
+def _link_report(own, cfg, wire: _Wire, names, got: dict, written: int) -> dict:
+    """With a rate-limited link or paired pushes: the link's columns on every row, the link's
+    lines (rate, counters, the wire-bound check), the full-against-delta table, the rows in
+    ``--wire-csv``. Returns the wire-bound check (:func:`weight_transfer.experiments.link.wire_check`)."""
+    from weight_transfer.experiments import link
+    from weight_transfer.experiments.report import append_csv
 
+    _, _, dev_t, dev_i = names
+    rows, rate_bits, memcpy, burst = got["result"].rows, wire.rate_bits, wire.memcpy, wire.burst
+    grown = {k: got["c1"][k] - got["c0"][k] for k in got["c0"]}
+    tc_stats, wire_check = got["tc_stats"], {}
+    lr = None
+    if cfg.run.replay:
+        lr = cfg.run.step_source().manifest.get("lr")
+    for r in rows:
+        r.update(link_rate_bits=rate_bits or 0, link_burst=burst if rate_bits else 0, memcpy_gbps=memcpy,
+                 memory_wire_ratio=link.memory_wire_ratio(memcpy, rate_bits) if rate_bits else None,
+                 replay=os.path.basename(cfg.run.replay) if cfg.run.replay else "", replay_lr=lr,
+                 delta_op_cost=cfg.transfer.executor.delta_op_cost,
+                 delta_mode=getattr(cfg.transfer.executor, "delta_mode", "") if cfg.transfer.executor.delta else "",
+                 delta_wire_gbps=getattr(cfg.transfer.executor, "delta_wire_gbps", None))
+    if rate_bits:
+        print(f"# link: tbf rate {link.format_rate(rate_bits)} ({wire.how}), burst {burst} B, limit "
+              f"{link.queue_limit(rate_bits)} B, no delay; memcpy (1 thread, this run) {memcpy:.2f} GB/s; "
+              f"memory:wire {link.memory_wire_ratio(memcpy, rate_bits):.1f}:1")
+        print(f"# link counters over the trial: {dev_t} tx {grown['tx_bytes']} B / {grown['tx_packets']} packets, "
+              f"{dev_i} rx {grown['rx_bytes']} B / {grown['rx_packets']} packets "
+              f"({grown['tx_bytes'] / max(1, grown['tx_packets']):.0f} B per packet); tbf sent {tc_stats.get('bytes')} B, "
+              f"dropped {tc_stats.get('dropped')}, overlimits {tc_stats.get('overlimits')} (packets held for tokens); "
+              f"link bytes / bytes written {grown['tx_bytes'] / max(1, written):.3f}")
+        wire_check = link.wire_check(rows, rate_bits)
+        if wire_check:
+            print(f"# wire-bound check: full updates p50 {wire_check['full_p50_s']:.4f} s against bytes x 8 / rate = "
+                  f"{wire_check['full_bytes']:.0f} B -> {wire_check['wire_s']:.4f} s on the wire "
+                  f"({100 * wire_check['share']:.0f}% of the update): "
+                  f"{'wire-bound' if wire_check['wire_bound'] else 'NOT WIRE-BOUND (the link is not the limit)'}")
+    if cfg.run.delta_pairs or cfg.transfer.executor.delta:
+        table, _ = link.pair_table(rows, rate_bits)
+        print(table)
+    if own.wire_csv and not own.no_csv:
+        print(f"# rows appended to {append_csv(rows, own.wire_csv)}")
+    return wire_check
+
+
+def _report(own, args, cfg, wire: _Wire, names, got: dict, t_start: float) -> int:
+    """The trial's table, the namespaces and the veth check, the link's report, the rows in
+    ``--results``, and the last line. Returns the exit status."""
+    from weight_transfer.experiments import link
     from weight_transfer.experiments.report import append_csv, format_table
 
+    ns_t, ns_i, dev_t, dev_i = names
+    result, rx, rate_bits = got["result"], got["rx"], wire.rate_bits
     rows = result.rows
     written = sum(r.get("delta_bytes", r["bytes"]) for r in rows)  # what was written (a delta writes less than `bytes`)
     veth_ok = rx >= written
@@ -391,45 +462,62 @@ def main(argv: list[str] | None = None) -> int:
           f"({INFER_IP}); NIXL/UCX over TCP on veth {dev_t} <-> {dev_i} (UCX_TLS=tcp)")
     print(f"# veth {dev_i} rx_bytes grew by {rx} during the trial; bytes written by {len(rows)} updates "
           f"(warm-up included): {written}; crossed the link: {veth_ok}")
-    wire = {}
+    wire_check = {}
     if rate_bits or cfg.run.delta_pairs:
-        grown = {k: c1[k] - c0[k] for k in c0}
-        lr = None
-        if cfg.run.replay:
-            lr = cfg.run.step_source().manifest.get("lr")
-        for r in rows:
-            r.update(link_rate_bits=rate_bits or 0, link_burst=burst if rate_bits else 0, memcpy_gbps=memcpy,
-                     memory_wire_ratio=link.memory_wire_ratio(memcpy, rate_bits) if rate_bits else None,
-                     replay=os.path.basename(cfg.run.replay) if cfg.run.replay else "", replay_lr=lr,
-                     delta_op_cost=cfg.transfer.executor.delta_op_cost,
-                     delta_mode=getattr(cfg.transfer.executor, "delta_mode", "") if cfg.transfer.executor.delta else "",
-                     delta_wire_gbps=getattr(cfg.transfer.executor, "delta_wire_gbps", None))
-        if rate_bits:
-            print(f"# link: tbf rate {link.format_rate(rate_bits)} ({how}), burst {burst} B, limit "
-                  f"{link.queue_limit(rate_bits)} B, no delay; memcpy (1 thread, this run) {memcpy:.2f} GB/s; "
-                  f"memory:wire {link.memory_wire_ratio(memcpy, rate_bits):.1f}:1")
-            print(f"# link counters over the trial: {dev_t} tx {grown['tx_bytes']} B / {grown['tx_packets']} packets, "
-                  f"{dev_i} rx {grown['rx_bytes']} B / {grown['rx_packets']} packets "
-                  f"({grown['tx_bytes'] / max(1, grown['tx_packets']):.0f} B per packet); tbf sent {tc_stats.get('bytes')} B, "
-                  f"dropped {tc_stats.get('dropped')}, overlimits {tc_stats.get('overlimits')} (packets held for tokens); "
-                  f"link bytes / bytes written {grown['tx_bytes'] / max(1, written):.3f}")
-            wire = link.wire_check(rows, rate_bits)
-            if wire:
-                print(f"# wire-bound check: full updates p50 {wire['full_p50_s']:.4f} s against bytes x 8 / rate = "
-                      f"{wire['full_bytes']:.0f} B -> {wire['wire_s']:.4f} s on the wire ({100 * wire['share']:.0f}% of "
-                      f"the update): {'wire-bound' if wire['wire_bound'] else 'NOT WIRE-BOUND (the link is not the limit)'}")
-        if cfg.run.delta_pairs or cfg.transfer.executor.delta:
-            table, _ = link.pair_table(rows, rate_bits)
-            print(table)
-        if own.wire_csv and not own.no_csv:
-            print(f"# rows appended to {append_csv(rows, own.wire_csv)}")
+        wire_check = _link_report(own, cfg, wire, names, got, written)
     if not own.no_csv:
         print(f"# rows appended to {append_csv(rows, args.results)}")
     print(f"netns trial: {cfg.model_config().label} {cfg.train.n_train} -> {cfg.n_infer} ranks, transport nixl over veth: "
           f"verified {n_ok}/{len(rows)}; veth rx {rx} >= {written} bytes written; veth check: {veth_ok}; "
-          + (f"link {link.format_rate(rate_bits)}, wire-bound: {wire.get('wire_bound')}; " if rate_bits else "")
+          + (f"link {link.format_rate(rate_bits)}, wire-bound: {wire_check.get('wire_bound')}; " if rate_bits else "")
           + f"wall {time.perf_counter() - t_start:.1f} s")
     return 0 if all_ok and veth_ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The launcher (``_task ...``: one task, :func:`task_main`): parse, check this machine,
+    set up the namespaces and run the trial there, report. Returns the exit status (module
+    docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_task":
+        return task_main(argv[1:])
+    try:
+        own, args = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    from weight_transfer.types import PlanError
+
+    try:
+        cfg = trial_config(args)
+    except (ValueError, PlanError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    demo = _demo()
+    why = _cannot_run(demo, own)
+    if why:
+        print(f"netns trial: cannot run: {why}", file=sys.stderr)
+        return 2
+    wire, cfg = _wire(own, cfg)
+
+    stale = cleanup_stale(demo.sh)
+    if stale:
+        print(f"# removed stale namespaces/links of an earlier run: {' '.join(stale)}", file=sys.stderr)
+    tag = os.getpid()
+    names = (f"wt-train-{tag}", f"wt-infer-{tag}", f"wtt{tag}", f"wti{tag}")
+    procs: dict[int, subprocess.Popen] = {}
+    tmp = tempfile.mkdtemp(prefix="wt-netns-trial-")
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    t_start = time.perf_counter()
+    try:
+        got = _run_in_namespaces(demo, own, cfg, wire, names, procs, tmp)
+    finally:
+        _cleanup(demo.sh, procs, names, tmp)
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got is None:
+        return 1
+    return _report(own, args, cfg, wire, names, got, t_start)
 
 
 if __name__ == "__main__":

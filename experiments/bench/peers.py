@@ -54,337 +54,24 @@ import argparse
 import csv
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
-import pickle
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .peer_tensors import PeerTensor, pattern, tensor_set  # noqa: F401  (re-exported)
 
 PEERS = ("reference", "awex", "mooncake", "torchstore")
 TORCHSTORE_TRANSPORTS = ("shm", "direct_tcp", "rdma_tcp", "gloo", "rpc")  # torchstore_peer.TRANSPORTS
 TORCHSTORE_LABEL = {"shm": "shm, same keys", "direct_tcp": "direct, rdma tcp fallback", "rdma_tcp": "rdma tcp fallback",
                     "gloo": "gloo", "rpc": "monarch rpc"}
 TORCHSTORE_VENV = "/opt/wt-torchstore"  # scripts/install_torchstore.sh
-_P = (7919, 104729, 1299709, 15485863)  # per-dimension pattern multipliers (primes)
-
-
-# --------------------------------------------------------------------------------------------
-# the tensor set
-
-
-@dataclass(frozen=True, slots=True)
-class PeerTensor:
-    """One engine tensor as a global (pre-TP) BF16 tensor: ``tp_dim`` None = replicated on
-    every inference rank (each gets the whole tensor), else each TP rank gets an even slice
-    of ``global_shape`` along ``tp_dim``."""
-
-    tid: int
-    name: str
-    global_shape: tuple[int, ...]
-    tp_dim: int | None
-
-    def infer_box(self, rank: int, tp: int) -> tuple[tuple[int, int], ...]:
-        """(start, end) per dim of the part inference rank ``rank`` holds."""
-        box = [(0, n) for n in self.global_shape]
-        if self.tp_dim is not None:
-            n = self.global_shape[self.tp_dim] // tp
-            box[self.tp_dim] = (rank * n, (rank + 1) * n)
-        return tuple(box)
-
-    def train_box(self, rank: int, n_train: int) -> tuple[tuple[int, int], ...]:
-        """(start, end) per dim of training rank ``rank``'s even dim-0 shard."""
-        n0 = self.global_shape[0]
-        per = -(-n0 // n_train)
-        a, b = min(n0, rank * per), min(n0, (rank + 1) * per)
-        return ((a, b),) + tuple((0, n) for n in self.global_shape[1:])
-
-
-def _tp_dim(name: str, ndim: int) -> int:
-    if any(k in name for k in ("o_proj", "down_proj", "w2_weight")):
-        return ndim - 1
-    if "w13_weight" in name:
-        return 1
-    return 0
-
-
-def tensor_set(cfg) -> list[PeerTensor]:
-    """The engine tensors of ``cfg`` (a TrialConfig, BF16, tp ranks of one instance) as
-    :class:`PeerTensor` s, in the engine's order. Replicated = the recipes that write it send
-    every inference rank the same bytes."""
-    from weight_transfer.engines.engine import engine_tensor_metas
-    from weight_transfer.plan import build_recipes
-
-    mcfg, layout = cfg.model_config(), cfg.inference
-    rs = build_recipes(mcfg, layout)
-    n = layout.world_size
-    replicated = {o.tensor for r in rs.recipes if len(r.ranks) == n for o in r.outputs}
-    out = []
-    for i, m in enumerate(engine_tensor_metas(mcfg, layout, 0)):
-        if m.name in replicated:
-            out.append(PeerTensor(i, m.name, tuple(m.shape), None))
-        else:
-            d = _tp_dim(m.name, len(m.shape))
-            g = list(m.shape)
-            g[d] *= layout.tp
-            out.append(PeerTensor(i, m.name, tuple(g), d))
-    return out
-
-
-def pattern(box: tuple[tuple[int, int], ...], tid: int, step: int) -> torch.Tensor:
-    """The BF16 bytes of ``box`` of tensor ``tid`` at ``step``: element value bits =
-    (sum over dims of global index * prime + tid * 31 + step * 977) mod 2^16. Any rank can
-    compute any part on its own (the receivers' independent check)."""
-    shape = tuple(b - a for a, b in box)
-    out = torch.empty(shape, dtype=torch.int16)
-    if out.numel() == 0:
-        return out.view(torch.bfloat16)
-    nd = len(box)
-    rows = max(1, (1 << 22) // max(1, out[0].numel() if nd > 1 else 1))
-    tail = torch.zeros((), dtype=torch.int32)
-    for d in range(1, nd):
-        a, b = box[d]
-        ix = (torch.arange(a, b, dtype=torch.int32) * _P[d % 4]) % 65536
-        tail = tail.unsqueeze(-1) + ix if tail.dim() else ix
-    c = (tid * 31 + step * 977) % 65536
-    for r0 in range(0, shape[0], rows):
-        r1 = min(shape[0], r0 + rows)
-        ix0 = (torch.arange(box[0][0] + r0, box[0][0] + r1, dtype=torch.int32) * _P[0]) % 65536 + c
-        v = ix0.view((-1,) + (1,) * (nd - 1)) + tail if nd > 1 else ix0
-        out[r0:r1] = (v & 0xFFFF).to(torch.int16)
-    return out.view(torch.bfloat16)
-
-
-def _check(t: torch.Tensor, box, tid: int, step: int) -> bool:
-    return torch.equal(t.contiguous().view(torch.int16), pattern(box, tid, step).view(torch.int16))
-
-
-# --------------------------------------------------------------------------------------------
-# process harness: a TCPStore, one process per rank, "go" / "done" per update
-
-
-class _StoreMeta:
-    """awex's metadata-client interface (``put_object`` / ``get_object`` / ``delete_if_exists``)
-    on torch's TCPStore, so awex's rendezvous runs across processes without its HTTP meta
-    server."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def put_object(self, key, value):
-        self.store.set(key, pickle.dumps(value))
-
-    def get_object(self, key, timeout=0):
-        try:
-            self.store.wait([key], dt.timedelta(seconds=max(float(timeout), 1.0)))
-        except Exception as e:  # TCPStore raises RuntimeError/DistStoreError on timeout
-            raise TimeoutError(f"{key}: {e}") from e
-        return pickle.loads(self.store.get(key))
-
-    def delete_if_exists(self, key):
-        self.store.delete_key(key)
-
-
-def _store(port: int | None, master: bool, timeout: float = 600.0):
-    from torch.distributed import TCPStore
-
-    return TCPStore("127.0.0.1", port or 0, None, master, dt.timedelta(seconds=timeout), wait_for_workers=False)
-
-
-def _worker(kind: str, role: str, rank: int, port: int, tensors, n_train: int, tp: int, n_steps: int) -> None:
-    torch.set_num_threads(1)
-    store = _store(port, False)
-    try:
-        run = {"awex": _awex_rank, "mooncake": _mooncake_rank}[kind]
-        run(store, role, rank, tensors, n_train, tp, n_steps)
-    except BaseException:
-        store.set(f"error/{role}{rank}", traceback.format_exc(limit=6))
-        raise
-
-
-def _steps(store, role, rank, n_steps, prepare, transfer, verify):
-    """Per update: prepare (untimed), ready, wait for go, transfer, done, verify (untimed)."""
-    for s in range(n_steps):
-        prepare(s)
-        store.add(f"ready/{s}", 1)
-        store.wait([f"go/{s}"])
-        transfer(s)
-        store.set(f"done/{s}/{role}{rank}", "1")
-        ok = verify(s)
-        store.set(f"ok/{s}/{role}{rank}", "" if ok is True else str(ok))
-
-
-def _run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: int, timeout: float) -> list[float | str]:
-    """Start the ranks of one peer, time each update from "go" to the last "done"; returns
-    per update its seconds, or the error text of a failed verification."""
-    store = _store(None, True)
-    n = warmup + steps
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(kind, role, r, store.port, tensors, n_train, tp, n), daemon=True)
-             for role, k in (("infer", tp), ("train", n_train)) for r in range(k)]
-    names = [f"{role}{r}" for role, k in (("infer", tp), ("train", n_train)) for r in range(k)]
-    for p in procs:
-        p.start()
-
-    def wait(keys, what):
-        t_end = time.monotonic() + timeout
-        while True:
-            try:
-                store.wait(keys, dt.timedelta(seconds=1))
-                return
-            except Exception:  # timeout of this slice: check the ranks
-                errs = [store.get(f"error/{x}").decode() for x in names if store.check([f"error/{x}"])]
-                dead = [x for x, p in zip(names, procs) if p.exitcode not in (None, 0)]
-                if errs or dead:
-                    raise RuntimeError(f"{kind}: {what}: " + (errs[0].strip().splitlines()[-1] if errs else
-                                                              f"ranks {dead} exited")) from None
-                if time.monotonic() > t_end:
-                    raise RuntimeError(f"{kind}: {what}: no answer within {timeout:.0f} s") from None
-
-    out: list[float | str] = []
-    try:
-        for s in range(n):
-            t_end = time.monotonic() + timeout
-            while store.add(f"ready/{s}", 0) < len(procs):  # a counter: TCPStore.wait cannot wait for a value
-                time.sleep(0.002)
-                if time.monotonic() > t_end or any(p.exitcode not in (None, 0) for p in procs):
-                    wait([f"never/{s}"], f"step {s} ready")  # raises naming the failed rank, or times out
-            t0 = time.perf_counter()
-            store.set(f"go/{s}", "1")
-            wait([f"done/{s}/{x}" for x in names], f"step {s}")
-            sec = time.perf_counter() - t0
-            wait([f"ok/{s}/{x}" for x in names], f"step {s} verify")
-            bad = [f"{x}: {store.get(f'ok/{s}/{x}').decode()}" for x in names if store.get(f"ok/{s}/{x}")]
-            out.append("; ".join(bad) if bad else sec)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# awex
-
-
-def _awex_metas(tensors, n_train: int, tp: int):
-    from awex.meta.weight_meta import ParameterMeta, ParameterReplicaMeta, ParameterShardMeta
-    from awex.sharding.param_sharding import ShardingType
-
-    def shard(t, rank, grank, box, world, num, dim, stype):
-        shape = tuple(b - a for a, b in box)
-        return ParameterShardMeta(tp_rank=rank, attn_tp_rank=rank, pp_rank=0, ep_rank=0, ep_tp_rank=0,
-                                  global_rank=grank, world_size=world, engine_rank=0, name=t.name, shape=shape,
-                                  numel=int(torch.Size(shape).numel()), dtype=torch.bfloat16,
-                                  global_offset=tuple(a for a, _ in box), sharding_type=stype, num_shards=num,
-                                  sharding_dim=dim)
-
-    def meta(t, replicas):
-        shards = [s for rep in replicas for s in rep]
-        return ParameterMeta(name=t.name, global_numel=int(torch.Size(t.global_shape).numel()),
-                             global_shape=t.global_shape, dtype=torch.bfloat16, shards=shards,
-                             replicas=[ParameterReplicaMeta(shards=list(rep)) for rep in replicas])
-
-    infer, train = [], []
-    for t in tensors:
-        if t.tp_dim is None:
-            reps = [[shard(t, 0, r, t.infer_box(r, tp), tp, 1, 0, ShardingType.NO_SHARDING)] for r in range(tp)]
-        else:
-            reps = [[shard(t, r, r, t.infer_box(r, tp), tp, tp, t.tp_dim, ShardingType.TP_SHARDING) for r in range(tp)]]
-        infer.append(meta(t, reps))
-        # training shards carry the training-world rank; awex's transfer rank is tp + that rank
-        train.append(meta(t, [[shard(t, r, r, t.train_box(r, n_train), n_train, n_train, 0,
-                                     ShardingType.TP_SHARDING) for r in range(n_train)]]))
-    return infer, train
-
-
-def _awex_rank(store, role, rank, tensors, n_train, tp, n_steps):
-    os.environ.setdefault("AWEX_MOONCAKE_HOST", "127.0.0.1")
-    os.environ.setdefault("AWEX_MOONCAKE_PROTOCOL", "tcp")
-    os.environ.setdefault("AWEX_DEVICE_TYPE", "cpu")
-    from awex.transfer.mooncake_comm import MooncakeTransport
-    from awex.transfer.transfer_plan import TransferPlanBuilder
-
-    infer_meta, train_meta = _awex_metas(tensors, n_train, tp)
-    grank = rank if role == "infer" else tp + rank
-    plan = TransferPlanBuilder(tp, n_train, 1).build_local_transfer_plan(infer_meta, train_meta, grank)
-    transport = MooncakeTransport(_StoreMeta(store), grank, timeout=600)
-    if role == "train":
-        boxes = {t.name: (t, t.train_box(rank, n_train)) for t in tensors}
-        held: dict[str, torch.Tensor] = {}
-
-        def prepare(s):
-            for name, (t, box) in boxes.items():
-                held[name] = pattern(box, t.tid, s)
-
-        _steps(store, role, rank, n_steps, prepare, lambda s: transport.send(dict(held), plan, s), lambda s: True)
-    else:
-        boxes = {t.name: (t, t.infer_box(rank, tp)) for t in tensors}
-        target = {name: torch.zeros(tuple(b - a for a, b in box), dtype=torch.bfloat16) for name, (t, box) in boxes.items()}
-
-        def verify(s):
-            bad = [name for name, (t, box) in boxes.items() if not _check(target[name], box, t.tid, s)]
-            return True if not bad else f"{len(bad)} tensors differ, first {bad[0]}"
-
-        _steps(store, role, rank, n_steps, lambda s: None, lambda s: transport.receive(target, plan, s), verify)
-
-
-# --------------------------------------------------------------------------------------------
-# Mooncake transfer engine alone
-
-
-def _mooncake_rank(store, role, rank, tensors, n_train, tp, n_steps):
-    from mooncake.engine import TransferEngine
-
-    if n_train != tp:
-        raise ValueError("the mooncake row pairs training rank r with inference rank r: needs n_train == tp")
-    eng = TransferEngine()
-    if eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("Mooncake initialize failed")
-    boxes = [(t, t.infer_box(rank, tp)) for t in tensors]
-    sizes = [2 * int(torch.Size(tuple(b - a for a, b in box)).numel()) for _, box in boxes]
-    offs = [sum(sizes[:i]) for i in range(len(sizes))]
-    arena = torch.zeros(sum(sizes), dtype=torch.uint8)
-    if eng.register_memory(arena.data_ptr(), arena.numel()) != 0:
-        raise RuntimeError("Mooncake register_memory failed")
-    views = [arena[o:o + n].view(torch.bfloat16).view(tuple(b - a for a, b in box))
-             for o, n, (_, box) in zip(offs, sizes, boxes)]
-    if role == "infer":
-        store.set(f"mc/{rank}", pickle.dumps((f"127.0.0.1:{eng.get_rpc_port()}", arena.data_ptr())))
-
-        def verify(s):
-            store.wait([f"done/{s}/train{rank}"])  # the writer's batch completed (one-sided: nothing to receive)
-            bad = [t.name for (t, box), v in zip(boxes, views) if not _check(v, box, t.tid, s)]
-            return True if not bad else f"{len(bad)} tensors differ, first {bad[0]}"
-
-        _steps(store, role, rank, n_steps, lambda s: None, lambda s: None, verify)
-        store.wait([f"mc_exit/{rank}"])
-    else:
-        store.wait([f"mc/{rank}"])
-        session, base = pickle.loads(store.get(f"mc/{rank}"))
-        src = [arena.data_ptr() + o for o in offs]
-        dst = [base + o for o in offs]
-
-        def prepare(s):
-            for (t, box), v in zip(boxes, views):
-                v.copy_(pattern(box, t.tid, s))
-
-        def transfer(s):
-            rc = eng.batch_transfer_sync_write(session, src, dst, sizes)
-            if rc != 0:
-                raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
-
-        _steps(store, role, rank, n_steps, prepare, transfer, lambda s: True)
-        store.set(f"mc_exit/{rank}", "1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,17 +236,36 @@ class PeersBenchConfig:
                 raise ValueError(f"override {kv!r}: wants KEY=VALUE")
 
 
-def main(a: PeersBenchConfig) -> int:
-    """Run each peer in turn, print the table, append ``a.csv``. Returns 0 when every peer that
-    ran was verified, 1 otherwise (or when none ran)."""
-    # imported here: torchstore's own environment loads this file by path for PeerTensor/pattern only
+@dataclass
+class _Run:
+    """One ``bench-peers`` run: the trial config every row uses, its tensor set and world, the
+    bytes one update carries, the environment, and torchstore's interpreter."""
+
+    cfg: object
+    tensors: list[PeerTensor]
+    tp: int
+    n_train: int
+    nbytes: int
+    env: dict
+    run_id: str
+    stamp: str
+    label: str
+    ts_py: str | None
+    rows: list[dict] = field(default_factory=list)
+    """One per row that ran: peer, transport, bytes, measured times, verified, errors, memcpy, phases, cold."""
+    ref_rows: list[tuple[str, list[dict]]] = field(default_factory=list)
+    """The reference's trial rows per transport label (measured updates)."""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    memcpys: list[float] = field(default_factory=list)
+
+
+def _setup(a: PeersBenchConfig) -> _Run:
+    """The run's trial config (the main job's, or ``a.model``; BF16, reference), tensor set and
+    environment."""
     from weight_transfer.experiments.cli import key_value
     from weight_transfer.experiments.config import TrialConfig, main_job_default
-    from weight_transfer.experiments.env import environment, measure_memcpy_gbps
-    from weight_transfer.experiments.report import percentile
-    from weight_transfer.experiments.trial import run_trial
+    from weight_transfer.experiments.env import environment
 
-    peers = list(a.peers)
     base = main_job_default() if a.model is None else TrialConfig.from_flat(model=a.model)
     ov = dict(base.model.overrides)
     ov.update(dict(key_value(s) for s in a.override))
@@ -568,19 +274,25 @@ def main(a: PeersBenchConfig) -> int:
     tensors = tensor_set(cfg)
     tp, n_train = cfg.inference.tp, cfg.train.n_train
     nbytes = sum(2 * int(torch.Size(b - a for a, b in t.infer_box(r, tp)).numel()) for t in tensors for r in range(tp))
-    env = environment()
-    run_id, stamp = uuid.uuid4().hex[:8], dt.datetime.now().isoformat(timespec="seconds")
-    mcfg = cfg.model_config()
-    print(f"# bench-peers: the same tensor set and world through each system; run {run_id}, git {env['git_sha']}, {stamp}")
-    ts_py, ts_vers = torchstore_python(a.torchstore_python), {}
-    if "torchstore" in peers and ts_py:
-        ts_vers = _torchstore_probe(ts_py)[1]
+    return _Run(cfg=cfg, tensors=tensors, tp=tp, n_train=n_train, nbytes=nbytes, env=environment(),
+                run_id=uuid.uuid4().hex[:8], stamp=dt.datetime.now().isoformat(timespec="seconds"),
+                label=cfg.model_config().label, ts_py=torchstore_python(a.torchstore_python))
+
+
+def _header(a: PeersBenchConfig, run: _Run) -> None:
+    """The table's ``#`` header: the run, the host and the peers' versions, the world, the units."""
+    env = run.env
+    print(f"# bench-peers: the same tensor set and world through each system; run {run.run_id}, git {env['git_sha']}, "
+          f"{run.stamp}")
+    ts_vers = {}
+    if "torchstore" in a.peers and run.ts_py:
+        ts_vers = _torchstore_probe(run.ts_py)[1]
     ts_desc = (f"torchstore {ts_vers.get('commit') or ts_vers.get('torchstore', '-')} (torchmonarch "
-               f"{ts_vers.get('torchmonarch', '-')}, torch {ts_vers.get('torch', '-')}, {ts_py})") if ts_vers else "torchstore -"
+               f"{ts_vers.get('torchmonarch', '-')}, torch {ts_vers.get('torch', '-')}, {run.ts_py})") if ts_vers else "torchstore -"
     print(f"# host {env['host']}: {env['cpus']} cpus, torch {env['torch']}, python {env['python']}; "
           f"awex {_version('awex')}, mooncake-transfer-engine {_version('mooncake-transfer-engine')}, {ts_desc}")
-    print(f"# model: {mcfg.label}; {n_train} training ranks -> {tp} inference ranks (TP={tp}), BF16, "
-          f"{len(tensors)} engine tensors, {nbytes} B per update")
+    print(f"# model: {run.label}; {run.n_train} training ranks -> {run.tp} inference ranks (TP={run.tp}), BF16, "
+          f"{len(run.tensors)} engine tensors, {run.nbytes} B per update")
     print(f"# {a.warmup} warm-up + {a.steps} measured updates per peer, every update verified bit-exact; "
           f"time = 'go' to the last rank done")
     print("#")
@@ -588,54 +300,71 @@ def main(a: PeersBenchConfig) -> int:
           f"{'algbw':>7} {'%memcpy':>8} {'ref/peer':>8} {'verified':>9}")
     print(f"# {'':>10} {'':>26} {'(B)':>12} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(s)':>8} {'(GB/s)':>7} {'':>8} "
           f"{'(x)':>8} {'':>9}")
-    rows, skipped, memcpys = [], [], []
-    ref_rows: list[tuple[str, list[dict]]] = []
-    transport = {"reference": "cma (process_vm_writev)", "awex": "mooncake tcp, reads", "mooncake": "tcp, writes, 1 pair/rank"}
-    jobs = [(p, t) for p in peers for t in (a.torchstore_transports if p == "torchstore" else
-                                            a.reference_transports if p == "reference" else (None,))]
+
+
+_TRANSPORT = {"reference": "cma (process_vm_writev)", "awex": "mooncake tcp, reads", "mooncake": "tcp, writes, 1 pair/rank"}
+"""Table label of the peers with one row."""
+
+
+def _run_one(a: PeersBenchConfig, run: _Run, peer: str, tr: str | None, label: str) -> tuple[list, list, int, list]:
+    """One row's updates: per update its seconds or the verification error, whether it was a
+    warm-up, the bytes one update carried, and torchstore's per-update phases. Raises what the
+    peer raised."""
+    if peer == "torchstore":
+        secs, phases = _run_torchstore(run.ts_py, tr, run.tensors, run.n_train, run.tp, a.steps, a.warmup, a.timeout)
+        return secs, [i < a.warmup for i in range(len(secs))], run.nbytes, phases
+    if peer == "reference":
+        from weight_transfer.experiments.trial import run_trial
+
+        res = run_trial(run.cfg.replace(transport=tr))
+        secs = [float(r["seconds"]) if r["verified"] else (r.get("verify_error") or "not verified") for r in res.rows]
+        run.ref_rows.append((label, [r for r in res.rows if not r["warmup"]]))
+        return secs, [r["warmup"] for r in res.rows], res.rows[0]["bytes"], []
+    from .peer_worlds import run_world
+
+    secs = run_world(peer, run.tensors, run.n_train, run.tp, a.steps, a.warmup, a.timeout)
+    return secs, [i < a.warmup for i in range(len(secs))], run.nbytes, []
+
+
+def _run_peers(a: PeersBenchConfig, run: _Run) -> None:
+    """Every row in turn (a peer not available here, or failing, goes to ``run.skipped``), the
+    memcpy measured before each; fills ``run.rows``."""
+    from weight_transfer.experiments.env import measure_memcpy_gbps
+
+    jobs = [(p, t) for p in a.peers for t in (a.torchstore_transports if p == "torchstore" else
+                                              a.reference_transports if p == "reference" else (None,))]
     why_not: dict[str, str | None] = {}
     for peer, ts_tr in jobs:
         if peer not in why_not:
             why_not[peer] = None if peer == "reference" else _available(peer, a.torchstore_python)
             if why_not[peer]:
-                skipped.append((peer, why_not[peer]))
+                run.skipped.append((peer, why_not[peer]))
         if why_not[peer]:
             continue
         label = (REFERENCE_LABEL[ts_tr] if peer == "reference" else TORCHSTORE_LABEL[ts_tr] if ts_tr
-                 else transport.get(peer, "-"))
-        memcpys.append(measure_memcpy_gbps())
-        phases: list[dict] = []
+                 else _TRANSPORT.get(peer, "-"))
+        run.memcpys.append(measure_memcpy_gbps())
         try:
-            if peer == "torchstore":
-                secs, phases = _run_torchstore(ts_py, ts_tr, tensors, n_train, tp, a.steps, a.warmup, a.timeout)
-                warm = [i < a.warmup for i in range(len(secs))]
-                got_bytes = nbytes
-            elif peer == "reference":
-                res = run_trial(cfg.replace(transport=ts_tr))
-                secs = [float(r["seconds"]) if r["verified"] else (r.get("verify_error") or "not verified")
-                        for r in res.rows]
-                warm = [r["warmup"] for r in res.rows]
-                got_bytes = res.rows[0]["bytes"]
-                ref_rows.append((label, [r for r in res.rows if not r["warmup"]]))
-            else:
-                secs = _run_world(peer, tensors, n_train, tp, a.steps, a.warmup, a.timeout)
-                warm = [i < a.warmup for i in range(len(secs))]
-                got_bytes = nbytes
+            secs, warm, got_bytes, phases = _run_one(a, run, peer, ts_tr, label)
         except Exception as e:
-            skipped.append((peer if not ts_tr else f"{peer} {ts_tr}",
-                            f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"))
+            run.skipped.append((peer if not ts_tr else f"{peer} {ts_tr}",
+                                f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"))
             continue
         meas = [x for x, w in zip(secs, warm) if not w]
         ok = all(isinstance(x, float) for x in secs)
         times = [x for x in meas if isinstance(x, float)]
-        rows.append(dict(peer=peer, transport=label, bytes=got_bytes, times=times, ok=ok,
-                         errors=[x for x in secs if not isinstance(x, float)], memcpy=memcpys[-1],
-                         phases=[ph for ph, w in zip(phases, warm) if not w], cold=secs[0] if secs else None))
-    mem = statistics.median(memcpys) if memcpys else measure_memcpy_gbps()
-    ref = next((r for r in rows if r["peer"] == "reference" and r["times"]), None)
-    ref_gbps = ref["bytes"] / statistics.median(ref["times"]) / 1e9 if ref else None
+        run.rows.append(dict(peer=peer, transport=label, bytes=got_bytes, times=times, ok=ok,
+                             errors=[x for x in secs if not isinstance(x, float)], memcpy=run.memcpys[-1],
+                             phases=[ph for ph, w in zip(phases, warm) if not w], cold=secs[0] if secs else None))
+
+
+def _table(run: _Run, mem: float, ref_gbps: float | None) -> list[dict]:
+    """Print one table line per row (``mem``: the run's memcpy, GB/s; ``ref_gbps``: the
+    reference's p50 bandwidth); returns the tidy CSV rows, one per measured update."""
+    from weight_transfer.experiments.report import percentile
+
     out_rows = []
-    for r in rows:
+    for r in run.rows:
         if not r["times"]:
             print(f"  {r['peer']:>10} {r['transport'][:26]:>26} {r['bytes']:>12} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
                   f"{'-':>8} {'-':>7} {'-':>8} {'-':>8} {'NO':>9}")
@@ -648,15 +377,23 @@ def main(a: PeersBenchConfig) -> int:
               f"{percentile(r['times'], 95):>8.3f} {min(r['times']):>8.3f} "
               f"{max(r['times']):>8.3f} {gbps:>7.3f} {100 * gbps / mem:>7.1f}% {ratio:>8} {'yes' if r['ok'] else 'NO':>9}")
         for i, s in enumerate(r["times"]):
-            out_rows.append(dict(run_id=run_id, git_sha=env["git_sha"], timestamp=stamp, host=env["host"], peer=r["peer"],
-                                 transport=r["transport"], model=mcfg.label, n_train=n_train, n_infer=tp, step=i,
-                                 bytes=r["bytes"], seconds=f"{s:.6f}", memcpy_gbps=f"{r['memcpy']:.3f}", verified=r["ok"]))
+            out_rows.append(dict(run_id=run.run_id, git_sha=run.env["git_sha"], timestamp=run.stamp, host=run.env["host"],
+                                 peer=r["peer"], transport=r["transport"], model=run.label, n_train=run.n_train,
+                                 n_infer=run.tp, step=i, bytes=r["bytes"], seconds=f"{s:.6f}",
+                                 memcpy_gbps=f"{r['memcpy']:.3f}", verified=r["ok"]))
+    return out_rows
+
+
+def _footer(run: _Run, mem: float, ref_gbps: float | None) -> int:
+    """The ``#`` footer: memcpy, the reference's phases, torchstore's put / get and how the
+    reference compares with it, verification, errors, rows not run. Returns the failed rows."""
+    rows = run.rows
     print("#")
-    print(f"# memcpy on this machine (same run, 1 thread, 256 MiB, median of {len(memcpys)}): {mem:.2f} GB/s")
-    if ref_rows:  # the reference's own phases, slowest sender and receiver, extra memory (docs/PERFORMANCE.md)
+    print(f"# memcpy on this machine (same run, 1 thread, 256 MiB, median of {len(run.memcpys)}): {mem:.2f} GB/s")
+    if run.ref_rows:  # the reference's own phases, slowest sender and receiver, extra memory (docs/PERFORMANCE.md)
         from weight_transfer.experiments.report import phase_lines
 
-        for lab, rr in ref_rows:
+        for lab, rr in run.ref_rows:
             print("\n".join(line.replace("# ", f"# reference {lab}: ", 1) for line in phase_lines(rr, mem)))
     ts_rows = [r for r in rows if r["peer"] == "torchstore" and r["times"] and r["ok"]]
     for r in ts_rows:
@@ -677,18 +414,41 @@ def main(a: PeersBenchConfig) -> int:
     for r in rows:
         for e in r["errors"][:2]:
             print(f"#   {r['peer']}: {e}")
-    for peer, why in skipped:
+    for peer, why in run.skipped:
         print(f"# not run: {peer}: {why}")
-    if a.csv and out_rows:
-        os.makedirs(os.path.dirname(a.csv) or ".", exist_ok=True)
-        new = not os.path.exists(a.csv)
-        with open(a.csv, "a", newline="") as f:
+    return n_bad
+
+
+def _append_csv(path: str, out_rows: list[dict]) -> None:
+    """Append the tidy rows to ``path`` (a header when the file is new); nothing for '' or no rows."""
+    if path and out_rows:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(out_rows[0]))
             if new:
                 w.writeheader()
             w.writerows(out_rows)
-        print(f"# results: {a.csv} (+{len(out_rows)} rows)")
-    return 0 if rows and not n_bad else 1
+        print(f"# results: {path} (+{len(out_rows)} rows)")
+
+
+def main(a: PeersBenchConfig) -> int:
+    """Run each peer in turn, print the table, append ``a.csv``. Returns 0 when every peer that
+    ran was verified, 1 otherwise (or when none ran)."""
+    # imported in the steps: torchstore's own environment loads peer_tensors.py by path, and the
+    # harness's modules are not there
+    from weight_transfer.experiments.env import measure_memcpy_gbps
+
+    run = _setup(a)
+    _header(a, run)
+    _run_peers(a, run)
+    mem = statistics.median(run.memcpys) if run.memcpys else measure_memcpy_gbps()
+    ref = next((r for r in run.rows if r["peer"] == "reference" and r["times"]), None)
+    ref_gbps = ref["bytes"] / statistics.median(ref["times"]) / 1e9 if ref else None
+    out_rows = _table(run, mem, ref_gbps)
+    n_bad = _footer(run, mem, ref_gbps)
+    _append_csv(a.csv, out_rows)
+    return 0 if run.rows and not n_bad else 1
 
 
 if __name__ == "__main__":  # python -m weight_transfer.experiments.bench.peers [options] = weight-transfer bench-peers

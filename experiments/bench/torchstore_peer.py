@@ -12,7 +12,7 @@ SPEC.json: ``{"tensors": [[tid, name, global_shape, tp_dim], ...], "n_train", "t
 "warmup", "transport", "timeout"}``; OUT.json: ``{"seconds": [...], "phases": [...],
 "errors": [...], "versions": {...}}`` (per update: its seconds, or the verification error text).
 This file imports only torch, torchstore and monarch, and ``pattern``/``PeerTensor`` from
-``peers.py`` beside it (loaded by path when ``weight_transfer`` is not installed here).
+``peer_tensors.py`` beside it (loaded by path when ``weight_transfer`` is not installed here).
 
 The world, as the other rows: a monarch controller (this process) spawns ``n_train`` trainer
 processes and ``tp`` generator processes on this host. Each trainer rank holds its even ``dim 0``
@@ -50,11 +50,11 @@ import traceback
 import torch
 
 try:
-    from weight_transfer.experiments.bench.peers import PeerTensor, pattern
-except ImportError:  # torchstore's own environment: peers.py beside this file, by path
+    from weight_transfer.experiments.bench.peer_tensors import PeerTensor, pattern
+except ImportError:  # torchstore's own environment: peer_tensors.py beside this file, by path
     import importlib.util
 
-    _spec = importlib.util.spec_from_file_location("_wt_peers", os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py"))
+    _spec = importlib.util.spec_from_file_location("_wt_peers", os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_tensors.py"))
     _peers = importlib.util.module_from_spec(_spec)
     sys.modules["_wt_peers"] = _peers
     _spec.loader.exec_module(_peers)

@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -325,10 +325,27 @@ def _size_label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def main(a: TransportBenchConfig) -> int:
-    """Run every table, print it, write ``a.csv``; 0 if every row ran and verified."""
-    torch.set_num_threads(1)
-    names = list(a.transports)
+@dataclass
+class _Rows:
+    """The tidy rows of one run: the run's own columns (``run_id``, ``git_sha``, ``timestamp``,
+    ``host``), the rows so far, and the back ends that did not run (name -> why)."""
+
+    run: dict
+    repeats: int
+    rows: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def add(self, name, case, threads, msg, ops, nbytes, times, ok) -> tuple[float, float]:
+        """Append one row (``times``: seconds per timed batch); returns its best and median seconds."""
+        best, med = min(times), sorted(times)[len(times) // 2]
+        self.rows.append(dict(**self.run, transport=name, case=case, threads=threads, msg_bytes=msg, ops=ops,
+                              bytes=nbytes, seconds=f"{best:.6f}", seconds_median=f"{med:.6f}", repeats=self.repeats,
+                              verified=ok))
+        return best, med
+
+
+def _header(a: TransportBenchConfig) -> _Rows:
+    """The ``#`` lines on the run and the host; the run's (still empty) rows."""
     run_id, sha, stamp, host = uuid.uuid4().hex[:8], git_sha(), dt.datetime.now().isoformat(timespec="seconds"), socket.gethostname()
     try:
         from importlib.metadata import version
@@ -342,17 +359,14 @@ def main(a: TransportBenchConfig) -> int:
     print(f"# best of {a.repeats} timed batches after 1 warm-up; nixl = UCX's choice (CMA put, TCP wire-up), nixl-tcp = UCX_TLS=tcp; "
           "shm = memcpy into the receiver's segment, mapped once; "
           f"memcpy = torch copy_ in one process, the floor; busbw = algbw (point to point)")
-    rows, skipped = [], {}
+    return _Rows(run=dict(run_id=run_id, git_sha=sha, timestamp=stamp, host=host), repeats=a.repeats)
 
-    def row(name, case, threads, msg, ops, nbytes, times, ok):
-        best, med = min(times), sorted(times)[len(times) // 2]
-        r = dict(run_id=run_id, git_sha=sha, timestamp=stamp, host=host, transport=name, case=case, threads=threads,
-                 msg_bytes=msg, ops=ops, bytes=nbytes, seconds=f"{best:.6f}", seconds_median=f"{med:.6f}",
-                 repeats=a.repeats, verified=ok)
-        rows.append(r)
-        return best, med
 
-    # 1. sizes x threads
+def _size_table(a: TransportBenchConfig, out: _Rows) -> None:
+    """[1] message sizes x sender threads, every back end; percentages of memcpy's bandwidth.
+    A back end whose library is missing, or that fails, goes to ``out.skipped``."""
+    from weight_transfer.options import transport_unavailable
+
     sizes = size_cases(a.min_kib, a.max_mib, a.window_mib)
     span = max(max(do + n for _, do, n in ops) for ops in sizes.values())
     g = torch.Generator().manual_seed(1)
@@ -364,15 +378,13 @@ def main(a: TransportBenchConfig) -> int:
           f"{'algbw':>7} {'busbw':>7} {'%memcpy':>7} {'verified':>8}")
     print(f"# {'':>10} {'(#)':>7} {'':>8} {'(#)':>6} {'(B)':>11} {'(s)':>9} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
           f"{'':>7} {'':>8}")
-    from weight_transfer.options import transport_unavailable
-
-    for name in names:  # a back end whose library is missing is listed, not started (no receiver to wait for)
+    for name in a.transports:  # a back end whose library is missing is listed, not started (no receiver to wait for)
         why = None if name == "memcpy" else transport_unavailable(_kind(name))
         if why:
-            skipped[name] = why
+            out.skipped[name] = why
     floor: dict[tuple[int, int], float] = {}
-    for name in names:
-        if name in skipped:
+    for name in a.transports:
+        if name in out.skipped:
             continue
         try:
             if name == "memcpy":
@@ -392,7 +404,7 @@ def main(a: TransportBenchConfig) -> int:
                         times = timed_writes(name, rx.desc, ops, src, a.repeats, th)
                         got = rx.sha()
                     ok = got == want[size]
-                    best, _ = row(name, "size", th, size, len(ops), nbytes, times, ok)
+                    best, _ = out.add(name, "size", th, size, len(ops), nbytes, times, ok)
                     bw = nbytes / best / 1e9
                     if name == "memcpy":
                         floor[(size, th)] = bw
@@ -405,10 +417,13 @@ def main(a: TransportBenchConfig) -> int:
             else:
                 del dst
         except Exception as e:
-            skipped[name] = f"{type(e).__name__}: {e}"
+            out.skipped[name] = f"{type(e).__name__}: {e}"
     del src
 
-    # 2. the large op and the model's tensors, one thread
+
+def _case_table(a: TransportBenchConfig, out: _Rows) -> None:
+    """[2] one large op, and one write per checkpoint tensor of ``a.model`` into a packed arena
+    (one thread), every back end still running."""
     print("#")
     print("# [2] cases: one large op; one write per checkpoint tensor into a packed arena (one thread)")
     print(f"# {'transport':>10} {'case':>12} {'ops':>6} {'bytes':>12} {'time':>9} {'median':>9} {'algbw':>7} {'verified':>8}")
@@ -418,8 +433,8 @@ def main(a: TransportBenchConfig) -> int:
         g = torch.Generator().manual_seed(1)
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
         want_c = _image(ops, src, nbytes)
-        for name in names:
-            if name in skipped:
+        for name in a.transports:
+            if name in out.skipped:
                 continue
             try:
                 if name == "memcpy":
@@ -430,35 +445,46 @@ def main(a: TransportBenchConfig) -> int:
                 else:
                     times, got = bench_transport(name, ops, src, nbytes, a.repeats)
             except Exception as e:
-                skipped[name] = f"{type(e).__name__}: {e}"
+                out.skipped[name] = f"{type(e).__name__}: {e}"
                 continue
             ok = got == want_c
-            best, med = row(name, cname, 1, 0, len(ops), nbytes, times, ok)
+            best, med = out.add(name, cname, 1, 0, len(ops), nbytes, times, ok)
             print(f"  {name:>10} {cname:>12} {len(ops):>6} {nbytes:>12} {best:>9.4f} {med:>9.4f} "
                   f"{nbytes / best / 1e9:>7.2f} {'ok' if ok else 'WRONG':>8}", flush=True)
         del src
 
-    # 3. registration
+
+def _registration_table(a: TransportBenchConfig, out: _Rows) -> None:
+    """[3] register() + descriptor() of a fresh host tensor of 1 MiB, 64 MiB and ``a.mib`` MiB."""
     print("#")
     print("# [3] registration: register() + descriptor() of a fresh (paged-in) host tensor, best of "
           f"{a.repeats}")
     print(f"# {'transport':>10} {'bytes':>12} {'time':>10} {'per GiB':>10}")
     print(f"# {'':>10} {'(B)':>12} {'(s)':>10} {'(s)':>10}")
-    for name in names:
-        if name in skipped or name == "memcpy":
+    for name in a.transports:
+        if name in out.skipped or name == "memcpy":
             continue
         for nbytes in sorted({1 << 20, 64 << 20, a.mib << 20}):
             try:
                 sec = registration_seconds(name, nbytes, a.repeats)
             except Exception as e:
-                skipped[name] = f"{type(e).__name__}: {e}"
+                out.skipped[name] = f"{type(e).__name__}: {e}"
                 break
-            row(name, "register", 1, nbytes, 1, nbytes, [sec], True)
+            out.add(name, "register", 1, nbytes, 1, nbytes, [sec], True)
             print(f"  {name:>10} {nbytes:>12} {sec:>10.6f} {sec / nbytes * (1 << 30):>10.6f}", flush=True)
 
+
+def main(a: TransportBenchConfig) -> int:
+    """Run every table, print it, write ``a.csv``; 0 if every row ran and verified."""
+    torch.set_num_threads(1)
+    out = _header(a)
+    _size_table(a, out)
+    _case_table(a, out)
+    _registration_table(a, out)
+    rows = out.rows
     allok = all(r["verified"] for r in rows)
     print(f"# Out of bounds values : {sum(not r['verified'] for r in rows)} {'OK' if allok else 'FAILED'}")
-    for name, why in skipped.items():
+    for name, why in out.skipped.items():
         print(f"# not run: {name}: {why}")
     if a.csv:
         os.makedirs(os.path.dirname(a.csv) or ".", exist_ok=True)

@@ -37,7 +37,8 @@ Costs (every figure a named field of :class:`~weight_transfer.experiments.sim.ha
 Why a direct event loop (a heap of timestamped events, no simulation library): the model has
 exactly four event kinds (stage ready, collective complete, write done, release), the order
 of processing is the order of time with ties broken by a sequence number, so the result is
-deterministic and the loop is a page of code anyone can check against the executor.
+deterministic and the loop (``loop.py``: :class:`~weight_transfer.experiments.sim.loop.EventLoop`)
+is a page of code anyone can check against the executor.
 
 :func:`floors` gives the physical floor next to every prediction: bytes through the busiest
 NIC (send or receive, fabric all-gathers included), PCIe link and NVLink link divided by the
@@ -46,7 +47,6 @@ and :func:`ckpt_engine_broadcast` are the baselines, on the same hardware figure
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -54,8 +54,7 @@ from dataclasses import dataclass, field
 from weight_transfer.types import ParamMeta, Schedule, itemsize, numel
 
 from .hardware import Hardware
-
-STAGES = ("h2d", "prepare", "write", "release")
+from .loop import STAGES, EventLoop  # noqa: F401  (STAGES re-exported)
 
 WRITES_IN_FLIGHT = ("task", "watermark")
 """How many tasks' writes one training rank has in flight (:func:`simulate`'s
@@ -244,207 +243,42 @@ def simulate(sched: Schedule, train_metas: dict[int, list[ParamMeta]] | dict[str
     Raises ValueError on an unknown ``writes_in_flight``. Deterministic."""
     if writes_in_flight not in WRITES_IN_FLIGHT:
         raise ValueError(f"writes_in_flight={writes_in_flight!r}: expected one of {', '.join(WRITES_IN_FLIGHT)}")
-    overlap = writes_in_flight == "watermark"
     first = train_metas if (train_metas and isinstance(next(iter(train_metas)), str)) else first_metas(train_metas)
     src = source_info(first, hw)
     shadow: dict[int, int] = {}
     ag, per_rank = _task_costs(sched, src, hw, delta, shadow)
-    wm = math.inf if watermark is None else watermark
-    nic = hw.nic_Bps
-    msg, lat, rel_s = hw.rdma_msg_us * 1e-6, hw.rdma_latency_us * 1e-6, hw.release_us * 1e-6
-    pcie = hw.pcie_gbs * 1e9
-
-    ranks = sorted(per_rank)
-    keep = set(ranks) if record is True else set(record or ())
-    n_tasks = {r: len(per_rank[r]) for r in ranks}
-    # per-rank state
-    adm = dict.fromkeys(ranks, 0)          # next task to admit
-    prep = dict.fromkeys(ranks, 0)         # next task to arrive at prepare
-    prep_busy = dict.fromkeys(ranks, False)
-    prepped = dict.fromkeys(ranks, 0)      # tasks whose prepare is done
-    wr = dict.fromkeys(ranks, 0)           # next task to write
-    writing = dict.fromkeys(ranks, False)
-    released = dict.fromkeys(ranks, 0)
-    h2d_free = dict.fromkeys(ranks, 0.0)
-    rel_free = dict.fromkeys(ranks, 0.0)
-    h2d_end: dict[int, list[float]] = {r: [] for r in ranks}
-    inflight = dict.fromkeys(ranks, 0)
-    peak = 0
-    tx_free: dict[int, float] = {}
-    rx_free: dict[int, float] = {}
-    busy = {r: dict.fromkeys(STAGES, 0.0) for r in ranks}
-    events: list[tuple] = []
-    # collectives
-    arrived: dict[int, int] = {}
-    arrive_t: dict[int, float] = {}
-    pos_of: dict[tuple[int, int], int] = {}
-    for r in ranks:
-        for i, t in enumerate(per_rank[r]):
-            pos_of[(r, t[0])] = i
-    # barriers: group -> ranks still to finish their last prepare of it
-    groups = sorted({t[1] for r in ranks for t in per_rank[r]})
-    last_of: dict[int, dict[int, int]] = {r: {} for r in ranks}
-    remaining = dict.fromkeys(groups, 0)
-    for r in ranks:
-        for i, t in enumerate(per_rank[r]):
-            last_of[r][t[1]] = i
-        for g in last_of[r]:
-            remaining[g] += 1
-    released_at: dict[int, float] = {}     # barrier after group g
-    gate = {g: [h for h in groups if h < g] for g in groups}
-
-    heap: list = []
-    seq = 0
-
-    def push(t, kind, a, b=0):
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, a, b))
-
-    def _arrive(r, now):
-        tasks = per_rank[r]
-        i = prep[r]
-        if i >= adm[r] or prep_busy[r]:
-            return
-        tid, g = tasks[i][0], tasks[i][1]
-        for h in gate[g]:
-            if h not in released_at:
-                return  # the barrier event kicks every rank
-        ready = max(h2d_end[r][i], max((released_at[h] for h in gate[g]), default=0.0))
-        if ready > now:
-            push(ready, 0, r)
-            return
-        prep_busy[r] = True
-        prep[r] += 1
-        mesh = tasks[i][6]
-        key = tid if len(mesh) > 1 else (tid, r)  # local tasks: one per rank, no collective
-        arrived[key] = arrived.get(key, 0) + 1
-        arrive_t[key] = max(arrive_t.get(key, 0.0), now)
-        if arrived[key] == len(mesh):
-            sec, fab, _, _ = ag[tid]
-            start = arrive_t[key]
-            if fab:
-                start = max([start] + [tx_free.get(q, 0.0) for q in mesh])
-            end = start + sec
-            if fab:
-                for q in mesh:
-                    tx_free[q] = end
-            for q in mesh:
-                k = pos_of[(q, tid)]
-                comp = per_rank[q][k][4]
-                busy[q]["prepare"] += end + comp - start
-                if q in keep:
-                    events.append((q, tid, "prepare", start, end + comp))
-                push(end + comp, 1, q, k)
-
-    def kick(r, now):
-        nonlocal peak
-        tasks = per_rank[r]
-        # 1. admission (watermark) + h2d
-        while adm[r] < n_tasks[r]:
-            tb = tasks[adm[r]][2]
-            if inflight[r] and inflight[r] + tb > wm:
-                break
-            inflight[r] += tb
-            peak = max(peak, inflight[r])
-            h = tasks[adm[r]][3] / pcie
-            s = max(now, h2d_free[r])
-            h2d_free[r] = s + h
-            h2d_end[r].append(s + h)
-            if h:
-                busy[r]["h2d"] += h
-                if r in keep:
-                    events.append((r, tasks[adm[r]][0], "h2d", s, s + h))
-            adm[r] += 1
-        # 2. arrive at the next prepare (collective)
-        _arrive(r, now)
-        # 3. write stage: "task" -- one task's writes at a time (the next task's are posted
-        # when every write of this one completed); "watermark" -- every prepared task's
-        # writes are posted now, behind what this rank's NIC already has queued
-        while wr[r] < prepped[r] and not writing[r]:
-            j = wr[r]
-            wr[r] += 1
-            ws = tasks[j][5]
-            writing[r] = not overlap
-            if not ws:
-                push(now, 2, r, j)
-                continue
-            start = max(now, tx_free.get(r, 0.0))
-            cur = done = start
-            for d, b, n in ws:
-                x = b / nic
-                cur += n * msg + x
-                rs = max(cur - x, rx_free.get(d, 0.0))
-                rx_free[d] = rs + x
-                if rx_free[d] > done:
-                    done = rx_free[d]
-            tx_free[r] = cur
-            end = max(cur, done) + lat
-            # busy: "task" -- the stage is held until the batch completes; "watermark" -- the
-            # stage is the NIC posting this task's bytes (completions are waited on by nobody)
-            busy[r]["write"] += (end - now) if not overlap else (cur - start)
-            if r in keep:
-                events.append((r, tasks[j][0], "write", now, end))
-            push(end, 2, r, j)
-
-    for r in ranks:
-        kick(r, 0.0)
-    t_end = 0.0
-    while heap:
-        now, _, kind, r, i = heapq.heappop(heap)
-        if kind == 1:  # prepare done
-            prep_busy[r] = False
-            prepped[r] += 1
-            g = per_rank[r][i][1]
-            if last_of[r][g] == i:
-                remaining[g] -= 1
-                if remaining[g] == 0:
-                    push(now + hw.barrier_us * 1e-6, 3, g)
-        elif kind == 2:  # write done -> release (FIFO: after the previous release)
-            writing[r] = False
-            rs0 = max(now, rel_free[r])
-            rel_free[r] = rs0 + rel_s
-            busy[r]["release"] += rel_s
-            if r in keep:
-                events.append((r, per_rank[r][i][0], "release", rs0, rs0 + rel_s))
-            push(rs0 + rel_s, 4, r, i)
-        elif kind == 3:  # barrier after group r released
-            released_at[r] = now
-            for q in ranks:
-                kick(q, now)
-            continue
-        elif kind == 4:  # released
-            inflight[r] -= per_rank[r][i][2]
-            released[r] += 1
-            t_end = max(t_end, now)
-        kick(r, now)
-    stuck = [r for r in ranks if released[r] != n_tasks[r]]
-    if stuck:
-        r0 = stuck[0]
-        detail = (f"rank {r0}: {n_tasks[r0]} tasks, admitted {adm[r0]}, arrived at prepare {prep[r0]}, "
-                  f"prepared {prepped[r0]}, writes started {wr[r0]}, released {released[r0]}")
-        raise RuntimeError(f"simulation stalled: ranks {stuck[:8]} did not finish (model bug); {detail}")
-
+    keep = set(per_rank) if record is True else set(record or ())
+    loop = EventLoop(per_rank, ag, hw, watermark=math.inf if watermark is None else watermark,
+                     overlap=writes_in_flight == "watermark", keep=keep)
+    t_end = loop.run()
     fl, lb, rb = floors(sched, per_rank, ag, hw, from_writes=delta is not None)
     nbytes, n_writes, extra = sched.total_bytes, sched.n_writes, {}
     if delta is not None:
-        sent = {r: sum(b for t in lst for _, b, _ in t[5]) for r, lst in per_rank.items()}
-        ops = {r: sum(n for t in lst for _, _, n in t[5]) for r, lst in per_rank.items()}
-        nbytes, n_writes = sum(sent.values()), round(sum(ops.values()))
-        apply_s = max((delta.apply_seconds(b) for b in rb["infer_recv"].values()), default=0.0) \
-            if hasattr(delta, "apply_seconds") else 0.0
-        t_end += apply_s  # a packed delta's records are scattered by each receiver's commit, before publishing
-        extra = {"wire_bytes": nbytes, "ops": sum(ops.values()), "max_sender_ops": max(ops.values(), default=0.0),
-                 "apply_seconds_max": apply_s,
-                 "max_sender_bytes": max(sent.values(), default=0.0),
-                 "max_receiver_bytes": max(rb["infer_recv"].values(), default=0.0),
-                 "shadow_bytes_max": max(shadow.values(), default=0), "full_bytes": sched.total_bytes,
-                 "full_writes": sched.n_writes}
-    return SimResult(method=method, seconds=t_end,
-                     stage_busy={s: max((busy[r][s] for r in ranks), default=0.0) for s in STAGES},
+        nbytes, n_writes, extra = _delta_totals(sched, per_rank, rb, delta, shadow)
+        t_end += extra["apply_seconds_max"]  # a packed delta's records are scattered by each receiver's commit, before publishing
+    return SimResult(method=method, seconds=t_end, stage_busy=loop.stage_busy(),
                      floors=fl, link_bytes=lb, bytes=nbytes, n_writes=n_writes,
-                     peak_temp_bytes=peak, events=events, rank_bytes=rb,
+                     peak_temp_bytes=loop.peak, events=loop.events, rank_bytes=rb,
                      groups={t[0]: t[1] for r in keep for t in per_rank[r]}, extra=extra)
+
+
+def _delta_totals(sched: Schedule, per_rank, rb: dict, delta, shadow: dict[int, int]) -> tuple[float, int, dict]:
+    """A delta update's expected wire bytes and ops (all ranks) and :attr:`SimResult.extra`:
+    from ``per_rank``'s writes (:func:`_task_costs` with ``delta``), the receivers' bytes
+    ``rb`` (:func:`floors`) and each rank's shadow bytes; ``apply_seconds_max``: the slowest
+    receiver's scatter of a packed delta's records at commit (0 for a delta without one)."""
+    sent = {r: sum(b for t in lst for _, b, _ in t[5]) for r, lst in per_rank.items()}
+    ops = {r: sum(n for t in lst for _, _, n in t[5]) for r, lst in per_rank.items()}
+    nbytes, n_writes = sum(sent.values()), round(sum(ops.values()))
+    apply_s = max((delta.apply_seconds(b) for b in rb["infer_recv"].values()), default=0.0) \
+        if hasattr(delta, "apply_seconds") else 0.0
+    extra = {"wire_bytes": nbytes, "ops": sum(ops.values()), "max_sender_ops": max(ops.values(), default=0.0),
+             "apply_seconds_max": apply_s,
+             "max_sender_bytes": max(sent.values(), default=0.0),
+             "max_receiver_bytes": max(rb["infer_recv"].values(), default=0.0),
+             "shadow_bytes_max": max(shadow.values(), default=0), "full_bytes": sched.total_bytes,
+             "full_writes": sched.n_writes}
+    return nbytes, n_writes, extra
 
 
 def floors(sched: Schedule, per_rank, ag, hw: Hardware, *, from_writes: bool = False

@@ -1,7 +1,9 @@
 """The import graph: the library (``reference/``, installed as ``weight_transfer``) imports
 nothing from the harness (``weight_transfer.engines``, ``.baselines``, ``.experiments``,
 ``.analysis``), the harness follows DESIGN.md's arrows, no module imports another in a cycle,
-no library module is over 600 lines (DESIGN.md), and no code uses the old top-level names.
+no module of any package folder is over 600 lines (DESIGN.md; issue 41: the harness too), no
+function of the harness's ``experiments/``, ``engines/`` or ``scripts/`` is over 100 lines, and no
+code uses the old top-level names.
 
 Every import counts: absolute ones, relative ones (``from .x import y``, and ``from . import x``,
 which names a module, not an attribute), and those inside functions."""
@@ -93,6 +95,61 @@ def test_reference_imports_nothing_from_the_harness(path):
 def test_reference_module_at_most_600_lines(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES})"
+
+
+# ---- rooms in the harness (issue 41): every package folder's modules, and functions -----------
+
+MAX_FUNCTION_LINES = 100
+HARNESS = sorted(p for folder in FOLDERS if folder != "reference" for p in (ROOT / folder).rglob("*.py"))
+"""Every module of the package folders other than the library (which the test above holds)."""
+ROOMY = sorted(p for folder in ("experiments", "engines", "scripts") for p in (ROOT / folder).rglob("*.py"))
+"""The folders whose functions are held to :data:`MAX_FUNCTION_LINES`."""
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``name (line N): L lines`` for every ``def`` / ``async def`` of ``path`` (nested ones
+    included, each measured alone: ``end_lineno - lineno + 1``, its decorators not counted)
+    longer than ``limit`` lines."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                out.append(f"{node.name} (line {node.lineno}): {n} lines")
+    return out
+
+
+def test_the_limits_walk_finds_the_folders():
+    names = {p.relative_to(ROOT).as_posix() for p in HARNESS}
+    assert {"experiments/sweep.py", "engines/engine.py", "baselines/__init__.py"} <= names
+    assert not any(n.startswith("reference/") for n in names)
+    roomy = {p.relative_to(ROOT).as_posix() for p in ROOMY}
+    assert {"experiments/sweep.py", "engines/engine.py", "scripts/netns_trial.py"} <= roomy
+
+
+def test_long_functions_measures_nested_and_async_defs(tmp_path):
+    body = "\n".join(f"    x = {i}" for i in range(98))
+    src = (f"def short():\n{body}\n\n\n"  # 99 lines
+           f"async def long():\n{body}\n    y = 1\n    z = 2\n\n\n"  # 101 lines
+           f"class C:\n    def outer(self):\n        def inner():\n"
+           + "\n".join(f"            x = {i}" for i in range(100)) + "\n        return inner\n")
+    f = tmp_path / "m.py"
+    f.write_text(src)
+    got = long_functions(f)
+    # not ``short`` (99 lines); ``outer`` counts its nested ``inner``, which is measured alone as well
+    assert got == ["long (line 102): 101 lines", "outer (line 206): 103 lines", "inner (line 207): 101 lines"]
+
+
+@pytest.mark.parametrize("path", HARNESS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_harness_module_at_most_600_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES})"
+
+
+@pytest.mark.parametrize("path", ROOMY, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_function_over_100_lines(path):
+    long = long_functions(path)
+    assert not long, f"{path.relative_to(ROOT)}: functions over {MAX_FUNCTION_LINES} lines: {'; '.join(long)}"
 
 
 # ---- the whole project: DESIGN.md's arrows, and no cycle between modules ----------------------
