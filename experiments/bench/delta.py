@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
@@ -57,12 +58,14 @@ class DeltaBenchConfig:
     override: tuple[str, ...] = ()
     """HF-config overrides ``KEY=VALUE``, comma-separated, on top of the main job's (tests use a
     smaller model)."""
-    out: str = str(ROOT / "results" / "delta_bench.csv")
-    """CSV of one row per trial and measured update (overwritten); empty: none."""
+    out: str = str(ROOT / "results" / "runs" / "delta_bench.csv")
+    """CSV of one row per trial and measured update (overwritten; the default is untracked: pass
+    ``--out results/delta_bench.csv`` to record a campaign); empty: none."""
     ops_only: bool = False
     """Only the op table (the cost of one op by size on cma and shm), no trials."""
-    ops_out: str = str(ROOT / "results" / "delta_ops.csv")
-    """CSV of the op table (overwritten); empty: none."""
+    ops_out: str = str(ROOT / "results" / "runs" / "delta_ops.csv")
+    """CSV of the op table (overwritten; the default is untracked: pass ``--ops-out
+    results/delta_ops.csv`` to record a campaign); empty: none."""
     op_sizes: tuple[int, ...] = (8, 64, 128, 256, 1024, 4096, 16384, 65536)
     """Write sizes of the op table (bytes, comma-separated)."""
 
@@ -159,7 +162,7 @@ def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int
 
     import torch
 
-    from weight_transfer.delta import KERNEL, changed_runs_native
+    from weight_transfer.delta import KERNEL, changed_runs_native, index_size
     from weight_transfer.delta_fused import cast_bf16_delta
 
     lib = KERNEL.lib()
@@ -191,11 +194,13 @@ def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int
     timed("fused", lambda shadow: cast_bf16_delta(b, out, shadow, 8))
     runs = best["fused"][1]
     m, c = len(runs), runs.nbytes
-    rec = torch.empty(8 * m + c, dtype=torch.uint8)
-    timed("pack", lambda _s: lib.wt_pack_runs(out.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m,
-                                              rec.data_ptr(), rec[8 * m:].data_ptr()))
+    q, nix = index_size(runs, out.numel(), 8)  # format 2: varint index in 8-byte units, then the bytes
+    rec = torch.empty(nix + c, dtype=torch.uint8)
+    timed("pack", lambda _s: lib.wt_pack_runs(out.data_ptr(), runs.starts.data_ptr(), runs.lens.data_ptr(), m, q,
+                                              rec.data_ptr(), rec[nix:].data_ptr()))
     dst = base.clone()
-    timed("apply", lambda _s: lib.wt_unpack(ctypes.c_void_p(dst.data_ptr()), rec.data_ptr(), rec[8 * m:].data_ptr(), m))
+    timed("apply", lambda _s: lib.wt_unpack(ctypes.c_void_p(dst.data_ptr()), rec.data_ptr(), nix, rec[nix:].data_ptr(),
+                                            m, out.numel(), q))
     for name, (t, _r) in best.items():
         rows.append({"transport": "cpu", "path": name, "op_bytes": 2 * elements, "ops": m, "us_per_op": t * 1e6 / m,
                      "gbps": 2 * elements / t / 1e9, "seconds": t})
@@ -245,6 +250,7 @@ def main(args: DeltaBenchConfig) -> int:
     print("\n".join(_packed_table(phases)), flush=True)
     ops += phases
     if args.ops_out:
+        Path(args.ops_out).parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(ops).to_csv(args.ops_out, index=False)
     if args.ops_only:
         return 0
@@ -307,6 +313,7 @@ def main(args: DeltaBenchConfig) -> int:
               f"# total {time.perf_counter() - t_all:.0f} s"]
     print("\n".join(lines))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(args.out, index=False)
         print(f"# rows: {args.out}")
     return 0
