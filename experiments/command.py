@@ -78,7 +78,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                     "GRPO-clipped policy gradient, AdamW, a push after every step verified against a "
                                     "reload oracle, the end against a fresh vLLM (examples/rl_loop.py; options: "
                                     "weight_transfer.experiments.rl.RLOptions).")
-    from .rl import RLOptions
+    from .rl_options import RLOptions
 
     add_dataclass_options(rl, RLOptions)
     sim = sub.add_parser("simulate", help="at-scale prediction: real planner on synthesized metadata + cost model "
@@ -103,7 +103,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                   "controller} x {early, middle, late} (docs/FAULTS.md)"))
     # analysis's own command lines, behind the one command (analysis imports no transfer code)
     for name, help_ in (("analyze", "results CSVs -> results/summary.md and PNG plots (weight_transfer.analysis)"),
-                        ("timeline", "draw one update's pipeline from a --trace Chrome trace (weight_transfer.analysis.timeline)")):
+                        ("timeline", "draw one update's pipeline from a --trace Chrome trace (weight_transfer.analysis.timeline)"),
+                        ("report", "the README's results table from the committed CSVs (weight_transfer.experiments.readme_table)")):
         a = sub.add_parser(name, help=help_, add_help=False)
         a.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see weight-transfer NAME --help)")
     argv = sys.argv[1:] if argv is None else argv
@@ -210,15 +211,16 @@ def main(argv=None) -> int:
             signal.signal(s, h)
 
 
+# subcommands parsed by their module's own main(argv)
+_OWN_PARSERS = {"analyze": "weight_transfer.analysis.__main__", "timeline": "weight_transfer.analysis.timeline",
+                "report": "weight_transfer.experiments.readme_table"}
+
+
 def _main(argv: list[str]) -> int:
-    if argv and argv[0] in ("analyze", "timeline"):  # handed whole to analysis's parsers (their own --help)
-        if argv[0] == "analyze":
-            from weight_transfer.analysis.__main__ import main as analyze_main
+    if argv and argv[0] in _OWN_PARSERS:  # handed whole to the module's own parser (its own --help)
+        import importlib
 
-            return analyze_main(argv[1:])
-        from weight_transfer.analysis.timeline import main as timeline_main
-
-        return timeline_main(argv[1:])
+        return importlib.import_module(_OWN_PARSERS[argv[0]]).main(argv[1:])
     args = build_parser(argv).parse_args(argv)
     if args.cmd == "simulate":
         from .cli import dataclass_from_args
@@ -241,8 +243,8 @@ def _main(argv: list[str]) -> int:
         return simulate_main(args)
     if args.cmd == "rl":
         from .cli import dataclass_from_args
-        from .rl import RLOptions
         from .rl import main as rl_main
+        from .rl_options import RLOptions
 
         try:
             opts = dataclass_from_args(RLOptions, args)
@@ -268,6 +270,15 @@ def _main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return importlib.import_module(module).main(bcfg)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``weight-transfer run``: one trial (or, with ``--method all``, the reference and the
+    baselines side by side), checked before any process starts, each row appended to
+    ``--results`` as its update finishes, then the table. Exit status 0 when every update
+    verified, 1 when one did not or the results file failed, 2 on bad input (one ``error:``
+    line); with ``--method all``, :func:`weight_transfer.experiments.compare.run_all`'s."""
     from weight_transfer.control import ControlError
     from weight_transfer.types import PlanError
 

@@ -1,0 +1,206 @@
+"""``weight-transfer report``: the README's results table, generated from the committed CSVs.
+
+Every number in the README's results table comes from here: each group of rows reads one
+committed CSV under ``results/`` (raw ``bytes`` and ``seconds``, one row per update), takes its
+latest run, and derives p50, GB/s and the ratio to the group's reference row the way the
+command that wrote the CSV prints them (p50: numpy's linear-interpolated median over the
+measured updates, warm-up updates left out; GB/s = bytes / p50 / 1e9). Each row names the CSV
+and the command that produces it. ``tests/project/test_readme.py`` checks that the README's
+table, between ``<!-- results-table:begin -->`` and ``<!-- results-table:end -->``, is exactly
+what this command prints.
+
+Examples::
+
+    weight-transfer report                 # the markdown table, from the committed CSVs
+    weight-transfer report --root /path/to/checkout
+
+Groups (:data:`GROUPS`): the main job (``make demo``), the reference against the two baselines
+on the same job, the reference against peers, the three methods through an unmodified vLLM,
+and the simulated at-scale reproduction of the published Kimi-K2 update.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .paths import project_dir
+
+BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    """One block of rows of the table: one committed CSV, the command that writes it."""
+
+    title: str
+    """The first cell of the group's first row (markdown)."""
+    csv: str
+    """The CSV, relative to the project root."""
+    command: str
+    """The command that appends the rows read here (run from the project root)."""
+    kind: str
+    """How the CSV is read: ``trial`` (a trial's rows, one run per method), ``peers``
+    (``bench-peers``: one run, a row per peer and transport) or ``sim`` (``simulate``: one
+    run, a row per method)."""
+    config: str = ""
+    """``sim`` only: the simulation config whose latest run is shown."""
+
+
+GROUPS: tuple[Group, ...] = (
+    Group(title="**main job** (`make demo`)", csv="results/main_job.csv", kind="trial",
+          command="weight-transfer run --results results/main_job.csv"),
+    Group(title="main job, against the baselines", csv="results/main_job_methods.csv", kind="trial",
+          command="weight-transfer run --method all --steps 2 --warmup 1 --results results/main_job_methods.csv"),
+    Group(title="against peers (the main job's BF16 TP=2 tensors, same world)", csv="results/peers.csv", kind="peers",
+          command="weight-transfer bench-peers --peers reference,torchstore --torchstore-transports shm "
+                  "--reference-transports shm,cma --steps 4"),
+    Group(title="through an unmodified vLLM (main job's model, BF16)", csv="results/vllm/trials_1p85gb_shards.csv",
+          kind="trial", command="weight-transfer run --engine vllm --quant none --tp 1 --method all --steps 3 "
+                                "--warmup 1 --results results/vllm/trials_1p85gb_shards.csv"),
+    Group(title="at scale, **simulated**: Kimi-K2 1T", csv="results/simulated.csv", kind="sim",
+          config="kimi_k2_256xh200efa_to_128_dpa_ep32",
+          command="weight-transfer simulate kimi_k2_256xh200efa_to_128_dpa_ep32"),
+)
+
+HEADER = ("| result | method | world | bytes per update | p50 (s) | GB/s | x reference p50 | verified | rows | command |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+# simulate's method names -> what they are (docs/SIMULATION.md)
+SIM_METHODS = {"overlapped_writes": "reference (this executor: every prepared task's writes in flight)",
+               "rank0_funnel": "rank0_funnel", "rpc_update_weight": "rpc"}
+
+
+def _p50(seconds) -> float:
+    return float(np.percentile(np.asarray(seconds, dtype=float), 50))
+
+
+def _bool(s: pd.Series) -> pd.Series:
+    return s.astype(str).str.lower().isin(("true", "1"))
+
+
+def _latest(df: pd.DataFrame, key: str = "run_id") -> pd.DataFrame:
+    """The rows of the run (``key``) whose first row was written last."""
+    last = df.sort_values("timestamp", kind="stable")[key].iloc[-1]
+    return df[df[key] == last]
+
+
+# how each method moves the bytes (the transport column of a baseline's rows is the unused reference's)
+HOW = {"rank0_funnel": "gathered on training rank 0, Gloo broadcast", "rpc": "one ZeroMQ request per tensor"}
+
+
+def _world(r: pd.Series) -> str:
+    cols = ("engine", "transport") if r["method"] == "reference" else ("engine",)
+    extra = ", ".join(str(r[c]) for c in cols if c in r and pd.notna(r[c]) and str(r[c]))
+    return f"{int(r['n_train'])} -> {r['layout']} ({extra})" if extra else f"{int(r['n_train'])} -> {r['layout']}"
+
+
+def _method(r: pd.Series) -> str:
+    how = [HOW[r["method"]]] if r["method"] in HOW else []
+    path = r.get("vllm_path")
+    if isinstance(path, str) and path:
+        how.append("vLLM's `one_sided` backend" if path == "one_sided" else f"vLLM's {path} path")
+    return f"{r['method']} ({'; '.join(how)})" if how else str(r["method"])
+
+
+def _trial_rows(df: pd.DataFrame) -> list[dict]:
+    """One row per method: that method's latest run in the CSV (a ``--method all`` writes one run
+    per method); p50 over its measured (non-warm-up) updates; verified = updates verified / all."""
+    out = []
+    for method in dict.fromkeys(df["method"]):  # in the order they were run
+        run = _latest(df[df["method"] == method])
+        warm = run[~_bool(run["warmup"])]
+        p50 = _p50(warm["seconds"])
+        nbytes = int(warm["bytes"].iloc[0])
+        out.append(dict(method=_method(run.iloc[0]), world=_world(run.iloc[0]), bytes=f"{nbytes:,}", p50=p50,
+                        gbps=f"{nbytes / p50 / 1e9:.3f}", verified=f"{int(_bool(run['verified']).sum())}/{len(run)}"))
+    return out
+
+
+def _peer_rows(df: pd.DataFrame) -> list[dict]:
+    """``bench-peers``' latest run: one row per (peer, transport); its CSV holds the measured updates only."""
+    run = _latest(df)
+    out = []
+    for (peer, transport), g in run.groupby(["peer", "transport"], sort=False):
+        p50, nbytes = _p50(g["seconds"]), int(g["bytes"].iloc[0])
+        out.append(dict(method=f"{peer}: {transport}", world=f"{int(g['n_train'].iloc[0])} -> {int(g['n_infer'].iloc[0])}",
+                        bytes=f"{nbytes:,}", p50=p50, gbps=f"{nbytes / p50 / 1e9:.3f}",
+                        verified=f"{int(_bool(g['verified']).sum())}/{len(g)}"))
+    return out
+
+
+def _sim_rows(df: pd.DataFrame, config: str) -> tuple[list[dict], str]:
+    """``simulate``'s latest run of ``config``: the reference with this executor's write stage
+    (``overlapped_writes``) and the two baselines; the published time and the floor as a note."""
+    run = _latest(df[df["config"] == config])
+    by = {m: r for m, r in run.set_index("method").iterrows()}
+    out = []
+    for method, label in SIM_METHODS.items():
+        r = by[method]
+        out.append(dict(method=label, world=f"{int(r['n_train'])} -> {int(r['n_infer'])} {r['layout']}",
+                        bytes=f"{int(r['bytes']):,} (all receivers)", p50=float(r["seconds"]),
+                        gbps=f"{int(r['bytes']) / float(r['seconds']) / 1e9:,.0f}", verified="simulated"))
+    ref = by["overlapped_writes"]
+    note = (f"published {float(ref['published_seconds']):.2f} s, floor {float(ref['floor_seconds']):.3f} s "
+            f"({ref['hardware']})")
+    return out, note
+
+
+def group_rows(group: Group, root: Path) -> list[str]:
+    """The markdown rows of one group, the reference first, ratios against it."""
+    df = pd.read_csv(root / group.csv)
+    title = group.title
+    if group.kind == "trial":
+        rows = _trial_rows(df)
+    elif group.kind == "peers":
+        rows = _peer_rows(df)
+    else:
+        rows, note = _sim_rows(df, group.config)
+        title = f"{title}; {note}"
+    ref = rows[0]["p50"]
+    lines = []
+    for i, r in enumerate(rows):
+        first = i == 0
+        lines.append(f"| {title if first else ''} | {r['method']} | {r['world']} | {r['bytes']} | {r['p50']:.3f} | "
+                     f"{r['gbps']} | {r['p50'] / ref:.2f} | {r['verified']} | {'`' + group.csv + '`' if first else ''} | "
+                     f"{'`' + group.command + '`' if first else ''} |")
+    return lines
+
+
+def table(root: Path | None = None) -> str:
+    """The README's results table (markdown), from the CSVs under ``root`` (default: this checkout)."""
+    root = Path(root) if root is not None else project_dir()
+    lines = [HEADER]
+    for g in GROUPS:
+        lines += group_rows(g, root)
+    return "\n".join(lines)
+
+
+def readme_table(readme: str) -> str:
+    """The table between the README's markers (without them), stripped."""
+    try:
+        return readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    except IndexError:
+        raise ValueError(f"README has no {BEGIN} ... {END} block") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="weight-transfer report",
+                                 description="Print the README's results table (markdown), generated from the "
+                                             "committed CSVs under results/; each row names its CSV and command.")
+    ap.add_argument("--root", default=None, help="project root holding results/ (default: this checkout)")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        print(table(a.root))
+    except (OSError, KeyError, IndexError, ValueError) as e:
+        print(f"error: weight-transfer report: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
