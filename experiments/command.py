@@ -1,4 +1,4 @@
-"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,bench-quant,bench-pipeline,bench-transports,bench-peers,analyze,timeline}``
+"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall}``
 (the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
 
 Examples::

@@ -62,7 +62,7 @@ _MENTION = re.compile(r"(?<![`\w-])(weight-transfer (?:run|rl|sweep|simulate|fau
 
 def _normalize(text: str) -> str:
     """Help text that does not depend on where the checkout lives or on trailing spaces."""
-    text = text.replace(str(ROOT) + os.sep, "./").replace(str(ROOT), ".")
+    text = _normalize_path(text)
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
 
 
@@ -75,16 +75,27 @@ def _quote_mentions(text: str) -> str:
 
 @contextlib.contextmanager
 def _columns():
-    """argparse's HelpFormatter reads the width from ``COLUMNS``: a fixed one while rendering."""
+    """argparse's HelpFormatter reads the width from ``COLUMNS``: a fixed one while rendering;
+    and each option's help has the checkout's path replaced by ``.`` *before* argparse wraps it
+    (a default such as ``<checkout>/results/runs/trials.csv`` would otherwise wrap at a place
+    that depends on how long the checkout's path is)."""
     old = os.environ.get("COLUMNS")
+    expand = argparse.HelpFormatter._expand_help
     os.environ["COLUMNS"] = COLUMNS
+    argparse.HelpFormatter._expand_help = lambda self, action: _normalize_path(expand(self, action))
     try:
         yield
     finally:
+        argparse.HelpFormatter._expand_help = expand
         if old is None:
             os.environ.pop("COLUMNS", None)
         else:
             os.environ["COLUMNS"] = old
+
+
+def _normalize_path(text: str) -> str:
+    """``text`` with the checkout's path written as ``.``."""
+    return text.replace(str(ROOT) + os.sep, "./").replace(str(ROOT), ".")
 
 
 def cli_markdown() -> str:
