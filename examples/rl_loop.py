@@ -21,7 +21,8 @@ against the oracle; one row per push in results/rl_delta.csv (docs/DELTA.md).
 Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] [--save-steps DIR] [--help]   (= weight-transfer rl)
 Writes results/rl_<tag>.csv and .png (--changes: results/rl_changes.csv, docs/DELTA.md).
 """
-import os, shutil, socket, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, shutil, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from datetime import timedelta
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -42,7 +43,8 @@ def trainer(rank, port, o, ckpt0, workdir):
 def train(rank, port, o, engine, workdir):
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from weight_transfer.engines.vllm.backend import LLMClient, OneSidedTrainerInitInfo
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=o.timeout))  # the parent's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     cfg, task = o.model_config(), rl.ParityTask(o)
     torch.manual_seed(o.seed); model = Qwen3ForCausalLM(Qwen3Config(**cfg.hf))  # fp32 master weights
     mesh = init_device_mesh("cpu", (2,))
@@ -55,12 +57,12 @@ def train(rank, port, o, engine, workdir):
     check, out = rl.OracleCheck(rank, engine, cfg), rl.StepLog(o) if rank == 0 else None
     pushes = []                                            # --delta: one row per push (rank 0)
 
-    def publish(version, mode=None, step=0, first=True):  # one push, then the engine's bytes against the oracle's
+    def publish(version, mode=None, step=0, first=True, reload=True):  # one push, then the engine's bytes against the oracle's
         t = time.perf_counter()
         with rl.push_mode(push.sender.executor, mode): push.send_weights(version)   # --delta: "full" or "delta"
         call = time.perf_counter() - t
         served = rl.served_weights(model)                  # the step's weights in bf16, gathered
-        res = check(served) if o.verify else {"ok": None, "bytes": 0, "seconds": 0.0}
+        res = check(served, reload=reload) if o.verify else {"ok": None, "bytes": 0, "seconds": 0.0}
         assert res["ok"] is not False, f"version {version}: the engine's bytes differ from the oracle's: {res}"
         u = push.last_result if rank == 0 else None        # rank 0: the update as the coordinator saw it
         if u is not None and mode: pushes.append(rl.push_row(o, step, mode, first, u, res, rl.commit_stats(push.store, version)))
@@ -88,9 +90,10 @@ def train(rank, port, o, engine, workdir):
         lsum = loss.detach().clone(); dist.all_reduce(lsum)
         t2 = time.perf_counter()
         if o.delta:   # the same weights twice, as a delta and as a full update, alternating which goes first
+            if o.verify: check.reload(rl.served_weights(model))   # the oracle loads them once, before both pushes
             for k, mode in enumerate(("full", "delta") if step % 2 else ("delta", "full")):
                 version += 1
-                new, r = publish(version, mode, step, first=k == 0)
+                new, r = publish(version, mode, step, first=k == 0, reload=False)
                 if mode == "delta": rec = r
         else:
             version += 1
@@ -124,13 +127,13 @@ def run(o):
     from weight_transfer.engines.vllm import write_checkpoint
     workdir = tempfile.mkdtemp(prefix="wt-rl-")
     ckpt0 = write_checkpoint(o.model_config(), os.path.join(workdir, "ckpt0"), step=0, seed=o.seed + 1)
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    procs = [mp.get_context("spawn").Process(target=trainer, args=(r, port, o, ckpt0, workdir)) for r in range(2)]
+    # the trainers' rendezvous, held here for the run: a port picked and released could be taken
+    # by a vLLM engine starting in a trainer before rank 0 binds it
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [mp.get_context("spawn").Process(target=trainer, args=(r, store.port, o, ckpt0, workdir)) for r in range(2)]
     for p in procs: p.start()
-    while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs): procs[0].join(0.5)
-    for p in procs: p.terminate() if p.exitcode else p.join()   # one failed: stop the other
-    shutil.rmtree(workdir, ignore_errors=True)
-    return max(abs(p.exitcode or 0) for p in procs)
+    try: return rl.supervise(procs)                       # the first trainer that fails stops the other
+    finally: shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

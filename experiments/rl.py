@@ -338,6 +338,13 @@ class OracleCheck:
             names = sorted(self.layout.check)
         self.names = broadcast(names)  # the live engine's runtime tensors, as vLLM reports them
 
+    def reload(self, served: dict) -> None:
+        """Rank 1's engine loads ``served`` (vLLM's own ``load_weights`` + post-processing);
+        then :meth:`__call__` with ``reload=False``. ``--delta`` reloads once per step, before
+        both pushes of the step's weights, so that neither push runs behind a reload."""
+        if self.rank == 1:
+            self.engine.reload(list(served.items()))
+
     def __call__(self, served: dict, *, reload: bool = True) -> dict:
         """``{"ok", "bytes_ok", "staging_ok", "outputs_ok", "tokens_ok", "bytes" (compared),
         "mismatched": [names], "logprob_ulps", "logprob_maxdiff" (nats; None when the tokens
@@ -349,8 +356,8 @@ class OracleCheck:
         from weight_transfer.engines.vllm.verify import outputs_equal, staging_oracle
 
         t0 = time.perf_counter()
-        if self.rank == 1 and reload:
-            self.engine.reload(list(served.items()))  # vLLM's own load_weights + post-processing
+        if reload:
+            self.reload(served)
         # both engines compute the prompts from scratch: a prefix-cache hit would reuse KV blocks
         # computed with the previous version (the reload path does not drop them, C21) or, on
         # the live engine, computed in another batch than the oracle's
@@ -387,6 +394,20 @@ def logprob_maxdiff(a, b) -> float | None:
     if len(a) != len(b) or any(list(ta) != list(tb) for (ta, _), (tb, _) in zip(a, b)):
         return None
     return max((abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb)), default=0.0)
+
+
+def supervise(procs, poll: float = 0.5) -> int:
+    """Wait for started ``multiprocessing`` processes ``procs`` (the RL loop's trainers): the
+    first that exits non-zero gets the others terminated (a trainer left waiting for a dead
+    peer in a collective would otherwise hold the run until its timeout), then all are
+    reaped. Returns the largest ``|exitcode|`` (0: all succeeded)."""
+    while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs):
+        time.sleep(poll)
+    for p in procs:
+        if p.is_alive() and any(q.exitcode for q in procs):
+            p.terminate()
+        p.join()
+    return max(abs(p.exitcode or 0) for p in procs)
 
 
 def broadcast(obj, src: int = 0):

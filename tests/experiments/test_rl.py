@@ -185,3 +185,30 @@ def test_delta_push_mode_overrides_and_table(tmp_path):
     text = rl.delta_table(rl.save_pushes(o, rows + [row]))
     assert "pack 0.0020" in text and "apply 0.0040" in text and "packed " in text
     assert (tmp_path / rl.TENSOR_CSV).read_text().count("down_proj") == 1
+
+
+def _exit_with(code, delay):
+    import time as _t
+
+    _t.sleep(delay)
+    raise SystemExit(code)
+
+
+def test_supervise_stops_the_other_trainers_when_one_fails():
+    """A trainer that fails (exit 3) gets its peer, which would wait for it forever, terminated;
+    all succeeding return 0."""
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_exit_with, args=(3, 0.2)), ctx.Process(target=_exit_with, args=(0, 600))]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    assert rl.supervise(procs, poll=0.05) != 0
+    assert time.monotonic() - t0 < 60 and not any(p.is_alive() for p in procs)
+    assert procs[0].exitcode == 3 and procs[1].exitcode != 0  # terminated
+    ok = [ctx.Process(target=_exit_with, args=(0, 0.1)) for _ in range(2)]
+    for p in ok:
+        p.start()
+    assert rl.supervise(ok, poll=0.05) == 0
