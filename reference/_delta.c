@@ -23,6 +23,15 @@ static inline uint64_t ld64(const uint8_t *p) {
     return x;
 }
 
+/* a / q for a >= 0, q >= 1: a shift when q is a power of two (the block sizes 1, 2, 4, 8 the
+ * comparison and the packed index use), so that the per-run bookkeeping pays no hardware
+ * division (~25-40 cycles each, two to four per run: most of a run's cost at ~1 M runs). */
+static inline int64_t qdiv(int64_t a, int64_t q) {
+    if (q == 1) return a;
+    if (!(q & (q - 1))) return a >> __builtin_ctzll((uint64_t)q);
+    return a / q;
+}
+
 /* Nonzero when [a, a+len) and [b, b+len) differ. */
 static inline int differs(const uint8_t *a, const uint8_t *b, int64_t len) {
     int64_t i = 0;
@@ -58,7 +67,7 @@ static inline int emit_run(runs_t *r) {
         if (l <= 8) memcpy(&v, r->nw + r->cs, (size_t)l);
         r->vals[r->nr] = (int64_t)v;
     }
-    r->ix += vlen((uint64_t)((r->cs - r->pe) / r->q)) + vlen((uint64_t)((l + r->q - 1) / r->q));
+    r->ix += vlen((uint64_t)qdiv(r->cs - r->pe, r->q)) + vlen((uint64_t)qdiv(l + r->q - 1, r->q));
     r->pe = r->ce;
     r->tot += l;
     r->nr++;
@@ -103,7 +112,7 @@ static inline int word(const uint8_t *nw, uint8_t *old, int64_t w, int64_t g, ru
     if (!x) return 0;
     memcpy(old + w, &a, 8);
     for (uint64_t m = lane_mask(x, g); m; m &= m - 1) {
-        int64_t b = w + (((int64_t)__builtin_ctzll(m) >> 3) / g) * g;
+        int64_t b = w + qdiv((int64_t)__builtin_ctzll(m) >> 3, g) * g;
         if (block(r, b, b + g) < 0) return -1;
     }
     return 0;
@@ -362,10 +371,8 @@ int64_t wt_cma_write(int pid, uint64_t lbase, uint64_t rbase, const int64_t *sta
 #define WT_PK_SPAN 4  /* a run not inside its span */
 #define WT_PK_TRAIL 5 /* index bytes left after the last run */
 
-static inline int vlen(uint64_t v) {
-    int k = 1;
-    while (v >= 0x80) v >>= 7, k++;
-    return k;
+static inline int vlen(uint64_t v) { /* LEB128 bytes of v: ceil(bits / 7), at least 1 */
+    return (70 - __builtin_clzll(v | 1)) / 7;
 }
 
 static inline uint8_t *vput(uint8_t *p, uint64_t v) {
@@ -413,9 +420,9 @@ static inline int run_next(const uint8_t **p, const uint8_t *pe, int64_t span, i
     if ((w = vget(p, pe, &gp)) || (w = vget(p, pe, &ln))) return w;
     if (!ln) return WT_PK_EMPTY;
     int64_t left = span - *end;
-    if (left <= 0 || gp > (uint64_t)((left - 1) / q)) return WT_PK_SPAN;
+    if (left <= 0 || gp > (uint64_t)qdiv(left - 1, q)) return WT_PK_SPAN;
     int64_t st = *end + (int64_t)gp * q, rest = span - st;
-    if (ln > (uint64_t)((rest - 1) / q) + 1) return WT_PK_SPAN;
+    if (ln > (uint64_t)qdiv(rest - 1, q) + 1) return WT_PK_SPAN;
     int64_t e = st + (int64_t)ln * q;
     *s = st;
     *end = e < span ? e : span;
@@ -430,7 +437,7 @@ int64_t wt_index_bytes(const int64_t *starts, const int64_t *lens, int64_t m, in
     for (int64_t k = 0; k < m; k++) {
         int64_t s = starts[k], l = lens[k];
         if (s < end || l <= 0 || s > span - l || (s - end) % q || (l % q && s + l != span)) return -1;
-        t += vlen((uint64_t)((s - end) / q)) + vlen((uint64_t)((l + q - 1) / q));
+        t += vlen((uint64_t)qdiv(s - end, q)) + vlen((uint64_t)qdiv(l + q - 1, q));
         end = s + l;
     }
     return t;
@@ -446,8 +453,8 @@ int64_t wt_pack_runs_v(const uint8_t *src, const int64_t *starts, const int64_t 
     uint8_t *p = index;
     for (int64_t k = 0; k < m; k++) {
         int64_t l = lens[k];
-        p = vput(p, (uint64_t)((starts[k] - end) / q));
-        p = vput(p, (uint64_t)((l + q - 1) / q));
+        p = vput(p, (uint64_t)qdiv(starts[k] - end, q));
+        p = vput(p, (uint64_t)qdiv(l + q - 1, q));
         if (vals && l <= 8) {
             uint64_t v = (uint64_t)vals[k];
             copy_run(data + at, (const uint8_t *)&v, l);

@@ -61,6 +61,7 @@ Units: bytes, seconds.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 import torch
@@ -320,12 +321,48 @@ class Landing:
         return self.last
 
 
+APPLY_THREADS = max(1, min(4, int(os.environ.get("WT_APPLY_THREADS", 0)) or (os.cpu_count() or 1)))
+"""Threads that check and scatter a commit's records (at most 4, at most the host's CPUs;
+``WT_APPLY_THREADS`` sets it, 1: in the calling thread). Why threads and not one C loop: the
+records of an update are independent (disjoint spans), the native check and scatter release
+the GIL, and a vLLM worker's calling thread is usually pinned to one core by its OpenMP binding
+while the others idle during ``update_weights``; the pool's threads are let onto every CPU
+the process may use."""
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="wt-apply", initializer=_unpin)
+    return _POOL
+
+
+def _unpin() -> None:
+    """Let a pool thread run on every CPU of the process's cpuset (it inherits the creating
+    thread's affinity, which an OpenMP binding may have narrowed to one core)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def _parallel(fn, items: list) -> list:
+    """``[fn(x) for x in items]`` in order, on :data:`APPLY_THREADS` threads when there are
+    several items. An exception of ``fn`` is raised here."""
+    if APPLY_THREADS == 1 or len(items) < 2:
+        return [fn(x) for x in items]
+    return list(_pool().map(fn, items))
+
+
 def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int, int, int, int, int]]:
     """Every record of ``version`` in landing ``buf``, checked: (record offset, target offset,
     span, runs, data bytes, index bytes, unit). Raises :class:`PackedError`."""
     n = buf.numel()
     d = buf[:DIR_BYTES].view(torch.int64).view(DIR_SLOTS, 8).tolist()
-    out = []
+    out, where = [], []
     lib = _lib()
     for r, e in enumerate(d):
         if e[0] != MAGIC_DIR or e[1] != version:
@@ -356,22 +393,28 @@ def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int
             if not any(lo <= to and to + span <= hi for lo, hi in parts):
                 raise PackedError(f"landing entry {r}: record {k} targets [{to}, {to + span}), outside every part of "
                                   "the registered target region; nothing scattered")
-            idx = buf[at + HEADER:at + HEADER + ix]
-            if lib is not None:
-                tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
-                bad = lib.wt_check_packed(idx.data_ptr(), ix, m, span, q, ctypes.byref(tot), ctypes.byref(why))
-                got, why = tot.value, why.value
-            else:
-                bad, why, _, ln = check_index(idx, m, span, q)
-                got = int(ln.sum()) if bad < 0 else 0
-            if bad >= 0:
-                raise PackedError(f"landing entry {r}: record {k}: run {bad} of {m}: {WHY.get(why, why)} (span "
-                                  f"{span} bytes, unit {q}, index {ix} bytes); nothing scattered")
-            if got != c:
-                raise PackedError(f"landing entry {r}: record {k}: runs carry {got} bytes, header says {c}; "
-                                  "nothing scattered")
             out.append((at, to, span, m, c, ix, q))
+            where.append((r, k))
             at += size
+
+    def check(rec):  # one record's index (native: the GIL released, records checked in parallel)
+        at, to, span, m, c, ix, q = rec
+        idx = buf[at + HEADER:at + HEADER + ix]
+        if lib is not None:
+            tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+            bad = lib.wt_check_packed(idx.data_ptr(), ix, m, span, q, ctypes.byref(tot), ctypes.byref(why))
+            return bad, why.value, tot.value
+        bad, why, _, ln = check_index(idx, m, span, q)
+        return bad, why, int(ln.sum()) if bad < 0 else 0
+
+    for (r, k), rec, (bad, why, got) in zip(where, out, _parallel(check, out)):
+        m, c, ix, span, q = rec[3], rec[4], rec[5], rec[2], rec[6]
+        if bad >= 0:
+            raise PackedError(f"landing entry {r}: record {k}: run {bad} of {m}: {WHY.get(why, why)} (span "
+                              f"{span} bytes, unit {q}, index {ix} bytes); nothing scattered")
+        if got != c:
+            raise PackedError(f"landing entry {r}: record {k}: runs carry {got} bytes, header says {c}; "
+                              "nothing scattered")
     return out
 
 
@@ -386,17 +429,21 @@ def apply_landing(buf: torch.Tensor, version: int, base: int, parts) -> dict:
     t0 = time.perf_counter()
     recs = _records(buf, version, parts)
     lib = _lib()
-    runs = nbytes = 0
-    for at, to, span, m, c, ix, q in recs:
+
+    def scatter(rec):  # records have disjoint spans: scattered in parallel (native: the GIL released)
+        at, to, span, m, c, ix, q = rec
         idx = buf[at + HEADER:at + HEADER + ix]
         data = buf[at + HEADER + ix:at + HEADER + ix + c]
         if lib is not None:
-            if lib.wt_unpack(ctypes.c_void_p(base + to), idx.data_ptr(), ix, data.data_ptr(), m, span, q) != c:
-                raise RuntimeError(f"packed record at {at}: the scatter disagrees with its check (a bug)")
-        elif m:
+            return lib.wt_unpack(ctypes.c_void_p(base + to), idx.data_ptr(), ix, data.data_ptr(), m, span, q) == c
+        if m:
             _, _, st, ln = check_index(idx, m, span, q)
             span_view(base + to, span)[_byte_index(st, ln)] = data
-        runs += m
-        nbytes += c
+        return True
+
+    for rec, ok in zip(recs, _parallel(scatter, recs)):
+        if not ok:
+            raise RuntimeError(f"packed record at {rec[0]}: the scatter disagrees with its check (a bug)")
+    runs, nbytes = sum(r[3] for r in recs), sum(r[4] for r in recs)
     return {"delta_apply_s": time.perf_counter() - t0, "delta_records": len(recs), "delta_runs": runs,
             "delta_bytes": nbytes}

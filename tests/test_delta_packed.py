@@ -638,3 +638,52 @@ def test_C26_a_newcomer_executor_starts_full():
     src = _ckpt(cfg, 1, (1.0,))
     assert lb.transfer(src).delta == "full: first update" and lb.verify(src) == []
     lb.executor.close()
+
+
+def _many_records(n_rec=8, version=5):
+    """A landing buffer with ``n_rec`` valid records of ``version`` (disjoint 4 KiB spans of an
+    arena of n_rec x 4 KiB, 40 runs of 3 bytes each), built locally: (landing, record offsets,
+    the arena's bytes after the scatter starting from 0x5A everywhere)."""
+    rx = make_transport("cma")
+    landing = Landing(MIN_LANDING, rx)
+    pk = Packer({0: landing.descriptor}, None, rank=0, senders=1)
+    src = _u8(4096 * n_rec, 9)
+    want = torch.full((4096 * n_rec,), 0x5A, dtype=torch.uint8)
+    pk.begin(version)
+    ats = []
+    for k in range(n_rec):
+        g = torch.Generator().manual_seed(k)
+        starts = torch.sort(torch.randperm(4096 // 8, generator=g)[:40]).values * 8
+        op = pk.pack(0, src[4096 * k:4096 * (k + 1)], Runs(starts, torch.full_like(starts, 3)),
+                     target_offset=4096 * k, span=4096)
+        landing.buffer[op.remote_offset:op.remote_offset + op.length] = pk.buffer[op.local_offset:op.local_offset + op.length]
+        ats.append(op.remote_offset)
+        for s in (starts + 4096 * k).tolist():
+            want[s:s + 3] = src[s:s + 3]
+    (d,) = pk.finish()
+    landing.buffer[d.remote_offset:d.remote_offset + HEADER] = pk.buffer[d.local_offset:d.local_offset + HEADER]
+    return landing, ats, want, rx
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_records_checked_and_scattered_on_threads_alike(threads, native, monkeypatch):
+    """The commit's check and scatter run on APPLY_THREADS threads: the bytes are the same as in
+    the calling thread, and one malformed record among eight (the last: checked after the others
+    on another thread) still leaves every byte unscattered."""
+    import weight_transfer.delta_packed as dp
+
+    monkeypatch.setattr(dp, "APPLY_THREADS", threads)
+    landing, ats, want, rx = _many_records()
+    arena = torch.full((4096 * 8,), 0x5A, dtype=torch.uint8)
+    buf = landing.buffer
+    last = buf[ats[-1]:ats[-1] + HEADER].view(torch.int64)
+    last[2] = 16  # the last record's runs now leave its span
+    with pytest.raises(PackedError, match="nothing scattered"):
+        landing.apply(5, arena.data_ptr(), [(0, arena.numel())])
+    assert bool((arena == 0x5A).all())
+    last[2] = 4096
+    st = landing.apply(5, arena.data_ptr(), [(0, arena.numel())])
+    assert st["delta_records"] == 8 and st["delta_runs"] == 8 * 40
+    assert torch.equal(arena, want)
+    landing.close()
+    rx.close()
