@@ -10,7 +10,7 @@ from tests.helpers import ROOT
 from weight_transfer.delta import native_status
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import bench_apply  # noqa: E402
+import bench_apply
 
 
 @pytest.mark.skipif(native_status() != "ok", reason="the native delta kernel is unavailable")
