@@ -107,7 +107,7 @@ def train(rank, port, o, engine, workdir):
                         rollout_s=batch["seconds"], train_s=t2 - t1, changes_s=time.perf_counter() - t3,
                         step_s=time.perf_counter() - t0, **rec)
             rl.log(rank, f"step {step}: reward {r['reward_mean']:.3f} (version {rv}), loss {r['loss']:+.4f}, "
-                         f"push v{version} {r['push_bytes'] / 1e6:.1f} MB in {r['push_seconds']:.3f} s, "
+                         f"push v{r['pushed_version']} {r['push_bytes'] / 1e6:.1f} MB in {r['push_seconds']:.3f} s, "
                          f"{'verified' if r['verified'] else 'unverified'}, step {r['step_s']:.1f} s")
     fin = rl.final_check(rank, check, cfg, served, workdir) if o.verify else {}   # a fresh vLLM, in rank 1
     push.shutdown()

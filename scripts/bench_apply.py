@@ -65,10 +65,13 @@ def main(argv=None) -> int:
 
     try:
         counts = [int(x) for x in a.threads.split(",")]
-        if not counts or min(counts) < 1 or a.repeats < 1:
+        if not counts or min(counts) < 1:
             raise ValueError
     except ValueError:
-        print(f"error: --threads {a.threads!r} / --repeats {a.repeats}: positive integers", file=sys.stderr)
+        print(f"error: --threads {a.threads!r}: comma-separated positive integers", file=sys.stderr)
+        return 2
+    if a.repeats < 1:
+        print(f"error: --repeats {a.repeats}: a positive integer", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     land, target = build()
