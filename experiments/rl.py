@@ -69,7 +69,7 @@ PHASES = ("delta_compare_s", "delta_fused_s", "delta_pack_s", "delta_wire_s", "d
 """Per-phase delta seconds of a push row (the slowest rank's; apply: the slowest receiver's)."""
 MODE_NAMES = ("full", "scattered", "packed", "unchanged")
 DELTA_COLUMNS = ["lr", "step", "mode", "first", "version", "seconds", "write_seconds", "bytes", "full_bytes",
-                 "n_writes", "compare_s", "whole_outputs", *PHASES, *(f"n_{m}" for m in MODE_NAMES),
+                 "n_writes", "compare_s", "whole_outputs", *PHASES, "commit_s", *(f"n_{m}" for m in MODE_NAMES),
                  *(f"bytes_{m}" for m in MODE_NAMES), *(f"out_bytes_{m}" for m in MODE_NAMES), "delta", "verified",
                  "timestamp"]
 TENSOR_CSV = "rl_delta_tensors.csv"
@@ -96,6 +96,7 @@ def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict, comm
     training rank's writes done), ``bytes`` written, ``full_bytes`` (a full update's),
     ``compare_s`` (the slowest rank's comparison + runs + shadow seconds), ``whole_outputs``,
     the per-phase seconds (:data:`PHASES`; ``commits``: the workers' commit stats, for apply),
+    ``commit_s`` (the slowest worker's re-run of vLLM's post-processing of the staged layers),
     and per mode the writes, bytes written and output bytes (``n_*``, ``bytes_*``,
     ``out_bytes_*``); ``tensors``: the per-tensor rows (:data:`TENSOR_COLUMNS`)."""
     st = list(u.stats.values())
@@ -111,6 +112,7 @@ def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict, comm
                     for t in (getattr(s, "delta_tensors", None) or [])]
     phases = {p: max((getattr(s, p, 0.0) for s in st), default=0.0) for p in PHASES}
     phases["delta_apply_s"] = max([c.get("delta_apply_s", 0.0) for c in commits or []], default=0.0)
+    phases["commit_s"] = max([c.get("seconds", 0.0) for c in commits or []], default=0.0)
     return {**phases, **{f"n_{m}": v[0] for m, v in modes.items()}, **{f"bytes_{m}": v[1] for m, v in modes.items()},
             **{f"out_bytes_{m}": v[2] for m, v in modes.items()}, "tensors": tensors if mode == "delta" else [],
             "lr": o.lr, "step": step, "mode": mode, "first": first, "version": u.version, "seconds": u.seconds,
@@ -187,6 +189,15 @@ def delta_table(path: str | Path) -> str:
             lines.append(f"{'':7} delta/full p50: {p50['delta']['seconds'] / p50['full']['seconds']:.3f}x seconds, "
                          f"{p50['delta']['write_seconds'] / p50['full']['write_seconds']:.3f}x write phase, "
                          f"{p50['delta']['bytes'] / p50['full']['bytes']:.4f}x bytes")
+            by = {(r["step"], r["mode"]): float(r["seconds"]) for r in rows if float(r["lr"]) == lr}
+            pairs = [by[(s, "delta")] / by[(s, "full")] for s, m in by if m == "delta" and (s, "full") in by]
+            com = {m: [float(r["commit_s"]) for r in rows if float(r["lr"]) == lr and r["mode"] == m
+                       and r.get("commit_s") not in (None, "")] for m in ("full", "delta")}
+            if pairs:
+                lines.append(f"{'':7} per step (same weights, both pushes): delta faster in "
+                             f"{sum(p < 1 for p in pairs)}/{len(pairs)}, median pair {median(pairs):.3f}x"
+                             + (f"; commit p50 (vLLM post-processing) full {median(com['full']):.4f} s, delta "
+                                f"{median(com['delta']):.4f} s" if com["full"] and com["delta"] else ""))
         rs = [r for r in rows if float(r["lr"]) == lr and r["mode"] == "delta" and r.get("delta") == "delta"]
         if rs and rs[0].get("delta_wire_s") not in (None, ""):
             ph = {k: median(float(r[k] or 0) for r in rs) for k in PHASES}

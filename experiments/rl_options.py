@@ -71,6 +71,10 @@ class RLOptions:
     """--delta: how each changed output is written (``ExecutorOptions.delta_mode``): ``auto`` the
     cost model's cheapest of scattered runs, one packed record (scattered by vLLM's worker at
     ``update_weights``) or whole; ``scattered``; ``packed``."""
+    delta_format: str = field(default="auto", metadata={"choices": ("auto", "runs", "masks")})
+    """--delta: how a packed record carries the changes (``ExecutorOptions.delta_format``):
+    ``runs`` (format 2, fewest bytes), ``masks`` (format 3, least CPU) or ``auto`` (the cost
+    model's choice from the wire's bandwidth: masks over cma)."""
     delta_wire_gbps: float = 0.0
     """--delta: the cost model's wire bandwidth (GB/s); 0: the transport's default."""
     delta_landing: float = 0.25
@@ -123,4 +127,4 @@ def transfer_overrides(o: RLOptions) -> dict | None:
         return None
     return {"delta": True, "delta_granularity": o.delta_granularity or None,
             "delta_op_cost": None if o.delta_op_cost < 0 else o.delta_op_cost, "delta_mode": o.delta_mode,
-            "delta_wire_gbps": o.delta_wire_gbps or None, "delta_landing": o.delta_landing}
+            "delta_format": o.delta_format, "delta_wire_gbps": o.delta_wire_gbps or None, "delta_landing": o.delta_landing}

@@ -567,3 +567,174 @@ int64_t wt_copy_delta(const uint8_t *src, int64_t n, uint8_t *out, uint8_t *old,
     *ixb = r.ix;
     return r.nr;
 }
+
+/* ---- masked deltas (packed format 3, weight_transfer.delta_packed) ---------------------------
+ * An output as 64-byte chunks counted from its first byte (the last one clipped at n); a changed
+ * chunk is its index (uint32), a 64-bit mask of its changed bytes (bit j: byte j) and those bytes
+ * in order, appended to one values buffer. Compared with the runs of format 2 there is no run
+ * extraction, no varint and no branch per changed byte: one vector compare per 64 bytes, and on
+ * AVX-512 VBMI2 one compress (sender) or expand (receiver) per changed chunk. The price is 12
+ * bytes of index per changed chunk instead of ~2 per run: worth it where the wire is memory,
+ * not on a slow link (weight_transfer.delta_cost chooses). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__)
+#include <immintrin.h>
+#define WT_MASKS_512 1
+#else
+#define WT_MASKS_512 0
+#endif
+
+/* Which code path the masked kernels were built with: "avx512-vbmi2" or "portable". */
+const char *wt_masks_isa(void) { return WT_MASKS_512 ? "avx512-vbmi2" : "portable"; }
+
+/* One chunk of nb <= 64 new bytes o against old (portable): its changed-byte mask. */
+static inline uint64_t chunk_diff(const uint8_t *o, const uint8_t *old, int64_t nb) {
+    uint64_t m = 0;
+    if (nb == 64) {
+        for (int k = 0; k < 64; k += 8) {
+            uint64_t x = ld64(o + k) ^ ld64(old + k);
+            if (!x) continue;
+            for (int j = 0; j < 8; j++)
+                m |= (uint64_t)(((x >> (8 * j)) & 0xff) != 0) << (k + j);
+        }
+        return m;
+    }
+    for (int64_t j = 0; j < nb; j++) m |= (uint64_t)(o[j] != old[j]) << j;
+    return m;
+}
+
+/* fp32 -> bf16 of n_el <= 32 elements into o (torch's rounding); returns nonzero at a NaN. */
+static inline uint32_t cast_chunk(const uint32_t *src, int64_t n_el, uint8_t *o) {
+    uint32_t nan = 0;
+    for (int64_t e = 0; e < n_el; e++) {
+        uint32_t u = src[e];
+        nan |= (u & 0x7fffffffu) > 0x7f800000u;
+        uint16_t h = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        memcpy(o + 2 * e, &h, 2);
+    }
+    return nan;
+}
+
+/* The new bytes of an output of n bytes compared with its shadow old in 64-byte chunks, in one
+ * pass: kind 0, src holds the output's bytes (copied into out unless out is NULL or src); kind
+ * 1, src is float32 and the output its bf16 cast (n = 2 x elements; written into out unless
+ * NULL). Changed bytes are copied into old; each changed chunk's mask goes to masks[k], its
+ * index to chunks[k], its bytes to vals. masks and chunks hold cap + 1 entries, vals 64 x (cap
+ * + 2) bytes. Returns the changed chunks (*nvals: their bytes, *nruns: their runs of adjacent
+ * changed bytes, counted within chunks), -1 when there would be more than cap (the pass still
+ * completes and old then equals the output), or -2 at a NaN in a cast (nothing defined: the
+ * caller casts with torch and refreshes old whole). */
+int64_t wt_masks(const void *src, int64_t n, int64_t kind, uint8_t *out, uint8_t *old, uint64_t *masks,
+                 uint32_t *chunks, int64_t cap, uint8_t *vals, int64_t *nvals, int64_t *nruns) {
+    const uint8_t *sb = (const uint8_t *)src;
+    const uint32_t *sf = (const uint32_t *)src;
+    if (out == sb) out = NULL;
+    int64_t k = 0, nv = 0, nr = 0, i = 0;
+    int over = 0;
+    uint32_t nan = 0;
+#if WT_MASKS_512
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1),
+                  absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000),
+                  perm = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+    __mmask16 vnan = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512i o;
+        if (kind == 1) {
+            __m512i a = _mm512_loadu_si512(sf + i / 2), b = _mm512_loadu_si512(sf + i / 2 + 16);
+            vnan |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(a, absm), inf) |
+                    _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, absm), inf);
+            a = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias),
+                                                   _mm512_and_si512(_mm512_srli_epi32(a, 16), one)), 16);
+            b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bias),
+                                                   _mm512_and_si512(_mm512_srli_epi32(b, 16), one)), 16);
+            o = _mm512_permutexvar_epi64(perm, _mm512_packus_epi32(a, b));
+        } else {
+            o = _mm512_loadu_si512(sb + i);
+        }
+        if (out) _mm512_storeu_si512(out + i, o);
+        uint64_t m = _mm512_cmpneq_epi8_mask(o, _mm512_loadu_si512(old + i));
+        if (!m) continue;
+        _mm512_storeu_si512(old + i, o);
+        if (over) continue;
+        masks[k] = m;
+        chunks[k] = (uint32_t)(i >> 6);
+        _mm512_storeu_si512(vals + nv, _mm512_maskz_compress_epi8(m, o));
+        nv += __builtin_popcountll(m);
+        nr += __builtin_popcountll(m & ~(m << 1));
+        if (++k > cap) over = 1;
+    }
+    nan = vnan != 0;
+#endif
+    uint8_t buf[64];
+    for (; i < n; i += 64) { /* portable path, and the last partial chunk of the vector one */
+        int64_t nb = n - i < 64 ? n - i : 64;
+        const uint8_t *o = sb + i;
+        if (kind == 1) {
+            nan |= cast_chunk(sf + i / 2, nb / 2, buf);
+            o = buf;
+        }
+        if (out) memcpy(out + i, o, (size_t)nb);
+        uint64_t m = chunk_diff(o, old + i, nb);
+        if (!m) continue;
+        memcpy(old + i, o, (size_t)nb);
+        if (over) continue;
+        if (k + 1 > cap) { over = 1; continue; }
+        masks[k] = m;
+        chunks[k] = (uint32_t)(i >> 6);
+        for (uint64_t t = m; t; t &= t - 1) vals[nv++] = o[__builtin_ctzll(t)];
+        nr += __builtin_popcountll(m & ~(m << 1));
+        k++;
+    }
+    if (nan) return -2;
+    if (over) return -1;
+    *nvals = nv;
+    *nruns = nr;
+    return k;
+}
+
+/* Check a format-3 index of m chunks against a span of span bytes: -1 when every chunk index is
+ * inside the span and above the one before it and every mask is non-empty with no bit past the
+ * span's end (*tot: the bytes the masks select), else the first bad chunk and *why (6: indices
+ * not increasing, 7: a chunk leaves its span, 8: an empty mask). */
+int64_t wt_check_masks(const uint64_t *masks, const uint32_t *chunks, int64_t m, int64_t span, int64_t *tot,
+                       int64_t *why) {
+    int64_t nch = (span + 63) / 64, t = 0, last = span - 64 * (nch - 1);
+    uint64_t tail = last >= 64 ? ~0ull : (1ull << last) - 1;
+    for (int64_t k = 0; k < m; k++) {
+        int64_t c = chunks[k];
+        if (k && c <= (int64_t)chunks[k - 1]) { *why = 6; return k; }
+        if (c >= nch || (c == nch - 1 && (masks[k] & ~tail))) { *why = 7; return k; }
+        if (!masks[k]) { *why = 8; return k; }
+        t += __builtin_popcountll(masks[k]);
+    }
+    *tot = t;
+    *why = 0;
+    return -1;
+}
+
+/* Scatter a checked format-3 record of nvals value bytes over a span of span bytes: chunk k's
+ * masked bytes from vals into dst + 64 x its index. A chunk wholly inside the span is loaded,
+ * blended and stored back whole (its unselected bytes rewritten with what they hold: faster
+ * than a byte-masked store); the span's last partial chunk gets a byte-masked store, so nothing
+ * outside the span is touched, and vals is never read past nvals. Returns the bytes taken. */
+int64_t wt_unpack_masks(uint8_t *dst, const uint64_t *masks, const uint32_t *chunks, int64_t m, const uint8_t *vals,
+                        int64_t nvals, int64_t span) {
+    int64_t nv = 0;
+    for (int64_t k = 0; k < m; k++) {
+        uint64_t mk = masks[k];
+        int64_t at = 64 * (int64_t)chunks[k];
+        uint8_t *d = dst + at;
+#if WT_MASKS_512
+        __m512i v = nv + 64 <= nvals ? _mm512_loadu_si512(vals + nv) : _mm512_maskz_expandloadu_epi8(~0ull >> (64 - (nvals - nv < 64 ? (nvals - nv > 0 ? nvals - nv : 1) : 64)), vals + nv);
+        if (at + 64 <= span)
+            _mm512_storeu_si512(d, _mm512_mask_expand_epi8(_mm512_loadu_si512(d), mk, v));
+        else
+            _mm512_mask_storeu_epi8(d, mk, _mm512_maskz_expand_epi8(mk, v));
+        nv += __builtin_popcountll(mk);
+#else
+        (void)span;
+        for (; mk; mk &= mk - 1) d[__builtin_ctzll(mk)] = vals[nv++];
+#endif
+    }
+    (void)nvals;
+    return nv;
+}

@@ -86,7 +86,7 @@ import torch
 
 from .native import NativeKernel
 
-__all__ = ["DeltaState", "changed_runs", "changed_runs_native", "check_published", "native_status",
+__all__ = ["DeltaState", "Masks", "changed_masks", "changed_runs", "changed_runs_native", "check_published", "native_status",
            "default_granularity", "index_size", "COMPLETE_KEY"]
 
 COMPLETE_KEY = "complete/{version}"
@@ -120,6 +120,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.wt_cast_bf16_delta.restype = I
     lib.wt_copy_delta.argtypes = [P, I, P, P, I, I, P, P, I, P, P, P]
     lib.wt_copy_delta.restype = I
+    lib.wt_masks.argtypes = [P, I, I, P, P, P, P, I, P, P, P]
+    lib.wt_masks.restype = I
+    lib.wt_check_masks.argtypes = [P, P, I, I, P, P]
+    lib.wt_check_masks.restype = I
+    lib.wt_unpack_masks.argtypes = [P, P, P, I, P, I, I]
+    lib.wt_unpack_masks.restype = I
+    lib.wt_masks_isa.argtypes = []
+    lib.wt_masks_isa.restype = ctypes.c_char_p
 
 
 _CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
@@ -172,6 +180,79 @@ class Runs:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Masks:
+    """The changes of one output as 64-byte chunks counted from its first byte (packed format 3,
+    :mod:`weight_transfer.delta_packed`): ``chunks`` int32 (ascending chunk indices), ``masks``
+    int64 (bit j: byte j of that chunk changed), ``vals`` uint8 (the changed bytes in order,
+    ``nbytes`` of them), ``runs`` the runs of adjacent changed bytes within chunks (for the
+    report). ``len()`` is the number of changed chunks."""
+
+    __slots__ = ("chunks", "masks", "vals", "nbytes", "runs", "mode", "data", "pending")
+
+    def __init__(self, chunks: torch.Tensor, masks: torch.Tensor, vals: torch.Tensor, runs: int = 0):
+        self.chunks, self.masks, self.vals = chunks, masks, vals
+        self.nbytes, self.runs = vals.numel(), int(runs)
+        self.mode = "packed"
+        """The cost model's choice: ``"packed"`` (or ``"full"``)."""
+        self.data = None
+        self.pending = None
+        """``(out, shadow)`` when the fused pass left the output's pool slot unwritten (it only
+        needs the changed bytes): :meth:`fill` copies the shadow, which then equals the output,
+        into the slot before a whole write reads it."""
+
+    def fill(self) -> None:
+        """Write the output's pool slot from the shadow if the fused pass left it unwritten."""
+        if self.pending is not None:
+            out, shadow = self.pending
+            out.copy_(shadow)
+            self.pending = None
+
+    def __len__(self) -> int:
+        return self.chunks.numel()
+
+    def __repr__(self) -> str:
+        return f"Masks({len(self)} chunks, {self.nbytes} bytes, {self.runs} runs)"
+
+
+def changed_masks(src: torch.Tensor, shadow: torch.Tensor, *, out: torch.Tensor | None = None,
+                  max_chunks: int | None = None) -> Masks | None:
+    """Compare an output with its ``shadow`` (flat uint8 CPU, the output's bytes) in 64-byte
+    chunks at 1-byte granularity (``wt_masks``), copy the changed bytes into the shadow and return
+    them as :class:`Masks`. ``src``: the output's bytes (flat uint8; with ``out`` also copied
+    there), or a contiguous float32 tensor whose bf16 cast is the output (cast into ``out``,
+    flat uint8 of 2 bytes per element, exactly as torch rounds; without ``out`` only compared,
+    the shadow taking the changed bytes). None when more than ``max_chunks`` chunks changed (the
+    shadow then equals the output) or a float32 source holds a NaN (cast by torch instead into
+    ``out`` and the shadow, refreshed whole: written whole). ValueError without the native
+    kernel or for arguments that do not fit."""
+    lib = KERNEL.lib()
+    n = shadow.numel()
+    kind = 1 if src.dtype == torch.float32 else 0
+    if (lib is None or shadow.dtype != torch.uint8 or not shadow.is_contiguous() or not src.is_contiguous()
+            or src.device.type != "cpu" or shadow.device.type != "cpu"
+            or (kind == 1 and ((out is not None and out.numel() != n) or 2 * src.numel() != n))
+            or (kind == 0 and (src.dtype != torch.uint8 or src.numel() != n or (out is not None and out.numel() != n)))):
+        raise ValueError("changed_masks: needs the native kernel, contiguous CPU tensors, a uint8 shadow of the "
+                         "output's bytes and a uint8 (or float32 with an output) source")
+    cap = n // 64 + 1
+    if max_chunks is not None:
+        cap = max(0, min(cap, max_chunks))
+    masks = torch.empty(cap + 1, dtype=torch.int64)
+    chunks = torch.empty(cap + 1, dtype=torch.int32)
+    vals = torch.empty(64 * (cap + 2), dtype=torch.uint8)
+    nv, nr = ctypes.c_int64(0), ctypes.c_int64(0)
+    k = lib.wt_masks(src.data_ptr(), n, kind, None if out is None else out.data_ptr(), shadow.data_ptr(),
+                     masks.data_ptr(), chunks.data_ptr(), cap, vals.data_ptr(), ctypes.byref(nv), ctypes.byref(nr))
+    if k == -2:  # a NaN: torch's own cast (its NaN bits depend on its code path), written whole
+        shadow.view(torch.bfloat16).copy_(src)
+        if out is not None:
+            out.copy_(shadow)
+        return None
+    if k < 0:
+        return None
+    return Masks(chunks[:k], masks[:k], vals[:nv.value], nr.value)
 
 
 def _words(t: torch.Tensor, g: int) -> torch.Tensor:
@@ -330,6 +411,11 @@ class DeltaState:
                 f"output this rank writes) but delta_max_bytes is {max_bytes} ({max_bytes / 2**20:.1f} MiB); raise "
                 "--delta-max-mb, train on more ranks (smaller shares), or run without --delta")
         self.shadow = torch.empty(off, dtype=torch.uint8, device=device)
+        self.format = (self.cost.pack_format() if packer is not None and getattr(packer, "nbytes", 0) > 0
+                       and self.cost.mode != "scattered" and KERNEL.lib() is not None else "runs")
+        """The packed records' format this executor writes: ``"masks"`` (format 3: every changed
+        output packed or whole, compared in 64-byte chunks at 1-byte granularity) or ``"runs"``
+        (format 2, and scattered runs; always without a packer or the native kernel)."""
         self.full_reason: str | None = "first update"
         """Why the next update is full (None: it is a delta)."""
         self.last_version: int | None = None
@@ -387,6 +473,20 @@ class DeltaState:
             packable = self.packer is not None and self.packer.nbytes > 0 and data.device.type == "cpu"
             seg = self.fused.pop(key, None)
             packs = packable and self.cost.mode != "scattered"
+            if self.format == "masks" and packs:
+                if seg is None:
+                    seg = changed_masks(data, old, max_chunks=self.cost.max_chunks(n))
+                elif seg is False:
+                    seg = None
+                mode = ("full" if seg is None else self.cost.choose_masks(n, len(seg), seg.nbytes, True)
+                        if len(seg) else "packed")
+                if mode == "full":
+                    if seg is not None:
+                        seg.fill()
+                    self.whole += 1
+                    return None
+                seg.mode, seg.data = mode, data
+                return seg
             if seg is None:
                 seg = changed_runs_native(data, old, self.granularity, self.merge_gap,
                                           max_runs=self.cost.max_runs(n, packable), inline=packs)
@@ -425,6 +525,15 @@ class DeltaState:
         if not len(r):
             self.tensors.append((name, _kind(name), "unchanged", length, 0, 0))
             return []
+        if isinstance(r, Masks):
+            op = self.packer.pack_masks(dst, r, remote_offset, length)
+            if op is not None:
+                self.tensors.append((name, _kind(name), "packed", length, op.length, r.runs))
+                return [op]
+            r.fill()  # did not fit: whole (format 3 has no scattered mode), from the pool slot
+            self.whole += 1
+            self.tensors.append((name, _kind(name), "full", length, length, 0))
+            return [WriteOp(region, local_offset, remote, remote_offset, length)]
         mode = r.mode
         if mode == "packed":
             op = self.packer.pack(dst, r.data, r, remote_offset, length, unit=self.granularity)

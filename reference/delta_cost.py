@@ -15,6 +15,18 @@ way of writing it costs, in seconds (``w`` the wire's seconds per byte):
   bytes per run on a real RL step) when the caller sized it (:class:`weight_transfer.delta.DeltaState`
   does, in C, before choosing), else :meth:`CostModel.index_estimate` (runs spread uniformly).
 
+**The packed record's format** (:meth:`CostModel.pack_format`, once per executor: the fused
+pass must know it before it compares): ``runs`` (format 2 above) or ``masks`` (format 3: per
+changed 64-byte chunk a 64-bit byte mask and a 4-byte chunk index, then the changed bytes;
+``record = 64 + 12 x chunks + c``). Per run of a real RL step, runs cost ``encode_run + pack_run
++ apply_run`` of CPU and ~2.2 index bytes on the wire; masks cost ``chunks_per_run x (chunk +
+12 x w)`` (0.8 changed chunks per run on a step's bf16 changes, 1-byte compare: the vector
+compare, compress and expand cost ~15 ns per changed chunk, sender and receiver together).
+Masks win above ~0.25 GB/s (every transport's default: one host, a NIC), runs on a link slower
+than that (the rate-limited veth of docs/DELTA.md, 0.21 GB/s, keeps format 2). Per output,
+masks are packed or written whole (:meth:`CostModel.choose_masks`); there is no scattered
+masks mode.
+
 The comparison itself is the same for all three (it is what finds ``m`` and ``c``) and is not
 part of the choice. ``w`` is the one parameter that moves the choice most: on one host, where
 the "wire" is a memcpy, ``w`` is ~0.1-0.3 ns/B and ``full`` is hard to beat; over a link of a
@@ -28,12 +40,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MODES", "CostModel", "WIRE_GBPS", "RUN_NS"]
+__all__ = ["MODES", "FORMATS", "CostModel", "WIRE_GBPS", "RUN_NS"]
 
 MODES = ("auto", "scattered", "packed")
 """``ExecutorOptions.delta_mode`` values: ``auto`` the cheapest of the three per output,
 ``scattered`` never packed (runs or whole, the first delta's behaviour), ``packed`` packed
 whenever it fits the landing region (else runs or whole by cost)."""
+
+FORMATS = ("auto", "runs", "masks")
+"""``ExecutorOptions.delta_format`` values (the packed record's format: :meth:`CostModel.pack_format`)."""
 
 WIRE_GBPS = {"cma": 3.0, "shm": 6.0, "nixl": 12.5, "verbs": 12.5, "cuda_ipc": 100.0}
 """Default wire bandwidth per transport (GB/s, 1e9 bytes/s): cma and shm measured here (a
@@ -61,20 +76,35 @@ class CostModel:
     apply_run_s: float = 10e-9
     """Seconds the receiver's scatter spends per run (measured ~9 ns/run at 8 B runs)."""
     apply_byte_s: float = 0.1e-9
+    encode_run_s: float = 18e-9
+    """Seconds the fused cast + compare spends per run it emits for a format-2 record (measured
+    ~18 ns/run: 19.4 against 13.9 ms for 20 M elements with and without 0.31 M runs, one thread,
+    /tmp microbenchmark of ``wt_cast_bf16_delta``, docs/DELTA.md)."""
+    chunk_s: float = 15e-9
+    """Seconds a format-3 record costs per changed 64-byte chunk, encode, check and apply (measured
+    ~7 + 1.6 + 7.5 ns: ``wt_masks``, ``wt_check_masks``, ``wt_unpack_masks`` on 0.24 M chunks)."""
+    chunks_per_run: float = 0.8
+    """Changed 64-byte chunks per run of changed bytes on a real RL step's bf16 changes (1-byte
+    compare; 0.24 M chunks for 0.31 M runs at 1.5% of the elements changed)."""
     mode: str = "auto"
     """One of :data:`MODES`."""
+    format: str = "auto"
+    """One of :data:`FORMATS`."""
 
     @classmethod
     def for_transport(cls, name: str, *, mode: str = "auto", wire_gbps: float | None = None,
-                      op_cost_bytes: int | None = None) -> CostModel:
+                      op_cost_bytes: int | None = None, fmt: str = "auto") -> CostModel:
         """The defaults of transport ``name``; ``wire_gbps`` (GB/s) overrides the wire,
         ``op_cost_bytes`` (bytes at the wire per run, the first delta's ``delta_op_cost``) the
-        run cost."""
+        run cost, ``fmt`` the packed format (:data:`FORMATS`). ValueError for an unknown mode or
+        format."""
         if mode not in MODES:
             raise ValueError(f"delta_mode={mode!r}: one of {MODES}")
+        if fmt not in FORMATS:
+            raise ValueError(f"delta_format={fmt!r}: one of {FORMATS}")
         w = 1.0 / ((wire_gbps if wire_gbps is not None else WIRE_GBPS.get(name, 12.5)) * 1e9)
         run = op_cost_bytes * w if op_cost_bytes is not None else RUN_NS.get(name, 3000.0) * 1e-9
-        return cls(wire_s_per_byte=w, run_s=run, mode=mode)
+        return cls(wire_s_per_byte=w, run_s=run, mode=mode, format=fmt)
 
     def full(self, n: int) -> float:
         """Seconds to write ``n`` bytes whole."""
@@ -130,3 +160,40 @@ class CostModel:
         if self.mode == "packed" and packable:
             return "packed"  # forced whenever it fits
         return min(costs, key=lambda k: (costs[k], k != "full"))
+
+    def pack_format(self) -> str:
+        """``"runs"`` or ``"masks"``: :attr:`format`, or for ``auto`` the cheaper per run of a
+        real RL step (the module docstring): runs, the cheaper of packed ``encode_run + pack_run
+        + apply_run + 2.2 x w`` and scattered ``encode_run + run`` (unless :attr:`mode` forces
+        one), against masks ``chunks_per_run x (chunk + 12 x w)``."""
+        if self.format != "auto":
+            return self.format
+        w = self.wire_s_per_byte
+        runs = self.encode_run_s + self.pack_run_s + self.apply_run_s + 2.2 * w
+        if self.mode == "auto":
+            runs = min(runs, self.encode_run_s + self.run_s)
+        masks = self.chunks_per_run * (self.chunk_s + 12 * w)
+        return "masks" if masks < runs else "runs"
+
+    def packed_masks(self, chunks: int, changed: int) -> float:
+        """Seconds to encode, write, check and apply a format-3 record of ``chunks`` changed
+        64-byte chunks carrying ``changed`` bytes."""
+        rec = -(-(64 + 12 * chunks + changed) // 64) * 64
+        return rec * self.wire_s_per_byte + self.op_s + chunks * self.chunk_s + changed * self.apply_byte_s
+
+    def max_chunks(self, n: int) -> int | None:
+        """Most changed chunks at which a format-3 record of an ``n``-byte output can still beat
+        writing it whole (the comparison stops counting past it); None when unbounded."""
+        per = 12 * self.wire_s_per_byte + self.chunk_s
+        if self.mode == "packed" or per <= 0:
+            return None
+        return int(self.full(n) / per) + 1
+
+    def choose_masks(self, n: int, chunks: int, changed: int, packable: bool) -> str:
+        """``"packed"`` or ``"full"`` for an ``n``-byte output whose changes are ``chunks``
+        changed chunks of ``changed`` bytes (format 3 has no scattered mode)."""
+        if not packable:
+            return "full"
+        if self.mode == "packed":
+            return "packed"
+        return "packed" if self.packed_masks(chunks, changed) < self.full(n) else "full"

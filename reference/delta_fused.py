@@ -107,8 +107,11 @@ def fuse(delta, task, index: int, full: dict, into: list) -> dict[int, list[torc
         off, n = at
         packs = delta.packer is not None and delta.packer.nbytes > 0
         try:
-            runs = _fused_bands(bands, bufs[0], delta.shadow[off:off + n], delta, delta.cost.max_runs(n, packs),
-                                packs and delta.cost.mode != "scattered")
+            if getattr(delta, "format", "runs") == "masks" and packs and delta.cost.mode != "scattered":
+                runs = _fused_masks(bands, bufs[0], delta.shadow[off:off + n], delta.cost.max_chunks(n))
+            else:
+                runs = _fused_bands(bands, bufs[0], delta.shadow[off:off + n], delta,
+                                    delta.cost.max_runs(n, packs), packs and delta.cost.mode != "scattered")
         except ValueError:
             continue
         delta.fused[(index, ai, 0)] = False if runs is None else runs
@@ -188,6 +191,45 @@ def _fused_bands(bands, out: torch.Tensor, shadow: torch.Tensor, delta, max_runs
     joined.index = (g, g, ix)
     joined.vals = torch.cat([r.vals for _, r in parts]) if inline else None
     return joined
+
+
+def _fused_masks(bands, out: torch.Tensor, shadow: torch.Tensor, max_chunks: int | None):
+    """As :func:`_fused_bands` for packed format 3 (:func:`weight_transfer.delta.changed_masks`):
+    each band cast (or read) and compared with its slice of ``shadow`` in 64-byte chunks, the
+    shadow taking the changed bytes, the bands' chunks joined (indices shifted by each band's
+    offset / 64). The pool slot ``out`` is not written: a packed record needs only the changed
+    bytes, and a whole write fills it from the shadow first (:meth:`weight_transfer.delta.Masks.fill`;
+    saves a write of every output byte). Every band must start on a 64-byte chunk (checked
+    before any byte moves: ValueError, and the caller compares separately). None when more than
+    ``max_chunks`` chunks changed or a band holds a NaN (every band is still cast, its shadow
+    refreshed and ``out`` written from it: written whole)."""
+    from .delta import Masks, changed_masks
+
+    if any(boff % 64 for boff, _ in bands):
+        raise ValueError("a band does not start on a 64-byte chunk")
+    parts, whole = [], False
+    for boff, src in bands:
+        nb = 2 * src.numel()
+        s = src if src.dtype == torch.float32 else src.view(torch.uint8)
+        r = changed_masks(s, shadow[boff:boff + nb], max_chunks=0 if whole else max_chunks)
+        if r is None:
+            whole = True
+        elif len(r):
+            parts.append((boff, r))
+    if not whole:
+        if len(parts) == 1 and parts[0][0] == 0:
+            got = parts[0][1]
+        elif not parts:
+            got = Masks(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64),
+                        torch.empty(0, dtype=torch.uint8))
+        else:
+            got = Masks(torch.cat([r.chunks + b // 64 for b, r in parts]), torch.cat([r.masks for _, r in parts]),
+                        torch.cat([r.vals for _, r in parts]), sum(r.runs for _, r in parts))
+        if max_chunks is None or len(got) <= max_chunks:
+            got.pending = (out, shadow)
+            return got
+    out.copy_(shadow)  # every band's shadow now equals its output: written whole
+    return None
 
 
 def _vlen_int(v: int) -> int:

@@ -37,6 +37,18 @@ changes only the low byte of most bf16 elements -- a packed delta of an lr 1e-6 
 a full bf16 update (docs/DELTA.md). A format-1 record (its magic; two uint32 per run) is refused
 by name, any other magic as malformed.
 
+**A format-3 record** (``ExecutorOptions.delta_format`` ``masks``, :class:`weight_transfer.delta.Masks`):
+the same header with its own magic, ``runs`` the number ``m`` of changed 64-byte chunks (counted
+from the span's first byte, the last one clipped to the span), ``index bytes`` ``8m + 4m``
+rounded up to 8, ``unit`` 64; then ``m`` int64 byte masks (bit j: byte j of the chunk), ``m``
+uint32 chunk indices (ascending), padding, and the changed bytes in chunk and byte order. Its
+span is at most :data:`MAX_SPAN_MASKS`. Checked like format 2 (indices ascending and inside the
+span, no mask empty or reaching past the span's end, the masks' bytes equal to the data bytes);
+scattered with a vector expand per chunk (``wt_unpack_masks``: nothing outside the span is
+written). ~12 bytes of index per changed chunk instead of ~2 per run, and no run extraction,
+varint or per-byte branch on either side: the format for a fast wire (the cost model's choice,
+:meth:`weight_transfer.delta_cost.CostModel.pack_format`).
+
 **Posting.** The executor holds back every record write of an update and posts them as one
 batch after its last task (one round trip per update on a transport that pays one per batch,
 NIXL's epoch READ and completion among them, instead of one per task), then, once that batch
@@ -70,7 +82,7 @@ from .delta import _units, _vlen, index_size
 from .transport.base import WriteOp
 
 __all__ = ["DIR_SLOTS", "DIR_BYTES", "HEADER", "LANDING_KEY", "MIN_LANDING", "MAX_SPAN", "MAX_UNIT", "Landing",
-           "Packer", "PackedError", "area", "record_size", "index_size", "encode_index", "check_index", "apply_landing"]
+           "MAX_SPAN_MASKS", "Packer", "PackedError", "area", "record_size", "index_size", "encode_index", "check_index", "apply_landing"]
 
 LANDING_KEY = "infer/delta_landing/{rank}"
 """Store key: the :class:`~weight_transfer.types.RegionDescriptor` of inference rank ``rank``'s
@@ -84,14 +96,18 @@ DIR_BYTES = DIR_SLOTS * HEADER
 MIN_LANDING = DIR_BYTES + (64 << 10)
 """Smallest landing region (bytes)."""
 MAGIC_REC = 0x3243524450545700  # "\0WTPDRC2": format 2 (varint index)
+MAGIC_REC3 = 0x3343524450545700  # "\0WTPDRC3": format 3 (chunk masks)
 MAGIC_REC_V1 = 0x3143524450545700  # "\0WTPDRC1": format 1 (two uint32 per run), refused by name
 MAGIC_DIR = 0x3152494450545700  # "\0WTPDIR1"
 MAX_SPAN = 1 << 48
 """Largest span of one record (bytes)."""
+MAX_SPAN_MASKS = 1 << 38
+"""Largest span of one format-3 record (bytes: 2^32 chunks of 64 bytes)."""
 MAX_UNIT = 1 << 16
 """Largest unit of a record's index (bytes)."""
 WHY = {1: "a varint runs past the end of the index", 2: "a varint is longer than 9 bytes or not minimal",
-       3: "a run is empty", 4: "a run leaves its span", 5: "index bytes are left after the last run"}
+       3: "a run is empty", 4: "a run leaves its span", 5: "index bytes are left after the last run",
+       6: "chunk indices are not ascending", 7: "a chunk leaves its span", 8: "a chunk's mask is empty"}
 """Reasons of a malformed index (``wt_check_packed``'s codes)."""
 
 
@@ -103,6 +119,12 @@ def _lib():
     from .delta import KERNEL
 
     return KERNEL.lib()
+
+
+def masks_index_bytes(chunks: int) -> int:
+    """Index bytes of a format-3 record of ``chunks`` changed chunks: ``8 x chunks`` of masks and
+    ``4 x chunks`` of chunk indices, rounded up to 8."""
+    return 8 * chunks + -(-4 * chunks // 8) * 8
 
 
 def record_size(index_bytes: int, changed: int) -> int:
@@ -161,6 +183,33 @@ def check_index(index: torch.Tensor, m: int, span: int, unit: int):
     if ends.numel() > need or left:
         return m, 5, None, None
     return -1, 0, s, (s + ln * unit).clamp(max=span) - s
+
+
+def _mask_positions(masks: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+    """Byte offsets (int64, in order) that format-3 ``masks`` / ``chunks`` select (torch)."""
+    bits = ((masks.unsqueeze(1) >> torch.arange(64, dtype=torch.int64)) & 1).bool()
+    pos = (chunks.to(torch.int64) & 0xFFFFFFFF).unsqueeze(1) * 64 + torch.arange(64, dtype=torch.int64)
+    return pos[bits]
+
+
+def check_masks(masks: torch.Tensor, chunks: torch.Tensor, span: int) -> tuple[int, int, int]:
+    """Check a format-3 index (int64 ``masks``, int32 ``chunks``) against a span of ``span``
+    bytes as ``wt_check_masks`` does (torch): ``(bad, why, bytes)``, ``bad`` -1 when fine (then
+    ``bytes`` the masks select), else the first bad chunk and its :data:`WHY` code (6, 7, 8)."""
+    c = chunks.to(torch.int64) & 0xFFFFFFFF  # uint32 on the wire
+    nch = -(-span // 64)
+    tail = span - 64 * (nch - 1)
+    over = (masks & ~((1 << tail) - 1)) != 0 if tail < 64 else torch.zeros_like(masks, dtype=torch.bool)
+    err = torch.zeros(c.numel(), dtype=torch.int64)
+    err = torch.where(masks == 0, 8, err)
+    err = torch.where((c >= nch) | ((c == nch - 1) & over), 7, err)
+    if c.numel() > 1:
+        err[1:] = torch.where(c[1:] <= c[:-1], 6, err[1:])
+    bad = (err > 0).nonzero().flatten()
+    if bad.numel():
+        k = int(bad[0])
+        return k, int(err[k]), 0
+    return -1, 0, int(_mask_positions(masks, chunks).numel())
 
 
 def area(length: int, senders: int, rank: int) -> tuple[int, int]:
@@ -253,6 +302,36 @@ class Packer:
         self.seconds += time.perf_counter() - t0
         return WriteOp(self.region, lo, self.landing[dst], ao + pos, size)
 
+    def pack_masks(self, dst: int, masks, target_offset: int, span: int) -> WriteOp | None:
+        """Pack :class:`weight_transfer.delta.Masks` ``masks`` as a format-3 record for inference
+        rank ``dst``'s span ``[target_offset, target_offset + span)`` and return the
+        :class:`WriteOp` that writes it; None when it does not fit (nothing changed) or the span
+        is larger than :data:`MAX_SPAN_MASKS`."""
+        at = self._at.get(dst)
+        if at is None or span > MAX_SPAN_MASKS:
+            return None
+        t0 = time.perf_counter()
+        m, c = len(masks), masks.nbytes
+        ix = masks_index_bytes(m)
+        size = record_size(ix, c)
+        if size > self.room(dst):
+            self.seconds += time.perf_counter() - t0
+            return None
+        base, ao, _ = at
+        pos = self.pos.get(dst, 0)
+        lo = base + pos
+        rec = self.buffer[lo:lo + size]
+        rec[:HEADER].view(torch.int64).copy_(torch.tensor(
+            [MAGIC_REC3, target_offset, span, m, c, ix, self.version, 64], dtype=torch.int64))
+        if m:
+            rec[HEADER:HEADER + 8 * m].view(torch.int64).copy_(masks.masks)
+            rec[HEADER + 8 * m:HEADER + 12 * m].view(torch.int32).copy_(masks.chunks)
+            rec[HEADER + ix:HEADER + ix + c].copy_(masks.vals)
+        self.pos[dst] = pos + size
+        self.records[dst] = self.records.get(dst, 0) + 1
+        self.seconds += time.perf_counter() - t0
+        return WriteOp(self.region, lo, self.landing[dst], ao + pos, size)
+
     def finish(self) -> list[WriteOp]:
         """The directory entries of this update (one per receiver that got a record), to write
         once every record landed."""
@@ -321,9 +400,13 @@ class Landing:
         return self.last
 
 
-APPLY_THREADS = max(1, min(4, int(os.environ.get("WT_APPLY_THREADS", 0)) or (os.cpu_count() or 1)))
-"""Threads that check and scatter a commit's records (at most 4, at most the host's CPUs;
-``WT_APPLY_THREADS`` sets it, 1: in the calling thread). Why threads and not one C loop: the
+APPLY_THREADS = max(1, min(4, int(os.environ.get("WT_APPLY_THREADS", 0)) or (os.cpu_count() or 1) - 1))
+"""Threads that check and scatter a commit's records (at most 4, at most the host's CPUs but
+one; ``WT_APPLY_THREADS`` sets it, 1: in the calling thread). One CPU is left because during
+``update_weights`` vLLM's EngineCore busy-polls its reply queue (``sched_yield`` for 1 s after a
+read, ``shm_broadcast.py``): on the 2-core VM a second apply thread only shares a core with it
+(the RL loop's commit apply p50 8.9 ms with 2 threads, 7.5 ms with 1; alone, with nothing else
+running, 2 threads are 1.45x faster: results/delta_apply.md). Why threads and not one C loop: the
 records of an update are independent (disjoint spans), the native check and scatter release
 the GIL, and a vLLM worker's calling thread is usually pinned to one core by its OpenMP binding
 while the others idle during ``update_weights``; the pool's threads are let onto every CPU
@@ -386,20 +469,31 @@ def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int
                                   "an older sender); this receiver reads format 2 (varint index): update the "
                                   "trainer's weight_transfer; nothing scattered")
             size = record_size(ix, c) if ix >= 0 and c >= 0 else -1
-            if magic != MAGIC_REC or ver != version or m < 0 or c < 0 or ix < 0 or size < 0 \
+            fmt3 = magic == MAGIC_REC3
+            if fmt3 and (q != 64 or m < 0 or ix != masks_index_bytes(m) or span > MAX_SPAN_MASKS):
+                size = -1
+            if magic not in (MAGIC_REC, MAGIC_REC3) or ver != version or m < 0 or c < 0 or ix < 0 or size < 0 \
                     or at + size > ao + used or not 0 < span <= MAX_SPAN or not 1 <= q <= MAX_UNIT:
                 raise PackedError(f"landing entry {r}: record {k} at {at} is malformed (magic {magic:#x}, version "
                                   f"{ver}, span {span}, runs {m}, data {c}, index {ix}, unit {q}); nothing scattered")
             if not any(lo <= to and to + span <= hi for lo, hi in parts):
                 raise PackedError(f"landing entry {r}: record {k} targets [{to}, {to + span}), outside every part of "
                                   "the registered target region; nothing scattered")
-            out.append((at, to, span, m, c, ix, q))
+            out.append((at, to, span, m, c, ix, q, fmt3))
             where.append((r, k))
             at += size
 
     def check(rec):  # one record's index (native: the GIL released, records checked in parallel)
-        at, to, span, m, c, ix, q = rec
+        at, to, span, m, c, ix, q, fmt3 = rec
         idx = buf[at + HEADER:at + HEADER + ix]
+        if fmt3:
+            masks, chunks = idx[:8 * m].view(torch.int64), idx[8 * m:12 * m].view(torch.int32)
+            if lib is not None:
+                tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+                bad = lib.wt_check_masks(masks.data_ptr(), chunks.data_ptr(), m, span, ctypes.byref(tot),
+                                         ctypes.byref(why))
+                return bad, why.value, tot.value
+            return check_masks(masks, chunks, span)
         if lib is not None:
             tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
             bad = lib.wt_check_packed(idx.data_ptr(), ix, m, span, q, ctypes.byref(tot), ctypes.byref(why))
@@ -408,12 +502,13 @@ def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int
         return bad, why, int(ln.sum()) if bad < 0 else 0
 
     for (r, k), rec, (bad, why, got) in zip(where, out, _parallel(check, out)):
-        m, c, ix, span, q = rec[3], rec[4], rec[5], rec[2], rec[6]
+        m, c, ix, span, q, fmt3 = rec[3], rec[4], rec[5], rec[2], rec[6], rec[7]
+        what = "chunk" if fmt3 else "run"
         if bad >= 0:
-            raise PackedError(f"landing entry {r}: record {k}: run {bad} of {m}: {WHY.get(why, why)} (span "
+            raise PackedError(f"landing entry {r}: record {k}: {what} {bad} of {m}: {WHY.get(why, why)} (span "
                               f"{span} bytes, unit {q}, index {ix} bytes); nothing scattered")
         if got != c:
-            raise PackedError(f"landing entry {r}: record {k}: runs carry {got} bytes, header says {c}; "
+            raise PackedError(f"landing entry {r}: record {k}: {what}s carry {got} bytes, header says {c}; "
                               "nothing scattered")
     return out
 
@@ -431,9 +526,17 @@ def apply_landing(buf: torch.Tensor, version: int, base: int, parts) -> dict:
     lib = _lib()
 
     def scatter(rec):  # records have disjoint spans: scattered in parallel (native: the GIL released)
-        at, to, span, m, c, ix, q = rec
+        at, to, span, m, c, ix, q, fmt3 = rec
         idx = buf[at + HEADER:at + HEADER + ix]
         data = buf[at + HEADER + ix:at + HEADER + ix + c]
+        if fmt3:
+            masks, chunks = idx[:8 * m].view(torch.int64), idx[8 * m:12 * m].view(torch.int32)
+            if lib is not None:
+                return lib.wt_unpack_masks(ctypes.c_void_p(base + to), masks.data_ptr(), chunks.data_ptr(), m,
+                                           data.data_ptr(), c, span) == c
+            if m:
+                span_view(base + to, span)[_mask_positions(masks, chunks)] = data
+            return True
         if lib is not None:
             return lib.wt_unpack(ctypes.c_void_p(base + to), idx.data_ptr(), ix, data.data_ptr(), m, span, q) == c
         if m:

@@ -219,7 +219,7 @@ class Executor(StageLoops):
 
         name = getattr(self.transport, "name", "cma")
         cost = CostModel.for_transport(name, mode=options.delta_mode, wire_gbps=options.delta_wire_gbps,
-                                       op_cost_bytes=options.delta_op_cost)
+                                       op_cost_bytes=options.delta_op_cost, fmt=options.delta_format)
         packer = None
         if self.landing and options.delta_mode != "scattered" and self.device.type == "cpu":
             packer = Packer(self.landing, self.transport, rank=self.plan.rank, senders=senders, device=self.device)
@@ -236,6 +236,7 @@ class Executor(StageLoops):
             self.memory.stats.registered_bytes += packer.nbytes
         self._say(f"delta updates: shadow of {self.delta.shadow_bytes / 1e6:.1f} MB (granularity "
                   f"{self.delta.granularity} B, merge gap {options.delta_merge_gap} B, mode {options.delta_mode}, "
+                  f"records {self.delta.format}, "
                   f"wire {1e-9 / cost.wire_s_per_byte:.2f} GB/s, run {cost.run_s * 1e9:.0f} ns; packing into "
                   f"{len(packer._at) if packer else 0} landing region(s), {packer.nbytes / 1e6 if packer else 0:.1f} MB)")
 

@@ -105,6 +105,13 @@ class ExecutorOptions:
     cost model's cheapest of scattered runs, one packed record (into the receiver's landing
     region, scattered at its commit: :mod:`weight_transfer.delta_packed`) or the whole output;
     ``scattered`` never packed (runs or whole); ``packed`` packed whenever it fits."""
+    delta_format: str = field(default="auto", metadata={"choices": ("auto", "runs", "masks")})
+    """How a packed record carries an output's changes (:mod:`weight_transfer.delta_packed`):
+    ``runs`` (format 2: a varint index of runs, ~2 bytes per run; the fewest bytes), ``masks``
+    (format 3: a 64-bit byte mask per changed 64-byte chunk, 12 bytes of index per changed chunk,
+    found and applied with a vector compare, compress and expand: the least CPU), ``auto`` the
+    cost model's choice from the wire's bandwidth (:meth:`weight_transfer.delta_cost.CostModel.pack_format`:
+    masks above ~0.25 GB/s, e.g. on one host; runs on a slow link)."""
     delta_wire_gbps: float | None = field(default=None, metadata={"unit": "GB/s"})
     """The cost model's wire bandwidth (GB/s, 1e9 bytes/s); None: the transport's default
     (:data:`weight_transfer.delta_cost.WIRE_GBPS`: cma 3, shm 6, nixl/verbs 12.5). A slow link
@@ -133,6 +140,8 @@ class ExecutorOptions:
             raise ValueError(f"delta_op_cost={self.delta_op_cost}: bytes >= 0, or None for the transport's")
         if self.delta_mode not in ("auto", "scattered", "packed"):
             raise ValueError(f"delta_mode={self.delta_mode!r}: auto, scattered or packed")
+        if self.delta_format not in ("auto", "runs", "masks"):
+            raise ValueError(f"delta_format={self.delta_format!r}: auto, runs or masks")
         if self.delta_wire_gbps is not None and not self.delta_wire_gbps > 0:
             raise ValueError(f"delta_wire_gbps={self.delta_wire_gbps}: GB/s > 0, or None for the transport's")
         if not 0 <= self.delta_landing <= 4:

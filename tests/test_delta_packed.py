@@ -494,14 +494,16 @@ def test_fused_bands_join_like_one_compare_and_pack_from_their_values():
 @pytest.mark.parametrize("transport", ["cma", "shm"])
 @pytest.mark.parametrize("quant", [None, "fp8"])
 @pytest.mark.parametrize("mode", ["packed", "auto"])
-def test_packed_updates_bit_exact_every_step(transport, quant, mode):
+@pytest.mark.parametrize("fmt", ["runs", "masks"])
+def test_packed_updates_bit_exact_every_step(transport, quant, mode, fmt):
     """Steps of fractions 1, 0, 1, 0.01, 0.3, 0, 0.001 through the real planner, executor and
     transport, each committed (the receivers scatter their records) and checked bit-exact against
-    a fresh oracle; packed records carry the sparse steps."""
+    a fresh oracle; packed records (format 2 runs or format 3 masks) carry the sparse steps."""
     cfg = load_config("qwen3-0.6b", **TINY)
     change = (1.0, 0.0, 1.0, 0.01, 0.3, 0.0, 0.001)
     lb = Loopback(cfg, InferenceLayout(tp=2, quant=quant), transport=transport,
-                  options=ExecutorOptions(delta=True, delta_mode=mode, delta_wire_gbps=1.0), landing=0.5)
+                  options=ExecutorOptions(delta=True, delta_mode=mode, delta_wire_gbps=1.0, delta_format=fmt),
+                  landing=0.5)
     seen = []
     for step in range(1, 8):
         src = _ckpt(cfg, step, change)
@@ -513,11 +515,14 @@ def test_packed_updates_bit_exact_every_step(transport, quant, mode):
     assert seen[1][1] == 0 and seen[5][1] == 0  # nothing changed: nothing written, nothing packed
     for i in (3, 6):  # sparse steps: packed (auto on shm: a run costs 20 ns there, runs win), fewer bytes than full
         assert seen[i][0] == "delta" and seen[i][1] < seen[i][2] / 2
-        if mode == "packed" or transport == "cma":
+        if mode == "packed" or transport == "cma" or fmt == "masks":
             assert "packed" in seen[i][3] and seen[i][4] > 0
         else:
             assert "scattered" in seen[i][3]
+    assert lb.executor.delta.format == fmt
     assert all(t[2] in ("full", "scattered", "packed", "unchanged") for t in lb.executor.delta.tensors)
+    if fmt == "masks":  # format 3 has no scattered mode: packed, whole or unchanged
+        assert all(t[2] != "scattered" for t in lb.executor.delta.tensors)
     lb.executor.close()
 
 
@@ -534,9 +539,11 @@ def test_landing_too_small_falls_back_and_stays_exact():
     lb.executor.close()
 
 
-def test_fused_cast_compare_through_the_executor_is_bit_exact():
+@pytest.mark.parametrize("fmt", ["runs", "masks"])
+def test_fused_cast_compare_through_the_executor_is_bit_exact(fmt):
     """An fp32 master into a bf16 engine: the casts are fused with the comparison in prepare
-    (delta_fused_s > 0), every update bit-exact; the same with fusing off."""
+    (delta_fused_s > 0), every update bit-exact, packed as runs or as masks; the same with
+    fusing off."""
     if native_status() != "ok":
         pytest.skip(f"native delta kernel unavailable: {native_status()}")
     import weight_transfer.delta_fused as df
@@ -553,15 +560,16 @@ def test_fused_cast_compare_through_the_executor_is_bit_exact():
 
     df._bands = spy
     try:
-        _fused_through_the_executor(cfg, change)
+        _fused_through_the_executor(cfg, change, fmt)
     finally:
         df._bands = bands
     assert any("qkv_proj" in s for s in seen) and any("gate_up_proj" in s for s in seen), seen  # row bands fused too
 
 
-def _fused_through_the_executor(cfg, change):
+def _fused_through_the_executor(cfg, change, fmt):
     for fused in (True, False):
-        lb = Loopback(cfg, InferenceLayout(tp=1), options=ExecutorOptions(delta=True, delta_fused=fused), landing=0.25)
+        lb = Loopback(cfg, InferenceLayout(tp=1), options=ExecutorOptions(delta=True, delta_fused=fused,
+                                                                          delta_format=fmt), landing=0.25)
         for step in range(1, 5):
             src = _ckpt(cfg, step, change, dtype=torch.float32)
             st = lb.transfer(src)
@@ -570,6 +578,9 @@ def _fused_through_the_executor(cfg, change):
                 assert (st.delta_fused_s > 0) == fused
             if step == 3:
                 assert st.bytes_sent == 0
+            if step == 2:  # 1% changed: packed (0.3 at step 4 goes whole)
+                assert "packed" in st.delta_modes, st.delta_modes
+        assert lb.executor.delta.format == fmt
         lb.executor.close()
 
 

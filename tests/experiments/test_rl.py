@@ -147,7 +147,8 @@ def test_delta_push_mode_overrides_and_table(tmp_path):
 
     assert rl.transfer_overrides(rl.RLOptions()) is None
     assert rl.transfer_overrides(rl.RLOptions(delta=True, delta_op_cost=-1)) == {
-        "delta": True, "delta_granularity": None, "delta_op_cost": None, "delta_mode": "auto", "delta_wire_gbps": None,
+        "delta": True, "delta_granularity": None, "delta_op_cost": None, "delta_mode": "auto", "delta_format": "auto",
+        "delta_wire_gbps": None,
         "delta_landing": 0.25}
     assert rl.transfer_overrides(rl.RLOptions(delta=True, delta_mode="packed", delta_wire_gbps=0.5))["delta_mode"] == "packed"
     with pytest.raises(ValueError):

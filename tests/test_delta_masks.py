@@ -1,0 +1,261 @@
+"""Packed format 3 (chunk masks, issue 40): the native kernel ``wt_masks`` against a torch
+reference on both of its code paths (AVX-512 VBMI2 where this host has it, and the portable one
+built without ``-march=native``), its check and scatter, the record through a Packer and a
+Landing (malformed ones refused before any byte is scattered), and the cost model's choice of
+format."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from weight_transfer.delta import KERNEL, Masks, _declare, changed_masks, native_status
+from weight_transfer.delta_cost import CostModel
+from weight_transfer.delta_packed import (
+    HEADER,
+    MIN_LANDING,
+    Landing,
+    PackedError,
+    Packer,
+    check_masks,
+    masks_index_bytes,
+    record_size,
+)
+from weight_transfer.native import NativeKernel
+from weight_transfer.transport import make_transport
+
+pytestmark = pytest.mark.skipif(native_status() != "ok", reason=f"native delta kernel unavailable: {native_status()}")
+
+
+def _portable():
+    """The same source built without -march=native: the portable code path."""
+    flags = tuple(f for f in ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11") if f != "-march=native")
+    k = NativeKernel(KERNEL.src, stem="delta-portable", env="WT_DELTA_NATIVE", flag_sets=(flags,), declare=_declare)
+    lib = k.lib()
+    assert lib is not None, k.error
+    assert lib.wt_masks_isa() == b"portable"
+    return lib
+
+
+LIBS = {"native": lambda: KERNEL.lib(), "portable": _portable}
+
+
+def _reference(new: torch.Tensor, old: torch.Tensor):
+    """(chunks, masks, vals, runs) of the bytes of ``new`` that differ from ``old`` (torch)."""
+    n = new.numel()
+    diff = new != old
+    pad = torch.zeros(-(-n // 64) * 64, dtype=torch.bool)
+    pad[:n] = diff
+    bits = pad.view(-1, 64)
+    chunks = bits.any(1).nonzero().flatten()
+    w = (bits[chunks].to(torch.int64) << torch.arange(64, dtype=torch.int64)).sum(1)
+    # masks as int64 bit patterns (bit 63 may be set: sum of int64 wraps exactly like the uint64)
+    starts = pad & ~torch.cat([torch.zeros(1, dtype=torch.bool), pad[:-1]])
+    starts[::64] = pad[::64]  # runs are counted within chunks
+    return chunks.to(torch.int32), w, new[diff], int(starts.sum())
+
+
+def _call(lib, src, n, kind, out, old, cap):
+    masks = torch.empty(cap + 1, dtype=torch.int64)
+    chunks = torch.empty(cap + 1, dtype=torch.int32)
+    vals = torch.empty(64 * (cap + 2), dtype=torch.uint8)
+    nv, nr = ctypes.c_int64(0), ctypes.c_int64(0)
+    k = lib.wt_masks(src.data_ptr(), n, kind, None if out is None else out.data_ptr(), old.data_ptr(), masks.data_ptr(),
+                     chunks.data_ptr(), cap, vals.data_ptr(), ctypes.byref(nv), ctypes.byref(nr))
+    return k, chunks[:max(k, 0)], masks[:max(k, 0)], vals[:nv.value], nr.value
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("n", [2, 62, 64, 66, 4096 + 18, 100_002])
+@pytest.mark.parametrize("p", [0.0, 0.003, 0.3, 1.0])
+def test_masks_equal_the_torch_reference(path, n, p):
+    """Both kinds (the output's bytes; a float32 source cast to bf16): the output, the shadow,
+    every chunk index, mask and value and the run count equal torch's; the shadow takes exactly
+    the new bytes."""
+    lib = LIBS[path]()
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n // 2, generator=g) * 0.02
+    old = x.to(torch.bfloat16).view(torch.uint8).clone()
+    y = x + (torch.rand(n // 2, generator=g) < p) * 0.001
+    new = y.to(torch.bfloat16).view(torch.uint8)
+    want = _reference(new, old)
+    cap = n // 64 + 1
+    for kind, src in ((0, new.clone()), (1, y)):
+        out, sh = torch.empty(n, dtype=torch.uint8), old.clone()
+        k, chunks, masks, vals, runs = _call(lib, src, n, kind, out, sh, cap)
+        assert k == want[0].numel()
+        assert torch.equal(out, new) and torch.equal(sh, new)
+        assert torch.equal(chunks, want[0]) and torch.equal(masks, want[1]) and torch.equal(vals, want[2])
+        assert runs == want[3]
+    sh = old.clone()  # kind 0 without an output: compare in place
+    k, *_ = _call(lib, new, n, 0, None, sh, cap)
+    assert k == want[0].numel() and torch.equal(sh, new)
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+def test_over_the_cap_and_a_nan(path):
+    """More changed chunks than the cap: -1, the cast and the shadow still complete. A NaN in a
+    cast: -2 (the caller casts with torch)."""
+    lib = LIBS[path]()
+    n = 64 * 100
+    y = torch.randn(n // 2)
+    old = torch.zeros(n, dtype=torch.uint8)
+    out = torch.empty(n, dtype=torch.uint8)
+    k, *_ = _call(lib, y, n, 1, out, old, 10)
+    assert k == -1 and torch.equal(out, y.to(torch.bfloat16).view(torch.uint8)) and torch.equal(old, out)
+    y[1234] = float("nan")
+    k, *_ = _call(lib, y, n, 1, out, torch.zeros(n, dtype=torch.uint8), 200)
+    assert k == -2
+    sh = torch.zeros(n, dtype=torch.uint8)
+    assert changed_masks(y, sh, out=out) is None  # the wrapper: torch's cast, shadow refreshed whole
+    assert torch.equal(out, y.to(torch.bfloat16).view(torch.uint8)) and torch.equal(sh, out)
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("span", [64 * 40, 64 * 40 - 3, 5])
+def test_unpack_writes_exactly_the_selected_bytes_inside_the_span(path, span):
+    lib = LIBS[path]()
+    g = torch.Generator().manual_seed(span)
+    old = torch.randint(0, 256, (span,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    sel = torch.rand(span, generator=g) < 0.2
+    sel[-1] = True  # the last (maybe partial) chunk changes
+    new[sel] ^= 0xFF
+    chunks, masks, vals, _ = _reference(new, old)
+    arena = torch.full((span + 256,), 0x5A, dtype=torch.uint8)
+    arena[64:64 + span] = old
+    tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+    assert lib.wt_check_masks(masks.data_ptr(), chunks.data_ptr(), chunks.numel(), span, ctypes.byref(tot),
+                              ctypes.byref(why)) == -1 and tot.value == vals.numel()
+    assert check_masks(masks, chunks, span) == (-1, 0, vals.numel())
+    vbuf = vals.clone()  # exactly nvals bytes: the scatter must not read past them
+    got = lib.wt_unpack_masks(arena.data_ptr() + 64, masks.data_ptr(), chunks.data_ptr(), chunks.numel(),
+                              vbuf.data_ptr(), vbuf.numel(), span)
+    assert got == vals.numel()
+    assert torch.equal(arena[64:64 + span], new)
+    assert (arena[:64] == 0x5A).all() and (arena[64 + span:] == 0x5A).all()
+
+
+@pytest.mark.parametrize("case,want", [
+    ("ok", (-1, 0)), ("descending", (1, 6)), ("repeat", (1, 6)), ("outside", (2, 7)), ("tail_bit", (2, 7)),
+    ("empty", (1, 8)), ("high_index", (2, 7)),
+])
+def test_malformed_masks_are_refused_alike_in_c_and_torch(case, want):
+    span = 64 * 2 + 10  # three chunks, the last one 10 bytes
+    chunks = torch.tensor([0, 1, 2], dtype=torch.int32)
+    masks = torch.tensor([1, 3, (1 << 10) - 1], dtype=torch.int64)
+    if case == "descending":
+        chunks[1] = 0
+    elif case == "repeat":
+        chunks[1] = 0
+        chunks[0] = 0
+    elif case == "outside":
+        chunks[2] = 3
+    elif case == "tail_bit":
+        masks[2] = 1 << 10
+    elif case == "empty":
+        masks[1] = 0
+    elif case == "high_index":
+        chunks[2] = -1  # uint32 0xFFFFFFFF on the wire
+    lib = KERNEL.lib()
+    tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+    bad = lib.wt_check_masks(masks.data_ptr(), chunks.data_ptr(), 3, span, ctypes.byref(tot), ctypes.byref(why))
+    if case == "repeat":
+        want = (1, 6)
+    assert (bad, why.value if bad >= 0 else 0) == want
+    assert check_masks(masks, chunks, span)[:2] == want
+
+
+def _masks_of(new, old):
+    sh = old.clone()
+    r = changed_masks(new, sh)
+    assert torch.equal(sh, new) and isinstance(r, Masks)
+    return r
+
+
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def native(request, monkeypatch):
+    from weight_transfer import delta
+
+    if not request.param:
+        monkeypatch.setattr(delta.KERNEL, "lib", lambda: None)
+    return request.param
+
+
+def test_a_masks_record_through_packer_and_landing(native):
+    """Format-3 records packed, written one-sidedly (cma) and scattered by the receiver's apply
+    (native or torch): exactly the changed bytes land; a record with a damaged index is refused
+    with nothing scattered, not even a valid record before it."""
+    rx, tx = make_transport("cma"), make_transport("cma")
+    landing = Landing(1 << 20, rx)
+    arena = torch.full((1 << 16,), 0xA5, dtype=torch.uint8)
+    tx.connect([landing.descriptor])
+    pk = Packer({0: landing.descriptor}, tx, rank=0, senders=1)
+    g = torch.Generator().manual_seed(1)
+    new = arena.clone()
+    sel = torch.rand(new.numel(), generator=g) < 0.02
+    new[sel] = torch.randint(0, 256, (int(sel.sum()),), dtype=torch.uint8, generator=g)
+    new[sel & (new == 0xA5)] = 0
+    with torch.no_grad():
+        from weight_transfer import delta
+        lib = delta.KERNEL.lib
+        delta.KERNEL.lib = KERNEL.__class__.lib.__get__(KERNEL)  # the sender side always native
+        try:
+            a, b = _masks_of(new[:40000], arena[:40000]), _masks_of(new[40000:], arena[40000:])
+        finally:
+            delta.KERNEL.lib = lib
+    pk.begin(5)
+    ops = [pk.pack_masks(0, a, 0, 40000), pk.pack_masks(0, b, 40000, new.numel() - 40000)]
+    assert ops[0].length == record_size(masks_index_bytes(len(a)), a.nbytes)
+    tx.write(ops).wait()
+    tx.write(pk.finish()).wait()
+    before = arena.clone()
+    st = landing.apply(5, arena.data_ptr(), [(0, arena.numel())])
+    assert st["delta_records"] == 2 and st["delta_bytes"] == int(sel.sum())
+    assert torch.equal(arena, new)
+    # damage the second record's first chunk index: both refused, nothing scattered
+    at = ops[1].remote_offset
+    m = int(landing.buffer[at:at + HEADER].view(torch.int64)[3])
+    landing.buffer[at + HEADER + 8 * m:at + HEADER + 8 * m + 4].view(torch.int32)[0] = 1 << 20
+    arena.copy_(before)
+    with pytest.raises(PackedError, match="chunk 0 of .*leaves its span"):
+        landing.apply(5, arena.data_ptr(), [(0, arena.numel())])
+    assert torch.equal(arena, before)
+    landing.buffer[at:at + 8].view(torch.int64)[0] ^= 1  # a bad magic
+    with pytest.raises(PackedError, match="malformed"):
+        landing.apply(5, arena.data_ptr(), [(0, arena.numel())])
+    assert torch.equal(arena, before)
+    pk.close()
+    landing.close()
+    tx.close()
+    rx.close()
+
+
+def test_a_masks_record_that_does_not_fit_is_not_packed():
+    landing = Landing(MIN_LANDING, make_transport("cma"))
+    pk = Packer({0: landing.descriptor}, None, rank=0, senders=1)
+    pk.begin(1)
+    old = torch.zeros(1 << 20, dtype=torch.uint8)
+    r = _masks_of(torch.ones(1 << 20, dtype=torch.uint8), old)
+    assert pk.pack_masks(0, r, 0, 1 << 20) is None and pk.room(0) > 0
+
+
+def test_cost_model_chooses_the_format_by_the_wire():
+    """Masks on every transport's default wire (memory, a NIC); runs on a link slower than
+    ~0.25 GB/s (the rate-limited veth); forced either way; masks packed or whole by cost."""
+    for t in ("cma", "shm", "nixl", "verbs"):
+        assert CostModel.for_transport(t).pack_format() == "masks", t
+    assert CostModel.for_transport("nixl", wire_gbps=0.2).pack_format() == "runs"
+    assert CostModel.for_transport("nixl", wire_gbps=0.2, fmt="masks").pack_format() == "masks"
+    assert CostModel.for_transport("cma", fmt="runs").pack_format() == "runs"
+    with pytest.raises(ValueError, match="delta_format"):
+        CostModel.for_transport("cma", fmt="bitmap")
+    c = CostModel.for_transport("cma")
+    assert c.choose_masks(1 << 20, 100, 200, True) == "packed"
+    assert c.choose_masks(1 << 20, (1 << 20) // 64, 1 << 20, True) == "full"
+    assert c.choose_masks(1 << 20, 100, 200, False) == "full"
+    fast = CostModel.for_transport("cuda_ipc")  # 100 GB/s: past ~700 changed chunks of 1 MiB, whole is cheaper
+    k = fast.max_chunks(1 << 20)
+    assert k < (1 << 20) // 64 and fast.packed_masks(k, 0) >= fast.full(1 << 20)
+    assert fast.choose_masks(1 << 20, 2 * k, 2 * k, True) == "full"
