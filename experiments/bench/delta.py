@@ -156,18 +156,38 @@ def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int
     master, ``fraction`` of its elements changed (uniformly scattered, 8-byte blocks), best of
     ``repeats``, in this process: ``separate`` the cast (torch) then the native comparison,
     ``fused`` the fused cast + compare (:mod:`weight_transfer.delta_fused`), ``pack`` packing the
-    runs into one record, ``apply`` the receiver's scatter of it (:mod:`weight_transfer.delta_packed`).
-    Rows as :func:`op_costs`' (``ops``: runs, ``us_per_op``: per run) plus ``seconds``."""
-    import ctypes
-
+    runs into one record, ``apply`` the receiver's scatter of it (:mod:`weight_transfer.delta_packed`);
+    then the two packed formats at 1-byte granularity, the packed default: ``cast`` torch's cast
+    alone (the floor a fused pass is held to), ``fused-runs`` / ``pack-runs`` / ``check-runs`` /
+    ``apply-runs`` (format 2: ``wt_cast_bf16_delta`` with the run values, ``wt_pack_runs_v``,
+    ``wt_check_packed``, ``wt_unpack``) and ``fused-masks`` / ``pack-masks`` / ``check-masks`` /
+    ``apply-masks`` (format 3: ``wt_masks`` without writing the output, the record's three copies,
+    ``wt_check_masks``, ``wt_unpack_masks``). Every row on one thread. Rows as :func:`op_costs`'
+    (``ops``: runs, or changed 64-byte chunks for the masks rows; ``us_per_op``: per op) plus
+    ``seconds``."""
     import torch
 
-    from weight_transfer.delta import KERNEL, changed_runs_native, index_size
-    from weight_transfer.delta_fused import cast_bf16_delta
+    from weight_transfer.delta import KERNEL
 
     lib = KERNEL.lib()
     if lib is None:
         return []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # every row on one thread, torch's cast included (as a training rank runs it)
+    try:
+        return _packed_costs(lib, elements, fraction, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _packed_costs(lib, elements: int, fraction: float, repeats: int) -> list[dict]:
+    import ctypes
+
+    import torch
+
+    from weight_transfer.delta import changed_masks, changed_runs_native, index_size
+    from weight_transfer.delta_fused import cast_bf16_delta
+
     g = torch.Generator().manual_seed(0)
     a = torch.randn(elements, generator=g) * 0.02
     b = a.clone()
@@ -201,23 +221,67 @@ def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int
     dst = base.clone()
     timed("apply", lambda _s: lib.wt_unpack(ctypes.c_void_p(dst.data_ptr()), rec.data_ptr(), nix, rec[nix:].data_ptr(),
                                             m, out.numel(), q))
+    ops = dict.fromkeys(best, m)
+    # the two packed formats at 1-byte granularity (the default of a delta that may pack)
+    timed("cast", lambda _s: out.view(torch.bfloat16).copy_(b))
+    timed("fused-runs", lambda shadow: cast_bf16_delta(b, out, shadow, 1, inline=True))
+    r1 = best["fused-runs"][1]
+    ix1 = r1.index[2]
+    rec1 = torch.empty(ix1 + r1.nbytes + 64, dtype=torch.uint8)
+    timed("pack-runs", lambda _s: lib.wt_pack_runs_v(out.data_ptr(), r1.starts.data_ptr(), r1.lens.data_ptr(),
+                                                     r1.vals.data_ptr(), len(r1), 1, rec1.data_ptr(),
+                                                     rec1[ix1:].data_ptr()))
+    tot, why = ctypes.c_int64(0), ctypes.c_int64(0)
+    timed("check-runs", lambda _s: lib.wt_check_packed(rec1.data_ptr(), ix1, len(r1), out.numel(), 1,
+                                                       ctypes.byref(tot), ctypes.byref(why)))
+    dst1 = base.clone()
+    timed("apply-runs", lambda _s: lib.wt_unpack(ctypes.c_void_p(dst1.data_ptr()), rec1.data_ptr(), ix1,
+                                                 rec1[ix1:].data_ptr(), len(r1), out.numel(), 1))
+    timed("fused-masks", lambda shadow: changed_masks(b, shadow))
+    mk = best["fused-masks"][1]
+    k, c = len(mk), mk.nbytes
+    rec3 = torch.empty(12 * k + c + 64, dtype=torch.uint8)
+
+    def pack3(_s):  # what Packer.pack_masks copies
+        rec3[:8 * k].view(torch.int64).copy_(mk.masks)
+        rec3[8 * k:12 * k].view(torch.int32).copy_(mk.chunks)
+        rec3[12 * k:12 * k + c].copy_(mk.vals)
+
+    timed("pack-masks", pack3)
+    timed("check-masks", lambda _s: lib.wt_check_masks(mk.masks.data_ptr(), mk.chunks.data_ptr(), k, out.numel(),
+                                                       ctypes.byref(tot), ctypes.byref(why)))
+    dst3 = base.clone()
+    timed("apply-masks", lambda _s: lib.wt_unpack_masks(ctypes.c_void_p(dst3.data_ptr()), mk.masks.data_ptr(),
+                                                        mk.chunks.data_ptr(), k, mk.vals.data_ptr(), c, out.numel()))
+    if not (torch.equal(dst1, dst3) and torch.equal(dst1, out)):
+        raise RuntimeError("bench-delta: the runs and masks records did not rebuild the same output (a bug)")
+    ops.update({n: len(r1) for n in ("cast", "fused-runs", "pack-runs", "check-runs", "apply-runs")})
+    ops.update({n: k for n in ("fused-masks", "pack-masks", "check-masks", "apply-masks")})
     for name, (t, _r) in best.items():
-        rows.append({"transport": "cpu", "path": name, "op_bytes": 2 * elements, "ops": m, "us_per_op": t * 1e6 / m,
-                     "gbps": 2 * elements / t / 1e9, "seconds": t})
+        rows.append({"transport": "cpu", "path": name, "op_bytes": 2 * elements, "ops": ops[name],
+                     "us_per_op": t * 1e6 / max(ops[name], 1), "gbps": 2 * elements / t / 1e9, "seconds": t})
     return rows
 
 
 def _packed_table(rows: list[dict]) -> list[str]:
-    lines = ["# delta phases on one bf16 output cast from fp32 (1.28% of elements changed, 8-byte blocks):",
-             "# separate = torch cast + native compare; fused = one pass (cast, compare, shadow, runs);",
-             "# pack = the runs into one record; apply = the receiver's scatter of it",
-             f"{'path':>9} {'output':>10} {'runs':>8} {'seconds':>9} {'per run':>8} {'output GB/s':>11}",
-             f"{'':>9} {'(B)':>10} {'':>8} {'(s)':>9} {'(us)':>8} {'':>11}"]
+    lines = ["# delta phases on one bf16 output cast from fp32 (1.28% of elements changed):",
+             "# 8-byte blocks: separate = torch cast + native compare; fused = one pass (cast, compare, shadow, runs);",
+             "# pack = the runs into one record; apply = the receiver's scatter of it. 1-byte (the packed default):",
+             "# cast = torch's cast alone; *-runs = format 2 (ops: runs), *-masks = format 3 (ops: changed 64-B chunks)",
+             f"{'path':>11} {'output':>10} {'ops':>8} {'seconds':>9} {'per op':>8} {'output GB/s':>11}",
+             f"{'':>11} {'(B)':>10} {'':>8} {'(s)':>9} {'(us)':>8} {'':>11}"]
     for r in rows:
-        lines.append(f"{r['path']:>9} {r['op_bytes']:>10} {r['ops']:>8} {r['seconds']:>9.4f} {r['us_per_op']:>8.4f} "
+        lines.append(f"{r['path']:>11} {r['op_bytes']:>10} {r['ops']:>8} {r['seconds']:>9.4f} {r['us_per_op']:>8.4f} "
                      f"{r['gbps']:>11.2f}")
-    if len(rows) >= 2:
-        lines.append(f"# fused / separate: {rows[1]['seconds'] / rows[0]['seconds']:.3f}x")
+    by = {r["path"]: r["seconds"] for r in rows}
+    if "fused" in by and "separate" in by:
+        lines.append(f"# fused / separate: {by['fused'] / by['separate']:.3f}x")
+    if all(k in by for k in ("cast", "fused-runs", "fused-masks")):
+        f2 = sum(by[k] for k in ("fused-runs", "pack-runs", "check-runs", "apply-runs"))
+        f3 = sum(by[k] for k in ("fused-masks", "pack-masks", "check-masks", "apply-masks"))
+        lines.append(f"# over the cast: fused-runs {1e3 * (by['fused-runs'] - by['cast']):+.2f} ms, fused-masks "
+                     f"{1e3 * (by['fused-masks'] - by['cast']):+.2f} ms; all four phases: format 2 {1e3 * f2:.2f} ms, "
+                     f"format 3 {1e3 * f3:.2f} ms ({f3 / f2:.3f}x)")
     return lines
 
 
