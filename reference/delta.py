@@ -68,7 +68,10 @@ segment per run: cma ~300 ns each, the kernel pins the remote pages of every iov
 ``packed`` record (the runs' index and bytes in one contiguous write into the receiver's landing
 region, scattered by its commit: :mod:`weight_transfer.delta_packed`), or the ``full`` output,
 from the measured per-run cost, the wire's cost per byte (``delta_wire_gbps``) and the pack and
-apply costs. The comparison stops as soon as no delta mode can beat the whole output
+apply costs. A packed record carries the runs (format 2) or, where the wire is fast, the changed
+64-byte chunks' byte masks (format 3: :class:`Masks`, :func:`changed_masks`; packed or whole,
+never scattered), as the cost model chooses once per executor (``delta_format``,
+:attr:`DeltaState.format`). The comparison stops as soon as no delta mode can beat the whole output
 (:meth:`~weight_transfer.delta_cost.CostModel.max_runs`). ``delta_op_cost`` (bytes at the wire
 per run) overrides the run cost; ``0`` makes runs free (scattered always, the fewest bytes).
 Where an output is a plain fp32 -> bf16 cast, the comparison is fused into the prepare stage's

@@ -22,8 +22,9 @@ changed 64-byte chunk a 64-bit byte mask and a 4-byte chunk index, then the chan
 + apply_run`` of CPU and ~2.2 index bytes on the wire; masks cost ``chunks_per_run x (chunk +
 12 x w)`` (0.8 changed chunks per run on a step's bf16 changes, 1-byte compare: the vector
 compare, compress and expand cost ~15 ns per changed chunk, sender and receiver together).
-Masks win above ~0.25 GB/s (every transport's default: one host, a NIC), runs on a link slower
-than that (the rate-limited veth of docs/DELTA.md, 0.21 GB/s, keeps format 2). Per output,
+Masks win above ~0.25 GB/s by these constants (every transport's default: one host, a NIC),
+runs on a link slower than that (the rate-limited veth of docs/DELTA.md, 0.21 GB/s, keeps
+format 2; the crossover itself is not measured). Per output,
 masks are packed or written whole (:meth:`CostModel.choose_masks`); there is no scattered
 masks mode.
 
@@ -77,15 +78,17 @@ class CostModel:
     """Seconds the receiver's scatter spends per run (measured ~9 ns/run at 8 B runs)."""
     apply_byte_s: float = 0.1e-9
     encode_run_s: float = 18e-9
-    """Seconds the fused cast + compare spends per run it emits for a format-2 record (measured
-    ~18 ns/run: 19.4 against 13.9 ms for 20 M elements with and without 0.31 M runs, one thread,
-    /tmp microbenchmark of ``wt_cast_bf16_delta``, docs/DELTA.md)."""
+    """Seconds the fused cast + compare spends per run it emits for a format-2 record, over the
+    cast itself (``weight-transfer bench-delta --ops-only``, rows ``fused-runs`` - ``cast``: 18-34
+    ns per run on the 2-core VMs, results/delta_phases.md; the lower end)."""
     chunk_s: float = 15e-9
-    """Seconds a format-3 record costs per changed 64-byte chunk, encode, check and apply (measured
-    ~7 + 1.6 + 7.5 ns: ``wt_masks``, ``wt_check_masks``, ``wt_unpack_masks`` on 0.24 M chunks)."""
+    """Seconds a format-3 record costs per changed 64-byte chunk: encode, check and apply (the same
+    benchmark: ``fused-masks`` no slower than ``cast``, ``check-masks`` ~1 ns, ``apply-masks``
+    ~5 ns per chunk alone; 15 ns is the RL loop's commit inside vLLM, apply p50 6.8 ms for ~0.5 M
+    chunks, results/rl_delta.md)."""
     chunks_per_run: float = 0.8
-    """Changed 64-byte chunks per run of changed bytes on a real RL step's bf16 changes (1-byte
-    compare; 0.24 M chunks for 0.31 M runs at 1.5% of the elements changed)."""
+    """Changed 64-byte chunks per run of changed bytes on a real RL step's bf16 changes at 1-byte
+    compare (0.82 in the benchmark: 88.5 k chunks for 107 k runs at 1.28% of the elements)."""
     mode: str = "auto"
     """One of :data:`MODES`."""
     format: str = "auto"

@@ -15,6 +15,14 @@ packing does not read the output again); the write stage then only chooses the m
 fused 4 (read fp32) + 2 (write) + 2 (read shadow) bytes, separate 4 + 2 + 2 + 2 -- the output is
 not read again.
 
+With packed format 3 (:attr:`weight_transfer.delta.DeltaState.format` ``"masks"``) the same
+place runs ``wt_masks`` instead (:func:`_fused_masks`): one vector pass casts (or reads), compares
+64 bytes at a time, takes each changed chunk's mask and bytes and updates the shadow, and does
+**not** write the output into its slot -- a packed record needs only the changed bytes; an output
+that goes whole after all has its slot filled from the shadow (which then equals it) first
+(:meth:`weight_transfer.delta.Masks.fill`). Memory traffic per bf16 element from fp32: 4 (read)
++ 2 (read shadow), plus the changed bytes.
+
 Where it applies: an assignment whose recipe is a ``copy`` with one identity-layout bfloat16
 output whose pieces are bands of whole rows (one piece filling the output, or a fused
 ``qkv_proj`` / ``gate_up_proj`` of row bands: each band is cast or copied and compared in place
