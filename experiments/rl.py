@@ -69,7 +69,7 @@ PHASES = ("delta_compare_s", "delta_fused_s", "delta_pack_s", "delta_wire_s", "d
 """Per-phase delta seconds of a push row (the slowest rank's; apply: the slowest receiver's)."""
 MODE_NAMES = ("full", "scattered", "packed", "unchanged")
 DELTA_COLUMNS = ["lr", "step", "mode", "first", "version", "seconds", "write_seconds", "bytes", "full_bytes",
-                 "n_writes", "compare_s", "whole_outputs", *PHASES, "commit_s", *(f"n_{m}" for m in MODE_NAMES),
+                 "n_writes", "compare_s", "whole_outputs", *PHASES, "commit_s", "delta_patch_s", *(f"n_{m}" for m in MODE_NAMES),
                  *(f"bytes_{m}" for m in MODE_NAMES), *(f"out_bytes_{m}" for m in MODE_NAMES), "delta", "verified",
                  "timestamp"]
 TENSOR_CSV = "rl_delta_tensors.csv"
@@ -97,6 +97,8 @@ def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict, comm
     ``compare_s`` (the slowest rank's comparison + runs + shadow seconds), ``whole_outputs``,
     the per-phase seconds (:data:`PHASES`; ``commits``: the workers' commit stats, for apply),
     ``commit_s`` (the slowest worker's re-run of vLLM's post-processing of the staged layers),
+    ``delta_patch_s`` (the slowest worker's staging copies in that commit that applied deferred
+    format-3 records on the way: the copies the commit makes anyway plus the scatter),
     and per mode the writes, bytes written and output bytes (``n_*``, ``bytes_*``,
     ``out_bytes_*``); ``tensors``: the per-tensor rows (:data:`TENSOR_COLUMNS`)."""
     st = list(u.stats.values())
@@ -113,6 +115,7 @@ def push_row(o: RLOptions, step: int, mode: str, first: bool, u, res: dict, comm
     phases = {p: max((getattr(s, p, 0.0) for s in st), default=0.0) for p in PHASES}
     phases["delta_apply_s"] = max([c.get("delta_apply_s", 0.0) for c in commits or []], default=0.0)
     phases["commit_s"] = max([c.get("seconds", 0.0) for c in commits or []], default=0.0)
+    phases["delta_patch_s"] = max([c.get("delta_patch_s", 0.0) for c in commits or []], default=0.0)
     return {**phases, **{f"n_{m}": v[0] for m, v in modes.items()}, **{f"bytes_{m}": v[1] for m, v in modes.items()},
             **{f"out_bytes_{m}": v[2] for m, v in modes.items()}, "tensors": tensors if mode == "delta" else [],
             "lr": o.lr, "step": step, "mode": mode, "first": first, "version": u.version, "seconds": u.seconds,
@@ -205,7 +208,9 @@ def delta_table(path: str | Path) -> str:
             tot = sum(out.values()) or 1.0
             lines.append(f"{'':7} delta phases p50 (s): compare {ph['delta_compare_s']:.4f} (fused in prepare "
                          f"{ph['delta_fused_s']:.4f}), pack {ph['delta_pack_s']:.4f}, wire {ph['delta_wire_s']:.4f}, "
-                         f"apply {ph['delta_apply_s']:.4f}")
+                         f"apply {ph['delta_apply_s']:.4f}" + (
+                             f" (+ the commit's staging copies applying deferred records {patch:.4f})"
+                             if (patch := median(float(r.get("delta_patch_s") or 0) for r in rs)) else ""))
             lines.append(f"{'':7} output bytes by mode over {len(rs)} delta pushes: "
                          + ", ".join(f"{m} {100 * out[m] / tot:.1f}%" for m in MODE_NAMES))
     return "\n".join(lines)

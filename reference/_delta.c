@@ -738,3 +738,59 @@ int64_t wt_unpack_masks(uint8_t *dst, const uint64_t *masks, const uint32_t *chu
     (void)nvals;
     return nv;
 }
+
+/* Copy a staging span into the tensor vLLM's post-processing reads, applying a checked format-3
+ * record on the way: every 64-byte line of src (span bytes, the record's target) is copied to
+ * dst, and the record's changed chunks are blended into the line first and written back to src
+ * too. One pass over src instead of a scatter and then a copy (the commit's copy of a staged
+ * layer, weight_transfer.delta_packed.Landing.copy_in). Returns the bytes taken from vals. */
+int64_t wt_copy_unpack_masks(uint8_t *dst, uint8_t *src, const uint64_t *masks, const uint32_t *chunks, int64_t m,
+                             const uint8_t *vals, int64_t nvals, int64_t span) {
+#if WT_MASKS_512
+    int64_t nv = 0, k = 0, whole = span / 64;
+    int64_t next = m ? (int64_t)chunks[0] : -1;
+    for (int64_t c = 0; c < whole; c++) {
+        __m512i x = _mm512_loadu_si512(src + 64 * c);
+        if (c == next) {
+            uint64_t mk = masks[k];
+            int64_t left = nvals - nv;
+            __m512i v = left >= 64 ? _mm512_loadu_si512(vals + nv)
+                                   : _mm512_maskz_expandloadu_epi8(~0ull >> (64 - (left > 0 ? left : 1)), vals + nv);
+            x = _mm512_mask_expand_epi8(x, mk, v);
+            _mm512_storeu_si512(src + 64 * c, x);
+            nv += __builtin_popcountll(mk);
+            next = ++k < m ? (int64_t)chunks[k] : -1;
+        }
+        _mm512_storeu_si512(dst + 64 * c, x);
+    }
+    int64_t rest = span - 64 * whole;
+    if (rest) {
+        if (whole == next) {
+            uint64_t mk = masks[k];
+            int64_t left = nvals - nv;
+            __m512i v = _mm512_maskz_expandloadu_epi8(~0ull >> (64 - (left > 0 && left < 64 ? left : 64)), vals + nv);
+            _mm512_mask_storeu_epi8(src + 64 * whole, mk, _mm512_maskz_expand_epi8(mk, v));
+            nv += __builtin_popcountll(mk);
+        }
+        memcpy(dst + 64 * whole, src + 64 * whole, (size_t)rest);
+    }
+    return nv;
+#else
+    int64_t nv = wt_unpack_masks(src, masks, chunks, m, vals, nvals, span);
+    memcpy(dst, src, (size_t)span);
+    return nv;
+#endif
+}
+
+/* Lay out a format-3 record's body at rec (its header written by the caller): m masks, m chunk
+ * indices, zero padding to 8 bytes, then nvals value bytes (weight_transfer.delta_packed's
+ * Packer.pack_masks; one call instead of three tensor copies). Returns the body's bytes. */
+int64_t wt_pack_masks(uint8_t *rec, const uint64_t *masks, const uint32_t *chunks, int64_t m, const uint8_t *vals,
+                      int64_t nvals) {
+    int64_t ix = 8 * m + (4 * m + 7) / 8 * 8;
+    memcpy(rec, masks, (size_t)(8 * m));
+    memcpy(rec + 8 * m, chunks, (size_t)(4 * m));
+    memset(rec + 12 * m, 0, (size_t)(ix - 12 * m));
+    memcpy(rec + ix, vals, (size_t)nvals);
+    return ix + nvals;
+}

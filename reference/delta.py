@@ -129,6 +129,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.wt_check_masks.restype = I
     lib.wt_unpack_masks.argtypes = [P, P, P, I, P, I, I]
     lib.wt_unpack_masks.restype = I
+    lib.wt_copy_unpack_masks.argtypes = [P, P, P, P, I, P, I, I]
+    lib.wt_copy_unpack_masks.restype = I
+    lib.wt_pack_masks.argtypes = [P, P, P, I, P, I]
+    lib.wt_pack_masks.restype = I
     lib.wt_masks_isa.argtypes = []
     lib.wt_masks_isa.restype = ctypes.c_char_p
 

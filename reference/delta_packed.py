@@ -321,12 +321,19 @@ class Packer:
         pos = self.pos.get(dst, 0)
         lo = base + pos
         rec = self.buffer[lo:lo + size]
-        rec[:HEADER].view(torch.int64).copy_(torch.tensor(
-            [MAGIC_REC3, target_offset, span, m, c, ix, self.version, 64], dtype=torch.int64))
-        if m:
-            rec[HEADER:HEADER + 8 * m].view(torch.int64).copy_(masks.masks)
-            rec[HEADER + 8 * m:HEADER + 12 * m].view(torch.int32).copy_(masks.chunks)
-            rec[HEADER + ix:HEADER + ix + c].copy_(masks.vals)
+        hdr = [MAGIC_REC3, target_offset, span, m, c, ix, self.version, 64]
+        lib = _lib()
+        if lib is not None:
+            ctypes.memmove(rec.data_ptr(), (ctypes.c_int64 * 8)(*hdr), HEADER)
+            if m:
+                lib.wt_pack_masks(rec.data_ptr() + HEADER, masks.masks.data_ptr(), masks.chunks.data_ptr(), m,
+                                  masks.vals.data_ptr(), c)
+        else:
+            rec[:HEADER].view(torch.int64).copy_(torch.tensor(hdr, dtype=torch.int64))
+            if m:
+                rec[HEADER:HEADER + 8 * m].view(torch.int64).copy_(masks.masks)
+                rec[HEADER + 8 * m:HEADER + 12 * m].view(torch.int32).copy_(masks.chunks)
+                rec[HEADER + ix:HEADER + ix + c].copy_(masks.vals)
         self.pos[dst] = pos + size
         self.records[dst] = self.records.get(dst, 0) + 1
         self.seconds += time.perf_counter() - t0
@@ -376,6 +383,11 @@ class Landing:
         self.descriptor = self.region.descriptor()
         self.last: dict = {}
         """Stats of the last :meth:`apply`."""
+        self.deferred: list = []
+        """Checked format-3 records of the version being committed whose scatter :meth:`apply`
+        left to :meth:`copy_in` (``defer``); empty after :meth:`flush`."""
+        self.patch_s = 0.0
+        """Seconds :meth:`copy_in` spent copying with records applied (since the last :meth:`apply`)."""
 
     @staticmethod
     def size_for(target_bytes: int, fraction: float) -> int:
@@ -394,10 +406,69 @@ class Landing:
             self.transport.deregister(self.region)
             self.region = None
 
-    def apply(self, version: int, base: int, parts) -> dict:
-        """The commit's scatter: :func:`apply_landing` of this region's buffer."""
-        self.last = apply_landing(self.buffer, version, base, parts)
+    def apply(self, version: int, base: int, parts, defer=()) -> dict:
+        """The commit's scatter: :func:`apply_landing` of this region's buffer. ``defer``: target
+        ranges ``[(lo, hi)]`` (offsets from ``base``) whose format-3 records are checked with the
+        rest but not scattered now: the commit copies those bytes anyway (a staged layer's
+        staging tensor into the tensor vLLM's post-processing reads), and :meth:`copy_in` applies
+        them during that copy; :meth:`flush` scatters whatever is left."""
+        self.deferred, self.patch_s = [], 0.0
+        self.last = apply_landing(self.buffer, version, base, parts, defer=defer, deferred=self.deferred)
         return self.last
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, base: int) -> bool:
+        """Copy ``src`` -- a tensor of the target region whose byte 0 is at address ``base``, e.g. a
+        staging tensor -- into ``dst`` with the deferred records inside ``src``'s bytes applied on
+        the way, to both (``wt_copy_unpack_masks``: one pass over those bytes). Records that
+        only overlap ``src`` are scattered first. Returns False, with every deferred record
+        touching ``src`` already scattered into it, when there is nothing to fuse or ``dst``
+        cannot take a plain byte copy (another size or dtype layout, not contiguous, not CPU, no
+        native kernel): the caller then copies as before."""
+        if not self.deferred:
+            return False
+        lo = src.data_ptr() - base
+        n = src.numel() * src.element_size()
+        hi = lo + n
+        mine = [r for r in self.deferred if r[1] < hi and r[1] + r[2] > lo]
+        if not mine:
+            return False
+        self.deferred = [r for r in self.deferred if not (r[1] < hi and r[1] + r[2] > lo)]
+        t0 = time.perf_counter()
+        lib = _lib()
+        inside = [r for r in mine if lo <= r[1] and r[1] + r[2] <= hi]
+        fuse = (lib is not None and dst.is_contiguous() and src.is_contiguous() and dst.device.type == "cpu"
+                and src.device.type == "cpu" and dst.numel() * dst.element_size() == n)
+        rest = [r for r in mine if not fuse or r not in inside]
+        _scatter_records(self.buffer, base, rest)
+        if not fuse or not inside:
+            self.patch_s += time.perf_counter() - t0
+            return False
+        d8 = dst.view(-1).view(torch.uint8) if dst.dim() else dst.reshape(1).view(torch.uint8)
+        s8 = src.view(-1).view(torch.uint8) if src.dim() else src.reshape(1).view(torch.uint8)
+        at = 0
+        for rec in sorted(inside, key=lambda r: r[1]):
+            a, to, span, m, c, ix = rec[:6]
+            off = to - lo
+            if off > at:
+                d8[at:off].copy_(s8[at:off])
+            idx = self.buffer[a + HEADER:a + HEADER + ix]
+            data = self.buffer[a + HEADER + ix:a + HEADER + ix + c]
+            got = lib.wt_copy_unpack_masks(d8[off:].data_ptr(), ctypes.c_void_p(base + to),
+                                           idx[:8 * m].data_ptr(), idx[8 * m:12 * m].data_ptr(), m,
+                                           data.data_ptr(), c, span)
+            if got != c:
+                raise RuntimeError(f"packed record at {a}: the copy's scatter disagrees with its check (a bug)")
+            at = off + span
+        if at < n:
+            d8[at:n].copy_(s8[at:n])
+        self.patch_s += time.perf_counter() - t0
+        return True
+
+    def flush(self, base: int) -> int:
+        """Scatter every record :meth:`copy_in` did not take (returns how many)."""
+        left, self.deferred = self.deferred, []
+        _scatter_records(self.buffer, base, left)
+        return len(left)
 
 
 APPLY_THREADS = max(1, min(4, int(os.environ.get("WT_APPLY_THREADS", 0)) or (os.cpu_count() or 1) - 1))
@@ -513,16 +584,33 @@ def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int
     return out
 
 
-def apply_landing(buf: torch.Tensor, version: int, base: int, parts) -> dict:
+def apply_landing(buf: torch.Tensor, version: int, base: int, parts, defer=(), deferred: list | None = None) -> dict:
     """Scatter every record of ``version`` in landing buffer ``buf`` (flat uint8 CPU) into the
     target region whose byte 0 is at address ``base`` of this process; ``parts``: the region's
     parts as ``[(lo, hi)]`` offsets from ``base`` (a record's span must lie inside one). Every
-    record is checked before any byte is scattered (:class:`PackedError`). Returns
-    ``{"delta_apply_s", "delta_records", "delta_runs", "delta_bytes"}`` (seconds, counts, bytes)."""
-    from .receiver import span_view
-
+    record is checked before any byte is scattered (:class:`PackedError`). With ``defer``
+    (``[(lo, hi)]`` offsets) and a ``deferred`` list, format-3 records whose span lies inside one
+    of those ranges are appended to ``deferred`` instead of scattered (:meth:`Landing.copy_in`).
+    Returns ``{"delta_apply_s", "delta_records", "delta_runs", "delta_bytes", "delta_deferred"}``
+    (seconds, counts -- runs or chunks --, bytes, records deferred)."""
     t0 = time.perf_counter()
     recs = _records(buf, version, parts)
+    now = recs
+    if defer and deferred is not None:
+        later = [r for r in recs if r[7] and any(lo <= r[1] and r[1] + r[2] <= hi for lo, hi in defer)]
+        deferred.extend(later)
+        now = [r for r in recs if r not in later]
+    _scatter_records(buf, base, now)
+    runs, nbytes = sum(r[3] for r in recs), sum(r[4] for r in recs)
+    return {"delta_apply_s": time.perf_counter() - t0, "delta_records": len(recs), "delta_runs": runs,
+            "delta_bytes": nbytes, "delta_deferred": len(recs) - len(now)}
+
+
+def _scatter_records(buf: torch.Tensor, base: int, recs: list) -> None:
+    """Scatter checked records ``recs`` (:func:`_records`' tuples) of landing ``buf`` into the
+    target region at address ``base``, on :data:`APPLY_THREADS` threads."""
+    from .receiver import span_view
+
     lib = _lib()
 
     def scatter(rec):  # records have disjoint spans: scattered in parallel (native: the GIL released)
@@ -547,6 +635,3 @@ def apply_landing(buf: torch.Tensor, version: int, base: int, parts) -> dict:
     for rec, ok in zip(recs, _parallel(scatter, recs)):
         if not ok:
             raise RuntimeError(f"packed record at {rec[0]}: the scatter disagrees with its check (a bug)")
-    runs, nbytes = sum(r[3] for r in recs), sum(r[4] for r in recs)
-    return {"delta_apply_s": time.perf_counter() - t0, "delta_records": len(recs), "delta_runs": runs,
-            "delta_bytes": nbytes}

@@ -259,3 +259,79 @@ def test_cost_model_chooses_the_format_by_the_wire():
     k = fast.max_chunks(1 << 20)
     assert k < (1 << 20) // 64 and fast.packed_masks(k, 0) >= fast.full(1 << 20)
     assert fast.choose_masks(1 << 20, 2 * k, 2 * k, True) == "full"
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("span", [64 * 40, 64 * 40 - 3, 5, 64 * 40 + 70])
+def test_copy_with_the_record_applied_equals_scatter_then_copy(path, span):
+    """``wt_copy_unpack_masks``: dst gets the patched bytes, src (the staging) gets the record's
+    bytes and nothing else, nothing outside the span is touched, vals not read past nvals."""
+    lib = LIBS[path]()
+    g = torch.Generator().manual_seed(span + 1)
+    old = torch.randint(0, 256, (span,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    sel = torch.rand(span, generator=g) < 0.1
+    sel[-1] = True
+    new[sel] ^= 0x3C
+    chunks, masks, vals, _ = _reference(new, old)
+    src = torch.full((span + 128,), 0x11, dtype=torch.uint8)
+    dst = torch.full((span + 128,), 0x22, dtype=torch.uint8)
+    src[64:64 + span] = old
+    vbuf = vals.clone()
+    got = lib.wt_copy_unpack_masks(dst.data_ptr() + 64, src.data_ptr() + 64, masks.data_ptr(), chunks.data_ptr(),
+                                   chunks.numel(), vbuf.data_ptr(), vbuf.numel(), span)
+    assert got == vals.numel()
+    assert torch.equal(src[64:64 + span], new) and torch.equal(dst[64:64 + span], new)
+    assert (src[:64] == 0x11).all() and (src[64 + span:] == 0x11).all()
+    assert (dst[:64] == 0x22).all() and (dst[64 + span:] == 0x22).all()
+
+
+def test_deferred_records_applied_in_the_commits_copy_and_flushed(native):
+    """Landing.apply(defer=...) checks every record, scatters those outside the deferred range
+    and keeps the rest; copy_in fuses the records inside a tensor into its copy (a record that
+    only overlaps it is scattered first), falls back for a destination it cannot byte-copy into;
+    flush scatters what is left. The region ends equal to a plain apply's."""
+    rx, tx = make_transport("cma"), make_transport("cma")
+    landing = Landing(1 << 20, rx)
+    region = torch.full((1 << 16,), 0xA5, dtype=torch.uint8)
+    tx.connect([landing.descriptor])
+    pk = Packer({0: landing.descriptor}, tx, rank=0, senders=1)
+    g = torch.Generator().manual_seed(3)
+    new = region.clone()
+    sel = torch.rand(new.numel(), generator=g) < 0.05
+    new[sel] ^= 0x5A
+    cuts = [0, 8192, 20000, 36864, 50000, 1 << 16]  # five records; the arena is [8192, 50000)
+    from weight_transfer import delta
+    lib = delta.KERNEL.lib
+    delta.KERNEL.lib = KERNEL.__class__.lib.__get__(KERNEL)
+    try:
+        recs = [_masks_of(new[a:b], region[a:b]) for a, b in zip(cuts, cuts[1:])]
+    finally:
+        delta.KERNEL.lib = lib
+    pk.begin(9)
+    tx.write([pk.pack_masks(0, r, a, b - a) for r, a, b in zip(recs, cuts, cuts[1:])]).wait()
+    tx.write(pk.finish()).wait()
+    base = region.data_ptr()
+    st = landing.apply(9, base, [(0, region.numel())], defer=((8192, 50000),))
+    assert st["delta_records"] == 5 and st["delta_deferred"] == 3 and len(landing.deferred) == 3
+    assert torch.equal(region[:8192], new[:8192]) and torch.equal(region[8192:50000], torch.full((41808,), 0xA5, dtype=torch.uint8))
+    # a "staging tensor" [8192, 36864): two records inside it are fused into its copy
+    t = region[8192:36864]
+    dst = torch.zeros(t.numel(), dtype=torch.uint8)
+    assert landing.copy_in(dst, t, base) is native
+    assert torch.equal(dst, new[8192:36864]) or not native
+    assert torch.equal(region[8192:36864], new[8192:36864])
+    assert len(landing.deferred) == 1
+    # a destination it cannot byte-copy into: the record is scattered, False
+    t2 = region[36864:50000]
+    assert landing.copy_in(torch.zeros(t2.numel() // 2, dtype=torch.int16)[::2], t2, base) is False
+    assert torch.equal(region[36864:50000], new[36864:50000]) and not landing.deferred
+    assert landing.flush(base) == 0
+    assert torch.equal(region, new)
+    region[8192:50000] = 0xA5  # again, nothing taken by a copy: flush scatters all three
+    landing.apply(9, base, [(0, region.numel())], defer=((8192, 50000),))
+    assert not torch.equal(region, new) and landing.flush(base) == 3 and torch.equal(region, new)
+    pk.close()
+    landing.close()
+    tx.close()
+    rx.close()

@@ -218,7 +218,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
                 reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
                 raise RuntimeError(f"{refused}: the store says the weights are {state}, not 'writing {v}'"
                                    + (f" ({reason})" if reason and state.state == "incomplete" else ""))
-        dstats = delta_apply.apply_delta(self, v)  # packed delta records scattered into place, before the go-live/commit
+        # packed delta records scattered into place, before the go-live/commit; without shadow targets
+        # the staging arena's format-3 records are applied during the commit's copy of each staged layer
+        dstats = delta_apply.apply_delta(self, v, defer=self.shadow is None and bool(self.targets.staged))
         if self.shadow is not None:  # the go-live, between two engine steps
             from .shadow import shadow_go_live
 
@@ -227,11 +229,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             self.version, self._active = v, v
             return
         try:
-            stats = self.targets.commit() if self.targets.staged else {"seconds": 0.0, "layers": 0, "bytes": 0}
+            stats = (self.targets.commit(copy_in=delta_apply.copy_in(self)) if self.targets.staged
+                     else {"seconds": 0.0, "layers": 0, "bytes": 0})
         except Exception as e:
             control.put(store, f"step/{v}/committed/{self.rank}", {"ok": False, "error": _first_line(e), "stats": None})
             raise
-        stats = {**stats, **dstats}
+        stats = delta_apply.finish(self, v, {**stats, **dstats})
         control.put(store, f"step/{v}/committed/{self.rank}", {"ok": True, "error": "", "stats": stats})
         self.version, self.last_commit, self._active = v, stats, v
 

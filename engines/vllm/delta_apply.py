@@ -17,12 +17,17 @@ registered once beside the worker's targets, and the scatter its ``update_weight
   with shadow targets (the trainers' offsets already point there). A malformed payload is
   refused before any byte is scattered; any failure is reported as this rank's failed commit
   (``step/{v}/committed/{rank}``) and raised, so the version is not published complete and the
-  next update is full (C26).
+  next update is full (C26). With ``defer`` (the commit re-runs vLLM's post-processing of staged
+  layers, no shadow targets) the format-3 records that land in the staging arena are checked
+  with the rest but not scattered yet: the commit copies each staging tensor into the layer
+  vLLM post-processes anyway, and :func:`copy_in` applies those records during that copy (one
+  pass over the staging bytes instead of a scatter and then a copy); :func:`finish` scatters
+  what is left (a staging tensor the commit did not copy) before the commit is reported.
 - :func:`close` (``shutdown``): unpublish and deregister.
 """
 from __future__ import annotations
 
-__all__ = ["attach", "apply_delta", "close"]
+__all__ = ["attach", "apply_delta", "copy_in", "finish", "close"]
 
 
 def attach(engine, rx, layout, store, rank: int, fraction: float):
@@ -49,11 +54,13 @@ def attach(engine, rx, layout, store, rank: int, fraction: float):
     return landing
 
 
-def apply_delta(engine, version: int) -> dict:
+def apply_delta(engine, version: int, defer: bool = False) -> dict:
     """Scatter the packed records of ``version`` in ``engine.delta_landing`` (none: ``{}``) into
-    the registered target region of ``engine.receiver``. Returns the apply's stats
-    (``delta_apply_s`` seconds, ``delta_records``, ``delta_runs``, ``delta_bytes``); on any
-    error reports this rank's commit failed in the store and raises RuntimeError."""
+    the registered target region of ``engine.receiver``; with ``defer``, format-3 records inside
+    the staging arena (``engine.targets.staging_arena``) are left to :func:`copy_in`. Returns the
+    apply's stats (``delta_apply_s`` seconds, ``delta_records``, ``delta_runs``,
+    ``delta_bytes``, ``delta_deferred``); on any error reports this rank's commit failed in the
+    store and raises RuntimeError."""
     landing = getattr(engine, "delta_landing", None)
     if landing is None:
         return {}
@@ -64,11 +71,46 @@ def apply_delta(engine, version: int) -> dict:
         d = engine.receiver.descriptor
         pb = parts_bounds(d)
         parts = list(zip(*pb)) if pb is not None else [(0, d.length)]
-        return landing.apply(version, d.addr, parts)
+        arena = getattr(getattr(engine, "targets", None), "staging_arena", None) if defer else None
+        ranges = ()
+        if arena is not None and arena.device.type == "cpu":
+            lo = arena.data_ptr() - d.addr
+            ranges = ((lo, lo + arena.numel()),)
+        return landing.apply(version, d.addr, parts, defer=ranges)
     except Exception as e:
         why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
         raise RuntimeError(f"{engine._who()}: {why}") from e
+
+
+def copy_in(engine):
+    """The commit's copy of a staging tensor for ``engine`` (``WorkerTargets.commit(copy_in=...)``):
+    ``(dst, src) -> bool``, :meth:`weight_transfer.delta_packed.Landing.copy_in` against the
+    receiver's region; None when there is no landing region or nothing was deferred."""
+    landing = getattr(engine, "delta_landing", None)
+    if landing is None or not landing.deferred:
+        return None
+    base = engine.receiver.descriptor.addr
+    return lambda dst, src: landing.copy_in(dst, src, base)
+
+
+def finish(engine, version: int, stats: dict) -> dict:
+    """After the commit: scatter the deferred records :func:`copy_in` did not take and add
+    ``delta_patch_s`` (seconds of the commit's copies with records applied: the copies the
+    commit makes anyway, plus the scatter) and ``delta_flushed`` to ``stats``. On an error
+    reports this rank's commit failed and raises RuntimeError."""
+    landing = getattr(engine, "delta_landing", None)
+    if landing is None:
+        return stats
+    from weight_transfer import control
+
+    try:
+        flushed = landing.flush(engine.receiver.descriptor.addr)
+    except Exception as e:
+        why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
+        raise RuntimeError(f"{engine._who()}: {why}") from e
+    return {**stats, "delta_patch_s": landing.patch_s, "delta_flushed": flushed}
 
 
 def close(engine) -> None:

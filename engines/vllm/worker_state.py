@@ -447,7 +447,7 @@ class WorkerTargets:
         self.staged, self.staging_arena, self.staging_bytes = staged, arena, total
         return {"staging_bytes": total, "modules": {m: st["mode"] for m, st in staged.items()}}
 
-    def commit(self) -> dict:
+    def commit(self, copy_in: Callable | None = None) -> dict:
         """After every write of an update landed: re-run vLLM's own post-processing for exactly
         the staged layers, as vLLM's layerwise reload does for a layer whose weights all arrived
         (``vllm/model_executor/model_loader/reload/layerwise.py: _layerwise_process``):
@@ -462,6 +462,10 @@ class WorkerTargets:
         - ``"in_place"`` layers: ``quant_method.process_weights_after_loading`` on the running layer,
           except an input embedding whose GEMM handle vLLM never reads (:func:`unread_gemm_handles`):
           its weight, which the lookup reads, is written in place, and its handle is left as it is.
+
+        ``copy_in``: ``(dst, staging) -> bool`` that makes the staging -> layer copy of a ``"copy"``
+        layer itself (the packed delta's records applied on the way:
+        :func:`weight_transfer.engines.vllm.delta_apply.copy_in`); False: the plain copy.
 
         Returns ``{"seconds", "layers", "bytes", "per_layer", "skipped"}`` (wall seconds in this
         worker, staged layers committed, staging bytes read, seconds per staged layer by module
@@ -509,7 +513,9 @@ class WorkerTargets:
                     restore_layer_on_meta(layer, info)
                     materialize_layer(layer, info)
                     for pn, t in st["params"].items():
-                        getattr(layer, pn).data.copy_(t)
+                        dst = getattr(layer, pn).data
+                        if copy_in is None or not copy_in(dst, t):
+                            dst.copy_(t)
                         nbytes += t.numel() * t.element_size()
                     if hasattr(layer, "_already_called_process_weights_after_loading"):
                         delattr(layer, "_already_called_process_weights_after_loading")
