@@ -420,6 +420,7 @@ def _link_report(own, cfg, wire: _Wire, names, got: dict, written: int) -> dict:
                  replay=os.path.basename(cfg.run.replay) if cfg.run.replay else "", replay_lr=lr,
                  delta_op_cost=cfg.transfer.executor.delta_op_cost,
                  delta_mode=getattr(cfg.transfer.executor, "delta_mode", "") if cfg.transfer.executor.delta else "",
+                 delta_format=getattr(cfg.transfer.executor, "delta_format", "") if cfg.transfer.executor.delta else "",
                  delta_wire_gbps=getattr(cfg.transfer.executor, "delta_wire_gbps", None))
     if rate_bits:
         print(f"# link: tbf rate {link.format_rate(rate_bits)} ({wire.how}), burst {burst} B, limit "
