@@ -83,11 +83,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from pathlib import Path
 
 import torch
 
-from .native import NativeKernel
+from .delta_kernel import _CFLAGS, KERNEL, _declare  # noqa: F401  (KERNEL and _declare re-exported)
+from .delta_masks import Masks, changed_masks
 
 __all__ = ["DeltaState", "Masks", "changed_masks", "changed_runs", "changed_runs_native", "check_published", "native_status",
            "default_granularity", "index_size", "COMPLETE_KEY"]
@@ -95,53 +95,6 @@ __all__ = ["DeltaState", "Masks", "changed_masks", "changed_runs", "changed_runs
 COMPLETE_KEY = "complete/{version}"
 """Control-plane key the coordinator sets when it publishes ``complete version`` (persistent:
 later states overwrite ``weights``, not this)."""
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.wt_delta_runs.argtypes = [P, P, I, I, I, P, P, I, P, P, P]
-    lib.wt_delta_runs.restype = I
-    lib.wt_check_segments.argtypes = [P, P, I, I, P]
-    lib.wt_check_segments.restype = I
-    lib.wt_scatter.argtypes = [P, P, P, P, I]
-    lib.wt_scatter.restype = I
-    lib.wt_copy_pieces.argtypes = [I, P, P, P, I]
-    lib.wt_copy_pieces.restype = I
-    lib.wt_cma_write.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, P, P, I, P, P]
-    lib.wt_cma_write.restype = I
-    lib.wt_index_bytes.argtypes = [P, P, I, I, I]
-    lib.wt_index_bytes.restype = I
-    lib.wt_pack_runs.argtypes = [P, P, P, I, I, P, P]
-    lib.wt_pack_runs.restype = I
-    lib.wt_pack_runs_v.argtypes = [P, P, P, P, I, I, P, P]
-    lib.wt_pack_runs_v.restype = I
-    lib.wt_check_packed.argtypes = [P, I, I, I, I, P, P]
-    lib.wt_check_packed.restype = I
-    lib.wt_unpack.argtypes = [P, P, I, P, I, I, I]
-    lib.wt_unpack.restype = I
-    lib.wt_cast_bf16_delta.argtypes = [P, I, P, P, I, I, P, P, I, P, P, P]
-    lib.wt_cast_bf16_delta.restype = I
-    lib.wt_copy_delta.argtypes = [P, I, P, P, I, I, P, P, I, P, P, P]
-    lib.wt_copy_delta.restype = I
-    lib.wt_masks.argtypes = [P, I, I, P, P, P, P, I, P, P, P]
-    lib.wt_masks.restype = I
-    lib.wt_check_masks.argtypes = [P, P, I, I, P, P]
-    lib.wt_check_masks.restype = I
-    lib.wt_unpack_masks.argtypes = [P, P, P, I, P, I, I]
-    lib.wt_unpack_masks.restype = I
-    lib.wt_copy_unpack_masks.argtypes = [P, P, P, P, I, P, I, I]
-    lib.wt_copy_unpack_masks.restype = I
-    lib.wt_pack_masks.argtypes = [P, P, P, I, P, I]
-    lib.wt_pack_masks.restype = I
-    lib.wt_masks_isa.argtypes = []
-    lib.wt_masks_isa.restype = ctypes.c_char_p
-
-
-_CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
-KERNEL = NativeKernel(Path(__file__).with_name("_delta.c"), stem="delta", env="WT_DELTA_NATIVE",
-                      flag_sets=(_CFLAGS, tuple(f for f in _CFLAGS if f != "-march=native")), declare=_declare)
-"""The native comparison and segment writers (``_delta.c``; ``WT_DELTA_NATIVE=0`` disables it:
-the comparison then runs in torch and segments are posted one op each)."""
 
 
 def native_status() -> str:
@@ -187,79 +140,6 @@ class Runs:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class Masks:
-    """The changes of one output as 64-byte chunks counted from its first byte (packed format 3,
-    :mod:`weight_transfer.delta_packed`): ``chunks`` int32 (ascending chunk indices), ``masks``
-    int64 (bit j: byte j of that chunk changed), ``vals`` uint8 (the changed bytes in order,
-    ``nbytes`` of them), ``runs`` the runs of adjacent changed bytes within chunks (for the
-    report). ``len()`` is the number of changed chunks."""
-
-    __slots__ = ("chunks", "masks", "vals", "nbytes", "runs", "mode", "data", "pending")
-
-    def __init__(self, chunks: torch.Tensor, masks: torch.Tensor, vals: torch.Tensor, runs: int = 0):
-        self.chunks, self.masks, self.vals = chunks, masks, vals
-        self.nbytes, self.runs = vals.numel(), int(runs)
-        self.mode = "packed"
-        """The cost model's choice: ``"packed"`` (or ``"full"``)."""
-        self.data = None
-        self.pending = None
-        """``(out, shadow)`` when the fused pass left the output's pool slot unwritten (it only
-        needs the changed bytes): :meth:`fill` copies the shadow, which then equals the output,
-        into the slot before a whole write reads it."""
-
-    def fill(self) -> None:
-        """Write the output's pool slot from the shadow if the fused pass left it unwritten."""
-        if self.pending is not None:
-            out, shadow = self.pending
-            out.copy_(shadow)
-            self.pending = None
-
-    def __len__(self) -> int:
-        return self.chunks.numel()
-
-    def __repr__(self) -> str:
-        return f"Masks({len(self)} chunks, {self.nbytes} bytes, {self.runs} runs)"
-
-
-def changed_masks(src: torch.Tensor, shadow: torch.Tensor, *, out: torch.Tensor | None = None,
-                  max_chunks: int | None = None) -> Masks | None:
-    """Compare an output with its ``shadow`` (flat uint8 CPU, the output's bytes) in 64-byte
-    chunks at 1-byte granularity (``wt_masks``), copy the changed bytes into the shadow and return
-    them as :class:`Masks`. ``src``: the output's bytes (flat uint8; with ``out`` also copied
-    there), or a contiguous float32 tensor whose bf16 cast is the output (cast into ``out``,
-    flat uint8 of 2 bytes per element, exactly as torch rounds; without ``out`` only compared,
-    the shadow taking the changed bytes). None when more than ``max_chunks`` chunks changed (the
-    shadow then equals the output) or a float32 source holds a NaN (cast by torch instead into
-    ``out`` and the shadow, refreshed whole: written whole). ValueError without the native
-    kernel or for arguments that do not fit."""
-    lib = KERNEL.lib()
-    n = shadow.numel()
-    kind = 1 if src.dtype == torch.float32 else 0
-    if (lib is None or shadow.dtype != torch.uint8 or not shadow.is_contiguous() or not src.is_contiguous()
-            or src.device.type != "cpu" or shadow.device.type != "cpu"
-            or (kind == 1 and ((out is not None and out.numel() != n) or 2 * src.numel() != n))
-            or (kind == 0 and (src.dtype != torch.uint8 or src.numel() != n or (out is not None and out.numel() != n)))):
-        raise ValueError("changed_masks: needs the native kernel, contiguous CPU tensors, a uint8 shadow of the "
-                         "output's bytes and a uint8 (or float32 with an output) source")
-    cap = n // 64 + 1
-    if max_chunks is not None:
-        cap = max(0, min(cap, max_chunks))
-    masks = torch.empty(cap + 1, dtype=torch.int64)
-    chunks = torch.empty(cap + 1, dtype=torch.int32)
-    vals = torch.empty(64 * (cap + 2), dtype=torch.uint8)
-    nv, nr = ctypes.c_int64(0), ctypes.c_int64(0)
-    k = lib.wt_masks(src.data_ptr(), n, kind, None if out is None else out.data_ptr(), shadow.data_ptr(),
-                     masks.data_ptr(), chunks.data_ptr(), cap, vals.data_ptr(), ctypes.byref(nv), ctypes.byref(nr))
-    if k == -2:  # a NaN: torch's own cast (its NaN bits depend on its code path), written whole
-        shadow.view(torch.bfloat16).copy_(src)
-        if out is not None:
-            out.copy_(shadow)
-        return None
-    if k < 0:
-        return None
-    return Masks(chunks[:k], masks[:k], vals[:nv.value], nr.value)
 
 
 def _words(t: torch.Tensor, g: int) -> torch.Tensor:

@@ -37,17 +37,11 @@ changes only the low byte of most bf16 elements -- a packed delta of an lr 1e-6 
 a full bf16 update (docs/DELTA.md). A format-1 record (its magic; two uint32 per run) is refused
 by name, any other magic as malformed.
 
-**A format-3 record** (``ExecutorOptions.delta_format`` ``masks``, :class:`weight_transfer.delta.Masks`):
-the same header with its own magic, ``runs`` the number ``m`` of changed 64-byte chunks (counted
-from the span's first byte, the last one clipped to the span), ``index bytes`` ``8m + 4m``
-rounded up to 8, ``unit`` 64; then ``m`` int64 byte masks (bit j: byte j of the chunk), ``m``
-uint32 chunk indices (ascending), padding, and the changed bytes in chunk and byte order. Its
-span is at most :data:`MAX_SPAN_MASKS`. Checked like format 2 (indices ascending and inside the
-span, no mask empty or reaching past the span's end, the masks' bytes equal to the data bytes);
-scattered with a vector expand per chunk (``wt_unpack_masks``: nothing outside the span is
-written). ~12 bytes of index per changed chunk instead of ~2 per run, and no run extraction,
-varint or per-byte branch on either side: the format for a fast wire (the cost model's choice,
-:meth:`weight_transfer.delta_cost.CostModel.pack_format`).
+**A format-3 record** (``ExecutorOptions.delta_format`` ``masks``; :mod:`weight_transfer.delta_masks`):
+the same header with its own magic, ``runs`` the number ``m`` of changed 64-byte chunks, unit 64;
+then ``m`` int64 byte masks, ``m`` uint32 chunk indices, padding to 8, and the changed bytes.
+Checked like format 2 before any byte moves; scattered with a vector expand per chunk, or
+during the commit's own copy of those bytes (:meth:`Landing.copy_in`).
 
 **Posting.** The executor holds back every record write of an update and posts them as one
 batch after its last task (one round trip per update on a transport that pays one per batch,
@@ -79,6 +73,7 @@ import time
 import torch
 
 from .delta import _units, _vlen, index_size
+from .delta_masks import _mask_positions, check_masks, masks_index_bytes
 from .transport.base import WriteOp
 
 __all__ = ["DIR_SLOTS", "DIR_BYTES", "HEADER", "LANDING_KEY", "MIN_LANDING", "MAX_SPAN", "MAX_UNIT", "Landing",
@@ -119,12 +114,6 @@ def _lib():
     from .delta import KERNEL
 
     return KERNEL.lib()
-
-
-def masks_index_bytes(chunks: int) -> int:
-    """Index bytes of a format-3 record of ``chunks`` changed chunks: ``8 x chunks`` of masks and
-    ``4 x chunks`` of chunk indices, rounded up to 8."""
-    return 8 * chunks + -(-4 * chunks // 8) * 8
 
 
 def record_size(index_bytes: int, changed: int) -> int:
@@ -183,33 +172,6 @@ def check_index(index: torch.Tensor, m: int, span: int, unit: int):
     if ends.numel() > need or left:
         return m, 5, None, None
     return -1, 0, s, (s + ln * unit).clamp(max=span) - s
-
-
-def _mask_positions(masks: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
-    """Byte offsets (int64, in order) that format-3 ``masks`` / ``chunks`` select (torch)."""
-    bits = ((masks.unsqueeze(1) >> torch.arange(64, dtype=torch.int64)) & 1).bool()
-    pos = (chunks.to(torch.int64) & 0xFFFFFFFF).unsqueeze(1) * 64 + torch.arange(64, dtype=torch.int64)
-    return pos[bits]
-
-
-def check_masks(masks: torch.Tensor, chunks: torch.Tensor, span: int) -> tuple[int, int, int]:
-    """Check a format-3 index (int64 ``masks``, int32 ``chunks``) against a span of ``span``
-    bytes as ``wt_check_masks`` does (torch): ``(bad, why, bytes)``, ``bad`` -1 when fine (then
-    ``bytes`` the masks select), else the first bad chunk and its :data:`WHY` code (6, 7, 8)."""
-    c = chunks.to(torch.int64) & 0xFFFFFFFF  # uint32 on the wire
-    nch = -(-span // 64)
-    tail = span - 64 * (nch - 1)
-    over = (masks & ~((1 << tail) - 1)) != 0 if tail < 64 else torch.zeros_like(masks, dtype=torch.bool)
-    err = torch.zeros(c.numel(), dtype=torch.int64)
-    err = torch.where(masks == 0, 8, err)
-    err = torch.where((c >= nch) | ((c == nch - 1) & over), 7, err)
-    if c.numel() > 1:
-        err[1:] = torch.where(c[1:] <= c[:-1], 6, err[1:])
-    bad = (err > 0).nonzero().flatten()
-    if bad.numel():
-        k = int(bad[0])
-        return k, int(err[k]), 0
-    return -1, 0, int(_mask_positions(masks, chunks).numel())
 
 
 def area(length: int, senders: int, rank: int) -> tuple[int, int]:
