@@ -239,12 +239,9 @@ class Packer:
         got = getattr(runs, "index", None)
         q, ix = got[1:] if got is not None and got[0] == unit else index_size(runs, span, unit)
         size = record_size(ix, c)
-        if size > self.room(dst):
-            self.seconds += time.perf_counter() - t0
+        lo = self._reserve(dst, size, t0)
+        if lo is None:
             return None
-        base, ao, _ = at
-        pos = self.pos.get(dst, 0)
-        lo = base + pos
         rec = self.buffer[lo:lo + size]
         rec[:HEADER].view(torch.int64).copy_(torch.tensor(
             [MAGIC_REC, target_offset, span, m, c, ix, self.version, q], dtype=torch.int64))
@@ -259,6 +256,19 @@ class Packer:
             st, ln = runs.starts, runs.lens
             idx.copy_(encode_index(st, ln, span, q))
             body.copy_(data[_byte_index(st, ln)])
+        return self._placed(dst, lo, size, t0)
+
+    def _reserve(self, dst: int, size: int, t0: float) -> int | None:
+        """Pack buffer offset of a ``size``-byte record for ``dst``; None when it does not fit."""
+        if size > self.room(dst):
+            self.seconds += time.perf_counter() - t0
+            return None
+        return self._at[dst][0] + self.pos.get(dst, 0)
+
+    def _placed(self, dst: int, lo: int, size: int, t0: float) -> WriteOp:
+        """Account the record laid out at pack buffer offset ``lo``; its write."""
+        base, ao, _ = self._at[dst]
+        pos = lo - base
         self.pos[dst] = pos + size
         self.records[dst] = self.records.get(dst, 0) + 1
         self.seconds += time.perf_counter() - t0
@@ -276,12 +286,9 @@ class Packer:
         m, c = len(masks), masks.nbytes
         ix = masks_index_bytes(m)
         size = record_size(ix, c)
-        if size > self.room(dst):
-            self.seconds += time.perf_counter() - t0
+        lo = self._reserve(dst, size, t0)
+        if lo is None:
             return None
-        base, ao, _ = at
-        pos = self.pos.get(dst, 0)
-        lo = base + pos
         rec = self.buffer[lo:lo + size]
         hdr = [MAGIC_REC3, target_offset, span, m, c, ix, self.version, 64]
         lib = _lib()
@@ -296,10 +303,7 @@ class Packer:
                 rec[HEADER:HEADER + 8 * m].view(torch.int64).copy_(masks.masks)
                 rec[HEADER + 8 * m:HEADER + 12 * m].view(torch.int32).copy_(masks.chunks)
                 rec[HEADER + ix:HEADER + ix + c].copy_(masks.vals)
-        self.pos[dst] = pos + size
-        self.records[dst] = self.records.get(dst, 0) + 1
-        self.seconds += time.perf_counter() - t0
-        return WriteOp(self.region, lo, self.landing[dst], ao + pos, size)
+        return self._placed(dst, lo, size, t0)
 
     def finish(self) -> list[WriteOp]:
         """The directory entries of this update (one per receiver that got a record), to write
@@ -379,17 +383,14 @@ class Landing:
         return self.last
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, base: int) -> bool:
-        """Copy ``src`` -- a tensor of the target region whose byte 0 is at address ``base``, e.g. a
-        staging tensor -- into ``dst`` with the deferred records inside ``src``'s bytes applied on
-        the way, to both (``wt_copy_unpack_masks``: one pass over those bytes). Records that
-        only overlap ``src`` are scattered first. Returns False, with every deferred record
-        touching ``src`` already scattered into it, when there is nothing to fuse or ``dst``
-        cannot take a plain byte copy (another size or dtype layout, not contiguous, not CPU, no
-        native kernel): the caller then copies as before."""
+        """Copy ``src`` (a tensor of the target region at address ``base``: a staging tensor) into
+        ``dst``, applying the deferred records inside ``src`` to both on the way
+        (``wt_copy_unpack_masks``: one pass); records only overlapping ``src`` are scattered
+        first. False (every record touching ``src`` scattered into it) when there is nothing to
+        fuse or ``dst`` takes no plain byte copy (size, layout, device, no native kernel)."""
         if not self.deferred:
             return False
-        lo = src.data_ptr() - base
-        n = src.numel() * src.element_size()
+        lo, n = src.data_ptr() - base, src.numel() * src.element_size()
         hi = lo + n
         mine = [r for r in self.deferred if r[1] < hi and r[1] + r[2] > lo]
         if not mine:
@@ -405,8 +406,7 @@ class Landing:
         if not fuse or not inside:
             self.patch_s += time.perf_counter() - t0
             return False
-        d8 = dst.view(-1).view(torch.uint8) if dst.dim() else dst.reshape(1).view(torch.uint8)
-        s8 = src.view(-1).view(torch.uint8) if src.dim() else src.reshape(1).view(torch.uint8)
+        d8, s8 = (t.reshape(-1).view(torch.uint8) for t in (dst, src))
         at = 0
         for rec in sorted(inside, key=lambda r: r[1]):
             a, to, span, m, c, ix = rec[:6]

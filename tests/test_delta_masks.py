@@ -183,15 +183,21 @@ def native(request, monkeypatch):
     return request.param
 
 
+def _cma_landing():
+    """A cma receiver with a 1 MiB landing region, a connected sender with a packer for it, and a
+    64 KiB target region of 0xA5 bytes: ``(rx, tx, landing, packer, region)``."""
+    rx, tx = make_transport("cma"), make_transport("cma")
+    landing = Landing(1 << 20, rx)
+    tx.connect([landing.descriptor])
+    return rx, tx, landing, Packer({0: landing.descriptor}, tx, rank=0, senders=1), torch.full(
+        (1 << 16,), 0xA5, dtype=torch.uint8)
+
+
 def test_a_masks_record_through_packer_and_landing(native):
     """Format-3 records packed, written one-sidedly (cma) and scattered by the receiver's apply
     (native or torch): exactly the changed bytes land; a record with a damaged index is refused
     with nothing scattered, not even a valid record before it."""
-    rx, tx = make_transport("cma"), make_transport("cma")
-    landing = Landing(1 << 20, rx)
-    arena = torch.full((1 << 16,), 0xA5, dtype=torch.uint8)
-    tx.connect([landing.descriptor])
-    pk = Packer({0: landing.descriptor}, tx, rank=0, senders=1)
+    rx, tx, landing, pk, arena = _cma_landing()
     g = torch.Generator().manual_seed(1)
     new = arena.clone()
     sel = torch.rand(new.numel(), generator=g) < 0.02
@@ -291,11 +297,7 @@ def test_deferred_records_applied_in_the_commits_copy_and_flushed(native):
     and keeps the rest; copy_in fuses the records inside a tensor into its copy (a record that
     only overlaps it is scattered first), falls back for a destination it cannot byte-copy into;
     flush scatters what is left. The region ends equal to a plain apply's."""
-    rx, tx = make_transport("cma"), make_transport("cma")
-    landing = Landing(1 << 20, rx)
-    region = torch.full((1 << 16,), 0xA5, dtype=torch.uint8)
-    tx.connect([landing.descriptor])
-    pk = Packer({0: landing.descriptor}, tx, rank=0, senders=1)
+    rx, tx, landing, pk, region = _cma_landing()
     g = torch.Generator().manual_seed(3)
     new = region.clone()
     sel = torch.rand(new.numel(), generator=g) < 0.05
