@@ -583,6 +583,9 @@ int64_t wt_copy_delta(const uint8_t *src, int64_t n, uint8_t *out, uint8_t *old,
 #define WT_MASKS_512 0
 #endif
 
+/* The low n bits set (none for n <= 0, all for n >= 64): the lanes of a partial load. */
+static inline uint64_t low_bits(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~0ull : (1ull << n) - 1; }
+
 /* Which code path the masked kernels were built with: "avx512-vbmi2" or "portable". */
 const char *wt_masks_isa(void) { return WT_MASKS_512 ? "avx512-vbmi2" : "portable"; }
 
@@ -715,7 +718,8 @@ int64_t wt_check_masks(const uint64_t *masks, const uint32_t *chunks, int64_t m,
  * masked bytes from vals into dst + 64 x its index. A chunk wholly inside the span is loaded,
  * blended and stored back whole (its unselected bytes rewritten with what they hold: faster
  * than a byte-masked store); the span's last partial chunk gets a byte-masked store, so nothing
- * outside the span is touched, and vals is never read past nvals. Returns the bytes taken. */
+ * outside the span is touched, and vals is never read past nvals. The record must have passed
+ * wt_check_masks (its masks select exactly nvals bytes inside the span). Returns the bytes taken. */
 int64_t wt_unpack_masks(uint8_t *dst, const uint64_t *masks, const uint32_t *chunks, int64_t m, const uint8_t *vals,
                         int64_t nvals, int64_t span) {
     int64_t nv = 0;
@@ -724,14 +728,15 @@ int64_t wt_unpack_masks(uint8_t *dst, const uint64_t *masks, const uint32_t *chu
         int64_t at = 64 * (int64_t)chunks[k];
         uint8_t *d = dst + at;
 #if WT_MASKS_512
-        __m512i v = nv + 64 <= nvals ? _mm512_loadu_si512(vals + nv) : _mm512_maskz_expandloadu_epi8(~0ull >> (64 - (nvals - nv < 64 ? (nvals - nv > 0 ? nvals - nv : 1) : 64)), vals + nv);
+        __m512i v = nv + 64 <= nvals ? _mm512_loadu_si512(vals + nv)
+                                     : _mm512_maskz_expandloadu_epi8(low_bits(nvals - nv), vals + nv);
         if (at + 64 <= span)
             _mm512_storeu_si512(d, _mm512_mask_expand_epi8(_mm512_loadu_si512(d), mk, v));
         else
             _mm512_mask_storeu_epi8(d, mk, _mm512_maskz_expand_epi8(mk, v));
         nv += __builtin_popcountll(mk);
 #else
-        (void)span;
+        (void)span; /* the record is checked: its masks select exactly nvals bytes inside the span */
         for (; mk; mk &= mk - 1) d[__builtin_ctzll(mk)] = vals[nv++];
 #endif
     }
@@ -755,7 +760,7 @@ int64_t wt_copy_unpack_masks(uint8_t *dst, uint8_t *src, const uint64_t *masks, 
             uint64_t mk = masks[k];
             int64_t left = nvals - nv;
             __m512i v = left >= 64 ? _mm512_loadu_si512(vals + nv)
-                                   : _mm512_maskz_expandloadu_epi8(~0ull >> (64 - (left > 0 ? left : 1)), vals + nv);
+                                   : _mm512_maskz_expandloadu_epi8(low_bits(left), vals + nv);
             x = _mm512_mask_expand_epi8(x, mk, v);
             _mm512_storeu_si512(src + 64 * c, x);
             nv += __builtin_popcountll(mk);
@@ -768,7 +773,7 @@ int64_t wt_copy_unpack_masks(uint8_t *dst, uint8_t *src, const uint64_t *masks, 
         if (whole == next) {
             uint64_t mk = masks[k];
             int64_t left = nvals - nv;
-            __m512i v = _mm512_maskz_expandloadu_epi8(~0ull >> (64 - (left > 0 && left < 64 ? left : 64)), vals + nv);
+            __m512i v = _mm512_maskz_expandloadu_epi8(low_bits(left), vals + nv);
             _mm512_mask_storeu_epi8(src + 64 * whole, mk, _mm512_maskz_expand_epi8(mk, v));
             nv += __builtin_popcountll(mk);
         }

@@ -18,13 +18,15 @@ way of writing it costs, in seconds (``w`` the wire's seconds per byte):
 **The packed record's format** (:meth:`CostModel.pack_format`, once per executor: the fused
 pass must know it before it compares): ``runs`` (format 2 above) or ``masks`` (format 3: per
 changed 64-byte chunk a 64-bit byte mask and a 4-byte chunk index, then the changed bytes;
-``record = 64 + 12 x chunks + c``). Per run of a real RL step, runs cost ``encode_run + pack_run
-+ apply_run`` of CPU and ~2.2 index bytes on the wire; masks cost ``chunks_per_run x (chunk +
-12 x w)`` (0.8 changed chunks per run on a step's bf16 changes, 1-byte compare: the vector
-compare, compress and expand cost ~15 ns per changed chunk, sender and receiver together).
-Masks win above ~0.25 GB/s by these constants (every transport's default: one host, a NIC),
-runs on a link slower than that (the rate-limited veth of docs/DELTA.md, 0.21 GB/s, keeps
-format 2; the crossover itself is not measured). Per output,
+``record = 64 + 8 x chunks + 4 x chunks`` (rounded up to 8) ``+ c``, rounded up to 64). Per run
+of a real RL step, runs cost ``encode_run + pack_run + apply_run`` of CPU and ~2.2 index bytes
+on the wire (or ``encode_run + run`` scattered, with ``mode`` auto); masks cost
+``chunks_per_run x (chunk + 12 x w)`` (0.8 changed chunks per run on uniformly scattered bf16
+changes at 1-byte compare; the vector compare, compress and expand ~15 ns per changed chunk,
+sender and receiver together). Masks win above ~0.25 GB/s at cma's, NIXL's and verbs' run
+costs (~0.37 GB/s on shm, whose scattered runs cost 20 ns): every transport's default wire
+(one host, a NIC); runs on a slower link (the rate-limited veth of docs/DELTA.md, where format
+2 measured 0.078x of a full push against format 3's 0.139x). Per output,
 masks are packed or written whole (:meth:`CostModel.choose_masks`); there is no scattered
 masks mode.
 
@@ -71,11 +73,11 @@ class CostModel:
     op_s: float = 3e-6
     """Seconds of one more write op (a packed record's write)."""
     pack_run_s: float = 15e-9
-    """Seconds to pack one run (its index entry and its bytes' memcpy; measured ~18 ns/run at 8 B
-    runs on the loaded 2-core VM, ``bench-delta --ops-only``)."""
+    """Seconds to pack one run (its index entry and its bytes' memcpy; ``bench-delta --ops-only``
+    measures 6-17 ns per 8-byte run across its runs on the 2-core VMs, results/delta_phases.md)."""
     pack_byte_s: float = 0.1e-9
     apply_run_s: float = 10e-9
-    """Seconds the receiver's scatter spends per run (measured ~9 ns/run at 8 B runs)."""
+    """Seconds the receiver's scatter spends per run (the same benchmark: 5-8 ns per 8-byte run)."""
     apply_byte_s: float = 0.1e-9
     encode_run_s: float = 18e-9
     """Seconds the fused cast + compare spends per run it emits for a format-2 record, over the
@@ -181,7 +183,7 @@ class CostModel:
     def packed_masks(self, chunks: int, changed: int) -> float:
         """Seconds to encode, write, check and apply a format-3 record of ``chunks`` changed
         64-byte chunks carrying ``changed`` bytes."""
-        rec = -(-(64 + 12 * chunks + changed) // 64) * 64
+        rec = -(-(64 + 8 * chunks + -(-4 * chunks // 8) * 8 + changed) // 64) * 64
         return rec * self.wire_s_per_byte + self.op_s + chunks * self.chunk_s + changed * self.apply_byte_s
 
     def max_chunks(self, n: int) -> int | None:

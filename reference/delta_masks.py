@@ -38,6 +38,7 @@ class Masks:
         self.mode = "packed"
         """The cost model's choice: ``"packed"`` (or ``"full"``)."""
         self.data = None
+        """The output's bytes (flat uint8) the cost model saw, as :class:`weight_transfer.delta.Runs` keeps them."""
         self.pending = None
         """``(out, shadow)`` when the fused pass left the output's pool slot unwritten (it only
         needs the changed bytes): :meth:`fill` copies the shadow, which then equals the output,
@@ -75,10 +76,12 @@ def changed_masks(src: torch.Tensor, shadow: torch.Tensor, *, out: torch.Tensor 
     kind = 1 if src.dtype == torch.float32 else 0
     if (lib is None or shadow.dtype != torch.uint8 or not shadow.is_contiguous() or not src.is_contiguous()
             or src.device.type != "cpu" or shadow.device.type != "cpu"
+            or (out is not None and (out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu"))
             or (kind == 1 and ((out is not None and out.numel() != n) or 2 * src.numel() != n))
             or (kind == 0 and (src.dtype != torch.uint8 or src.numel() != n or (out is not None and out.numel() != n)))):
         raise ValueError("changed_masks: needs the native kernel, contiguous CPU tensors, a uint8 shadow of the "
-                         "output's bytes and a uint8 (or float32 with an output) source")
+                         "output's bytes, a uint8 source of the same length or a float32 source of half as many "
+                         "elements, and an optional uint8 output of the shadow's length")
     cap = n // 64 + 1
     if max_chunks is not None:
         cap = max(0, min(cap, max_chunks))
@@ -114,7 +117,8 @@ def _mask_positions(masks: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
 def check_masks(masks: torch.Tensor, chunks: torch.Tensor, span: int) -> tuple[int, int, int]:
     """Check a format-3 index (int64 ``masks``, int32 ``chunks``) against a span of ``span``
     bytes as ``wt_check_masks`` does (torch): ``(bad, why, bytes)``, ``bad`` -1 when fine (then
-    ``bytes`` the masks select), else the first bad chunk and its :data:`WHY` code (6, 7, 8)."""
+    ``bytes`` the masks select), else the first bad chunk and its reason code (6, 7, 8:
+    :data:`weight_transfer.delta_index.WHY`)."""
     c = chunks.to(torch.int64) & 0xFFFFFFFF  # uint32 on the wire
     nch = -(-span // 64)
     tail = span - 64 * (nch - 1)

@@ -72,7 +72,8 @@ import time
 
 import torch
 
-from .delta import _units, _vlen, index_size
+from .delta import index_size
+from .delta_index import WHY, _byte_index, check_index, encode_index
 from .delta_masks import _mask_positions, check_masks, masks_index_bytes
 from .transport.base import WriteOp
 
@@ -100,12 +101,6 @@ MAX_SPAN_MASKS = 1 << 38
 """Largest span of one format-3 record (bytes: 2^32 chunks of 64 bytes)."""
 MAX_UNIT = 1 << 16
 """Largest unit of a record's index (bytes)."""
-WHY = {1: "a varint runs past the end of the index", 2: "a varint is longer than 9 bytes or not minimal",
-       3: "a run is empty", 4: "a run leaves its span", 5: "index bytes are left after the last run",
-       6: "chunk indices are not ascending", 7: "a chunk leaves its span", 8: "a chunk's mask is empty"}
-"""Reasons of a malformed index (``wt_check_packed``'s codes)."""
-
-
 class PackedError(ValueError):
     """A malformed packed payload or directory, refused before any byte was scattered."""
 
@@ -120,58 +115,6 @@ def record_size(index_bytes: int, changed: int) -> int:
     """Bytes of a packed record with ``index_bytes`` of index carrying ``changed`` bytes (64-byte
     aligned)."""
     return -(-(HEADER + index_bytes + changed) // 64) * 64
-
-
-def encode_index(starts: torch.Tensor, lens: torch.Tensor, span: int, unit: int) -> torch.Tensor:
-    """The index of runs ``starts``/``lens`` (int64, bytes) as flat uint8, in units of ``unit``
-    (vectorized torch; the native ``wt_pack_runs`` writes the same bytes). ValueError as
-    :func:`index_size`."""
-    v = _units(starts, lens, span, unit)
-    if v is None:
-        raise ValueError(f"packed record: runs not whole {unit}-byte units inside a span of {span} bytes")
-    n = _vlen(v)
-    at = torch.cumsum(n, 0) - n
-    out = torch.empty(int(n.sum()), dtype=torch.uint8)
-    for k in range(9):
-        sel = n > k
-        b = (v[sel] >> (7 * k)) & 0x7F
-        out[at[sel] + k] = (b | ((n[sel] > k + 1).to(torch.int64) << 7)).to(torch.uint8)
-    return out
-
-
-def check_index(index: torch.Tensor, m: int, span: int, unit: int):
-    """Decode and check a record's index (flat uint8) of ``m`` runs against a span of ``span``
-    bytes in units of ``unit``, as ``wt_check_packed`` does (vectorized torch). Returns ``(bad,
-    why, starts, lens)``: ``bad`` -1 when all is fine (then the runs in bytes, the last clipped
-    to the span), else the first bad run (``m``: bytes left after the last) and ``why`` its
-    :data:`WHY` code."""
-    b = index.to(torch.int64)
-    ends = (b < 0x80).nonzero().flatten()
-    t0 = torch.cat([torch.zeros(1, dtype=torch.int64), ends + 1])[:-1]
-    tl = ends - t0 + 1
-    pos = torch.arange(int(tl.sum())) - torch.repeat_interleave(t0, tl)
-    tok = torch.repeat_interleave(torch.arange(ends.numel()), tl)
-    vals = torch.zeros(ends.numel(), dtype=torch.int64)
-    vals.index_add_(0, tok, (b[:pos.numel()] & 0x7F) << (7 * pos.clamp(max=8)))
-    err = torch.where((tl > 9) | ((tl > 1) & (b[ends] == 0)), 2, 0)
-    left = b.numel() - (int(ends[-1]) + 1 if ends.numel() else 0)
-    if left:  # an unterminated token at the end
-        err = torch.cat([err, torch.tensor([2 if left >= 9 else 1])])
-    need = 2 * m
-    err = torch.cat([err, torch.ones(max(0, need - err.numel()), dtype=torch.int64)])[:need] if m else err[:0]
-    vals = torch.cat([vals, torch.zeros(max(0, need - vals.numel()), dtype=torch.int64)])[:need]
-    cap = span // unit + 2  # a value clamped to it still leaves the span; no overflow before the first bad run
-    g, ln = vals[0::2].clamp(max=cap), vals[1::2].clamp(max=cap)
-    s = (torch.cumsum(g + ln, 0) - ln) * unit
-    why = torch.where(err[0::2] > 0, err[0::2], torch.where(err[1::2] > 0, err[1::2], 0))
-    why = torch.where(why > 0, why, torch.where(ln == 0, 3, torch.where((s >= span) | (s + (ln - 1) * unit >= span), 4, 0)))
-    badk = (why > 0).nonzero().flatten()
-    if badk.numel():
-        k = int(badk[0])
-        return k, int(why[k]), None, None
-    if ends.numel() > need or left:
-        return m, 5, None, None
-    return -1, 0, s, (s + ln * unit).clamp(max=span) - s
 
 
 def area(length: int, senders: int, rank: int) -> tuple[int, int]:
@@ -275,10 +218,11 @@ class Packer:
         return WriteOp(self.region, lo, self.landing[dst], ao + pos, size)
 
     def pack_masks(self, dst: int, masks, target_offset: int, span: int) -> WriteOp | None:
-        """Pack :class:`weight_transfer.delta.Masks` ``masks`` as a format-3 record for inference
-        rank ``dst``'s span ``[target_offset, target_offset + span)`` and return the
-        :class:`WriteOp` that writes it; None when it does not fit (nothing changed) or the span
-        is larger than :data:`MAX_SPAN_MASKS`."""
+        """Pack :class:`weight_transfer.delta_masks.Masks` ``masks`` as a format-3 record for
+        inference rank ``dst``'s span ``[target_offset, target_offset + span)`` (bytes) and return
+        the :class:`WriteOp` that writes it; None (nothing packed) when ``dst`` has no landing
+        area here, the record does not fit what is left of it, or the span is larger than
+        :data:`MAX_SPAN_MASKS`."""
         at = self._at.get(dst)
         if at is None or span > MAX_SPAN_MASKS:
             return None
@@ -302,6 +246,7 @@ class Packer:
             if m:
                 rec[HEADER:HEADER + 8 * m].view(torch.int64).copy_(masks.masks)
                 rec[HEADER + 8 * m:HEADER + 12 * m].view(torch.int32).copy_(masks.chunks)
+                rec[HEADER + 12 * m:HEADER + ix].zero_()
                 rec[HEADER + ix:HEADER + ix + c].copy_(masks.vals)
         return self._placed(dst, lo, size, t0)
 
@@ -326,12 +271,6 @@ def _check(e: list[int]) -> int:
         x ^= v & 0xFFFFFFFFFFFFFFFF
         x = (x * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _byte_index(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Every byte offset the runs cover (torch fallback)."""
-    rep = torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens)
-    return rep + torch.arange(int(lens.sum()), dtype=torch.int64)
 
 
 class Landing:
@@ -387,7 +326,9 @@ class Landing:
         ``dst``, applying the deferred records inside ``src`` to both on the way
         (``wt_copy_unpack_masks``: one pass); records only overlapping ``src`` are scattered
         first. False (every record touching ``src`` scattered into it) when there is nothing to
-        fuse or ``dst`` takes no plain byte copy (size, layout, device, no native kernel)."""
+        fuse or ``dst`` takes no plain byte copy (dtype, size, layout, device, no native kernel).
+        ``base``: the region's byte 0 as an address of this process. RuntimeError when a
+        record's scatter disagrees with its check (a bug)."""
         if not self.deferred:
             return False
         lo, n = src.data_ptr() - base, src.numel() * src.element_size()
@@ -399,8 +340,8 @@ class Landing:
         t0 = time.perf_counter()
         lib = _lib()
         inside = [r for r in mine if lo <= r[1] and r[1] + r[2] <= hi]
-        fuse = (lib is not None and dst.is_contiguous() and src.is_contiguous() and dst.device.type == "cpu"
-                and src.device.type == "cpu" and dst.numel() * dst.element_size() == n)
+        fuse = (lib is not None and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+                and dst.device.type == "cpu" and src.device.type == "cpu" and dst.numel() * dst.element_size() == n)
         rest = [r for r in mine if not fuse or r not in inside]
         _scatter_records(self.buffer, base, rest)
         if not fuse or not inside:
@@ -427,7 +368,8 @@ class Landing:
         return True
 
     def flush(self, base: int) -> int:
-        """Scatter every record :meth:`copy_in` did not take (returns how many)."""
+        """Scatter every deferred record :meth:`copy_in` did not take into the region at address
+        ``base``; returns how many. RuntimeError as :meth:`copy_in`."""
         left, self.deferred = self.deferred, []
         _scatter_records(self.buffer, base, left)
         return len(left)
@@ -473,9 +415,11 @@ def _parallel(fn, items: list) -> list:
     return list(_pool().map(fn, items))
 
 
-def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int, int, int, int, int]]:
+def _records(buf: torch.Tensor, version: int, parts) -> list[tuple]:
     """Every record of ``version`` in landing ``buf``, checked: (record offset, target offset,
-    span, runs, data bytes, index bytes, unit). Raises :class:`PackedError`."""
+    span, runs or chunks, data bytes, index bytes, unit, format 3). Raises :class:`PackedError`
+    for a malformed entry or record, or two records whose spans overlap (their scatters would
+    race, and a format-3 scatter rewrites whole 64-byte lines of its span)."""
     n = buf.numel()
     d = buf[:DIR_BYTES].view(torch.int64).view(DIR_SLOTS, 8).tolist()
     out, where = [], []
@@ -543,6 +487,11 @@ def _records(buf: torch.Tensor, version: int, parts) -> list[tuple[int, int, int
         if got != c:
             raise PackedError(f"landing entry {r}: record {k}: {what}s carry {got} bytes, header says {c}; "
                               "nothing scattered")
+    spans = sorted((rec[1], rec[1] + rec[2], w) for rec, w in zip(out, where))
+    for (_a0, a1, wa), (b0, _b1, wb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise PackedError(f"landing records {wa} and {wb} (entry, record) overlap at target bytes [{b0}, "
+                              f"{a1}); nothing scattered")
     return out
 
 

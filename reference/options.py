@@ -110,8 +110,9 @@ class ExecutorOptions:
     ``runs`` (format 2: a varint index of runs, ~2 bytes per run; the fewest bytes), ``masks``
     (format 3: a 64-bit byte mask per changed 64-byte chunk, 12 bytes of index per changed chunk,
     found and applied with a vector compare, compress and expand: the least CPU), ``auto`` the
-    cost model's choice from the wire's bandwidth (:meth:`weight_transfer.delta_cost.CostModel.pack_format`:
-    masks above ~0.25 GB/s, e.g. on one host; runs on a slow link)."""
+    cost model's choice from the wire's bandwidth and the transport's run cost
+    (:meth:`weight_transfer.delta_cost.CostModel.pack_format`: masks above ~0.25-0.4 GB/s, e.g.
+    on one host or a NIC; runs on a slow link)."""
     delta_wire_gbps: float | None = field(default=None, metadata={"unit": "GB/s"})
     """The cost model's wire bandwidth (GB/s, 1e9 bytes/s); None: the transport's default
     (:data:`weight_transfer.delta_cost.WIRE_GBPS`: cma 3, shm 6, nixl/verbs 12.5). A slow link

@@ -337,3 +337,52 @@ def test_deferred_records_applied_in_the_commits_copy_and_flushed(native):
     landing.close()
     tx.close()
     rx.close()
+
+
+def test_overlapping_records_are_refused_before_any_byte_is_scattered():
+    """Two records whose spans overlap (their scatters would race; a format-3 scatter rewrites
+    whole lines): refused, nothing scattered."""
+    rx, tx, landing, pk, region = _cma_landing()
+    new = region.clone()
+    new[::97] ^= 0xFF
+    a = _masks_of(new[:8192], region[:8192])
+    b = _masks_of(new[4096:12288], region[4096:12288])
+    pk.begin(2)
+    tx.write([pk.pack_masks(0, a, 0, 8192), pk.pack_masks(0, b, 4096, 8192)]).wait()
+    tx.write(pk.finish()).wait()
+    before = region.clone()
+    with pytest.raises(PackedError, match="overlap at target bytes"):
+        landing.apply(2, region.data_ptr(), [(0, region.numel())])
+    assert torch.equal(region, before)
+    for x in (pk, landing, tx, rx):
+        x.close()
+
+
+def test_a_deferred_record_left_after_the_commit_fails_it():
+    """engines/vllm/delta_apply.finish: a deferred record the commit's copies did not take is
+    scattered into the staging, and the rank's commit is reported failed (the layer vLLM
+    computes with lacks those bytes): RuntimeError, ``ok`` False in the store."""
+    from types import SimpleNamespace
+
+    from weight_transfer import control
+    from weight_transfer.engines.vllm import delta_apply
+
+    rx, tx, landing, pk, region = _cma_landing()
+    new = region.clone()
+    new[::101] ^= 0xFF
+    pk.begin(4)
+    tx.write([pk.pack_masks(0, _masks_of(new, region), 0, region.numel())]).wait()
+    tx.write(pk.finish()).wait()
+    store = torch.distributed.HashStore()
+    eng = SimpleNamespace(delta_landing=landing, receiver=SimpleNamespace(descriptor=SimpleNamespace(addr=region.data_ptr())),
+                          store=store, rank=0, _who=lambda: "worker 0")
+    landing.apply(4, region.data_ptr(), [(0, region.numel())], defer=((0, region.numel()),))
+    assert len(landing.deferred) == 1
+    with pytest.raises(RuntimeError, match="not applied by the commit's staging copies"):
+        delta_apply.finish(eng, 4, {"seconds": 0.0})
+    assert torch.equal(region, new)  # scattered into the staging all the same
+    assert control.get(store, "step/4/committed/0")["ok"] is False
+    landing.apply(4, region.data_ptr(), [(0, region.numel())])  # nothing deferred: finish passes
+    assert delta_apply.finish(eng, 4, {"seconds": 0.0})["delta_patch_s"] == 0.0
+    for x in (pk, landing, tx, rx):
+        x.close()

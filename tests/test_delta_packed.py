@@ -72,7 +72,7 @@ def test_pack_then_apply_lands_exactly_the_runs(native):
     """Records packed by a Packer, written one-sidedly (cma), scattered by the receiver's apply:
     exactly the runs' bytes change, other bytes keep their value; a version with no directory
     entry scatters nothing."""
-    rx, tx, landing, arena = _pair()
+    rx, tx, landing, arena = _pair(target=1 << 17)
     pk = Packer({0: landing.descriptor}, tx, rank=0, senders=2)
     src = _u8(1 << 16, 1)
     starts = torch.tensor([0, 100, 5000, 9000, 65000], dtype=torch.int64)
@@ -84,7 +84,7 @@ def test_pack_then_apply_lands_exactly_the_runs(native):
     ix = 1 + 1 + 1 + 1 + 2 + 1 + 2 + 2 + 3 + 2
     assert index_size(runs, 1 << 16, 1) == (1, ix)
     assert op is not None and op.length == record_size(ix, int(lens.sum())) == -(-(HEADER + ix + 1595) // 64) * 64
-    op2 = pk.pack(0, src[:4096], Runs(torch.tensor([8]), torch.tensor([16])), target_offset=8192, span=4096)
+    op2 = pk.pack(0, src[:4096], Runs(torch.tensor([8]), torch.tensor([16])), target_offset=(1 << 16) + 8192, span=4096)
     tx.write([op, op2]).wait()
     tx.write(pk.finish()).wait()
     before = arena.clone()
@@ -95,7 +95,7 @@ def test_pack_then_apply_lands_exactly_the_runs(native):
     want = before.clone()
     for s, n in zip(starts.tolist(), lens.tolist()):
         want[s:s + n] = src[s:s + n]
-    want[8192 + 8:8192 + 24] = src[8:24]
+    want[(1 << 16) + 8192 + 8:(1 << 16) + 8192 + 24] = src[8:24]
     assert torch.equal(arena, want)
     pk.close()
     landing.close()

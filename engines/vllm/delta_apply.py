@@ -21,8 +21,10 @@ registered once beside the worker's targets, and the scatter its ``update_weight
   layers, no shadow targets) the format-3 records that land in the staging arena are checked
   with the rest but not scattered yet: the commit copies each staging tensor into the layer
   vLLM post-processes anyway, and :func:`copy_in` applies those records during that copy (one
-  pass over the staging bytes instead of a scatter and then a copy); :func:`finish` scatters
-  what is left (a staging tensor the commit did not copy) before the commit is reported.
+  pass over the staging bytes instead of a scatter and then a copy). Only records inside a
+  staging tensor of a ``"copy"`` layer are deferred (the tensors the commit copies), so none is
+  left after a commit that completed; :func:`finish` checks that and fails the commit if one
+  was (its bytes would be in the staging but not in the layer vLLM computes with).
 - :func:`close` (``shutdown``): unpublish and deregister.
 """
 from __future__ import annotations
@@ -57,7 +59,8 @@ def attach(engine, rx, layout, store, rank: int, fraction: float):
 def apply_delta(engine, version: int, defer: bool = False) -> dict:
     """Scatter the packed records of ``version`` in ``engine.delta_landing`` (none: ``{}``) into
     the registered target region of ``engine.receiver``; with ``defer``, format-3 records inside
-    the staging arena (``engine.targets.staging_arena``) are left to :func:`copy_in`. Returns the
+    a staging tensor of a ``"copy"`` layer (``engine.targets.staged``) are left to
+    :func:`copy_in`. Returns the
     apply's stats (``delta_apply_s`` seconds, ``delta_records``, ``delta_runs``,
     ``delta_bytes``, ``delta_deferred``); on any error reports this rank's commit failed in the
     store and raises RuntimeError."""
@@ -71,11 +74,10 @@ def apply_delta(engine, version: int, defer: bool = False) -> dict:
         d = engine.receiver.descriptor
         pb = parts_bounds(d)
         parts = list(zip(*pb)) if pb is not None else [(0, d.length)]
-        arena = getattr(getattr(engine, "targets", None), "staging_arena", None) if defer else None
-        ranges = ()
-        if arena is not None and arena.device.type == "cpu":
-            lo = arena.data_ptr() - d.addr
-            ranges = ((lo, lo + arena.numel()),)
+        staged = (getattr(getattr(engine, "targets", None), "staged", None) or {}) if defer else {}
+        ranges = tuple((t.data_ptr() - d.addr, t.data_ptr() - d.addr + t.numel() * t.element_size())
+                       for st in staged.values() if st["mode"] == "copy" for t in st["params"].values()
+                       if t.device.type == "cpu")
         return landing.apply(version, d.addr, parts, defer=ranges)
     except Exception as e:
         why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -95,10 +97,12 @@ def copy_in(engine):
 
 
 def finish(engine, version: int, stats: dict) -> dict:
-    """After the commit: scatter the deferred records :func:`copy_in` did not take and add
-    ``delta_patch_s`` (seconds of the commit's copies with records applied: the copies the
-    commit makes anyway, plus the scatter) and ``delta_flushed`` to ``stats``. On an error
-    reports this rank's commit failed and raises RuntimeError."""
+    """After the commit: add ``delta_patch_s`` (seconds of the commit's copies with records
+    applied: the copies the commit makes anyway, plus the scatter) to ``stats``. A deferred
+    record the commit's copies did not take means a staging tensor the commit did not copy:
+    its bytes are scattered into the staging, and since the layer vLLM computes with lacks
+    them, this rank's commit is reported failed and RuntimeError raised (the version is not
+    published complete; the next update is full)."""
     landing = getattr(engine, "delta_landing", None)
     if landing is None:
         return stats
@@ -106,11 +110,13 @@ def finish(engine, version: int, stats: dict) -> dict:
 
     try:
         flushed = landing.flush(engine.receiver.descriptor.addr)
+        if flushed:
+            raise RuntimeError(f"{flushed} deferred record(s) were not applied by the commit's staging copies")
     except Exception as e:
         why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
         raise RuntimeError(f"{engine._who()}: {why}") from e
-    return {**stats, "delta_patch_s": landing.patch_s, "delta_flushed": flushed}
+    return {**stats, "delta_patch_s": landing.patch_s}
 
 
 def close(engine) -> None:
