@@ -170,9 +170,13 @@ class CostModel:
         """``"runs"`` or ``"masks"``: :attr:`format`, or for ``auto`` the cheaper per run of a
         real RL step (the module docstring): runs, the cheaper of packed ``encode_run + pack_run
         + apply_run + 2.2 x w`` and scattered ``encode_run + run`` (unless :attr:`mode` forces
-        one), against masks ``chunks_per_run x (chunk + 12 x w)``."""
+        one), against masks ``chunks_per_run x (chunk + 12 x w)``. Runs when a scattered run
+        costs nothing (``delta_op_cost`` 0 asks for the fewest bytes; format 3 has no scattered
+        mode)."""
         if self.format != "auto":
             return self.format
+        if self.run_s <= 0 and self.mode != "packed":
+            return "runs"
         w = self.wire_s_per_byte
         runs = self.encode_run_s + self.pack_run_s + self.apply_run_s + 2.2 * w
         if self.mode == "auto":

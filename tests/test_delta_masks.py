@@ -386,3 +386,11 @@ def test_a_deferred_record_left_after_the_commit_fails_it():
     assert delta_apply.finish(eng, 4, {"seconds": 0.0})["delta_patch_s"] == 0.0
     for x in (pk, landing, tx, rx):
         x.close()
+
+
+def test_free_runs_keep_format_2():
+    """``delta_op_cost`` 0 (scattered runs free: the fewest bytes) keeps format 2 under auto, which
+    has the scattered mode format 3 lacks; forcing masks still gives masks."""
+    assert CostModel.for_transport("cma", op_cost_bytes=0).pack_format() == "runs"
+    assert CostModel.for_transport("cma", op_cost_bytes=0, fmt="masks").pack_format() == "masks"
+    assert CostModel.for_transport("cma", op_cost_bytes=1024).pack_format() == "masks"
