@@ -586,6 +586,13 @@ int64_t wt_copy_delta(const uint8_t *src, int64_t n, uint8_t *out, uint8_t *old,
 /* The low n bits set (none for n <= 0, all for n >= 64): the lanes of a partial load. */
 static inline uint64_t low_bits(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~0ull : (1ull << n) - 1; }
 
+#if WT_MASKS_512
+/* The next up to 64 value bytes at vals + nv of nvals (lanes past nvals zero, never read). */
+static inline __m512i vals_at(const uint8_t *vals, int64_t nv, int64_t nvals) {
+    return nvals - nv >= 64 ? _mm512_loadu_si512(vals + nv) : _mm512_maskz_expandloadu_epi8(low_bits(nvals - nv), vals + nv);
+}
+#endif
+
 /* Which code path the masked kernels were built with: "avx512-vbmi2" or "portable". */
 const char *wt_masks_isa(void) { return WT_MASKS_512 ? "avx512-vbmi2" : "portable"; }
 
@@ -728,8 +735,7 @@ int64_t wt_unpack_masks(uint8_t *dst, const uint64_t *masks, const uint32_t *chu
         int64_t at = 64 * (int64_t)chunks[k];
         uint8_t *d = dst + at;
 #if WT_MASKS_512
-        __m512i v = nv + 64 <= nvals ? _mm512_loadu_si512(vals + nv)
-                                     : _mm512_maskz_expandloadu_epi8(low_bits(nvals - nv), vals + nv);
+        __m512i v = vals_at(vals, nv, nvals);
         if (at + 64 <= span)
             _mm512_storeu_si512(d, _mm512_mask_expand_epi8(_mm512_loadu_si512(d), mk, v));
         else
@@ -758,10 +764,7 @@ int64_t wt_copy_unpack_masks(uint8_t *dst, uint8_t *src, const uint64_t *masks, 
         __m512i x = _mm512_loadu_si512(src + 64 * c);
         if (c == next) {
             uint64_t mk = masks[k];
-            int64_t left = nvals - nv;
-            __m512i v = left >= 64 ? _mm512_loadu_si512(vals + nv)
-                                   : _mm512_maskz_expandloadu_epi8(low_bits(left), vals + nv);
-            x = _mm512_mask_expand_epi8(x, mk, v);
+            x = _mm512_mask_expand_epi8(x, mk, vals_at(vals, nv, nvals));
             _mm512_storeu_si512(src + 64 * c, x);
             nv += __builtin_popcountll(mk);
             next = ++k < m ? (int64_t)chunks[k] : -1;
@@ -772,9 +775,7 @@ int64_t wt_copy_unpack_masks(uint8_t *dst, uint8_t *src, const uint64_t *masks, 
     if (rest) {
         if (whole == next) {
             uint64_t mk = masks[k];
-            int64_t left = nvals - nv;
-            __m512i v = _mm512_maskz_expandloadu_epi8(low_bits(left), vals + nv);
-            _mm512_mask_storeu_epi8(src + 64 * whole, mk, _mm512_maskz_expand_epi8(mk, v));
+            _mm512_mask_storeu_epi8(src + 64 * whole, mk, _mm512_maskz_expand_epi8(mk, vals_at(vals, nv, nvals)));
             nv += __builtin_popcountll(mk);
         }
         memcpy(dst + 64 * whole, src + 64 * whole, (size_t)rest);

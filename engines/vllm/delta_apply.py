@@ -67,7 +67,6 @@ def apply_delta(engine, version: int, defer: bool = False) -> dict:
     landing = getattr(engine, "delta_landing", None)
     if landing is None:
         return {}
-    from weight_transfer import control
     from weight_transfer.transport.ops import parts_bounds
 
     try:
@@ -80,9 +79,7 @@ def apply_delta(engine, version: int, defer: bool = False) -> dict:
                        if t.device.type == "cpu")
         return landing.apply(version, d.addr, parts, defer=ranges)
     except Exception as e:
-        why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
-        raise RuntimeError(f"{engine._who()}: {why}") from e
+        _failed(engine, version, e)
 
 
 def copy_in(engine):
@@ -106,17 +103,24 @@ def finish(engine, version: int, stats: dict) -> dict:
     landing = getattr(engine, "delta_landing", None)
     if landing is None:
         return stats
-    from weight_transfer import control
 
     try:
         flushed = landing.flush(engine.receiver.descriptor.addr)
         if flushed:
             raise RuntimeError(f"{flushed} deferred record(s) were not applied by the commit's staging copies")
     except Exception as e:
-        why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
-        raise RuntimeError(f"{engine._who()}: {why}") from e
+        _failed(engine, version, e)
     return {**stats, "delta_patch_s": landing.patch_s}
+
+
+def _failed(engine, version: int, e: Exception):
+    """Report this rank's commit of ``version`` failed because its packed delta was not applied
+    (``step/{v}/committed/{rank}``) and raise RuntimeError from ``e``."""
+    from weight_transfer import control
+
+    why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
+    raise RuntimeError(f"{engine._who()}: {why}") from e
 
 
 def close(engine) -> None:
