@@ -86,7 +86,7 @@ import time
 
 import torch
 
-from .delta_kernel import _CFLAGS, KERNEL, _declare  # noqa: F401  (KERNEL and _declare re-exported)
+from .delta_kernel import KERNEL, _declare  # noqa: F401  (re-exported)
 from .delta_masks import Masks, changed_masks
 
 __all__ = ["DeltaState", "Masks", "changed_masks", "changed_runs", "changed_runs_native", "check_published", "native_status",
@@ -412,23 +412,19 @@ class DeltaState:
         if not len(r):
             self.tensors.append((name, _kind(name), "unchanged", length, 0, 0))
             return []
-        if isinstance(r, Masks):
-            op = self.packer.pack_masks(dst, r, remote_offset, length)
-            if op is not None:
-                self.tensors.append((name, _kind(name), "packed", length, op.length, r.runs))
-                return [op]
-            r.fill()  # did not fit: whole (format 3 has no scattered mode), from the pool slot
-            self.whole += 1
-            self.tensors.append((name, _kind(name), "full", length, length, 0))
-            return [WriteOp(region, local_offset, remote, remote_offset, length)]
+        masks = isinstance(r, Masks)
         mode = r.mode
         if mode == "packed":
-            op = self.packer.pack(dst, r.data, r, remote_offset, length, unit=self.granularity)
+            op = (self.packer.pack_masks(dst, r, remote_offset, length) if masks
+                  else self.packer.pack(dst, r.data, r, remote_offset, length, unit=self.granularity))
             if op is not None:
-                self.tensors.append((name, _kind(name), "packed", length, op.length, len(r)))
+                self.tensors.append((name, _kind(name), "packed", length, op.length, r.runs if masks else len(r)))
                 return [op]
-            mode = self.cost.choose(length, len(r), r.nbytes, False)  # did not fit: runs or whole
+            # did not fit: format 3 (no scattered mode) whole, format 2 runs or whole
+            mode = "full" if masks else self.cost.choose(length, len(r), r.nbytes, False)
         if mode == "full":
+            if masks:
+                r.fill()  # the fused pass left the pool slot unwritten
             self.whole += 1
             self.tensors.append((name, _kind(name), "full", length, length, 0))
             return [WriteOp(region, local_offset, remote, remote_offset, length)]
