@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -750,27 +751,58 @@ int64_t wt_unpack_masks(uint8_t *dst, const uint64_t *masks, const uint32_t *chu
     return nv;
 }
 
+/* Every page of [p, p + n) resident in this process (mincore; n at most 256 KiB): a
+ * streaming store to a page that is not would fault the page in only to bypass the cache. */
+static int resident(const uint8_t *p, int64_t n) {
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095, e = ((uintptr_t)p + (uintptr_t)n + 4095) & ~(uintptr_t)4095;
+    unsigned char vec[80];
+    size_t np = (e - a) / 4096;
+    if (np > sizeof vec || mincore((void *)a, e - a, vec))
+        return 0;
+    for (size_t i = 0; i < np; i++)
+        if (!(vec[i] & 1))
+            return 0;
+    return 1;
+}
+
 /* Copy a staging span into the tensor vLLM's post-processing reads, applying a checked format-3
  * record on the way: every 64-byte line of src (span bytes, the record's target) is copied to
  * dst, and the record's changed chunks are blended into the line first and written back to src
  * too. One pass over src instead of a scatter and then a copy (the commit's copy of a staged
- * layer, weight_transfer.delta_packed.Landing.copy_in). Returns the bytes taken from vals. */
+ * layer, weight_transfer.delta_packed.Landing.copy_in). The lines go to dst with streaming
+ * (non-temporal) stores in each 256 KiB block whose pages are all resident (dst 64-byte aligned):
+ * a regular store first reads the line it overwrites, so a plain loop moves ~1.4x the bytes of
+ * memcpy; streamed, the copy measured 0.87x memcpy's time on a cold 12 MiB span, and where
+ * dst's pages still fault (a fresh allocation) regular stores are kept (streaming into faulting
+ * pages measured 1.8x slower). Returns the bytes taken from vals. */
 int64_t wt_copy_unpack_masks(uint8_t *dst, uint8_t *src, const uint64_t *masks, const uint32_t *chunks, int64_t m,
                              const uint8_t *vals, int64_t nvals, int64_t span) {
 #if WT_MASKS_512
     int64_t nv = 0, k = 0, whole = span / 64;
     int64_t next = m ? (int64_t)chunks[0] : -1;
-    for (int64_t c = 0; c < whole; c++) {
-        __m512i x = _mm512_loadu_si512(src + 64 * c);
-        if (c == next) {
-            uint64_t mk = masks[k];
-            x = _mm512_mask_expand_epi8(x, mk, vals_at(vals, nv, nvals));
-            _mm512_storeu_si512(src + 64 * c, x);
-            nv += __builtin_popcountll(mk);
-            next = ++k < m ? (int64_t)chunks[k] : -1;
+    int aligned = ((uintptr_t)dst & 63) == 0, streamed = 0;
+    const int64_t block = 4096; /* chunks: 256 KiB */
+    for (int64_t c0 = 0; c0 < whole; c0 += block) {
+        int64_t c1 = c0 + block < whole ? c0 + block : whole;
+        int nt = aligned && resident(dst + 64 * c0, 64 * (c1 - c0));
+        streamed |= nt;
+        for (int64_t c = c0; c < c1; c++) {
+            __m512i x = _mm512_loadu_si512(src + 64 * c);
+            if (c == next) {
+                uint64_t mk = masks[k];
+                x = _mm512_mask_expand_epi8(x, mk, vals_at(vals, nv, nvals));
+                _mm512_storeu_si512(src + 64 * c, x);
+                nv += __builtin_popcountll(mk);
+                next = ++k < m ? (int64_t)chunks[k] : -1;
+            }
+            if (nt)
+                _mm512_stream_si512((void *)(dst + 64 * c), x);
+            else
+                _mm512_storeu_si512(dst + 64 * c, x);
         }
-        _mm512_storeu_si512(dst + 64 * c, x);
     }
+    if (streamed)
+        _mm_sfence(); /* the streamed lines are visible before the caller reads dst */
     int64_t rest = span - 64 * whole;
     if (rest) {
         if (whole == next) {

@@ -292,6 +292,39 @@ def test_copy_with_the_record_applied_equals_scatter_then_copy(path, span):
     assert (dst[:64] == 0x22).all() and (dst[64 + span:] == 0x22).all()
 
 
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_copy_with_the_record_applied_into_pages_resident_or_not(path, shift):
+    """A staging span over several of the copy's 256 KiB blocks into a destination whose pages
+    are resident in some blocks and not yet touched in others (streaming stores where resident,
+    regular ones where a page would fault), 64-byte aligned or not (``shift``): the same bytes as
+    scatter-then-copy, nothing outside the span written."""
+    import mmap
+
+    lib = LIBS[path]()
+    span = (3 << 18) + 64 * 7 + 5  # three blocks and a tail
+    g = torch.Generator().manual_seed(11 + shift)
+    old = torch.randint(0, 256, (span,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    new[torch.rand(span, generator=g) < 0.02] ^= 0x3C
+    chunks, masks, vals, _ = _reference(new, old)
+    src = old.clone()
+    size = span + 8192
+    mm = mmap.mmap(-1, size)
+    try:
+        dst = torch.frombuffer(mm, dtype=torch.uint8)
+        dst[:4096 + shift] = 0x22  # the page before the span, and the span's first bytes
+        dst[4096 + shift + (1 << 18):4096 + shift + (2 << 18)] = 0  # the second block resident, the third not
+        got = lib.wt_copy_unpack_masks(dst.data_ptr() + 4096 + shift, src.data_ptr(), masks.data_ptr(),
+                                       chunks.data_ptr(), chunks.numel(), vals.data_ptr(), vals.numel(), span)
+        assert got == vals.numel()
+        assert torch.equal(src, new) and torch.equal(dst[4096 + shift:4096 + shift + span], new)
+        assert (dst[:4096 + shift] == 0x22).all() and (dst[4096 + shift + span:] == 0).all()
+        del dst
+    finally:
+        mm.close()
+
+
 def test_deferred_records_applied_in_the_commits_copy_and_flushed(native):
     """Landing.apply(defer=...) checks every record, scatters those outside the deferred range
     and keeps the rest; copy_in fuses the records inside a tensor into its copy (a record that
