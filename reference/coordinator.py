@@ -471,7 +471,8 @@ def plan_against(store, model_config, layout: InferenceLayout, train_metas: dict
             recipes = retarget(recipes, runtime)
         sched = plan(recipes, train_metas, {i: metas for i, (_, metas) in infer_payloads.items()},
                      max_chunk_bytes=options.plan.max_chunk_bytes, local_writes=options.plan.local_writes,
-                     local_min_bytes=options.plan.local_min_bytes, parallel_checks=None)
+                     local_min_bytes=options.plan.local_min_bytes,
+                     local_max_writes=options.plan.local_max_writes, parallel_checks=None)
     descriptors = {i: desc for i, (desc, _) in infer_payloads.items()}
     for r, rp in sched.rank_plans.items():
         control.put(store, membership.plan_key(epoch, r), (rp, descriptors))

@@ -52,14 +52,26 @@ class PlanOptions:
     False gathers every task's sources first (the published design, ``--gather-all``)."""
     local_min_bytes: int = field(default=256 << 10, metadata={"unit": "bytes"})
     """A recipe smaller than this (bytes per receiver) whose rows span several ranks is gathered
-    rather than cut (norms, biases, a router: one collective for a few KB beats several tiny
-    writes per receiver); one held whole by a rank is always local."""
+    rather than cut (norms, biases, a router: one collective for a few KB beats many tiny
+    writes), unless cutting it costs at most ``local_max_writes`` writes; one held whole by a
+    rank is always local."""
+    local_max_writes: int = 16
+    """A recipe under ``local_min_bytes`` whose rows span several ranks is still cut, with no
+    collective, when that costs at most this many writes in all (its row bands x its receiving
+    ranks x its outputs; a few microseconds each). A ``full_tensor()`` is a barrier of the
+    source's whole mesh: each rank waits there for the others to finish the tasks before it, so
+    its price is the ranks' skew, not its bytes (the RL loop's 2 training ranks into one vLLM
+    worker, 9 norm gathers per update: 18-53 ms of each rank's prepare stage, against 0.8-5 ms cut;
+    docs/DELTA.md). Past it (a norm over 256 FSDP ranks into 128 receivers: 32768 writes) the
+    collective is cheaper. 0: gather every such recipe."""
 
     def __post_init__(self):
         if self.max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes}: bytes >= 1")
         if self.local_min_bytes < 0:
             raise ValueError(f"local_min_bytes={self.local_min_bytes}: bytes >= 0")
+        if self.local_max_writes < 0:
+            raise ValueError(f"local_max_writes={self.local_max_writes}: writes >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

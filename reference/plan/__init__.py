@@ -73,7 +73,7 @@ __all__ = [
 
 def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
          *, max_chunk_bytes: int = 64 << 20, local_writes: bool = True, local_min_bytes: int = 256 << 10,
-         parallel_checks: bool | None = False, pause_gc: bool = False) -> Schedule:
+         local_max_writes: int = 16, parallel_checks: bool | None = False, pause_gc: bool = False) -> Schedule:
     """Compute the static schedule (see module docstring).
 
     ``train_metas``: per training rank, what it publishes; ``dest_metas``: per inference rank,
@@ -99,7 +99,8 @@ def plan(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas
     (default) leaves the GC alone."""
     with gc_paused() if pause_gc else contextlib.nullcontext():
         return _plan(recipes, train_metas, dest_metas, max_chunk_bytes=max_chunk_bytes, local_writes=local_writes,
-                     local_min_bytes=local_min_bytes, parallel_checks=parallel_checks)
+                     local_min_bytes=local_min_bytes, local_max_writes=local_max_writes,
+                     parallel_checks=parallel_checks)
 
 
 @contextlib.contextmanager
@@ -117,9 +118,11 @@ def gc_paused():
             gc.enable()
 
 
-def _plan(recipes, train_metas, dest_metas, *, max_chunk_bytes, local_writes, local_min_bytes, parallel_checks):
+def _plan(recipes, train_metas, dest_metas, *, max_chunk_bytes, local_writes, local_min_bytes, local_max_writes,
+          parallel_checks):
     """:func:`plan`'s body (the GC already as the caller wants it)."""
-    kw = dict(max_chunk_bytes=max_chunk_bytes, local_writes=local_writes, local_min_bytes=local_min_bytes)
+    kw = dict(max_chunk_bytes=max_chunk_bytes, local_writes=local_writes, local_min_bytes=local_min_bytes,
+              local_max_writes=local_max_writes)
     dests = {(m.rank, m.name): m for ms in dest_metas.values() for m in ms}
     if parallel_checks is None:
         parallel_checks = _fork_checks_by_default(train_metas)

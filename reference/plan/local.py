@@ -18,8 +18,10 @@ What still needs ``full_tensor()`` (the recipe is gathered whole, as before):
 - a quantized recipe whose rows change hands inside a 128-row block (C7's odd head counts);
 - a piece whose source rows do not run along the recipe's cut dimension (a transpose, a
   column-sharded placement: ``Shard(1)``), or a source with no row-range shards;
-- a recipe smaller than ``min_bytes`` whose rows span several ranks (norms, biases: one
-  collective for a few KB costs less than several tiny writes per receiver);
+- a recipe smaller than ``min_bytes`` whose rows span several ranks, when cutting it would cost
+  more than ``max_writes`` writes (bands x receiving ranks x outputs: a norm over 256 FSDP ranks
+  into 128 receivers); with fewer, it is cut, since a ``full_tensor()`` is a barrier of the
+  whole mesh whose price is the ranks' skew, not its few KB;
 - an output in an engine's runtime layout (:mod:`weight_transfer.layouts`) whose rows change
   hands inside one of the layout's row blocks (16 or 32 rows of vLLM's CPU prepack), or whose
   layout is never cut (``"transposed"``, the MoE router's float32 transpose) and whose rows lie
@@ -173,11 +175,12 @@ def _shape_key(rec: Recipe, owners: Owners, mesh: frozenset[int], owner_keys: di
 
 def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], min_bytes: int = 0,
                    cache: dict | None = None, owner_keys: dict | None = None, reasons: dict | None = None,
-                   ) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
+                   max_writes: int = 0) -> tuple[list[tuple[Recipe, tuple[int, ...]]], list[Recipe]]:
     """Split a fusion group into (local bands with their candidate senders, recipes to gather).
 
     Each recipe is localized whole or not at all (:func:`localize_recipe`); a recipe whose
-    output is under ``min_bytes`` is localized only when one rank holds all of it (no cut).
+    output is under ``min_bytes`` is localized only when one rank holds all of it (no cut) or
+    its cut costs at most ``max_writes`` writes (bands x receiving ranks x outputs).
     Candidate senders are sorted rank tuples. ``cache``: a dict kept across the calls of one
     plan (it must not outlive ``owners``): where a recipe is cut (:func:`_cut`) is decided
     once per :func:`_shape_key` -- thousands of Kimi-K2 experts share one -- and only the
@@ -211,24 +214,34 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
             continue
         if kind == "slots":
             bands = localize_recipe(rec, owners, ms)
-            if bands is None or (len(bands) > 1 and rec.output_nbytes < min_bytes):
+            if bands is None or _tiny(rec, len(bands), min_bytes, max_writes):
                 gathered.append(rec)
                 if reasons is not None:
                     reasons[rec.name] = ("an expert slot whose rows need several ranks" if bands is None else
-                                         f"under {min_bytes} B and on several ranks (one collective beats tiny writes)")
+                                         _tiny_why(min_bytes, max_writes))
             else:
                 local.extend((part, tuple(sorted(h))) for part, h in bands)
             continue
-        if len(x) > 1 and rec.output_nbytes < min_bytes:
+        if _tiny(rec, len(x), min_bytes, max_writes):
             gathered.append(rec)
             if reasons is not None:
-                reasons[rec.name] = f"under {min_bytes} B and on several ranks (one collective beats tiny writes)"
+                reasons[rec.name] = _tiny_why(min_bytes, max_writes)
         else:
             local.extend(zip(split_recipe_bands(rec, x), cands))
     return local, gathered
 
 
 _UNSEEN = object()
+
+
+def _tiny(rec: Recipe, bands: int, min_bytes: int, max_writes: int) -> bool:
+    """True when ``rec``, cut into ``bands`` row bands, is gathered instead: under ``min_bytes``,
+    on several ranks, and its cut would cost more than ``max_writes`` writes."""
+    return bands > 1 and rec.output_nbytes < min_bytes and bands * len(rec.ranks) * len(rec.outputs) > max_writes
+
+
+def _tiny_why(min_bytes: int, max_writes: int) -> str:
+    return f"under {min_bytes} B, on several ranks, cut into more than {max_writes} writes (one collective beats many tiny writes)"
 
 
 def _verdict(rec: Recipe, owners: Owners, mesh: frozenset[int]):

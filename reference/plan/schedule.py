@@ -105,7 +105,7 @@ def _layout_ids(dest_metas: dict[int, list[DestTensorMeta]]) -> dict[int, int]:
 
 def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_metas: dict[int, list[DestTensorMeta]],
               ix: _SourceIndex, dests: dict[tuple[int, str], DestTensorMeta], *, max_chunk_bytes: int,
-              local_writes: bool, local_min_bytes: int) -> Schedule:
+              local_writes: bool, local_min_bytes: int, local_max_writes: int = 16) -> Schedule:
     """Build the schedule (steps 2-4 of the module docstring) from checked, or concurrently
     checked, inputs: on inputs the checks would refuse it may raise anything."""
     sources = ix.first
@@ -136,7 +136,8 @@ def _schedule(recipes: RecipeSet, train_metas: dict[int, list[ParamMeta]], dest_
             raise PlanError("fusion group mixes DeviceMeshes: " + ", ".join(f"{s} on {sources[s].mesh_flat}" for s in srcs))
         mesh = meshes.pop() if meshes else tuple(sorted(train_metas))[:1]
         if local_writes and srcs:
-            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache, owner_keys, why)
+            loc, gat = localize_group(g, owners, mesh, local_min_bytes, local_cache, owner_keys, why,
+                                      max_writes=local_max_writes)
         else:
             loc, gat = [], g
             if srcs:

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from tests.helpers.planning import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
+from weight_transfer.options import PlanOptions
 from weight_transfer.plan import build_recipes, mesh_groups, plan
 from weight_transfer.testing.catalog import load_config
 from weight_transfer.types import InferenceLayout, ParamMeta, PlanError
@@ -141,12 +142,36 @@ def test_local_writes_with_replicated_rows_hsdp():
     assert sum(1 for p in sched.rank_plans.values() if p.send_bytes) == 4  # replicas share the sending
 
 
-def test_small_tensors_are_gathered_not_cut_into_tiny_writes():
+def test_small_tensors_are_cut_unless_that_takes_many_tiny_writes():
+    """A norm on 3 FSDP ranks into 2 TP ranks: cut into 3 bands x 2 receivers = 6 writes, with no
+    collective, under the default ``local_max_writes`` (16); gathered once the cut would take
+    more writes than allowed (the reason names the bound); a tensor at or past
+    ``local_min_bytes`` is cut whatever it costs."""
     cfg = load_config("qwen3-0.6b", **SMALL)
     layout = InferenceLayout(tp=2)
-    sched = plan(build_recipes(cfg, layout), fsdp_metas(cfg, 3), dest_metas(cfg, layout))  # 1 MiB floor
-    norm_tasks = [t for rp in sched.rank_plans.values() for t in rp.tasks if "model.norm.weight" in t.sources]
-    assert norm_tasks and all(not t.local_sources for t in norm_tasks)
+    recipes, metas, dests = build_recipes(cfg, layout), fsdp_metas(cfg, 3), dest_metas(cfg, layout)
+
+    def norm_tasks(sched):
+        return [t for rp in sched.rank_plans.values() for t in rp.tasks
+                if "model.norm.weight" in t.sources or any(a.recipe.name.startswith("model.norm.weight")
+                                                         for a in t.assignments)]
+
+    cut = plan(recipes, metas, dests)
+    check_exact_cover(cut, dests)
+    tasks = norm_tasks(cut)
+    assert tasks and all(t.local_sources and not t.sources for t in tasks)
+    assert sum(len(a.recipe.ranks) for t in tasks for a in t.assignments) == 6
+    assert not any("writes" in g[0] for g in cut.gathers)
+    for writes in (5, 0):
+        gathered = plan(recipes, metas, dests, local_max_writes=writes)
+        check_exact_cover(gathered, dests)
+        tasks = norm_tasks(gathered)
+        assert tasks and all(not t.local_sources and t.sources == ("model.norm.weight",) for t in tasks)
+        assert any(f"more than {writes} writes" in g[0] for g in gathered.gathers)
+    big = plan(recipes, metas, dests, local_min_bytes=1, local_max_writes=0)
+    assert all(t.local_sources for t in norm_tasks(big))
+    with pytest.raises(ValueError, match="local_max_writes"):
+        PlanOptions(local_max_writes=-1)
 
 
 def _planned(metas, cfg, layout, **kw):
