@@ -114,11 +114,30 @@ def expected_runs_and_units(n: int, p: float, gap_units: int) -> tuple[float, fl
 
 BLOCK_BYTES = 8
 """The executor's compare unit since issue 26 (``--delta-granularity 8``): granularity ``block8``."""
-MODES = ("scattered", "packed")
+MODES = ("scattered", "packed", "masks")
 """How a delta's changed units reach the receiver: one RDMA WRITE per run, or one packed record
-per output and receiver (64-byte header + a varint index of :func:`index_per_run` bytes per run
-+ the changed bytes, 64-byte aligned: :mod:`weight_transfer.delta_packed`, format 2) scattered by
-the receiver at its commit."""
+per output and receiver scattered by the receiver at its commit -- ``packed``: format 2 (64-byte
+header + a varint index of :func:`index_per_run` bytes per run + the changed bytes, 64-byte
+aligned: :mod:`weight_transfer.delta_packed`), ``masks``: format 3 (:func:`masks_record`), the
+format the executor's cost model packs on a NIC."""
+CHUNK_BYTES = 64
+"""Format 3's chunk: one 64-bit byte mask and a 4-byte index per changed 64-byte chunk."""
+
+
+def masks_record(nbytes: int, elem_bytes: int, p: float) -> tuple[float, float, float]:
+    """(expected record bytes, changed chunks, changed bytes) of a format-3 record of an output of
+    ``nbytes`` bytes of ``elem_bytes``-byte elements, each changed independently with probability
+    ``p``: a chunk changes when any of its ``64 / elem_bytes`` elements does; the changed bytes are
+    counted as every byte of a changed element (an upper-side estimate: a bf16 step usually moves
+    its low byte only); ``record = 64 + 8 x chunks + 4 x chunks`` (padded to 8) ``+ changed``,
+    rounded up to 64 (:mod:`weight_transfer.delta_packed`)."""
+    if p <= 0 or nbytes <= 0:
+        return 0.0, 0.0, 0.0
+    per = max(1, CHUNK_BYTES // elem_bytes)
+    chunks = -(-nbytes // CHUNK_BYTES) * (1.0 - (1.0 - p) ** per)
+    changed = min(float(nbytes), nbytes * p)
+    ix = 8 * chunks + math.ceil(4 * chunks / 8) * 8
+    return float(-(-(64 + ix + changed) // 64) * 64), chunks, changed
 
 
 def _vlen(v: float) -> int:
@@ -170,10 +189,10 @@ class DeltaModel:
         changed) / hbm`` (``packed`` needs ``costs``)."""
         if mode not in MODES:
             raise ValueError(f"delta mode {mode!r}: expected one of {', '.join(MODES)}")
-        if mode == "packed" and costs is None:
-            raise ValueError("delta mode packed: needs measured costs (--delta-costs)")
+        if mode in ("packed", "masks") and costs is None:
+            raise ValueError(f"delta mode {mode}: needs measured costs (--delta-costs)")
         self.mode, self.costs = mode, costs
-        if granularity not in (*GRANULARITIES, "block8"):
+        if granularity not in (*GRANULARITIES, "block8", "chunk64"):
             raise ValueError(f"delta granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
         if merge_gap < 0:
             raise ValueError(f"delta merge gap {merge_gap}: must be >= 0 bytes")
@@ -191,6 +210,10 @@ class DeltaModel:
             kind = self._kind[o.tensor] = tensor_kind(o.tensor)
         key = (kind, recipe.transform == "fp8_block" and i == 1, o.dtype, nbytes)
         got = self._cost.get(key)
+        if got is None and self.mode == "masks":  # 1-byte compare in 64-byte chunks, from the element fractions
+            meas, unit, _ = _unit(recipe, i, o.dtype, "elems")
+            rec, chunks, changed = masks_record(nbytes, unit, self.fractions.get(kind, meas))
+            got = self._cost[key] = (rec, min(1.0, chunks), changed, chunks)
         if got is None:
             meas, unit, sub = _unit(recipe, i, o.dtype, self.granularity)
             p = self.fractions.get(kind, meas)
@@ -209,7 +232,7 @@ class DeltaModel:
     def apply_seconds(self, received: float) -> float:
         """Seconds a receiver's commit spends scattering ``received`` packed bytes (0 unless
         packed): ``apply_passes x 2 x bytes / hbm``."""
-        if self.mode != "packed":
+        if self.mode == "scattered":
             return 0.0
         return self.costs.seconds(self.costs.apply, received, self.hw.hbm_gbs)
 
@@ -235,7 +258,7 @@ class DeltaModel:
                 c = self.costs
                 cmp_s = (c.seconds(c.compare, nb, hw.hbm_gbs) if c is not None
                          else (2 * nb + payload) / (hw.hbm_gbs * 1e9))
-                if self.mode == "packed":  # pack the record on the GPU: no run list crosses PCIe
+                if self.mode != "scattered":  # pack the record on the GPU: no run list crosses PCIe
                     got += cmp_s + c.seconds(c.pack, wire, hw.hbm_gbs) + 4 * hw.kernel_us * 1e-6
                 else:
                     got += cmp_s + 3 * hw.kernel_us * 1e-6 + runs * RUN_DESCRIPTOR_BYTES / (hw.pcie_gbs * 1e9)
@@ -271,7 +294,9 @@ def packed_assumptions(costs) -> list[str]:
         "scaling rule: a pass over B bytes costs 2 B / hbm_gbs on the simulated GPU (read + write at the datasheet "
         "bandwidth, as the fusion copies are charged); the CPU loop's ratio to a copy is assumed for the GPU kernel",
         "scattered (measured): the executor's 8-byte blocks, gap 0, one RDMA WRITE per run; packed: one record per "
-        "output and receiver (64 B header + 8 B per run + changed bytes), one WRITE each, the compare and the pack in "
-        "the prepare stage, the receiver's apply at its commit before the version is published (the busiest receiver's "
-        "apply added to the update; off the critical path with shadow targets, section 9)",
+        "output and receiver (format 2: 64 B header + a varint index, ~2 B per run, + changed bytes), one WRITE each, "
+        "the compare and the pack in the prepare stage, the receiver's apply at its commit before the version is "
+        "published (the busiest receiver's apply added to the update; off the critical path with shadow targets, "
+        "section 9); masks: the same with format 3 (64 B header + 12 B per changed 64-byte chunk + every byte of each "
+        "changed element), the record the executor's cost model packs on a NIC, with format 3's measured passes",
     ]

@@ -9,19 +9,25 @@ measured costs").
 
 **What is measured** (one process, one thread, best of ``repeats``): a bf16 output of
 ``nbytes`` (default 40 MB: the RL loop's model) whose elements change with probability ``p``
-(uniformly scattered, as a real step's are: docs/DELTA.md), against its shadow:
+(uniformly scattered, as a real step's are: docs/DELTA.md), against its shadow, for each packed
+record format (``format`` column):
 
 - ``memcpy``: ``copy_`` of the output (the unit: one *pass* over ``N`` bytes);
-- ``compare``: the native exact comparison at 8-byte blocks (``weight_transfer.delta``'s
-  ``changed_runs_native``: reads the output and the shadow, writes the changed blocks into the
-  shadow, emits the runs) over the whole output;
-- ``pack``: ``wt_pack_runs`` (the packed mode's C loop, :mod:`weight_transfer.delta_packed`): the
-  8-byte index per run and the changed bytes into one record;
-- ``apply``: ``wt_unpack``: the record's runs scattered into a target of ``N`` bytes.
+- ``runs`` (format 2): ``compare`` the native exact comparison at 8-byte blocks
+  (``weight_transfer.delta``'s ``changed_runs_native``: reads the output and the shadow, writes
+  the changed blocks into the shadow, emits the runs) over the whole output; ``pack``
+  ``wt_pack_runs`` (the varint index and the changed bytes into one record,
+  :mod:`weight_transfer.delta_packed`); ``apply`` ``wt_unpack`` (the runs scattered into a target
+  of ``N`` bytes);
+- ``masks`` (format 3, what the cost model packs above ~0.25 GB/s, i.e. on a NIC):
+  ``compare`` ``changed_masks`` at 1-byte granularity (one vector compare per 64-byte chunk, a
+  compress per changed chunk; :mod:`weight_transfer.delta_masks`); ``pack`` ``wt_pack_masks``;
+  ``apply`` ``wt_unpack_masks`` (an expand per changed chunk).
 
 **Passes per byte**: ``compare_passes = t_compare / t_memcpy(N)`` per output byte;
-``pack_passes`` and ``apply_passes = t / t_memcpy(R)`` per record byte ``R`` (``64 + varint index +
-changed bytes``), i.e. how many memcpys of the bytes each costs here.
+``pack_passes`` and ``apply_passes = t / t_memcpy(R)`` per record byte ``R`` (format 2: ``64 +
+varint index + changed bytes``; format 3: ``64 + 12 x changed chunks + changed bytes``), i.e. how
+many memcpys of the bytes each costs here.
 
 **Scaling rule** (stated with every prediction): a pass over ``B`` bytes costs what a memcpy of
 them costs on the simulated GPU, ``2 B / hbm_gbs`` (read and write at the datasheet bandwidth,
@@ -42,8 +48,12 @@ from pathlib import Path
 
 __all__ = ["DeltaCosts", "measure", "load_costs", "write_costs", "COLUMNS"]
 
-COLUMNS = ["fraction", "output_bytes", "runs", "changed_bytes", "record_bytes", "memcpy_gbps", "memcpy_s",
+COLUMNS = ["fraction", "format", "output_bytes", "runs", "changed_bytes", "record_bytes", "memcpy_gbps", "memcpy_s",
            "compare_s", "pack_s", "apply_s", "compare_passes", "pack_passes", "apply_passes", "native", "timestamp"]
+"""``format``: ``runs`` (format 2) or ``masks`` (format 3); ``runs``: runs (format 2) or changed
+64-byte chunks (format 3)."""
+
+FORMATS = ("runs", "masks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +84,17 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, seed: int = 0) -> dict:
+def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, seed: int = 0,
+            fmt: str = "runs") -> dict:
     """One row of :data:`COLUMNS` (seconds, bytes, passes) for a bf16 output of ``nbytes`` bytes
-    whose elements change with probability ``fraction``. Raises RuntimeError when the native
-    kernel (``reference/_delta.c``; needs a C compiler) is not available: the torch fallback's
-    costs are not what the simulation should scale."""
+    whose elements change with probability ``fraction``, packed in format ``fmt``
+    (:data:`FORMATS`). Raises RuntimeError when the native kernel (``reference/_delta.c``; needs a
+    C compiler) is not available: the torch fallback's costs are not what the simulation should
+    scale; ValueError for an unknown format."""
     import torch
 
+    if fmt not in FORMATS:
+        raise ValueError(f"delta costs format {fmt!r}: expected one of {', '.join(FORMATS)}")
     from weight_transfer.delta import KERNEL, changed_runs_native, index_size
     from weight_transfer.delta_packed import HEADER, record_size
 
@@ -97,6 +111,8 @@ def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, 
     nb, ob = new.view(torch.uint8), old.view(torch.uint8)
     dst = torch.empty_like(nb)
     t_copy = _best(lambda: dst.copy_(nb), repeats)
+    if fmt == "masks":
+        return _measure_masks(lib, nb, ob, t_copy, nbytes, fraction, repeats)
     shadows = [ob.clone() for _ in range(repeats)]
     it = iter(shadows)
     t_cmp = _best(lambda: changed_runs_native(nb, next(it), 8), repeats)
@@ -113,10 +129,44 @@ def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, 
     if not torch.equal(target, nb):
         raise RuntimeError("delta costs: the applied record does not reproduce the new bytes (kernel bug)")
     per_byte = t_copy / nbytes
-    return {"fraction": fraction, "output_bytes": nbytes, "runs": m, "changed_bytes": c, "record_bytes": size,
+    return {"fraction": fraction, "format": "runs", "output_bytes": nbytes, "runs": m, "changed_bytes": c, "record_bytes": size,
             "memcpy_gbps": nbytes / t_copy / 1e9, "memcpy_s": t_copy, "compare_s": t_cmp, "pack_s": t_pack,
             "apply_s": t_apply, "compare_passes": t_cmp / t_copy, "pack_passes": t_pack / (per_byte * size),
             "apply_passes": t_apply / (per_byte * size), "native": True,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _measure_masks(lib, nb, ob, t_copy: float, nbytes: int, fraction: float, repeats: int) -> dict:
+    """:func:`measure`'s format-3 row: compare (``changed_masks``), pack (``wt_pack_masks``) and
+    apply (``wt_unpack_masks``) of the same output and shadow."""
+    import torch
+
+    from weight_transfer.delta_masks import changed_masks, masks_index_bytes
+    from weight_transfer.delta_packed import HEADER, record_size
+
+    shadows = [ob.clone() for _ in range(repeats)]
+    it = iter(shadows)
+    t_cmp = _best(lambda: changed_masks(nb, next(it)), repeats)
+    mk = changed_masks(nb, ob.clone())
+    m, c = len(mk), mk.nbytes
+    ix = masks_index_bytes(m)
+    size = record_size(ix, c)
+    rec = torch.zeros(size, dtype=torch.uint8)
+    body = rec[HEADER:]
+    t_pack = _best(lambda: lib.wt_pack_masks(body.data_ptr(), mk.masks.data_ptr(), mk.chunks.data_ptr(), m,
+                                             mk.vals.data_ptr(), c), repeats)
+    masks, chunks = body[:8 * m].view(torch.int64), body[8 * m:12 * m].view(torch.int32)
+    vals = body[ix:ix + c]
+    target = ob.clone()
+    t_apply = _best(lambda: lib.wt_unpack_masks(target.data_ptr(), masks.data_ptr(), chunks.data_ptr(), m,
+                                                vals.data_ptr(), c, nbytes), repeats)
+    if not torch.equal(target, nb):
+        raise RuntimeError("delta costs: the applied format-3 record does not reproduce the new bytes (kernel bug)")
+    per_byte = t_copy / nbytes
+    return {"fraction": fraction, "format": "masks", "output_bytes": nbytes, "runs": m, "changed_bytes": c,
+            "record_bytes": size, "memcpy_gbps": nbytes / t_copy / 1e9, "memcpy_s": t_copy, "compare_s": t_cmp,
+            "pack_s": t_pack, "apply_s": t_apply, "compare_passes": t_cmp / t_copy,
+            "pack_passes": t_pack / (per_byte * size), "apply_passes": t_apply / (per_byte * size), "native": True,
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -131,10 +181,11 @@ def write_costs(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def load_costs(path: str | Path, fraction: float | None = None) -> DeltaCosts:
-    """:class:`DeltaCosts` from a :func:`write_costs` CSV: the row whose ``fraction`` is closest
-    to ``fraction`` (None: the first row). Raises ValueError naming the path for a missing file,
-    column or row."""
+def load_costs(path: str | Path, fraction: float | None = None, fmt: str = "runs") -> DeltaCosts | None:
+    """:class:`DeltaCosts` from a :func:`write_costs` CSV: among the rows of format ``fmt`` (a CSV
+    without a ``format`` column holds format-2 rows), the one whose ``fraction`` is closest to
+    ``fraction`` (None: the first). None when the CSV has no row of that format. Raises
+    ValueError naming the path for a missing file or column, or a CSV with no rows."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--delta-costs {path}: no such file (python -m weight_transfer.experiments.sim.delta_costs)")
@@ -143,9 +194,13 @@ def load_costs(path: str | Path, fraction: float | None = None) -> DeltaCosts:
     need = {"fraction", "compare_passes", "pack_passes", "apply_passes"}
     if not rows or not need <= set(rows[0]):
         raise ValueError(f"--delta-costs {path}: needs rows with columns {', '.join(sorted(need))}")
+    rows = [r for r in rows if (r.get("format") or "runs") == fmt]
+    if not rows:
+        return None
     r = rows[0] if fraction is None else min(rows, key=lambda x: abs(float(x["fraction"]) - fraction))
+    what = "" if fmt == "runs" else ", format 3"
     return DeltaCosts(float(r["compare_passes"]), float(r["pack_passes"]), float(r["apply_passes"]),
-                      source=f"{path.name} (measured at {float(r['fraction']):.2%} of bf16 elements changed)")
+                      source=f"{path.name} (measured at {float(r['fraction']):.2%} of bf16 elements changed{what})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --fractions {a.fractions!r} in (0, 1), --mb >= 1, --repeats >= 1", flush=True)
         return 2
-    rows = [measure(a.mb << 20, f, a.repeats) for f in fr]
-    print(f"{'fraction':>9} {'runs':>9} {'record':>10} {'memcpy':>8} {'compare':>9} {'pack':>9} {'apply':>9} "
+    rows = [measure(a.mb << 20, f, a.repeats, fmt=fmt) for f in fr for fmt in FORMATS]
+    print(f"{'fraction':>9} {'format':>6} {'runs':>9} {'record':>10} {'memcpy':>8} {'compare':>9} {'pack':>9} {'apply':>9} "
           f"{'passes: compare':>16} {'pack':>6} {'apply':>6}")
     for r in rows:
-        print(f"{r['fraction']:>9.4f} {r['runs']:>9} {r['record_bytes']:>10} {r['memcpy_gbps']:>6.1f}GB/s "
+        print(f"{r['fraction']:>9.4f} {r['format']:>6} {r['runs']:>9} {r['record_bytes']:>10} {r['memcpy_gbps']:>6.1f}GB/s "
               f"{r['compare_s']:>9.4f} {r['pack_s']:>9.4f} {r['apply_s']:>9.4f} {r['compare_passes']:>16.2f} "
               f"{r['pack_passes']:>6.2f} {r['apply_passes']:>6.2f}")
     print(f"# written: {write_costs(rows, a.out)}")

@@ -205,8 +205,12 @@ def delta_rows(sched, first, cfg: SimConfig, head: model.SimResult, spec: DeltaS
 
             lr_frac = fr.by_kind.get("all", {}).get("bf16_elems")
             costs = load_costs(spec.costs_path, lr_frac)  # the measured row nearest this step's density
-            combos += [("block8", 0, us, mode, costs) for mode in ("scattered", "packed")
-                       for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
+            masks = load_costs(spec.costs_path, lr_frac, fmt="masks")
+            if costs is not None:
+                combos += [("block8", 0, us, mode, costs) for mode in ("scattered", "packed")
+                           for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
+            if masks is not None:  # format 3: the executor's choice on a NIC
+                combos += [("chunk64", 0, us, "masks", masks) for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
         for g, gap, us, mode, costs in combos:
             hw = replace(cfg.hardware, rdma_msg_us=us)
             dm = DeltaModel(fr, hw, granularity=g, merge_gap=gap, mode=mode, costs=costs)
