@@ -193,7 +193,8 @@ class DeltaModel:
             raise ValueError(f"delta mode {mode}: needs measured costs (--delta-costs)")
         self.mode, self.costs = mode, costs
         if granularity not in (*GRANULARITIES, "block8", "chunk64"):
-            raise ValueError(f"delta granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
+            raise ValueError(f"delta granularity {granularity!r}: expected one of "
+                             f"{', '.join((*GRANULARITIES, 'block8', 'chunk64'))}")
         if merge_gap < 0:
             raise ValueError(f"delta merge gap {merge_gap}: must be >= 0 bytes")
         self.fractions, self.hw, self.granularity, self.merge_gap = fractions, hw, granularity, merge_gap

@@ -128,11 +128,17 @@ def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, 
     t_apply = _best(lambda: lib.wt_unpack(target.data_ptr(), ix.data_ptr(), nix, body.data_ptr(), m, nbytes, q), repeats)
     if not torch.equal(target, nb):
         raise RuntimeError("delta costs: the applied record does not reproduce the new bytes (kernel bug)")
+    return _row("runs", fraction, nbytes, m, c, size, t_copy, t_cmp, t_pack, t_apply)
+
+
+def _row(fmt: str, fraction: float, nbytes: int, m: int, c: int, size: int, t_copy: float, t_cmp: float,
+         t_pack: float, t_apply: float) -> dict:
+    """A :data:`COLUMNS` row: the seconds, and the passes (seconds over a memcpy's of the same bytes)."""
     per_byte = t_copy / nbytes
-    return {"fraction": fraction, "format": "runs", "output_bytes": nbytes, "runs": m, "changed_bytes": c, "record_bytes": size,
-            "memcpy_gbps": nbytes / t_copy / 1e9, "memcpy_s": t_copy, "compare_s": t_cmp, "pack_s": t_pack,
-            "apply_s": t_apply, "compare_passes": t_cmp / t_copy, "pack_passes": t_pack / (per_byte * size),
-            "apply_passes": t_apply / (per_byte * size), "native": True,
+    return {"fraction": fraction, "format": fmt, "output_bytes": nbytes, "runs": m, "changed_bytes": c,
+            "record_bytes": size, "memcpy_gbps": nbytes / t_copy / 1e9, "memcpy_s": t_copy, "compare_s": t_cmp,
+            "pack_s": t_pack, "apply_s": t_apply, "compare_passes": t_cmp / t_copy,
+            "pack_passes": t_pack / (per_byte * size), "apply_passes": t_apply / (per_byte * size), "native": True,
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -162,12 +168,7 @@ def _measure_masks(lib, nb, ob, t_copy: float, nbytes: int, fraction: float, rep
                                                 vals.data_ptr(), c, nbytes), repeats)
     if not torch.equal(target, nb):
         raise RuntimeError("delta costs: the applied format-3 record does not reproduce the new bytes (kernel bug)")
-    per_byte = t_copy / nbytes
-    return {"fraction": fraction, "format": "masks", "output_bytes": nbytes, "runs": m, "changed_bytes": c,
-            "record_bytes": size, "memcpy_gbps": nbytes / t_copy / 1e9, "memcpy_s": t_copy, "compare_s": t_cmp,
-            "pack_s": t_pack, "apply_s": t_apply, "compare_passes": t_cmp / t_copy,
-            "pack_passes": t_pack / (per_byte * size), "apply_passes": t_apply / (per_byte * size), "native": True,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return _row("masks", fraction, nbytes, m, c, size, t_copy, t_cmp, t_pack, t_apply)
 
 
 def write_costs(rows: list[dict], path: str | Path) -> Path:
