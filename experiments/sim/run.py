@@ -204,13 +204,10 @@ def delta_rows(sched, first, cfg: SimConfig, head: model.SimResult, spec: DeltaS
             from .delta_costs import load_costs
 
             lr_frac = fr.by_kind.get("all", {}).get("bf16_elems")
-            costs = load_costs(spec.costs_path, lr_frac)  # the measured row nearest this step's density
-            masks = load_costs(spec.costs_path, lr_frac, fmt="masks")
-            if costs is not None:
-                combos += [("block8", 0, us, mode, costs) for mode in ("scattered", "packed")
-                           for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
-            if masks is not None:  # format 3: the executor's choice on a NIC
-                combos += [("chunk64", 0, us, "masks", masks) for us in (cfg.hardware.rdma_msg_us, *spec.post_us)]
+            for g, modes, fmt in (("block8", ("scattered", "packed"), "runs"), ("chunk64", ("masks",), "masks")):
+                costs = load_costs(spec.costs_path, lr_frac, fmt)  # the row of this format nearest this step's density
+                combos += [(g, 0, us, m, costs) for m in modes for us in (cfg.hardware.rdma_msg_us, *spec.post_us)
+                           if costs is not None]
         for g, gap, us, mode, costs in combos:
             hw = replace(cfg.hardware, rdma_msg_us=us)
             dm = DeltaModel(fr, hw, granularity=g, merge_gap=gap, mode=mode, costs=costs)
