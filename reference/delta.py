@@ -86,7 +86,7 @@ import time
 
 import torch
 
-from .delta_kernel import KERNEL, _declare  # noqa: F401  (re-exported)
+from .delta_kernel import KERNEL
 from .delta_masks import Masks, changed_masks
 
 __all__ = ["DeltaState", "Masks", "changed_masks", "changed_runs", "changed_runs_native", "check_published", "native_status",

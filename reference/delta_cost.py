@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .delta_masks import masks_index_bytes
+
 __all__ = ["MODES", "FORMATS", "CostModel", "WIRE_GBPS", "RUN_NS"]
 
 MODES = ("auto", "scattered", "packed")
@@ -60,6 +62,12 @@ RUN_NS = {"cma": 300.0, "shm": 20.0, "nixl": 1000.0, "verbs": 100.0, "cuda_ipc":
 """Default cost of one more scattered run per transport (ns): cma pins the remote pages of
 every iovec (~300 ns measured), shm a memcpy call, nixl one transfer descriptor (~1 us through
 its Python binding, measured per op), verbs one work request, cuda_ipc one copy launch."""
+
+
+def _record_bytes(index_bytes: int, changed: int) -> int:
+    """A packed record's bytes (:func:`weight_transfer.delta_packed.record_size`, which this
+    module cannot import: that module imports the executor's delta state, which imports this)."""
+    return -(-(64 + index_bytes + changed) // 64) * 64
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,7 +146,7 @@ class CostModel:
         ``changed`` x 64)."""
         if index_bytes is None:
             index_bytes = self.index_estimate(n if n is not None else 64 * changed, runs, changed)
-        rec = -(-(64 + index_bytes + changed) // 64) * 64
+        rec = _record_bytes(index_bytes, changed)
         return (rec * self.wire_s_per_byte + self.op_s + runs * (self.pack_run_s + self.apply_run_s)
                 + changed * (self.pack_byte_s + self.apply_byte_s))
 
@@ -187,7 +195,7 @@ class CostModel:
     def packed_masks(self, chunks: int, changed: int) -> float:
         """Seconds to encode, write, check and apply a format-3 record of ``chunks`` changed
         64-byte chunks carrying ``changed`` bytes."""
-        rec = -(-(64 + 8 * chunks + -(-4 * chunks // 8) * 8 + changed) // 64) * 64
+        rec = _record_bytes(masks_index_bytes(chunks), changed)
         return rec * self.wire_s_per_byte + self.op_s + chunks * self.chunk_s + changed * self.apply_byte_s
 
     def max_chunks(self, n: int) -> int | None:

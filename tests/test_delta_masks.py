@@ -10,8 +10,9 @@ import ctypes
 import pytest
 import torch
 
-from weight_transfer.delta import KERNEL, Masks, _declare, changed_masks, native_status
+from weight_transfer.delta import KERNEL, Masks, changed_masks, native_status
 from weight_transfer.delta_cost import CostModel
+from weight_transfer.delta_kernel import _declare
 from weight_transfer.delta_packed import (
     HEADER,
     MIN_LANDING,

@@ -133,11 +133,13 @@ def masks_record(nbytes: int, elem_bytes: int, p: float) -> tuple[float, float, 
     rounded up to 64 (:mod:`weight_transfer.delta_packed`)."""
     if p <= 0 or nbytes <= 0:
         return 0.0, 0.0, 0.0
+    from weight_transfer.delta_masks import masks_index_bytes
+    from weight_transfer.delta_packed import record_size
+
     per = max(1, CHUNK_BYTES // elem_bytes)
     chunks = -(-nbytes // CHUNK_BYTES) * (1.0 - (1.0 - p) ** per)
     changed = min(float(nbytes), nbytes * p)
-    ix = 8 * chunks + math.ceil(4 * chunks / 8) * 8
-    return float(-(-(64 + ix + changed) // 64) * 64), chunks, changed
+    return float(record_size(masks_index_bytes(chunks), changed)), chunks, changed
 
 
 def _vlen(v: float) -> int:
