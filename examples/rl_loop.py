@@ -58,6 +58,7 @@ def train(rank, port, o, engine, workdir):
     pushes = []                                            # --delta: one row per push (rank 0)
 
     def publish(version, mode=None, step=0, first=True, reload=True):  # one push, then the engine's bytes against the oracle's
+        if mode and o.delta_settle: time.sleep(o.delta_settle)   # --delta: vLLM's workers idle, as after training
         t = time.perf_counter()
         with rl.push_mode(push.sender.executor, mode): push.send_weights(version)   # --delta: "full" or "delta"
         call = time.perf_counter() - t

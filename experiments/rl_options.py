@@ -80,6 +80,12 @@ class RLOptions:
     delta_landing: float = 0.25
     """--delta: the landing region each vLLM worker registers for packed records (a fraction of
     its target bytes)."""
+    delta_settle: float = 1.1
+    """--delta: seconds each push waits before it starts, so that both pushes of a pair start as
+    a push of the plain loop does, after training, with vLLM's workers idle: a worker busy-polls
+    its message queue for 1 s after each call (``SpinCondition(busy_loop_s=1)`` in vLLM's
+    ``shm_broadcast``), and the check after the first push calls both engines, so on a small
+    host the second push would share the CPUs with two spinning workers. 0: no wait."""
 
     def __post_init__(self):
         for name in ("steps", "group", "values", "layers", "vocab"):
@@ -89,9 +95,9 @@ class RLOptions:
             raise ValueError(f"--group {self.group}: at least 2 (advantages are normalized within a group)")
         if not self.lr > 0 or not 0 < self.clip < 1 or self.timeout <= 0:
             raise ValueError(f"--lr {self.lr} > 0, 0 < --clip {self.clip} < 1, --timeout {self.timeout} > 0")
-        if self.delta_granularity < 0 or self.delta_op_cost < -1:
+        if self.delta_granularity < 0 or self.delta_op_cost < -1 or not 0 <= self.delta_settle <= 60:
             raise ValueError(f"--delta-granularity {self.delta_granularity} >= 0 (0: the mode's default), "
-                             f"--delta-op-cost {self.delta_op_cost} >= -1")
+                             f"--delta-op-cost {self.delta_op_cost} >= -1, 0 <= --delta-settle {self.delta_settle} <= 60")
         if self.first_token + self.values > self.vocab:
             raise ValueError(f"--first-token {self.first_token} + --values {self.values} > --vocab {self.vocab}")
 

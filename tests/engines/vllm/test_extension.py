@@ -36,10 +36,11 @@ def _vocab(cls, weight=None):
     return m
 
 
-def test_unread_gemm_handles_are_untied_input_embeddings_only():
-    """Issue 43: an untied embed_tokens' oneDNN handle is never read (only lm_head's GEMM is), so
-    the commit does not rebuild it; a tied embedding (lm_head *is* the module, as Qwen3ForCausalLM
-    ties, or shares its Parameter) and the lm_head itself are rebuilt."""
+def test_unread_gemm_handles_are_input_embeddings_that_are_not_heads():
+    """Issue 43: an untied embed_tokens' oneDNN handle is never read (only the head's GEMM is), so
+    the commit does not rebuild it. An embedding that *is* the head module is rebuilt. One whose
+    Parameter a separate ParallelLMHead shares (vLLM's tie_weights, Qwen3 with tied embeddings)
+    is unread too, but reported only when the caller rebuilds every such head."""
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -50,10 +51,17 @@ def test_unread_gemm_handles_are_untied_input_embeddings_only():
     model.model.embed_tokens = _vocab(VocabParallelEmbedding)
     model.lm_head = _vocab(ParallelLMHead)
     assert unread_gemm_handles(model) == {"model.embed_tokens"}
-    model.lm_head = model.model.embed_tokens                     # tied: the same module
+    assert unread_gemm_handles(model, rebuilt=set()) == {"model.embed_tokens"}
+    model.lm_head = model.model.embed_tokens                     # tied: the same module, the head
     assert unread_gemm_handles(model) == set()
+    assert unread_gemm_handles(model, rebuilt={"lm_head", "model.embed_tokens"}) == set()
     model.lm_head = _vocab(ParallelLMHead, model.model.embed_tokens.weight)  # tied: the same Parameter
-    assert unread_gemm_handles(model) == set()
+    assert unread_gemm_handles(model) == set()                   # nobody said the head is rebuilt
+    assert unread_gemm_handles(model, rebuilt={"model.embed_tokens"}) == set()
+    assert unread_gemm_handles(model, rebuilt={"lm_head", "model.embed_tokens"}) == {"model.embed_tokens"}
+    model.head2 = _vocab(ParallelLMHead, model.model.embed_tokens.weight)  # a second head on it
+    assert unread_gemm_handles(model, rebuilt={"lm_head"}) == set()
+    assert unread_gemm_handles(model, rebuilt={"lm_head", "head2"}) == {"model.embed_tokens"}
 
 
 def test_cpu_moe_layers_found_by_their_prepacking_kernel():
