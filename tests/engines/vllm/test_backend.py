@@ -835,6 +835,17 @@ def test_c22_staged_layers_committed_by_update_weights(world):
     if lay.staged:
         assert world.trainer.store.get("step/1/committed/0")        # the worker engine's own commit report
         assert not world.trainer.store.check(["step/1/commit"])     # no store-driven commit was requested
+        # an input embedding's GEMM handle is never read (the logits read the head's): not rebuilt, tied or
+        # not; the head is (the tied world's lm_head shares embed_tokens' Parameter: its handle must follow the
+        # update, and the fresh-engine comparison of every update says the logits do)
+        from weight_transfer import control
+
+        st = control.get(world.trainer.store, "step/1/committed/0")["stats"]
+        emb = {m for m in lay.staged if m.endswith("embed_tokens")}
+        heads = {m for m in lay.staged if m.endswith("lm_head")}
+        assert set(st["skipped"]) == emb
+        assert heads and not heads & emb and heads <= set(st["per_layer"])
+        assert world.cfg.tie_word_embeddings == (world.key == "no_amx") and (emb or world.report0["isa"]["amx_seen"])
 
 
 def test_c14_c15_training_rank_fails_mid_update(world):
