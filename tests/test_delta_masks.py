@@ -114,6 +114,42 @@ def test_over_the_cap_and_a_nan(path):
 
 
 @pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("changed", [0, 1, 6, 7, 8, 40])
+def test_the_cap_is_kept_exactly_and_nothing_is_written_past_the_slots(path, changed):
+    """cap + 1 index slots and 64 x (cap + 2) value bytes (the documented sizes) are all the
+    kernel writes, whatever it writes for chunks that did not change (the vector path writes
+    its slots unconditionally): at most cap changed chunks are returned whole, one more is -1;
+    canary bytes after the slots stay untouched."""
+    lib = LIBS[path]()
+    n, cap = 64 * 64, 7
+    g = torch.Generator().manual_seed(changed)
+    x = torch.randn(n // 2, generator=g) * 0.02
+    old = x.to(torch.bfloat16).view(torch.uint8).clone()
+    y = x.clone()
+    which = torch.randperm(n // 64, generator=g)[:changed]
+    y.view(-1, 32)[which, 5] += 0.5                              # one element in each of `changed` chunks
+    new = y.to(torch.bfloat16).view(torch.uint8)
+    canary = 0x5A
+    masks = torch.full((cap + 1 + 8,), canary * 0x0101010101010101, dtype=torch.int64)
+    chunks = torch.full((cap + 1 + 16,), canary * 0x01010101, dtype=torch.int32)
+    vals = torch.full((64 * (cap + 2) + 256,), canary, dtype=torch.uint8)
+    nv, nr = ctypes.c_int64(0), ctypes.c_int64(0)
+    sh = old.clone()
+    k = lib.wt_masks(y.data_ptr(), n, 1, None, sh.data_ptr(), masks.data_ptr(), chunks.data_ptr(), cap,
+                     vals.data_ptr(), ctypes.byref(nv), ctypes.byref(nr))
+    assert torch.equal(sh, new)                                  # the shadow is refreshed either way
+    assert (masks[cap + 1:] == canary * 0x0101010101010101).all()
+    assert (chunks[cap + 1:] == canary * 0x01010101).all() and (vals[64 * (cap + 2):] == canary).all()
+    if changed > cap:
+        assert k == -1
+    else:
+        want = _reference(new, old)
+        assert k == changed == want[0].numel() and nv.value == want[2].numel()
+        assert torch.equal(chunks[:k], want[0]) and torch.equal(masks[:k], want[1])
+        assert torch.equal(vals[:nv.value], want[2])
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
 @pytest.mark.parametrize("span", [64 * 40, 64 * 40 - 3, 5])
 def test_unpack_writes_exactly_the_selected_bytes_inside_the_span(path, span):
     lib = LIBS[path]()
