@@ -131,7 +131,8 @@ def _plan(recipes, train_metas, dest_metas, *, max_chunk_bytes, local_writes, lo
         try:
             forked = _ForkedChecks(partial(_run_checks, recipes, train_metas, ix, dests, confirm_index=True))
         except OSError as e:  # cannot fork (memory, process limit): check here
-            warnings.warn(f"plan(): cannot fork the checks ({e}); checking in this process", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"plan(): cannot fork the checks ({str(e) or type(e).__name__}); checking in this process",
+                          RuntimeWarning, stacklevel=3)
         else:
             try:
                 try:
