@@ -185,19 +185,26 @@ def test_unknown_backend_is_vllms_error():
 def test_trainer_started_before_the_server_is_ready():
     """vLLM's HTTP client against a port nobody serves yet: a clear error within seconds,
     naming the inference side and what to check; nothing left running (the store is rank 0's)."""
+    import socket
+
     import torch
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
     from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
 
-    url = f"http://127.0.0.1:{_free_port()}"
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"training 0: the inference side did not initialize the 'one_sided' "
-                                           r"backend .*HTTPVLLMWeightSyncClient.*ConnectionError.*Is vLLM up"):
-        WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=10),
-                                                  client=HTTPVLLMWeightSyncClient(url, timeout=5),
-                                                  source=DTensorSource({"w": torch.zeros(2)}))
-    assert time.monotonic() - t0 < 10
+    # the port is held, bound and never listening, for the whole test: a connect is refused, and no other
+    # process can take it in between (a port picked free and released was once taken by a listener that
+    # accepted and never answered: a ReadTimeout, not the ConnectionError this test is about)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"training 0: the inference side did not initialize the 'one_sided' "
+                                               r"backend .*HTTPVLLMWeightSyncClient.*ConnectionError.*Is vLLM up"):
+            WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=10),
+                                                      client=HTTPVLLMWeightSyncClient(url, timeout=5),
+                                                      source=DTensorSource({"w": torch.zeros(2)}))
+        assert time.monotonic() - t0 < 10
 
 
 # ---------------------------------------------------------------------------- two FSDP2 ranks, no engine
