@@ -653,12 +653,13 @@ int64_t wt_masks(const void *src, int64_t n, int64_t kind, uint8_t *out, uint8_t
         __m512i o;
         /* two read streams (the source and the shadow) and up to four write streams: the
          * hardware prefetcher alone left the pass slower than torch's plain cast; prefetching
-         * WT_MASKS_PF bytes of shadow ahead (and the source's matching bytes) measured 10-15%
+         * WT_MASKS_PF bytes of shadow ahead, and the source's matching bytes, measured 10-15%
          * faster here (past the end it is a hint: no fault) */
+        const char *pf = (const char *)sb + (kind == 1 ? 2 : 1) * (i + WT_MASKS_PF);  /* the source's matching bytes */
         _mm_prefetch((const char *)(old + i) + WT_MASKS_PF, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sb + (kind == 1 ? 2 * i : i)) + (kind == 1 ? 2 : 1) * WT_MASKS_PF, _MM_HINT_T0);
+        _mm_prefetch(pf, _MM_HINT_T0);
         if (kind == 1) {
-            _mm_prefetch((const char *)(sf + i / 2) + 2 * WT_MASKS_PF + 64, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);                  /* a cast reads 128 source bytes per chunk */
             __m512i a = _mm512_loadu_si512(sf + i / 2), b = _mm512_loadu_si512(sf + i / 2 + 16);
             vnan |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(a, absm), inf) |
                     _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, absm), inf);
