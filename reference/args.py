@@ -89,8 +89,9 @@ def check_callable(value, name: str, *, where: str, allow_none: bool = True):
                     f"{' (or None)' if allow_none else ''} is required")
 
 
-def check_bool(value, name: str, *, where: str) -> bool:
-    """``value`` when it is a ``bool``; TypeError otherwise (``"false"`` from a config is true)."""
-    if isinstance(value, bool):
+def check_bool(value, name: str, *, where: str, allow_none: bool = False) -> bool | None:
+    """``value`` when it is a ``bool`` (or None with ``allow_none``); TypeError otherwise
+    (``"false"`` from a config is true)."""
+    if isinstance(value, bool) or (allow_none and value is None):
         return value
     raise TypeError(f"{where}: {name}={value!r} is {_kind(value)}; True or False is required")

@@ -8,7 +8,18 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from .control import ControlError, VersionError, WeightsState, _poll_key, backoff, get, put, read_state, wait_keys
+from .control import (
+    ControlError,
+    VersionError,
+    WeightsState,
+    _poll_key,
+    backoff,
+    get,
+    get_text,
+    put,
+    read_state,
+    wait_keys,
+)
 
 
 class TrainerClient:
@@ -39,7 +50,9 @@ class TrainerClient:
     def done(self, step: int, *, ok: bool, error: str = "", stats=None, cancelled: bool = False) -> None:
         """Report this rank's result of ``step``; ``cancelled``: it stopped because another rank
         failed (named after the root cause: :meth:`Controller.culprits`)."""
-        put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": stats,
+        from .wire import tag
+
+        put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": tag(stats),
                                                           "cancelled": cancelled})
         if not ok:
             self.store.set(f"step/{step}/failed", b"1")
@@ -120,7 +133,7 @@ class InferenceClient:
             if s.version > version and s.state != "none":
                 raise VersionError(f"[infer {self.rank}] version {version} was skipped: the weights are {s}")
             if s.state == "incomplete" and s.version == version:
-                reason = self.store.get("weights/reason").decode() if self.store.check(["weights/reason"]) else ""
+                reason = get_text(self.store, "weights/reason") if self.store.check(["weights/reason"]) else ""
                 raise ControlError(f"[infer {self.rank}] the update to version {version} failed; weights are "
                                    f"incomplete: {reason}")
             if self.store.check(["shutdown"]):

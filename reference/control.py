@@ -1,7 +1,9 @@
 """Control plane over torch's ``TCPStore``: metadata once, a plan once, then per step "go",
 completions, and the published weight version.
 
-Keys (values are pickled Python objects unless noted)::
+Keys (values in the library's data-only encoding, :mod:`weight_transfer.wire`, with the schema
+:mod:`weight_transfer.keys` gives each, unless noted; every value sealed and authenticated by the
+store, :mod:`weight_transfer.secure_store`)::
 
     meta/train/{r}          training rank r's [ParamMeta]
     meta/infer/{i}          inference rank i's (RegionDescriptor, [DestTensorMeta])
@@ -50,14 +52,15 @@ name a rank that stopped making progress (SIGSTOP, a hung interpreter) and let r
 their own when the controller stops answering (a TCPStore call to a stopped server blocks past
 the store's timeout, so the watchdog does not rely on it).
 
-Why TCPStore: it is what torch.distributed already uses for rendezvous, needs no extra service,
-and ``check``/``set``/``add`` on keys are exactly the control flow here. The poll loop is
-hand-written once (:func:`backoff`) because TCPStore's blocking ``wait`` cannot be interrupted
-to look at liveness and logs a warning on every timed-out slice.
+Why a key-value store: ``check``/``set``/``add``/``compare_set`` on keys are exactly the control
+flow here, and it is the interface torch.distributed already uses for rendezvous. The store is
+:class:`weight_transfer.secure_store.SecureStore` (torch's ``TCPStore`` interface behind mutual
+TLS, values sealed with the job's key: docs/SECURITY.md); torch's plain ``TCPStore`` only with
+the explicit, warned opt-out. The poll loop is hand-written once (:func:`backoff`) because a
+store's blocking ``wait`` cannot be interrupted to look at liveness.
 """
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -110,18 +113,69 @@ def decode_error(kind: str, msg: str) -> BaseException:
 
 
 def make_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
-               timeout: float = 300.0) -> dist.TCPStore:
-    """A TCPStore; the controller is the master (``port=0`` picks a free port: read
-    ``store.port``)."""
-    return dist.TCPStore(host, port, world_size, is_master, timedelta(seconds=timeout), wait_for_workers=False)
+               timeout: float = 300.0, secret=None) -> dist.Store:
+    """The control-plane store: its server here (``is_master``; ``port=0`` picks a free port:
+    read ``store.port``), or a member's connection to it -- :func:`weight_transfer.serve_store`
+    / :func:`weight_transfer.connect_store` (the job secret from ``secret`` or the environment;
+    a master without one makes one and exports it to the processes it starts). ``world_size``
+    is accepted for callers of torch's ``TCPStore`` signature and not used."""
+    from .store import connect_store, serve_store
+
+    del world_size
+    if is_master:
+        return serve_store(host, port, timeout=timeout, secret=secret)
+    return connect_store((host, port), timeout=timeout, secret=secret)
+
+
+def plain_tcp_store(host: str, port: int, *, is_master: bool, timeout: float) -> dist.TCPStore:
+    """torch's unauthenticated ``TCPStore`` (the explicit opt-out only: :data:`weight_transfer.security.ENV_INSECURE`)."""
+    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def put(store: dist.Store, key: str, obj) -> None:
-    store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    """Set ``key`` to ``obj`` in the data-only encoding (:func:`weight_transfer.wire.put`)."""
+    from . import wire
+
+    wire.put(store, key, obj)
 
 
 def get(store: dist.Store, key: str):
-    return pickle.loads(store.get(key))
+    """The value of ``key``, decoded into its schema's type (:func:`weight_transfer.wire.get`);
+    :class:`weight_transfer.wire.WireError` naming the key for a value its schema refuses."""
+    from . import wire
+
+    return wire.get(store, key)
+
+
+TEXT_LIMIT = 1 << 16
+"""Longest ASCII/UTF-8 field (bytes) :func:`get_text` accepts."""
+
+
+def get_text(store: dist.Store, key: str, *, limit: int = TEXT_LIMIT) -> str:
+    """The UTF-8 text of ``key`` (a reason, a token). ControlError naming the key for more than
+    ``limit`` bytes or bytes that are not UTF-8."""
+    raw = store.get(key)
+    if len(raw) > limit:
+        raise ControlError(f"store key {key!r}: refused a text of {len(raw)} bytes (limit {limit})")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ControlError(f"store key {key!r}: refused a value that is not UTF-8 text") from None
+
+
+def parse_int(raw: bytes, key: str) -> int:
+    """``raw`` as a decimal integer (ASCII, optional minus, at most 20 digits); ControlError
+    naming ``key`` otherwise."""
+    t = raw.strip()
+    body = t[1:] if t[:1] == b"-" else t
+    if not body or len(body) > 20 or not body.isdigit():
+        raise ControlError(f"store key {key!r}: refused a value that is not a decimal integer")
+    return int(t)
+
+
+def get_int(store: dist.Store, key: str) -> int:
+    """The decimal integer of ``key`` (:func:`parse_int`)."""
+    return parse_int(store.get(key), key)
 
 
 FAILURE_CHECK_S = 0.02
@@ -185,7 +239,7 @@ def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: 
             if not pending:
                 return
             if aborted:
-                raise ControlError(f"{what}: aborted: {store.get('abort').decode()}")
+                raise ControlError(f"{what}: aborted: {get_text(store, 'abort')}")
             dead = {r: w for r, w in dead.items() if r in pending}
             if dead:
                 raise ControlError(f"{what}: rank(s) died: " + "; ".join(f"{r}: {w}" for r, w in sorted(dead.items())))
@@ -233,9 +287,12 @@ class WeightsState:
         return f"{self.seq} {self.state} {self.version}".encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> WeightsState:
-        seq, state, version = raw.decode().split()
-        return cls(int(seq), state, int(version))
+    def decode(cls, raw: bytes, key: str = "weights") -> WeightsState:
+        """The state written by :meth:`encode`. ControlError naming ``key`` for anything else."""
+        parts = raw.split()
+        if len(parts) != 3 or parts[1].decode("ascii", "replace") not in cls.STATES:
+            raise ControlError(f"store key {key!r}: refused a value that is not a weights state")
+        return cls(parse_int(parts[0], key), parts[1].decode(), parse_int(parts[2], key))
 
     def __str__(self) -> str:
         return {"none": "no version yet", "writing": f"writing version {self.version} (update in progress)",
@@ -352,7 +409,7 @@ class Controller:
             for k in [r for r in range(self.n_train)] + [("infer", i) for i in range(self.n_infer)]:
                 key = f"fatal/{'infer' + str(k[1]) if isinstance(k, tuple) else 'train' + str(k)}"
                 if self.store.check([key]):
-                    out.append(f"{role_name(k)}: {self.store.get(key).decode()}")
+                    out.append(f"{role_name(k)}: {get_text(self.store, key)}")
         for live, key in ((self.live_t, lambda r: r), (self.live_i, lambda i: ("infer", i))):
             if live is not None:
                 out += [f"{role_name(key(r))}: {why}" for r, why in sorted(live().items())]
@@ -430,7 +487,7 @@ class Controller:
 
     def attempted(self) -> int:
         """The highest version any update began (-1 before the first)."""
-        return int(self.store.get("weights/attempted").decode()) if self.store.check(["weights/attempted"]) else -1
+        return get_int(self.store, "weights/attempted") if self.store.check(["weights/attempted"]) else -1
 
     def begin(self, version: int) -> WeightsState:
         """Publish ``writing version`` (before any byte of the update moves); with shadow
@@ -456,7 +513,7 @@ class Controller:
         move back)."""
         cur = self.state()
         if self.shadow:
-            ok = self.store.check(["weights/shadow"]) and self.store.get("weights/shadow").decode() == str(version)
+            ok = self.store.check(["weights/shadow"]) and get_int(self.store, "weights/shadow") == version
             if not ok or cur.version >= version:
                 raise VersionError(f"version {version} refused: the weights are {cur}; only the version written "
                                    "into the shadows can be published, and versions only increase")

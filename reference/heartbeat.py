@@ -1,6 +1,6 @@
 """Heartbeats of the control plane (:mod:`weight_transfer.control`): each process shows it is making
 progress, the controller names one that stopped (SIGSTOP, a hung interpreter), and ranks leave
-on their own when the controller stops answering. A TCPStore call to a stopped server blocks past
+on their own when the controller stops answering. A store call to a stopped server blocks up to
 the store's timeout, so the watchdog checks in a thread that does no I/O."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -21,7 +20,9 @@ __all__ = ["Heartbeat", "HeartbeatMonitor"]
 class Heartbeat:
     """A daemon thread that shows this process is making progress and watches a peer.
 
-    Every ``period`` seconds it increments ``hb/{name}`` over its own store connection. If
+    Every ``period`` seconds it increments ``hb/{name}`` over its own store connection
+    (:func:`weight_transfer.connect_store` of ``addr``, a ``(host, port)``, with this process's
+    job secret; or ``addr.clone()`` of a store handle). If
     ``watch`` names a peer (a rank watches ``"controller"``), and that peer's counter has not
     moved, or the store did not answer, for ``stall`` seconds, ``on_stall(message)`` runs (the
     default prints ``[name] ...`` to stderr and ends this process with ``os._exit(3)``: a rank
@@ -47,8 +48,12 @@ class Heartbeat:
 
     def _beat(self) -> None:
         try:
-            store = dist.TCPStore(self.addr[0], self.addr[1], None, False, timedelta(seconds=max(self.stall, 5.0)),
-                                  wait_for_workers=False)
+            if isinstance(self.addr, dist.Store):
+                store = self.addr.clone()
+            else:
+                from .store import connect_store
+
+                store = connect_store(tuple(self.addr), timeout=max(self.stall, 5.0))
         except Exception:
             return
         while not self._stop.is_set():

@@ -61,7 +61,7 @@ def announce_leave(store: dist.Store, rank: int) -> None:
 def new_joins(store: dist.Store, seen: int) -> tuple[list[int], int]:
     """(ranks announced after the first ``seen`` announcements, in order; the new count)."""
     n = int(store.add("infer/joins", 0))
-    ranks = [int(store.get(f"infer/join/{i}").decode()) for i in range(seen, n)
+    ranks = [control.get_int(store, f"infer/join/{i}") for i in range(seen, n)
              if store.check([f"infer/join/{i}"])]
     return ranks, n
 
@@ -98,7 +98,7 @@ def process_gone(descriptor) -> bool:
 def member_since(store: dist.Store, rank: int) -> int | None:
     """The first version inference rank ``rank`` holds completely, None while it is not in the plan."""
     k = f"infer/member/{rank}"
-    return int(store.get(k).decode()) if store.check([k]) else None
+    return control.get_int(store, k) if store.check([k]) else None
 
 
 def set_member(store: dist.Store, rank: int, since: int) -> None:

@@ -39,6 +39,17 @@ def _holder(token: str) -> tuple[str, int]:
     return host, int(pid)
 
 
+def _token_text(raw: bytes, key: str) -> str:
+    """An owner token read from ``key``: ``[left:]host:pid:hex``; ControlError naming the key otherwise."""
+    try:
+        t = raw.decode()
+        if t:
+            _holder(t)
+        return t
+    except (UnicodeDecodeError, ValueError):
+        raise control.ControlError(f"store key {key!r}: refused a value that is not an owner token") from None
+
+
 def _take_ownership(store, rank: int, token: str, *, replace: bool) -> str | None:
     """Make ``token`` the owner of inference ``rank`` (atomically, ``compare_set``); returns the
     previous owner's token it replaced (a live one with ``replace``, one whose process is gone or
@@ -46,7 +57,7 @@ def _take_ownership(store, rank: int, token: str, *, replace: bool) -> str | Non
     the live owner (host, pid) when one holds it and ``replace`` is False."""
     key, expected = OWNER_KEY.format(rank=rank), ""
     for _ in range(1000):  # each round loses only to another receiver that changed the key meanwhile
-        got = store.compare_set(key, expected, token).decode()
+        got = _token_text(store.compare_set(key, expected, token), key)
         if got == token:
             return None if expected.startswith("left:") or not expected else expected
         if got == expected:  # the key is missing (compare_set then answers ``expected``): take it as free
@@ -239,7 +250,7 @@ class Receiver:
         """The token of the receiver that replaced this one; None while this one owns its rank
         (or released it by :meth:`close`)."""
         key = OWNER_KEY.format(rank=self.rank)
-        cur = self.store.get(key).decode() if self.store.check([key]) else ""
+        cur = _token_text(self.store.get(key), key) if self.store.check([key]) else ""
         return None if cur in ("", self._token, f"left:{self._token}") else cur
 
     def _release(self) -> None:
@@ -265,7 +276,9 @@ class Receiver:
         this receiver was replaced meanwhile (the rank is another's)."""
         self._check_owner()
         if self.runtime is not None:
-            control.put(self.store, RUNTIME_KEY.format(rank=self.rank), self.runtime)
+            from .wire import tag
+
+            control.put(self.store, RUNTIME_KEY.format(rank=self.rank), tag(self.runtime))
         self.client.publish_meta(self.descriptor, self.metas)
         membership.announce_join(self.store, self.rank)  # a rank that joins later is planned in before its first go
 
@@ -343,7 +356,7 @@ class Receiver:
         key = "weights/shadow"
         if not self.store.check([key]):
             return None
-        v = int(self.store.get(key).decode())
+        v = control.get_int(self.store, key)
         return v if v > self.live_version and self.store.check([f"step/{v}/commit"]) else None
 
     def serve_go_live(self, lock=None, on_live: Callable[[int, dict], None] | None = None, poll: float = 0.002):

@@ -506,7 +506,7 @@ class Sender:
                 if plan and self.store.check([PLAN_ERROR_KEY]):
                     raise _shared(control.decode_error(*control.get(self.store, PLAN_ERROR_KEY)))
                 if self.store.check(["abort"]):
-                    raise control.ControlError(f"{what}: aborted: {self.store.get('abort').decode()}")
+                    raise control.ControlError(f"{what}: aborted: {control.get_text(self.store, 'abort')}")
                 if (gone := self._coordinator_gone()) is not None:
                     raise control.ControlError(f"{what}: {gone}")
                 if expired:
@@ -525,7 +525,7 @@ class Sender:
         release this rank's registrations and connections and rebuild from its new part."""
         if not self.store.check([membership.EPOCH_KEY]):
             return
-        epoch = int(self.store.get(membership.EPOCH_KEY).decode())
+        epoch = control.get_int(self.store, membership.EPOCH_KEY)
         if epoch == self.epoch:
             return
         rank_plan, descriptors = control.get(self.store, membership.plan_key(epoch, self.rank))

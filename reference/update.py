@@ -12,13 +12,13 @@ coordinator (success only once every write completed) or by a training rank that
 waiting (a failure), whichever comes first: every rank returns or raises according to it."""
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 PUSH_KEY = "push/{n}/{what}"
 """The keys of the ``n``-th push (from 0; every training rank counts its own pushes, a
-collective call), values pickled: ``ready/{r}`` (training rank ``r``: ``{"version", "refuse"}``,
+collective call), values in the data-only encoding (:mod:`weight_transfer.wire`: ``Ready``,
+``Decision``, ``Outcome``): ``ready/{r}`` (training rank ``r``: ``{"version", "refuse"}``,
 ``refuse`` a refusal of its own as ``(type name, message)``), ``decision`` (the coordinator:
 ``{"go", "version", "error"}``, one decision for every rank), ``outcome`` (``{"ok", "error"}``,
 set once with ``compare_set``: by the coordinator, or by a training rank that gave up waiting --
@@ -31,7 +31,7 @@ PLAN_ERROR_KEY = "plan/error"
 """``(type name, message)`` of a refused plan: every training rank raises it alike."""
 WHERE_KEY = "step/{version}/where/{rank}"
 """``{"prepare": (task, seconds) | None, "collective": (task, seconds) | None, "time": wall
-seconds}`` (pickled): what training rank ``rank``'s update to ``version`` was doing, republished
+seconds}``: what training rank ``rank``'s update to ``version`` was doing, republished
 every 0.25 s while it runs (:meth:`weight_transfer.executor.Executor.activity`); the coordinator
 names a rank that holds the others up from it when the update times out."""
 REFUSALS = ("ValueError", "TypeError", "PlanError", "VersionError", "ControlError")
@@ -50,10 +50,12 @@ def _shared(e: BaseException) -> BaseException:
 
 def _claim_outcome(store, n: int, outcome: dict) -> dict:
     """Set push ``n``'s outcome to ``outcome`` unless one is set; return the one that holds."""
-    want = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
-    return pickle.loads(store.compare_set(PUSH_KEY.format(n=n, what="outcome"), "", want))
+    from . import wire
+
+    key = PUSH_KEY.format(n=n, what="outcome")
+    return wire.decode(store.compare_set(key, "", wire.encode(outcome)), key)
 WORLD_KEY = "meta/world"
-"""The coordinator publishes ``{"n_train", "n_infer"}`` here (pickled) when it starts: how many
+"""The coordinator publishes ``{"n_train", "n_infer"}`` here when it starts: how many
 training ranks report each update (an engine that commits checks every one of them itself)."""
 ENGINE_KEY = "meta/engine"
 """An inference side that knows the model may publish ``{"hf_config": dict, "layout":

@@ -52,11 +52,19 @@ def test_version_published_only_when_every_rank_completed(store):
 
 
 def test_metadata_and_plan_roundtrip(store):
+    from weight_transfer.types import DestTensorMeta, ParamMeta, RegionDescriptor
+
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=2)
-    clients.TrainerClient(client(store), 0).publish_meta(["m"])
-    clients.InferenceClient(client(store), 0).publish_meta("desc", ["t"])
+    m = ParamMeta(name="w", global_shape=(4, 2), dtype="bfloat16", mesh_ranks=((0, 1), (2, 3)), placements=("Shard(dim=0)",),
+                  local_offset=(0, 0), local_shape=(2, 2))
+    d = RegionDescriptor(transport="cma", host="h", pid=7, addr=4096, length=16, key=3, epoch=1,
+                         extra=(("epochs", (8192, 0, 5)), ("parts", ((0, 8), (8, 8)))))
+    t = DestTensorMeta(rank=0, name="w", shape=(4, 2), dtype="bfloat16", offset=0, nbytes=16)
+    clients.TrainerClient(client(store), 0).publish_meta([m])
+    clients.InferenceClient(client(store), 0).publish_meta(d, [t])
     train, infer = ctl.collect()
-    assert train == {0: ["m"]} and infer == {0: ("desc", ["t"])}
+    assert train == {0: [m]} and infer == {0: (d, [t])}
+    assert isinstance(infer[0][0].extra[0][1], tuple) and isinstance(train[0][0].mesh_ranks[0], tuple)
 
 
 def test_abort_reason_propagates(store):

@@ -92,7 +92,8 @@ def test_controller_shadow_protocol_keeps_the_served_version_complete(store):
     commit (go-live) comes before ``complete v``, the flip shift is handed to the trainers."""
     ctl = control.Controller(store, n_train=1, n_infer=1, timeout=10.0)
     ctl.shadow = {0: {"mode": "flip", "shift": 4096}}
-    control.put(store, control.SHADOW_KEY.format(rank=0), {"mode": "flip", "shift": 4096})
+    control.put(store, control.SHADOW_KEY.format(rank=0), {"mode": "flip", "stride": 4096, "shift": 4096,
+                                                           "live_index": 0, "extra_bytes": 4096, "golives": 0})
     t0, inf = clients.TrainerClient(client(store), 0), clients.InferenceClient(client(store), 0)
 
     def ok_and_commit(step):

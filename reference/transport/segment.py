@@ -55,6 +55,7 @@ def _allocate(nbytes: int) -> torch.Tensor:
     size = -(-nbytes // _PAGE) * _PAGE
     fd = os.memfd_create(f"weight_transfer.shm.{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
+        os.fchmod(fd, 0o600)  # a memfd is created 0777: readable and writable by its owner only (docs/SECURITY.md)
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, _F_ADD_SEALS, _SEALS)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
