@@ -398,6 +398,10 @@ class Controller:
         if not store.check(["weights"]):
             store.set("weights", WeightsState(0, "none", -1).encode())
             store.set("version", b"-1")
+        self._state = read_state(store)
+        """The published state as this controller last wrote it: the controller is the only
+        writer of ``weights``, so it never acts on what the store holds there after it started
+        (a value no member wrote is overwritten at the next transition; readers refuse it)."""
 
     # -- failures
 
@@ -473,13 +477,15 @@ class Controller:
     # -- the weights' state
 
     def state(self) -> WeightsState:
-        return read_state(self.store)
+        """The published :class:`WeightsState` (this controller's own record of what it published)."""
+        return self._state
 
     def _set_state(self, state: str, version: int) -> WeightsState:
-        new = WeightsState(self.state().seq + 1, state, version)
+        new = WeightsState(self._state.seq + 1, state, version)
         if state != "complete":
             self.store.set("version", b"-1")
         self.store.set("weights", new.encode())
+        self._state = new
         if state == "complete":
             self.store.set("version", str(version).encode())
             self.store.set(f"complete/{version}", b"1")  # persistent: delta senders check it (C26)

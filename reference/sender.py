@@ -19,6 +19,7 @@ from .args import check_bool, check_callable, check_int, check_seconds, check_ty
 from .coordinator import Coordinator
 from .delta import check_published
 from .options import TransferOptions
+from .security import AuthenticationError
 from .store import connect_store
 from .update import (
     COORDINATOR_KEY,
@@ -32,6 +33,7 @@ from .update import (
     _first_line,
     _shared,
 )
+from .wire import WireError
 
 
 def _named_params(params) -> dict[str, torch.Tensor]:
@@ -321,7 +323,11 @@ class Sender:
             thread = threading.Thread(target=drive, name=f"wt-coordinator-push{n}", daemon=True)
             thread.start()
         try:
-            stats = self._push(n, refusal)
+            try:
+                stats = self._push(n, refusal)
+            except (AuthenticationError, WireError) as e:  # a store value refused: the other ranks stop now too
+                self._claim_failure(n, f"training {self.rank}: {_first_line(str(e))}")
+                raise
         except control.ControlError as e:
             if thread is not None:
                 thread.join(self.timeout + 5)
@@ -370,11 +376,20 @@ class Sender:
         out = self._wait_outcome(n, v, local)
         if out["ok"]:  # claimed right before "complete v" is published: return once it is
 
+            refused: list[str] = []
+
             def published() -> bool:
-                s = control.read_state(self.store)
+                try:
+                    s = control.read_state(self.store)
+                except (AuthenticationError, WireError) as e:  # not the coordinator's: it overwrites it
+                    refused[:] = [_first_line(str(e))]
+                    return False
                 return s.version > v or (s.version == v and s.complete)
-            self._wait_for(published, what=f"training {self.rank}: complete version {v} not published",
-                           bound=self.timeout)
+            try:
+                self._wait_for(published, what=f"training {self.rank}: complete version {v} not published",
+                               bound=self.timeout)
+            except control.ControlError as e:
+                raise control.ControlError(f"{e}" + (f" ({refused[0]})" if refused else "")) from None
             return stats
         raise control.ControlError(out["error"][1]) from local
 
@@ -436,6 +451,14 @@ class Sender:
         if self.store.check(["abort"]):
             return "aborted"
         return self._coordinator_gone()
+
+    def _claim_failure(self, n: int, why: str) -> None:
+        """Claim push ``n``'s outcome as failed (``why``) unless one holds, so that every rank
+        stops at once; a store that refuses even that leaves the others to their timeout."""
+        try:
+            _claim_outcome(self.store, n, {"ok": False, "error": ("ControlError", why)})
+        except (control.ControlError, RuntimeError):
+            pass
 
     def _wait_outcome(self, n: int, v: int, local: BaseException | None) -> dict:
         """Push ``n``'s outcome (``{"ok", "error"}``), as the coordinator claimed it; when it

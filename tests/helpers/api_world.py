@@ -97,7 +97,44 @@ def _step_of(v) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
+_OUTSIDER: dict = {}
+"""Where an ``outsider`` fault's process aims: ``addr``, ``out`` (the world's folder), ``n`` and
+``v`` (the push and version under way); set by each process's main."""
+
+
+def _outsider(kind: str, what: str) -> None:
+    """Run tests/helpers/outsider.py in a process of its own that holds only the store address
+    (no job secret in its environment), now, inside this stage of the update; wait for it."""
+    import subprocess
+    import sys
+
+    o = _OUTSIDER
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHT_TRANSFER")}
+    env["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # torch's client logs every refused attempt
+    flags = [f"--{x}" for x in kind.split("+")[1:]]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-m", "tests.helpers.outsider", o["addr"][0], str(o["addr"][1]),
+                    what.replace(" ", "_"), str(o["n"]), str(o["v"]), f"{o['out']}/outsider.jsonl",
+                    f"{o['out']}/OUTSIDER_CODE_RAN", *flags], env=env, cwd=root, timeout=120, capture_output=True)
+
+
+def _forge(key: str) -> None:
+    """Ask the test process, which serves the store, to put a value no member sealed under
+    ``key`` (``forge-request/{key}``), and wait until it says it did (``forged/{key}``)."""
+    import weight_transfer as wt
+
+    s = wt.connect_store(_OUTSIDER["addr"], timeout=10)
+    s.set(f"forge-request/{key}", b"1")
+    _wait(s, f"forged/{key}", 10)
+
+
 def _act(kind: str, timeout: float, what: str):
+    if kind.startswith("outsider"):
+        _outsider(kind, what)
+        return
+    if kind.startswith("forge:"):
+        _forge(kind.split(":", 1)[1])
+        return
     if kind == "raise":
         raise RuntimeError(f"injected: {what}")
     if kind == "kill":
@@ -147,6 +184,7 @@ def train_main(rank: int, addr, w: World, out: str) -> None:
         coord = wt.Coordinator(store, n_train=w.n_train, n_infer=w.n_infer, model_config=cfg, layout=_layout(w),
                                timeout=w.timeout)
     tx = wt.Sender(params, rank=rank, world_size=w.n_train, store=store, coordinator=coord, timeout=w.timeout)
+    _OUTSIDER.update(addr=addr, out=out)
     rec: dict = {}
     path = f"{out}/train{rank}.pkl"
     for k, p in enumerate(w.pushes):
@@ -154,6 +192,7 @@ def train_main(rank: int, addr, w: World, out: str) -> None:
             rec["lost"] = k
             break
         v = p.version_of(rank)
+        _OUTSIDER.update(n=k, v=_step_of(v))
         load_step(params, step=_step_of(v), seed=0)
         f = p.fault
         undo = []
@@ -200,7 +239,7 @@ def _nth(n: int, fn, act):
 
 
 def _inject_train(f: Fault, tx, executor, api, timeout: float) -> list:
-    what = f"training rank {f.rank} fails in {f.stage}"
+    what = f"training rank {f.rank} {'in' if f.kind.startswith(('outsider', 'forge')) else 'fails in'} {f.stage}"
     act = lambda: _act(f.kind, timeout, what)  # noqa: E731
     if f.stage == "prepare":
         real = executor.prepare_outputs
@@ -237,6 +276,14 @@ def _inject_coord(f: Fault, api, timeout: float) -> list:
             return real(*a, **kw)
         api.plan_against = refused
         return [lambda: setattr(api, "plan_against", real)]
+    if f.stage == "decide":  # after every rank said ready, before the coordinator's decision
+        real_decide = api.Coordinator._decide
+
+        def decide(self, *a, **kw):
+            _act(f.kind, timeout, "coordinator decide")
+            return real_decide(self, *a, **kw)
+        api.Coordinator._decide = decide
+        return [lambda: setattr(api.Coordinator, "_decide", real_decide)]
     raise ValueError(f"no coordinator stage {f.stage!r} in rank 0")
 
 
@@ -333,7 +380,14 @@ def infer_main(rank: int, addr, w: World, out: str) -> None:
             time.sleep(0.005)
         if not store.check([key]):
             break
-        s = rx.state()
+        try:
+            s = rx.state()
+        except Exception as e:  # a state the receiver refused (C30): recorded, never read as a version
+            rec[k] = {"state": "refused", "version": None, "error": f"{type(e).__name__}: {e}", "bytes_ok": None,
+                      "closed": closed, "live_version": rx.live_version, "canary": None, "digest": None, "seq": None}
+            _save(path, rec)
+            store.set(f"checked/{k}/{rank}", b"1")
+            continue
         ok = None
         if s.complete and s.version >= 0:
             if s.version not in want:
@@ -353,16 +407,20 @@ def infer_main(rank: int, addr, w: World, out: str) -> None:
 # ------------------------------------------------------------------------------- the test's side
 
 
-def run(w: World, out: str, *, limit: float = 240.0) -> World:
+def run(w: World, out: str, *, limit: float = 240.0, inspect=None, on_start=None) -> World:
     """Start every process of ``w``, run its pushes in lockstep, collect what each recorded
     into ``w.results``: ``{"train": {rank: {k: result}}, "infer": {rank: {k: check}},
-    "coord": ..., "exit": {name: exitcode}, "left": [names still alive at the end]}``."""
+    "coord": ..., "exit": {name: exitcode}, "left": [names still alive at the end]}``;
+    ``inspect(store)`` (optional: the store this process serves, at the end) goes to
+    ``w.results["inspect"]``; ``on_start(store)`` runs once the store serves, before any process starts."""
     import multiprocessing as mp
 
     import weight_transfer as wt
 
     store = wt.serve_store("127.0.0.1", 0)
     addr = ("127.0.0.1", store.port)
+    if on_start is not None:
+        on_start(store)
     ctx = mp.get_context("spawn")
     procs = {f"infer{i}": ctx.Process(target=infer_main, args=(i, addr, w, out)) for i in range(w.n_infer)}
     procs.update({f"train{r}": ctx.Process(target=train_main, args=(r, addr, w, out)) for r in range(w.n_train)})
@@ -409,5 +467,7 @@ def run(w: World, out: str, *, limit: float = 240.0) -> World:
     w.results = {"train": {r: load(f"train{r}") for r in range(w.n_train)},
                  "infer": {i: load(f"infer{i}") for i in range(w.n_infer)},
                  "coord": load("coord") if w.coordinator == "process" else None,
-                 "exit": {n: p.exitcode for n, p in procs.items()}, "left": left}
+                 "exit": {n: p.exitcode for n, p in procs.items()}, "left": left,
+                 "inspect": inspect(store) if inspect is not None else None}
+    store.close()
     return w
