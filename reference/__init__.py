@@ -18,18 +18,18 @@ import importlib
 
 __all__ = [
     # roles
-    "Sender", "Coordinator", "Receiver", "UpdateResult", "serve_store", "connect_store",
+    "Sender", "Coordinator", "Receiver", "UpdateResult", "serve_store", "connect_store", "JobSecret",
     # options and layouts
     "TransferOptions", "PlanOptions", "ExecutorOptions", "TransportOptions", "ControlOptions",
     "InferenceLayout", "ModelConfig", "fused_expert_views",
     # state and errors
     "WeightsState", "ControlError", "VersionError", "UpdateInProgress", "read_consistent", "PlanError",
-    "UpdateStats", "StepStats",
+    "UpdateStats", "StepStats", "AuthenticationError",
 ]
 
 _WHERE = {
     "Sender": "api", "Coordinator": "api", "Receiver": "api", "UpdateResult": "api", "serve_store": "api",
-    "connect_store": "api",
+    "connect_store": "api", "JobSecret": "security", "AuthenticationError": "security",
     "TransferOptions": "options", "PlanOptions": "options", "ExecutorOptions": "options",
     "TransportOptions": "options", "ControlOptions": "options",
     "InferenceLayout": "types", "PlanError": "types", "ModelConfig": "model_config",

@@ -1,11 +1,14 @@
 """The public API: the reference inside your own trainer and your own inference engine.
 
-Three objects, one per role; each talks to the others only through a ``torch.distributed``
-``TCPStore`` (the control plane, :mod:`weight_transfer.control`) and one-sided writes (the data
-plane, :mod:`weight_transfer.transport`)::
+Three objects, one per role; each talks to the others only through the job's control-plane
+store (:mod:`weight_transfer.control`; a ``torch.distributed.Store`` only members holding the
+job secret can reach, every value sealed and typed: :mod:`weight_transfer.security`,
+docs/SECURITY.md) and one-sided writes (the data plane, :mod:`weight_transfer.transport`)::
 
-    # the store: one master, anywhere every process can reach (here: the launching process)
-    store = weight_transfer.serve_store("0.0.0.0", 0)          # store.port: the port picked
+    # the store: one server, where every process can reach it (here: the launching process,
+    # loopback; "0.0.0.0" for other hosts). It makes the job secret and exports it to the
+    # processes started from here on; others get WEIGHT_TRANSFER_SECRET(_FILE) in their environment
+    store = weight_transfer.serve_store("127.0.0.1", 0)        # store.port: the port picked
 
     # every inference rank: register its tensors once; nothing runs here per update
     rx = weight_transfer.Receiver(engine_tensors, rank=i, store=(host, port))
@@ -45,7 +48,10 @@ Errors: bad arguments raise ``ValueError``/``TypeError`` naming the argument bef
 moves; a plan the receivers cannot take raises :class:`weight_transfer.plan.PlanError` naming the
 tensor; a failed, dead or stalled rank raises :class:`weight_transfer.control.ControlError`
 naming role, rank and cause, within the control timeout; a version that does not increase
-raises :class:`weight_transfer.control.VersionError`.
+raises :class:`weight_transfer.control.VersionError`; a process without the job secret, or a
+store value no member sealed, raises :class:`weight_transfer.security.AuthenticationError` (a
+ControlError) naming how to pass the secret or the key refused; a value its key's schema does
+not allow raises :class:`weight_transfer.wire.WireError` (a ControlError) naming the key and field.
 """
 from __future__ import annotations
 

@@ -21,16 +21,22 @@ from .plan.traced import SOURCE_VIEWS_KEY, SOURCES_KEY, TRACE_KEY, LoaderTrace
 from .records import StepStats
 from .types import Box, DestTensorMeta, InferenceLayout, ParamMeta, RankPlan, RegionDescriptor
 
+Shift = int | tuple[int, int, int]
+"""Bytes added to a flip receiver's planned offsets: all of them (an int), or ``(lo, hi, bytes)``
+for the offsets in ``[lo, hi)`` (a vLLM worker's flip shadow: its staging arena does not move)."""
+
 
 class ShadowInfo(TypedDict):
-    """``meta/infer_shadow/{i}``: :meth:`weight_transfer.shadow.Shadow.info` (bytes)."""
+    """``meta/infer_shadow/{i}``: :meth:`weight_transfer.shadow.Shadow.info` (bytes); a vLLM
+    worker's adds ``why`` (how its mode was chosen) and may give ``shift`` as ``(lo, hi, bytes)``."""
 
     mode: str
     stride: int
-    shift: int
+    shift: Shift
     live_index: int
     extra_bytes: int
     golives: int
+    why: NotRequired[str]
 
 
 class Where(TypedDict):
@@ -91,7 +97,7 @@ R("plan/error", wire.ErrorPair, "a refused plan: (type, message) every training 
 R("step/{v}/done/{r}", wire.Done, "a training rank's result of an update", post=wire.untag_stats)
 R("step/{v}/idone/{i}", wire.Report, "an active inference side's result of an update")
 R("step/{v}/committed/{i}", wire.Report, "an inference rank's commit (staged targets) or go-live (shadow targets)")
-R("step/{v}/shift", dict[int, int], "flip shadows: bytes added to each receiver's planned offsets")
+R("step/{v}/shift", dict[int, Shift], "flip shadows: bytes added to each receiver's planned offsets")
 R("step/{v}/where/{r}", Where, "what a training rank's update is doing, for naming a rank that holds the others up")
 R("push/{n}/ready/{r}", wire.Ready, "a training rank is ready for push n")
 R("push/{n}/decision", wire.Decision, "the coordinator's one decision on push n")
