@@ -15,7 +15,8 @@ frame ``[ok, result]``. Data only: no frame is ever unpickled.
 sealed with the job's value key (:class:`weight_transfer.security.Sealer`) before they leave the
 process and opened after they come back: a value that does not open is refused with
 :class:`weight_transfer.security.AuthenticationError` naming the key, in :meth:`get` and in
-:meth:`check` alike (a key's mere presence is acted on, so it is verified too). Counters
+:meth:`check` alike (a key's mere presence is acted on, so a flag or small value is verified
+there too; a value over :data:`CHECK_INLINE` bytes, which only :meth:`get` makes use of, when read). Counters
 (:meth:`add`) are integers the server adds to; they carry no MAC (only members reach the server).
 
 Semantics follow torch's ``TCPStore`` (torch 2.13): ``get`` and ``wait`` block until the keys
@@ -59,6 +60,9 @@ MAX_PENDING = 64
 unauthenticated connections cannot starve the members' threads)."""
 HANDSHAKE_S = 10.0
 """Seconds a connection has to complete its TLS handshake."""
+CHECK_INLINE = 4096
+"""``check`` returns values up to this many bytes for the client to verify (flags, states, small
+messages: what is acted on by its presence); a larger value is verified when it is read."""
 VALUE, COUNTER = 0, 1
 _LEN = struct.Struct(">I")
 _ENC = msgspec.msgpack.Encoder()
@@ -98,7 +102,8 @@ class _Table:
 
     def check(self, keys: list) -> list:
         with self.cv:
-            return [self.d.get(k) for k in keys]
+            got = [self.d.get(k) for k in keys]
+        return [e if e is None or len(e[1]) <= CHECK_INLINE else (e[0], None) for e in got]
 
     def add(self, key: str, n: int) -> int:
         with self.cv:
@@ -510,12 +515,12 @@ class SecureStore(dist.Store):
         return self._open(key, entry)
 
     def check(self, keys) -> bool:
-        """True when every key exists; each present value is opened first (AuthenticationError
-        naming a key whose value does not authenticate)."""
+        """True when every key exists; each present value up to :data:`CHECK_INLINE` bytes is
+        opened first (AuthenticationError naming a key whose value does not authenticate)."""
         keys = list(keys)
         entries = self._call("check", keys)
         for k, e in zip(keys, entries):
-            if e is not None:
+            if e is not None and e[1] is not None:  # a large value is verified when it is read
                 self._open(k, e)
         return all(e is not None for e in entries)
 
@@ -550,7 +555,7 @@ class SecureStore(dist.Store):
 
     def append(self, key: str, value) -> None:
         for _ in range(10000):  # a sealed value is appended to as a whole: read, extend, compare_set
-            cur = self._call("check", [key])[0]
+            cur = self._call("get", key, 0.0)
             old = self._open(key, cur) if cur is not None else b""
             new = old + self._b(value)
             if self.compare_set(key, old, new) == new:
