@@ -315,3 +315,13 @@ def test_ascii_fields_are_parsed_strictly(store):
     store.set("abort", b"\xff\xfe")
     with pytest.raises(control.ControlError, match="'abort': refused a value that is not UTF-8"):
         control.get_text(store, "abort")
+
+
+def test_shared_memory_segments_are_their_owners_only():
+    """What grants memory access stays with the owner: a shm segment (the ``shm`` transport's
+    arenas, every transport's epoch table) is created mode 0600."""
+    from weight_transfer.transport.segment import _allocate, allocated_segment
+
+    t = _allocate(10000)
+    seg = allocated_segment(t.data_ptr(), 10000)
+    assert stat.S_IMODE(os.fstat(seg.fd).st_mode) == 0o600
