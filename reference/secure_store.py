@@ -148,7 +148,7 @@ class _Table:
     def call(self, op: str, args: list):
         """One request, as the server and the in-process client run it (``args`` checked here:
         they come from a member, but a malformed frame must not take the server down)."""
-        if op == "set":
+        if op in ("set", "setq"):
             key, data = _key(args[0]), _bytes(args[1])
             return self.set(key, data)
         if op == "get":
@@ -301,8 +301,11 @@ class StoreServer:
                 try:
                     out = [True, self.table.call(req[0], req[1:])]
                 except (_OpError, IndexError) as e:
+                    if req[0] == "setq":  # nobody waits for its answer: a malformed one ends the connection
+                        raise ConnectionError(f"malformed set: {e}") from None
                     out = [False, str(e) or type(e).__name__]
-                _send_frame(conn, out)
+                if req[0] != "setq":
+                    _send_frame(conn, out)
         except (OSError, ConnectionError, ValueError, msgspec.DecodeError):
             pass  # the member closed (or died), or sent what is not a frame: drop the connection
         finally:
@@ -338,6 +341,9 @@ class _Local:
 
     def __init__(self, server: StoreServer):
         self.server = server
+
+    def send(self, op: str, *args) -> None:
+        self.call(op, *args)
 
     def call(self, op: str, *args, wait: float = 0.0):
         try:
@@ -394,6 +400,21 @@ class _Remote:
             raise AuthenticationError(f"{where} does not speak {PROTOCOL}")
         self.sock = sock
         return hello[1]
+
+    def send(self, op: str, *args) -> None:
+        """A request nobody waits for (``setq``: torch's ``TCPStore`` client does not wait for a
+        set either); the server handles a connection's requests in order, so the next call of
+        this process sees it."""
+        with self.lock:
+            if self.sock is None:
+                raise dist.DistNetworkError(f"the control-plane store at {self.host}:{self.port} closed the connection")
+            try:
+                self.sock.settimeout(self.timeout)
+                _send_frame(self.sock, [op, *args])
+            except (OSError, ValueError) as e:
+                self._drop()
+                raise dist.DistNetworkError(f"the control-plane store at {self.host}:{self.port} closed the "
+                                            f"connection ({type(e).__name__}: {e})") from e
 
     def call(self, op: str, *args, wait: float = 0.0):
         with self.lock:
@@ -506,7 +527,9 @@ class SecureStore(dist.Store):
     # -- the torch.distributed.Store interface
 
     def set(self, key: str, value) -> None:
-        self._call("set", key, self._sealer.seal(key, self._b(value)))
+        if os.getpid() != self._pid:
+            self._reconnect()
+        self._conn.send("setq", key, self._sealer.seal(key, self._b(value)))
 
     def get(self, key: str) -> bytes:
         entry = self._call("get", key, self._timeout_s, wait=self._timeout_s)

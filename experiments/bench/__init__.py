@@ -8,6 +8,7 @@ Subcommands of the one CLI, their options generated from each module's config da
     weight-transfer bench-peers        # reference vs awex, Mooncake (same tensors)  (bench/peers.py)
     weight-transfer bench-delta        # full vs delta updates, change fractions  (bench/delta.py)
     weight-transfer bench-stall        # the engine's stall: pause-based vs shadow targets  (bench/stall.py)
+    weight-transfer bench-control      # the authenticated control plane vs the opt-out  (bench/control.py)
 """
 from __future__ import annotations
 
@@ -23,5 +24,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                     "full vs delta updates on the main job at given change fractions, verified (docs/DELTA.md)"),
     "bench-stall": ("weight_transfer.experiments.bench.stall", "StallBenchConfig",
                     "the engines' stall per update with a generation load: pause-based vs shadow targets, verified"),
+    "bench-control": ("weight_transfer.experiments.bench.control", "ControlBenchConfig",
+                      "the authenticated control plane against the opt-out: store round trips, the main job's p50 "
+                      "(docs/SECURITY.md)"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""
