@@ -25,9 +25,13 @@ routes). This module registers both under :data:`BACKEND` (``register()``, idemp
 What happens (the reference's protocol, :mod:`weight_transfer.api`):
 
 - ``trainer_init``: training rank 0 starts the control-plane store (``store_port=0``: a free
-  port, broadcast to the other ranks over the default process group) and calls
+  port, broadcast to the other ranks over the default process group), authenticated by the job
+  secret of its environment or one it makes (docs/VLLM.md, "The job secret"), and calls
   ``client.init_weight_transfer_engine`` with :class:`OneSidedInitInfo` (the side channel: the
-  store's address; vLLM's API has no return path). In every worker,
+  store's address and the path of the secret's file -- never the secret; vLLM's API has no
+  return path). Each worker joins the store with its own environment's secret, else that file's
+  (:func:`~weight_transfer.engines.vllm.backend_worker.worker_secret`; without one the trainer
+  gets :class:`weight_transfer.security.AuthenticationError` with the worker's reason). In every worker,
   :meth:`OneSidedWeightTransferEngine.init_transfer_engine` reports the runtime tensors (after
   ``process_weights_after_loading``), stages the layers vLLM keeps opaque (oneDNN handles on CPUs
   without AMX: C22), registers the destination tensors once with the transport that fits their

@@ -53,9 +53,14 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     """What training rank 0 hands every worker (``init_weight_transfer_engine(init_info)``):
     the side channel vLLM's API lacks.
 
-    ``store_host`` / ``store_port``: the control-plane store (a ``TCPStore`` in training rank 0)
-    the worker connects to and publishes its region descriptor, destination metadata and
-    runtime layout in; ``first_rank``: the inference rank of this deployment's worker 0 (worker
+    ``store_host`` / ``store_port``: the control-plane store (a
+    :class:`weight_transfer.secure_store.SecureStore` in training rank 0) the worker connects to
+    and publishes its region descriptor, destination metadata and runtime layout in;
+    ``secret_file``: the path of a file holding the job secret (hex, mode 0600, owned by the user
+    reading it: :meth:`weight_transfer.security.JobSecret.from_file`) -- the path only, never the
+    secret, which does not cross vLLM's HTTP routes; the worker takes the secret from its own
+    environment (``WEIGHT_TRANSFER_SECRET`` / ``WEIGHT_TRANSFER_SECRET_FILE``) first, else from
+    this file (None: from the environment only; :func:`weight_transfer.engines.vllm.backend_worker.worker_secret`); ``first_rank``: the inference rank of this deployment's worker 0 (worker
     ``w`` of data-parallel replica ``d`` is inference rank ``first_rank + d * world_size + w``);
     ``targets``: ``"auto"`` (staged only where vLLM keeps the runtime bytes opaque), ``"staged"``
     (every post-processed layer staged) or ``"direct"`` (nothing staged: opaque layers are refused
@@ -82,12 +87,16 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     delta_landing: float = 0.0
     """Packed delta updates: register a landing region of this fraction of the worker's target
     bytes (:mod:`weight_transfer.engines.vllm.delta_apply`); 0: none."""
+    secret_file: str | None = None
+    """Path of the job secret's file (see above); None: the worker's environment only."""
 
     def __post_init__(self):
         if not isinstance(self.store_host, str) or not self.store_host:
             raise ValueError(f"store_host={self.store_host!r}: a host name or address")
         if not isinstance(self.store_port, int) or not 0 < self.store_port < 65536:
             raise ValueError(f"store_port={self.store_port!r}: a TCP port 1..65535")
+        if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
+            raise ValueError(f"secret_file={self.secret_file!r}: the path of the job secret's file, or None")
         if not isinstance(self.first_rank, int) or self.first_rank < 0:
             raise ValueError(f"first_rank={self.first_rank!r}: an inference rank >= 0")
         if self.targets not in TARGETS:
@@ -157,7 +166,8 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     training rank 0 starts the control-plane store and where the vLLM workers and other ranks
     reach it (``store_port=0``: a free port, sent to the other ranks with
     ``torch.distributed.broadcast_object_list`` over the default process group, which must exist
-    when ``world_size > 1``); ``n_infer``: inference ranks (None: every worker of the engine the
+    when ``world_size > 1``; with a default process group the path of the job secret's file goes
+    the same way, :func:`job_secret`); ``n_infer``: inference ranks (None: every worker of the engine the
     client drives, as it reports); ``options``: :func:`transfer_options` (a dict of flat
     ``TransferOptions`` overrides, a ``TransferOptions``, or None; the transport is ``"auto"``
     unless set: the workers choose it from their tensors' memory and every rank's sender writes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -119,42 +120,64 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         self.version = 0
         self.last_result = None
         self.deployments: list[Deployment] = [Deployment(client, 0, n_workers)] if is_sender else []
+        self.secret_file: str | None = None
+        """The path of the job secret's file handed to the vLLM workers in their init info
+        (:func:`job_secret`; the same on every rank with a default process group); None under
+        the opt-out or when this rank has no file to name."""
+        self._made_secret_file: str | None = None
 
     @classmethod
     def trainer_init(cls, init_info: OneSidedTrainerInitInfo, *, client, source=None) -> OneSidedTrainerEngine:
-        """Rendezvous (see the module docstring) and plan once. Raises RuntimeError naming the
-        inference side when ``client.init_weight_transfer_engine`` fails (e.g. the server is
-        not up), :class:`weight_transfer.plan.PlanError` naming a tensor the plan cannot
-        target, ControlError when a rank does not answer within the timeout, TypeError for a
-        ``source`` the backend cannot write from."""
+        """Rendezvous (see the module docstring) and plan once.
+
+        The job secret (:mod:`weight_transfer.security`): training rank 0 takes the one of its
+        environment or makes one (:func:`job_secret`), serves the store with it and hands the
+        vLLM workers the path of a file holding it (``secret_file`` in their init info; a file
+        :func:`write_secret_file` wrote, removed by :meth:`shutdown`, unless the environment
+        named one) -- never the secret itself; a worker takes its own environment's secret
+        first. The other training ranks take their environment's, else that file (its path sent
+        with the store's address over the default process group, when there is one).
+
+        Raises RuntimeError naming the inference side when ``client.init_weight_transfer_engine``
+        fails (e.g. the server is not up), :class:`weight_transfer.security.AuthenticationError`
+        when its workers (or a training rank) could not join the store for want of the job
+        secret (naming ``WEIGHT_TRANSFER_SECRET`` and the secret file), ValueError for a secret
+        in the environment that is none, :class:`weight_transfer.plan.PlanError` naming a tensor
+        the plan cannot target, ControlError when a rank does not answer within the timeout,
+        TypeError for a ``source`` the backend cannot write from."""
         import torch.distributed as dist
 
         from weight_transfer import control
-        from weight_transfer.api import ENGINE_KEY, Coordinator, Sender, connect_store, serve_store
+        from weight_transfer.api import ENGINE_KEY, Coordinator, Sender, serve_store
+
+        from . import runtime  # noqa: F401 -- registers the workers' RuntimeLayout (read by the coordinator)
 
         params = _params_of(source)
         opts = transfer_options(init_info.options)
         timeout = float(init_info.timeout if init_info.timeout is not None else opts.control.timeout)
         rank, world = init_info.rank, init_info.world_size
         host, port = init_info.store_host, init_info.store_port
-        store = None
+        store, secret, secret_file, made = None, None, None, None
         if rank == 0:
-            store = serve_store(host, port, timeout=max(timeout, 60.0))
+            secret, secret_file = job_secret()
+            store = serve_store(host, port, timeout=max(timeout, 60.0), secret=secret)  # None: the opt-out
             port = int(store.port)
-        if world > 1 and init_info.store_port == 0:
+            if secret is not None and secret_file is None:  # the workers read it from a file of this user's
+                secret_file = made = write_secret_file(secret, port)
+        if world > 1 and (init_info.store_port == 0 or dist.is_initialized()):
             if not dist.is_initialized():
                 raise RuntimeError(f"training {rank}: store_port=0 with world_size={world} needs the default process "
                                    "group to send rank 0's store address (or give store_port)")
-            box = [(host, port)]
+            box = [(host, port, secret_file)]  # the secret file's path, never the secret
             dist.broadcast_object_list(box, src=0)
-            host, port = box[0]
+            host, port, secret_file = box[0]
         if store is None:
-            store = connect_store((host, port), timeout=max(timeout, 60.0))
+            store = _connect_rank(rank, host, port, secret_file, timeout=max(timeout, 60.0))
         coordinator, n_workers = None, 1
         if rank == 0:
             try:
                 _publish_sources(store, params, getattr(source, "views", None) or {})
-                _init_inference(client, _worker_info(host, port, 0, init_info, opts, timeout))
+                _init_inference(client, _worker_info(host, port, 0, init_info, opts, timeout, secret_file))
                 if not store.check([ENGINE_KEY]):
                     raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published "
                                        f"{ENGINE_KEY!r}: is the engine's backend {BACKEND!r}?")
@@ -164,13 +187,23 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                 coordinator = Coordinator(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout)
             except BaseException as e:
                 store.set("abort", f"training 0: trainer_init failed: {_first_line(e)}".encode())  # other ranks stop
+                remove_secret_file(made)
                 raise
-        sender = Sender(params, rank=rank, world_size=world, store=store, coordinator=coordinator, options=opts,
-                        timeout=timeout, views=getattr(source, "views", None) or None)
+        try:
+            sender = Sender(params, rank=rank, world_size=world, store=store, coordinator=coordinator, options=opts,
+                            timeout=timeout, views=getattr(source, "views", None) or None)
+        except BaseException:
+            remove_secret_file(made)
+            raise
         self = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info, store=store,
                    sender=sender, coordinator=coordinator, n_workers=n_workers)
         self._worker_addr, self._opts, self._timeout = (host, port), opts, timeout
-        sender.plan()  # plan once, now: a refusal (PlanError naming the tensor and vLLM's step) reaches the trainer here
+        self.secret_file, self._made_secret_file = secret_file, made
+        try:
+            sender.plan()  # plan once, now: a refusal (PlanError naming the tensor and vLLM's step) reaches the trainer here
+        except BaseException:
+            remove_secret_file(made)
+            raise
         return self
 
     # ------------------------------------------------------------------ membership (rank 0)
@@ -207,7 +240,8 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             raise ValueError(f"add_engine: first_rank={first_rank} is inference rank of a member engine "
                              f"(members: {sorted(used)})")
         host, port = self._worker_addr
-        _init_inference(client, _worker_info(host, port, first_rank, self.info, self._opts, self._timeout))
+        _init_inference(client, _worker_info(host, port, first_rank, self.info, self._opts, self._timeout,
+                                             self.secret_file))
         key = engine_key(first_rank)
         if not self.store.check([key]):
             raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published {key!r}: is "
@@ -363,11 +397,16 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                       f"{_first_line(e)}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
-        """Release this rank's transport (rank 0: and tell every rank the job ends)."""
-        if self.sender is not None:
-            self.sender.close()
-        if self.coordinator is not None:
-            self.coordinator.shutdown()
+        """Release this rank's transport (rank 0: and tell every rank the job ends, and remove
+        the job secret's file when this engine wrote it, :func:`write_secret_file`)."""
+        try:
+            if self.sender is not None:
+                self.sender.close()
+            if self.coordinator is not None:
+                self.coordinator.shutdown()
+        finally:
+            made, self._made_secret_file = self._made_secret_file, None
+            remove_secret_file(made)
 
 
 def _publish_sources(store, params, views) -> None:
@@ -382,23 +421,141 @@ def _publish_sources(store, params, views) -> None:
     control.put(store, SOURCES_KEY, expand_sources(held, views))
 
 
-def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float) -> dict:
-    """The :class:`OneSidedInitInfo` (as a dict) rank 0 hands one engine's workers."""
+def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float,
+                 secret_file: str | None) -> dict:
+    """The :class:`OneSidedInitInfo` (as a dict) rank 0 hands one engine's workers (the job
+    secret's file as a path only: it crosses vLLM's HTTP routes)."""
     return {"store_host": host, "store_port": port, "first_rank": first_rank, "targets": info.targets,
             "transport": opts.transport.name, "timeout": timeout, "shadow": info.shadow or "off",
-            "delta_landing": opts.executor.delta_landing if opts.executor.delta and opts.executor.delta_mode != "scattered" else 0.0}
+            "delta_landing": opts.executor.delta_landing if opts.executor.delta and opts.executor.delta_mode != "scattered" else 0.0,
+            "secret_file": secret_file}
+
+
+# ------------------------------------------------------------------ the job secret (training rank 0 makes it)
+
+
+def job_secret():
+    """Training rank 0's job secret and the file the vLLM workers may read it from:
+    ``(secret, path)``. The secret is the trainer's environment's
+    (:data:`~weight_transfer.security.ENV_SECRET`, else the file
+    :data:`~weight_transfer.security.ENV_SECRET_FILE` names: then ``path`` is that file's
+    absolute path), else a fresh one (``path`` None: :func:`write_secret_file` writes it once the
+    store's port is known). ``(None, None)`` under the opt-out
+    (:data:`~weight_transfer.security.ENV_INSECURE`). ValueError naming the variable when it
+    holds no secret."""
+    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, JobSecret, insecure_requested
+
+    if insecure_requested():
+        return None, None
+    sec = JobSecret.from_env()
+    if sec is not None and not os.environ.get(ENV_SECRET) and os.environ.get(ENV_SECRET_FILE):
+        return sec, os.path.abspath(os.environ[ENV_SECRET_FILE])
+    return sec or JobSecret.generate(), None
+
+
+SECRET_DIR = os.path.join("weight-transfer", "secrets")
+"""Where :func:`write_secret_file` puts a job secret's file, under ``$XDG_CACHE_HOME`` (default
+``~/.cache``): a directory of mode 0700."""
+
+
+def write_secret_file(secret, port: int) -> str:
+    """Write ``secret`` (a :class:`~weight_transfer.security.JobSecret`) to a file of this user's,
+    ``<cache>/weight-transfer/secrets/<port>-<random>.key`` (directory 0700, file 0600; a fresh
+    ``tempfile.mkdtemp`` directory when the cache is not writable), for the vLLM workers of this
+    host (or of a shared home) to read; removed by :meth:`OneSidedTrainerEngine.shutdown` and at
+    exit. Returns its absolute path."""
+    import atexit
+    import secrets as _secrets
+    import tempfile
+
+    name = f"{int(port)}-{_secrets.token_hex(6)}.key"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    d = os.path.join(cache, SECRET_DIR)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        if os.stat(d).st_uid == os.getuid():
+            os.chmod(d, 0o700)
+        path = secret.write_file(os.path.join(d, name))
+    except OSError:
+        path = secret.write_file(os.path.join(tempfile.mkdtemp(prefix="weight-transfer-secret-"), name))
+    atexit.register(remove_secret_file, path)
+    return os.path.abspath(path)
+
+
+def remove_secret_file(path: str | None) -> None:
+    """Remove a file :func:`write_secret_file` wrote (None, or a file already gone: nothing)."""
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _connect_rank(rank: int, host: str, port: int, secret_file: str | None, *, timeout: float):
+    """A training rank other than 0 joins the store: with the secret of its own environment, else
+    of ``secret_file`` (training 0's, sent over the default process group). AuthenticationError
+    naming the rank and how to pass the secret when it has neither (or cannot read the file)."""
+    from weight_transfer.api import connect_store
+    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError, JobSecret, insecure_requested
+
+    secret = None
+    if not insecure_requested():
+        how = (f"set {ENV_SECRET} (the hex secret) or {ENV_SECRET_FILE} (a file only this user can read) in every "
+               "training rank's environment, or initialize the default process group before trainer_init so training "
+               "0 sends the path of its secret file (readable on the same host, or with a shared home)")
+        try:
+            secret = JobSecret.from_env() or (JobSecret.from_file(secret_file) if secret_file else None)
+        except ValueError as e:
+            raise AuthenticationError(f"training {rank}: no usable job secret for the store at {host}:{port}: {e}; "
+                                      f"{how}") from None
+        if secret is None:
+            raise AuthenticationError(f"training {rank}: no job secret for the store at {host}:{port}: {how}")
+    try:
+        return connect_store((host, port), timeout=timeout, secret=secret)
+    except AuthenticationError as e:
+        raise AuthenticationError(f"training {rank}: {e}") from None
+
+
+SECRET_MARK = "WEIGHT_TRANSFER_SECRET"
+"""What every job-secret failure of a worker names (:func:`_init_inference` tells them apart)."""
+
+
+def _server_reason(e: BaseException) -> str:
+    """The inference side's own reason for ``e``: a vLLM server's error response
+    (``{"error": {"message"}}``, behind ``requests``' ``HTTPError``) when there is one, else ``""``."""
+    resp = getattr(e, "response", None)
+    if resp is None:
+        return ""
+    try:
+        msg = resp.json()["error"]["message"]
+        return str(msg).strip()
+    except Exception:
+        return (getattr(resp, "text", "") or "").strip()[:500]
 
 
 def _init_inference(client, worker_info: dict) -> None:
-    """``client.init_weight_transfer_engine(worker_info)``; RuntimeError naming the inference
-    side and what to check when it fails (e.g. the server is not up yet)."""
+    """``client.init_weight_transfer_engine(worker_info)``; when it fails, an error naming the
+    inference side with the workers' own reason (a vLLM server's error response included):
+    :class:`weight_transfer.security.AuthenticationError` when a worker could not prove it is a
+    member of the job (no job secret, an unreadable secret file, another secret: the reason
+    names ``WEIGHT_TRANSFER_SECRET``), RuntimeError otherwise, with what to check (e.g. the
+    server is not up yet)."""
+    from weight_transfer.security import AuthenticationError
+
     try:
         client.init_weight_transfer_engine(worker_info)
     except Exception as e:
         first = worker_info["first_rank"]
+        where = (f"training 0: the inference side{f' at rank {first}' if first else ''} did not initialize the "
+                 f"{BACKEND!r} backend (client.init_weight_transfer_engine via {type(client).__name__})")
+        server = _server_reason(e)
+        reason = _first_line(e) + (f" (the server says: {server})" if server else "")
+        if isinstance(e, AuthenticationError) or SECRET_MARK in str(e) or SECRET_MARK in server:
+            raise AuthenticationError(
+                f"{where}: its workers could not join the job's control plane: {reason}. The vLLM workers need the "
+                f"job secret: {SECRET_MARK} or {SECRET_MARK}_FILE in the vLLM server's environment, or the init "
+                f"info's secret_file ({worker_info.get('secret_file')!r}) readable by the vLLM server's user "
+                "(docs/VLLM.md)") from e
         raise RuntimeError(
-            f"training 0: the inference side{f' at rank {first}' if first else ''} did not initialize the "
-            f"{BACKEND!r} backend (client.init_weight_transfer_engine via {type(client).__name__}): {_first_line(e)}. "
+            f"{where}: {reason}. "
             "Is vLLM up and started with weight_transfer_config={'backend': 'one_sided'} "
             "(server: --weight-transfer-config '{\"backend\": \"one_sided\"}', VLLM_SERVER_DEV_MODE=1)?"
         ) from e

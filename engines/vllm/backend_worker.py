@@ -15,7 +15,55 @@ from . import delta_apply  # packed deltas: the landing region and the commit's 
 from .backend_config import OneSidedInitInfo, OneSidedUpdateInfo, _first_line, engine_key
 from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worker, before the model is built
 
-__all__ = ["OneSidedWeightTransferEngine", "hf_config_dict"]
+__all__ = ["OneSidedWeightTransferEngine", "hf_config_dict", "worker_secret", "connect_worker", "SECRET_HOW"]
+
+SECRET_HOW = ("set WEIGHT_TRANSFER_SECRET (the job secret, hex) or WEIGHT_TRANSFER_SECRET_FILE (a file only the vLLM "
+              "server's user can read) in the vLLM server's environment, or make the init info's secret_file (written "
+              "by training rank 0) a file the vLLM server's user owns and alone can read (same user and host, or a "
+              "shared home); docs/VLLM.md")
+"""How a vLLM worker gets the job secret, for its errors (they reach the trainer through vLLM)."""
+
+
+def worker_secret(init_info: OneSidedInitInfo, *, who: str):
+    """The job secret this worker joins the store with: its own environment's
+    (:meth:`weight_transfer.security.JobSecret.from_env`) first, else the file the init info's
+    ``secret_file`` names (:meth:`~weight_transfer.security.JobSecret.from_file`: a regular file
+    this user owns, mode 0600/0400). None under the opt-out (``WEIGHT_TRANSFER_INSECURE=1`` in
+    the worker's environment). :class:`weight_transfer.security.AuthenticationError` naming
+    ``who``, ``WEIGHT_TRANSFER_SECRET`` and :data:`SECRET_HOW` when there is none, or when the
+    variable or the file holds no secret or the file is not this user's alone. One line: it
+    travels to the trainer in vLLM's error text."""
+    from weight_transfer.security import AuthenticationError, JobSecret, insecure_requested
+
+    if insecure_requested():
+        return None
+    try:
+        sec = JobSecret.from_env()
+        if sec is None and init_info.secret_file:
+            sec = JobSecret.from_file(init_info.secret_file)
+    except ValueError as e:
+        raise AuthenticationError(f"{who}: no usable job secret ({_first_line(e)}): {SECRET_HOW}") from None
+    if sec is None:
+        raise AuthenticationError(f"{who}: no job secret to join the control-plane store at {init_info.store_host}:"
+                                  f"{init_info.store_port} (none in WEIGHT_TRANSFER_SECRET / WEIGHT_TRANSFER_SECRET_FILE,"
+                                  " no secret_file in the init info): " + SECRET_HOW)
+    return sec
+
+
+def connect_worker(init_info: OneSidedInitInfo, *, who: str):
+    """This worker's handle on the store (:func:`weight_transfer.api.connect_store` with
+    :func:`worker_secret`). AuthenticationError (naming ``WEIGHT_TRANSFER_SECRET``) when it has
+    no secret or not the store's; ControlError when no store answers within the timeout."""
+    from weight_transfer.api import connect_store
+    from weight_transfer.security import AuthenticationError
+
+    secret = worker_secret(init_info, who=who)
+    addr = (init_info.store_host, init_info.store_port)
+    try:
+        return connect_store(addr, timeout=max(init_info.timeout, 60.0), secret=secret)
+    except AuthenticationError as e:
+        raise AuthenticationError(f"{who}: {str(e).splitlines()[0]}: is the vLLM server's WEIGHT_TRANSFER_SECRET the "
+                                  f"job's? {SECRET_HOW}") from None
 
 
 def hf_config_dict(hf_config) -> dict:
@@ -91,9 +139,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         parallel layout this backend does not plan (pipeline parallelism); ValueError, naming the
         tensor and its device, before anything is registered or published, for a tensor no
         configured transport can register (a CUDA tensor with ``transport="cma"``, a ``meta``
-        tensor, tensors on two devices)."""
+        tensor, tensors on two devices); :class:`weight_transfer.security.AuthenticationError`
+        naming ``WEIGHT_TRANSFER_SECRET`` when the worker has no job secret or not the store's
+        (:func:`connect_worker`), before anything is registered."""
         from weight_transfer import control
-        from weight_transfer.api import connect_store
         from weight_transfer.types import InferenceLayout
 
         from .runtime import opaque_layers, post_processed_layers, runtime_layout
@@ -108,7 +157,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
         rank = init_info.first_rank + dp_index * int(pc.world_size) + self.local_rank
         self.rank = rank
-        store = connect_store((init_info.store_host, init_info.store_port), timeout=max(init_info.timeout, 60.0))
+        store = connect_worker(init_info, who=self._who())
         from .trace_publish import publish_trace
 
         self.trace = publish_trace(store, rank, self.vllm_config)  # the loader's recipes (C29), before any publish
@@ -203,7 +252,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         refused = f"{self._who()}: update_weights(version={v}) refused"
         if not store.check([WORLD_KEY]):
             raise RuntimeError(f"{refused}: no coordinator published {WORLD_KEY!r}")
-        n_train = int(control.get(store, WORLD_KEY)["n_train"])
+        n_train = control.get(store, WORLD_KEY)["n_train"]
         for r in range(n_train):
             key = f"step/{v}/done/{r}"
             if not store.check([key]):
@@ -215,7 +264,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         if self.shadow is None:
             state = control.read_state(store)
             if state.state != "writing" or state.version != v:
-                reason = store.get("weights/reason").decode() if store.check(["weights/reason"]) else ""
+                reason = control.get_text(store, "weights/reason") if store.check(["weights/reason"]) else ""
                 raise RuntimeError(f"{refused}: the store says the weights are {state}, not 'writing {v}'"
                                    + (f" ({reason})" if reason and state.state == "incomplete" else ""))
         # packed delta records scattered into place, before the go-live/commit; without shadow targets

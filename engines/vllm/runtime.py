@@ -61,6 +61,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from weight_transfer import wire
 from weight_transfer.layouts import IDENTITY, TRANSPOSED
 from weight_transfer.types import DestTensorMeta, RegionDescriptor
 
@@ -134,7 +135,12 @@ class RuntimeTarget:
 @dataclass(kw_only=True, slots=True)
 class RuntimeLayout:
     """One vLLM worker's runtime layout (see module docstring). ``rank``: the inference rank
-    this worker is in the trial (instance * tp + TP rank). Byte counts are bytes."""
+    this worker is in the trial (instance * tp + TP rank). Byte counts are bytes.
+
+    It travels through the control-plane store as data (:func:`weight_transfer.wire.tag`, under
+    :data:`weight_transfer.store.RUNTIME_KEY`: the receiver publishes it, the coordinator plans
+    with it): registered as the tagged type ``"vllm.RuntimeLayout"`` when this module is
+    imported, so every process that reads that key imports it (the trainer engine does)."""
 
     rank: int
     pid: int
@@ -168,6 +174,12 @@ class RuntimeLayout:
     """What the worker's CPU offered vLLM (:func:`weight_transfer.engines.vllm.extension.host_isa`)."""
     gemm: dict[str, str] = field(default_factory=dict)
     """Module -> the ``cpu_linear`` branch vLLM took (:func:`weight_transfer.engines.vllm.extension.gemm_path`)."""
+
+    def __post_init__(self):  # decoded from the store: the descriptor's extra fields as tuples again
+        if self.registered is not None and self.registered.extra:
+            from weight_transfer.keys import fix_descriptor
+
+            self.registered = fix_descriptor(self.registered)
 
     def targets_of(self, param: str) -> list[RuntimeTarget]:
         return [t for t in self.targets if t.param == param]
@@ -237,6 +249,9 @@ class RuntimeLayout:
     def layouts(self) -> dict[str, str]:
         """runtime tensor name -> layout."""
         return {t.name: t.layout for t in self.targets}
+
+
+wire.register_tagged(RuntimeLayout, "vllm.RuntimeLayout")
 
 
 def _packed_target(name: str, p: dict, pk: dict) -> RuntimeTarget | str:

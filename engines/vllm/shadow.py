@@ -34,20 +34,36 @@ import dataclasses
 import os
 import threading
 import time
+from typing import TypedDict
 
 import torch
 
+from weight_transfer import wire
 from weight_transfer.shadow import Shadow, check_mode
 
 from .runtime import STAGING_SUFFIX
 
 __all__ = ["WorkerShadow", "clone_processed", "apply_clone", "receive_shadow", "start_shadow_update",
-           "shadow_go_live", "trainer_go_live", "http_go_live", "READY_KEY"]
+           "shadow_go_live", "trainer_go_live", "http_go_live", "READY_KEY", "Ready"]
 
 READY_KEY = "shadow/{version}/ready/{rank}"
-"""Store key: a worker's ``{"ok", "error", "rebuild_s"}`` once every write of ``version``
-landed in its shadow and its staged layers were rebuilt aside (the trainer engine waits for it
-before the go-live, so a failed rebuild fails the update before anything live moves)."""
+"""Store key: a worker's :class:`Ready` once every write of ``version`` landed in its shadow
+and its staged layers were rebuilt aside (the trainer engine waits for it before the go-live,
+so a failed rebuild fails the update before anything live moves)."""
+
+
+class Ready(TypedDict):
+    """:data:`READY_KEY`: ``ok`` (the rebuild of the staged layers succeeded), ``error`` (why
+    not, one line; ``""`` when ok), ``rebuild_s`` (seconds the rebuild took; None when it
+    failed)."""
+
+    ok: bool
+    error: str
+    rebuild_s: float | None
+
+
+wire.register(READY_KEY.replace("{version}", "{v}").replace("{rank}", "{i}"), Ready,
+              "a vLLM worker's shadow written and its staged layers rebuilt aside, ready to go live (vLLM backend)")
 
 
 def clone_processed(layer: torch.nn.Module, params: dict[str, torch.Tensor], vllm_config) -> torch.nn.Module:
@@ -149,9 +165,10 @@ class WorkerShadow:
             self.params[name].data = v
 
     def info(self) -> dict:
-        """What the coordinator hands the trainers (:data:`weight_transfer.control.SHADOW_KEY`):
-        :meth:`Shadow.info` with ``shift`` as ``(lo, hi, delta)`` over the plan's offsets (half A:
-        ``[0, length)``)."""
+        """What the coordinator hands the trainers (:data:`weight_transfer.control.SHADOW_KEY`,
+        schema :class:`weight_transfer.keys.ShadowInfo`): :meth:`Shadow.info` (bytes) with
+        ``shift`` as ``(lo, hi, delta)`` over the plan's offsets (half A: ``[0, length)``) for a
+        flip, 0 for a copy, and ``why`` (how the mode was chosen, one line)."""
         out = self.shadow.info()
         out["why"] = self.why
         out["shift"] = (0, self.shadow.length, self.shadow.shift) if self.mode == "flip" else 0
@@ -185,14 +202,15 @@ class WorkerShadow:
                 self._built = self._rebuild() if self.targets.staged else {}
                 self.build_seconds = time.perf_counter() - t0
                 control.put(store, READY_KEY.format(version=v, rank=rank),
-                            {"ok": True, "error": "", "rebuild_s": self.build_seconds})
+                            Ready(ok=True, error="", rebuild_s=float(self.build_seconds)))
             except BaseException as e:  # reported by the go-live
                 self._build_error = e
                 if v is not None:
                     try:
                         control.put(store, READY_KEY.format(version=v, rank=rank),
-                                    {"ok": False, "error": f"{self.who}: rebuild of the staged layers failed: "
-                                                           f"{type(e).__name__}: {e}", "rebuild_s": None})
+                                    Ready(ok=False, error=f"{self.who}: rebuild of the staged layers failed: "
+                                                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                          rebuild_s=None))
                     except Exception:
                         pass
         self._build_thread = threading.Thread(target=run, name=f"wt-rebuild-{os.getpid()}", daemon=True)
@@ -346,12 +364,12 @@ def start_shadow_update(sh: WorkerShadow, store, *, who: str) -> None:
             where = "gone" if now is None else f"now {now.data_ptr():#x}"
             raise RuntimeError(f"{who}: the model's layout changed since init_weight_transfer_engine: {name} was "
                                f"{ptr:#x}, {where}; refusing the update (shutdown_weight_transfer_engine and init again)")
-    floor = int(store.get("weights/shadow").decode()) if store.check(["weights/shadow"]) else -1
-    n_train = int(control.get(store, WORLD_KEY)["n_train"]) if store.check([WORLD_KEY]) else 1
+    floor = control.get_int(store, "weights/shadow") if store.check(["weights/shadow"]) else -1
+    n_train = control.get(store, WORLD_KEY)["n_train"] if store.check([WORLD_KEY]) else 1
 
     def version_of_update():
         if store.check(["weights/shadow"]):
-            v = int(store.get("weights/shadow").decode())
+            v = control.get_int(store, "weights/shadow")
             return v if v > floor else None
         return None
     sh.start_rebuild(store, version_of_update, n_train, timeout=store_timeout(store), rank=sh.rank)
@@ -377,9 +395,9 @@ def shadow_go_live(sh: WorkerShadow, store, version: int, *, rank: int, timeout:
     from .steps import mark
 
     key = "weights/shadow"
-    now = store.get(key).decode() if store.check([key]) else None
+    now = control.get_int(store, key) if store.check([key]) else None
     try:
-        if now != str(version):
+        if now != version:
             raise RuntimeError(f"{refused}: the shadows hold the writes of version {now}, not {version}")
         t0 = time.time()
         stats = sh.go_live(version, timeout)

@@ -37,6 +37,7 @@ import copy
 import os
 import time
 from collections.abc import Mapping
+from typing import TypedDict
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -432,7 +433,7 @@ def loaded_params_subprocess(model_dir: str, layout_spec: str, tensors: Mapping[
         if p.returncode != 0:
             tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-5:])
             raise RuntimeError(f"vLLM's load_weights for {model_dir} failed in the child (exit {p.returncode}):\n{tail}")
-        return torch.load(out, weights_only=False)
+        return torch.load(out, weights_only=True)  # tensors, names and ints only: no pickle
 
 
 def parse_layout(spec: str, dtype: str = "bfloat16"):
@@ -449,13 +450,48 @@ def parse_layout(spec: str, dtype: str = "bfloat16"):
     return InferenceLayout(tp=int(tp), dp=int(dp or 1), ep=ep, dtype=dtype)
 
 
+Sources = dict[str, tuple[tuple[int, ...], str]]
+"""``{checkpoint name: (shape, dtype name)}``: what the loader is traced with."""
+Traces = dict[str, dict[int, LoaderTrace]]
+"""``{layout spec: {inference rank: LoaderTrace}}``: what :func:`main` writes."""
+
+
+class TraceJob(TypedDict):
+    """One model of :func:`trace_many_subprocess`: its directory, sources and layout specs."""
+
+    model_dir: str
+    sources: Sources
+    layouts: list[str]
+
+
+def write_data(path, obj) -> None:
+    """Write ``obj`` (data: dicts, lists, tuples, the library's dataclasses) to ``path`` in the
+    library's data-only encoding (:func:`weight_transfer.wire.encode`; msgpack, no pickle)."""
+    from weight_transfer import wire
+
+    with open(path, "wb") as f:
+        f.write(wire.encode(obj))
+
+
+def read_data(path, type_):
+    """What :func:`write_data` wrote to ``path``, decoded strictly as ``type_``
+    (:func:`weight_transfer.wire.decode`: an unknown or ill-typed field is refused, naming the
+    file; nothing is unpickled)."""
+    from weight_transfer import wire
+
+    with open(path, "rb") as f:
+        return wire.decode(f.read(), f"file {os.fspath(path)}", type_)
+
+
 def main(argv=None) -> int:
-    """``python -m weight_transfer.engines.vllm.trace MODEL_DIR SOURCES.pkl OUT.pkl --layouts
+    """``python -m weight_transfer.engines.vllm.trace MODEL_DIR SOURCES OUT --layouts
     "1 2 2+ep 2x2"``: :func:`trace_layout` in a process of its own (vLLM's global state stays
-    there) for each layout (:func:`parse_layout`); ``SOURCES.pkl`` holds ``{checkpoint name:
-    (shape, dtype)}``, ``OUT.pkl`` gets ``{layout spec: {inference rank: LoaderTrace}}``."""
+    there) for each layout (:func:`parse_layout`); ``SOURCES`` holds :data:`Sources` (``MODEL_DIR``
+    ``-``: a list of :class:`TraceJob`), ``OUT`` gets :data:`Traces` (a list of them), both in the
+    data-only encoding (:func:`write_data`). ``--load``: ``SOURCES`` is a ``torch.save`` of
+    ``{"tensors", "want"}`` and ``OUT`` gets ``{tp rank: {name: tensor}}`` (read with
+    ``torch.load(weights_only=True)``)."""
     import argparse
-    import pickle
 
     ap = argparse.ArgumentParser(prog="python -m weight_transfer.engines.vllm.trace")
     ap.add_argument("model_dir")
@@ -467,20 +503,18 @@ def main(argv=None) -> int:
                     "write {tp rank: {name: tensor}} as vLLM's load_weights makes them (loaded_params)")
     a = ap.parse_args(argv)
     if a.load:
-        job = torch.load(a.sources, weights_only=False)
+        job = torch.load(a.sources, weights_only=True)
         layout = parse_layout(a.layouts.split()[0], a.dtype)
         torch.save({r: loaded_params(a.model_dir, layout, r, job["tensors"], names) for r, names in job["want"].items()},
                    a.out)
         return 0
-    with open(a.sources, "rb") as f:
-        sources = pickle.load(f)
     if a.model_dir == "-":  # SOURCES holds a list of jobs (trace_many_subprocess)
         out = [{spec: trace_layout(j["model_dir"], parse_layout(spec, a.dtype), j["sources"]) for spec in j["layouts"]}
-               for j in sources]
+               for j in read_data(a.sources, list[TraceJob])]
     else:
+        sources = read_data(a.sources, Sources)
         out = {spec: trace_layout(a.model_dir, parse_layout(spec, a.dtype), sources) for spec in a.layouts.split()}
-    with open(a.out, "wb") as f:
-        pickle.dump(out, f)
+    write_data(a.out, out)
     return 0
 
 
@@ -496,26 +530,24 @@ def trace_many_subprocess(jobs: list[dict], *, timeout: float = 900.0) -> list[d
     """:func:`trace_subprocess` for several models in one child (vLLM imported once): ``jobs``
     are ``{"model_dir", "sources", "layouts": [spec, ...]}``; one ``{spec: {rank: LoaderTrace}}``
     per job, in order."""
-    return _child("-", [dict(j, sources=dict(j["sources"]), layouts=list(j["layouts"])) for j in jobs], "1", timeout)
+    return _child("-", [TraceJob(model_dir=str(j["model_dir"]), sources=dict(j["sources"]), layouts=list(j["layouts"]))
+                        for j in jobs], "1", timeout)
 
 
 def _child(model_dir: str, payload, layouts: str, timeout: float):
-    import pickle
     import subprocess
     import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        src, out = os.path.join(d, "sources.pkl"), os.path.join(d, "traces.pkl")
-        with open(src, "wb") as f:
-            pickle.dump(payload, f)
+        src, out = os.path.join(d, "sources.msgpack"), os.path.join(d, "traces.msgpack")
+        write_data(src, payload)
         p = subprocess.run([sys.executable, "-m", "weight_transfer.engines.vllm.trace", model_dir, src, out,
                             "--layouts", layouts], capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-5:])
             raise RuntimeError(f"tracing vLLM's loader for {model_dir} failed (exit {p.returncode}):\n{tail}")
-        with open(out, "rb") as f:
-            return pickle.load(f)
+        return read_data(out, list[Traces] if model_dir == "-" else Traces)
 
 
 def trace_cache_dir():
@@ -541,7 +573,6 @@ def cached_traces(mcfg, layout) -> dict:
     ValueError for FP8 or data-parallel attention (not traced without workers)."""
     import hashlib
     import json
-    import pickle
     import tempfile
     from pathlib import Path
 
@@ -556,16 +587,16 @@ def cached_traces(mcfg, layout) -> dict:
     spec = layout_spec(layout)
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # a changed tracer traces again
     key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}|{code}".encode()).hexdigest()[:20]
-    path = trace_cache_dir() / f"{key}.pkl"
+    path = trace_cache_dir() / f"{key}.msgpack"
     if path.exists():
-        return pickle.loads(path.read_bytes())
+        return read_data(path, dict[int, LoaderTrace])
     sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(cfgjson)
         traces = trace_subprocess(d, sources, [spec])[spec]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(pickle.dumps(traces, protocol=pickle.HIGHEST_PROTOCOL))
+    write_data(tmp, traces)
     tmp.replace(path)
     return traces
 

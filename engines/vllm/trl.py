@@ -125,7 +125,10 @@ class OneSidedWeightTransfer:
     without one); ``store_host`` / ``store_port``: where training rank 0 starts the control-plane
     store, an address the server's workers and the other ranks reach (``store_port=0``: a free
     port; the data plane follows the workers' memory: on a host-memory vLLM, ``cma`` into the
-    server's processes on this host);
+    server's processes on this host; the store admits members of the job only: rank 0 hands the
+    server's workers the path of the job secret's file, which a server of the same user and host
+    reads, while a server on another host or under another user needs ``WEIGHT_TRANSFER_SECRET``
+    or ``WEIGHT_TRANSFER_SECRET_FILE`` in its environment, docs/VLLM.md "The job secret");
     ``options``, ``timeout``, ``targets``: as
     :class:`~weight_transfer.engines.vllm.backend.OneSidedTrainerInitInfo`; ``http_timeout``:
     seconds per HTTP call (pause, resume, prefix-cache reset, and vLLM's weight-sync client);

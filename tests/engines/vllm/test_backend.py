@@ -6,8 +6,10 @@ trainer's option overrides and sources, vLLM's own error for an unknown backend,
 started before the inference side is up; the worker engine itself over an ``nn.Module`` of the
 stand-in's tensors (:class:`ModuleWorkerClient`: its registration path end to end over host
 memory, transport ``auto`` -> ``cma``, one region of one part per allocation, the sender
-following; and its refusal at init naming the tensor and the device, issue 42); two FSDP2 training ranks through the trainer engine
-into the stand-in engine (the store address over the default process group; a repeated version,
+following; and its refusal at init naming the tensor and the device, issue 42); the job secret
+(issue 54): the worker reads the trainer's secret file, a worker without the secret (or with
+another job's) is named to the trainer as ``AuthenticationError``, never "Is vLLM up"; two FSDP2 training ranks through the trainer engine
+into the stand-in engine (the store address and the secret file's path over the default process group; a repeated version,
 a non-int one and disagreeing ranks refused alike on both ranks before any byte moves; rank 1
 failing at its last write and in the prepare stage: ControlError on both ranks naming it,
 ``incomplete:v``, the next update restoring).
@@ -227,14 +229,15 @@ class StandInClient:
         import types
 
         from weight_transfer import control
-        from weight_transfer.api import ENGINE_KEY, Receiver, connect_store
+        from weight_transfer.api import ENGINE_KEY, Receiver
         from weight_transfer.engines import Engine
         from weight_transfer.engines.vllm.backend import OneSidedInitInfo, OneSidedWeightTransferEngine, engine_key
+        from weight_transfer.engines.vllm.backend_worker import connect_worker
         from weight_transfer.types import InferenceLayout
 
         info = OneSidedInitInfo(**init_info)
         rank = info.first_rank                # one TP-1 replica: its only worker is inference rank first_rank
-        store = connect_store((info.store_host, info.store_port))
+        store = connect_worker(info, who=f"stand-in {rank}")  # the job secret as a worker takes it
         self.engine = Engine(self.cfg, InferenceLayout(tp=1, dp=rank + 1), rank)
         rx = Receiver.from_arena(self.engine.arena, self.engine.tensor_metas(), rank=rank, store=store, publish=False)
         assert engine_key(0) == ENGINE_KEY
@@ -361,12 +364,14 @@ class ModuleWorkerClient:
         self.labels.append(weight_version)
 
 
-def test_worker_engine_registration_path_end_to_end_over_host_memory():
+def test_worker_engine_registration_path_end_to_end_over_host_memory(monkeypatch):
     """Issue 42 item 3 on the host, without a vLLM engine: the trainer engine's defaults (transport
     ``auto``) reach the worker engine, which chooses ``cma`` from its tensors' memory and registers
     one region of one part per parameter allocation (the path a CUDA vLLM takes with
     ``cuda_ipc``); worker 0 says which transport in the engine key, the sender follows it, and two
-    updates land bit-exact in every tensor, each write held inside one part."""
+    updates land bit-exact in every tensor, each write held inside one part. No job secret in the
+    environment: the trainer makes one and the worker reads it from the init info's
+    ``secret_file`` (issue 54), removed at shutdown."""
     import torch
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
@@ -378,13 +383,18 @@ def test_worker_engine_registration_path_end_to_end_over_host_memory():
     from weight_transfer.testing.weights import SyntheticCheckpoint
     from weight_transfer.types import InferenceLayout
 
+    for var in ("WEIGHT_TRANSFER_SECRET", "WEIGHT_TRANSFER_SECRET_FILE"):
+        monkeypatch.delenv(var, raising=False)
     cfg = load_config(TWO_CFG[0], **TWO_CFG[1])
     ck = {s: SyntheticCheckpoint(param_specs(cfg), step=s, seed=0) for s in (0, 1, 2)}
     params = {n: ck[0][n].clone() for n in ck[0].names()}
     client = ModuleWorkerClient(cfg)
     eng = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=30), client=client,
                                                     source=DTensorSource(params))
+    secret_file = eng.secret_file
     try:
+        assert secret_file and eng._made_secret_file == secret_file and oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
+        assert "WEIGHT_TRANSFER_SECRET" not in os.environ  # handed over as a file, not exported
         w = client.worker
         mine = dict(client.module.named_parameters())
         assert w.receiver.transport.name == "cma" and control.get(eng.store, ENGINE_KEY)["transport"] == "cma"
@@ -402,6 +412,7 @@ def test_worker_engine_registration_path_end_to_end_over_host_memory():
     finally:
         eng.shutdown()
         client.worker.shutdown()
+    assert not os.path.exists(secret_file)
 
 
 @pytest.mark.parametrize("device, options, name, where", [
@@ -432,6 +443,105 @@ def test_worker_engine_refuses_at_init_naming_the_tensor_and_device(device, opti
     assert not store.check(["meta/infer/0"]) and not store.check([ENGINE_KEY]) and not store.check(["infer/owner/0"])
 
 
+class SecretlessClient(ModuleWorkerClient):
+    """:class:`ModuleWorkerClient` whose worker does not get the job secret: the init info's
+    ``secret_file`` is dropped (a vLLM server whose user cannot read it), or its environment
+    holds another job's secret during the init (``other``). Records the init infos it got."""
+
+    def __init__(self, cfg, *, other: bool = False):
+        super().__init__(cfg)
+        self.other, self.infos = other, []
+
+    def init_weight_transfer_engine(self, init_info):
+        from weight_transfer.security import ENV_SECRET, JobSecret
+
+        self.infos.append(dict(init_info))
+        if not self.other:
+            return super().init_weight_transfer_engine(dict(init_info, secret_file=None))
+        before = os.environ.get(ENV_SECRET)
+        os.environ[ENV_SECRET] = JobSecret.generate().hex()  # the worker's environment first: not the job's
+        try:
+            return super().init_weight_transfer_engine(init_info)
+        finally:
+            os.environ.pop(ENV_SECRET) if before is None else os.environ.__setitem__(ENV_SECRET, before)
+
+
+@pytest.mark.parametrize("other", [False, True], ids=["no_secret", "another_jobs_secret"])
+def test_worker_without_the_job_secret_is_named_to_the_trainer(other, monkeypatch):
+    """Issue 54: a vLLM worker without the job secret (none in its environment, no readable
+    ``secret_file``), or with another job's, cannot join the store; the trainer gets
+    :class:`AuthenticationError` with the worker's own reason naming ``WEIGHT_TRANSFER_SECRET``
+    (not "Is vLLM up"), the worker registered nothing, and the secret file the trainer wrote is
+    removed. The init info carries the file's path, never the secret."""
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError
+    from weight_transfer.testing.catalog import load_config
+
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
+    client = SecretlessClient(load_config(TWO_CFG[0], **TWO_CFG[1]), other=other)
+    want = (r"is the vLLM server's WEIGHT_TRANSFER_SECRET the job's\?" if other else
+            r"no job secret to join the control-plane store .*WEIGHT_TRANSFER_SECRET")
+    with pytest.raises(AuthenticationError, match=r"training 0: the inference side did not initialize the 'one_sided' "
+                                                  r"backend .*could not join the job's control plane: .*inference 0 "
+                                                  rf"\(vLLM worker pid \d+\): .*{want}") as ei:
+        WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=30), client=client,
+                                                  source=DTensorSource({"w": torch.zeros(2)}))
+    assert "Is vLLM up" not in str(ei.value)
+    assert client.worker.receiver is None and client.worker.store is None
+    (info,) = client.infos
+    path = info["secret_file"]
+    assert path and os.path.isabs(path) and not os.path.exists(path)   # written for the workers, removed on failure
+    assert set(info) == {"store_host", "store_port", "first_rank", "targets", "transport", "timeout", "shadow",
+                         "delta_landing", "secret_file"}                # no secret in what crosses vLLM's routes
+
+
+def test_secret_file_of_the_trainers_environment_reaches_the_workers(tmp_path, monkeypatch):
+    """A trainer whose environment names the job secret's file hands the workers that path (it
+    writes none of its own); a worker without the secret in its environment reads it there, and
+    an update lands. A server's error response (vLLM's ``{"error": {"message"}}`` behind an
+    ``HTTPError``) naming the secret is reported as such, with the server's reason."""
+    import requests
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.engines.vllm.backend_trainer import _init_inference
+    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError, JobSecret
+    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.weights import SyntheticCheckpoint
+
+    path = JobSecret.generate().write_file(tmp_path / "job.key")
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    monkeypatch.setenv(ENV_SECRET_FILE, str(path))
+    cfg = load_config(TWO_CFG[0], **TWO_CFG[1])
+    ck = SyntheticCheckpoint(param_specs(cfg), step=1, seed=0)
+    client = ModuleWorkerClient(cfg)
+    eng = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=30), client=client,
+                                                    source=DTensorSource({n: ck[n].clone() for n in ck.names()}))
+    try:
+        assert eng.secret_file == os.path.abspath(path) and eng._made_secret_file is None
+        eng.send_weights()
+        assert client.labels == ["1"]
+    finally:
+        eng.shutdown()
+        client.worker.shutdown()
+    assert os.path.exists(path)  # the user's file: not the trainer's to remove
+
+    class Server:
+        def init_weight_transfer_engine(self, init_info):
+            r = requests.Response()
+            r.status_code, r._content = 500, (b'{"error": {"message": "inference 0 (vLLM worker pid 1): no job secret '
+                                              b'to join ...: set WEIGHT_TRANSFER_SECRET ...", "code": 500}}')
+            raise requests.HTTPError("500 Server Error: Internal Server Error for url: http://x/init", response=r)
+
+    with pytest.raises(AuthenticationError, match=r"via Server\): its workers could not join .*HTTPError: 500 .*"
+                                                  r"\(the server says: inference 0 \(vLLM worker pid 1\): no job secret"):
+        _init_inference(Server(), {"first_rank": 0, "secret_file": None})
+
+
 def _two_rank_main(rank: int, port: int, out: str) -> None:
     """One of two FSDP2 training ranks (gloo): 2 updates; refusals taken together (version 2
     repeated, a non-int version, the ranks asking for different versions) with step 3's weights
@@ -452,6 +562,8 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
     from weight_transfer.types import InferenceLayout
 
     torch.set_num_threads(1)
+    for var in ("WEIGHT_TRANSFER_SECRET", "WEIGHT_TRANSFER_SECRET_FILE"):  # rank 0 makes the secret, rank 1 reads
+        os.environ.pop(var, None)                                          # its file (the path broadcast)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     cfg = load_config(TWO_CFG[0], **TWO_CFG[1])
     model = build_fsdp_model(cfg, init_device_mesh("cpu", (2,)))
@@ -460,7 +572,7 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
     client = StandInClient(cfg) if rank == 0 else None
     eng = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=rank, world_size=2, timeout=30),
                                                     client=client, source=ModuleSource(model))
-    res: dict = {}
+    res: dict = {"secret_file": eng.secret_file}
 
     def check(step):
         ck = SyntheticCheckpoint(param_specs(cfg), step=step, seed=0)
@@ -586,6 +698,7 @@ def test_two_fsdp2_ranks_through_the_trainer_engine(tmp_path):
           f"{r0['prep_seconds']:.2f} / {r1['prep_seconds']:.2f} s (rank 0 / rank 1); rank 1 prepares "
           f"{r1['n_prepared']} tasks per update")
     assert r0[1] and r0[2] and r0[5]
+    assert r0["secret_file"] and r1["secret_file"] == r0["secret_file"] and not os.path.exists(r0["secret_file"])
     for r in (r0, r1):
         assert r["repeat"].startswith("VersionError: push(version=2): version 2 refused"), r["repeat"]
         assert r["str"].startswith("TypeError: ") and "version='3'" in r["str"], r["str"]
