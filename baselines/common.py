@@ -22,13 +22,16 @@ frameworks funnel expert-parallel parameters through their EP rank 0.
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import torch.distributed as dist
 
-from weight_transfer import control
-from weight_transfer.types import torch_dtype
+from weight_transfer import control, wire
+from weight_transfer.types import RegionDescriptor, torch_dtype
 
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_RPC_TIMEOUT, BaselineOptions
 
@@ -74,6 +77,31 @@ class BaselineStats:
 
     def stage_busy(self) -> dict[str, float]:
         return {}
+
+
+# The baselines' results travel through the store as data (weight_transfer.wire): a training
+# rank's stats as a tagged value of step/{v}/done/{r}; the controller publishes the parameter
+# list and the landed byte count once. Registered here, imported by every process of a trial
+# that runs a baseline (the method's module imports this one).
+wire.register_tagged(BaselineStats)
+wire.register(KEY_PARAMS, list[ParamEntry], "the baselines' ordered global parameter list (controller -> trainers)")
+wire.register(KEY_DEST_BYTES, int, "bytes that land in inference memory per update (the baselines' `bytes`)")
+
+
+def endpoint_descriptor(method: str, **fields) -> RegionDescriptor:
+    """What a baseline's inference rank publishes as the descriptor of its setup payload
+    (``meta/infer/{i}``, whose schema is the library's ``(RegionDescriptor, [DestTensorMeta])``):
+    not a memory region -- the baselines' inference side receives actively -- but where to reach
+    it: ``transport`` names the method, ``host`` / ``pid`` the process, ``addr`` / ``length`` /
+    ``key`` are 0, and ``extra`` holds the method's fields (``fields``: str / int values, e.g.
+    the RPC worker's ZeroMQ endpoint), read back with :func:`endpoint_fields`."""
+    return RegionDescriptor(transport=method, host=socket.gethostname(), pid=os.getpid(), addr=0, length=0, key=0,
+                            extra=tuple(sorted(fields.items())))
+
+
+def endpoint_fields(desc: RegionDescriptor) -> dict:
+    """The method's fields of a descriptor made by :func:`endpoint_descriptor`."""
+    return dict(desc.extra)
 
 
 def bucket_bytes(options: BaselineOptions | None) -> int:
@@ -155,8 +183,12 @@ def from_bytes(buf: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.T
     return buf.view(torch_dtype(dtype)).view(shape)
 
 
-@dataclass(frozen=True, slots=True)
-class BucketItem:
+class BucketItem(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One tensor of a funnel bucket: its name, shape and dtype, and its byte range in the
+    bucket. A msgspec ``Struct`` (array-like: ``[name, shape, dtype, offset, nbytes]``): the
+    funnel broadcasts each update's manifest of buckets to the inference ranks as data
+    (:mod:`weight_transfer.baselines.funnel`), decoded strictly into these."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str

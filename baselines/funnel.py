@@ -5,7 +5,7 @@ distributed": OpenRLHF's ``broadcast_to_vllm``, verl / slime / SGLang's
 Setup, once: training rank 0 and every inference rank join one *update group*, a process
 group of ``1 + n_infer`` ranks that spans the two jobs (training rank 0 is group rank 0,
 inference rank ``i`` is group rank ``1 + i``). Like the frameworks (who build it with a copy
-of ``init_process_group`` or a stateless group), it is created from the controller's TCPStore
+of ``init_process_group`` or a stateless group), it is created from the controller's store
 under its own prefix, independent of the training world's default group: a
 ``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` when the parameters live on a GPU.
 
@@ -18,7 +18,8 @@ Per update, on "go":
    :data:`~weight_transfer.baselines.common.DEFAULT_BUCKET_BYTES` (512 MiB, like the frameworks; a larger
    tensor travels alone), after broadcasting the step's manifest (name, shape, dtype, offset
    per tensor of each bucket -- what the frameworks send as the ``names, dtypes, shapes`` of
-   their update call);
+   their update call), as data: msgpack (``msgspec``), decoded strictly into
+   :class:`Manifest` on the inference ranks (nothing received is unpickled);
 3. each bucket is broadcast from group rank 0 (training rank 0) to every inference rank. All
    bytes leave through training rank 0's one link: Gloo/NCCL route the broadcast through the
    inference ranks (inference rank 0 first), which is the "funnel";
@@ -33,10 +34,10 @@ raises, so the controller reports the rank and does not publish the version.
 """
 from __future__ import annotations
 
-import pickle
 import time
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -44,9 +45,11 @@ from weight_transfer.method import ControllerSide, InferenceSide, TrainerSide
 
 from .common import (
     BaselineStats,
+    BucketItem,
     as_bytes,
     bucket_bytes,
     bucket_size,
+    endpoint_descriptor,
     from_bytes,
     gather_to_rank0,
     plan_buckets,
@@ -68,20 +71,52 @@ def make_update_group(store, rank: int, size: int, *, timeout: float, device: st
     return dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=timeout))
 
 
-def _broadcast_object(pg, obj, *, root: int = 0, device="cpu"):
-    """Broadcast a picklable object from ``root`` (length first, then the bytes)."""
-    if obj is not None:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What training rank 0 broadcasts before an update's buckets: the step and, per bucket, the
+    tensors in it (:class:`~weight_transfer.baselines.common.BucketItem`)."""
+
+    step: int
+    buckets: list[list[BucketItem]]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Manifest)
+
+
+class ManifestError(RuntimeError):
+    """A broadcast manifest that is not a :class:`Manifest` (refused, naming why)."""
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    return _ENCODER.encode(manifest)
+
+
+def decode_manifest(raw) -> Manifest:
+    """``raw`` (msgpack) decoded strictly into a :class:`Manifest`: unknown fields, wrong types
+    or arity are a :class:`ManifestError`."""
+    try:
+        return _DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ManifestError(f"funnel: refused a manifest that is not one: {e}") from None
+
+
+def _broadcast_manifest(pg, manifest: Manifest | None, *, root: int = 0, device="cpu") -> Manifest:
+    """Broadcast ``manifest`` from ``root`` (``None`` on the other ranks): its length first,
+    then its msgpack bytes. Returns the manifest on every rank."""
+    if manifest is not None:
+        data = torch.frombuffer(bytearray(encode_manifest(manifest)), dtype=torch.uint8)
         n = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         n = torch.zeros(1, dtype=torch.int64)
     n = n.to(device)
     pg.broadcast(n, root).wait()
-    if obj is None:
+    if manifest is None:
         data = torch.empty(int(n.item()), dtype=torch.uint8)
     data = data.to(device)
     pg.broadcast(data, root).wait()
-    return pickle.loads(data.cpu().numpy().tobytes())
+    if manifest is not None:
+        return manifest
+    return decode_manifest(data.cpu().numpy().tobytes())
 
 
 class FunnelController(ControllerSide):
@@ -128,7 +163,7 @@ class FunnelTrainer(TrainerSide):
             st.seconds = time.perf_counter() - t0
             return st
 
-        _broadcast_object(self.pg, {"step": step, "buckets": self.buckets}, device=self.device)
+        _broadcast_manifest(self.pg, Manifest(step, self.buckets), device=self.device)
         packed = [b for b in self.buckets if len(b) > 1]
         if self.buf is None and packed:
             self.buf = torch.zeros(max(bucket_size(b) for b in packed), dtype=torch.uint8, device=self.device)
@@ -178,13 +213,13 @@ class FunnelInference(InferenceSide):
                                     device=self.device)
         ctx.log(f"funnel: joined the update group as rank {1 + ctx.rank} of {1 + ctx.n_infer}")
         self.buf = None
-        return ({"method": "rank0_funnel", "group_rank": 1 + ctx.rank}, ctx.engine.tensor_metas())
+        return (endpoint_descriptor("rank0_funnel", group_rank=1 + ctx.rank), ctx.engine.tensor_metas())
 
     def receive(self, step: int) -> dict:
-        manifest = _broadcast_object(self.pg, None, device=self.device)
-        if manifest["step"] != step:
-            raise RuntimeError(f"infer {self.ctx.rank}: funnel manifest is for step {manifest['step']}, expected {step}")
-        buckets = manifest["buckets"]
+        manifest = _broadcast_manifest(self.pg, None, device=self.device)
+        if manifest.step != step:
+            raise RuntimeError(f"infer {self.ctx.rank}: funnel manifest is for step {manifest.step}, expected {step}")
+        buckets = manifest.buckets
         need = max((bucket_size(b) for b in buckets), default=0)
         if self.buf is None or self.buf.numel() < need:
             self.buf = torch.empty(need, dtype=torch.uint8, device=self.device)

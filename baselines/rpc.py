@@ -6,6 +6,12 @@ Setup, once: each inference worker binds a ZeroMQ ``REP`` socket on ``127.0.0.1`
 port) and publishes its endpoint in its setup payload; the controller hands training rank 0
 the endpoints, which connects one ``DEALER`` socket per worker.
 
+Messages are data, never pickles: a request is ``[header, data]``, the header msgpack
+(``msgspec``) decoded strictly into :class:`Request` (unknown fields, wrong types refused), the
+data the tensor's raw bytes (dtype and shape in the header); a reply is msgpack decoded into
+:class:`Reply`. Encoding a header costs about what pickling it did (a few microseconds); the
+tensor's bytes are never copied into the message.
+
 Per update, on "go", for every parameter in order:
 
 1. every training rank calls ``full_tensor()``; only training rank 0 keeps the result
@@ -29,20 +35,65 @@ hanging, and raises :class:`RpcError`; the controller then refuses to publish th
 from __future__ import annotations
 
 import itertools
-import pickle
 import time
 import warnings
+from typing import Literal
 
+import msgspec
 import torch
 import zmq
 
-from weight_transfer import control
+from weight_transfer import control, wire
 from weight_transfer.method import ControllerSide, InferenceSide, TrainerSide
 from weight_transfer.types import torch_dtype
 
-from .common import BaselineStats, as_bytes, gather_to_rank0, publish_common, read_common, rpc_timeout
+from .common import (
+    BaselineStats,
+    as_bytes,
+    endpoint_descriptor,
+    endpoint_fields,
+    gather_to_rank0,
+    publish_common,
+    read_common,
+    rpc_timeout,
+)
 
 KEY_ENDPOINTS = "baselines/rpc/endpoints"
+wire.register(KEY_ENDPOINTS, dict[int, str], "the RPC baseline's worker endpoints (inference rank -> ZeroMQ endpoint)")
+
+
+class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """An RPC's header: ``load`` (``name``, ``dtype``, ``shape``: the tensor whose raw bytes are
+    the request's second frame), ``finish`` (``step``) or ``abort`` (``reason``); ``id`` numbers
+    the call (a reply to an earlier, timed-out call is dropped)."""
+
+    op: Literal["load", "finish", "abort"]
+    id: int = 0
+    name: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    step: int = 0
+    reason: str = ""
+
+
+class Reply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A worker's answer to the request ``id``: ``ok``, or the ``error`` naming the worker and the tensor."""
+
+    ok: bool
+    id: int = 0
+    error: str = ""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_REQUEST = msgspec.msgpack.Decoder(Request)
+_REPLY = msgspec.msgpack.Decoder(Reply)
+
+
+def _decode(decoder, raw, what: str):
+    try:
+        return decoder.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise RpcError(f"refused an RPC {what} that is not one: {e}") from None
 
 
 class RpcError(RuntimeError):
@@ -61,8 +112,10 @@ class RpcServer:
         self.endpoint = f"tcp://{host}:{port}"
 
     def recv(self, timeout: float, should_stop=None, slice_s: float = 0.5):
-        """Next request as ``(header dict, data frame or None)``. Raises TimeoutError after
-        ``timeout`` seconds, or RuntimeError when ``should_stop()`` returns a reason."""
+        """Next request as ``(header, data frame or None)``, the header a :class:`Request`.
+        Raises TimeoutError after ``timeout`` seconds, or RuntimeError when ``should_stop()``
+        returns a reason. A header that is not a :class:`Request` is answered with an error
+        reply (naming why) and not returned."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -70,13 +123,18 @@ class RpcServer:
                 raise TimeoutError(f"no update_weight request within {timeout:.0f} s")
             if self.sock.poll(min(left, slice_s) * 1000, zmq.POLLIN):
                 frames = self.sock.recv_multipart(copy=False)
-                header = pickle.loads(frames[0].bytes)
+                try:
+                    header = _decode(_REQUEST, frames[0].buffer, "request")
+                except RpcError as e:
+                    self.reply({"ok": False, "error": str(e)})
+                    continue
                 return header, (frames[1] if len(frames) > 1 else None)
             if should_stop is not None and (why := should_stop()):
                 raise RuntimeError(why)
 
     def reply(self, obj: dict) -> None:
-        self.sock.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        """Answer the last request: ``obj`` has :class:`Reply`'s fields."""
+        self.sock.send(_ENCODER.encode(Reply(**obj)))
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -100,18 +158,18 @@ class RpcClient:
             self.poller.register(s, zmq.POLLIN)
         self._ids = itertools.count(1)
 
-    def _what(self, header: dict) -> str:
-        op = header.get("op")
-        return f"update_weight({header['name']!r})" if op == "load" else f"{op} RPC"
+    def _what(self, header: Request) -> str:
+        return f"update_weight({header.name!r})" if header.op == "load" else f"{header.op} RPC"
 
     def call(self, header: dict, data=None, *, timeout: float | None = None) -> dict[int, dict]:
-        """Send ``[header, data]`` to every worker, wait for every reply. Returns ``{worker:
-        reply}``; raises :class:`RpcError` naming the workers that replied with an error or did
-        not reply within ``timeout`` seconds."""
+        """Send ``[header, data]`` to every worker (``header``: :class:`Request`'s fields but
+        ``id``), wait for every reply. Returns ``{worker: reply}`` (:class:`Reply`'s fields as a
+        dict); raises :class:`RpcError` naming the workers that replied with an error or did not
+        reply within ``timeout`` seconds."""
         timeout = self.timeout if timeout is None else timeout
         rid = next(self._ids)
-        header = dict(header, id=rid)
-        hb = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        header = Request(**header, id=rid)
+        hb = _ENCODER.encode(header)
         what = self._what(header)
         frames = [b"", hb] + ([data] if data is not None else [])
         for i, s in self.socks.items():
@@ -137,12 +195,15 @@ class RpcClient:
                         fr = self.socks[i].recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    rep = pickle.loads(fr[-1])
-                    if rep.get("id") == rid:  # replies to earlier, timed-out calls are dropped
-                        replies[i] = rep
+                    try:
+                        rep = _decode(_REPLY, fr[-1], f"reply from inference worker {i} at {self.endpoints[i]}")
+                    except RpcError as e:
+                        raise RpcError(f"{what}: {e}") from None
+                    if rep.id == rid:  # replies to earlier, timed-out calls are dropped
+                        replies[i] = msgspec.structs.asdict(rep)
                         pending.discard(i)
                         break
-        bad = {i: r for i, r in replies.items() if not r.get("ok")}
+        bad = {i: r for i, r in replies.items() if not r["ok"]}
         if bad:
             raise RpcError(f"{what}: " + "; ".join(f"inference worker {i} at {self.endpoints[i]} replied with an error: "
                                                    f"{r.get('error')}" for i, r in sorted(bad.items())))
@@ -165,7 +226,7 @@ class RpcController(ControllerSide):
 
     def setup(self, ctx) -> str:
         entries, landed = publish_common(ctx)
-        endpoints = {i: desc["endpoint"] for i, (desc, _) in ctx.infer_payloads.items()}
+        endpoints = {i: endpoint_fields(desc)["endpoint"] for i, (desc, _) in ctx.infer_payloads.items()}
         control.put(ctx.store, KEY_ENDPOINTS, endpoints)
         n = len(endpoints)
         wire = sum(e.nbytes for e in entries) * n
@@ -247,13 +308,13 @@ class RpcInference(InferenceSide):
         self.server = RpcServer()
         self.wait_timeout = max(float(ctx.transfer.control.timeout), 60.0)
         ctx.log(f"rpc: serving update_weight at {self.server.endpoint}")
-        return ({"method": "rpc", "endpoint": self.server.endpoint, "worker": f"infer {ctx.rank}"},
+        return (endpoint_descriptor("rpc", endpoint=self.server.endpoint, worker=f"infer {ctx.rank}"),
                 ctx.engine.tensor_metas())
 
     def _stop_reason(self):
         store = self.ctx.store
         if store.check(["abort"]):
-            return f"infer {self.ctx.rank}: trial aborted: {store.get('abort').decode()}"
+            return f"infer {self.ctx.rank}: trial aborted: {control.get_text(store, 'abort')}"
         if store.check(["shutdown"]):
             return f"infer {self.ctx.rank}: trial shut down during an update"
         return None
@@ -263,11 +324,11 @@ class RpcInference(InferenceSide):
         n_tensors, nbytes, first_error = 0, 0, None
         while True:
             header, frame = self.server.recv(self.wait_timeout, should_stop=self._stop_reason)
-            op, rid = header.get("op"), header.get("id")
+            op, rid = header.op, header.id
             if op == "load":
-                name = header["name"]
+                name = header.name
                 try:
-                    t = tensor_from_frame(frame, header["dtype"], tuple(header["shape"]))
+                    t = tensor_from_frame(frame, header.dtype, header.shape)
                     self.engine.load_weights([(name, t)])
                     n_tensors += 1
                     nbytes += t.nbytes
@@ -278,8 +339,8 @@ class RpcInference(InferenceSide):
                     self.server.reply({"ok": False, "id": rid, "error": msg})
             elif op == "finish":
                 try:
-                    if header.get("step") != step:
-                        raise RuntimeError(f"finish for step {header.get('step')}, this update is step {step}")
+                    if header.step != step:
+                        raise RuntimeError(f"finish for step {header.step}, this update is step {step}")
                     if first_error:
                         raise RuntimeError(f"earlier error: {first_error}")
                     self.engine.process_weights_after_loading()
@@ -291,7 +352,7 @@ class RpcInference(InferenceSide):
                 return {"tensors": n_tensors, "bytes_received": nbytes}
             elif op == "abort":
                 self.server.reply({"ok": True, "id": rid})
-                raise RuntimeError(f"{me}: update {step} aborted by training rank 0: {header.get('reason')}")
+                raise RuntimeError(f"{me}: update {step} aborted by training rank 0: {header.reason}")
             else:
                 self.server.reply({"ok": False, "id": rid, "error": f"{me}: unknown op {op!r}"})
 

@@ -22,10 +22,10 @@ Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] 
 Writes results/rl_<tag>.csv and .png (--changes: results/rl_changes.csv, docs/DELTA.md).
 """
 import os, shutil, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
-from datetime import timedelta
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
+import weight_transfer as wt
 from weight_transfer.experiments import rl
 
 
@@ -43,8 +43,8 @@ def trainer(rank, port, o, ckpt0, workdir):
 def train(rank, port, o, engine, workdir):
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from weight_transfer.engines.vllm.backend import LLMClient, OneSidedTrainerInitInfo
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=o.timeout))  # the parent's
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    store = wt.connect_store(("127.0.0.1", port), timeout=o.timeout)  # the parent's (the job secret inherited)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
     cfg, task = o.model_config(), rl.ParityTask(o)
     torch.manual_seed(o.seed); model = Qwen3ForCausalLM(Qwen3Config(**cfg.hf))  # fp32 master weights
     mesh = init_device_mesh("cpu", (2,))
@@ -79,7 +79,7 @@ def train(rank, port, o, engine, workdir):
     for step in range(1, o.steps + 1):
         t0 = time.perf_counter()
         batch = rl.rollout(engine.llm, task.prompts, group=o.group, seed=(o.seed * 1000 + step) * 10**5) if rank == 0 else None
-        batch = rl.broadcast(batch)                        # rank 0's rollout -> both ranks
+        batch = rl.broadcast_rollout(batch)                # rank 0's rollout -> both ranks (as data)
         assert batch["versions"] == {((str(version), 0, 1),)}, f"step {step}: rollout versions {batch['versions']}"
         rewards = task.reward(task.prompts, batch["answers"])   # [prompts, group]
         adv = rl.group_advantages(rewards)
@@ -129,8 +129,9 @@ def run(o):
     workdir = tempfile.mkdtemp(prefix="wt-rl-")
     ckpt0 = write_checkpoint(o.model_config(), os.path.join(workdir, "ckpt0"), step=0, seed=o.seed + 1)
     # the trainers' rendezvous, held here for the run: a port picked and released could be taken
-    # by a vLLM engine starting in a trainer before rank 0 binds it
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # by a vLLM engine starting in a trainer before rank 0 binds it; an authenticated store whose
+    # job secret the trainers, spawned next, inherit
+    store = wt.serve_store("127.0.0.1", 0)
     procs = [mp.get_context("spawn").Process(target=trainer, args=(r, store.port, o, ckpt0, workdir)) for r in range(2)]
     for p in procs: p.start()
     try: return rl.supervise(procs)                       # the first trainer that fails stops the other

@@ -1,4 +1,4 @@
-"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall}``
+"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,secret,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall}``
 (the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
 
 Examples::
@@ -23,6 +23,7 @@ Examples::
     weight-transfer bench-peers --peers reference,awex,mooncake   # docs/PEERS.md
     weight-transfer analyze                              # results CSVs -> results/summary.md + PNGs
     weight-transfer timeline results/runs/trace/step0002.json -o timeline.png   # one update's pipeline
+    weight-transfer secret --out ~/.weight-transfer/secret   # a job secret for a multi-host job (docs/SECURITY.md)
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written; a bad option value
@@ -101,6 +102,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     fault_arguments(sub.add_parser("faults", help="fault matrix: {kill, raise, stop} x {training, inference, "
                                                   "controller} x {early, middle, late} (docs/FAULTS.md)"))
+    sec = sub.add_parser("secret", help="make a fresh job secret: print it (hex), or write it to a file only you can "
+                                        "read (docs/SECURITY.md)",
+                         description="Make a fresh job secret (32 random bytes from the OS): only processes that hold "
+                                     "it can connect to a job's control-plane store. Printed as hex on stdout (for "
+                                     "WEIGHT_TRANSFER_SECRET), or written to PATH (mode 0600) with the line that "
+                                     "points every member at it printed instead. A one-host job needs none: "
+                                     "the store's process makes one and its children inherit it; a multi-host job "
+                                     "hands the same one to every host (docs/SECURITY.md).")
+    sec.add_argument("--out", metavar="PATH", default=None,
+                     help="write the secret to PATH (created or replaced, mode 0600) and print "
+                          "`export WEIGHT_TRANSFER_SECRET_FILE=PATH` (default: print the secret itself)")
     # analysis's own command lines, behind the one command (analysis imports no transfer code)
     for name, help_ in (("analyze", "results CSVs -> results/summary.md and PNG plots (weight_transfer.analysis)"),
                         ("timeline", "draw one update's pipeline from a --trace Chrome trace (weight_transfer.analysis.timeline)"),
@@ -156,6 +168,9 @@ def sweep_main(args) -> int:
 
         check_output_dir(args.results_dir, "--results-dir")  # C25: before any job is submitted
         check_output_dir(opt.folder, "--folder")
+        from weight_transfer.security import JobSecret
+
+        JobSecret.from_env()  # a secret set in this environment is used for every job: it must be one
         if opt.cluster == "slurm" and not shutil.which("sbatch"):
             raise ValueError("--cluster slurm: no sbatch on PATH (a SLURM client is needed here; "
                              "scripts/slurm_local.sh start runs a one-node cluster on this machine)")
@@ -174,6 +189,35 @@ def sweep_main(args) -> int:
     summary = run_sweep(sweep, opt, results_dir=Path(args.results_dir), progress=not args.no_progress)
     print(format_summary(summary))
     return 0 if not summary.failed else 1
+
+
+def secret_main(args) -> int:
+    """``weight-transfer secret [--out PATH]``: a fresh job secret, as hex on stdout, or in a
+    file only this user can read (then ``export WEIGHT_TRANSFER_SECRET_FILE=PATH`` on stdout, the
+    path absolute and shell-quoted). Exit 2 with one ``error:`` line when PATH cannot be written."""
+    import os
+    import shlex
+
+    from weight_transfer.security import ENV_SECRET_FILE, JobSecret
+
+    secret = JobSecret.generate()
+    if args.out is None:
+        print(secret.hex())
+        return 0
+    path = os.path.abspath(os.path.expanduser(args.out))
+    try:
+        if os.path.isdir(path):
+            raise ValueError(f"--out {args.out!r} is a directory")
+        secret.write_file(path)
+        JobSecret.from_file(path)  # readable back, and by no one else (owner, mode): what every member checks
+    except OSError as e:
+        print(f"error: --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"export {ENV_SECRET_FILE}={shlex.quote(path)}")
+    return 0
 
 
 class Interrupted(KeyboardInterrupt):
@@ -258,6 +302,8 @@ def _main(argv: list[str]) -> int:
         return faults_main(args)
     if args.cmd == "sweep":
         return sweep_main(args)
+    if args.cmd == "secret":
+        return secret_main(args)
     if args.cmd.startswith("bench-"):
         import importlib
 

@@ -368,7 +368,7 @@ class FleetDriver:
                 r = min(dead)
                 raise control.ControlError(f"inference {r}: {dead[r]} before registering (started for update {step})")
             if self.store.check(["abort"]):
-                raise control.ControlError(self.store.get("abort").decode())
+                raise control.ControlError(control.get_text(self.store, "abort"))
             if time.monotonic() > deadline:
                 raise control.ControlError(f"inference {min(waiting)}: started for update {step}, not registered within "
                                            f"{self.cfg.transfer.control.timeout:.0f} s")
@@ -495,12 +495,14 @@ class FleetDriver:
         registration), ``joined`` / ``gone`` (ranks), ``newcomer_first`` (ranks whose first
         update this is), ``train_pids`` (every training rank's pid at this update), the
         fleet options' text."""
+        from weight_transfer import control
+
         c = self.change or {}
         fo = self.cfg.fleet
         pids = []
         for r in range(self.cfg.train.n_train):
             k = f"step/{step}/pid/{r}"
-            pids.append(self.store.get(k).decode() if self.store.check([k]) else "?")
+            pids.append(str(control.get_int(self.store, k)) if self.store.check([k]) else "?")
         return {"members": members_text(self.members), "n_infer": len(self.members), "epoch": self.epoch,
                 "replan_seconds": c.get("seconds", 0.0), "join_seconds": c.get("join_seconds", 0.0),
                 "joined": members_text(c.get("joined", ())), "gone": members_text(c.get("gone", ())),

@@ -36,11 +36,12 @@ import sys
 import time
 from pathlib import Path
 
+from .collectives import _CheckMsg, all_gather, broadcast, broadcast_rollout
 from .paths import project_dir
 from .rl_options import CHANGES_CSV, RESULTS, RLOptions, options_from_argv, transfer_overrides  # noqa: F401  (re-exported)
 
 __all__ = ["RLOptions", "ParityTask", "group_advantages", "clipped_pg_loss", "rollout", "served_weights",
-           "OracleCheck", "StepLog", "change_rows", "save_served", "magnitude_rows", "save_changes", "final_check", "broadcast", "options_from_argv", "main"]
+           "OracleCheck", "StepLog", "change_rows", "save_served", "magnitude_rows", "save_changes", "final_check", "broadcast", "broadcast_rollout", "options_from_argv", "main"]
 
 
 @contextlib.contextmanager
@@ -366,8 +367,6 @@ class OracleCheck:
         "mismatched": [names], "logprob_ulps", "logprob_maxdiff" (nats; None when the tokens
         differ), "seconds"}`` (the same on every rank). ``reload=False``: rank 1's engine already
         holds ``served`` (:func:`final_check`)."""
-        import torch.distributed as dist
-
         from weight_transfer.engines.vllm.runtime import STAGING_SUFFIX
         from weight_transfer.engines.vllm.verify import outputs_equal, staging_oracle
 
@@ -392,8 +391,7 @@ class OracleCheck:
                     bad_staging.append(n)
             staging_ok = not bad_staging
             nbytes += sum(t.numel() * t.element_size() for t in stg.values())
-        both = [None, None]
-        dist.all_gather_object(both, (mine, outs, staging_ok, bad_staging, nbytes))
+        both = all_gather((mine, outs, staging_ok, bad_staging, nbytes), type_=_CheckMsg)
         (live, live_out, staging_ok, bad_staging, nbytes), (oracle, oracle_out, *_) = both
         bad = sorted(n for n in set(live) | set(oracle) if live.get(n) != oracle.get(n))
         outputs_ok, ulps = outputs_equal(live_out, oracle_out)
@@ -424,15 +422,6 @@ def supervise(procs, poll: float = 0.5) -> int:
             p.terminate()
         p.join()
     return max(abs(p.exitcode or 0) for p in procs)
-
-
-def broadcast(obj, src: int = 0):
-    """``obj`` of rank ``src`` on every rank (``broadcast_object_list``)."""
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def final_check(rank: int, check: OracleCheck, cfg, served: dict, workdir: str | Path) -> dict:

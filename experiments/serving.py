@@ -11,7 +11,7 @@ Inference side (:class:`StandInServing`, one per inference rank, in ``inference_
   weights under the old label, or the reverse);
 - without them and with a load, the pause-based update: the controller asks for a pause
   (``step/{s}/pause``) before the first byte moves, the engine stops stepping and acknowledges
-  (``step/{s}/paused/{i}``), and resumes with the new label when the controller says
+  (``step/{s}/paused/{i}``, a flag), and resumes with the new label when the controller says
   (``step/{s}/resume``, after the update completed or failed).
 
 Controller side (:func:`before_update`, :func:`after_update`, :func:`serve_columns`): the update
@@ -25,7 +25,11 @@ from __future__ import annotations
 import threading
 import time
 
-from weight_transfer import control
+from weight_transfer import control, wire
+
+KEY_T_BEGIN = "step/{v}/t_begin"
+"""The controller's wall-clock start of update ``v``'s window (a float, :mod:`weight_transfer.wire`)."""
+wire.register(KEY_T_BEGIN, float, "the harness: wall-clock start of an update's window (generation load, C27)")
 
 __all__ = ["StandInServing", "before_update", "after_update", "serve_columns", "serve_lines", "SERVE_COLUMNS"]
 
@@ -82,7 +86,7 @@ class StandInServing:
                     continue
                 t0 = time.time()
                 self.load.pause()  # returns once no step runs
-                control.put(self.store, f"step/{s}/paused/{self.rank}", t0)
+                self.store.set(f"step/{s}/paused/{self.rank}", b"1")
                 while not self.store.check([f"step/{s}/resume"]):
                     if self._stop.wait(0.001) or self.store.check(["shutdown"]):
                         return
@@ -100,10 +104,10 @@ class StandInServing:
     def window(self, version: int) -> tuple[float, float, float, float] | None:
         """``(t_begin, t_golive_start, t_golive_end, t_end)`` of update ``version`` (wall clock,
         seconds), None when not known here."""
-        key = f"step/{version}/t_begin"
+        key = KEY_T_BEGIN.format(v=version)
         if not self.store.check([key]):
             return None
-        t_begin = float(control.get(self.store, key))
+        t_begin = control.get(self.store, key)
         if self._server is not None:
             g = next((g for g in self._server.golives if g["version"] == version), None)
             return None if g is None else (t_begin, g["t0"], g["t1"], g["t1"])
@@ -188,7 +192,7 @@ def before_update(store, serve, step: int, n_infer: int, timeout: float, livenes
     """The controller, before update ``step``'s first byte moves: record the window's start
     and, for the pause-based update with a load, pause every engine and wait for each one's
     acknowledgement (ControlError naming the ranks that did not pause within ``timeout``)."""
-    control.put(store, f"step/{step}/t_begin", time.time())
+    control.put(store, KEY_T_BEGIN.format(v=step), time.time())
     if serve.gen_load and serve.shadow == "off":
         store.set(f"step/{step}/pause", b"1")
         control.wait_keys(store, {i: f"step/{step}/paused/{i}" for i in range(n_infer)}, timeout=timeout,

@@ -7,7 +7,7 @@
     weight-transfer sweep ci_cpu_regression --cluster debug          # in-process (tests, pdb)
 
 A trial job has ``1 + n_train + n_infer`` tasks (:func:`weight_transfer.experiments.trial.task_role`): task 0
-is the controller, which hosts the TCPStore on its node on a free port and publishes
+is the controller, which hosts the control-plane store on its node on a free port and publishes
 ``host:port`` in ``<folder>/<job id>/store.json`` (the job folder is shared by every task:
 submitit itself needs that); tasks ``1..n_train`` are the training ranks, then the inference
 ranks, each connecting to that address; when ``nodes x tasks_per_node`` rounds the task count
@@ -15,6 +15,16 @@ up (17 tasks on 2 nodes x 9), the surplus tasks exit at once. The same function 
 under SLURM; submitit's ``JobEnvironment`` gives the global rank, the task count and the nodes.
 A job with a single task (the debug executor, or ``--single-task``) runs the whole trial in it
 with :func:`weight_transfer.experiments.trial.run_trial` (ranks spawned as local processes).
+
+The job secret (docs/SECURITY.md): only processes holding it can connect to the controller's
+store, and the controller is one of the job's tasks, so the secret must exist before the job
+does. The sweep makes a fresh one for every trial job and submits the job with it in its
+environment (:func:`submit_with_secret`: ``WEIGHT_TRANSFER_SECRET``, which submitit's local
+executor hands to every task it starts and ``sbatch`` exports to every task of the job --
+SLURM's default ``--export=ALL``; never on a command line, in the job folder or in the
+store). A secret already in the sweep's environment (``WEIGHT_TRANSFER_SECRET`` or
+``WEIGHT_TRANSFER_SECRET_FILE``, e.g. ``weight-transfer secret --out PATH`` on a shared home)
+is used as is for every job instead.
 
 Named configs and sweeps are in ``experiments/configs.py``; this module runs any
 :class:`~weight_transfer.experiments.config.Sweep` and does not import them (the CLI, ``experiments/command.py``,
@@ -123,6 +133,26 @@ def read_store(path: Path, timeout: float, poll: float = 0.1) -> tuple[str, int]
         if time.monotonic() > deadline:
             raise TimeoutError(f"no store address in {path} after {timeout:.0f} s: did task 0 (controller) start?")
         time.sleep(poll)
+
+
+def submit_with_secret(executor, fn, *args, fresh: bool = True):
+    """``executor.submit(fn, *args)`` with a fresh job secret in the environment the job's tasks
+    inherit (``fresh``; else the environment as it is: a secret the user set, or the debug
+    executor's in-process job). The sweep's own environment is restored afterwards, so no two
+    trial jobs share a secret."""
+    if not fresh:
+        return executor.submit(fn, *args)
+    from weight_transfer.security import ENV_SECRET, JobSecret
+
+    old = os.environ.get(ENV_SECRET)
+    os.environ[ENV_SECRET] = JobSecret.generate().hex()
+    try:
+        return executor.submit(fn, *args)  # local: Popen(env=os.environ); SLURM: sbatch exports it
+    finally:
+        if old is None:
+            os.environ.pop(ENV_SECRET, None)
+        else:
+            os.environ[ENV_SECRET] = old
 
 
 def trial_job(cfg: TrialConfig, folder: str):
@@ -470,6 +500,9 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
         if opt.cluster != "slurm":  # the ranks start on this machine: the same checks as `run` (C18)
             cfg.preflight(local=True)
     fn = _debug_trial_job if opt.cluster == "debug" else trial_job
+    from weight_transfer.security import JobSecret
+
+    fresh = opt.cluster in ("local", "slurm") and JobSecret.from_env() is None  # one secret per trial job
     if opt.cluster in ("local", "slurm"):  # tasks import this project (sbatch exports the environment)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     t_start = time.monotonic()
@@ -485,7 +518,7 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
             while pending and len(running) < opt.parallel:
                 cfg, k = pending.pop(0)
                 bar.update(tid, now=describe(cfg))
-                job = make_executor(cfg, opt).submit(fn, cfg, str(opt.folder))
+                job = submit_with_secret(make_executor(cfg, opt), fn, cfg, str(opt.folder), fresh=fresh)
                 running.append((job, cfg, k, time.monotonic()))
                 if watch is not None:
                     watch.add(job)

@@ -1,6 +1,8 @@
 """One trial, launched locally: controller in this process, every rank its own OS process.
 
-Flow (DESIGN.md "control plane"): start the TCPStore, spawn ``n_train`` training ranks and
+Flow (DESIGN.md "control plane"): start the control-plane store
+(:func:`weight_transfer.serve_store`: it makes the job secret and exports it, so every rank
+process spawned afterwards inherits it), spawn ``n_train`` training ranks and
 ``n_infer`` inference ranks, collect their metadata, build the recipes and the static schedule
 once, hand each training rank its part, then per update: "load" (the optimizer-step stand-in),
 "go", wait for every completion, publish the version, wait for every inference rank's
@@ -24,6 +26,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from weight_transfer import control
 from weight_transfer.method import ControllerContext
@@ -38,11 +41,12 @@ from .worker import inference_main, trainer_main
 @dataclass
 class TrialResult:
     cfg: TrialConfig
-    rows: list[dict]
+    rows: list[dict[str, Any]]
     schedule_summary: str
     plan_seconds: float
     memcpy_gbps: float | None = None
-    env: dict = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+    """As data for another process: :func:`weight_transfer.experiments.data.result_to_bytes`."""
 
 
 class _Procs:
@@ -479,7 +483,17 @@ def _note_failure(probe: dict, e: BaseException, ctl, store) -> None:
     probe.update(error=msg, t_error=time.time(),
                  state_after_fault=_short_state(ctl.state()))
     if store.check(["fault/fired"]):
-        probe["fired"] = float(store.get("fault/fired").decode())
+        probe["fired"] = fired_time(store)
+
+
+def fired_time(store) -> float:
+    """When the injected fault fired (``fault/fired``: wall-clock seconds as ASCII, set by
+    experiments/inject.py or the fleet's kill). ControlError naming the key for anything else."""
+    text = control.get_text(store, "fault/fired", limit=64)
+    try:
+        return float(text)
+    except ValueError:
+        raise control.ControlError("store key 'fault/fired': refused a value that is not a time") from None
 
 
 def _short_state(s) -> str:
@@ -509,12 +523,23 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
              progress=None) -> TrialResult | None:
     """One task of a trial run as a job (submitit local executor, SLURM): see :func:`task_role`.
 
-    The controller hosts the TCPStore on ``(store_host, store_port)`` (``0``: a free port;
+    The controller hosts the store on ``(store_host, store_port)`` (``0``: a free port;
     ``publish(host, port)`` is then called so the other tasks can find it) and returns the
     TrialResult; the ranks connect to it and return None. No process handles exist across
-    tasks, so a dead rank is seen through the abort key its setup writes, or ``cfg.timeout``."""
+    tasks, so a dead rank is seen through the abort key its setup writes, or ``cfg.timeout``.
+
+    Every task needs the job secret in its environment (``WEIGHT_TRANSFER_SECRET`` or
+    ``WEIGHT_TRANSFER_SECRET_FILE``), set by whoever started the job before it started
+    (:func:`weight_transfer.experiments.sweep.submit_with_secret`; scripts/netns_trial.py): the
+    controller does not make one, since no other task could learn it.
+    :class:`weight_transfer.security.AuthenticationError` naming how to pass it otherwise
+    (unless ``WEIGHT_TRANSFER_INSECURE=1``)."""
     role, rank = task_role(cfg, global_rank)
     if role == "controller":
+        from weight_transfer.security import insecure_requested, resolve_secret
+
+        if not insecure_requested():
+            resolve_secret(where=f"trial task 0 (the controller of a {world_size(cfg)}-task job)")
         env = environment()
         memcpy = measure_memcpy_gbps()
         store = control.make_store(store_host, store_port, is_master=True, timeout=cfg.transfer.control.timeout)

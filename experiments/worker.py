@@ -1,6 +1,7 @@
 """The processes of a trial: training ranks and inference ranks.
 
-Each is a real OS process connected to the controller's TCPStore. Every log line is prefixed
+Each is a real OS process connected to the controller's store (:func:`weight_transfer.connect_store`:
+the job secret comes from the environment the launcher handed down). Every log line is prefixed
 ``[train r]`` / ``[infer i]``. Entry points take the trial config, the rank and the store
 address, so the same functions run under the local launcher, submitit or SLURM.
 """
@@ -26,7 +27,7 @@ def log(prefix: str, msg: str) -> None:
     print(f"[{prefix}] {msg}", file=sys.stderr, flush=True)
 
 
-def _connect(addr: tuple[str, int], timeout: float) -> dist.TCPStore:
+def _connect(addr: tuple[str, int], timeout: float) -> dist.Store:
     return control.make_store(addr[0], addr[1], is_master=False, timeout=timeout)
 
 
@@ -111,7 +112,7 @@ def _agree_backend(cfg: TrialConfig, store, rank: int, gen: int, device: torch.d
     store.set(f"{prefix}{rank}", uuid.encode())
     keys = [f"{prefix}{r}" for r in range(cfg.train.n_train)]
     store.wait(keys)
-    return training_backend("cuda", [store.get(k).decode() for k in keys])
+    return training_backend("cuda", [control.get_text(store, k) for k in keys])
 
 
 def _exit_with_parent(parent: int | None) -> None:

@@ -56,7 +56,7 @@ def _subcommands() -> dict[str, str]:
     raise RuntimeError("weight-transfer has no subcommands")
 
 
-_MENTION = re.compile(r"(?<![`\w-])(weight-transfer (?:run|rl|sweep|simulate|faults|analyze|timeline|report"
+_MENTION = re.compile(r"(?<![`\w-])(weight-transfer (?:run|rl|sweep|simulate|faults|secret|analyze|timeline|report"
                       r"|bench-[a-z]+))(?![\w-])")
 
 

@@ -14,7 +14,7 @@ a plain module instead of a vLLM model:
    :func:`weight_transfer.engines.vllm.runtime.runtime_layout`);
 2. ``WorkerTargets.receive(layout, transport="auto")``: the transport chosen from the tensors'
    memory (``cuda_ipc`` for CUDA, ``cma`` for host memory), one region of one part per
-   allocation registered in a :class:`weight_transfer.api.Receiver` and published in a TCPStore;
+   allocation registered in a :class:`weight_transfer.api.Receiver` and published in the store;
 3. a second process (this script with ``--sender``), as a training rank: reads the published
    descriptor and destination metadata, connects the transport named in the descriptor, checks
    that a write between two parts is refused before any byte moves, and writes new weights into
@@ -36,11 +36,32 @@ import subprocess
 import sys
 import time
 import zlib
+from typing import TypedDict
 
 SKIP = 77
 PUBLISHED = "meta/infer/0"
 """Where the worker (inference rank 0) publishes ``(descriptor, metas)``: the library's key."""
 SENT = "check/sender"
+"""Where the sender reports what it did (:class:`SenderReport`)."""
+
+
+class SenderReport(TypedDict):
+    """The sender's report (``check/sender``): the transport it connected, the region's parts,
+    the refusal of a write between two parts (``NOT REFUSED: ...`` when it went through; None
+    without a gap), the bytes written, and the error that stopped it ('' when none)."""
+
+    transport: str
+    parts: int
+    refused: str | None
+    bytes: int
+    error: str
+
+
+def _register_keys() -> None:
+    """The schema of :data:`SENT` (the store reads only keys with one: weight_transfer.wire)."""
+    from weight_transfer import wire
+
+    wire.register(SENT, SenderReport, "scripts/gpu_worker_receive.py: the sender's report")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,6 +108,7 @@ def sender(addr: str, device: str, timeout: float) -> int:
     from weight_transfer.api import connect_store
     from weight_transfer.transport import BoundsError, WriteOp, make_transport
 
+    _register_keys()
     store = connect_store(addr, timeout=timeout)
     desc, metas = control.get(store, PUBLISHED)
     out = {"transport": desc.transport, "parts": len(dict(desc.extra).get("parts") or ()), "refused": None,
@@ -141,6 +163,7 @@ def main(argv=None) -> int:
         print(f"error: {sys.executable} cannot import weight_transfer ({e}); run with a python that has the project "
               "installed (pip install -e .)", file=sys.stderr)
         return 2
+    _register_keys()
 
     t0 = time.perf_counter()
     failed: list[str] = []
@@ -183,7 +206,7 @@ def main(argv=None) -> int:
         check(len(parts) == len(params), f"one region of {len(parts)} parts (one per allocation), "
               f"{rx.region.length} bytes spanned from {lay.base:#x}")
         check(store.check([PUBLISHED]), f"published under {PUBLISHED!r}: descriptor + {len(rx.metas)} tensor metas")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # with the job secret serve_store exported
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sender", f"127.0.0.1:{store.port}",
                             "--device", dev, "--timeout", str(a.timeout)], env=env, capture_output=True, text=True,
                            timeout=a.timeout + 30, check=False)

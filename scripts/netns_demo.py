@@ -14,7 +14,8 @@ What happens:
 2. The inference side (``--role infer``, started with ``ip netns exec``) creates a
    ``NixlTransport(ucx_tls="tcp", net_devices=<its veth>)`` (progress thread on), registers a
    poisoned buffer and serves its descriptor on 10.77.0.2 (the control plane: one TCP socket,
-   length-prefixed pickles).
+   length-prefixed msgpack frames, each decoded strictly into the type the protocol expects
+   there: the descriptor, a command, the digest; nothing received is unpickled).
 3. The training side (``--role train``) connects, builds a seeded byte pattern, posts the
    writes (one batch, mixed sizes, shuffled destinations), waits, and asks the receiver for the
    SHA-256 of its buffer; it must equal the expected image. The veth's receive counter in the
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import pickle
 import random
 import signal
 import socket
@@ -37,17 +37,28 @@ import struct
 import subprocess
 import sys
 import time
+from typing import Literal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_IP, INFER_IP, PORT = "10.77.0.1", "10.77.0.2", 29577
 
 
+MAX_FRAME = 1 << 20
+"""Largest frame either side accepts (bytes): a descriptor, a command or a digest."""
+
+
 def _send(s: socket.socket, obj) -> None:
-    b = pickle.dumps(obj)
+    """One frame: 8-byte big-endian length, then ``obj`` as msgpack (data only)."""
+    import msgspec
+
+    b = msgspec.msgpack.encode(obj)
     s.sendall(struct.pack(">Q", len(b)) + b)
 
 
-def _recv(s: socket.socket):
+def _recv(s: socket.socket, type_):
+    """The next frame, decoded strictly into ``type_`` (ValueError for anything else)."""
+    import msgspec
+
     def exact(n):
         buf = b""
         while len(buf) < n:
@@ -57,7 +68,20 @@ def _recv(s: socket.socket):
             buf += c
         return buf
     (n,) = struct.unpack(">Q", exact(8))
-    return pickle.loads(exact(n))
+    if n > MAX_FRAME:
+        raise ValueError(f"refused a frame of {n} bytes (limit {MAX_FRAME})")
+    try:
+        return msgspec.msgpack.decode(exact(n), type=type_, strict=True)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ValueError(f"refused a frame that is not a {getattr(type_, '__name__', type_)}: {e}") from None
+
+
+def _descriptor(s: socket.socket):
+    """The receiver's region descriptor (``extra`` back to the nested tuples the transport compares)."""
+    from weight_transfer.keys import fix_descriptor
+    from weight_transfer.types import RegionDescriptor
+
+    return fix_descriptor(_recv(s, RegionDescriptor))
 
 
 def _expected(nbytes: int, n_ops: int, seed: int):
@@ -97,7 +121,7 @@ def infer_main(a) -> None:
     with conn:
         _send(conn, region.descriptor())
         while True:
-            cmd = _recv(conn)
+            cmd = _recv(conn, Literal["sha256", "exit"])
             if cmd == "sha256":
                 _send(conn, hashlib.sha256(buf.numpy().tobytes()).hexdigest())
             elif cmd == "exit":
@@ -121,7 +145,7 @@ def train_main(a) -> None:
                 raise
             time.sleep(0.2)
     with s:
-        desc = _recv(s)
+        desc = _descriptor(s)
         t.connect([desc])
         src, ops, image = _expected(a.mib << 20, a.ops, a.seed)
         loc = t.register(src)
@@ -129,10 +153,10 @@ def train_main(a) -> None:
         n = t.write([WriteOp(loc, so, desc, do, ln) for so, do, ln in ops]).wait(120)
         dt = time.perf_counter() - t0
         _send(s, "sha256")
-        got = _recv(s)
+        got = _recv(s, str)
         want = hashlib.sha256(image.numpy().tobytes()).hexdigest()
         _send(s, "exit")
-        _recv(s)
+        _recv(s, bool)
     t.close()
     print(f"RESULT bytes={n} seconds={dt:.4f} ops={len(ops)} sha256={got} expected={want} ok={got == want}", flush=True)
 
@@ -147,7 +171,7 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def make_veth_pair(ns_a: str, ns_b: str, dev_a: str, dev_b: str, ip_a: str, ip_b: str) -> None:
     """Two namespaces joined by a veth pair, ``ip_a/24`` on ``dev_a`` in ``ns_a`` and
-    ``ip_b/24`` on ``dev_b`` in ``ns_b``, links and loopback up (the TCPStore and Gloo of a
+    ``ip_b/24`` on ``dev_b`` in ``ns_b``, links and loopback up (the store and Gloo of a
     namespace connect to themselves over ``lo``)."""
     sh("ip", "netns", "add", ns_a)
     sh("ip", "netns", "add", ns_b)

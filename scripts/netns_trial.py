@@ -25,12 +25,17 @@ What happens:
    training ranks, then the inference ranks) is its own process, started with
    ``ip netns exec <ns> python scripts/netns_trial.py _task ...`` and calling
    :func:`weight_transfer.experiments.trial.run_task`: the controller and the training ranks in A, the
-   inference ranks in B. The controller's TCPStore listens in A and every rank reaches it at
-   10.77.0.1 (the inference ranks over the veth). Each process gets ``UCX_TLS=tcp`` and
+   inference ranks in B. The controller's store listens in A and every rank reaches it at
+   10.77.0.1 (the inference ranks over the veth). The launcher makes the job secret first
+   (:meth:`weight_transfer.security.JobSecret.generate`, unless its own environment has one)
+   and every task gets it in its environment (``WEIGHT_TRANSFER_SECRET``; never on the command
+   line, never in a file). The trial config travels as JSON, the controller's result as msgpack
+   (:mod:`weight_transfer.experiments.data`), both in the launcher's
+   private temporary folder (mode 0700); nothing is pickled. Each process gets ``UCX_TLS=tcp`` and
    ``UCX_NET_DEVICES=<the veth of its namespace>`` (NIXL's UCX backend over TCP on the veth),
    and ``GLOO_SOCKET_IFNAME=<that veth>`` (the training ranks' Gloo group binds the veth
    address rather than whatever the host name resolves to).
-4. The controller writes its TrialResult; this launcher prints the usual table
+4. The controller writes its TrialResult (as data); this launcher prints the usual table
    (``weight_transfer.experiments.report.format_table``) and a footer: the growth of ``rx_bytes`` of the
    inference-side veth during the trial, which must be at least the bytes written by all
    updates (warm-up included). Rows are appended to ``--results`` like ``weight-transfer
@@ -69,7 +74,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -102,15 +106,16 @@ def _demo():
 
 def task_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="netns_trial.py _task")
-    ap.add_argument("--cfg", required=True, help="pickled TrialConfig")
+    ap.add_argument("--cfg", required=True, help="the TrialConfig as JSON (experiments/data.py)")
     ap.add_argument("--global-rank", type=int, required=True)
-    ap.add_argument("--store", required=True, help="HOST:PORT of the controller's TCPStore")
-    ap.add_argument("--result", default=None, help="(controller) where to pickle the TrialResult")
+    ap.add_argument("--store", required=True, help="HOST:PORT of the controller's store")
+    ap.add_argument("--result", default=None, help="(controller) where to write the TrialResult (msgpack)")
     a = ap.parse_args(argv)
+    from weight_transfer.experiments.data import config_from_json, result_to_bytes
     from weight_transfer.experiments.trial import run_task
 
     with open(a.cfg, "rb") as f:
-        cfg = pickle.load(f)
+        cfg = config_from_json(f.read())
     host, port = a.store.rsplit(":", 1)
     progress = None
     if a.global_rank == 0:
@@ -129,7 +134,7 @@ def task_main(argv: list[str]) -> int:
     result = run_task(cfg, a.global_rank, host, int(port), progress=progress)
     if a.global_rank == 0 and a.result:
         with open(a.result + ".part", "wb") as f:
-            pickle.dump(result, f)
+            f.write(result_to_bytes(result))
         os.replace(a.result + ".part", a.result)
     return 0
 
@@ -190,7 +195,7 @@ def parse_args(argv: list[str]):
         prog="netns_trial.py", description=__doc__.split("\n\n")[0],
         epilog="Every option of `weight-transfer run` is accepted as well (--model, --override, "
                "--n-train, --tp, --steps, --results, ...).")
-    ap.add_argument("--store-port", type=int, default=STORE_PORT, help="controller's TCPStore port (inside A)")
+    ap.add_argument("--store-port", type=int, default=STORE_PORT, help="controller's store port (inside A)")
     ap.add_argument("--no-csv", action="store_true", help="do not append rows to --results")
     lk = ap.add_mutually_exclusive_group()
     lk.add_argument("--link-rate", default=None, metavar="RATE",
@@ -314,14 +319,29 @@ def _counters(sh, names: tuple[str, str, str, str]) -> dict[str, int]:
             for k in keys}
 
 
+def task_env() -> dict[str, str]:
+    """The environment every task starts with: this launcher's, with the job secret (this
+    environment's, else a fresh one: :mod:`weight_transfer.security`) -- the controller serves
+    the store with it and the ranks prove membership with it -- and the project on the path."""
+    from weight_transfer.security import ENV_INSECURE, ENV_SECRET, JobSecret, insecure_requested
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               UCX_TLS="tcp", OMP_NUM_THREADS="1")
+    if insecure_requested():
+        env[ENV_INSECURE] = "1"
+    elif JobSecret.from_env() is None:
+        env[ENV_SECRET] = JobSecret.generate().hex()
+    return env
+
+
 def _start_tasks(cfg, own, names, cfg_path: str, res_path: str, procs: dict[int, subprocess.Popen]) -> None:
     """Start every task of the trial in its namespace (into ``procs`` as they start, so the
-    cleanup finds them): the controller and the training ranks in A, the inference ranks in B."""
+    cleanup finds them): the controller and the training ranks in A, the inference ranks in B,
+    every one with the job secret in its environment (:func:`task_env`)."""
     from weight_transfer.experiments.trial import task_role, world_size
 
     ns_t, ns_i, dev_t, dev_i = names
-    base_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    UCX_TLS="tcp", OMP_NUM_THREADS="1")
+    base_env = task_env()
     for g in range(world_size(cfg)):
         role, _ = task_role(cfg, g)
         ns, dev = (ns_i, dev_i) if role == "infer" else (ns_t, dev_t)
@@ -379,9 +399,11 @@ def _run_in_namespaces(demo, own, cfg, wire: _Wire, names, procs, tmp: str) -> d
               f"{link.format_rate(wire.rate_bits)}; memcpy {wire.memcpy:.2f} GB/s -> memory:wire "
               f"{link.memory_wire_ratio(wire.memcpy, wire.rate_bits):.1f}:1", file=sys.stderr, flush=True)
     c0 = _counters(sh, names)
-    cfg_path, res_path = os.path.join(tmp, "cfg.pkl"), os.path.join(tmp, "result.pkl")
+    cfg_path, res_path = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "result.msgpack")
+    from weight_transfer.experiments.data import config_to_json, result_from_bytes
+
     with open(cfg_path, "wb") as f:
-        pickle.dump(cfg, f)
+        f.write(config_to_json(cfg))
     print(f"# starting: controller + {cfg.train.n_train} training rank(s) in {ns_t} ({TRAIN_IP}, {dev_t}), "
           f"{cfg.n_infer} inference rank(s) in {ns_i} ({INFER_IP}, {dev_i}); NIXL/UCX tcp over the veth",
           file=sys.stderr, flush=True)
@@ -396,7 +418,7 @@ def _run_in_namespaces(demo, own, cfg, wire: _Wire, names, procs, tmp: str) -> d
     tc_stats = link.parse_tc_stats(sh("ip", "netns", "exec", ns_t, "tc", "-s", "qdisc", "show", "dev", dev_t,
                                       check=False).stdout) if wire.rate_bits else {}
     with open(res_path, "rb") as f:
-        result = pickle.load(f)
+        result = result_from_bytes(f.read())
     return {"result": result, "rx": rx, "c0": c0, "c1": c1, "tc_stats": tc_stats}
 
 

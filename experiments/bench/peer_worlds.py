@@ -1,6 +1,13 @@
 """bench-peers' awex and Mooncake rows (``experiments/bench/peers.py``): one process per rank
-around a TCPStore, "go" / "done" per update, timed by the controller from "go" to the last rank's
+around a store, "go" / "done" per update, timed by the controller from "go" to the last rank's
 "done", every update verified by the receivers (:func:`~.peer_tensors.pattern`).
+
+The store is the project's authenticated one (:func:`weight_transfer.serve_store`: the ranks,
+spawned after it, inherit the job secret it exports); what the peers exchange through it is
+data, msgpack (``msgspec``), never pickles: awex's rendezvous objects (its Mooncake transport
+publishes ``(endpoint, [(signature, address, size, shape, dtype), ...])`` tuples and error
+strings; arrays come back as tuples, as awex compares them) and Mooncake's
+``(session, base address)``.
 
 - ``awex``: awex's ``MooncakeTransport`` with a static ``TransferPlanBuilder`` plan, one-sided
   reads by the inference side from the training ranks' even ``dim 0`` shards into TP shards.
@@ -12,41 +19,64 @@ from __future__ import annotations
 import datetime as dt
 import multiprocessing as mp
 import os
-import pickle
 import time
 import traceback
 
+import msgspec
 import torch
 
 from .peer_tensors import check, pattern
 
 
+def freeze(x):
+    """Decoded msgpack with every array as a tuple (what the peers put were tuples), in maps too."""
+    if isinstance(x, list):
+        return tuple(freeze(v) for v in x)
+    if isinstance(x, dict):
+        return {k: freeze(v) for k, v in x.items()}
+    return x
+
+
+def dumps(value) -> bytes:
+    """``value`` (numbers, strings, bytes, tuples, lists, dicts, None) as msgpack; TypeError for anything else."""
+    return msgspec.msgpack.encode(value)
+
+
+def loads(raw: bytes):
+    """What :func:`dumps` wrote, arrays as tuples."""
+    return freeze(msgspec.msgpack.decode(raw))
+
+
 class _StoreMeta:
     """awex's metadata-client interface (``put_object`` / ``get_object`` / ``delete_if_exists``)
-    on torch's TCPStore, so awex's rendezvous runs across processes without its HTTP meta
-    server."""
+    on the store, so awex's rendezvous runs across processes without its HTTP meta server;
+    values as data (:func:`dumps` / :func:`loads`)."""
 
     def __init__(self, store):
         self.store = store
 
     def put_object(self, key, value):
-        self.store.set(key, pickle.dumps(value))
+        self.store.set(key, dumps(value))
 
     def get_object(self, key, timeout=0):
         try:
             self.store.wait([key], dt.timedelta(seconds=max(float(timeout), 1.0)))
-        except Exception as e:  # TCPStore raises RuntimeError/DistStoreError on timeout
+        except Exception as e:  # the store raises DistStoreError on timeout
             raise TimeoutError(f"{key}: {e}") from e
-        return pickle.loads(self.store.get(key))
+        return loads(self.store.get(key))
 
     def delete_if_exists(self, key):
         self.store.delete_key(key)
 
 
 def _store(port: int | None, master: bool, timeout: float = 600.0):
-    from torch.distributed import TCPStore
+    """The bench's store: served here (``master``; the secret made and exported for the ranks
+    spawned next), or a rank's connection to it (the secret inherited)."""
+    from weight_transfer.store import connect_store, serve_store
 
-    return TCPStore("127.0.0.1", port or 0, None, master, dt.timedelta(seconds=timeout), wait_for_workers=False)
+    if master:
+        return serve_store("127.0.0.1", 0, timeout=timeout)
+    return connect_store(("127.0.0.1", port), timeout=timeout)
 
 
 def _worker(kind: str, role: str, rank: int, port: int, tensors, n_train: int, tp: int, n_steps: int) -> None:
@@ -75,6 +105,8 @@ def _steps(store, role, rank, n_steps, prepare, transfer, verify):
 def run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: int, timeout: float) -> list[float | str]:
     """Start the ranks of one peer, time each update from "go" to the last "done"; returns
     per update its seconds, or the error text of a failed verification."""
+    from weight_transfer import control
+
     store = _store(None, True)
     n = warmup + steps
     ctx = mp.get_context("spawn")
@@ -91,7 +123,7 @@ def run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: int
                 store.wait(keys, dt.timedelta(seconds=1))
                 return
             except Exception:  # timeout of this slice: check the ranks
-                errs = [store.get(f"error/{x}").decode() for x in names if store.check([f"error/{x}"])]
+                errs = [control.get_text(store, f"error/{x}") for x in names if store.check([f"error/{x}"])]
                 dead = [x for x, p in zip(names, procs) if p.exitcode not in (None, 0)]
                 if errs or dead:
                     raise RuntimeError(f"{kind}: {what}: " + (errs[0].strip().splitlines()[-1] if errs else
@@ -103,7 +135,7 @@ def run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: int
     try:
         for s in range(n):
             t_end = time.monotonic() + timeout
-            while store.add(f"ready/{s}", 0) < len(procs):  # a counter: TCPStore.wait cannot wait for a value
+            while store.add(f"ready/{s}", 0) < len(procs):  # a counter: a store's wait cannot wait for a value
                 time.sleep(0.002)
                 if time.monotonic() > t_end or any(p.exitcode not in (None, 0) for p in procs):
                     wait([f"never/{s}"], f"step {s} ready")  # raises naming the failed rank, or times out
@@ -112,7 +144,7 @@ def run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: int
             wait([f"done/{s}/{x}" for x in names], f"step {s}")
             sec = time.perf_counter() - t0
             wait([f"ok/{s}/{x}" for x in names], f"step {s} verify")
-            bad = [f"{x}: {store.get(f'ok/{s}/{x}').decode()}" for x in names if store.get(f"ok/{s}/{x}")]
+            bad = [f"{x}: {control.get_text(store, f'ok/{s}/{x}')}" for x in names if store.get(f"ok/{s}/{x}")]
             out.append("; ".join(bad) if bad else sec)
     finally:
         for p in procs:
@@ -209,7 +241,7 @@ def _mooncake_rank(store, role, rank, tensors, n_train, tp, n_steps):
     views = [arena[o:o + n].view(torch.bfloat16).view(tuple(b - a for a, b in box))
              for o, n, (_, box) in zip(offs, sizes, boxes)]
     if role == "infer":
-        store.set(f"mc/{rank}", pickle.dumps((f"127.0.0.1:{eng.get_rpc_port()}", arena.data_ptr())))
+        store.set(f"mc/{rank}", dumps((f"127.0.0.1:{eng.get_rpc_port()}", arena.data_ptr())))
 
         def verify(s):
             store.wait([f"done/{s}/train{rank}"])  # the writer's batch completed (one-sided: nothing to receive)
@@ -220,7 +252,7 @@ def _mooncake_rank(store, role, rank, tensors, n_train, tp, n_steps):
         store.wait([f"mc_exit/{rank}"])
     else:
         store.wait([f"mc/{rank}"])
-        session, base = pickle.loads(store.get(f"mc/{rank}"))
+        session, base = msgspec.msgpack.decode(store.get(f"mc/{rank}"), type=tuple[str, int], strict=True)
         src = [arena.data_ptr() + o for o in offs]
         dst = [base + o for o in offs]
 

@@ -42,7 +42,7 @@ Rows (each a fresh set of processes, run one after the other in this command):
 Every peer row is verified: each step's bytes are a pattern of (tensor, global index, step)
 that the receivers recompute on their own and compare bit for bit (as int16, so NaN patterns
 compare too). ``time`` is the controller's wall clock from "go" to the last rank's "done"
-(TCPStore keys), per update; p50 over the measured updates. memcpy is measured in this command
+(store keys), per update; p50 over the measured updates. memcpy is measured in this command
 before every row (one thread, 256 MiB, best of 3; the median of those is printed). A peer that
 is not installed, or fails, is listed under the table with the reason.
 

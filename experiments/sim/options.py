@@ -37,7 +37,7 @@ class SimulateOptions:
     repeat: int = 3
     """``--bench-planner`` runs (min / median / max reported)."""
     received: bool = False
-    """``--bench-planner`` on metadata pickled per rank, as the controller receives it."""
+    """``--bench-planner`` on metadata encoded and decoded per rank, as the controller receives it."""
     replan_without: int = 0
     """``--bench-planner``: time the replan after this many inference ranks left (C24: the
     schedule recomputed for the remaining membership only)."""

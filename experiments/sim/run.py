@@ -444,7 +444,7 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto", wi
     CPU seconds include the child's. ``checks``: ``"auto"``, ``"forked"`` or ``"in-process"``
     (``plan(parallel_checks=None / True / False)``), to compare the two on the same day.
 
-    ``received=True`` first passes every rank's list through pickle, as
+    ``received=True`` first passes every rank's list through :mod:`weight_transfer.wire`, as
     :func:`weight_transfer.control.put` / ``get`` deliver it to the controller: each rank then holds
     its own copies of shapes and meshes, which the consistency checks compare by value.
 
@@ -452,14 +452,14 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto", wi
     left, so the recipes are restricted to the others (:func:`weight_transfer.api.only_ranks`,
     timed with ``plan()``) and planned for that membership only."""
     code = (
-        "import gc, json, pickle, resource, time\n"
+        "import gc, json, resource, time\nfrom weight_transfer import wire\n"
         "from weight_transfer.experiments.sim.configs import get_config\n"
         "from weight_transfer.experiments.sim.run import _cpu_seconds, build\n"
         "from weight_transfer.plan import plan\n"
         f"cfg = get_config({name!r})\n"
         "mcfg, tm, dm, rs = build(cfg)\n"
         f"if {received!r}:\n"
-        "    tm = {r: pickle.loads(pickle.dumps(ms, protocol=pickle.HIGHEST_PROTOCOL)) for r, ms in tm.items()}\n"
+        "    tm = {r: wire.decode(wire.encode(ms), f'meta/train/{r}') for r, ms in tm.items()}\n"
         "gc.collect()\n"
         "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "c0, w0 = _cpu_seconds(), time.perf_counter()\n"
@@ -491,7 +491,7 @@ def format_bench(name: str, runs: list[dict], *, received: bool = False, checks:
     child = max(r.get("rss_child", 0) for r in runs)
     forked = (f"; checks' child process {child / 2**30:.2f} GiB, sum {(peak + child) / 2**30:.2f} GiB "
               f"(an upper bound: the child shares the planner's pages copy-on-write)") if child else ""
-    how = "metadata pickled per rank, as the controller receives it" if received else "synthesized metadata"
+    how = "metadata encoded per rank, as the controller receives it" if received else "synthesized metadata"
     return "\n".join([
         f"# planner benchmark ({name}: training layout {get_config(name).train_layout}, {how}, checks {checks}; "
         f"{len(runs)} fresh subprocess(es)): {b['n_sources']} source tensors, "

@@ -17,7 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from weight_transfer.baselines.common import BaselineStats, bucket_size, param_entries, plan_buckets, read_common
+from weight_transfer.baselines.common import (
+    BaselineStats,
+    bucket_size,
+    endpoint_fields,
+    param_entries,
+    plan_buckets,
+    read_common,
+)
 from weight_transfer.baselines.funnel import FunnelController, FunnelInference, FunnelTrainer
 from weight_transfer.baselines.options import BaselineOptions
 from weight_transfer.baselines.rpc import RpcClient, RpcController, RpcError, RpcInference, RpcTrainer
@@ -268,7 +275,7 @@ def _worker(rank: int, conn) -> None:
                           log=lambda m: None)
     side = RpcInference()
     desc, _ = side.setup(ctx)
-    conn.send(desc["endpoint"])
+    conn.send(endpoint_fields(desc)["endpoint"])
     step = 1
     while True:
         try:
@@ -351,3 +358,57 @@ def test_rpc_round_trip_error_reply_and_dead_worker(workers):
 def test_stats_shape_matches_what_the_trial_reads():
     st = BaselineStats(rank=0, bytes_sent=10, wire_bytes=20, n_writes=3, peak_temp_bytes=5)
     assert (st.bytes_sent, st.n_writes, st.peak_temp_bytes, st.records, st.stage_busy()) == (10, 3, 5, [], {})
+
+
+# --------------------------------------------------------------------------------------------
+# what crosses between processes is data (no pickle): the funnel's manifest, the RPC's headers
+
+
+def test_funnel_manifest_round_trip_and_refusals():
+    import msgspec
+
+    from weight_transfer.baselines.common import BucketItem
+    from weight_transfer.baselines.funnel import Manifest, ManifestError, decode_manifest, encode_manifest
+
+    m = Manifest(3, [[BucketItem("a.weight", (2, 3), "bfloat16", 0, 12), BucketItem("b", (), "float32", 16, 4)]])
+    raw = encode_manifest(m)
+    assert decode_manifest(raw) == m and raw[:1] != b"\x80"  # msgpack, not a pickle
+    enc = msgspec.msgpack.encode
+    for bad, why in (({"step": 1, "buckets": [], "extra": 1}, "unknown field"),
+                     ({"step": "1", "buckets": []}, "Expected `int`"),
+                     ({"step": 1, "buckets": [[["a", [2], "bfloat16", 0, 4, 99]]]}, "at most length 5"),
+                     (b"\x80\x04N.", None)):
+        with pytest.raises(ManifestError, match=why or "not one"):
+            decode_manifest(bad if isinstance(bad, bytes) else enc(bad))
+
+
+def test_rpc_header_that_is_not_a_request_is_refused_and_the_worker_serves_on():
+    import threading
+
+    import msgspec
+    import zmq
+
+    from weight_transfer.baselines.rpc import RpcServer
+
+    server = RpcServer()
+    got = []
+    t = threading.Thread(target=lambda: got.append(server.recv(10)), daemon=True)
+    t.start()
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.endpoint)
+    try:
+        for bad in (b"\x80\x04\x95garbage.", msgspec.msgpack.encode({"op": "exec", "id": 1}),
+                    msgspec.msgpack.encode({"op": "load", "id": 2, "name": "x", "shape": [1], "dtype": "bfloat16",
+                                            "code": "os.system"})):
+            s.send_multipart([b"", bad])
+            assert s.poll(5000)
+            rep = msgspec.msgpack.decode(s.recv_multipart()[-1])
+            assert rep["ok"] is False and "refused an RPC request" in rep["error"], rep
+        s.send_multipart([b"", msgspec.msgpack.encode({"op": "finish", "id": 7, "step": 2})])
+        t.join(10)
+        header, frame = got[0]
+        assert (header.op, header.id, header.step, frame) == ("finish", 7, 2, None)
+    finally:
+        s.close(linger=0)
+        server.close()

@@ -18,7 +18,8 @@ PLACEHOLDER = re.compile(r"[<\[*]|\.\.\.|\bX\b|\bDIR\b|\bCSV\b")
 
 def documented_commands() -> list[tuple[str, list[str]]]:
     """(file:line, argv) of every ``weight-transfer <subcommand> ...`` written in README.md and
-    docs/*.md (backslash continuations joined, comments cut), less those with placeholders."""
+    docs/*.md (backslash continuations and inline code spans broken over lines joined, comments
+    cut), less those with placeholders."""
     out = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         lines = path.read_text().splitlines()
@@ -29,7 +30,12 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i].strip()
             i += 1
-            for m in re.finditer(r"weight-transfer ((?:run|rl|sweep|simulate|faults|bench-[a-z]+)(?: [^`|#&;]*)?)", line):
+            # an inline code span that goes on on the next line (markdown joins it with a space)
+            while line.count("`") % 2 and not line.lstrip().startswith("```") and i < len(lines):
+                line = line + " " + lines[i].strip()
+                i += 1
+            for m in re.finditer(r"weight-transfer ((?:run|rl|sweep|simulate|faults|secret|bench-[a-z]+)(?: [^`|#&;]*)?)",
+                                 line):
                 cmd = m.group(1).strip()
                 if PLACEHOLDER.search(cmd) or "--help" in cmd:
                     continue
@@ -71,8 +77,8 @@ def test_run_help_lists_every_option_with_its_default(capsys):
         assert text in help_, text
 
 
-@pytest.mark.parametrize("sub", ["rl", "sweep", "simulate", "faults", "bench-quant", "bench-pipeline", "bench-transports",
-                                 "bench-peers"])
+@pytest.mark.parametrize("sub", ["rl", "sweep", "simulate", "faults", "secret", "bench-quant", "bench-pipeline",
+                                 "bench-transports", "bench-peers"])
 def test_every_subcommand_has_help_with_defaults(sub, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser([sub, "--help"]).parse_args([sub, "--help"])
@@ -89,6 +95,42 @@ def test_watermark_mb_reaches_the_executor_options():
     ex, plan = cfg.transfer.executor, cfg.transfer.plan
     assert (ex.watermark, ex.pipeline, plan.local_writes, plan.max_chunk_bytes) == (16 << 20, False, False, 1 << 19)
     assert cfg.inference.quant is None and cfg.model.name == "qwen3-30b-a3b"
+
+
+def test_secret_prints_a_fresh_secret_or_writes_a_private_file(tmp_path, capsys):
+    """``weight-transfer secret``: 64 hex digits, fresh each time; ``--out PATH``: the file (mode
+    0600, what JobSecret.from_file accepts) and the export line naming it, the secret not printed."""
+    import os
+    import stat
+
+    from weight_transfer.experiments.command import main
+    from weight_transfer.security import JobSecret
+
+    assert main(["secret"]) == 0 and main(["secret"]) == 0
+    a, b = capsys.readouterr().out.split()
+    assert re.fullmatch(r"[0-9a-f]{64}", a) and a != b and JobSecret.parse(a).hex() == a
+    path = tmp_path / "keys dir" / "job.secret"
+    assert main(["secret", "--out", str(path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"export WEIGHT_TRANSFER_SECRET_FILE={shlex.quote(str(path))}"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    secret = JobSecret.from_file(path)
+    assert secret.hex() not in out
+    assert main(["secret", "--out", str(path)]) == 0  # replaced by a fresh one
+    capsys.readouterr()
+    assert JobSecret.from_file(path).hex() != secret.hex()
+
+
+@pytest.mark.parametrize("where,want", [("dir", "is a directory"), ("missing", "No such file or directory")])
+def test_secret_out_that_cannot_be_written_is_one_error_line(where, want, tmp_path, capsys):
+    from weight_transfer.experiments.command import main
+
+    out = {"dir": tmp_path, "missing": "/proc/no-such-dir/secret"}[where]
+    assert main(["secret", "--out", str(out)]) == 2
+    got = capsys.readouterr()
+    err = got.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out ") and want in err[0], err
+    assert got.out == ""
 
 
 # ---- the command as a user runs it: bad outputs refused, rows kept, signals (C25, issue 27) ----

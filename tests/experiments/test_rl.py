@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from weight_transfer.experiments import rl
+from weight_transfer.experiments import collectives, rl
 
 
 def test_parity_task_rewards_and_prompts():
@@ -213,3 +213,62 @@ def test_supervise_stops_the_other_trainers_when_one_fails():
     for p in ok:
         p.start()
     assert rl.supervise(ok, poll=0.05) == 0
+
+
+def _gloo_rank(rank: int, port: int, q) -> None:
+    """One of two training ranks exchanging what the RL loop exchanges (as data, over gloo)."""
+    import torch.distributed as dist
+
+    import weight_transfer as wt
+
+    store = wt.connect_store(("127.0.0.1", port), timeout=30)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
+    try:
+        names = rl.broadcast(["b.weight", "a.weight"] if rank == 0 else None)
+        batch = None
+        if rank == 0:
+            batch = {"answers": torch.arange(24).view(2, 3, 4), "logprobs": torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1)),
+                     "versions": {(("3", 0, 1),)}, "seconds": 0.5}
+        got = rl.broadcast_rollout(batch)
+        check = collectives.all_gather(({"a.weight": f"d{rank}"}, [([1, 2], [-0.5, float("-inf")])], None if rank else True, [],
+                               100 + rank), type_=collectives._CheckMsg)
+        q.put((rank, names, got["answers"].tolist(), got["logprobs"].tolist(), got["versions"], got["seconds"], check))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_training_ranks_exchange_data_not_pickles():
+    """What the RL loop's two training ranks send each other over their gloo group (the engine's
+    tensor names, rank 0's rollout, each rank's oracle check) arrives as sent, tensors bit for
+    bit, through msgpack; a message that is not what the receiver expects is refused."""
+    import multiprocessing as mp
+
+    import msgspec
+
+    import weight_transfer as wt
+
+    store = wt.serve_store("127.0.0.1", 0, timeout=60)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, store.port, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        out = dict((r[0], r[1:]) for r in (q.get(timeout=120), q.get(timeout=120)))
+    finally:
+        for p in procs:
+            p.join(30)
+    want_lp = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1)).tolist()
+    checks = [({"a.weight": "d0"}, [([1, 2], [-0.5, float("-inf")])], True, [], 100),
+              ({"a.weight": "d1"}, [([1, 2], [-0.5, float("-inf")])], None, [], 101)]
+    for r in (0, 1):
+        names, answers, lps, versions, seconds, check = out[r]
+        assert names == ["b.weight", "a.weight"] and answers == torch.arange(24).view(2, 3, 4).tolist()
+        assert lps == want_lp and versions == {(("3", 0, 1),)} and seconds == 0.5
+        assert check == checks
+    assert all(p.exitcode == 0 for p in procs)
+    with pytest.raises(ValueError, match="refused"):
+        collectives._decode(msgspec.msgpack.encode({"answers": 1}), collectives._Rollout, "a test message")
+    t = collectives.TensorData("bfloat16", (2, 2), b"\x00" * 6)
+    with pytest.raises(ValueError, match="8 bytes, got 6"):
+        t.tensor()

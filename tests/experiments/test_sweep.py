@@ -210,10 +210,72 @@ def test_sweep_cli_exit_status_and_bad_options(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------- the real thing: submitit local executor
 
 
+def _record_secrets(monkeypatch) -> list[str]:
+    """The hex of every job secret made from now on (JobSecret.generate recorded), with no
+    secret in this process's environment to start with."""
+    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, JobSecret
+
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
+    made, real = [], JobSecret.generate.__func__
+
+    def generate(cls):
+        sec = real(cls)
+        made.append(sec.hex())
+        return sec
+    monkeypatch.setattr(JobSecret, "generate", classmethod(generate))
+    return made
+
+
+def test_each_trial_job_is_submitted_with_a_fresh_secret_in_its_environment(monkeypatch):
+    """The controller is one of the job's tasks, so the secret exists before the job: each
+    submission sees a fresh one in the environment its tasks inherit, and the sweep's own
+    environment is left as it was; a secret the user set is used as is."""
+    from weight_transfer.security import ENV_SECRET, JobSecret
+
+    made = _record_secrets(monkeypatch)
+
+    class Executor:
+        seen: list = []
+
+        def submit(self, fn, *args):
+            self.seen.append(os.environ.get(ENV_SECRET))
+            return fn(*args)
+
+    ex = Executor()
+    assert S.submit_with_secret(ex, lambda a, b: a + b, 1, 2) == 3
+    S.submit_with_secret(ex, lambda: None)
+    assert ex.seen == made and len(set(made)) == 2 and all(JobSecret.parse(h).hex() == h for h in made)
+    assert ENV_SECRET not in os.environ
+    mine = JobSecret.generate().hex()
+    monkeypatch.setenv(ENV_SECRET, mine)
+    S.submit_with_secret(ex, lambda: None, fresh=False)
+    S.submit_with_secret(ex, lambda: None)  # fresh for this job, the user's restored after
+    assert ex.seen[2] == mine and ex.seen[3] not in (mine, None) and os.environ[ENV_SECRET] == mine
+
+
+def test_the_secret_is_not_in_the_sbatch_script(tmp_path, monkeypatch):
+    """SLURM: the secret reaches the tasks through sbatch's exported environment, never the
+    submission file (a file in the job folder others may read)."""
+    from submitit.slurm.test_slurm import mocked_slurm
+
+    made = _record_secrets(monkeypatch)
+    cfg = TrialConfig.from_flat(n_train=2, tp=2)
+    opt = S.LaunchOptions(cluster="slurm", folder=tmp_path, nodes=1)
+    with mocked_slurm():
+        job = S.submit_with_secret(S.make_executor(cfg, opt), S.trial_job, cfg, str(tmp_path))
+        text = job.paths.submission_file.read_text()
+    assert len(made) == 1 and made[0] not in text
+
+
 @pytest.mark.multiproc
-def test_local_executor_runs_a_trial_as_one_job_with_one_task_per_rank(tmp_path):
+def test_local_executor_runs_a_trial_as_one_job_with_one_task_per_rank(tmp_path, monkeypatch):
     """Controller + 1 training + 1 inference rank as the 3 tasks of one local submitit job;
-    the store address travels through the job folder; every update verified."""
+    the store address travels through the job folder, the job secret through the tasks'
+    environment (made by the sweep, in no file of the job folder); every update verified."""
+    from weight_transfer.security import ENV_SECRET
+
+    made = _record_secrets(monkeypatch)
     cfg = tiny(steps=1, warmup=1, timeout=90.0)
     opt = S.LaunchOptions(cluster="local", folder=tmp_path / "jobs", time_min=5)
     s = S.run_sweep(C.Sweep(name="local", trials=[cfg]), opt, results_dir=tmp_path, progress=False)
@@ -223,6 +285,9 @@ def test_local_executor_runs_a_trial_as_one_job_with_one_task_per_rank(tmp_path)
     job_dir = tmp_path / "jobs" / str(df["job_id"].iloc[0])
     assert (job_dir / "store.json").exists()
     assert len(list(job_dir.glob("*_log.err"))) == 3  # one log per task
+    assert len(made) == 1 and ENV_SECRET not in os.environ
+    for f in (tmp_path / "jobs").rglob("*"):
+        assert not f.is_file() or made[0].encode() not in f.read_bytes(), f
 
 
 def test_run_controller_and_run_task_exist_with_their_signatures():
@@ -232,3 +297,14 @@ def test_run_controller_and_run_task_exist_with_their_signatures():
                                                                       "liveness_infer"]
     assert list(inspect.signature(run_task).parameters)[:4] == ["cfg", "global_rank", "store_host", "store_port"]
     assert os.environ.get("SUBMITIT_EXECUTOR") is None
+
+
+def test_a_task_0_without_the_job_secret_is_refused_before_serving(monkeypatch):
+    """run_task's controller does not make a secret the job's other tasks could never learn:
+    without one in its environment it refuses at once, naming how to pass it."""
+    from weight_transfer.security import AuthenticationError
+
+    _record_secrets(monkeypatch)
+    monkeypatch.delenv("WEIGHT_TRANSFER_INSECURE", raising=False)
+    with pytest.raises(AuthenticationError, match="trial task 0 .*WEIGHT_TRANSFER_SECRET"):
+        run_task(tiny(), 0, "127.0.0.1", 0)

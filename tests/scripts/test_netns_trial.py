@@ -108,3 +108,64 @@ def test_rate_limited_link_paired_full_and_delta(tmp_path):
     assert all(int(x["link_rate_bits"]) == 40_000_000 and int(x["link_tx_bytes"]) > 0 for x in rows)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "wt-train-" not in left and "wt-infer-" not in left, left
+
+
+# ---- without namespaces: what the launcher hands its tasks (no NIXL, no root needed) ----------
+
+
+def _netns_trial():
+    spec = importlib.util.spec_from_file_location("netns_trial", ROOT / "scripts" / "netns_trial.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("netns_trial", mod)  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tasks_get_the_job_secret_in_their_environment_only(monkeypatch):
+    """The controller task serves the store, the others connect: every task's environment holds
+    one secret, made by the launcher unless its own environment has one; the opt-out passes on."""
+    from weight_transfer.security import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE, JobSecret
+
+    nt = _netns_trial()
+    for var in (ENV_SECRET, ENV_SECRET_FILE, ENV_INSECURE):
+        monkeypatch.delenv(var, raising=False)
+    a, b = nt.task_env(), nt.task_env()
+    assert JobSecret.parse(a[ENV_SECRET]).hex() == a[ENV_SECRET] != b[ENV_SECRET]  # one per launch
+    assert ENV_SECRET not in os.environ
+    mine = JobSecret.generate().hex()
+    monkeypatch.setenv(ENV_SECRET, mine)
+    assert nt.task_env()[ENV_SECRET] == mine
+    monkeypatch.delenv(ENV_SECRET)
+    monkeypatch.setenv(ENV_INSECURE, "1")
+    assert ENV_SECRET not in nt.task_env() and nt.task_env()[ENV_INSECURE] == "1"
+
+
+def test_config_and_result_files_are_data():
+    """``--cfg`` is the TrialConfig as JSON, ``--result`` the TrialResult as msgpack: both round
+    trip exactly (NaN kept), and a field no part has, or of the wrong type, is refused by name."""
+    import json
+    import math
+
+    from weight_transfer.experiments.config import TrialConfig
+    from weight_transfer.experiments.data import config_from_json, config_to_json, result_from_bytes, result_to_bytes
+    from weight_transfer.experiments.trial import TrialResult
+
+    cfg = TrialConfig.from_flat(model="qwen3-0.6b", overrides={"num_hidden_layers": 2}, n_train=1, tp=1,
+                                transport="nixl", delta=True, change_fraction=(0.01, 0.5), watermark=1 << 20)
+    raw = config_to_json(cfg)
+    assert config_from_json(raw) == cfg and raw.lstrip()[:1] == b"{"
+    d = json.loads(raw)
+    d["run"]["steps"] = "3"
+    with pytest.raises(ValueError, match=r"Expected `int`, got `str` - at `\$.run.steps`"):
+        config_from_json(json.dumps(d))
+    d = json.loads(raw)
+    d["transfer"]["executor"]["evil"] = 1
+    with pytest.raises(ValueError, match=r"\$.transfer.executor.evil is not in TrialConfig"):
+        config_from_json(json.dumps(d))
+    rows = [{"step": 1, "seconds": 0.25, "verified": True, "error": None, "p": float("nan"), "layout": "tp=1"}]
+    res = TrialResult(cfg, rows, "plan: 3 tasks", 0.5, 12.5, {"host": "h", "cpus": 2})
+    back = result_from_bytes(result_to_bytes(res))
+    assert back.cfg == cfg and back.env == res.env and back.schedule_summary == res.schedule_summary
+    assert math.isnan(back.rows[0].pop("p")) and back.rows == [{k: v for k, v in rows[0].items() if k != "p"}]
+    with pytest.raises(ValueError, match="trial result"):
+        result_from_bytes(b"\x80\x04N.")

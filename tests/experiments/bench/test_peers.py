@@ -36,6 +36,44 @@ def test_pattern_is_position_and_step_dependent():
     assert full.unique().numel() > 1000
 
 
+def _peer_rank(port: int) -> None:
+    """A spawned rank of the peer bench's store: reads what the parent put (awex's shape), answers."""
+    from weight_transfer.experiments.bench.peer_worlds import _store, _StoreMeta
+
+    meta = _StoreMeta(_store(port, False, timeout=30))
+    endpoint, entries = meta.get_object("buffers", timeout=30)
+    sig, addr, size, shape, dtype = entries[0]
+    ok = (endpoint == "127.0.0.1:4242" and sig == ("a", "b", (0, 1), ((0, 4, 1),)) and shape == (2, 2)
+          and (addr, size, dtype) == (1 << 40, 8, "torch.bfloat16"))
+    meta.put_object("done", "" if ok else f"got {endpoint!r} {entries!r}")
+
+
+def test_peer_bench_store_is_authenticated_and_carries_data_not_pickles():
+    """The awex / Mooncake rows' store: the project's authenticated one (a rank spawned after it
+    inherits the secret) and awex's rendezvous values as msgpack, arrays back as the tuples awex
+    compares; an object that is not data is refused when put."""
+    import multiprocessing as mp
+
+    from weight_transfer.experiments.bench.peer_worlds import _store, _StoreMeta, dumps, loads
+    from weight_transfer.secure_store import SecureStore
+
+    store = _store(None, True, timeout=30)
+    assert isinstance(store, SecureStore)
+    meta = _StoreMeta(store)
+    meta.put_object("buffers", ("127.0.0.1:4242", [(("a", "b", (0, 1), ((0, 4, 1),)), 1 << 40, 8, (2, 2), "torch.bfloat16")]))
+    p = mp.get_context("spawn").Process(target=_peer_rank, args=(store.port,), daemon=True)
+    p.start()
+    try:
+        assert meta.get_object("done", timeout=60) == ""
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+    assert store.get("buffers")[:1] != b"\x80"  # not a pickle
+    assert loads(dumps({"k": [1, [2, 3]]})) == {"k": (1, (2, 3))}
+    with pytest.raises(TypeError):
+        dumps(object())
+
+
 def test_unknown_peer_is_refused(capsys):
     with pytest.raises(ValueError, match="unknown peer"):
         PeersBenchConfig(peers=("nope",))

@@ -522,7 +522,7 @@ def test_traced_architecture_simulated_from_vllms_loader(tmp_path, monkeypatch, 
     monkeypatch.setenv("WT_TRACE_CACHE", str(tmp_path / "traces"))
     cfg = get_config("tiny_glm45_2x2_traced")
     mcfg, tm, dm, rs = build(cfg)
-    assert not mcfg.hand_written and len(list(trace_cache_dir().glob("*.pkl"))) == 1
+    assert not mcfg.hand_written and len(list(trace_cache_dir().glob("*.msgpack"))) == 1
     assert sorted(dm) == list(range(cfg.layout.world_size)) and all(dm.values())
     assert {s for r in rs for s in r.sources} == {m.name for ms in tm.values() for m in ms}  # every tensor planned
     _, how = recipes_for(mcfg, cfg.layout)  # from the cache
