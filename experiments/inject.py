@@ -131,7 +131,7 @@ def install_watcher(fault: Fault | None, who: tuple[str, int], addr: tuple[str, 
     the main thread, through a SIGUSR1 handler). Call from the main thread."""
     if fault is None or (fault.role, fault.rank) != who:
         return
-    from weight_transfer import control
+    from weight_transfer import store as store_api
 
     where = f"{fault.name}'s main thread"
 
@@ -142,7 +142,7 @@ def install_watcher(fault: Fault | None, who: tuple[str, int], addr: tuple[str, 
         signal.signal(signal.SIGUSR1, handler)
 
     def watch():
-        store = control.make_store(*addr, is_master=False, timeout=60)
+        store = store_api.make_store(*addr, is_master=False, timeout=60)
         while not store.check(["fault/fire"]):
             time.sleep(0.002)
         if fault.action == "raise":

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weight_transfer import control
+from weight_transfer import store as store_api
 from weight_transfer.method import ControllerContext
 
 from .columns import update_row
@@ -170,7 +171,7 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     stall = cfg.transfer.control.timeout if stall is None else stall
     env = environment()
     memcpy = measure_memcpy_gbps()
-    store = control.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.transfer.control.timeout)
+    store = store_api.make_store("127.0.0.1", 0, is_master=True, timeout=cfg.transfer.control.timeout)
     addr = ("127.0.0.1", store.port)
     ctx = mp.get_context("spawn")
     procs = _Procs()
@@ -542,7 +543,7 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
             resolve_secret(where=f"trial task 0 (the controller of a {world_size(cfg)}-task job)")
         env = environment()
         memcpy = measure_memcpy_gbps()
-        store = control.make_store(store_host, store_port, is_master=True, timeout=cfg.transfer.control.timeout)
+        store = store_api.make_store(store_host, store_port, is_master=True, timeout=cfg.transfer.control.timeout)
         if publish is not None:
             publish(store_host, store.port)
         try:
@@ -567,7 +568,7 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
                                                                    local_rank=local_rank_from_env())
     finally:
         try:
-            control.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")
+            store_api.make_store(store_host, store_port, is_master=False, timeout=10.0).set(f"task_exit/{global_rank}", b"1")
         except Exception:
             pass
     return None

@@ -65,6 +65,7 @@ import traceback
 from pathlib import Path
 
 from weight_transfer import control
+from weight_transfer import store as store_api
 from weight_transfer.clients import InferenceClient
 
 __all__ = ["vllm_instance_main", "prefill_oracle", "prefill_oracle_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
@@ -470,7 +471,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
 
     tp = cfg.inference.tp
     ranks = [instance * tp + t for t in range(tp)]
-    store = control.make_store(addr[0], addr[1], is_master=False, timeout=cfg.transfer.control.timeout)
+    store = store_api.make_store(addr[0], addr[1], is_master=False, timeout=cfg.transfer.control.timeout)
     clients = {r: InferenceClient(store, r, timeout=max(cfg.transfer.control.timeout, 600.0)) for r in ranks}
     mcfg = cfg.model_config()
     root = Path(tempfile.mkdtemp(prefix=f"wt-vllm{instance}-"))

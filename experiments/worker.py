@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from weight_transfer import clients, control
+from weight_transfer import store as store_api
 from weight_transfer.metadata import collect_metas, named_dtensors
 from weight_transfer.testing.training import build_fsdp_model, load_step
 
@@ -28,7 +29,7 @@ def log(prefix: str, msg: str) -> None:
 
 
 def _connect(addr: tuple[str, int], timeout: float) -> dist.Store:
-    return control.make_store(addr[0], addr[1], is_master=False, timeout=timeout)
+    return store_api.make_store(addr[0], addr[1], is_master=False, timeout=timeout)
 
 
 def build_training_params(cfg: TrialConfig, rank: int) -> dict:

@@ -62,136 +62,25 @@ store's blocking ``wait`` cannot be interrupted to look at liveness.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
+from .errors import (  # noqa: F401 -- part of this module's API (control.ControlError, ...)
+    ControlError,
+    GoLiveNotStarted,
+    VersionError,
+    backoff,
+    decode_error,
+    encode_error,
+)
 from .heartbeat import Heartbeat, HeartbeatMonitor  # noqa: F401 -- part of this module's API (control.Heartbeat)
-
-SHADOW_KEY = "meta/infer_shadow/{rank}"
-"""Store key under which an inference rank with shadow targets publishes
-:meth:`weight_transfer.shadow.Shadow.info` (at registration and after each go-live: a flip
-receiver's ``shift`` moves with its live half)."""
-
-
-class ControlError(RuntimeError):
-    """A rank failed, died or did not answer in time; the message names role, rank and cause.
-    ``culprit``: the "role rank: cause" line :func:`wait_keys` found, without its prefix, or None."""
-
-    culprit: str | None = None
-
-
-class GoLiveNotStarted(RuntimeError):
-    """Raised by a commit callable (:meth:`Controller.transfer`) that failed before any engine
-    went live (e.g. a shadow's rebuild that did not finish): with shadow targets the update then
-    fails with nothing live touched, the served version stays ``complete``."""
-
-
-class VersionError(ControlError):
-    """A version that would move backwards (or repeat a published one), or a waited-for version
-    that was skipped."""
-
-
-def encode_error(e: BaseException) -> tuple[str, str]:
-    """``(type name, message)`` of an error, to hand it to other ranks through the store
-    (:func:`decode_error` raises it there as the same documented type)."""
-    return type(e).__name__, str(e)
-
-
-def decode_error(kind: str, msg: str) -> BaseException:
-    """The error :func:`encode_error` described, as the documented type of that name
-    (``ValueError``, ``TypeError``, ``PlanError``, ``VersionError``, ``ControlError``); any
-    other type arrives as ControlError (a failure, not a refusal), naming the type."""
-    from .types import PlanError
-
-    known = {"ValueError": ValueError, "TypeError": TypeError, "PlanError": PlanError, "VersionError": VersionError,
-             "ControlError": ControlError}
-    cls = known.get(kind)
-    return cls(msg) if cls is not None else ControlError(f"{kind}: {msg}")
-
-
-def make_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
-               timeout: float = 300.0, secret=None) -> dist.Store:
-    """The control-plane store: its server here (``is_master``; ``port=0`` picks a free port:
-    read ``store.port``), or a member's connection to it -- :func:`weight_transfer.serve_store`
-    / :func:`weight_transfer.connect_store` (the job secret from ``secret`` or the environment;
-    a master without one makes one and exports it to the processes it starts). ``world_size``
-    is accepted for callers of torch's ``TCPStore`` signature and not used."""
-    from .store import connect_store, serve_store
-
-    del world_size
-    if is_master:
-        return serve_store(host, port, timeout=timeout, secret=secret)
-    return connect_store((host, port), timeout=timeout, secret=secret)
-
-
-def plain_tcp_store(host: str, port: int, *, is_master: bool, timeout: float) -> dist.TCPStore:
-    """torch's unauthenticated ``TCPStore`` (the explicit opt-out only: :data:`weight_transfer.security.ENV_INSECURE`)."""
-    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout), wait_for_workers=False)
-
-
-def put(store: dist.Store, key: str, obj) -> None:
-    """Set ``key`` to ``obj`` in the data-only encoding (:func:`weight_transfer.wire.put`)."""
-    from . import wire
-
-    wire.put(store, key, obj)
-
-
-def get(store: dist.Store, key: str):
-    """The value of ``key``, decoded into its schema's type (:func:`weight_transfer.wire.get`);
-    :class:`weight_transfer.wire.WireError` naming the key for a value its schema refuses."""
-    from . import wire
-
-    return wire.get(store, key)
-
-
-TEXT_LIMIT = 1 << 16
-"""Longest ASCII/UTF-8 field (bytes) :func:`get_text` accepts."""
-
-
-def get_text(store: dist.Store, key: str, *, limit: int = TEXT_LIMIT) -> str:
-    """The UTF-8 text of ``key`` (a reason, a token). ControlError naming the key for more than
-    ``limit`` bytes or bytes that are not UTF-8."""
-    raw = store.get(key)
-    if len(raw) > limit:
-        raise ControlError(f"store key {key!r}: refused a text of {len(raw)} bytes (limit {limit})")
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        raise ControlError(f"store key {key!r}: refused a value that is not UTF-8 text") from None
-
-
-def parse_int(raw: bytes, key: str) -> int:
-    """``raw`` as a decimal integer (ASCII, optional minus, at most 20 digits); ControlError
-    naming ``key`` otherwise."""
-    t = raw.strip()
-    body = t[1:] if t[:1] == b"-" else t
-    if not body or len(body) > 20 or not body.isdigit():
-        raise ControlError(f"store key {key!r}: refused a value that is not a decimal integer")
-    return int(t)
-
-
-def get_int(store: dist.Store, key: str) -> int:
-    """The decimal integer of ``key`` (:func:`parse_int`)."""
-    return parse_int(store.get(key), key)
-
+from .keys import SHADOW_KEY
+from .wire import TEXT_LIMIT, get, get_int, get_text, parse_int, put  # noqa: F401 -- the encoding of the values
 
 FAILURE_CHECK_S = 0.02
 """Seconds between two failure checks of :func:`wait_keys`, however often it polls its keys."""
-
-
-def backoff(timeout: float | None, poll: float = 0.02) -> Iterator[bool]:
-    """The one poll loop of the control plane: yields ``expired`` (True once ``timeout``
-    seconds have passed; never for ``None``), sleeping between iterations from 0.1 ms doubling
-    up to ``poll`` seconds. Callers ``return`` or ``raise`` to leave it."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    nap = 1e-4
-    while True:
-        yield deadline is not None and time.monotonic() >= deadline
-        time.sleep(nap)
-        nap = min(nap * 2, poll)
 
 
 def role_name(rank) -> str:

@@ -492,6 +492,15 @@ def _trace_problem(traces: dict) -> str:
     return ""
 
 
+def loader_traces(store, ranks) -> dict:
+    """Inference rank -> its published :class:`weight_transfer.plan.traced.LoaderTrace`, for the ranks in ``ranks`` that
+    published one (``{}`` when none did)."""
+    from .plan.traced import TRACE_KEY
+
+    keys = {i: TRACE_KEY.format(rank=i) for i in ranks}
+    return {i: control.get(store, k) for i, k in keys.items() if store.check([k])}
+
+
 def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, ranks: set[int]):
     """The recipes to plan with and a line saying where they come from (C29): the recipes
     traced from vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`) when
@@ -503,7 +512,7 @@ def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, 
     what :func:`~weight_transfer.plan.traced.recipes_from_traces` refuses (a loader step that
     computes, a parameter the trainer's tensors do not fill)."""
     from .plan import build_recipes
-    from .plan.traced import compare_recipes, loader_traces, recipes_from_traces
+    from .plan.traced import compare_recipes, recipes_from_traces
 
     traces = loader_traces(store, ranks)
     whole = bool(traces) and set(traces) >= ranks

@@ -84,6 +84,10 @@ def _plan(v, key):
 
 
 wire.register_tagged(StepStats)
+SHADOW_KEY = "meta/infer_shadow/{rank}"
+"""Store key under which an inference rank with shadow targets publishes
+:meth:`weight_transfer.shadow.Shadow.info` (at registration and after each go-live: a flip
+receiver's ``shift`` moves with its live half)."""
 
 R = wire.register
 R("meta/train/{r}", list[ParamMeta], "a training rank's parameters (checkpoint names, shapes, meshes, shards)",

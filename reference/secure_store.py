@@ -26,11 +26,11 @@ then holds (``expected`` itself for a missing key), a closed or unreachable serv
 ``DistNetworkError``. The serving process's own :class:`SecureStore` reaches the table directly,
 without a socket.
 
-Why hand-written: torch's ``TCPStore`` has no way to authenticate a peer, and no maintained
-key-value server with mutual TLS ships with torch or Python; the server here is a table, a
-condition variable and a frame loop (the cryptography is OpenSSL's and ``cryptography``'s).
-Limits against a flood: at most :data:`MAX_PENDING` handshakes at a time, each bounded by
-:data:`HANDSHAKE_S` seconds; frames above :data:`MAX_FRAME` bytes close the connection.
+Why hand-written: torch's ``TCPStore`` cannot authenticate a peer, and no maintained key-value
+server with mutual TLS ships with torch or Python; this one is a table, a condition variable and
+a frame loop (the cryptography is OpenSSL's and ``cryptography``'s). Against a flood: at most
+:data:`MAX_PENDING` handshakes at once, each within :data:`HANDSHAKE_S` s; a frame over
+:data:`MAX_FRAME` bytes closes the connection.
 """
 from __future__ import annotations
 
@@ -437,10 +437,7 @@ class _Remote:
         return out
 
     def _drop(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.sock.close()  # socket.close swallows the OS's errors
         self.sock = None
 
     def close(self) -> None:
@@ -484,8 +481,7 @@ class SecureStore(dist.Store):
     # -- plumbing
 
     def _with_timeout(self, timeout: float) -> SecureStore:
-        """Set the timeout of every later call (connecting used the time left of the deadline)."""
-        self.set_timeout(timedelta(seconds=timeout))
+        self.set_timeout(timedelta(seconds=timeout))  # connecting used what was left of the deadline
         return self
 
     @property

@@ -40,7 +40,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 
-from .control import ControlError
+from .errors import ControlError
 
 __all__ = ["JobSecret", "Sealer", "AuthenticationError", "ENV_SECRET", "ENV_SECRET_FILE", "ENV_INSECURE",
            "resolve_secret", "insecure_requested", "warn_insecure", "SECRET_BYTES"]

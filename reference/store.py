@@ -26,7 +26,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .args import check_bool, check_int, check_seconds, check_type
-from .control import SHADOW_KEY, ControlError, backoff, get, plain_tcp_store
+from .errors import ControlError, backoff
+from .keys import SHADOW_KEY
 from .security import (
     AuthenticationError,
     JobSecret,
@@ -34,8 +35,10 @@ from .security import (
     resolve_secret,
     warn_insecure,
 )
+from .wire import get
 
-__all__ = ["serve_store", "connect_store", "RUNTIME_KEY", "runtime_layouts", "SHADOW_KEY", "shadow_infos", "JobSecret"]
+__all__ = ["serve_store", "connect_store", "make_store", "plain_tcp_store", "RUNTIME_KEY", "runtime_layouts",
+           "SHADOW_KEY", "shadow_infos", "JobSecret"]
 
 
 def serve_store(host: str = "127.0.0.1", port: int = 0, *, timeout: float = 600.0, secret=None,
@@ -73,6 +76,24 @@ def serve_store(host: str = "127.0.0.1", port: int = 0, *, timeout: float = 600.
         sec = JobSecret.generate()
         sec.export()
     return SecureStore.serve(host, port, sec, timeout=timeout)
+
+
+def make_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
+               timeout: float = 300.0, secret=None) -> dist.Store:
+    """The control-plane store: its server here (``is_master``; ``port=0`` picks a free port:
+    read ``store.port``), or a member's connection to it -- :func:`weight_transfer.serve_store`
+    / :func:`weight_transfer.connect_store` (the job secret from ``secret`` or the environment;
+    a master without one makes one and exports it to the processes it starts). ``world_size``
+    is accepted for callers of torch's ``TCPStore`` signature and not used."""
+    del world_size
+    if is_master:
+        return serve_store(host, port, timeout=timeout, secret=secret)
+    return connect_store((host, port), timeout=timeout, secret=secret)
+
+
+def plain_tcp_store(host: str, port: int, *, is_master: bool, timeout: float) -> dist.TCPStore:
+    """torch's unauthenticated ``TCPStore`` (the explicit opt-out only: :data:`weight_transfer.security.ENV_INSECURE`)."""
+    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def _address(store) -> tuple[str, int]:

@@ -33,10 +33,10 @@ from typing import Any, TypedDict
 import msgspec
 import msgspec.inspect as mi
 
-from .control import ControlError
+from .errors import ControlError
 
 __all__ = ["WireError", "FORMAT", "encode", "decode", "register", "schema_of", "schemas", "Tagged", "register_tagged",
-           "tag", "untag", "put", "get", "Outcome", "Decision", "Ready", "Done", "Report", "Proc", "World"]
+           "tag", "untag", "put", "get", "get_text", "get_int", "parse_int", "TEXT_LIMIT", "Outcome", "Decision", "Ready", "Done", "Report", "Proc", "World"]
 
 FORMAT = b"\x01"
 """First byte of every encoded value: the encoding's version."""
@@ -71,8 +71,6 @@ def tag(obj) -> Tagged | None:
     """``obj`` as a :class:`Tagged` (None stays None); TypeError for an unregistered type."""
     if obj is None:
         return None
-    if not _LIBRARY_KEYS:
-        _load_library_keys()
     name = _TAGGED_NAME.get(type(obj))
     if name is None:
         raise TypeError(f"wire: {type(obj).__name__} is not a registered tagged type (register_tagged)")
@@ -83,8 +81,6 @@ def untag(t: Tagged | None, *, key: str = "?"):
     """The object a :class:`Tagged` carries, decoded strictly as its registered type."""
     if t is None:
         return None
-    if not _LIBRARY_KEYS:
-        _load_library_keys()
     cls = _TAGGED.get(t.type)
     if cls is None:
         raise WireError(f"store key {key!r}: refused a value of unknown type {t.type!r}")
@@ -139,28 +135,17 @@ def register(template: str, type_, doc: str = "", *, post=None) -> None:
 
 
 def schema_of(key: str) -> _Schema | None:
-    """The schema of ``key`` (None when no registered template matches)."""
-    if not _LIBRARY_KEYS:
-        _load_library_keys()
+    """The schema of ``key`` (None when no registered template matches). The library's own
+    schemas are registered by :mod:`weight_transfer.keys`, which :mod:`weight_transfer.control`
+    and :mod:`weight_transfer.store` import."""
     for s in _SCHEMAS:
         if s.regex.match(key):
             return s
     return None
 
 
-_LIBRARY_KEYS: list = []
-
-
-def _load_library_keys() -> None:
-    from . import keys  # noqa: F401 -- registers the library's own schemas
-
-    _LIBRARY_KEYS.append(True)
-
-
 def schemas() -> list[tuple[str, str, str]]:
     """``(template, type, doc)`` of every registered schema (docs/SECURITY.md lists them)."""
-    if not _LIBRARY_KEYS:
-        _load_library_keys()
     return [(s.template, _type_name(s.type), s.doc) for s in _SCHEMAS]
 
 
@@ -256,6 +241,37 @@ def decode(raw: bytes, key: str, type_=None):
     if s is not None and s.post is not None:
         out = s.post(out, key)
     return out
+
+
+TEXT_LIMIT = 1 << 16
+"""Longest ASCII/UTF-8 field (bytes) :func:`get_text` accepts."""
+
+
+def get_text(store, key: str, *, limit: int = TEXT_LIMIT) -> str:
+    """The UTF-8 text of ``key`` (a reason, a token). ControlError naming the key for more than
+    ``limit`` bytes or bytes that are not UTF-8."""
+    raw = store.get(key)
+    if len(raw) > limit:
+        raise ControlError(f"store key {key!r}: refused a text of {len(raw)} bytes (limit {limit})")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ControlError(f"store key {key!r}: refused a value that is not UTF-8 text") from None
+
+
+def parse_int(raw: bytes, key: str) -> int:
+    """``raw`` as a decimal integer (ASCII, optional minus, at most 20 digits); ControlError
+    naming ``key`` otherwise."""
+    t = raw.strip()
+    body = t[1:] if t[:1] == b"-" else t
+    if not body or len(body) > 20 or not body.isdigit():
+        raise ControlError(f"store key {key!r}: refused a value that is not a decimal integer")
+    return int(t)
+
+
+def get_int(store, key: str) -> int:
+    """The decimal integer of ``key`` (:func:`parse_int`)."""
+    return parse_int(store.get(key), key)
 
 
 def put(store, key: str, obj) -> None:

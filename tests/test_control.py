@@ -5,16 +5,17 @@ import time
 import pytest
 
 from weight_transfer import clients, control
+from weight_transfer import store as store_api
 
 
 @pytest.fixture()
 def store():
-    s = control.make_store("127.0.0.1", 0, is_master=True, timeout=10)
+    s = store_api.make_store("127.0.0.1", 0, is_master=True, timeout=10)
     yield s
 
 
 def client(store):
-    return control.make_store("127.0.0.1", store.port, is_master=False, timeout=10)
+    return store_api.make_store("127.0.0.1", store.port, is_master=False, timeout=10)
 
 
 def test_timeout_names_missing_ranks(store):

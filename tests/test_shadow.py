@@ -7,17 +7,18 @@ import pytest
 import torch
 
 from weight_transfer import clients, control
+from weight_transfer import store as store_api
 from weight_transfer.shadow import GUARD_BYTE, GoLiveServer, Shadow, check_mode
 from weight_transfer.types import DestTensorMeta
 
 
 @pytest.fixture()
 def store():
-    return control.make_store("127.0.0.1", 0, is_master=True, timeout=10)
+    return store_api.make_store("127.0.0.1", 0, is_master=True, timeout=10)
 
 
 def client(store):
-    return control.make_store("127.0.0.1", store.port, is_master=False, timeout=10)
+    return store_api.make_store("127.0.0.1", store.port, is_master=False, timeout=10)
 
 
 def _arena():

@@ -450,10 +450,8 @@ def parse_layout(spec: str, dtype: str = "bfloat16"):
     return InferenceLayout(tp=int(tp), dp=int(dp or 1), ep=ep, dtype=dtype)
 
 
-Sources = dict[str, tuple[tuple[int, ...], str]]
-"""``{checkpoint name: (shape, dtype name)}``: what the loader is traced with."""
-Traces = dict[str, dict[int, LoaderTrace]]
-"""``{layout spec: {inference rank: LoaderTrace}}``: what :func:`main` writes."""
+Sources = dict[str, tuple[tuple[int, ...], str]]  # {checkpoint name: (shape, dtype name)}: what is traced
+Traces = dict[str, dict[int, LoaderTrace]]  # {layout spec: {inference rank: LoaderTrace}}: what main() writes
 
 
 class TraceJob(TypedDict):
@@ -465,8 +463,7 @@ class TraceJob(TypedDict):
 
 
 def write_data(path, obj) -> None:
-    """Write ``obj`` (data: dicts, lists, tuples, the library's dataclasses) to ``path`` in the
-    library's data-only encoding (:func:`weight_transfer.wire.encode`; msgpack, no pickle)."""
+    """Write ``obj`` (dicts, lists, tuples, the library's dataclasses) to ``path``: msgpack, no pickle."""
     from weight_transfer import wire
 
     with open(path, "wb") as f:
@@ -474,9 +471,7 @@ def write_data(path, obj) -> None:
 
 
 def read_data(path, type_):
-    """What :func:`write_data` wrote to ``path``, decoded strictly as ``type_``
-    (:func:`weight_transfer.wire.decode`: an unknown or ill-typed field is refused, naming the
-    file; nothing is unpickled)."""
+    """What :func:`write_data` wrote, decoded strictly as ``type_`` (an unknown or ill-typed field refused)."""
     from weight_transfer import wire
 
     with open(path, "rb") as f:

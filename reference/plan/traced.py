@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ..types import Box, InferenceLayout, Piece, PlanError, new_output, new_piece, new_recipe
 
-__all__ = ["TracedParam", "LoaderTrace", "TRACE_KEY", "SOURCES_KEY", "recipes_from_traces", "loader_traces", "canonical_pieces",
+__all__ = ["TracedParam", "LoaderTrace", "TRACE_KEY", "SOURCES_KEY", "recipes_from_traces", "canonical_pieces",
            "compare_recipes", "box_volume", "SOURCE_VIEWS_KEY", "check_views", "view_shape", "expand_sources",
            "apply_source_views", "fused_expert_views"]
 
@@ -83,15 +83,6 @@ class LoaderTrace:
         from ..types import itemsize
 
         return sum(math.prod(p.shape) * itemsize(p.dtype) for p in self.params.values())
-
-
-def loader_traces(store, ranks) -> dict[int, LoaderTrace]:
-    """Inference rank -> its published :class:`LoaderTrace`, for the ranks in ``ranks`` that
-    published one (``{}`` when none did)."""
-    from ..control import get
-
-    keys = {i: TRACE_KEY.format(rank=i) for i in ranks}
-    return {i: get(store, k) for i, k in keys.items() if store.check([k])}
 
 
 def _check(rank: int, name: str, tp: TracedParam, problems: list[str]) -> bool:

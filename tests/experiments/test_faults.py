@@ -13,6 +13,7 @@ import torch
 
 from tests.helpers.loopback import Loopback
 from weight_transfer import clients, control
+from weight_transfer import store as store_api
 from weight_transfer.engines import UpdateInProgress, expected_from_checkpoint
 from weight_transfer.engines.engine import GUARD, GUARD_BYTE
 from weight_transfer.experiments.faults import Fault
@@ -30,11 +31,11 @@ def ckpt(cfg, step):
 
 @pytest.fixture()
 def store():
-    return control.make_store("127.0.0.1", 0, is_master=True, timeout=10)
+    return store_api.make_store("127.0.0.1", 0, is_master=True, timeout=10)
 
 
 def client(store):
-    return control.make_store("127.0.0.1", store.port, is_master=False, timeout=10)
+    return store_api.make_store("127.0.0.1", store.port, is_master=False, timeout=10)
 
 
 def test_c13_reader_never_gets_a_mixed_set_under_a_complete_version(store):

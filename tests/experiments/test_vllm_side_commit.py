@@ -11,6 +11,7 @@ incomplete label after a failure, also when vLLM already closed the update sessi
 import pytest
 
 from weight_transfer import clients, control
+from weight_transfer import store as store_api
 from weight_transfer.experiments import vllm_side
 
 
@@ -44,7 +45,7 @@ class FakeClient:
 
 @pytest.fixture()
 def store():
-    s = control.make_store("127.0.0.1", 0, is_master=True, timeout=10.0)
+    s = store_api.make_store("127.0.0.1", 0, is_master=True, timeout=10.0)
     yield s
 
 
