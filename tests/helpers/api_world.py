@@ -105,17 +105,12 @@ _OUTSIDER: dict = {}
 def _outsider(kind: str, what: str) -> None:
     """Run tests/helpers/outsider.py in a process of its own that holds only the store address
     (no job secret in its environment), now, inside this stage of the update; wait for it."""
-    import subprocess
-    import sys
+    from tests.helpers.outsider import run_outsider
 
     o = _OUTSIDER
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHT_TRANSFER")}
-    env["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # torch's client logs every refused attempt
-    flags = [f"--{x}" for x in kind.split("+")[1:]]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-m", "tests.helpers.outsider", o["addr"][0], str(o["addr"][1]),
-                    what.replace(" ", "_"), str(o["n"]), str(o["v"]), f"{o['out']}/outsider.jsonl",
-                    f"{o['out']}/OUTSIDER_CODE_RAN", *flags], env=env, cwd=root, timeout=120, capture_output=True)
+    flags = kind.split("+")[1:]
+    run_outsider(o["addr"][0], o["addr"][1], what, f"{o['out']}/outsider.jsonl", n=o["n"], v=o["v"],
+                 marker=f"{o['out']}/OUTSIDER_CODE_RAN", tcpstore="tcpstore" in flags, flood="flood" in flags)
 
 
 def _forge(key: str) -> None:

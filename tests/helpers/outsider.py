@@ -7,7 +7,10 @@ output file: ``{"stage", "via", "key", "action", "ok", "seconds", "why"}`` -- ``
 mean the store answered the outsider.
 
 Run: ``python -m tests.helpers.outsider HOST PORT STAGE PUSH VERSION OUT MARKER [--tcpstore]
-[--flood]`` (tests/helpers/api_world.py runs it inside an update, at the stage named).
+[--flood]``, or from a test :func:`run_outsider` (a process of its own without the secret in its
+environment) and :func:`check_refused` on its rows: tests/helpers/api_world.py runs it inside an
+update, at the stage named; tests/engines/vllm/test_backend.py and tests/helpers/trl_job.py inside
+and between the vLLM backend's updates.
 
 Ways in (``via``): ``tls-nocert`` (our framing over TLS without a certificate: the server wants a
 member's), ``tls-otherjob`` (a member certificate of another job's secret), ``raw`` (a pickle and a
@@ -115,6 +118,59 @@ def try_tcpstore(host, port, key: str, marker: str) -> tuple[bool, str]:
         return True, "connected and set"
     except Exception as e:
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+MARKER = "OUTSIDER_CODE_RAN"
+"""The file a pickle's loading would create (``touch``), in the output file's folder by default."""
+
+
+def run_outsider(host: str, port: int, stage: str, out, *, n: int = 0, v: int = 0, marker=None,
+                 tcpstore: bool = False, flood: bool = False, timeout: float = 120.0) -> list[dict]:
+    """Run this module now in a process of its own that holds only ``host:port`` -- no
+    ``WEIGHT_TRANSFER_*`` variable in its environment, so no job secret -- and wait for it.
+    ``stage``: a name for its rows; ``n`` / ``v``: the push and version whose keys it attacks
+    (:func:`keys_of`); ``out``: the JSON-lines file its rows are appended to; ``marker``: the file
+    its pickles would create (default: :data:`MARKER` beside ``out``); ``tcpstore`` / ``flood``:
+    the optional ways in (module docstring). Returns this run's rows. RuntimeError naming its
+    stderr when the process fails."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = os.path.abspath(os.fspath(out))
+    marker = os.fspath(marker) if marker is not None else os.path.join(os.path.dirname(out), MARKER)
+    env = {k: x for k, x in os.environ.items() if not k.startswith("WEIGHT_TRANSFER")}
+    env["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # torch's client logs every refused attempt
+    flags = ["--tcpstore"] * tcpstore + ["--flood"] * flood
+    seen = sum(1 for _ in open(out)) if os.path.exists(out) else 0
+    p = subprocess.run([sys.executable, "-m", "tests.helpers.outsider", host, str(int(port)), stage.replace(" ", "_"),
+                        str(int(n)), str(int(v)), out, marker, *flags], env=env, cwd=root, timeout=timeout,
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"the outsider ({stage}) exited {p.returncode}: {p.stderr[-2000:]}")
+    with open(out) as f:
+        return [json.loads(line) for line in f.read().splitlines()[seen:]]
+
+
+def check_refused(rows: list[dict], marker, *, stages=(), vias=("tls-nocert", "tls-otherjob", "raw")) -> dict:
+    """Assert what case C30 asks of an outsider's ``rows``: it tried (every stage of ``stages``,
+    every way in of ``vias``, every key of :func:`keys_of` over TLS), the store answered none of
+    its attempts, each was refused within 10 s (the flood aside: it holds its connections 1 s),
+    and the pickles' code ran nowhere (no ``marker`` file). Returns ``{"rows", "stages", "vias",
+    "max_seconds"}``."""
+    assert rows, "the outsider recorded no attempt"
+    got_stages, got_vias = {r["stage"] for r in rows}, {r["via"] for r in rows}
+    assert set(stages) <= got_stages, (sorted(stages), sorted(got_stages))
+    assert set(vias) <= got_vias, (sorted(vias), sorted(got_vias))
+    for s in got_stages:
+        tried = {r["key"] for r in rows if r["stage"] == s and r["via"] == "tls-nocert"}
+        assert len(tried) >= len(keys_of(0, 0)), (s, len(tried))
+    answered = [r for r in rows if r["ok"]]
+    assert not answered, answered[:5]
+    slow = [r for r in rows if r["via"] != "flood" and not r["seconds"] < 10]
+    assert not slow, slow[:5]
+    assert not os.path.exists(marker), f"{marker}: an outsider's pickle ran as code"
+    return {"rows": len(rows), "stages": sorted(got_stages), "vias": sorted(got_vias),
+            "max_seconds": max(r["seconds"] for r in rows if r["via"] != "flood")}
 
 
 def main(argv: list[str]) -> int:

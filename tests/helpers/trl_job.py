@@ -16,13 +16,26 @@ update report (``gather_bytes``), and on rank 0 vLLM's weight version after the 
 ``gather_bytes`` and the update's per-rank report. Writes ``--out/rank{r}.json`` and, on rank 0,
 ``--out/final/`` (the trainer's weights after the last step, cast to bf16 as vLLM serves them,
 with the model's config and tokenizer: a checkpoint for a fresh vLLM).
+
+``--outsider FILE`` (case C30): on rank 0, after sync 1 returned and before sync 2 starts (in a
+thread, beside the training step; sync 2 waits for it to end), and inside sync 2 (at rank 0's first write: the update started, not yet committed), the outsider
+battery of tests/helpers/outsider.py runs against the job's store (training rank 0 serves it)
+from a process holding only its ``host:port``, its rows appended to FILE (``--outsider-tcpstore``:
+with torch's own TCPStore client inside sync 2); the report's ``outsider`` holds what the
+members read after each run (the store's published state; vLLM's weight version between syncs),
+each run's seconds and the times sync 2's ``send_weights`` began, the battery began and ``send_weights`` returned.
 """
 import argparse
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout (for tests.helpers.outsider: run as a script, only this file's folder is on the path)."""
 
 
 def main(argv=None) -> None:
@@ -33,6 +46,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--trainer", choices=("trl", "one_sided"), default="trl")
+    p.add_argument("--outsider", metavar="FILE", help="C30: run the outsider battery between and inside sync 2")
+    p.add_argument("--outsider-tcpstore", action="store_true", help="with torch's TCPStore client inside sync 2")
     a = p.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -75,10 +90,71 @@ def main(argv=None) -> None:
     DTensor.full_tensor = counting_full
     wt = OneSidedWeightTransfer(a.url, timeout=120)
     syncs = []
+    attacked = {"seen": [], "push": None, "seconds": []}
+
+    def outsider(stage: str, *, n: int, v: int, tcpstore: bool = False, label: bool = True) -> None:
+        """C30: the battery against this job's store from a process without the secret, then what members read."""
+        from weight_transfer import control
+
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))  # this script's folder is on the path, the checkout is not
+        from tests.helpers.outsider import run_outsider
+
+        st, t0 = wt.trainer.store, time.monotonic()
+        run_outsider(st.host, st.port, stage, a.outsider, n=n, v=v, tcpstore=tcpstore)
+        state, took = control.read_state(st), time.monotonic() - t0
+        attacked["seen"].append([stage, state.state, state.version, wt.weight_version() if label else None])
+        attacked["seconds"].append(round(took, 3))
+
+    def start_between() -> None:
+        """Rank 0, sync 1 returned: the battery in a thread, beside the training step (joined before sync 2)."""
+        eng = wt.trainer
+        n, v = eng.sender._pushes, eng.version + 1  # the next push's keys
+
+        def run():
+            try:
+                outsider("between", n=n, v=v)
+            except BaseException as e:  # raised in the main thread at sync 2
+                attacked["error"] = e
+
+        attacked["thread"] = threading.Thread(target=run, name="c30-outsider", daemon=True)
+        attacked["thread"].start()
+
+    def attack_next_sync() -> None:
+        """Rank 0, sync 2 about to start: the battery between syncs ended; it runs again inside sync 2, at this
+        rank's first write."""
+        attacked.pop("thread").join()
+        if "error" in attacked:
+            raise attacked.pop("error")
+        eng = wt.trainer
+        tx = eng.sender.transport
+        real_write, real_send, fired, lock = tx.write, eng.send_weights, [], threading.Lock()
+
+        def attacked_write(ops):
+            with lock:  # the first write waits for the battery (other writers too)
+                if not fired:
+                    fired.append(time.monotonic())
+                    outsider("write", n=eng.sender._pushes - 1, v=eng.version + 1, tcpstore=a.outsider_tcpstore,
+                             label=False)  # vLLM's HTTP server is inside the update: read the store only
+            return real_write(ops)
+
+        def attacked_send(version=None):
+            t = time.monotonic()
+            try:
+                return real_send(version)
+            finally:
+                tx.write = real_write
+                del eng.send_weights  # the class's method again
+                attacked["push"] = [t, fired[0] if fired else None, time.monotonic()]
+
+        tx.write, eng.send_weights = attacked_write, attacked_send
+
     base = OneSidedAsyncGRPOTrainer if a.trainer == "one_sided" else AsyncGRPOTrainer
 
     class Probed(base):
         def _sync_weight(self):
+            if a.outsider and rank == 0 and len(syncs) == 1:
+                attack_next_sync()
             b0, c0 = gathered["bytes"], gathered["calls"]
             gathered["in_sync"] = True
             try:
@@ -95,6 +171,8 @@ def main(argv=None) -> None:
                 rec["report_gather_bytes"] = {str(r): s.gather_bytes for r, s in wt.last_result.stats.items()}
                 rec["update_bytes"], rec["update_seconds"] = wt.last_result.bytes, wt.last_result.seconds
             syncs.append(rec)
+            if a.outsider and rank == 0 and len(syncs) == 1:
+                start_between()
 
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count to {i}"}] for i in range(16)]})
     args = AsyncGRPOConfig(
@@ -125,7 +203,7 @@ def main(argv=None) -> None:
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     report = {"rank": rank, "world": world, "trainer": a.trainer, "syncs": syncs, "streamed": streamed,
               "rewards": rewards, "version": wt.version, "dtensors": dtensors, "train_seconds": train_seconds,
-              "params": len(served), "param_bytes": param_bytes}
+              "params": len(served), "param_bytes": param_bytes, "outsider": attacked}
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     if world > 1:
         torch.distributed.barrier()

@@ -22,7 +22,10 @@ in this process (``WeightTransferTrainerFactory.trainer_init`` + ``send_weights`
 ``update_weights`` / ``finish_weight_update``): after each of 3 updates the runtime bytes (read
 through the worker extension), the staging bytes and the greedy tokens and logprobs (a prompt
 longer than two KV blocks, cached from step 0: C21) equal a fresh vLLM loaded from that step's
-checkpoint, and outputs carry the version pushed. Then a training rank raising mid-update
+checkpoint, and outputs carry the version pushed. Between updates 1 and 2 and inside update 2
+an outsider with only the store's ``host:port`` runs its battery against the job's store (C30,
+tests/helpers/outsider.py): refused, bounded, no code of it runs, no version it wrote is read.
+Then a training rank raising mid-update
 (C14, C15): named within seconds, the store says ``incomplete``, vLLM's weight version is
 ``incomplete:4`` (neither 4 nor the old label), the workers refuse ``update_weights(4)`` naming
 the rank, and the next update restores the fresh engine's bytes and outputs. Last, vLLM's own
@@ -35,6 +38,7 @@ beside the live engine's start.
 """
 import contextlib
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -50,6 +54,8 @@ WORLDS = {"host_path": (*TINY_QWEN3_MOE, False), "no_amx": (*TINY_QWEN3, True)}
 """world -> (catalog model, overrides, hide AMX from vLLM's workers)."""
 STEPS = (1, 2, 3)
 """Checkpoint step of updates 1, 2, 3 (version v carries step v's weights)."""
+OUTSIDER_STEP = 2
+"""C30: the outsider battery runs between updates 1 and 2 and inside update 2."""
 FAIL_VERSION, RESTORE_VERSION, RESTORE_STEP = 4, 5, 1
 MAX_TOKENS = 6
 
@@ -729,7 +735,7 @@ class OfflineWorld:
     """One live offline ``LLM`` with the one_sided backend, updated by the trainer engine
     (see the module docstring); every result kept for the tests below."""
 
-    def __init__(self, key, dirs, oracle):
+    def __init__(self, key, dirs, oracle, outsider_out):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         from weight_transfer.engines.vllm import VllmEngine
@@ -756,8 +762,12 @@ class OfflineWorld:
             source=DTensorSource(self.params))
         self.init_seconds = time.monotonic() - t1
         self.updates = {}
+        self.outsider, self.outsider_seen = [], []  # C30: the outsider's rows; what members read after each run
+        self.outsider_out = outsider_out
         for step in STEPS:
-            self.updates[self.push(step)] = step
+            if step == OUTSIDER_STEP:  # between pushes: after the last one returned, before this one starts
+                self.attack("between", n=step - 1, v=step)
+            self.updates[self.push(step, attack=step == OUTSIDER_STEP)] = step
         self.fresh = {str(st): snap for (k, st), snap in oracle().items() if k == key}
         # a training rank raising after its first writes of FAIL_VERSION (step 0's weights)
         self._load(0)
@@ -830,10 +840,45 @@ class OfflineWorld:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in self.prompts], sp, use_tqdm=False)
         return [[(w.version, w.start, w.end) for w in (o.outputs[0].weight_versions or [])] for o in outs]
 
-    def push(self, step: int) -> int:
+    def attack(self, stage: str, *, n: int, v: int, tcpstore: bool = False, flood: bool = False) -> None:
+        """C30: the outsider battery (tests/helpers/outsider.py) against this job's store, from a
+        process holding only the store's ``host:port``, now; then what the members read."""
+        from tests.helpers.outsider import run_outsider
+        from weight_transfer import control
+
+        st = self.trainer.store
+        self.outsider += run_outsider(st.host, st.port, f"{self.key}/{stage}", self.outsider_out, n=n, v=v,
+                                      tcpstore=tcpstore, flood=flood)
+        state = control.read_state(st)
+        self.outsider_seen.append((stage, state.state, state.version, self.llm.get_weight_version()))
+
+    def push(self, step: int, attack: bool = False) -> int:
+        """One update carrying step ``step``'s weights; ``attack``: the outsider battery runs
+        inside it, at this training rank's first write (the update started, not yet committed)."""
         self._load(step)
+        tx, undo = self.trainer.sender.transport, None
+        if attack:
+            real, lock, fired = tx.write, threading.Lock(), []
+            v = self.trainer.version + 1
+
+            def attacked_write(ops):
+                with lock:
+                    if not fired:
+                        fired.append(time.monotonic())
+                        self.attack("write", n=self.trainer.sender._pushes - 1, v=v,
+                                    tcpstore=self.key == "host_path", flood=self.key == "no_amx")
+                return real(ops)
+
+            tx.write, undo = attacked_write, real
         t = time.monotonic()
-        self.trainer.send_weights()
+        try:
+            self.trainer.send_weights()
+        finally:
+            if undo is not None:
+                tx.write = undo
+        if attack:
+            assert fired, "the attacked update made no write"
+            self.outsider_push = (t, fired[0], time.monotonic())  # send_weights began, the battery began, returned
         v = self.trainer.version
         self.push_seconds = getattr(self, "push_seconds", {})
         self.push_seconds[v] = time.monotonic() - t
@@ -900,8 +945,9 @@ def oracle(checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=list(WORLDS))
-def world(request, checkpoints, oracle):
-    w = OfflineWorld(request.param, checkpoints[request.param], oracle)
+def world(request, checkpoints, oracle, tmp_path_factory):
+    w = OfflineWorld(request.param, checkpoints[request.param], oracle,
+                     tmp_path_factory.mktemp(f"outsider_{request.param}") / "outsider.jsonl")
     print(f"\n[{request.param}] live engine start {w.start_seconds:.1f} s, trainer_init {w.init_seconds:.2f} s, "
           f"pushes {', '.join(f'v{v} {s:.2f} s' for v, s in w.push_seconds.items())}, world {w.total_seconds:.1f} s")
     yield w
@@ -934,6 +980,46 @@ def test_update_equals_fresh_engine(world, version):
     assert r.version == version and r.bytes > 0 and r.n_writes > 0
     assert ("commit", "call") in r.commits                   # update_weights + finish ran before "complete"
     assert not _same(world.before, fresh["outputs"])         # C1: the update changed what vLLM computes
+
+
+def test_c30_an_outsider_inside_and_between_updates_changes_nothing(world):
+    """Case C30 through the vLLM backend: a process holding only the store's ``host:port``
+    (training rank 0 serves it; no job secret in that process's environment) runs the outsider
+    battery (tests/helpers/outsider.py: for every key a member reads, a pickle whose loading
+    would run ``touch``, a forged value -- ``weights`` = ``complete 99`` --, a read, a delete, an
+    add and a compare_set over TLS without a certificate and with another job's; raw pickles and
+    TCPStore frames; torch's own TCPStore client in one world, a flood of connections in the
+    other) between updates 1 and 2 and inside update 2 (at the trainer's first write, between
+    ``send_weights``' start and its return). Every attempt is refused within seconds, no code of
+    it runs, update 2 completes and its bytes, staging bytes, greedy tokens and logprobs equal a
+    fresh vLLM's, and no reader -- the store's published state, vLLM's weight version, vLLM's
+    labels on outputs -- reports a version no update wrote."""
+    from tests.helpers.outsider import MARKER, check_refused
+    from weight_transfer.engines.vllm.verify import compare_snapshots
+
+    rows, key = world.outsider, world.key
+    extra = "tcpstore" if key == "host_path" else "flood"
+    got = check_refused(rows, world.outsider_out.parent / MARKER, stages=[f"{key}/between", f"{key}/write"],
+                        vias=("tls-nocert", "tls-otherjob", "raw", extra))
+    print(f"\n[{key}] C30: {got['rows']} attempts refused, the slowest in {got['max_seconds']:.2f} s")
+    if extra == "flood":
+        flood = next(r for r in rows if r["via"] == "flood")
+        assert int(flood["why"].split(": ")[1].split()[0]) >= 60, flood  # beyond MAX_PENDING, closed at once
+    turned = [r for r in rows if r["via"] in ("tls-nocert", "tls-otherjob", "raw")]
+    assert world.trainer.store.server.refused >= len(turned)    # each one failed the server's handshake
+    began, battery, returned = world.outsider_push
+    assert began < battery < returned                           # inside send_weights of update 2
+    # the updates completed; the members read only versions an update wrote
+    assert [world.results[v].version for v in STEPS] == list(STEPS)
+    assert world.outsider_seen == [("between", "complete", 1, "1"), ("write", "writing", 2, "1")], world.outsider_seen
+    written = {str(v) for v in world.updates} | {f"incomplete:{FAIL_VERSION}"}
+    for v, snap in world.snaps.items():
+        assert {x for spans in snap["versions"] for (x, _, _) in spans} == {str(v)}, (v, snap["versions"])
+    assert world.fail_version_label in written and world.llm.get_weight_version() in written
+    # update 2, attacked inside: every byte and output as a fresh vLLM's
+    live, fresh = world.snaps[OUTSIDER_STEP], world.fresh[str(OUTSIDER_STEP)]
+    res = compare_snapshots(live, fresh, staging_expected=world.staging_expected(OUTSIDER_STEP, live["layouts"]))
+    assert res["bytes_ok"] and res["outputs_ok"] and res["staging_ok"] is not False, res
 
 
 def test_c22_staged_layers_committed_by_update_weights(world):

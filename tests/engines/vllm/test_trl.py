@@ -24,6 +24,10 @@ Each: rewards logged for every step; vLLM's weight version after each sync is th
 tokens and logprobs for two fixed prompts -- one over two KV blocks, cached with the previous
 weights before the job (C21) -- equal a fresh vLLM's loaded from the trainer's final weights
 (:mod:`weight_transfer.engines.vllm.oracle`), and differ from what the server answered before.
+Case C30: between syncs 1 and 2 and inside sync 2 an outsider holding only the store's
+``host:port`` (tests/helpers/outsider.py, a process without the job secret; torch's own TCPStore
+client in the one-rank job) attacks every key a member reads: every attempt refused within
+seconds, none of its bytes run as code, no member reads a version no update wrote.
 Two ranks: TRL's ``_streaming_iter`` ran on no rank, every parameter is a DTensor shard, and each
 sync's ``full_tensor()`` bytes on each rank (counted in the job) are exactly the update report's
 ``gather_bytes`` and the plan's ``Schedule.gather_bytes``, a fraction of the model.
@@ -263,17 +267,19 @@ def server(checkpoint, tmp_path_factory):
         srv.close()
 
 
-def _run_job(server, checkpoint, out, *, ranks: int, trainer: str) -> tuple[list[dict], dict]:
-    """Run tests/helpers/trl_job.py (``ranks`` processes), then compare the server's greedy
-    outputs with a fresh vLLM's on the trainer's final weights. Returns the per-rank reports and
-    ``{"before", "after", "fresh", "version", "seconds", "oracle_seconds"}``."""
+def _run_job(server, checkpoint, out, *, ranks: int, trainer: str, tcpstore: bool = False) -> tuple[list[dict], dict]:
+    """Run tests/helpers/trl_job.py (``ranks`` processes; the outsider battery of case C30
+    between and inside sync 2, ``tcpstore``: with torch's own TCPStore client), then compare the
+    server's greedy outputs with a fresh vLLM's on the trainer's final weights. Returns the
+    per-rank reports and ``{"before", "after", "fresh", "version", "seconds", "oracle_seconds",
+    "outsider"}`` (the outsider's rows)."""
     from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
     from weight_transfer.engines.vllm.verify import fixed_prompts
 
     prompts = fixed_prompts(TINY_QWEN3[1]["vocab_size"])
     before = server.generate(prompts)  # caches the long prompt's blocks under the weights before the job
     job = [str(JOB), "--url", server.url, "--model", checkpoint, "--out", str(out), "--steps", str(STEPS),
-           "--trainer", trainer]
+           "--trainer", trainer, "--outsider", str(out / "outsider.jsonl"), *(["--outsider-tcpstore"] * tcpstore)]
     cmd = ([sys.executable, *job] if ranks == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *job])
@@ -287,8 +293,10 @@ def _run_job(server, checkpoint, out, *, ranks: int, trainer: str) -> tuple[list
     fresh = fresh_snapshots_subprocess({"final": {"dir": str(out / "final"), "prompts": prompts, "hide_amx": True}},
                                        out / "fresh.pt", max_tokens=MAX_TOKENS, omp_threads=1)["final"]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    rows = [json.loads(line) for line in open(out / "outsider.jsonl")]
     return reports, {"before": before, "after": after, "fresh": fresh["outputs"], "version": version,
-                     "seconds": seconds, "oracle_seconds": time.monotonic() - t1, "server_ready": server.ready_seconds}
+                     "seconds": seconds, "oracle_seconds": time.monotonic() - t1, "server_ready": server.ready_seconds,
+                     "outsider": rows, "out": out}
 
 
 def _check_common(reports: list[dict], res: dict) -> None:
@@ -304,11 +312,32 @@ def _check_common(reports: list[dict], res: dict) -> None:
     same, ulps = outputs_equal(res["after"], res["fresh"])
     assert same, (res["after"], res["fresh"])
     assert not outputs_equal(res["before"], res["fresh"])[0], "training did not change the greedy outputs"
+    c30 = _check_outsider(reports, res)
     print(f"\n[trl {len(reports)} rank(s)] job {res['seconds']:.1f} s (train {r0['train_seconds']:.1f} s), rewards "
           f"{[round(x, 3) for x in r0['rewards']]}, per-update seconds {[round(s['seconds'], 3) for s in r0['syncs']]} "
           f"(transfer {[round(s['update_seconds'], 3) for s in r0['syncs']]}), {r0['syncs'][0]['update_bytes']} "
           f"bytes per update, outputs equal a fresh vLLM's within {ulps} ulps, oracle {res['oracle_seconds']:.1f} s "
-          f"(server ready in {res['server_ready']:.1f} s)")
+          f"(server ready in {res['server_ready']:.1f} s); C30: {c30['rows']} attempts of an outsider refused, "
+          f"the slowest in {c30['max_seconds']:.2f} s, battery runs {c30['seconds']} s")
+
+
+def _check_outsider(reports: list[dict], res: dict) -> dict:
+    """Case C30 through TRL: the outsider (a process with only the store's ``host:port``, no job
+    secret) ran its battery between syncs 1 and 2 and inside sync 2 (between rank 0's
+    ``send_weights`` start and its return): every attempt refused within seconds, none of its
+    bytes ran as code, and what the members read afterwards is a version an update wrote (the
+    store's published state; vLLM's weight version between syncs). The syncs completing and the
+    served model equal to a fresh vLLM's are :func:`_check_common`'s."""
+    from tests.helpers.outsider import MARKER, check_refused
+
+    got = check_refused(res["outsider"], res["out"] / MARKER, stages=["between", "write"])
+    seen = reports[0]["outsider"]
+    assert seen["seen"] == [["between", "complete", 1, "1"], ["write", "writing", 2, None]], seen
+    began, battery, returned = seen["push"]
+    assert battery is not None and began < battery < returned, seen["push"]
+    for r in reports[1:]:
+        assert r["outsider"] == {"seen": [], "push": None, "seconds": []}  # rank 0 serves the store: it ran the battery
+    return dict(got, seconds=seen["seconds"])
 
 
 @pytest.mark.long  # a vLLM server of its own (1-2 min here) and a TRL job: outside CI's 25-minute budget
@@ -316,8 +345,9 @@ def test_one_rank_trls_own_trainer(server, checkpoint, tmp_path):
     """TRL's ``AsyncGRPOTrainer``, one process: the integration sets up lazily at the first sync
     from TRL's stream, then checks the stream at each sync (no copy) and writes from the
     parameters in place (nothing gathered: plain tensors)."""
-    reports, res = _run_job(server, checkpoint, tmp_path, ranks=1, trainer="trl")
+    reports, res = _run_job(server, checkpoint, tmp_path, ranks=1, trainer="trl", tcpstore=True)
     _check_common(reports, res)
+    assert "tcpstore" in {r["via"] for r in res["outsider"]}  # torch's own client, refused like the rest
     r0 = reports[0]
     assert r0["dtensors"] == 0 and r0["streamed"] == {"calls": STEPS + 1, "tensors": (STEPS + 1) * r0["params"]}
     for s in r0["syncs"]:
