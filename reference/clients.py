@@ -14,12 +14,19 @@ from .control import (
     WeightsState,
     _poll_key,
     backoff,
+    can_watch,
     get,
     get_text,
     put,
     read_state,
     wait_keys,
+    watch,
 )
+
+IDLE_WAKE = 0.1
+"""Seconds a reader waiting for a version blocks per round at most when the store wakes it on
+every change of the published state (what else it looks at: its deadline, shutdown, a per-rank
+view's membership)."""
 
 
 class TrainerClient:
@@ -52,10 +59,10 @@ class TrainerClient:
         failed (named after the root cause: :meth:`Controller.culprits`)."""
         from .wire import tag
 
+        if not ok:  # first: whoever sees the result sees the flag (one connection, requests in order)
+            self.store.set(f"step/{step}/failed", b"1")
         put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": tag(stats),
                                                           "cancelled": cancelled})
-        if not ok:
-            self.store.set(f"step/{step}/failed", b"1")
 
 
 class InferenceClient:
@@ -66,11 +73,6 @@ class InferenceClient:
 
     def publish_meta(self, descriptor, tensor_metas) -> None:
         put(self.store, f"meta/infer/{self.rank}", (descriptor, tensor_metas))
-
-    def state(self) -> WeightsState:
-        """The published :class:`WeightsState` (pass this method as the ``state`` callable of
-        :func:`read_consistent`)."""
-        return read_state(self.store)
 
     def version(self) -> int | None:
         """The complete version the weights hold; -1 before any update; None while an update
@@ -84,15 +86,16 @@ class InferenceClient:
                          what=f"[infer {self.rank}] no go for step {step}", poll=0.001)
 
     def done(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
-        put(self.store, f"step/{step}/idone/{self.rank}", {"ok": ok, "error": error, "stats": stats})
         if not ok:
             self.store.set(f"step/{step}/failed", b"1")
+        put(self.store, f"step/{step}/idone/{self.rank}", {"ok": ok, "error": error, "stats": stats})
 
     def wait_commit(self, step: int, poll: float = 0.001) -> bool:
         """An engine with staged targets: block until the controller asks to commit ``step``
         (every write of the update completed: True) or the job shuts down (False). Waits through
         a failed update (the controller then shuts down or moves on)."""
-        for _ in backoff(None, poll):
+        wake = (lambda sec: watch(self.store, [f"step/{step}/commit", "shutdown"], sec)) if can_watch(self.store) else None
+        for _ in backoff(None, poll, wake=wake):
             if self.store.check([f"step/{step}/commit"]):
                 return True
             if self.store.check(["shutdown"]):
@@ -100,14 +103,15 @@ class InferenceClient:
 
     def committed(self, step: int, *, ok: bool, error: str = "", stats=None) -> None:
         """Report this rank's commit of ``step`` (``stats``: e.g. ``{"seconds", "layers", "bytes"}``)."""
-        put(self.store, f"step/{step}/committed/{self.rank}", {"ok": ok, "error": error, "stats": stats})
         if not ok:
             self.store.set(f"step/{step}/failed", b"1")
+        put(self.store, f"step/{step}/committed/{self.rank}", {"ok": ok, "error": error, "stats": stats})
 
     def wait_version_after(self, last: int, poll: float = 0.01) -> int | None:
         """Block until a complete version > ``last`` is published (a failed update in between
         is waited through: the next one may restore); None on shutdown."""
-        for expired in backoff(self.timeout, poll):
+        wake = self._state_waker()
+        for expired in backoff(self.timeout, poll if wake is None else max(poll, IDLE_WAKE), wake=wake):
             s = self.state()
             if s.complete and s.version > last:
                 return s.version
@@ -126,7 +130,8 @@ class InferenceClient:
         weights' state (default :meth:`state`; a receiver passes its per-rank view, C24)."""
         timeout = self.timeout if timeout is None else timeout
         state = self.state if state is None else state
-        for expired in backoff(timeout, poll):
+        wake = self._state_waker()
+        for expired in backoff(timeout, poll if wake is None else max(poll, IDLE_WAKE), wake=wake):
             s = state()
             if s.complete and s.version == version:
                 return s
@@ -141,6 +146,28 @@ class InferenceClient:
             if expired:
                 raise ControlError(f"[infer {self.rank}] version {version} not published within {timeout:.0f} s "
                                    f"(weights: {s})")
+
+    def state(self) -> WeightsState:
+        """The published :class:`WeightsState` (pass this method as the ``state`` callable of
+        :func:`read_consistent`)."""
+        return self._read()
+
+    def _read(self) -> WeightsState:
+        raw = self.store.get_nowait("weights") if can_watch(self.store) else None
+        self._raw = raw
+        return read_state(self.store) if not can_watch(self.store) else (
+            WeightsState(0, "none", -1) if raw is None else WeightsState.decode(raw))
+
+    def _state_waker(self):
+        """A ``wake`` for :func:`backoff` that blocks at the store until the published state
+        differs from the one last read (its bytes) or shutdown is set; None for a store that
+        cannot watch (its waiters poll)."""
+        if not can_watch(self.store):
+            return None
+
+        def wake(sec: float) -> None:
+            watch(self.store, ["weights", "shutdown"], sec, [getattr(self, "_raw", None), None])
+        return wake
 
     def report(self, step: int, result: dict) -> None:
         put(self.store, f"step/{step}/verified/{self.rank}", result)

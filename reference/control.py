@@ -68,12 +68,16 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .errors import (  # noqa: F401 -- part of this module's API (control.ControlError, ...)
+    WAKE_SLICE,
     ControlError,
     GoLiveNotStarted,
     VersionError,
+    any_exists,
     backoff,
     decode_error,
     encode_error,
+    wait_all,
+    watch,
 )
 from .heartbeat import Heartbeat, HeartbeatMonitor  # noqa: F401 -- part of this module's API (control.Heartbeat)
 from .keys import SHADOW_KEY
@@ -101,11 +105,14 @@ def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: 
     for the keys in one store call; the failure checks (several calls) run every
     ``check_every`` seconds, first poll and expiry included: on the 2-core VM, checks at every
     1 ms poll of the transfer took a core from the senders (``run --quant none``, 24 updates
-    each: median 0.1416 s against 0.1323 s with a check every 20 ms)."""
+    each: median 0.1416 s against 0.1323 s with a check every 20 ms). A store that can
+    (:func:`wait_all`) blocks at its server between two polls and wakes when the keys are
+    there: no polling traffic."""
     allkeys = list(keys.values())
     last = time.monotonic()
     checked = float("-inf")
-    for expired in backoff(timeout, poll):
+    wake = (lambda s: wait_all(store, allkeys, min(s, check_every))) if can_watch(store) else None
+    for expired in backoff(timeout, poll, wake=wake):
         now = time.monotonic()
         if stall is not None and now - last > stall:
             raise ControlError(f"{what}: controller: no progress for {now - last:.1f} s (this process was stopped "
@@ -136,9 +143,16 @@ def wait_keys(store: dist.Store, keys: dict[int, str], *, timeout: float, what: 
                 raise ControlError(f"{what}: no answer within {timeout:.0f} s from rank(s) {pending}")
 
 
+def can_watch(store) -> bool:
+    """Whether ``store`` wakes a waiter at its server (:func:`watch`; the job's authenticated
+    store does, torch's ``TCPStore`` of the opt-out does not: its waiters poll)."""
+    return getattr(store, "watch", None) is not None
+
+
 def _poll_key(store: dist.Store, key: str, *, timeout: float, what: str, poll: float) -> bool:
     """True once ``key`` exists, False on ``shutdown``; ControlError after ``timeout``."""
-    for expired in backoff(timeout, poll):
+    wake = (lambda s: watch(store, [key, "shutdown"], s)) if can_watch(store) else None
+    for expired in backoff(timeout, poll, wake=wake):
         if store.check([key]):
             return True
         if store.check(["shutdown"]):
@@ -191,9 +205,9 @@ class WeightsState:
 
 def read_state(store: dist.Store) -> WeightsState:
     """The published :class:`WeightsState` (``none`` before the controller's first write)."""
-    if not store.check(["weights"]):
-        return WeightsState(0, "none", -1)
-    return WeightsState.decode(store.get("weights"))
+    get_nowait = getattr(store, "get_nowait", None)
+    raw = get_nowait("weights") if get_nowait is not None else store.get("weights") if store.check(["weights"]) else None
+    return WeightsState(0, "none", -1) if raw is None else WeightsState.decode(raw)
 
 
 def report_fatal(store: dist.Store, name: str, cause: str) -> None:

@@ -398,8 +398,10 @@ class Coordinator:
         while count is None or served < count:
             n = self._served
             keys = [PUSH_KEY.format(n=n, what=f"ready/{r}") for r in range(self.n_train)]
-            for _ in control.backoff(None, 0.01):  # the first rank's readiness: the push has begun
-                if any(self.store.check([k]) for k in keys):
+            wake = (lambda sec, ks=[*keys, "shutdown"]: control.watch(self.store, ks, sec)) \
+                if control.can_watch(self.store) else None
+            for _ in control.backoff(None, 0.01 if wake is None else 0.1, wake=wake):  # a rank ready: the push began
+                if control.any_exists(self.store, keys):
                     break
                 if self.store.check(["shutdown"]):
                     return out

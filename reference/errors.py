@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-__all__ = ["ControlError", "GoLiveNotStarted", "VersionError", "encode_error", "decode_error", "backoff"]
+__all__ = ["ControlError", "GoLiveNotStarted", "VersionError", "encode_error", "decode_error", "backoff", "watch",
+           "wait_all", "any_exists", "WAKE_SLICE"]
 
 
 class ControlError(RuntimeError):
@@ -47,13 +48,57 @@ def decode_error(kind: str, msg: str) -> BaseException:
     return cls(msg) if cls is not None else ControlError(f"{kind}: {msg}")
 
 
-def backoff(timeout: float | None, poll: float = 0.02) -> Iterator[bool]:
+WAKE_SLICE = 0.02
+"""Seconds a waiter that the store wakes (:func:`watch`) blocks per round at most: it wakes at
+once when what it waits for changes, and looks at everything else (liveness, failures, its
+deadline) at least this often."""
+
+
+def backoff(timeout: float | None, poll: float = 0.02, *, wake=None) -> Iterator[bool]:
     """The one poll loop of the control plane: yields ``expired`` (True once ``timeout``
     seconds have passed; never for ``None``), sleeping between iterations from 0.1 ms doubling
-    up to ``poll`` seconds. Callers ``return`` or ``raise`` to leave it."""
+    up to ``poll`` seconds. With ``wake`` (a callable of seconds, e.g. :func:`watch` of the keys
+    the caller waits for), each round blocks in ``wake(seconds)`` instead, for ``max(poll,
+    WAKE_SLICE)`` or what is left of the timeout: the store wakes it when a key changes, so it
+    reacts at once and asks once per round. Callers ``return`` or ``raise`` to leave it."""
     deadline = None if timeout is None else time.monotonic() + timeout
     nap = 1e-4
     while True:
-        yield deadline is not None and time.monotonic() >= deadline
-        time.sleep(nap)
-        nap = min(nap * 2, poll)
+        now = time.monotonic()
+        yield deadline is not None and now >= deadline
+        if wake is None:
+            time.sleep(nap)
+            nap = min(nap * 2, poll)
+            continue
+        step = max(poll, WAKE_SLICE)
+        wake(max(0.0, min(step, deadline - now)) if deadline is not None else step)
+
+
+def watch(store, keys, seconds: float, seen=None) -> None:
+    """Block up to ``seconds`` until one of ``keys`` holds something other than ``seen`` (a
+    list: each key's value as last read, None for absent; default: all absent) -- at the store's
+    server when it can (:meth:`weight_transfer.secure_store.SecureStore.watch`: no polling, woken
+    by the change); another store: sleep ``min(seconds, 1 ms)`` and let the caller look again."""
+    w = getattr(store, "watch", None)
+    if w is None:
+        time.sleep(min(seconds, 1e-3))
+        return
+    w(list(keys), seen, seconds)
+
+
+def wait_all(store, keys, seconds: float) -> None:
+    """Block up to ``seconds`` until every key of ``keys`` exists (at the server when it can,
+    :func:`watch`'s fallback otherwise); the caller looks again."""
+    w = getattr(store, "wait_all", None)
+    if w is None:
+        time.sleep(min(seconds, 1e-3))
+        return
+    w(list(keys), seconds)
+
+
+def any_exists(store, keys) -> bool:
+    """Whether one of ``keys`` exists: one request to a store that can :func:`watch`, one per key otherwise."""
+    w = getattr(store, "watch", None)
+    if w is not None:
+        return bool(w(list(keys), None, 0.0))
+    return any(store.check([k]) for k in keys)

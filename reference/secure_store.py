@@ -35,305 +35,29 @@ a frame loop (the cryptography is OpenSSL's and ``cryptography``'s). Against a f
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import ssl
-import struct
 import threading
-import time
 from datetime import timedelta
 
 import msgspec
 import torch.distributed as dist
 
 from .security import AuthenticationError, JobSecret, Sealer
+from .store_server import (
+    CHECK_INLINE,
+    COUNTER,
+    HANDSHAKE_S,
+    MAX_FRAME,
+    MAX_PENDING,
+    PROTOCOL,
+    StoreServer,
+    _OpError,
+    _recv_frame,
+    _send_frame,
+)
 
-__all__ = ["StoreServer", "SecureStore", "PROTOCOL", "MAX_FRAME", "MAX_PENDING", "HANDSHAKE_S"]
-
-PROTOCOL = "weight-transfer-store/1"
-MAX_FRAME = 1 << 30
-"""Largest frame (bytes) either side accepts."""
-MAX_KEY = 4096
-"""Longest key (bytes)."""
-MAX_PENDING = 64
-"""Connections the server handshakes at a time; more are closed at once (a flood of
-unauthenticated connections cannot starve the members' threads)."""
-HANDSHAKE_S = 10.0
-"""Seconds a connection has to complete its TLS handshake."""
-CHECK_INLINE = 4096
-"""``check`` returns values up to this many bytes for the client to verify (flags, states, small
-messages: what is acted on by its presence); a larger value is verified when it is read."""
-VALUE, COUNTER = 0, 1
-_LEN = struct.Struct(">I")
-_ENC = msgspec.msgpack.Encoder()
-_DEC = msgspec.msgpack.Decoder()
-
-
-class _OpError(Exception):
-    """A request the table refuses (sent back to the client as an error, the connection stays)."""
-
-
-class _Table:
-    """The keys: ``{key: (VALUE | COUNTER, bytes)}`` under one condition variable."""
-
-    def __init__(self):
-        self.d: dict[str, tuple[int, bytes]] = {}
-        self.cv = threading.Condition()
-
-    def _put(self, key: str, entry: tuple[int, bytes]) -> None:
-        self.d[key] = entry
-        self.cv.notify_all()
-
-    def set(self, key: str, data: bytes) -> None:
-        with self.cv:
-            self._put(key, (VALUE, data))
-
-    def mset(self, keys: list, datas: list) -> None:
-        with self.cv:
-            for k, v in zip(keys, datas):
-                self.d[k] = (VALUE, v)
-            self.cv.notify_all()
-
-    def get(self, key: str, wait: float):
-        with self.cv:
-            if key not in self.d and not self.cv.wait_for(lambda: key in self.d, wait):
-                return None
-            return self.d[key]
-
-    def check(self, keys: list) -> list:
-        with self.cv:
-            got = [self.d.get(k) for k in keys]
-        return [e if e is None or len(e[1]) <= CHECK_INLINE else (e[0], None) for e in got]
-
-    def add(self, key: str, n: int) -> int:
-        with self.cv:
-            e = self.d.get(key)
-            if e is not None and e[0] != COUNTER:
-                raise _OpError(f"add: key {key!r} holds a value, not a counter")
-            v = (int(e[1]) if e is not None else 0) + n
-            self._put(key, (COUNTER, str(v).encode()))
-            return v
-
-    def cas(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        with self.cv:
-            e = self.d.get(key)
-            if e is None:
-                if expected == b"":
-                    self._put(key, (VALUE, desired))
-                    return desired
-                return expected
-            if e[1] == expected:
-                self._put(key, (VALUE, desired))
-                return desired
-            return e[1]
-
-    def delete(self, key: str) -> bool:
-        with self.cv:
-            found = self.d.pop(key, None) is not None
-            self.cv.notify_all()
-            return found
-
-    def num_keys(self) -> int:
-        with self.cv:
-            return len(self.d)
-
-    def keys(self) -> list[str]:
-        with self.cv:
-            return list(self.d)
-
-    def wait(self, keys: list, timeout: float) -> bool:
-        with self.cv:
-            return self.cv.wait_for(lambda: all(k in self.d for k in keys), timeout)
-
-    def call(self, op: str, args: list):
-        """One request, as the server and the in-process client run it (``args`` checked here:
-        they come from a member, but a malformed frame must not take the server down)."""
-        if op in ("set", "setq"):
-            key, data = _key(args[0]), _bytes(args[1])
-            return self.set(key, data)
-        if op == "get":
-            return self.get(_key(args[0]), _secs(args[1]))
-        if op == "check":
-            return self.check([_key(k) for k in _list(args[0])])
-        if op == "add":
-            n = args[1]
-            if not isinstance(n, int) or isinstance(n, bool):
-                raise _OpError("add: the increment is not an int")
-            return self.add(_key(args[0]), n)
-        if op == "cas":
-            return self.cas(_key(args[0]), _bytes(args[1]), _bytes(args[2]))
-        if op == "del":
-            return self.delete(_key(args[0]))
-        if op == "num":
-            return self.num_keys()
-        if op == "keys":
-            return self.keys()
-        if op == "wait":
-            return self.wait([_key(k) for k in _list(args[0])], _secs(args[1]))
-        if op == "mset":
-            keys, datas = [_key(k) for k in _list(args[0])], [_bytes(v) for v in _list(args[1])]
-            if len(keys) != len(datas):
-                raise _OpError("mset: as many values as keys")
-            return self.mset(keys, datas)
-        if op == "ping":
-            return True
-        raise _OpError(f"unknown operation {op!r}")
-
-
-def _key(k) -> str:
-    if not isinstance(k, str) or len(k) > MAX_KEY:
-        raise _OpError("a key is a str of at most 4096 characters")
-    return k
-
-
-def _bytes(v) -> bytes:
-    if not isinstance(v, bytes):
-        raise _OpError("a value is bytes")
-    return v
-
-
-def _secs(v) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v <= 1e7):
-        raise _OpError("a wait is a number of seconds in [0, 1e7]")
-    return float(v)
-
-
-def _list(v) -> list:
-    if not isinstance(v, list):
-        raise _OpError("a list of keys is expected")
-    return v
-
-
-def _recv_exact(sock, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("connection closed")
-        got += k
-    return bytes(buf)
-
-
-def _recv_frame(sock):
-    (n,) = _LEN.unpack(_recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"frame of {n} bytes (limit {MAX_FRAME})")
-    return _DEC.decode(_recv_exact(sock, n))
-
-
-def _send_frame(sock, obj) -> None:
-    body = _ENC.encode(obj)
-    sock.sendall(_LEN.pack(len(body)) + body)
-
-
-class StoreServer:
-    """The store's server: listens on ``(host, port)`` (``port`` 0: a free one, read
-    :attr:`port`), accepts only members of the job whose ``secret`` it holds, and serves the
-    table until :meth:`close` (or the process ends). ``job_id``: 16 random bytes naming this
-    store's job in every sealed value. :attr:`refused` counts connections that failed the
-    handshake; :attr:`last_refusals` keeps the last ten ``(peer, reason)``."""
-
-    def __init__(self, host: str, port: int, secret: JobSecret):
-        self.secret = secret
-        self.job_id = secrets.token_bytes(16)
-        self.table = _Table()
-        self._ctx = secret.tls_context(server=True)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self._sock = socket.create_server((host, port), family=family, backlog=256,
-                                              dualstack_ipv6=family == socket.AF_INET6 and host in ("::", ""))
-        except OSError as e:
-            raise OSError(e.errno, f"serve_store: cannot listen on {host}:{port}: {e.strerror}") from e
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self.refused = 0
-        self.last_refusals: list[tuple[str, str]] = []
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
-        self._conns: set = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept, name=f"wt-store-{self.port}", daemon=True).start()
-
-    def _refuse(self, peer, why: str) -> None:
-        with self._lock:
-            self.refused += 1
-            self.last_refusals = (self.last_refusals + [(f"{peer[0]}:{peer[1]}", why)])[-10:]
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, peer = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.01)
-                continue
-            if not self._pending.acquire(blocking=False):
-                self._refuse(peer, f"more than {MAX_PENDING} handshakes at once")
-                sock.close()
-                continue
-            threading.Thread(target=self._serve, args=(sock, peer), name=f"wt-store-conn-{peer[1]}",
-                             daemon=True).start()
-
-    def _serve(self, raw: socket.socket, peer) -> None:
-        try:
-            raw.settimeout(HANDSHAKE_S)
-            conn = self._ctx.wrap_socket(raw, server_side=True)
-        except (OSError, ValueError) as e:  # ssl.SSLError, a timeout, a reset: not a member
-            self._refuse(peer, f"{type(e).__name__}: {e}")
-            raw.close()
-            return
-        finally:
-            self._pending.release()
-        with self._lock:
-            if self._closed:
-                conn.close()
-                return
-            self._conns.add(conn)
-        try:
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_frame(conn, [PROTOCOL, self.job_id])
-            while True:
-                req = _recv_frame(conn)
-                if not isinstance(req, list) or not req or not isinstance(req[0], str):
-                    raise ConnectionError("malformed request")
-                try:
-                    out = [True, self.table.call(req[0], req[1:])]
-                except (_OpError, IndexError) as e:
-                    if req[0] == "setq":  # nobody waits for its answer: a malformed one ends the connection
-                        raise ConnectionError(f"malformed set: {e}") from None
-                    out = [False, str(e) or type(e).__name__]
-                if req[0] != "setq":
-                    _send_frame(conn, out)
-        except (OSError, ConnectionError, ValueError, msgspec.DecodeError):
-            pass  # the member closed (or died), or sent what is not a frame: drop the connection
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            try:
-                conn.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        """Stop listening and close every connection (members then get ``DistNetworkError``,
-        as from a ``TCPStore`` whose server ended)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns = list(self._conns)
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-                c.close()
-            except OSError:
-                pass
+__all__ = ["StoreServer", "SecureStore", "PROTOCOL", "MAX_FRAME", "MAX_PENDING", "HANDSHAKE_S", "CHECK_INLINE"]
 
 
 class _Local:
@@ -344,6 +68,9 @@ class _Local:
 
     def send(self, op: str, *args) -> None:
         self.call(op, *args)
+
+    def side(self, op: str, *args, wait: float):
+        return self.call(op, *args, wait=wait)
 
     def call(self, op: str, *args, wait: float = 0.0):
         try:
@@ -356,17 +83,19 @@ class _Local:
 
 
 class _Remote:
-    """One TLS connection to a :class:`StoreServer` (a lock serializes the requests of the
-    process's threads, as torch's ``TCPStore`` client does)."""
+    """TLS connections to a :class:`StoreServer`: one for the process's requests, in order (a
+    lock serializes its threads', as torch's ``TCPStore`` client does), and spares for
+    :meth:`SecureStore.watch`, which blocks at the server without holding the first one."""
 
     def __init__(self, host: str, port: int, secret: JobSecret, timeout: float):
         self.host, self.port, self.timeout = host, port, timeout
         self.lock = threading.Lock()
-        self.sock = None
-        self.job_id = self._connect(secret, timeout)
+        self.sock, self.job_id = self._connect(secret, timeout)
         self.secret = secret
+        self._spares: list = []
+        self._spares_lock = threading.Lock()
 
-    def _connect(self, secret: JobSecret, timeout: float) -> bytes:
+    def _connect(self, secret: JobSecret, timeout: float) -> tuple[ssl.SSLSocket, bytes]:
         where = f"the store at {self.host}:{self.port}"
         raw = socket.create_connection((self.host, self.port), timeout=timeout)
         try:
@@ -398,8 +127,29 @@ class _Remote:
         if not (isinstance(hello, list) and len(hello) == 2 and hello[0] == PROTOCOL and isinstance(hello[1], bytes)):
             sock.close()
             raise AuthenticationError(f"{where} does not speak {PROTOCOL}")
-        self.sock = sock
-        return hello[1]
+        return sock, hello[1]
+
+    def side(self, op: str, *args, wait: float):
+        """A request that blocks at the server up to ``wait`` seconds (``watch``, ``wait``), on a
+        spare connection (opened on first use, kept for the next)."""
+        with self._spares_lock:
+            sock = self._spares.pop() if self._spares else None
+        try:
+            if sock is None:
+                sock, _ = self._connect(self.secret, self.timeout)
+            sock.settimeout(self.timeout + wait)
+            _send_frame(sock, [op, *args])
+            ok, out = _recv_frame(sock)
+        except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as e:
+            if sock is not None:
+                sock.close()
+            raise dist.DistNetworkError(f"the control-plane store at {self.host}:{self.port} closed the "
+                                        f"connection ({type(e).__name__}: {e})") from e
+        with self._spares_lock:
+            self._spares.append(sock)
+        if not ok:
+            raise dist.DistStoreError(f"store: {out}")
+        return out
 
     def send(self, op: str, *args) -> None:
         """A request nobody waits for (``setq``: torch's ``TCPStore`` client does not wait for a
@@ -444,6 +194,10 @@ class _Remote:
         with self.lock:
             if self.sock is not None:
                 self._drop()
+        with self._spares_lock:
+            for sock in self._spares:
+                sock.close()
+            self._spares.clear()
 
 
 class SecureStore(dist.Store):
@@ -542,6 +296,32 @@ class SecureStore(dist.Store):
             if e is not None and e[1] is not None:  # a large value is verified when it is read
                 self._open(k, e)
         return all(e is not None for e in entries)
+
+    def get_nowait(self, key: str) -> bytes | None:
+        """The value of ``key``, or None at once when it is missing (one request, where
+        ``check`` + ``get`` take two)."""
+        entry = self._call("getnow", key)
+        return None if entry is None else self._open(key, entry)
+
+    def watch(self, keys, seen=None, timeout: float = 0.0) -> bool:
+        """Block up to ``timeout`` seconds, at the server, until one of ``keys`` holds something
+        other than ``seen`` (its value as this process last read it; None: absent, the default
+        for every key); True as soon as one does, False at the timeout. Serves the control
+        plane's waits without polling: a waiter asks once per slice and wakes when a key
+        changes. Runs on a spare connection, so the process's other requests go on meanwhile."""
+        keys = list(keys)
+        seen = [None] * len(keys) if seen is None else list(seen)
+        sealed = [None if v is None else self._sealer.seal(k, self._b(v)) for k, v in zip(keys, seen)]
+        if os.getpid() != self._pid:
+            self._reconnect()
+        return bool(self._conn.side("watch", keys, sealed, float(timeout), wait=float(timeout)))
+
+    def wait_all(self, keys, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds, at the server, until every one of ``keys`` exists;
+        True if they do (:meth:`wait` without raising, on a spare connection like :meth:`watch`)."""
+        if os.getpid() != self._pid:
+            self._reconnect()
+        return bool(self._conn.side("wait", list(keys), float(timeout), wait=float(timeout)))
 
     def add(self, key: str, value: int) -> int:
         return int(self._call("add", key, int(value)))

@@ -186,7 +186,7 @@ class Sender:
         if self.epoch == 0:
             key = membership.plan_key(0, self.rank)
             self._wait_for(lambda: self.store.check([key]), what=f"training {self.rank}: no plan",
-                           bound=2 * self.timeout + 5, plan=True)
+                           bound=2 * self.timeout + 5, plan=True, wake=[key, PLAN_ERROR_KEY])
             rank_plan, descriptors = control.get(self.store, key)
         else:  # reopened after close(): the plan of the epoch this rank follows
             rank_plan, descriptors = control.get(self.store, membership.plan_key(self.epoch, self.rank))
@@ -351,8 +351,9 @@ class Sender:
         v = decision["version"]
         outcome_key = PUSH_KEY.format(n=n, what="outcome")
         # "go", or the outcome: the update failed before it (membership, before_go)
-        self._wait_for(lambda: self.store.check([f"step/{v}/go"]) or self.store.check([outcome_key]),
-                       what=f"training {self.rank}: no go for version {v}", bound=2 * self.timeout + 5)
+        self._wait_for(lambda: control.any_exists(self.store, [f"step/{v}/go", outcome_key]),
+                       what=f"training {self.rank}: no go for version {v}", bound=2 * self.timeout + 5,
+                       wake=[f"step/{v}/go", outcome_key])
         if not self.store.check([f"step/{v}/go"]):
             out = control.get(self.store, outcome_key)
             raise control.ControlError(out["error"][1])
@@ -377,17 +378,19 @@ class Sender:
         if out["ok"]:  # claimed right before "complete v" is published: return once it is
 
             refused: list[str] = []
+            self._weights_seen = None
 
             def published() -> bool:
                 try:
                     s = control.read_state(self.store)
+                    self._weights_seen = s.encode() if s.seq else None
                 except (AuthenticationError, WireError) as e:  # not the coordinator's: it overwrites it
                     refused[:] = [_first_line(str(e))]
                     return False
                 return s.version > v or (s.version == v and s.complete)
             try:
                 self._wait_for(published, what=f"training {self.rank}: complete version {v} not published",
-                               bound=self.timeout)
+                               bound=self.timeout, wake=["weights"], seen=lambda: [self._weights_seen])
             except control.ControlError as e:
                 raise control.ControlError(f"{e}" + (f" ({refused[0]})" if refused else "")) from None
             return stats
@@ -416,7 +419,8 @@ class Sender:
         grace = min(5.0, self.timeout)
         until = None
         checked = told = 0.0
-        for _ in control.backoff(None, 0.005):
+        while True:
+            th.join(0.005)  # wakes at once when the writes end
             if not th.is_alive():
                 break
             now = time.monotonic()
@@ -446,10 +450,8 @@ class Sender:
 
     def _failed_elsewhere(self, n: int, v: int) -> str | None:
         """Why update ``v`` (push ``n``) failed elsewhere, as far as the store says; None."""
-        if self.store.check([f"step/{v}/failed"]) or self.store.check([PUSH_KEY.format(n=n, what="outcome")]):
-            return "failed elsewhere"
-        if self.store.check(["abort"]):
-            return "aborted"
+        if control.any_exists(self.store, [f"step/{v}/failed", PUSH_KEY.format(n=n, what="outcome"), "abort"]):
+            return "aborted" if self.store.check(["abort"]) else "failed elsewhere"
         return self._coordinator_gone()
 
     def _claim_failure(self, n: int, why: str) -> None:
@@ -513,13 +515,22 @@ class Sender:
             return f"coordinator: process {self._coord_proc.pid} on {self._coord_proc.host} is gone"
         return None
 
-    def _wait_for(self, ready: Callable[[], bool], *, what: str, bound: float, plan: bool = False) -> None:
+    def _wait_for(self, ready: Callable[[], bool], *, what: str, bound: float, plan: bool = False,
+                  wake: list[str] | None = None, seen: Callable[[], list] | None = None) -> None:
         """Poll ``ready()`` up to ``bound`` seconds; ControlError naming ``what`` on expiry, the
         store's abort, or a coordinator process gone; the coordinator's plan refusal (its
-        type) with ``plan``. A store that stopped answering is a ControlError too."""
+        type) with ``plan``. A store that stopped answering is a ControlError too. ``wake``: the
+        keys ``ready`` depends on (with ``seen()``: their values as last read; default absent):
+        a store that can waits at its server for them to change instead of polling."""
         checked = 0.0
+        waker = None
+        if wake and control.can_watch(self.store):
+            keys = [*wake, "abort"]
+
+            def waker(sec: float) -> None:
+                control.watch(self.store, keys, sec, [*(seen() if seen else [None] * len(wake)), None])
         try:
-            for expired in control.backoff(bound, 0.002):
+            for expired in control.backoff(bound, 0.002, wake=waker):
                 if ready():
                     return
                 now = time.monotonic()
@@ -540,7 +551,7 @@ class Sender:
             raise control.ControlError(f"{what}: the control-plane store stopped answering: {_first_line(str(e))}") from e
 
     def _wait_key(self, key: str, *, what: str, bound: float):
-        self._wait_for(lambda: self.store.check([key]), what=f"training {self.rank}: {what}", bound=bound)
+        self._wait_for(lambda: self.store.check([key]), what=f"training {self.rank}: {what}", bound=bound, wake=[key])
         return control.get(self.store, key)
 
     def _follow_plan(self) -> None:

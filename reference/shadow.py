@@ -274,7 +274,7 @@ class GoLiveServer:
                 if v is None or v == self._failed:
                     if self.rx.store.check(["shutdown"]):
                         return
-                    self._stop.wait(self.poll)
+                    self._wait()
                     continue
             except Exception:  # the store went away (the job ended): nothing more to serve
                 if self._stop.wait(0.05):
@@ -290,6 +290,23 @@ class GoLiveServer:
                     continue
                 t1 = time.time()
             self.golives.append({"version": v, "t0": t0, "t1": t1, **stats})
+
+    def _wait(self) -> None:
+        """Until the next commit request may have come: at the store's server, woken when the
+        version written into the shadows or its commit key changes (at most 0.1 s); a store that
+        cannot watch, ``poll`` seconds."""
+        from . import control
+
+        st = self.rx.store
+        if not control.can_watch(st):
+            self._stop.wait(self.poll)
+            return
+        raw = st.get_nowait("weights/shadow")
+        keys, seen = ["weights/shadow", "shutdown"], [raw, None]
+        if raw is not None and (v := control.parse_int(raw, "weights/shadow")) > self.rx.live_version:
+            keys.append(f"step/{v}/commit")
+            seen.append(None)
+        control.watch(st, keys, 0.1, seen)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread (waits at most ``timeout`` seconds for a go-live in progress)."""
