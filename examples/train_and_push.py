@@ -44,7 +44,7 @@ def inference(rank, addr):
     for step in range(1, STEPS + 1):
         receiver.wait_version(step)  # then copy what this rank holds, with no write in between
         _, got = receiver.read_consistent(lambda: {n: t.clone() for n, t in engine.named_parameters().items()})
-        store.wait([f"saved/{step}"]); full = torch.load(f"{OUT}/v{step}.pt")
+        store.wait([f"saved/{step}"]); full = torch.load(f"{OUT}/v{step}.pt", weights_only=True)
         want = expected_from_checkpoint(CFG, LAYOUT, rank, full.__getitem__, list(full)).named_parameters()
         same = all(torch.equal(t.view(torch.uint8), want[n].view(torch.uint8)) for n, t in got.items())
         store.set(f"ok/{step}/{rank}", b"1" if same else b"0")

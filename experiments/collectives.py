@@ -75,16 +75,12 @@ def broadcast(obj, src: int = 0, *, type_=list[str] | None):
     then bytes; ``obj``: numbers, strings, lists, dicts, msgspec structs), decoded strictly into
     ``type_`` on the other ranks (``src`` keeps ``obj`` as it is). ValueError for bytes that are
     not a ``type_``."""
-    import torch
-    import torch.distributed as dist
+    from weight_transfer.collectives import broadcast_data
 
-    me = dist.get_rank()
-    raw = msgspec.msgpack.encode(obj) if me == src else b""
-    n = torch.tensor([len(raw)], dtype=torch.int64)
-    dist.broadcast(n, src)
-    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if me == src else torch.empty(int(n), dtype=torch.uint8)
-    dist.broadcast(buf, src)
-    return obj if me == src else _decode(buf.numpy().tobytes(), type_, f"rank {src}'s broadcast")
+    try:
+        return broadcast_data(obj, src, type_=type_)
+    except ValueError as e:
+        raise ValueError(f"rl: {e}") from None
 
 
 def all_gather(obj, *, type_) -> list:

@@ -149,7 +149,7 @@ def _fresh_snapshot(mcfg, root: Path, v: int, cfg, instance: int, prompts) -> di
     path = _oracle_path(mcfg, v, cfg.run.seed, cfg.inference.tp)
     if path is not None and path.exists():
         _log(instance, f"version {v}: fresh-engine snapshot from the oracle cache {path.name}")
-        snap = torch.load(path, weights_only=False)
+        snap = torch.load(path, weights_only=True)  # tensors, lists and numbers: no pickle from a shared cache
         # ranks of this instance (the cached one may come from instance 0)
         return {"tensors": {instance * cfg.inference.tp + (r - min(snap["tensors"])): t for r, t in snap["tensors"].items()},
                 "outputs": snap["outputs"]}

@@ -165,7 +165,7 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     (each calls ``trainer_init`` and ``send_weights``); ``store_host`` / ``store_port``: where
     training rank 0 starts the control-plane store and where the vLLM workers and other ranks
     reach it (``store_port=0``: a free port, sent to the other ranks with
-    ``torch.distributed.broadcast_object_list`` over the default process group, which must exist
+    :func:`weight_transfer.collectives.broadcast_data` (msgpack, no pickle) over the default process group, which must exist
     when ``world_size > 1``; with a default process group the path of the job secret's file goes
     the same way, :func:`job_secret`); ``n_infer``: inference ranks (None: every worker of the engine the
     client drives, as it reports); ``options``: :func:`transfer_options` (a dict of flat

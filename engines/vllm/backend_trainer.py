@@ -168,9 +168,10 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             if not dist.is_initialized():
                 raise RuntimeError(f"training {rank}: store_port=0 with world_size={world} needs the default process "
                                    "group to send rank 0's store address (or give store_port)")
-            box = [(host, port, secret_file)]  # the secret file's path, never the secret
-            dist.broadcast_object_list(box, src=0)
-            host, port, secret_file = box[0]
+            from weight_transfer.collectives import broadcast_data
+
+            # the secret file's path, never the secret; data, not a pickle
+            host, port, secret_file = broadcast_data((host, port, secret_file), 0, type_=tuple[str, int, str | None])
         if store is None:
             store = _connect_rank(rank, host, port, secret_file, timeout=max(timeout, 60.0))
         coordinator, n_workers = None, 1

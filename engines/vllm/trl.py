@@ -421,7 +421,7 @@ class OneSidedAsyncGRPOTrainer(AsyncGRPOTrainer):
         bump) with the transfer replaced: every rank binds its (wrapped) module at the first
         sync and calls :meth:`OneSidedWeightTransfer.push` with rank 0's ``model_version + 1``
         (broadcast: TRL restores ``model_version`` on the main process only when resuming)."""
-        from accelerate.utils import broadcast_object_list
+        from weight_transfer.collectives import broadcast_data
 
         wt, acc = self.weight_transfer, self.accelerator
         model = acc.unwrap_model(self.model)
@@ -434,7 +434,7 @@ class OneSidedAsyncGRPOTrainer(AsyncGRPOTrainer):
             wt.bind(model)
         version = self.model_version + 1
         if acc.num_processes > 1:
-            version = broadcast_object_list([version], from_process=0)[0]
+            version = broadcast_data(version, 0, type_=int)  # data, not accelerate's pickle
         wt.push(version)
         t_transfer = time.time()
         acc.wait_for_everyone()
