@@ -143,8 +143,7 @@ def _p(xs, q: float) -> float:
 
 def main(args: ControlBenchConfig) -> int:
     """Run both tables, print them, write ``args.ops_out`` and ``args.out``."""
-    import ast
-
+    from ..cli import key_value
     from ..env import git_sha
 
     ops = [r for m in MODES for r in _ops(m, args)]
@@ -164,13 +163,7 @@ def main(args: ControlBenchConfig) -> int:
         return 0
 
     base = main_job_default()
-    over = dict(base.model.overrides)
-    for kv in args.override:
-        k, v = kv.split("=", 1)
-        try:
-            over[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            over[k] = v
+    over = {**base.model.overrides, **dict(key_value(kv) for kv in args.override)}
     base = base.replace(steps=args.steps, warmup=args.warmup, overrides=over)
     rows: list[dict] = []
     pair_ratio = []

@@ -306,7 +306,7 @@ def _trial(base: TrialConfig, **kw) -> list[dict]:
 
 def main(args: DeltaBenchConfig) -> int:
     """Run the op table and the trials, print the tables, write ``args.ops_out`` and ``args.out``."""
-    import ast
+    from ..cli import key_value
 
     ops = op_costs(sizes=args.op_sizes)
     print("\n".join(["# weight-transfer bench-delta: the cost of one op", *_ops_table(ops)]), flush=True)
@@ -320,13 +320,7 @@ def main(args: DeltaBenchConfig) -> int:
         return 0
 
     base = main_job_default()
-    over = dict(base.model.overrides)
-    for kv in args.override:
-        k, v = kv.split("=", 1)
-        try:
-            over[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            over[k] = v
+    over = {**base.model.overrides, **dict(key_value(kv) for kv in args.override)}
     base = base.replace(steps=args.steps, warmup=args.warmup, transport=args.transport,
                         delta_granularity=args.granularity, overrides=over)
     mcfg = base.model_config()

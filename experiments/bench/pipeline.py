@@ -150,15 +150,9 @@ def base_trial(args: PipelineBenchConfig) -> dict:
     """The flat trial options every trial of the bench shares (``TrialConfig.from_flat``
     keywords): the model and its overrides (the main job's when ``args.model`` is None, with
     ``args.override`` on top), quantization, world sizes and update counts."""
-    import ast
+    from ..cli import key_value
 
-    overrides = {}
-    for kv in args.override:
-        k, v = kv.split("=", 1)
-        try:
-            overrides[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            overrides[k] = v
+    overrides = dict(key_value(kv) for kv in args.override)
     base = dict(model=args.model, overrides=overrides, n_train=args.n_train, tp=args.tp, steps=args.steps,
                 warmup=args.warmup)
     if args.model is None:  # the main job's default, with the given overrides on top
