@@ -496,6 +496,17 @@ def available_memory() -> int | None:
         return None
 
 
+def main_job_with(override: tuple[str, ...] = (), **options) -> TrialConfig:
+    """:func:`main_job_default` with HF-config overrides ``KEY=VALUE`` on top of its own (a
+    benchmark's ``--override``; a smaller model in tests) and ``options`` replaced
+    (:meth:`TrialConfig.replace`)."""
+    from .cli import key_value
+
+    base = main_job_default()
+    over = {**base.model.overrides, **dict(key_value(kv) for kv in override)}
+    return base.replace(overrides=over, **options)
+
+
 def main_job_default() -> TrialConfig:
     """The README's main job (``weight-transfer run`` with no ``--model``):
     Qwen3-30B-A3B's architecture (Qwen3 GQA attention 32/4 heads, 128-expert MoE layers cut to

@@ -33,7 +33,7 @@ import pandas as pd
 
 from weight_transfer.security import ENV_INSECURE
 
-from ..config import main_job_default
+from ..config import main_job_with
 from ..paths import project_dir
 from ..trial import run_trial
 
@@ -143,7 +143,6 @@ def _p(xs, q: float) -> float:
 
 def main(args: ControlBenchConfig) -> int:
     """Run both tables, print them, write ``args.ops_out`` and ``args.out``."""
-    from ..cli import key_value
     from ..env import git_sha
 
     ops = [r for m in MODES for r in _ops(m, args)]
@@ -162,9 +161,7 @@ def main(args: ControlBenchConfig) -> int:
     if args.ops_only:
         return 0
 
-    base = main_job_default()
-    over = {**base.model.overrides, **dict(key_value(kv) for kv in args.override)}
-    base = base.replace(steps=args.steps, warmup=args.warmup, overrides=over)
+    base = main_job_with(args.override, steps=args.steps, warmup=args.warmup)
     rows: list[dict] = []
     pair_ratio = []
     t_all = time.perf_counter()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..config import TrialConfig, main_job_default
+from ..config import TrialConfig, main_job_with
 from ..paths import project_dir
 from ..trial import run_trial
 
@@ -306,8 +306,6 @@ def _trial(base: TrialConfig, **kw) -> list[dict]:
 
 def main(args: DeltaBenchConfig) -> int:
     """Run the op table and the trials, print the tables, write ``args.ops_out`` and ``args.out``."""
-    from ..cli import key_value
-
     ops = op_costs(sizes=args.op_sizes)
     print("\n".join(["# weight-transfer bench-delta: the cost of one op", *_ops_table(ops)]), flush=True)
     phases = packed_costs()
@@ -319,10 +317,8 @@ def main(args: DeltaBenchConfig) -> int:
     if args.ops_only:
         return 0
 
-    base = main_job_default()
-    over = {**base.model.overrides, **dict(key_value(kv) for kv in args.override)}
-    base = base.replace(steps=args.steps, warmup=args.warmup, transport=args.transport,
-                        delta_granularity=args.granularity, overrides=over)
+    base = main_job_with(args.override, steps=args.steps, warmup=args.warmup, transport=args.transport,
+                         delta_granularity=args.granularity)
     mcfg = base.model_config()
     t_all = time.perf_counter()
     rows: list[dict] = []
