@@ -1,7 +1,7 @@
 """Train a small Qwen3 with FSDP2 + AdamW on 2 ranks; after every optimizer step push the new
 weights one-sidedly into 2 inference ranks (TP 2, bf16 from the fp32 master) and verify them.
 Run: python examples/train_and_push.py [STEPS]    (README: "Use it in your own trainer")"""
-import os, sys, tempfile, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, shutil, sys, tempfile, torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -11,7 +11,7 @@ from weight_transfer.testing.catalog import load_config
 
 N_TRAIN, N_INFER, STEPS = 2, 2, int(sys.argv[1]) if len(sys.argv) > 1 else 3
 CFG = load_config("qwen3-0.6b", num_hidden_layers=2, vocab_size=8192)  # the real architecture, 2 layers
-LAYOUT, OUT = wt.InferenceLayout(tp=2), os.environ.setdefault("WT_EXAMPLE_DIR", tempfile.mkdtemp(prefix="wt-ex-"))
+LAYOUT, OUT = wt.InferenceLayout(tp=2), os.environ.get("WT_EXAMPLE_DIR", "")  # the launcher sets it
 
 def trainer(rank, addr):
     torch.set_num_threads(1); store = wt.connect_store(addr)
@@ -51,10 +51,10 @@ def inference(rank, addr):
     receiver.close()
 
 if __name__ == "__main__":
+    made = not OUT; OUT = os.environ["WT_EXAMPLE_DIR"] = OUT or tempfile.mkdtemp(prefix="wt-ex-")  # the checkpoints
     store = wt.serve_store("127.0.0.1", 0); addr = ("127.0.0.1", store.port); ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=trainer, args=(r, addr)) for r in range(N_TRAIN)]
-    procs += [ctx.Process(target=inference, args=(i, addr)) for i in range(N_INFER)]
-    for p in procs: p.start()
+    procs += [ctx.Process(target=inference, args=(i, addr)) for i in range(N_INFER)]; [p.start() for p in procs]
     while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs): procs[0].join(0.2)
     for p in procs: p.terminate() if any(q.exitcode for q in procs) else None; p.join()  # one failed: stop the rest
-    sys.exit(max(abs(p.exitcode or 0) for p in procs))
+    shutil.rmtree(OUT, ignore_errors=True) if made else None; sys.exit(max(abs(p.exitcode or 0) for p in procs))

@@ -38,6 +38,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from datetime import timedelta
 
 import msgspec
@@ -57,7 +58,7 @@ from .store_server import (
     _send_frame,
 )
 
-__all__ = ["StoreServer", "SecureStore", "PROTOCOL", "MAX_FRAME", "MAX_PENDING", "HANDSHAKE_S", "CHECK_INLINE"]
+__all__ = ["StoreServer", "SecureStore", "StoreBusy", "PROTOCOL", "MAX_FRAME", "MAX_PENDING", "HANDSHAKE_S", "CHECK_INLINE"]
 
 
 class _Local:
@@ -82,6 +83,11 @@ class _Local:
         pass
 
 
+class StoreBusy(ConnectionError):
+    """The server closed a connection during its handshake without refusing this process's
+    credentials (its handshake slots were taken, it was closing): worth another try."""
+
+
 class _Remote:
     """TLS connections to a :class:`StoreServer`: one for the process's requests, in order (a
     lock serializes its threads', as torch's ``TCPStore`` client does), and spares for
@@ -96,7 +102,13 @@ class _Remote:
         self._spares_lock = threading.Lock()
 
     def _connect(self, secret: JobSecret, timeout: float) -> tuple[ssl.SSLSocket, bytes]:
+        """One TLS connection and the server's hello. AuthenticationError when the peer refuses
+        this process's certificate or presents one of another authority (the secrets differ) or
+        speaks no TLS; :class:`StoreBusy` (an OSError: retried by :func:`weight_transfer.connect_store`
+        until its deadline) when the server closes the connection during the handshake without a
+        word (all its handshake slots taken: a flood)."""
         where = f"the store at {self.host}:{self.port}"
+        mine = f"this process's job secret came from {secret.source}"
         raw = socket.create_connection((self.host, self.port), timeout=timeout)
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -104,12 +116,18 @@ class _Remote:
         except ssl.SSLCertVerificationError as e:
             raw.close()
             raise AuthenticationError(f"{where} is not this job's: its certificate is not signed by the job "
-                                      f"secret's authority (the secret differs from the store's: {e.verify_message})") from e
+                                      f"secret's authority (the secret differs from the store's: {e.verify_message}; "
+                                      f"{mine})") from e
+        except (ssl.SSLEOFError, ConnectionResetError) as e:
+            raw.close()
+            raise StoreBusy(f"{where} closed the connection during the TLS handshake") from e
         except ssl.SSLError as e:
             raw.close()
             if "ALERT" in str(e).upper():
                 raise AuthenticationError(f"{where} refused this process's credentials: the job secret differs "
-                                          f"from the one the store was started with ({e.reason})") from e
+                                          f"from the one the store was started with ({e.reason}; {mine})") from e
+            if e.reason == "UNEXPECTED_EOF_WHILE_READING":
+                raise StoreBusy(f"{where} closed the connection during the TLS handshake") from e
             raise AuthenticationError(f"{where} did not complete a TLS handshake ({e.reason}): a store started "
                                       "without authentication (WEIGHT_TRANSFER_INSECURE=1), or another service") from e
         except (OSError, ValueError):
@@ -118,11 +136,16 @@ class _Remote:
         try:
             sock.settimeout(timeout)
             hello = _recv_frame(sock)
+        except ssl.SSLError as e:
+            sock.close()
+            if "ALERT" in str(e).upper():  # TLS 1.3: a refused client certificate arrives here
+                raise AuthenticationError(f"{where} refused this process's credentials: the job secret differs "
+                                          f"from the one the store was started with ({e.reason}; {mine})") from e
+            raise StoreBusy(f"{where} closed the connection before its hello ({e.reason})") from e
         except (OSError, ConnectionError, msgspec.DecodeError) as e:
             sock.close()
-            if isinstance(e, ConnectionError) and not isinstance(e, (ConnectionRefusedError, ConnectionResetError)):
-                raise AuthenticationError(f"{where} closed the connection after the handshake: it refused this "
-                                          "process's credentials (the job secret differs?)") from e
+            if isinstance(e, (ConnectionError, msgspec.DecodeError)) and not isinstance(e, ConnectionRefusedError):
+                raise StoreBusy(f"{where} closed the connection before its hello") from e
             raise
         if not (isinstance(hello, list) and len(hello) == 2 and hello[0] == PROTOCOL and isinstance(hello[1], bytes)):
             sock.close()
@@ -134,9 +157,13 @@ class _Remote:
         spare connection (opened on first use, kept for the next)."""
         with self._spares_lock:
             sock = self._spares.pop() if self._spares else None
+        if sock is None:
+            try:
+                sock, _ = self._connect(self.secret, min(self.timeout, 5.0))
+            except (StoreBusy, TimeoutError):  # a busy server: this round waits here, the caller looks again
+                time.sleep(min(wait, 0.05))
+                return op == "watch"  # watch: "may have changed"; wait: "not yet"
         try:
-            if sock is None:
-                sock, _ = self._connect(self.secret, self.timeout)
             sock.settimeout(self.timeout + wait)
             _send_frame(sock, [op, *args])
             ok, out = _recv_frame(sock)

@@ -127,7 +127,7 @@ def connect_store(store, *, timeout: float = 600.0, secret=None, insecure: bool 
     store, and for a plain ``torch.distributed.Store`` without the opt-out;
     :class:`weight_transfer.control.ControlError` naming ``host:port`` and the timeout when no
     store answers within about ``timeout`` seconds (chained from the last connection error)."""
-    from .secure_store import SecureStore
+    from .secure_store import SecureStore, StoreBusy
 
     timeout = check_seconds(timeout, "timeout", where="connect_store")
     check_bool(insecure, "insecure", where="connect_store", allow_none=True)
@@ -159,7 +159,10 @@ def connect_store(store, *, timeout: float = 600.0, secret=None, insecure: bool 
         if expired or time.monotonic() >= deadline:
             if isinstance(last, TimeoutError):
                 raise ControlError(f"{where}: the address accepts connections but no store answered (another "
-                                   "service on that port?)") from last
+                                   "service on that port, or a store started with WEIGHT_TRANSFER_INSECURE=1?)") from last
+            if isinstance(last, StoreBusy):
+                raise ControlError(f"{where}: it kept closing the connection during the handshake ({last}): its "
+                                   "handshake slots are taken (a flood of connections?) or it is shutting down") from last
             raise ControlError(f"{where} (last error: {type(last).__name__}: {last})") from last
     raise AssertionError("unreachable")
 
@@ -189,8 +192,9 @@ def _connect_plain(host: str, port: int, timeout: float) -> dist.Store:
     t.start()
     t.join(left + 0.25)
     if t.is_alive():
-        raise ControlError(f"{where}: the address accepts connections but no TCPStore answered (another "
-                           "service on that port?)")
+        raise ControlError(f"{where}: the address accepts connections but no TCPStore answered (another service on "
+                           "that port, or the job's authenticated store: unset WEIGHT_TRANSFER_INSECURE and pass the "
+                           "job secret?)")
     if "error" in box:
         e = box["error"]
         raise ControlError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

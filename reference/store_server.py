@@ -8,8 +8,8 @@ handshake and is closed before it can send one request. After the handshake the 
 ``[PROTOCOL, job id]``; then each request is one frame (4-byte big-endian length, then a msgpack
 array ``[op, args...]``) answered by one frame ``[ok, result]`` (``setq``, a set, is not
 answered). Data only: no frame is ever unpickled. Against a flood: at most :data:`MAX_PENDING`
-handshakes at once, each within :data:`HANDSHAKE_S` s; a frame over :data:`MAX_FRAME` bytes
-closes the connection."""
+handshakes at once, the first bytes within :data:`FIRST_BYTES_S` s and the handshake within
+:data:`HANDSHAKE_S` s; a frame over :data:`MAX_FRAME` bytes closes the connection."""
 from __future__ import annotations
 
 import secrets
@@ -22,19 +22,22 @@ import msgspec
 
 from .security import JobSecret
 
-__all__ = ["StoreServer", "PROTOCOL", "MAX_FRAME", "MAX_KEY", "MAX_PENDING", "HANDSHAKE_S", "CHECK_INLINE", "VALUE",
-           "COUNTER"]
+__all__ = ["StoreServer", "PROTOCOL", "MAX_FRAME", "MAX_KEY", "MAX_PENDING", "FIRST_BYTES_S", "HANDSHAKE_S",
+           "CHECK_INLINE", "VALUE", "COUNTER"]
 
 PROTOCOL = "weight-transfer-store/1"
 MAX_FRAME = 1 << 30
 """Largest frame (bytes) either side accepts."""
 MAX_KEY = 4096
 """Longest key (bytes)."""
-MAX_PENDING = 64
-"""Connections the server handshakes at a time; more are closed at once (a flood of
-unauthenticated connections cannot starve the members' threads)."""
-HANDSHAKE_S = 10.0
-"""Seconds a connection has to complete its TLS handshake."""
+MAX_PENDING = 256
+"""Connections the server handshakes at a time; more are closed at once (a member's client
+retries until its timeout): a flood of unauthenticated connections cannot take every thread."""
+FIRST_BYTES_S = 1.0
+"""Seconds a new connection has to send its first bytes (a TLS client sends its hello at once);
+an idle one is closed then, so idle connections cannot hold the handshake slots."""
+HANDSHAKE_S = 5.0
+"""Seconds a connection has, in all, to complete its TLS handshake."""
 CHECK_INLINE = 4096
 """``check`` returns values up to this many bytes for the client to verify (flags, states, small
 messages: what is acted on by its presence); a larger value is verified when it is read."""
@@ -266,7 +269,11 @@ class StoreServer:
                              daemon=True).start()
 
     def _serve(self, raw: socket.socket, peer) -> None:
+        import select
+
         try:
+            if not select.select([raw], [], [], FIRST_BYTES_S)[0]:
+                raise TimeoutError(f"sent nothing within {FIRST_BYTES_S:g} s")
             raw.settimeout(HANDSHAKE_S)
             conn = self._ctx.wrap_socket(raw, server_side=True)
         except (OSError, ValueError) as e:  # ssl.SSLError, a timeout, a reset: not a member

@@ -252,11 +252,16 @@ except Exception as e:
     assert not marker.exists() and store.server.table.num_keys() == 0 and store.server.refused >= 5
 
 
-def test_a_flood_of_connections_leaves_members_served(store):
+def test_a_flood_of_connections_leaves_members_served_and_new_ones_in(store, secret):
+    """Idle connections beyond MAX_PENDING are closed at once, and every idle one after
+    FIRST_BYTES_S; a member connected before is served meanwhile, and one that connects during the
+    flood gets in within its timeout (its client retries a handshake the server cut short)."""
+    from weight_transfer.store_server import FIRST_BYTES_S
+
     m = _member(store)
     held = []
     try:
-        for _ in range(2 * MAX_PENDING):  # idle, never handshaking: beyond MAX_PENDING they are closed at once
+        for _ in range(MAX_PENDING + 64):  # idle, never handshaking
             s = socket.socket()
             s.settimeout(2)
             try:
@@ -265,14 +270,18 @@ def test_a_flood_of_connections_leaves_members_served(store):
             except OSError:
                 s.close()
         t0 = time.monotonic()
-        for i in range(50):  # the members' connection is served meanwhile
+        for i in range(50):  # the member's connection is served meanwhile
             m.set(f"k{i}", b"1")
             assert m.get(f"k{i}") == b"1"
-        assert time.monotonic() - t0 < 10
-        deadline = time.monotonic() + 5
-        while store.server.refused < MAX_PENDING and time.monotonic() < deadline:
+        late = wt.connect_store(("127.0.0.1", store.port), timeout=30, secret=secret)  # a new member, mid-flood
+        late.set("late", b"1")
+        assert m.get("late") == b"1" and time.monotonic() - t0 < 20
+        deadline = time.monotonic() + FIRST_BYTES_S + 5
+        while store.server.refused < len(held) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert store.server.refused >= MAX_PENDING
+        assert store.server.refused >= len(held)  # every idle one closed: beyond the slots at once, the rest idle
+        reasons = {why.split(":")[0] for _, why in store.server.last_refusals}
+        assert reasons & {"TimeoutError", f"more than {MAX_PENDING} handshakes at once"}, reasons
     finally:
         for s in held:
             s.close()
