@@ -18,7 +18,8 @@ With --delta every step's weights are pushed twice, as a delta update and as a f
 same executor with its delta state set aside), alternating which goes first; both verified
 against the oracle; one row per push in results/rl_delta.csv (docs/DELTA.md).
 
-Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] [--save-steps DIR] [--help]   (= weight-transfer rl)
+Run:  python examples/rl_loop.py [--steps 30] [--lr 5e-4] [--changes] [--delta] [--save-steps DIR] [--metrics-port 0] [--help]
+      (= weight-transfer rl; --metrics-port / --vllm-metrics-port: Prometheus metrics, docs/METRICS.md)
 Writes results/rl_<tag>.csv and .png (--changes: results/rl_changes.csv, docs/DELTA.md).
 """
 import os, shutil, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 import weight_transfer as wt
-from weight_transfer.experiments import rl
+from weight_transfer.experiments import rl, rl_metrics
 
 
 def trainer(rank, port, o, ckpt0, workdir):
@@ -52,16 +53,19 @@ def train(rank, port, o, engine, workdir):
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     push = WeightTransferTrainerFactory.trainer_init(      # plans once, against vLLM's runtime layout
-        OneSidedTrainerInitInfo(rank=rank, world_size=2, timeout=o.timeout, options=rl.transfer_overrides(o)),
+        OneSidedTrainerInitInfo(rank=rank, world_size=2, timeout=o.timeout, options=rl.transfer_overrides(o),
+                                metrics=rl_metrics.coordinator_metrics(o, rank)),   # --metrics-port: the coordinator's
         client=LLMClient(engine.llm) if rank == 0 else None, source=ModuleSource(model))
     check, out = rl.OracleCheck(rank, engine, cfg), rl.StepLog(o) if rank == 0 else None
     pushes = []                                            # --delta: one row per push (rank 0)
+    scrapes = rl_metrics.scrapes(o, rank, push.coordinator)   # rank 0, --(vllm-)metrics-port: /metrics after each push
 
     def publish(version, mode=None, step=0, first=True, reload=True):  # one push, then the engine's bytes against the oracle's
         if mode and o.delta_settle: time.sleep(o.delta_settle)   # --delta: vLLM's workers idle, as after training
         t = time.perf_counter()
         with rl.push_mode(push.sender.executor, mode): push.send_weights(version)   # --delta: "full" or "delta"
         call = time.perf_counter() - t
+        if scrapes: scrapes.add(step, version, mode)       # the coordinator's and vLLM's /metrics, now
         served = rl.served_weights(model)                  # the step's weights in bf16, gathered
         res = check(served, reload=reload) if o.verify else {"ok": None, "bytes": 0, "seconds": 0.0}
         assert res["ok"] is not False, f"version {version}: the engine's bytes differ from the oracle's: {res}"
@@ -71,7 +75,8 @@ def train(rank, port, o, engine, workdir):
                         "verified_bytes": res["bytes"], "verify_s": res["seconds"],
                         "oracle_outputs_equal": res.get("outputs_ok"), "oracle_logprob_ulps": res.get("logprob_ulps"),
                         "oracle_logprob_maxdiff": res.get("logprob_maxdiff"), **({"push_seconds": u.seconds,
-                        "push_bytes": u.bytes, "push_writes": u.n_writes} if u else {})}
+                        "push_bytes": u.bytes, "push_writes": u.n_writes, "fingerprints": u.verify,   # --fingerprints
+                        "fp_bytes": u.verified_bytes, "fp_s": u.verify_seconds} if u else {})}
 
     served, rec = publish(1)
     if rank == 0: out.add(step=0, **rec); first = served; rl.save_served(o, 0, served)   # --save-steps DIR
@@ -98,7 +103,7 @@ def train(rank, port, o, engine, workdir):
                 if mode == "delta": rec = r
         else:
             version += 1
-            new, rec = publish(version)                    # version step + 1 = the weights after this step
+            new, rec = publish(version, step=step)         # version step + 1 = the weights after this step
         t3 = time.perf_counter()
         if rank == 0 and o.changes: changes += rl.change_rows(o.lr, step, served, new)
         if rank == 0: rl.save_served(o, step, new)       # --save-steps: the weights after this step, as served
@@ -111,6 +116,7 @@ def train(rank, port, o, engine, workdir):
                          f"push v{r['pushed_version']} {r['push_bytes'] / 1e6:.1f} MB in {r['push_seconds']:.3f} s, "
                          f"{'verified' if r['verified'] else 'unverified'}, step {r['step_s']:.1f} s")
     fin = rl.final_check(rank, check, cfg, served, workdir) if o.verify else {}   # a fresh vLLM, in rank 1
+    if scrapes: scrapes.close()
     push.shutdown()
     if rank == 0:
         if fin: rl.log(0, f"final, against a fresh vLLM from the final checkpoint: runtime and staging bytes "
@@ -132,6 +138,7 @@ def run(o):
     # by a vLLM engine starting in a trainer before rank 0 binds it; an authenticated store whose
     # job secret the trainers, spawned next, inherit
     store = wt.serve_store("127.0.0.1", 0)
+    rl_metrics.prometheus_dir(o, workdir)   # --vllm-metrics-port: vLLM's multiprocess metrics, in every process
     procs = [mp.get_context("spawn").Process(target=trainer, args=(r, store.port, o, ckpt0, workdir)) for r in range(2)]
     for p in procs: p.start()
     try: return rl.supervise(procs)                       # the first trainer that fails stops the other

@@ -336,6 +336,14 @@ class TrialConfig:
         if tr.executor.delta and run.method != "reference":
             raise ValueError(f"delta=True with method={run.method!r}: delta updates are the reference method's "
                              "(its executor keeps the shadow); the baselines always send everything")
+        env_mode = os.environ.get("WEIGHT_TRANSFER_VERIFY", "off")  # a job-wide default leaves the baselines be
+        if tr.verify.mode not in ("off", env_mode) and run.method not in ("reference", "all"):
+            raise ValueError(f"verify={tr.verify.mode!r} with method={run.method!r}: the end-to-end fingerprints are "
+                             "the reference method's (its executor hashes what it writes); the baselines are checked "
+                             "by the harness's byte comparison only")
+        if tr.verify.mode != "off" and self.fleet.active:
+            raise ValueError(f"verify={tr.verify.mode!r} with engines killed, restarted or scaled: a replanned epoch is "
+                             "not verified by the harness yet; use the public API (Coordinator verifies every epoch)")
         self._check_device()
         if self.fleet.active:  # steps within the run, engines that exist, restarts of killed engines (C24)
             from .fleet import check_fleet

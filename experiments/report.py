@@ -198,6 +198,12 @@ def _verified_lines(result, done: list[dict], *, fleet: bool) -> list[str]:
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(done)} updates"
                  + (f" (every engine in each; {len(rows) - len(done)} failed update(s) above, named)" if fleet else "")
                  + ("" if n_ok == len(done) else "  <-- FAILED"))
+    fp = [r for r in done if r.get("fingerprints")]
+    if fp:  # --fingerprints: the reference's own end-to-end check, beside the harness's
+        vb, vs = sorted(r["verify_bytes"] for r in fp), sorted(r["verify_s"] for r in fp)
+        lines.append(f"# fingerprints ({fp[0]['fingerprints']}): {len(fp)}/{len(done)} updates matched end to end; "
+                     f"checked p50 {vb[len(vb) // 2] / 1e6:.1f} MB of {fp[0]['bytes'] / 1e6:.1f} MB per update, "
+                     f"{vs[len(vs) // 2] * 1e3:.1f} ms p50 (request to comparison)")
     if fleet:
         lines += fleet_lines(rows)
     if result.cfg.serve.active:  # the engines' stall through the updates (C27)

@@ -455,7 +455,8 @@ def final_check(rank: int, check: OracleCheck, cfg, served: dict, workdir: str |
 
 COLUMNS = ["run", "lr", "step", "rollout_version", "reward_mean", "loss", "logratio_max", "clip_frac",
            "pushed_version", "push_seconds", "push_call_seconds", "push_bytes", "push_writes", "verified",
-           "verified_bytes", "oracle_outputs_equal", "oracle_logprob_ulps", "oracle_logprob_maxdiff", "rollout_s", "train_s", "verify_s", "changes_s", "step_s", "final_bytes_ok",
+           "verified_bytes", "oracle_outputs_equal", "oracle_logprob_ulps", "oracle_logprob_maxdiff", "rollout_s", "train_s", "verify_s", "fingerprints", "fp_bytes", "fp_s", "changes_s",
+           "step_s", "final_bytes_ok",
            "final_outputs_ok", "final_logprob_ulps", "final_logprob_maxdiff", "timestamp"]
 
 

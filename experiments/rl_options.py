@@ -87,7 +87,27 @@ class RLOptions:
     ``shm_broadcast``), and the check after the first push calls both engines, so on a small
     host the second push would share the CPUs with two spinning workers. 0: no wait."""
 
+    fingerprints: str = field(default="off", metadata={"choices": ("off", "sample", "full")})
+    """End-to-end fingerprints of every push (``verify=``, docs/VERIFY.md): each vLLM worker hashes
+    the planned ranges of its memory after ``update_weights``, the coordinator compares them with
+    what the trainer sent before vLLM's weight version is set; ``off``, ``sample`` (every byte once
+    in 8 pushes) or ``full``."""
+    metrics_port: int = -1
+    """Serve the coordinator's Prometheus metrics of every push (training rank 0,
+    ``weight_transfer.metrics``, docs/METRICS.md) at http://127.0.0.1:PORT/metrics; 0: a free port,
+    printed as ``metrics: http://127.0.0.1:PORT/metrics``; -1: off. Each push's scrape (and
+    --vllm-metrics-port's) is appended to out_dir/rl_<tag>_metrics.jsonl."""
+    vllm_metrics_port: int = -1
+    """Serve vLLM's own metrics registry (what a vLLM server's /metrics serves:
+    ``vllm.v1.metrics.prometheus.get_prometheus_registry()``, multiprocess mode, so the vLLM
+    workers' ``weight_transfer_worker_*`` metrics are in it) from training rank 0 at
+    http://127.0.0.1:PORT/metrics -- the loop's vLLM is an offline LLM, without a server; 0: a free
+    port, printed as ``vllm metrics: http://127.0.0.1:PORT/metrics``; -1: off."""
+
     def __post_init__(self):
+        if not -1 <= self.metrics_port < 65536 or not -1 <= self.vllm_metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port}, --vllm-metrics-port {self.vllm_metrics_port}: "
+                             "a TCP port, 0 (a free one) or -1 (off)")
         for name in ("steps", "group", "values", "layers", "vocab"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: at least 1")
@@ -128,9 +148,10 @@ def options_from_argv(argv: list[str] | None = None, prog: str = "rl_loop.py") -
 
 def transfer_overrides(o: RLOptions) -> dict | None:
     """The one_sided backend's ``options`` (flat TransferOptions overrides) for ``o``: delta
-    updates with ``--delta``, else None (the defaults)."""
+    updates with ``--delta``, the fingerprints with ``--fingerprints``, else None (the defaults)."""
+    fp = {"fingerprints": o.fingerprints} if o.fingerprints != "off" else {}
     if not o.delta:
-        return None
-    return {"delta": True, "delta_granularity": o.delta_granularity or None,
+        return fp or None
+    return {**fp, "delta": True, "delta_granularity": o.delta_granularity or None,
             "delta_op_cost": None if o.delta_op_cost < 0 else o.delta_op_cost, "delta_mode": o.delta_mode,
             "delta_format": o.delta_format, "delta_wire_gbps": o.delta_wire_gbps or None, "delta_landing": o.delta_landing}

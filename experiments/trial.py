@@ -323,6 +323,9 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                              write_seconds=ctl.last_write_seconds, results=results, ver=ver, ok=ok,
                              plan_s=plan.plan_s, recv_bytes=plan.recv_bytes, bytes_staged=plan.bytes_staged,
                              infer_active=plan.infer_cls.active)
+            lv = ctl.last_verify  # --fingerprints: the reference's end-to-end check (docs/VERIFY.md)
+            if lv["mode"] != "off":
+                row.update(fingerprints=lv["mode"], verify_bytes=lv["bytes"], verify_s=lv["seconds"])
             if plan.driver is not None:  # membership, epoch, replan seconds, newcomers, trainers' pids
                 row.update(plan.driver.columns(step), outcome="complete")
             _emit(rows, row, progress)
@@ -380,6 +383,8 @@ def _configure(cfg: TrialConfig, ctl, store, fleet) -> _Plan:
     recv_bytes = dict(sched.recv_bytes) if sched is not None else {}
     commit_ranks = tuple(cctx.extra.get("commit_ranks", ()))
     ctl.shadow = dict(cctx.extra.get("shadow") or {})  # shadow targets: go-live at the commit (C27)
+    ctl.verifier = cctx.extra.get("verifier")  # --fingerprints: the reference's end-to-end check (C31)
+    ctl.verify_after_commit = cfg.transfer.executor.delta and cfg.transfer.executor.delta_mode != "scattered"
     if cfg.run.engine == "vllm" and not infer_cls.active:
         # vLLM's one_sided backend (experiments/vllm_side.py): every worker's update_weights
         # checks the update and commits it (staged layers or not) before the version is published

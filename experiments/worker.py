@@ -195,7 +195,8 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
             try:
                 with push_mode(getattr(side, "executor", None), cfg.run.push_mode(step)):  # --delta-pairs
                     stats = side.transfer(step)
-                client.done(step, ok=True, stats=stats)
+                client.done(step, ok=True, stats=stats,
+                            fingerprints=getattr(getattr(side, "executor", None), "fingerprints", None))
             except Exception as e:
                 traceback.print_exc()
                 client.done(step, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -21,22 +21,24 @@ __all__ = [
     "Sender", "Coordinator", "Receiver", "UpdateResult", "serve_store", "connect_store", "JobSecret",
     # options and layouts
     "TransferOptions", "PlanOptions", "ExecutorOptions", "TransportOptions", "ControlOptions",
-    "InferenceLayout", "ModelConfig", "fused_expert_views",
+    "VerifyOptions", "InferenceLayout", "ModelConfig", "fused_expert_views",
     # state and errors
     "WeightsState", "ControlError", "VersionError", "UpdateInProgress", "read_consistent", "PlanError",
     "UpdateStats", "StepStats", "AuthenticationError",
+    # observability
+    "UpdateMetrics",
 ]
 
 _WHERE = {
     "Sender": "api", "Coordinator": "api", "Receiver": "api", "UpdateResult": "api", "serve_store": "api",
     "connect_store": "api", "JobSecret": "security", "AuthenticationError": "security",
     "TransferOptions": "options", "PlanOptions": "options", "ExecutorOptions": "options",
-    "TransportOptions": "options", "ControlOptions": "options",
+    "TransportOptions": "options", "ControlOptions": "options", "VerifyOptions": "options",
     "InferenceLayout": "types", "PlanError": "types", "ModelConfig": "model_config",
     "fused_expert_views": "plan.traced",
     "WeightsState": "control", "ControlError": "control", "VersionError": "control",
     "UpdateInProgress": "control", "read_consistent": "control",
-    "UpdateStats": "method", "StepStats": "executor",
+    "UpdateStats": "method", "StepStats": "executor", "UpdateMetrics": "metrics",
 }
 
 

@@ -54,11 +54,18 @@ class TrainerClient:
     def wait_go(self, step: int) -> None:
         wait_keys(self.store, {self.rank: f"step/{step}/go"}, timeout=self.timeout, what=f"go {step}", poll=0.001)
 
-    def done(self, step: int, *, ok: bool, error: str = "", stats=None, cancelled: bool = False) -> None:
+    def done(self, step: int, *, ok: bool, error: str = "", stats=None, cancelled: bool = False,
+             fingerprints=None) -> None:
         """Report this rank's result of ``step``; ``cancelled``: it stopped because another rank
-        failed (named after the root cause: :meth:`Controller.culprits`)."""
+        failed (named after the root cause: :meth:`Controller.culprits`); ``fingerprints``: the
+        :class:`weight_transfer.fingerprint.SenderHashes` of the writes (set before the report,
+        which the coordinator waits for)."""
         from .wire import tag
 
+        if ok and fingerprints is not None:
+            from .fingerprint import TRAIN_KEY
+
+            put(self.store, TRAIN_KEY.format(v=step, r=self.rank), fingerprints.value())
         if not ok:  # first: whoever sees the result sees the flag (one connection, requests in order)
             self.store.set(f"step/{step}/failed", b"1")
         put(self.store, f"step/{step}/done/{self.rank}", {"ok": ok, "error": error, "stats": tag(stats),

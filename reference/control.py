@@ -290,6 +290,14 @@ class Controller:
         self.last_write_seconds: float | None = None
         """Seconds from "go" to the last trainer completion of the last :meth:`transfer`."""
         self.shadow: dict[int, dict] = {}
+        self.verifier = None
+        self._verified: int | None = None
+        self.verify_after_commit = False
+        """Check after the commits even with shadow targets: packed delta records are applied by
+        the receivers' commit (go-live), so the shadow holds the version only after it."""
+        """The coordinator's :class:`weight_transfer.fingerprint.Verifier` (set at plan), or None."""
+        self.last_verify: dict = {"mode": "off", "bytes": 0, "seconds": 0.0}
+        """The last update's check: ``{"mode", "bytes" checked, "seconds"}``."""
         """Inference rank -> its shadow targets' info (:meth:`weight_transfer.shadow.Shadow.info`,
         published under :data:`weight_transfer.store.SHADOW_KEY`), set after planning; every
         rank has one or none does. Non-empty: :meth:`transfer` follows the shadow protocol (see
@@ -471,8 +479,16 @@ class Controller:
         before = self.begin(step)
         golive = False  # with shadow targets: whether any engine may have gone live
         flips = {i: info for i, info in self.shadow.items() if info.get("mode") == "flip"}
+        shifts: dict = {}
         if flips:  # the half each flip receiver does not compute with (it moves at each go-live)
-            put(self.store, f"step/{step}/shift", {i: get(self.store, SHADOW_KEY.format(rank=i))["shift"] for i in flips})
+            shifts = {i: get(self.store, SHADOW_KEY.format(rank=i))["shift"] for i in flips}
+            put(self.store, f"step/{step}/shift", shifts)
+        vf = self.verifier if self.verifier is not None and self.verifier.on else None
+        self.last_verify = {"mode": vf.options.mode if vf else "off", "bytes": 0, "seconds": 0.0}
+        self._verifying = (step, vf, shifts)  # a commit callable may verify itself (verify_now), before its label
+        # fingerprints before any go-live (shadow targets) or when nothing commits; else after the commit
+        verify_first = vf is not None and (bool(self.shadow) and not self.verify_after_commit
+                                           or not (commit_ranks or commit is not None))
         t0 = time.perf_counter()
         self.store.set(f"step/{step}/go", b"1")
         try:
@@ -486,6 +502,8 @@ class Controller:
             if inference_active:
                 results.update({("infer", i): get(self.store, f"step/{step}/idone/{i}") for i in range(self.n_infer)})
             failed = {r: res["error"] for r, res in results.items() if not res["ok"]}
+            if not failed and verify_first:
+                self._verify(vf, step, shifts)
             if not failed and commit_ranks:
                 golive = True
                 self.store.set(f"step/{step}/commit", b"1")
@@ -497,6 +515,8 @@ class Controller:
             if not failed and commit is not None:
                 golive = True
                 results[("commit", "call")] = {"ok": True, "error": "", "stats": self._commit(commit, step)}
+            if not failed and vf is not None and not verify_first and self._verified != step:
+                self._verify(vf, step, shifts)
             if not failed and claim is not None and (why := claim()) is not None:
                 raise ControlError(why)
             seconds = time.perf_counter() - t0
@@ -523,6 +543,26 @@ class Controller:
             raise
         self.publish(step)
         return seconds, results
+
+    def verify_now(self, step: int) -> dict:
+        """For a commit callable (``transfer(commit=...)``) that labels the version itself: run
+        the end-to-end check of ``step`` now, after its commit and before its label (the vLLM
+        backend calls it between ``update_weights`` and ``finish_weight_update``), so that no
+        reader sees the label over bytes that fail it; the transfer then does not check again.
+        Returns :attr:`last_verify`; ControlError as :meth:`transfer`'s check. A no-op outside
+        a transfer of ``step`` or with verify off."""
+        st, vf, shifts = getattr(self, "_verifying", (None, None, None))
+        if st == step and vf is not None and self._verified != step:
+            self._verify(vf, step, shifts)
+        return self.last_verify
+
+    def _verify(self, vf, step: int, shifts: dict) -> None:
+        """The end-to-end check of ``step`` (:meth:`weight_transfer.fingerprint.Verifier.check`);
+        sets :attr:`last_verify`, raises its ControlError."""
+        self._verified = step
+        self.last_verify = {"mode": vf.options.mode, "bytes": 0, "seconds": 0.0}
+        self.last_verify = vf.check(self.store, step, shifts, self.n_train,
+                                    wait=lambda keys, what: self._wait(keys, what, step, poll=0.001))
 
     def _commit(self, commit: Callable[[int], object], step: int):
         """``commit(step)`` in a thread of its own, waited for up to the timeout. ControlError

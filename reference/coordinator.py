@@ -13,7 +13,9 @@ from types import SimpleNamespace
 
 from . import control, membership
 from .args import check_callable, check_int, check_seconds, check_type
-from .options import TransferOptions
+from .fingerprint import VERIFY_KEY, Verifier
+from .metrics import metrics_arg, record_failure, recorded
+from .options import TransferOptions, VerifyOptions
 from .store import connect_store, runtime_layouts, shadow_infos
 from .types import InferenceLayout, PlanError, Schedule
 from .update import (
@@ -45,22 +47,27 @@ class Coordinator:
     answer (default ``options.control.timeout``); ``liveness_train`` / ``liveness_infer``:
     callables returning ``{rank: reason}`` for ranks known dead (a launcher's view; optional);
     ``stall``: heartbeat deadline in seconds (None: no heartbeat monitor); ``log``: a callable
-    taking one line.
+    taking one line; ``verify``: ``"off"``, ``"sample"`` or ``"full"``, the end-to-end
+    fingerprint check of every update (:mod:`weight_transfer.fingerprint`; default
+    ``options.verify.mode``, itself ``"off"``): a range whose bytes in inference memory differ
+    from what the training rank sent fails the update with ControlError naming the tensor and
+    both ranks, before ``complete`` is published. ``metrics``: Prometheus metrics of every update (:attr:`metrics`,
+    docs/METRICS.md): None (off), a port to serve (0: a free one), a ``CollectorRegistry`` or an UpdateMetrics.
 
     Every argument is checked before the store is reached and before anything is published:
     TypeError for a wrong type (``n_train``/``n_infer`` not an int -- a ``str`` from
     ``os.environ`` included --, ``layout`` not an InferenceLayout, ``options`` not
     TransferOptions, ``model_config`` neither a ModelConfig, a mapping nor a path, ``timeout``/
     ``stall`` not a number, a liveness or ``log`` callback not callable); ValueError for
-    ``n_train``/``n_infer`` < 1, ``timeout``/``stall`` not > 0, a ``model_config`` path that
+    ``n_train``/``n_infer`` < 1, ``timeout``/``stall`` not > 0, an unknown ``verify`` mode, a ``model_config`` path that
     does not exist or is not a readable config.json (naming the path), a malformed ``store``
     address; :class:`weight_transfer.control.ControlError` naming ``host:port`` when no store
     answers within ``timeout`` seconds."""
 
     def __init__(self, store, *, n_train: int, n_infer: int, model_config=None, layout: InferenceLayout | None = None,
-                 options: TransferOptions | None = None, timeout: float | None = None,
+                 options: TransferOptions | None = None, timeout: float | None = None, metrics=None,
                  liveness_train: Callable[[], dict] | None = None, liveness_infer: Callable[[], dict] | None = None,
-                 stall: float | None = None, log: Callable[[str], None] | None = None):
+                 stall: float | None = None, log: Callable[[str], None] | None = None, verify: str | None = None):
         w = "Coordinator"  # every argument is checked (model_config loaded) before the store is reached
         n_train, n_infer = check_int(n_train, "n_train", where=w, lo=1), check_int(n_infer, "n_infer", where=w, lo=1)
         check_type(layout, "layout", InferenceLayout, where=w, allow_none=True)
@@ -71,8 +78,16 @@ class Coordinator:
             check_callable(f, name, where=w)
         self.model_config = _model_config(model_config, where=w) if model_config is not None else None
         self.options = options if options is not None else TransferOptions()
+        if verify is not None:  # the shortcut for options.verify.mode
+            check_type(verify, "verify", str, where=w)
+            import dataclasses
+
+            self.options = dataclasses.replace(self.options, verify=VerifyOptions(mode=verify,
+                                                                                  cycle=self.options.verify.cycle))
         self.timeout = self.options.control.timeout if timeout is None else timeout
+        self.metrics, serve_metrics = metrics_arg(metrics, where=w)  # checked (TypeError/ValueError) before the store
         self.store = connect_store(store, timeout=self.timeout)
+        serve_metrics()  # metrics=<port>: served once the store answered
         self.n_train, self.n_infer = n_train, n_infer
         self.layout = layout
         self.log = log or (lambda m: None)
@@ -133,8 +148,13 @@ class Coordinator:
                 self.model_config = self.model_config or _model_config(eng["hf_config"], name=eng.get("name"))
                 self.layout = self.layout or eng["layout"]
             _, self._joins_seen = membership.new_joins(self.store, 0)  # the initial ranks' announcements
+            v = self.options.verify  # before the training ranks' parts: they read it with theirs
+            control.put(self.store, VERIFY_KEY, {"mode": v.mode, "cycle": v.cycle})
             self.schedule, extra = plan_against(self.store, self.model_config, self.layout, train_metas,
                                                 infer_payloads, self.options)
+            self.ctl.verifier = Verifier(v, self.schedule, {i: p[1] for i, p in infer_payloads.items()})
+            ex = self.options.executor  # packed delta records land beside the targets and are applied at the commit
+            self.ctl.verify_after_commit = ex.delta and ex.delta_mode != "scattered"
             self._train_metas, self._payloads = train_metas, dict(infer_payloads)
             for i in infer_payloads:
                 membership.set_member(self.store, i, 0)
@@ -215,13 +235,14 @@ class Coordinator:
             self._put(n, "decision", {"go": True, "version": v, "error": None})
             decided = True
         except BaseException as e:
+            record_failure(self.metrics, e, before_go=True)
             if not decided:  # the ranks waiting for the decision get the same error
                 kind, msg = control.encode_error(e)
                 if kind not in REFUSALS:
                     kind, msg = "ControlError", f"coordinator: {kind}: {msg}"
                 self._put(n, "decision", {"go": False, "version": version, "error": (kind, msg)})
             raise
-        return self._update(n, v, commit=commit, before_go=before_go)
+        return recorded(self.metrics, lambda: self._update(n, v, commit=commit, before_go=before_go))
 
     def _wait_ready(self, n: int) -> dict[int, dict]:
         """Every training rank's readiness for push ``n`` (``{rank: {"version", "refuse"}}``);
@@ -309,9 +330,19 @@ class Coordinator:
             raise control.ControlError(out["error"][1]) from e
         stats = {r: res["stats"] for r, res in results.items() if not isinstance(r, tuple)}
         commits = {r: res.get("stats") for r, res in results.items() if isinstance(r, tuple) and r[0] == "commit"}
+        ver = self.ctl.last_verify
         return UpdateResult(version=version, seconds=seconds, write_seconds=self.ctl.last_write_seconds or seconds,
                             bytes=sum(s.bytes_sent for s in stats.values()),
-                            n_writes=sum(s.n_writes for s in stats.values()), stats=stats, commits=commits)
+                            n_writes=sum(s.n_writes for s in stats.values()), stats=stats, commits=commits,
+                            verify=ver["mode"], verified_bytes=ver["bytes"], verify_seconds=ver["seconds"])
+
+    def verify_update(self, version: int) -> dict:
+        """For a ``commit`` callable of :meth:`update` / ``Sender.push`` that labels the version
+        itself (an engine's own version label): the end-to-end fingerprint check of ``version``
+        now, between its commit and its label, so that no reader sees the label over bytes that
+        fail it (:meth:`weight_transfer.control.Controller.verify_now`). Returns ``{"mode",
+        "bytes", "seconds"}``; ControlError naming the mismatched ranges."""
+        return self.ctl.verify_now(version)
 
     def _who_holds(self, version: int) -> str:
         """"; training r: ..." for each training rank that did not complete ``version``, from
@@ -378,6 +409,7 @@ class Coordinator:
                                                       payloads, self.options, epoch=epoch),
             epoch=self.epoch, version=version, where=f"version {version}")
         self.epoch, self.schedule, self.members, self._payloads = ch.epoch, ch.schedule, ch.members, ch.payloads
+        self.ctl.verifier = Verifier(self.options.verify, ch.schedule, {i: p[1] for i, p in ch.payloads.items()})
         self.commit_ranks, self.bytes_staged = ch.extra["commit_ranks"], ch.extra["bytes_staged"]
         self.ctl.shadow = ch.extra["shadow"]
         rec = {"version": version, "epoch": self.epoch, "members": sorted(ch.members), "gone": sorted(ch.dropped),

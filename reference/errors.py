@@ -17,6 +17,14 @@ class ControlError(RuntimeError):
     ``culprit``: the "role rank: cause" line :func:`wait_keys` found, without its prefix, or None."""
 
     culprit: str | None = None
+    metrics_kind: str | None = None
+    """Its ``kind`` label in :mod:`weight_transfer.metrics` when not the type's name (``kind=``:
+    e.g. ``"fingerprint_mismatch"``); None: ``ControlError``."""
+
+    def __init__(self, *args, kind: str | None = None):
+        super().__init__(*args)
+        if kind is not None:
+            self.metrics_kind = kind
 
 
 class GoLiveNotStarted(RuntimeError):

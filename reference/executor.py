@@ -187,6 +187,11 @@ class Executor(StageLoops):
         """What registering the write memory once cost (regions, bytes, seconds); see
         :meth:`SetupStats.summary` for the one-line form."""
         self.shift: dict[int, int] = {}
+        self.verify = None
+        """:class:`weight_transfer.fingerprint.VerifyOptions` (set by the sender from the plan):
+        each run hashes its selected writes into :attr:`fingerprints`."""
+        self.fingerprints = None
+        """The last run's :class:`weight_transfer.fingerprint.SenderHashes` (None: verify off)."""
         """Inference rank -> bytes added to its planned offsets in the next :meth:`run` (flip
         shadow targets, :mod:`weight_transfer.shadow`: the half that is not live); the caller sets
         it per update from the controller's ``step/{v}/shift``."""
@@ -413,6 +418,10 @@ class Executor(StageLoops):
             w.ready_event.synchronize()
         ops, copied = self.memory.ops(w.index, w.task, w.outputs, w.pool_off, self.remote, self.delta, self.shift)
         w.rec.copy_bytes += copied
+        if self.fingerprints is not None:  # the bytes as the plan says they go, before the buffer is reused
+            from .fingerprint import hash_task
+
+            hash_task(self.fingerprints, self.memory, w.index, w.task, w.outputs, w.pool_off)
         packer = self.delta.packer if self.delta is not None else None
         if packer is not None and packer.region is not None:  # packed records: one batch at the end (run())
             recs = [o for o in ops if getattr(o, "local", None) is packer.region]
@@ -484,6 +493,11 @@ class Executor(StageLoops):
         step = self._runs if step is None else step
         st = StepStats(rank=self.plan.rank, watermark=self.watermark, pipelined=self.pipeline,
                        offloaded=self.offloaded, step=step, full_bytes=self.plan.send_bytes)
+        self.fingerprints = None
+        if self.verify is not None and self.verify.mode != "off":
+            from .fingerprint import SenderHashes
+
+            self.fingerprints = SenderHashes(self.verify.mode, self.verify.cycle, step)
         stop = cancel if cancel is not None else threading.Event()
         if self.delta is not None:
             d = self.delta

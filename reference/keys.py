@@ -83,6 +83,40 @@ def _plan(v, key):
     return rp, {i: fix_descriptor(d) for i, d in descriptors.items()}
 
 
+class VerifyPlan(TypedDict):
+    """``plan/verify``: :class:`weight_transfer.fingerprint.VerifyOptions` as the coordinator runs it."""
+
+    mode: str
+    cycle: int
+
+
+class FpRequest(TypedDict):
+    """``verify/{i}/request``: the ranges the coordinator asks inference rank ``i`` to hash
+    (:mod:`weight_transfer.fingerprint`; int64 arrays as bytes, region offsets, shifts applied)."""
+
+    version: int
+    offsets: bytes
+    lengths: bytes
+
+
+class FpAnswer(TypedDict):
+    """``step/{v}/fp/i{i}``: inference rank ``i``'s hashes (uint64 array as bytes, request order)."""
+
+    hashes: bytes
+    seconds: float
+    error: str
+
+
+class FpTrain(TypedDict):
+    """``step/{v}/fp/t{r}``: training rank ``r``'s hashes of its selected writes (arrays as bytes)."""
+
+    dst: bytes
+    offsets: bytes
+    lengths: bytes
+    hashes: bytes
+    seconds: float
+
+
 wire.register_tagged(StepStats)
 SHADOW_KEY = "meta/infer_shadow/{rank}"
 """Store key under which an inference rank with shadow targets publishes
@@ -102,6 +136,10 @@ R("step/{v}/done/{r}", wire.Done, "a training rank's result of an update", post=
 R("step/{v}/idone/{i}", wire.Report, "an active inference side's result of an update")
 R("step/{v}/committed/{i}", wire.Report, "an inference rank's commit (staged targets) or go-live (shadow targets)")
 R("step/{v}/shift", dict[int, Shift], "flip shadows: bytes added to each receiver's planned offsets")
+R("plan/verify", VerifyPlan, "the coordinator's end-to-end check of every update (verify mode and cycle)")
+R("verify/{i}/request", FpRequest, "the coordinator's fingerprint request to an inference rank")
+R("step/{v}/fp/i{i}", FpAnswer, "an inference rank's fingerprints of an update's requested ranges")
+R("step/{v}/fp/t{r}", FpTrain, "a training rank's fingerprints of the writes it sent")
 R("step/{v}/where/{r}", Where, "what a training rank's update is doing, for naming a rank that holds the others up")
 R("push/{n}/ready/{r}", wire.Ready, "a training rank is ready for push n")
 R("push/{n}/decision", wire.Decision, "the coordinator's one decision on push n")

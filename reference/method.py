@@ -158,9 +158,14 @@ class ReferenceController(ControllerSide):
 
     def setup(self, ctx: ControllerContext) -> str:
         from .api import plan_against
+        from .fingerprint import VERIFY_KEY, Verifier
+        from .wire import put
 
+        v = ctx.transfer.verify  # before the training ranks' parts: they read it with theirs
+        put(ctx.store, VERIFY_KEY, {"mode": v.mode, "cycle": v.cycle})
         sched, extra = plan_against(ctx.store, ctx.model_config, ctx.layout, ctx.train_metas, ctx.infer_payloads,
                                     ctx.transfer)
+        extra["verifier"] = Verifier(v, sched, {i: p[1] for i, p in ctx.infer_payloads.items()})
         # an engine with staged targets (e.g. a vLLM layer kept in an opaque kernel handle) commits
         # each update: its own post-processing runs on the staged bytes before the version is published
         ctx.extra.update(extra, schedule=sched)

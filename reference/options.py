@@ -9,7 +9,8 @@ object per component:
 - :class:`ExecutorOptions` -- the executor's (pipeline, watermark, offload, trace), handed
   whole to :class:`weight_transfer.executor.Executor`;
 - :class:`TransportOptions` -- the data plane's back end;
-- :class:`ControlOptions` -- the control plane's timeout.
+- :class:`ControlOptions` -- the control plane's timeout;
+- :class:`VerifyOptions` -- the end-to-end fingerprint check (``verify=off|sample|full``).
 
 The harness's ``weight_transfer.experiments.config.TrialConfig`` composes a ``TransferOptions``
 with the trial's model and worlds; the method contexts (:mod:`weight_transfer.method`) carry it.
@@ -213,6 +214,34 @@ class ControlOptions:
             raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
 
 
+VERIFY_MODES = ("off", "sample", "full")
+"""``verify=`` values: no check, a rotating subset, every byte (:mod:`weight_transfer.fingerprint`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VerifyOptions:
+    """The end-to-end check of every update (:mod:`weight_transfer.fingerprint`, C31): the
+    training side hashes the bytes it sends, the inference side the same ranges of its memory
+    after they landed, the coordinator compares them before it publishes ``complete v``. On
+    the harness's command line ``--fingerprints`` / ``--fingerprint-cycle`` (its ``--verify``
+    is the harness's own byte comparison against a fresh engine)."""
+
+    mode: str = field(default_factory=lambda: os.environ.get("WEIGHT_TRANSFER_VERIFY", "off"),
+                      metadata={"flat": "fingerprints", "choices": VERIFY_MODES})
+    """``"off"``; ``"sample"``: the planned writes of one residue class per version, every byte
+    once in ``cycle`` consecutive versions; ``"full"``: every byte of every update. The default
+    is the environment's ``WEIGHT_TRANSFER_VERIFY`` where it is set (a job-wide switch for
+    operators: it is read where the options are built, i.e. by the coordinator), else ``"off"``."""
+    cycle: int = field(default=8, metadata={"flat": "fingerprint_cycle"})
+    """``"sample"``: consecutive versions per full coverage (>= 1)."""
+
+    def __post_init__(self):
+        if self.mode not in VERIFY_MODES:
+            raise ValueError(f"verify={self.mode!r} (--fingerprints): one of {', '.join(VERIFY_MODES)}")
+        if not isinstance(self.cycle, int) or isinstance(self.cycle, bool) or self.cycle < 1:
+            raise ValueError(f"verify cycle={self.cycle!r} (--fingerprint-cycle): an int >= 1")
+
+
 @dataclass(kw_only=True, slots=True)
 class TransferOptions:
     """How the reference moves weights: one options object per component. Every field has a
@@ -226,6 +255,8 @@ class TransferOptions:
     """The data plane's back end."""
     control: ControlOptions = field(default_factory=ControlOptions)
     """The control plane's timeout."""
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+    """The end-to-end fingerprint check of every update (off by default)."""
 
     def resolve(self, *, device: str = "cpu", receiver_allocates: bool = False) -> TransferOptions:
         """These options with an ``auto`` transport replaced by a back end

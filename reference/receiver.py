@@ -107,7 +107,8 @@ def storage_parts(tensors) -> list[torch.Tensor]:
 class Receiver:
     """One inference rank's side, for any engine's named tensors: register their memory once,
     publish the region descriptor and the tensors' metadata, then read versions. Passive:
-    nothing runs here per update.
+    nothing runs here per update, except, when the coordinator runs ``verify="sample"`` or
+    ``"full"``, a thread that hashes the ranges it asks for (:mod:`weight_transfer.fingerprint`).
 
     ``tensors``: ``{inference-side name: tensor}`` -- the engine's parameters as it computes
     with them (contiguous, distinct, non-overlapping, on one device the transport registers:
@@ -179,6 +180,9 @@ class Receiver:
         self.live_version = -1
         """With shadow targets: the version the engine computes with (its last go-live)."""
         self._server = None
+        self._fingerprints = None
+        """The :class:`weight_transfer.fingerprint.FingerprintServer` answering the coordinator's
+        fingerprint requests (``verify=``; its thread ends at once when the plan has it off)."""
         if shadow is not None:
             alloc = transport.allocate if getattr(transport, "publishes_allocated_only", False) else None
             try:
@@ -214,6 +218,9 @@ class Receiver:
         if self.shadow is not None:  # before the metadata: the plan reads it (also when the caller publishes)
             control.put(self.store, control.SHADOW_KEY.format(rank=self.rank), self.shadow.info())
         self.client = clients.InferenceClient(self.store, rank, timeout=timeout)
+        from .fingerprint import FingerprintServer, region_bytes
+
+        self._fingerprints = FingerprintServer(self.store, self.rank, lambda off, n: region_bytes(self.region, off, n))
         if publish:
             self.publish()
 
@@ -281,6 +288,12 @@ class Receiver:
             control.put(self.store, RUNTIME_KEY.format(rank=self.rank), tag(self.runtime))
         self.client.publish_meta(self.descriptor, self.metas)
         membership.announce_join(self.store, self.rank)  # a rank that joins later is planned in before its first go
+
+    @property
+    def fingerprint_server(self):
+        """The :class:`weight_transfer.fingerprint.FingerprintServer` answering this rank's
+        fingerprint requests (None once closed)."""
+        return self._fingerprints
 
     @property
     def descriptor(self) -> RegionDescriptor:
@@ -379,6 +392,9 @@ class Receiver:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._fingerprints is not None:
+            self._fingerprints.stop()
+            self._fingerprints = None
         if self.transport is not None:
             try:
                 if self._owner() is None:

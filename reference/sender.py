@@ -18,6 +18,7 @@ from . import clients, control, membership
 from .args import check_bool, check_callable, check_int, check_seconds, check_type
 from .coordinator import Coordinator
 from .delta import check_published
+from .fingerprint import verify_options
 from .options import TransferOptions
 from .security import AuthenticationError
 from .store import connect_store
@@ -203,6 +204,7 @@ class Sender:
         landing = self._landing(descriptors)
         self.executor = Executor(rank_plan, self.params, self.transport, descriptors, options=self.options.executor,
                                  group_barrier=self.group_barrier, landing=landing, senders=self.world_size)
+        self.executor.verify = verify_options(self.store)  # the coordinator's, published with the plan
         su = getattr(self.executor, "setup_stats", None)
         reg = (f"; registered once: {su.n_regions} region(s), {su.registered_bytes / 1e6:.1f} MB in "
                f"{su.register_seconds * 1e3:.1f} ms ({su.transport})" if su is not None else "")
@@ -373,7 +375,7 @@ class Sender:
             self.client.done(v, ok=False, error=f"{type(local).__name__}: {_first_line(str(local))}",
                              cancelled=cancelled)
         else:
-            self.client.done(v, ok=True, stats=stats)
+            self.client.done(v, ok=True, stats=stats, fingerprints=self.executor.fingerprints)
         out = self._wait_outcome(n, v, local)
         if out["ok"]:  # claimed right before "complete v" is published: return once it is
 

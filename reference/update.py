@@ -82,6 +82,15 @@ class UpdateResult:
     commits: dict = field(default_factory=dict)
     """Engine commits: ``("commit", i)`` -> inference rank ``i``'s report, ``("commit", "call")``
     -> what a commit callable returned."""
+    verify: str = "off"
+    """The end-to-end fingerprint check this update ran (:mod:`weight_transfer.fingerprint`):
+    ``"off"``, ``"sample"`` or ``"full"``."""
+    verified_bytes: int = 0
+    """Bytes of inference memory whose fingerprint matched the training side's (0 with
+    ``verify="off"``; with ``"sample"`` the part of :attr:`bytes`'s targets checked this update)."""
+    verify_seconds: float = 0.0
+    """Wall seconds from the request for the receivers' fingerprints to the comparison's end
+    (included in :attr:`seconds`)."""
 
     @property
     def gbps(self) -> float:

@@ -176,7 +176,16 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     (:class:`OneSidedInitInfo`); ``shadow``: the workers' shadow targets (``"off"``, ``"copy"``,
     ``"flip"``, ``"auto"``; C27): with them no caller pauses generation, each update's commit is the
     go-live, sent with the weight version label and the prefix-cache reset in one window
-    between two engine steps (:meth:`AsyncLLMClient.go_live`)."""
+    between two engine steps (:meth:`AsyncLLMClient.go_live`); ``metrics``: training rank 0's
+    coordinator's Prometheus metrics (:class:`weight_transfer.api.Coordinator`'s ``metrics=``: None
+    off, a port to serve, a ``CollectorRegistry`` or a :class:`weight_transfer.metrics.UpdateMetrics`;
+    docs/METRICS.md); ``verify``: ``"off"``, ``"sample"`` or ``"full"``, the end-to-end fingerprints
+    of every update (None: ``options``' ``fingerprints``, itself ``"off"`` unless
+    ``WEIGHT_TRANSFER_VERIFY`` says otherwise; :mod:`weight_transfer.fingerprint`, docs/VERIFY.md):
+    each worker hashes the planned ranges of its memory after ``update_weights`` (with shadow
+    targets in the shadow, before the go-live), training rank 0's coordinator compares them with
+    what the training ranks sent before vLLM's weight version is set; a mismatch fails the
+    update naming the tensor and both ranks."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -188,9 +197,15 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     timeout: float | None = None
     targets: str = "auto"
     shadow: str = "off"
+    metrics: Any = None
+    verify: str | None = None
 
     def __post_init__(self):
+        from weight_transfer.options import VERIFY_MODES
         from weight_transfer.shadow import check_mode
+
+        if self.verify is not None and self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify={self.verify!r}: one of {', '.join(VERIFY_MODES)}, or None (the options')")
 
         if self.shadow != "auto":  # auto: each worker picks flip where it can, else copy (engines/vllm/shadow.py)
             check_mode(self.shadow, where="shadow")

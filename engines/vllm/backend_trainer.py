@@ -185,7 +185,8 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                 eng = control.get(store, ENGINE_KEY)
                 n_workers = int(eng["n_workers"])
                 n_infer = init_info.n_infer or n_workers
-                coordinator = Coordinator(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout)
+                coordinator = Coordinator(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout,
+                                          metrics=init_info.metrics, verify=init_info.verify)
             except BaseException as e:
                 store.set("abort", f"training 0: trainer_init failed: {_first_line(e)}".encode())  # other ranks stop
                 remove_secret_file(made)
@@ -330,12 +331,15 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
                 except Exception as e:
                     raise RuntimeError(f"{d.who()}: update_weights(version={ver}) failed: {_first_line(e)}") from e
             t1 = time.perf_counter()
+            if self.coordinator is not None:  # fingerprints (verify=): after the commit, before vLLM's label
+                self.coordinator.verify_update(ver)
+            t2 = time.perf_counter()
             for d in started:
                 try:
                     d.client.finish_weight_update(weight_version=str(ver))
                 except Exception as e:
                     raise RuntimeError(f"{d.who()}: finish_weight_update failed: {_first_line(e)}") from e
-            return {"update_weights_s": t1 - t0, "finish_weight_update_s": time.perf_counter() - t1,
+            return {"update_weights_s": t1 - t0, "verify_s": t2 - t1, "finish_weight_update_s": time.perf_counter() - t2,
                     "engines": [d.first_rank for d in started]}
 
         try:

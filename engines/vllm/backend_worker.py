@@ -5,6 +5,7 @@ store, that every training rank wrote the version, and commits it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -93,6 +94,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     supports_draft_weight_update = False  # a draft model's memory is not registered
     trace = None
     """This worker's :class:`~weight_transfer.plan.traced.LoaderTrace` (published at init)."""
+    metrics = None
+    """This worker's :class:`weight_transfer.metrics.WorkerMetrics` (set at init): its commits, go-lives,
+    version and target bytes in vLLM's own ``/metrics`` (docs/METRICS.md)."""
     shadow = None
     """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info
     (set at init; a class attribute too, for engines built without ``__init__``)."""
@@ -203,7 +207,13 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
                                       timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
         self.receiver, self.layout, self.store = rx, lay, store
+        if self.shadow is None and rx.fingerprint_server is not None:  # verify=: staged bytes count once committed
+            rx.fingerprint_server.before = self._staged_committed
         self.delta_landing = delta_apply.attach(self, rx, lay, store, rank, init_info.delta_landing)  # packed deltas
+        from weight_transfer.metrics import WorkerMetrics
+
+        self.metrics = WorkerMetrics(rank)  # this worker's side of every update, in vLLM's /metrics
+        self.metrics.targets(sum(t.nbytes for t in lay.targets))
 
     # ------------------------------------------------------------------ per update
     def start_weight_update(self) -> None:
@@ -231,7 +241,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """:meth:`receive_weights`; the base class's ``torch.accelerator.synchronize()`` only on
         an accelerator (it raises on a CPU-only host)."""
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        with (self.metrics.commit(info.version, stats=lambda: self.last_commit) if self.metrics is not None
+              else contextlib.nullcontext()):  # timed and counted per worker (weight_transfer.metrics)
+            self.receive_weights(info)
         if self.device.type != "cpu" and torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
@@ -269,7 +282,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
                                    + (f" ({reason})" if reason and state.state == "incomplete" else ""))
         # packed delta records scattered into place, before the go-live/commit; without shadow targets
         # the staging arena's format-3 records are applied during the commit's copy of each staged layer
-        dstats = delta_apply.apply_delta(self, v, defer=self.shadow is None and bool(self.targets.staged))
+        # (with fingerprints every record is scattered first: the staging then holds the version's bytes)
+        dstats = delta_apply.apply_delta(self, v, defer=self.shadow is None and bool(self.targets.staged)
+                                         and not self._verifying())
         if self.shadow is not None:  # the go-live, between two engine steps
             from .shadow import shadow_go_live
 
@@ -284,8 +299,45 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             control.put(store, f"step/{v}/committed/{self.rank}", {"ok": False, "error": _first_line(e), "stats": None})
             raise
         stats = delta_apply.finish(self, v, {**stats, **dstats})
+        self.committed_version = v  # the staged layers hold version v's bytes as vLLM computes with them
         control.put(store, f"step/{v}/committed/{self.rank}", {"ok": True, "error": "", "stats": stats})
         self.version, self.last_commit, self._active = v, stats, v
+
+    def _verifying(self) -> bool:
+        """Whether the coordinator runs fingerprints (``plan/verify``, read once)."""
+        if getattr(self, "_verify_mode", None) is None:
+            from weight_transfer.fingerprint import verify_options
+
+            self._verify_mode = "off"
+            try:
+                o = verify_options(self.store)
+                self._verify_mode = o.mode if o is not None else "off"
+            except Exception:
+                self._verify_mode = None  # asked again at the next update
+                return False
+        return self._verify_mode != "off"
+
+    def _staged_committed(self, version: int, offsets, lengths) -> None:
+        """The fingerprint server's check before hashing (:class:`weight_transfer.fingerprint.FingerprintServer`):
+        a requested range of a staged layer (a ``"copy"`` layer's staging tensor, an ``"in_place"``
+        layer's weight whose kernel handle vLLM rebuilds) stands for what vLLM computes with only
+        once ``update_weights`` committed that version (vLLM's post-processing re-run);
+        RuntimeError naming the layer and the last committed version otherwise (a skipped or
+        failed commit)."""
+        if getattr(self, "committed_version", None) == version:
+            return
+        from .worker_state import STAGING_SUFFIX
+
+        lay = self.layout
+        for t in lay.targets:  # staged "copy" layers (their staging tensors) and "in_place" ones (handles rebuilt)
+            if not t.staged:
+                continue
+            lo = t.data_ptr - lay.base
+            hit = (offsets < lo + t.nbytes) & (offsets + lengths > lo)
+            if hit.any():
+                raise RuntimeError(f"staged {t.name.removesuffix(STAGING_SUFFIX)} was not committed for version "
+                                   f"{version} (last commit: {getattr(self, 'committed_version', None)}): "
+                                   "update_weights did not run vLLM's post-processing of its bytes")
 
     def timeout_s(self) -> float:
         """Seconds a go-live may wait for the staged layers' rebuild (the store's timeout)."""

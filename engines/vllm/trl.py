@@ -129,7 +129,8 @@ class OneSidedWeightTransfer:
     server's workers the path of the job secret's file, which a server of the same user and host
     reads, while a server on another host or under another user needs ``WEIGHT_TRANSFER_SECRET``
     or ``WEIGHT_TRANSFER_SECRET_FILE`` in its environment, docs/VLLM.md "The job secret");
-    ``options``, ``timeout``, ``targets``: as
+    ``options``, ``timeout``, ``targets``, ``verify`` (``"off"``, ``"sample"``, ``"full"``: the
+    end-to-end fingerprints of every sync, docs/VERIFY.md): as
     :class:`~weight_transfer.engines.vllm.backend.OneSidedTrainerInitInfo`; ``http_timeout``:
     seconds per HTTP call (pause, resume, prefix-cache reset, and vLLM's weight-sync client);
     ``reset_prefix_cache``: reset vLLM's prefix cache after each update (C21; only turn it off
@@ -145,7 +146,7 @@ class OneSidedWeightTransfer:
     def __init__(self, base_url: str, *, rank: int | None = None, world_size: int | None = None,
                  store_host: str = "127.0.0.1", store_port: int = 0, options: Any = None,
                  timeout: float | None = None, targets: str = "auto", http_timeout: float = 300.0,
-                 reset_prefix_cache: bool = True) -> None:
+                 reset_prefix_cache: bool = True, verify: str | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r}: the vLLM server's URL, http://host:port")
         if not (isinstance(http_timeout, (int, float)) and http_timeout > 0):
@@ -153,7 +154,7 @@ class OneSidedWeightTransfer:
         self.base_url = base_url.rstrip("/")
         self._rank, self._world = rank, world_size
         self._init_kw = dict(store_host=store_host, store_port=store_port, options=options, timeout=timeout,
-                             targets=targets)
+                             targets=targets, verify=verify)
         # the init info's own checks, now (rank and world size as far as given)
         OneSidedTrainerInitInfo(rank=0 if rank is None else rank,
                                 world_size=(1 if rank is None else rank + 1) if world_size is None else world_size,

@@ -9,6 +9,7 @@ Subcommands of the one CLI, their options generated from each module's config da
     weight-transfer bench-delta        # full vs delta updates, change fractions  (bench/delta.py)
     weight-transfer bench-stall        # the engine's stall: pause-based vs shadow targets  (bench/stall.py)
     weight-transfer bench-control      # the authenticated control plane vs the opt-out  (bench/control.py)
+    weight-transfer bench-verify       # end-to-end fingerprints off / sample / full  (bench/verify.py)
 """
 from __future__ import annotations
 
@@ -27,5 +28,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "bench-control": ("weight_transfer.experiments.bench.control", "ControlBenchConfig",
                       "the authenticated control plane against the opt-out: store round trips, the main job's p50 "
                       "(docs/SECURITY.md)"),
+    "bench-verify": ("weight_transfer.experiments.bench.verify", "VerifyBenchConfig",
+                     "the main job with end-to-end fingerprints off, sample and full: p50 and ratios (docs/VERIFY.md)"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""

@@ -758,7 +758,7 @@ class OfflineWorld:
         self.params = checkpoint_tensors(cfg, step=0, seed=0)            # the trainer's tensors, updated in place
         t1 = time.monotonic()
         self.trainer = WeightTransferTrainerFactory.trainer_init(
-            OneSidedTrainerInitInfo(rank=0, world_size=1, timeout=60), client=LLMClient(self.llm),
+            OneSidedTrainerInitInfo(rank=0, world_size=1, timeout=60, verify="full"), client=LLMClient(self.llm),
             source=DTensorSource(self.params))
         self.init_seconds = time.monotonic() - t1
         self.updates = {}
@@ -1081,6 +1081,83 @@ def test_c14_c15_training_rank_fails_mid_update(world):
     assert world.restore_version == RESTORE_VERSION          # the next update restored a complete version
 
 
+def test_c31_fingerprints_catch_a_byte_flipped_in_the_worker_and_a_skipped_commit(world):
+    """Case C31 through the vLLM backend (the world's trainer runs ``verify="full"``: every
+    update above was checked end to end, every byte). A byte of the worker's memory changed
+    after the trainer's writes (a data plane that corrupts), and ``update_weights`` not
+    reaching the worker (the staged layers' commit skipped): each fails its update with
+    ControlError naming the tensor, the inference rank and the training rank, before vLLM's
+    weight version is set (outputs say ``incomplete:v``, never ``v``); the next clean update
+    equals a fresh vLLM's, every byte."""
+    import torch
+
+    from weight_transfer.control import ControlError
+    from weight_transfer.engines.vllm.verify import compare_snapshots
+    from weight_transfer.fingerprint import region_bytes
+    from weight_transfer.transport.ops import WriteOp
+
+    for v in world.updates:
+        r = world.results[v]
+        assert r.verify == "full" and r.verified_bytes == r.bytes > 0, (v, r.verify, r.verified_bytes, r.bytes)
+    tr, dep = world.trainer, world.trainer.deployments[0]
+    tx, client = tr.sender.transport, dep.client
+    real_write, real_update = tx.write, client.update_weights
+    seen: list = []
+
+    def recording(ops):
+        seen.extend(o for o in ops if isinstance(o, WriteOp))
+        return real_write(ops)
+
+    flip = torch.zeros(1, dtype=torch.uint8)
+    reg = tx.register(flip)
+
+    def corrupt_then_update(info):  # every write landed; one byte of the worker's memory changes
+        o = seen[-1]  # the last write: its source buffer is not reused before the next update
+        at = o.local_offset + (int(o.segments.offsets[0]) if o.segments is not None else 0)
+        flip[0] = region_bytes(o.local, at, 1)[0] ^ 0xFF
+        real_write([WriteOp(reg, 0, o.remote, o.remote_offset, 1)]).wait(30)
+        return real_update(info)
+
+    tx.write, client.update_weights = recording, corrupt_then_update
+    try:
+        world._load(STEPS[0])
+        with pytest.raises(ControlError) as ei:
+            tr.send_weights()
+    finally:
+        tx.write, client.update_weights = real_write, real_update
+        tx.deregister(reg)
+    v = tr.version
+    msg = str(ei.value)
+    assert f"fingerprint mismatch in version {v} (1 range(s))" in msg and "on inference 0, written by training 0" in msg, msg
+    assert world.llm.get_weight_version() == f"incomplete:{v}"
+    # update_weights never reaches the worker: with staged layers (vLLM keeps their runtime bytes
+    # opaque) the bytes that landed are not what vLLM computes with
+    staged = bool(world.snaps[1]["layouts"][0].staged)
+    client.update_weights = lambda info: None
+    try:
+        world._load(STEPS[1])
+        if staged:
+            with pytest.raises(ControlError) as ei:
+                tr.send_weights()
+            msg = str(ei.value)
+            assert "inference 0: fingerprint failed: RuntimeError: staged " in msg, msg
+            assert f"was not committed for version {tr.version}" in msg, msg
+            assert world.llm.get_weight_version() == f"incomplete:{tr.version}"
+        else:  # nothing staged: the landed bytes are what vLLM computes with, and they are checked
+            tr.send_weights()
+            assert tr.last_result.verified_bytes == tr.last_result.bytes
+    finally:
+        client.update_weights = real_update
+    world._load(STEPS[-1])
+    tr.send_weights()
+    r = tr.last_result
+    assert r.verify == "full" and r.verified_bytes == r.bytes and world.llm.get_weight_version() == str(tr.version)
+    live = world.snap()
+    res = compare_snapshots(live, world.fresh[str(STEPS[-1])],
+                            staging_expected=world.staging_expected(STEPS[-1], live["layouts"]))
+    assert res["bytes_ok"] and res["outputs_ok"] and res["staging_ok"] is not False, res
+
+
 def test_layout_changed_since_init_is_refused(world):
     """vLLM's own reload rebuilds the packed weights in new memory: the next update is
     refused in ``start_weight_update``, naming the tensor, before any byte moves; the weights
@@ -1097,8 +1174,8 @@ def test_layout_changed_since_init_is_refused(world):
     with pytest.raises(Exception, match=r"layout changed since init_weight_transfer_engine: \S+ was 0x"):
         world.trainer.send_weights()
     after = world.trainer.coordinator.state()
-    assert (after.state, after.version) == ("complete", RESTORE_VERSION) == (before.state, before.version)
-    assert world.llm.get_weight_version() == str(RESTORE_VERSION)
+    assert (after.state, after.version) == ("complete", before.version) and before.complete
+    assert world.llm.get_weight_version() == str(before.version)
 
 
 # ---------------------------------------------------------------------------- AsyncLLM, requests in flight
