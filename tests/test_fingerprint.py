@@ -34,6 +34,9 @@ def test_sample_covers_every_write_once_per_cycle():
         share = fp.selected("sample", cycle, 7, dst, offs).mean()
         assert abs(share - 1 / cycle) < 0.05  # about 1/cycle of the writes each version
     assert fp.selected("full", 8, 3, dst, offs).all() and not fp.selected("off", 8, 3, dst, offs).any()
+    # the training side's per-write form agrees with the coordinator's vectorized one
+    got = [fp.residue(int(d), int(o), 8) for d, o in zip(dst[:500], offs[:500])]
+    assert got == fp.residues(dst[:500], offs[:500], 8).tolist()
 
 
 def test_a_range_hashes_the_same_however_it_is_cut_and_differs_for_one_byte():
@@ -225,3 +228,24 @@ def test_sample_catches_a_persistent_fault_within_its_cycle(job, monkeypatch):
     v, msg = caught
     assert f"fingerprint mismatch in version {v}" in msg and TENSOR in msg
     assert fp.selected("sample", cycle, v, 0, off)  # caught exactly when its residue class came up
+
+
+def test_a_strided_gather_list_hashes_as_its_rows_in_order():
+    """A TP column slice written from a row-major shard (one segment per row) is hashed as the
+    rows concatenated, through one strided copy; an irregular list piece by piece."""
+    from weight_transfer.transport import make_transport
+    from weight_transfer.transport.base import Segments
+
+    shard = torch.randint(0, 256, (64, 96), dtype=torch.uint8)
+    tx = make_transport("cma")
+    try:
+        reg = tx.register(shard.view(-1))
+        cols = shard[:, 16:48]
+        rows = fp._segment_pieces(reg, 16, Segments(np.arange(64) * 96, np.full(64, 32)))
+        assert len(rows) == 1 and torch.equal(rows[0], cols.contiguous())
+        odd = fp._segment_pieces(reg, 0, Segments([96 * 5, 7, 300], [10, 20, 5]))
+        flat = shard.view(-1)
+        assert torch.equal(torch.cat(odd), torch.cat([flat[480:490], flat[7:27], flat[300:305]]))
+        assert fp.hash_pieces(rows, 64 * 32) == fp.hash_pieces([cols.contiguous()], 64 * 32)
+    finally:
+        tx.close()
