@@ -91,7 +91,7 @@ class RLOptions:
     """End-to-end fingerprints of every push (``verify=``, docs/VERIFY.md): each vLLM worker hashes
     the planned ranges of its memory after ``update_weights``, the coordinator compares them with
     what the trainer sent before vLLM's weight version is set; ``off``, ``sample`` (every byte once
-    in 16 pushes) or ``full``."""
+    in 32 pushes) or ``full``."""
     metrics_port: int = -1
     """Serve the coordinator's Prometheus metrics of every push (training rank 0,
     ``weight_transfer.metrics``, docs/METRICS.md) at http://127.0.0.1:PORT/metrics; 0: a free port,

@@ -398,21 +398,21 @@ class Verifier:
 
         t0 = time.perf_counter()
         asked = self.request(store, version, shifts)
+        train = [wire.get(store, TRAIN_KEY.format(v=version, r=r)) for r in range(n_train)]  # while they hash
         wait({i: ANSWER_KEY.format(v=version, i=i) for i in asked},
              f"step {version} fingerprints (each Receiver answers them from a thread of its own)")
-        checked, _slowest, err = self.compare(store, version, n_train)
+        checked, _slowest, err = self.compare(store, version, n_train, train)
         if err is not None:  # a failure kind of its own in weight_transfer.metrics
             raise ControlError(err, kind="fingerprint_" + ("mismatch" if err.startswith("fingerprint mismatch") else "error"))
         return {"mode": self.options.mode, "bytes": checked, "seconds": time.perf_counter() - t0}
 
-    def compare(self, store, version: int, n_train: int) -> tuple[int, float, str | None]:
+    def compare(self, store, version: int, n_train: int, train: list | None = None) -> tuple[int, float, str | None]:
         """Compare the answers of the ranks :meth:`request` asked with every training rank's
-        hashes (all keys present). Returns ``(bytes checked, seconds the inference side spent
-        hashing (the slowest rank), None)`` or ``(..., error)``: the error names, for the first
-        mismatches (at most 4), the tensor, its byte range, the inference rank and the training
-        rank that wrote it."""
-
-        tr = [wire.get(store, TRAIN_KEY.format(v=version, r=r)) for r in range(n_train)]
+        hashes (all keys present; ``train``: their values, read already). Returns ``(bytes
+        checked, seconds the inference side spent hashing (the slowest rank), None)`` or ``(...,
+        error)``: the error names, for the first mismatches (at most 4), the tensor, its byte
+        range, the inference rank and the training rank that wrote it."""
+        tr = train if train is not None else [wire.get(store, TRAIN_KEY.format(v=version, r=r)) for r in range(n_train)]
         keys, hashes, lengths = [], [], []
         for d in tr:
             dst, offs = unpack(d["dst"], np.int64), unpack(d["offsets"], np.int64)

@@ -43,7 +43,7 @@ class VerifyBenchConfig:
     """Measured updates per trial."""
     warmup: int = 1
     """Updates before the measured ones."""
-    cycle: int = 16
+    cycle: int = 32
     """``sample``: versions per full coverage (``--fingerprint-cycle``)."""
     override: tuple[str, ...] = ()
     """HF-config overrides ``KEY=VALUE``, comma-separated, on top of the main job's (tests use a
