@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from . import control, membership
 from .args import check_callable, check_int, check_seconds, check_type
-from .fingerprint import VERIFY_KEY, Verifier
+from .fingerprint import VERIFY_KEY, Verifier, plan_value
 from .metrics import metrics_arg, record_failure, recorded
 from .options import TransferOptions, VerifyOptions
 from .store import connect_store, runtime_layouts, shadow_infos
@@ -149,7 +149,7 @@ class Coordinator:
                 self.layout = self.layout or eng["layout"]
             _, self._joins_seen = membership.new_joins(self.store, 0)  # the initial ranks' announcements
             v = self.options.verify  # before the training ranks' parts: they read it with theirs
-            control.put(self.store, VERIFY_KEY, {"mode": v.mode, "cycle": v.cycle})
+            control.put(self.store, VERIFY_KEY, plan_value(v, infer_payloads))
             self.schedule, extra = plan_against(self.store, self.model_config, self.layout, train_metas,
                                                 infer_payloads, self.options)
             self.ctl.verifier = Verifier(v, self.schedule, {i: p[1] for i, p in infer_payloads.items()})

@@ -497,7 +497,7 @@ class Executor(StageLoops):
         if self.verify is not None and self.verify.mode != "off":
             from .fingerprint import SenderHashes
 
-            self.fingerprints = SenderHashes(self.verify.mode, self.verify.cycle, step)
+            self.fingerprints = SenderHashes(self.verify.mode, self.verify.cycle, step, self.verify.algo)
         stop = cancel if cancel is not None else threading.Event()
         if self.delta is not None:
             d = self.delta

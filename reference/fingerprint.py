@@ -24,12 +24,12 @@ still holding the previous version differ from what the plan says the range must
 rank and the offset) equals ``version % cycle``: every planned byte is checked once in every
 ``cycle`` consecutive versions. ``"full"`` checks every write of every update.
 
-The hash is XXH3-64 (the ``xxhash`` package: a maintained binding of Yann Collet's xxHash,
-about 20-30 GB/s per core on the project's CPUs; a non-cryptographic hash is enough, the
-control plane that carries the values is authenticated, docs/SECURITY.md), seeded with the
-range's length and streamed over the pieces of one output in order. GPU memory is copied to
-the host first (a device kernel is not written yet: the cost is one device-to-host copy of the
-checked bytes, stated in docs/VERIFY.md).
+The hash (:func:`hash_pieces`, one per job, published with the plan) is XXH3-64 on the host
+(the ``xxhash`` package: a maintained binding of Yann Collet's xxHash, about 29 GB/s per core
+on the project's CPUs) or, for GPU memory, ``fold64``: a position-weighted 64-bit sum in torch
+integer ops, computed on the bytes' own device. Non-cryptographic hashes are enough: the control
+plane that carries the values is authenticated (docs/SECURITY.md). Why hand-written: no
+maintained library hashes a CUDA tensor in place with a value a host can reproduce.
 """
 from __future__ import annotations
 
@@ -63,8 +63,18 @@ def verify_options(store) -> VerifyOptions | None:
     if not store.check([VERIFY_KEY]):
         return None
     d = wire.get(store, VERIFY_KEY)
-    o = VerifyOptions(mode=d["mode"], cycle=d["cycle"])
+    o = VerifyOptions(mode=d["mode"], cycle=d["cycle"], algo=d.get("algo", "xxh3"))
     return None if o.mode == "off" else o
+
+
+def plan_value(options: VerifyOptions, payloads: dict) -> dict:
+    """The :data:`VERIFY_KEY` value for ``options`` (``algo`` ``auto`` resolved: ``fold64`` when a
+    receiver's region, among ``payloads`` -- ``{rank: (RegionDescriptor, metas)}`` --, is GPU
+    memory (``cuda_ipc``), else ``xxh3``)."""
+    algo = options.algo
+    if algo == "auto":
+        algo = "fold64" if any(getattr(p[0], "transport", "") == "cuda_ipc" for p in payloads.values()) else "xxh3"
+    return {"mode": options.mode, "cycle": options.cycle, "algo": algo}
 
 
 def residues(dst, offsets, cycle: int) -> np.ndarray:
@@ -99,10 +109,43 @@ def selected(mode: str, cycle: int, version: int, dst, offsets) -> np.ndarray:
     return residues(dst, offsets, cycle) == (int(version) % cycle)
 
 
-def hash_pieces(pieces, length: int) -> int:
-    """XXH3-64 of the concatenation of ``pieces`` (uint8 tensors, any device; GPU pieces are
-    copied to the host), seeded with ``length`` (bytes: the range's). ValueError when the
-    pieces do not add up to ``length``."""
+FOLD_CHUNK = 1 << 22
+"""``fold64``: bytes per step (its int64 temporaries are 16x this: 64 MiB)."""
+_C1, _C2, _C3 = -7046029254386353131, 0x165667B19E3779F9, -4417276706812531889  # odd 64-bit constants (xxHash's)
+
+
+def _fold64(pieces, length: int) -> int:
+    """``fold64``: ``sum_i b_i * k_i mod 2^64`` over the bytes ``b_i`` of the concatenation
+    (``i`` the byte's position in it, ``k_i`` an odd 64-bit weight mixed from ``i``), then mixed
+    with ``length``; computed with torch integer ops on the pieces' own device (a GPU hashes its
+    memory in place, no copy to the host), in steps of :data:`FOLD_CHUNK` bytes. Integer sums
+    wrap alike on every device and in any order, so the value does not depend on where it ran or
+    how the bytes were cut. Any one changed byte changes it (an odd weight times a change in
+    [-255, 255] is never 0 mod 2^64); not a cryptographic hash."""
+    acc, pos = 0, 0
+    for p in pieces:
+        p = p.contiguous().view(-1)
+        for lo in range(0, p.numel(), FOLD_CHUNK):
+            c = p[lo:lo + FOLD_CHUNK]
+            k = torch.arange(pos, pos + c.numel(), dtype=torch.int64, device=c.device) * _C1 + _C2
+            k = (k ^ (k >> 29)) | 1
+            acc = (acc + int((c.to(torch.int64) * k).sum())) & _M64
+            pos += c.numel()
+    if pos != length:
+        raise ValueError(f"fingerprint: pieces hold {pos} bytes, the range is {length}")
+    x = (acc ^ ((int(length) * _C3) & _M64)) & _M64
+    return (x ^ (x >> 31)) & _M64
+
+
+def hash_pieces(pieces, length: int, algo: str = "xxh3") -> int:
+    """The fingerprint of the concatenation of ``pieces`` (uint8 tensors, any device), a range
+    of ``length`` bytes: ``algo`` ``"xxh3"``: XXH3-64 seeded with ``length`` (GPU pieces are
+    copied to the host first); ``"fold64"``: :func:`_fold64`, on the pieces' device. ValueError
+    when the pieces do not add up to ``length`` or for an unknown ``algo``."""
+    if algo == "fold64":
+        return _fold64(pieces, length)
+    if algo != "xxh3":
+        raise ValueError(f"fingerprint: algo={algo!r}: 'xxh3' or 'fold64'")
     import xxhash
 
     h = xxhash.xxh3_64(seed=int(length))
@@ -157,8 +200,8 @@ class SenderHashes:
     :meth:`value` the :data:`TRAIN_KEY` payload. Thread-safe (the write stage may run in
     several threads)."""
 
-    def __init__(self, mode: str, cycle: int, version: int):
-        self.mode, self.cycle, self.version = mode, cycle, int(version)
+    def __init__(self, mode: str, cycle: int, version: int, algo: str = "xxh3"):
+        self.mode, self.cycle, self.version, self.algo = mode, cycle, int(version), algo
         self.seconds = 0.0
         self._rows: list[tuple[int, int, int, int]] = []
         self._lock = threading.Lock()
@@ -171,7 +214,7 @@ class SenderHashes:
     def add(self, dst: int, offset: int, length: int, pieces) -> None:
         """Hash ``pieces`` (the bytes of planned write ``(dst, offset, length)``, in order)."""
         t0 = time.perf_counter()
-        h = hash_pieces(pieces, length)
+        h = hash_pieces(pieces, length, self.algo)
         with self._lock:
             self._rows.append((int(dst), int(offset), int(length), h))
             self.seconds += time.perf_counter() - t0
@@ -235,7 +278,8 @@ def hash_task(hashes: SenderHashes, memory, index: int, task, outs_all, off: int
                 continue
             if w.output not in done:
                 t0 = time.perf_counter()
-                done[w.output] = hash_pieces(output_pieces(memory, index, ai, w.output, outs_all[ai], off), w.length)
+                done[w.output] = hash_pieces(output_pieces(memory, index, ai, w.output, outs_all[ai], off), w.length,
+                                             hashes.algo)
                 hashes.seconds += time.perf_counter() - t0
             hashes.record(w.dst_rank, w.remote_offset, w.length, done[w.output])
 
@@ -264,6 +308,8 @@ class FingerprintServer:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.answered: list[int] = []
         """Versions answered, in order."""
+        self.algo = "xxh3"
+        """The job's hash (from the plan's :data:`VERIFY_KEY`)."""
         self.before: Callable | None = None
         """``before(version, offsets, lengths)`` (optional), called before hashing: raises when
         this rank's memory cannot hold version ``version``'s bytes in those ranges (e.g. a vLLM
@@ -279,8 +325,10 @@ class FingerprintServer:
         while not self._stop.is_set():  # until the coordinator says whether it verifies
             try:
                 if self.store.check([VERIFY_KEY]):
-                    if verify_options(self.store) is None:
+                    o = verify_options(self.store)
+                    if o is None:
                         return  # verify off: nothing to serve
+                    self.algo = o.algo
                     break
                 if self.store.check(["shutdown"]):
                     return
@@ -321,7 +369,7 @@ class FingerprintServer:
             if self.before is not None:
                 self.before(v, offs, lens)
             with self.lock:
-                hs = [hash_pieces([self.view(int(o), int(n))], int(n)) for o, n in zip(offs, lens)]
+                hs = [hash_pieces([self.view(int(o), int(n))], int(n), self.algo) for o, n in zip(offs, lens)]
             out["hashes"] = pack(np.array(hs, dtype=np.uint64))
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -88,6 +88,7 @@ class VerifyPlan(TypedDict):
 
     mode: str
     cycle: int
+    algo: NotRequired[str]
 
 
 class FpRequest(TypedDict):

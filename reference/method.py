@@ -158,11 +158,11 @@ class ReferenceController(ControllerSide):
 
     def setup(self, ctx: ControllerContext) -> str:
         from .api import plan_against
-        from .fingerprint import VERIFY_KEY, Verifier
+        from .fingerprint import VERIFY_KEY, Verifier, plan_value
         from .wire import put
 
         v = ctx.transfer.verify  # before the training ranks' parts: they read it with theirs
-        put(ctx.store, VERIFY_KEY, {"mode": v.mode, "cycle": v.cycle})
+        put(ctx.store, VERIFY_KEY, plan_value(v, ctx.infer_payloads))
         sched, extra = plan_against(ctx.store, ctx.model_config, ctx.layout, ctx.train_metas, ctx.infer_payloads,
                                     ctx.transfer)
         extra["verifier"] = Verifier(v, sched, {i: p[1] for i, p in ctx.infer_payloads.items()})

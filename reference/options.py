@@ -216,6 +216,9 @@ class ControlOptions:
 
 VERIFY_MODES = ("off", "sample", "full")
 """``verify=`` values: no check, a rotating subset, every byte (:mod:`weight_transfer.fingerprint`)."""
+VERIFY_ALGOS = ("auto", "xxh3", "fold64")
+"""The fingerprints' hash: ``auto`` (by where the receivers' memory is), XXH3-64 on the host, or a
+torch fold computed on the bytes' own device."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,7 +241,16 @@ class VerifyOptions:
     2-core VM the main job measured 1.16-1.22x ``"off"`` at 8, 1.05-1.12x at 16
     (``weight-transfer bench-verify``, docs/VERIFY.md); 32 keeps it within 5%."""
 
+    algo: str = field(default="auto", metadata={"flat": "fingerprint_algo", "choices": VERIFY_ALGOS})
+    """The hash (:func:`weight_transfer.fingerprint.hash_pieces`): ``"xxh3"`` (XXH3-64 on the
+    host; GPU bytes are copied to it first), ``"fold64"`` (a position-weighted 64-bit sum in torch
+    ops, computed where the bytes are: a GPU hashes its own memory), or ``"auto"``: ``fold64``
+    when a receiver's memory is on a GPU (its region's transport is ``cuda_ipc``), else ``xxh3``.
+    Every member of a job uses the one the coordinator publishes with the plan."""
+
     def __post_init__(self):
+        if self.algo not in VERIFY_ALGOS:
+            raise ValueError(f"verify algo={self.algo!r} (--fingerprint-algo): one of {', '.join(VERIFY_ALGOS)}")
         if self.mode not in VERIFY_MODES:
             raise ValueError(f"verify={self.mode!r} (--fingerprints): one of {', '.join(VERIFY_MODES)}")
         if not isinstance(self.cycle, int) or isinstance(self.cycle, bool) or self.cycle < 1:

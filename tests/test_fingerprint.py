@@ -52,6 +52,48 @@ def test_a_range_hashes_the_same_however_it_is_cut_and_differs_for_one_byte():
     assert (fp.unpack(fp.pack(a), np.uint64) == a).all()
 
 
+def test_fold64_is_the_same_however_the_bytes_are_cut_and_sees_one_byte(monkeypatch):
+    """The device-side hash (``algo="fold64"``, torch integer ops where the bytes are): the same
+    value for any cut into pieces and any step size, a different one for one changed byte or two
+    swapped bytes; run here on the CPU, on a GPU by the ``gpu`` test below."""
+    b = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    whole = fp.hash_pieces([b], b.numel(), "fold64")
+    monkeypatch.setattr(fp, "FOLD_CHUNK", 4093)
+    assert fp.hash_pieces([b[:5], b[5:77_777], b[77_777:]], b.numel(), "fold64") == whole
+    for at, delta in ((0, 1), (50_000, 128), (100_002, 255)):
+        c = b.clone()
+        c[at] ^= delta
+        assert fp.hash_pieces([c], c.numel(), "fold64") != whole
+    c = b.clone()
+    c[[10, 20]] = torch.tensor([1, 2], dtype=torch.uint8)
+    d = c.clone()
+    d[[10, 20]] = torch.tensor([2, 1], dtype=torch.uint8)
+    assert fp.hash_pieces([c], c.numel(), "fold64") != fp.hash_pieces([d], d.numel(), "fold64")
+    with pytest.raises(ValueError, match="pieces hold 100002 bytes, the range is 100003"):
+        fp.hash_pieces([b[1:]], b.numel(), "fold64")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fold64_on_a_gpu_equals_the_host_value_and_xxh3_copies_to_the_host():
+    b = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    g = b.cuda()
+    assert fp.hash_pieces([g[:12345], g[12345:]], b.numel(), "fold64") == fp.hash_pieces([b], b.numel(), "fold64")
+    assert fp.hash_pieces([g], b.numel(), "xxh3") == fp.hash_pieces([b], b.numel(), "xxh3")
+
+
+def test_auto_picks_fold64_for_gpu_receivers():
+    from types import SimpleNamespace as NS
+
+    gpu = {0: (NS(transport="cuda_ipc"), []), 1: (NS(transport="cuda_ipc"), [])}
+    host = {0: (NS(transport="cma"), [])}
+    assert fp.plan_value(wt.VerifyOptions(mode="full"), gpu)["algo"] == "fold64"
+    assert fp.plan_value(wt.VerifyOptions(mode="full"), host)["algo"] == "xxh3"
+    assert fp.plan_value(wt.VerifyOptions(mode="full", algo="fold64"), host)["algo"] == "fold64"
+    with pytest.raises(ValueError, match="one of auto, xxh3, fold64"):
+        wt.VerifyOptions(algo="md5")
+
+
 def test_verify_options_are_checked():
     with pytest.raises(ValueError, match="verify='some'.*one of off, sample, full"):
         wt.VerifyOptions(mode="some")
@@ -66,7 +108,7 @@ def job():
     """A job whose coordinator runs ``verify`` (a callable building the world for a mode)."""
     made = []
 
-    def make(verify: str, *, cycle: int = 8, shadow: str | None = None):
+    def make(verify: str, *, cycle: int = 8, shadow: str | None = None, algo: str = "auto"):
         store = wt.serve_store("127.0.0.1", 0)
         addr = ("127.0.0.1", store.port)
         engine = Engine(CFG, LAYOUT, 0)
@@ -76,7 +118,7 @@ def job():
         else:
             rx = wt.Receiver.from_arena(engine.arena, engine.tensor_metas(), rank=0, store=addr, shadow=shadow,
                                         adopt=engine.rebind if shadow == "flip" else None)
-        opts = wt.TransferOptions(verify=wt.VerifyOptions(mode=verify, cycle=cycle))
+        opts = wt.TransferOptions(verify=wt.VerifyOptions(mode=verify, cycle=cycle, algo=algo))
         coord = wt.Coordinator(addr, n_train=1, n_infer=1, model_config=CFG, layout=LAYOUT, options=opts, timeout=20)
         params = _weights(1)
         tx = wt.Sender(params, rank=0, world_size=1, store=addr, coordinator=coord)
@@ -174,8 +216,9 @@ def test_full_catches_a_range_written_twice_and_another_left_stale(job, monkeypa
     _expect_caught(tx, rx, 2, f"{TENSOR} bytes [0, {n})")
 
 
-def test_full_catches_a_byte_flipped_after_the_write(job, monkeypatch):
-    engine, rx, tx, params = job("full")
+@pytest.mark.parametrize("algo", ["xxh3", "fold64"])
+def test_full_catches_a_byte_flipped_after_the_write(job, monkeypatch, algo):
+    engine, rx, tx, params = job("full", algo=algo)
     _clean(tx, engine, params, 1)
     off, n = _target(engine, tx)
     real = tx.executor.run
