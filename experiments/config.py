@@ -535,7 +535,8 @@ KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "
                 "delta": False, "delta_granularity": 8, "delta_merge_gap": 0, "delta_op_cost": None, "delta_max_bytes": None,
                 "delta_mode": "auto", "delta_format": "auto", "delta_wire_gbps": None, "delta_landing": 0.25, "delta_fused": True,
                 "change_fraction": (), "replay": "", "replay_start": 0, "delta_pairs": False, "kill_engine": (), "restart_engine": (), "engines_at": (),
-                "shadow": "off", "gen_load": 0, "gen_tokens": 64, "local_max_writes": 16}
+                "shadow": "off", "gen_load": 0, "gen_tokens": 64, "local_max_writes": 16,
+                "fingerprints": "off", "fingerprint_cycle": 32, "fingerprint_algo": "auto"}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match. One of them changes what the default
 measures: ``local_max_writes`` (16) cuts the small recipes that rows recorded before it gathered
