@@ -1,4 +1,4 @@
-"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,secret,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall}``
+"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,secret,vllm-recover,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall}``
 (the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
 
 Examples::
@@ -24,6 +24,7 @@ Examples::
     weight-transfer analyze                              # results CSVs -> results/summary.md + PNGs
     weight-transfer timeline results/runs/trace/step0002.json -o timeline.png   # one update's pipeline
     weight-transfer secret --out ~/.weight-transfer/secret   # a job secret for a multi-host job (docs/SECURITY.md)
+    weight-transfer vllm-recover --url http://127.0.0.1:8000   # a vLLM server after a killed trainer (docs/VLLM.md)
 
 Bad input (unknown model, world sizes that cannot shard, missing or extra tensors) exits with
 status 2 and a one-line ``error:`` message before any byte is written; a bad option value
@@ -113,6 +114,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sec.add_argument("--out", metavar="PATH", default=None,
                      help="write the secret to PATH (created or replaced, mode 0600) and print "
                           "`export WEIGHT_TRANSFER_SECRET_FILE=PATH` (default: print the secret itself)")
+    rec = sub.add_parser("vllm-recover", help="return a vLLM server's one_sided backend to a fresh server's state "
+                                              "after a training run that did not end cleanly (docs/VLLM.md)",
+                         description="Release what a training run that is gone left in a vLLM server's workers "
+                                     "(registration, shadow targets, staging, an update session left open), label the "
+                                     "weights incomplete:v when an interrupted update had begun writing them, and "
+                                     "resume generation. A run whose store still answers is kept unless --force. The "
+                                     "next trainer's first sync does the same by itself (docs/VLLM.md).")
+    rec.add_argument("--url", required=True, help="the vLLM server, http://host:port (VLLM_SERVER_DEV_MODE=1)")
+    rec.add_argument("--force", action="store_true", help="release a run whose store still answers too")
+    rec.add_argument("--timeout", type=float, default=120.0, help="seconds for the server's answer (default 120)")
     # analysis's own command lines, behind the one command (analysis imports no transfer code)
     for name, help_ in (("analyze", "results CSVs -> results/summary.md and PNG plots (weight_transfer.analysis)"),
                         ("timeline", "draw one update's pipeline from a --trace Chrome trace (weight_transfer.analysis.timeline)"),
@@ -189,6 +200,32 @@ def sweep_main(args) -> int:
     summary = run_sweep(sweep, opt, results_dir=Path(args.results_dir), progress=not args.no_progress)
     print(format_summary(summary))
     return 0 if not summary.failed else 1
+
+
+def recover_main(args) -> int:
+    """``weight-transfer vllm-recover --url URL [--force]``: the server's recovery
+    (:func:`weight_transfer.engines.vllm.recover.recover_http`); prints what it released, the
+    weight version and whether generation resumed, one line each. Exit 2 with one ``error:``
+    line for a bad URL or timeout, 1 when the server refuses or does not answer."""
+    if not args.url.startswith(("http://", "https://")) or not args.timeout > 0:
+        print(f"error: --url {args.url!r} --timeout {args.timeout}: an http(s):// URL and seconds > 0",
+              file=sys.stderr)
+        return 2
+    from weight_transfer.engines.vllm.recover import ServerError, recover_http
+
+    try:
+        out = recover_http(args.url, stale_only=not args.force, timeout=args.timeout)
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for w in out["workers"]:
+        what = ("released" if w["released"] else "kept (its store answers; --force releases it)" if w["alive"]
+                else "nothing to release")
+        extra = " (an update was interrupted" + (" while writing the live weights)" if w["mixed"] else ")") \
+            if w["interrupted"] else ""
+        print(f"inference {w['rank']}: {what}{'' if w['holder'] is None else ' run at ' + w['holder']}{extra}")
+    print(f"weight version: {out['label']}; generation {'resumed' if out['resumed'] else 'left as it was'}")
+    return 0
 
 
 def secret_main(args) -> int:
@@ -304,6 +341,8 @@ def _main(argv: list[str]) -> int:
         return sweep_main(args)
     if args.cmd == "secret":
         return secret_main(args)
+    if args.cmd == "vllm-recover":
+        return recover_main(args)
     if args.cmd.startswith("bench-"):
         import importlib
 

@@ -116,7 +116,9 @@ __all__ = ["BACKEND", "INCOMPLETE", "GO_LIVE_UTILITY", "register", "OneSidedInit
 def register() -> None:
     """Register :data:`BACKEND` in ``WeightTransferEngineFactory`` and
     ``WeightTransferTrainerFactory``, and give vLLM's ``EngineCore`` the utility
-    :data:`GO_LIVE_UTILITY` (:func:`_engine_core_go_live`). Idempotent (vLLM runs general plugins
+    :data:`GO_LIVE_UTILITY` (:func:`_engine_core_go_live`) and the two engine-core names of its
+    ``collective_rpc`` (:mod:`weight_transfer.engines.vllm.recover`: the go-live and the
+    recovery of a server over HTTP). Idempotent (vLLM runs general plugins
     once per process -- driver, engine core, workers --, and importing this module registers too)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
@@ -125,6 +127,9 @@ def register() -> None:
 
         if not hasattr(EngineCore, GO_LIVE_UTILITY):
             setattr(EngineCore, GO_LIVE_UTILITY, _engine_core_go_live)
+        from .recover import install  # the go-live and the recovery over HTTP's /collective_rpc (C27, C32)
+
+        install(EngineCore, _engine_core_go_live)
     except Exception as e:  # the shadow go-live then says the utility is missing
         print(f"one_sided: could not add {GO_LIVE_UTILITY} to vLLM's EngineCore: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)

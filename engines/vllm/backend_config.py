@@ -43,9 +43,19 @@ def engine_key(first_rank: int) -> str:
 
 
 def _first_line(e: BaseException) -> str:
-    """``Type: first line of the message`` of ``e`` (how the errors here quote a cause)."""
+    """``Type: first line of the message`` of ``e`` (how the errors here quote a cause); for an
+    HTTP error of a vLLM server (``requests``' HTTPError, whose message is only the status) the
+    server's own reason is added: ``(the server says: ...)``."""
     s = str(e)
-    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
+    out = f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
+    resp = getattr(e, "response", None)
+    if resp is not None and hasattr(resp, "status_code"):
+        from .recover import server_message
+
+        why = server_message(resp)
+        if why and why not in out:
+            out += f" (the server says: {why.splitlines()[0]})"
+    return out
 
 
 @dataclass

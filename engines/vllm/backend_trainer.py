@@ -545,22 +545,46 @@ def _init_inference(client, worker_info: dict) -> None:
     server is not up yet)."""
     from weight_transfer.security import AuthenticationError
 
+    base = getattr(client, "base_url", None)
+    if base:  # a server: release what a training run that is gone left there (C32), then init
+        _recover_stale(base, timeout=float(getattr(client, "timeout", 120)))
     try:
         client.init_weight_transfer_engine(worker_info)
     except Exception as e:
         first = worker_info["first_rank"]
-        where = (f"training 0: the inference side{f' at rank {first}' if first else ''} did not initialize the "
+        where = (f"training 0: the inference side{f' at rank {first}' if first else ''}"
+                 f"{f' ({base})' if base else ''} did not initialize the "
                  f"{BACKEND!r} backend (client.init_weight_transfer_engine via {type(client).__name__})")
         server = _server_reason(e)
-        reason = _first_line(e) + (f" (the server says: {server})" if server else "")
+        reason = _first_line(e)
         if isinstance(e, AuthenticationError) or SECRET_MARK in str(e) or SECRET_MARK in server:
             raise AuthenticationError(
                 f"{where}: its workers could not join the job's control plane: {reason}. The vLLM workers need the "
                 f"job secret: {SECRET_MARK} or {SECRET_MARK}_FILE in the vLLM server's environment, or the init "
                 f"info's secret_file ({worker_info.get('secret_file')!r}) readable by the vLLM server's user "
                 "(docs/VLLM.md)") from e
+        if server:  # the server answered: its reason is the cause
+            raise RuntimeError(f"{where}: {reason}") from e
         raise RuntimeError(
             f"{where}: {reason}. "
             "Is vLLM up and started with weight_transfer_config={'backend': 'one_sided'} "
             "(server: --weight-transfer-config '{\"backend\": \"one_sided\"}', VLLM_SERVER_DEV_MODE=1)?"
         ) from e
+
+
+def _recover_stale(base_url: str, *, timeout: float) -> None:
+    """Before training rank 0 initializes a vLLM server: release what a training run that is
+    gone left in its workers (:func:`weight_transfer.engines.vllm.recover.recover_http` with
+    ``stale_only``: registration, shadows, staging, an update session left open; the pause
+    state is the caller's: not touched), said on stderr when it released anything. A server that refuses (no dev mode, an older
+    plugin) is left to ``init_weight_transfer_engine``'s own error."""
+    from .recover import ServerError, recover_http
+
+    try:
+        out = recover_http(base_url, stale_only=True, resume=False, timeout=timeout)
+    except ServerError:
+        return
+    if out.get("released"):
+        print(f"[rank 0] one_sided: {base_url}: released the state of a training run that is gone (weight version "
+              f"{out.get('label')!r})", file=sys.stderr,
+              flush=True)

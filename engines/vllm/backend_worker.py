@@ -100,6 +100,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     shadow = None
     """:class:`~weight_transfer.engines.vllm.shadow.WorkerShadow` with ``shadow`` in the init info
     (set at init; a class attribute too, for engines built without ``__init__``)."""
+    holder = None
+    """``(host, port)`` of the store of the training run this worker is registered with (None: none)."""
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -115,6 +117,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         self._active: int | None = None
         self.delta_landing = None
         self.shadow = None
+        self.holder: tuple[str, int] | None = None  # the store of the training run this worker serves
 
     def _tp_rank(self) -> int:
         try:
@@ -139,7 +142,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
         """Report, stage, register once, publish (see the module docstring): the tensors are
         registered with the transport that fits their memory (:meth:`WorkerTargets.receive`).
-        RuntimeError when already initialized (``shutdown_weight_transfer_engine`` first) or for a
+        RuntimeError when already initialized by a training run whose store still answers (a
+        run whose store is gone -- a killed trainer -- is released first, :meth:`_release_stale`) or for a
         parallel layout this backend does not plan (pipeline parallelism); ValueError, naming the
         tensor and its device, before anything is registered or published, for a tensor no
         configured transport can register (a CUDA tensor with ``transport="cma"``, a ``meta``
@@ -152,8 +156,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         from .runtime import opaque_layers, post_processed_layers, runtime_layout
 
         if self.receiver is not None:
-            raise RuntimeError(f"{self._who()}: the one_sided engine is initialized already; "
-                               "shutdown_weight_transfer_engine first")
+            self._release_stale(init_info)
         pc = self.parallel_config
         if getattr(pc, "pipeline_parallel_size", 1) != 1:
             raise RuntimeError(f"{self._who()}: pipeline_parallel_size={pc.pipeline_parallel_size}: the one_sided "
@@ -207,6 +210,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             rx = self.targets.receive(lay, rank=rank, store=store, transport=init_info.transport,
                                       timeout=max(init_info.timeout, 60.0), who=self._who(), before_publish=engine_info)
         self.receiver, self.layout, self.store = rx, lay, store
+        self.holder = (init_info.store_host, int(init_info.store_port))
         if self.shadow is None and rx.fingerprint_server is not None:  # verify=: staged bytes count once committed
             rx.fingerprint_server.before = self._staged_committed
         self.delta_landing = delta_apply.attach(self, rx, lay, store, rank, init_info.delta_landing)  # packed deltas
@@ -349,12 +353,42 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         """Bookkeeping only (vLLM sets the weight version after this returns)."""
         self._active = None
 
+    def _release_stale(self, init_info: OneSidedInitInfo) -> None:
+        """``init_weight_transfer_engine`` while initialized: when the previous trainer's store no
+        longer answers (a trainer killed without ``shutdown_weight_transfer_engine``), release
+        its registration (:meth:`shutdown`) and go on as a fresh server would; otherwise
+        RuntimeError naming the trainer still attached and the way out (C32)."""
+        from .recover import store_alive
+
+        old = self.holder
+        if old is not None and not store_alive(*old):
+            import sys
+
+            print(f"[{self._who()}] released the registration of a training run that is gone (its store at "
+                  f"{old[0]}:{old[1]} does not answer)", file=sys.stderr, flush=True)
+            self.shutdown()
+            return
+        where = f" (its store at {old[0]}:{old[1]} answers)" if old is not None else ""
+        raise RuntimeError(f"{self._who()}: the one_sided engine is initialized already by another training run"
+                           f"{where}; that run's destroy()/shutdown_weight_transfer_engine releases it, or "
+                           "`weight-transfer vllm-recover --url URL --force` (docs/VLLM.md, Recovering a server)")
+
     def shutdown(self) -> None:
-        """Release the registration (waits for a sender's batch in flight); idempotent. The
-        staging tensors stay (vLLM's post-processing reads them only at a commit)."""
+        """Return this worker to the state of a fresh server (C32; idempotent): the registration
+        released (waits for a sender's batch in flight), the landing region of packed deltas, the
+        shadow targets (their rebuild thread stopped; parameters a flip re-pointed into the
+        shadow region get private memory, so the region is freed), the staging of opaque layers
+        (made again at the next init) and every per-run counter. The live weights stay what they
+        are (the last version that went live)."""
         rx, self.receiver = self.receiver, None
         delta_apply.close(self)
         if rx is not None:
             rx.close()
         self.targets.release()
-        self.layout, self.store, self._active = None, None, None
+        sh, self.shadow = self.shadow, None
+        if sh is not None:
+            sh.close()
+        self.targets.unstage()
+        self.layout, self.store, self._active, self.holder = None, None, None, None
+        self.version, self.last_commit, self.delta_landing = None, None, None
+        self.committed_version, self._verify_mode, self.trace = None, None, None

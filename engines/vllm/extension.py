@@ -186,7 +186,7 @@ class WeightTransferExtension:
         clock = StepClock.of(self._wt_model())
         if clock is None:
             raise RuntimeError("wt_steps: no step clock in this worker: call collective_rpc('wt_step_clock_install') first")
-        return dict(clock.snapshot(since), tp_rank=self._wt_tp_rank())
+        return dict(clock.snapshot(float(since)), tp_rank=self._wt_tp_rank())  # a string over HTTP's /collective_rpc
 
     def wt_step_mark(self, kind: str, hold_s: float = 0.0, **info) -> tuple[float, float]:
         """Mark ``kind`` on this worker's step clock over this call, which holds the worker

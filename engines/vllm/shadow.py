@@ -152,6 +152,7 @@ class WorkerShadow:
         self._built: dict[str, torch.nn.Module] | None = None
         self._build_error: BaseException | None = None
         self._build_thread: threading.Thread | None = None
+        self._closed = False
         self._build_for: int | None = None
         self.build_seconds = 0.0
         self.version: int | None = None
@@ -194,7 +195,7 @@ class WorkerShadow:
         def run():
             v = None
             try:
-                v = self._wait_written(store, version_of_update, n_train, timeout)
+                v = self._wait_written(store, version_of_update, n_train, timeout, lambda: self._closed)
                 if v is None:
                     return
                 t0 = time.perf_counter()
@@ -217,12 +218,12 @@ class WorkerShadow:
         self._build_thread.start()
 
     @staticmethod
-    def _wait_written(store, version_of_update, n_train: int, timeout: float) -> int | None:
+    def _wait_written(store, version_of_update, n_train: int, timeout: float, closed=lambda: False) -> int | None:
         from weight_transfer import control
 
         deadline = time.monotonic() + timeout
         v = None
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not closed():
             v = v if v is not None else version_of_update()
             if v is not None:
                 keys = [f"step/{v}/done/{r}" for r in range(n_train)]
@@ -273,6 +274,23 @@ class WorkerShadow:
         if not keep:
             ts += [p for p in clone._parameters.values() if p is not None]
         return any(isinstance(t, torch.Tensor) and t.numel() and lo <= t.data_ptr() < hi for t in ts)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End this worker's shadow (the engine's shutdown, C32): stop the rebuild thread
+        (bounded by ``timeout`` seconds; it polls the store, so it ends at its next poll), drop
+        rebuilt clones, and give every model parameter that a flip left pointing into the
+        shadow region a private copy, so nothing live reads the region and it is freed."""
+        self._closed = True
+        th = self._build_thread
+        if th is not None and th.is_alive():
+            th.join(timeout)
+        self._built, self._build_thread = None, None
+        lo = self.shadow.region.data_ptr()
+        hi = lo + self.shadow.region.numel() * self.shadow.region.element_size()
+        with torch.no_grad():
+            for p in self.targets.model.parameters():
+                if p.numel() and lo <= p.data_ptr() < hi:
+                    p.data = p.data.clone()
 
     # ------------------------------------------------------------------ go-live
     def go_live(self, version: int, timeout: float) -> dict:
@@ -452,30 +470,14 @@ def trainer_go_live(store, deployments, version: int, *, timeout: float) -> dict
 
 
 def http_go_live(client, version: int) -> dict:
-    """The go-live through a vLLM server's routes (``client``: vLLM's ``HTTPVLLMWeightSyncClient``,
-    its ``base_url`` and ``timeout``; the server started with ``VLLM_SERVER_DEV_MODE=1``): the
-    engine-core call :data:`weight_transfer.engines.vllm.backend.GO_LIVE_UTILITY` is not reachable
-    over HTTP, so the go-live, the label and the prefix reset (with running requests) run inside a
-    ``/pause?mode=keep`` .. ``/resume`` bracket: no step runs between them, and requests stay in
-    flight (kept, not aborted). The bracket is only the go-live's: the transfer ran with the
-    server generating. Returns ``{"seconds"}``; ``requests``' HTTPError for a refused route
-    (``/resume`` is sent whatever happened)."""
-    import requests
+    """The go-live through a vLLM server (``client``: vLLM's ``HTTPVLLMWeightSyncClient``, its
+    ``base_url`` and ``timeout``; the server started with ``VLLM_SERVER_DEV_MODE=1``): one
+    engine-core call over the dev route ``/collective_rpc``
+    (:func:`weight_transfer.engines.vllm.recover.go_live_http`): the workers' go-live, the
+    label and the prefix reset (with running requests) between two engine steps. No
+    ``/pause``: requests keep generating through the whole update, go-live included.
+    Returns ``{"seconds", "engine_s", "reset"}``; :class:`~weight_transfer.engines.vllm.recover.ServerError`
+    with the server's own reason for a refused call."""
+    from .recover import go_live_http
 
-    base, timeout = client.base_url.rstrip("/"), getattr(client, "timeout", 300)
-
-    def post(path: str, **params):
-        r = requests.post(f"{base}/{path}", params=params or None, timeout=timeout)
-        r.raise_for_status()
-        return r
-
-    t0 = time.perf_counter()
-    post("pause", mode="keep")
-    try:
-        client.update_weights({"version": int(version)})
-        client.finish_weight_update(weight_version=str(version))
-        if not post("reset_prefix_cache", reset_running_requests="true").json().get("success", True):
-            raise RuntimeError("vLLM refused to reset the prefix cache at the go-live")
-    finally:
-        post("resume")
-    return {"seconds": time.perf_counter() - t0}
+    return go_live_http(client.base_url, version, timeout=getattr(client, "timeout", 300))

@@ -75,6 +75,8 @@ CPU-only hosts: TRL's packed attention and its MFU helper need CUDA; the opt-in 
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -86,7 +88,16 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from .backend import DTensorSource, OneSidedTrainerInitInfo
 
-__all__ = ["TRL_VERSION", "OneSidedWeightTransfer", "OneSidedAsyncGRPOTrainer"]
+__all__ = ["TRL_VERSION", "OneSidedWeightTransfer", "OneSidedAsyncGRPOTrainer", "recover", "SHADOW_MODES"]
+
+SHADOW_MODES = ("off", "auto", "copy", "flip")
+"""``shadow=``: ``"off"`` (pause-based syncs), or shadow targets -- ``"auto"`` (each worker picks
+``flip`` where every target is a parameter vLLM reads at call time, else ``copy``), ``"copy"``,
+``"flip"`` (engines/vllm/shadow.py)."""
+TRL_SERVER_TIMEOUT = 240.0
+"""TRL 1.16's default ``vllm_server_timeout`` (seconds to wait for the server), the default here."""
+TRL_REQUEST_TIMEOUT = 600.0
+"""TRL 1.16's default ``request_timeout`` (seconds per HTTP call), the default here."""
 
 TRL_VERSION = "1.16.0"
 """The TRL version this module was written and tested against (the ``[trl]`` extra pins it);
@@ -145,21 +156,30 @@ class OneSidedWeightTransfer:
 
     def __init__(self, base_url: str, *, rank: int | None = None, world_size: int | None = None,
                  store_host: str = "127.0.0.1", store_port: int = 0, options: Any = None,
-                 timeout: float | None = None, targets: str = "auto", http_timeout: float = 300.0,
-                 reset_prefix_cache: bool = True, verify: str | None = None) -> None:
+                 timeout: float | None = None, targets: str = "auto", http_timeout: float | None = None,
+                 server_timeout: float | None = None, reset_prefix_cache: bool = True, verify: str | None = None,
+                 shadow: str = "off") -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r}: the vLLM server's URL, http://host:port")
-        if not (isinstance(http_timeout, (int, float)) and http_timeout > 0):
-            raise ValueError(f"http_timeout={http_timeout!r}: seconds > 0")
+        for name, x in (("http_timeout", http_timeout), ("server_timeout", server_timeout)):
+            if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0):
+                raise ValueError(f"{name}={x!r}: seconds > 0 (or None: TRL's own setting)")
+        if shadow not in SHADOW_MODES:
+            raise ValueError(f"shadow={shadow!r}: one of {', '.join(map(repr, SHADOW_MODES))}")
         self.base_url = base_url.rstrip("/")
         self._rank, self._world = rank, world_size
         self._init_kw = dict(store_host=store_host, store_port=store_port, options=options, timeout=timeout,
-                             targets=targets, verify=verify)
+                             targets=targets, verify=verify, shadow=shadow)
         # the init info's own checks, now (rank and world size as far as given)
         OneSidedTrainerInitInfo(rank=0 if rank is None else rank,
                                 world_size=(1 if rank is None else rank + 1) if world_size is None else world_size,
                                 **self._init_kw)
-        self.http_timeout = float(http_timeout)
+        self.shadow = shadow
+        self._timeouts_given = (http_timeout is not None, server_timeout is not None)
+        self.http_timeout = float(http_timeout) if http_timeout is not None else TRL_REQUEST_TIMEOUT
+        self.server_timeout = float(server_timeout) if server_timeout is not None else TRL_SERVER_TIMEOUT
+        self._paused = False  # this object paused the server and has not resumed it
+        self.http_calls: list[str] = []  # the routes this object called on the server, in order (pause, resume, ...)
         self.reset_prefix_cache = bool(reset_prefix_cache)
         self.params: dict[str, torch.Tensor] | None = None
         self._bound_from = None  # "model" (bind) or "stream" (the first send_weights' iterator)
@@ -188,22 +208,56 @@ class OneSidedWeightTransfer:
         c = getattr(self.trainer, "coordinator", None)
         return None if c is None else c.schedule
 
-    def _post(self, path: str, **params) -> dict:
+    def _post(self, path: str, doing: str, **params) -> dict:
+        """``POST {base_url}/{path}``: its JSON answer. :class:`weight_transfer.errors.ControlError`
+        naming the URL and ``doing`` when the server does not answer (dead, or a wrong URL);
+        :class:`~weight_transfer.engines.vllm.recover.ServerError` with the server's own reason
+        when it answers otherwise than 200."""
         import requests
 
-        r = requests.post(f"{self.base_url}/{path}", params=params or None, timeout=self.http_timeout)
+        from weight_transfer.errors import ControlError
+
+        from .recover import ServerError, server_message
+
+        self.http_calls.append(path)
+        try:
+            r = requests.post(f"{self.base_url}/{path}", params=params or None, timeout=self.http_timeout)
+        except requests.RequestException as e:
+            raise ControlError(f"training {self.rank}: the vLLM server at {self.base_url} did not answer POST /{path} "
+                               f"({doing}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         if r.status_code != 200:
-            raise RuntimeError(f"training {self.rank}: POST {self.base_url}/{path} answered {r.status_code}: "
-                               f"{r.text[:300]}")
+            why = server_message(r)
+            raise ServerError(f"training {self.rank}: the vLLM server at {self.base_url} refused POST /{path} ({doing}): "
+                              f"{r.status_code}: {why}", url=self.base_url, route=path, status=r.status_code, reason=why)
         return r.json() if r.content else {}
 
     def weight_version(self) -> str | None:
-        """vLLM's weight version label now (``GET /weight_info``)."""
+        """vLLM's weight version now (``GET /weight_info``); ControlError naming the URL when the
+        server does not answer."""
         import requests
 
-        r = requests.get(f"{self.base_url}/weight_info", timeout=self.http_timeout)
-        r.raise_for_status()
+        from weight_transfer.errors import ControlError
+
+        try:
+            r = requests.get(f"{self.base_url}/weight_info", timeout=self.http_timeout)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            raise ControlError(f"training {self.rank}: the vLLM server at {self.base_url} did not answer GET "
+                               f"/weight_info: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         return r.json()["weight_version"]
+
+    def use_trl_args(self, args) -> OneSidedWeightTransfer:
+        """Take TRL's own timeouts from ``args`` (an ``AsyncGRPOConfig``) where none was given
+        here: ``vllm_server_timeout`` for the wait for the server (:attr:`server_timeout`),
+        ``request_timeout`` per HTTP call (:attr:`http_timeout`).
+        :class:`OneSidedAsyncGRPOTrainer` calls it; with TRL's own trainer,
+        :meth:`init_weight_transfer` finds the trainer's config itself. Returns ``self``."""
+        given_http, given_server = self._timeouts_given
+        if not given_server and getattr(args, "vllm_server_timeout", None):
+            self.server_timeout = float(args.vllm_server_timeout)
+        if not given_http and getattr(args, "request_timeout", None):
+            self.http_timeout = float(args.request_timeout)
+        return self
 
     # ------------------------------------------------------------------ the source
     def bind(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> OneSidedWeightTransfer:
@@ -273,36 +327,80 @@ class OneSidedWeightTransfer:
                 "send_weights on the main process only while the other ranks all-gather every parameter "
                 "(_streaming_iter); the one_sided backend needs every rank to write its own shards: use "
                 "weight_transfer.engines.vllm.trl.OneSidedAsyncGRPOTrainer")
+        caller = getattr(getattr(inspect.currentframe(), "f_back", None), "f_locals", {}).get("self")
+        trainer = getattr(caller, "_trainer", None)  # TRL 1.16's _TrainBeginCallback: its trainer's config
+        if isinstance(trainer, AsyncGRPOTrainer):
+            self.use_trl_args(trainer.args)
         self.wait_ready()
 
     def wait_ready(self, timeout: float | None = None) -> float:
         """Poll ``/health`` until the server answers 200; returns the seconds waited.
-        TimeoutError after ``timeout`` (default ``http_timeout``) seconds."""
+        TimeoutError naming the URL after ``timeout`` (default :attr:`server_timeout`: TRL's
+        ``vllm_server_timeout``) seconds; RuntimeError at once when something else answers
+        there (``/health`` not found: not a vLLM server)."""
         import requests
 
-        limit = self.http_timeout if timeout is None else float(timeout)
+        limit = self.server_timeout if timeout is None else float(timeout)
         t0 = time.monotonic()
+        last = "no answer"
         while True:
             try:
-                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                r = requests.get(f"{self.base_url}/health", timeout=5)
+                if r.status_code == 200:
                     return time.monotonic() - t0
-            except requests.RequestException:
-                pass
+                if r.status_code == 404:
+                    raise RuntimeError(f"OneSidedWeightTransfer: {self.base_url} answers, but has no /health (404): "
+                                       "not a vLLM server's URL?")
+                last = f"/health answered {r.status_code}"
+            except requests.RequestException as e:
+                last = f"{type(e).__name__}"
             if time.monotonic() - t0 > limit:
                 raise TimeoutError(f"OneSidedWeightTransfer: the vLLM server at {self.base_url} did not answer "
-                                   f"/health within {limit:.0f} s")
+                                   f"/health within {limit:.0f} s ({last}; server_timeout, default TRL's "
+                                   "vllm_server_timeout)")
             time.sleep(1.0)
 
     def pause(self) -> None:
-        """Rank 0 (TRL calls it on the main process): ``POST /pause?mode=keep``, as TRL's own
-        client -- requests in flight are frozen, not aborted, and continue after :meth:`resume`
-        under the new weights (their KV is recomputed: the prefix-cache reset after the update).
-        RuntimeError naming the answer when the server refuses."""
-        self._post("pause", mode="keep")
+        """Rank 0 (TRL calls it on the main process). Without shadow targets: ``POST
+        /pause?mode=keep``, as TRL's own client -- requests in flight are frozen, not aborted,
+        and continue after :meth:`resume` under the new weights (their KV is recomputed: the
+        prefix-cache reset after the update). With shadow targets: nothing -- the server keeps
+        generating through the sync; the go-live is one engine-core call between two steps.
+        ControlError naming the URL when the server does not answer; ServerError with its
+        reason when it refuses."""
+        self._reclaim()
+        if self.shadow != "off":
+            return
+        self._post("pause", "pausing generation for a weight sync", mode="keep")
+        self._paused = True
+
+    def _reclaim(self) -> None:
+        """Rank 0, once, before the first sync touches the server: release what a training run
+        that is gone left there (C32: :func:`recover`, its registration only if its store no
+        longer answers) and resume generation it left paused -- before this run pauses.
+        Said on stderr when it released anything; a server that refuses is left to the init's
+        own error."""
+        if self.rank != 0 or self.trainer is not None or getattr(self, "_reclaimed", False):
+            return
+        from .recover import ServerError, recover_http
+
+        self._reclaimed = True
+        try:
+            out = recover_http(self.base_url, stale_only=True, resume=True, timeout=self.http_timeout)
+        except ServerError:
+            return
+        if out.get("released"):
+            print(f"[rank 0] OneSidedWeightTransfer: {self.base_url}: released the state of a training run that is "
+                  f"gone (weight version {out.get('label')!r}{', generation resumed' if out.get('resumed') else ''})",
+                  file=sys.stderr, flush=True)
 
     def resume(self) -> None:
-        """Rank 0: ``POST /resume``. RuntimeError naming the answer when the server refuses."""
-        self._post("resume")
+        """Rank 0: ``POST /resume`` (without shadow targets; with them: nothing). Errors as
+        :meth:`pause`."""
+        if self.shadow != "off":
+            return
+        self._post("resume", "resuming generation after a weight sync")
+        self._paused = False
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]] | None = None) -> None:
         """TRL's call, on the main process, with ``iterator`` = ``_streaming_iter()``. One
@@ -344,23 +442,57 @@ class OneSidedWeightTransfer:
         (module docstring)."""
         if self.params is None:
             raise RuntimeError(f"training {self.rank}: OneSidedWeightTransfer.push: no source: bind(model) first")
-        if self.trainer is None:
-            self._setup()
+        try:
+            if self.trainer is None:
+                self._reclaim()  # shadow targets: no pause() came first
+                self._setup()
+        except BaseException as e:
+            self._after_failure(e, intact=True)
+            raise
         t0 = time.perf_counter()
         try:
             self.last_stats = self.trainer.send_weights(version)
-        finally:
+        except BaseException as e:
+            from weight_transfer.control import VersionError
+
+            refused = isinstance(e, (VersionError, TypeError, ValueError))  # before any byte moved
             self.version = self.trainer.version
+            self._after_failure(e, intact=refused or self.shadow != "off")
+            raise
+        self.version = self.trainer.version
         if self.trainer.is_sender:
             self.last_result = self.trainer.last_result
-            if self.reset_prefix_cache:
-                ok = self._post("reset_prefix_cache", reset_running_requests="true").get("success")
+            if self.reset_prefix_cache and self.shadow == "off":  # with shadow targets the go-live reset it
+                ok = self._post("reset_prefix_cache", f"resetting the prefix cache after version {self.version}",
+                                reset_running_requests="true").get("success")
                 if ok is False:
                     raise RuntimeError(f"training 0: version {self.version} was written, but vLLM refused to reset "
                                        "its prefix cache (/reset_prefix_cache answered success=false): cached "
                                        "blocks may hold KV of the old weights")
         self.seconds.append(time.perf_counter() - t0)
         return self.last_stats
+
+    def _after_failure(self, e: BaseException, *, intact: bool) -> None:
+        """Rank 0, after a failed setup or update: when this object paused the server and the
+        served weights are intact (a refusal before any byte moved, a refused init, a shadow
+        update that failed before its go-live), resume it so generation does not stay stopped;
+        otherwise (live bytes of no complete version) it stays paused and the error says how to
+        go on (a note on ``e``)."""
+        if self.rank != 0 or not self._paused:
+            return
+        if intact:
+            try:
+                self.resume()
+                e.add_note(f"the vLLM server at {self.base_url} was resumed: its weights are the last complete "
+                           "version's (nothing was written)")
+            except Exception as r:
+                e.add_note(f"the vLLM server at {self.base_url} stays paused: /resume failed ({r}); "
+                           f"`weight-transfer vllm-recover --url {self.base_url}` resumes it")
+            return
+        e.add_note(f"the vLLM server at {self.base_url} stays paused, its weights no complete version (label "
+                   f"incomplete:{self.version}): the next sync rewrites every byte and resumes it; to serve the mixed "
+                   f"weights anyway POST {self.base_url}/resume; to release the server for another run "
+                   f"`weight-transfer vllm-recover --url {self.base_url} --force` (docs/VLLM.md)")
 
     def _setup(self) -> None:
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
@@ -383,10 +515,30 @@ class OneSidedWeightTransfer:
         if tr.is_sender:
             try:
                 tr.client.shutdown_weight_transfer_engine()
-            except Exception as e:  # the server may be gone already
-                print(f"[rank 0] OneSidedWeightTransfer.destroy: the server did not release its registration: "
-                      f"{type(e).__name__}: {e}", flush=True)
+            except Exception as e:  # an update session left open (a failed sync), or the server is gone
+                from .recover import recover_http
+
+                try:  # this run's own registration: released whatever state it is in (C32)
+                    recover_http(self.base_url, stale_only=False, timeout=self.http_timeout)
+                except Exception as e2:
+                    print(f"[rank 0] OneSidedWeightTransfer.destroy: the server at {self.base_url} did not release "
+                          f"this run's registration: {type(e).__name__}: {e}; recovery: {e2}", flush=True)
         tr.shutdown()
+
+
+def recover(base_url: str, *, force: bool = False, timeout: float = 120.0) -> dict:
+    """Return the vLLM server at ``base_url`` to a fresh server's state after a training run
+    that did not end cleanly (a killed trainer, C32): every worker's ``one_sided`` state
+    released (registration, shadows, staging, landing region, an update session left open),
+    vLLM's label ``incomplete:v`` when an interrupted update had begun writing live bytes,
+    generation resumed. Without ``force`` a run whose store still answers is kept (named in
+    ``kept``). The next trainer's first sync does the same by itself; this is the step by hand
+    (``weight-transfer vllm-recover --url URL``). Returns the server's answer
+    (:func:`weight_transfer.engines.vllm.recover.engine_core_recover`);
+    :class:`~weight_transfer.engines.vllm.recover.ServerError` when it refuses or does not answer."""
+    from .recover import recover_http
+
+    return recover_http(base_url, stale_only=not force, timeout=timeout)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -415,6 +567,7 @@ class OneSidedAsyncGRPOTrainer(AsyncGRPOTrainer):
                             f"{type(weight_transfer).__name__}")
         weight_transfer._all_ranks = True
         super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
+        weight_transfer.use_trl_args(self.args)  # TRL's vllm_server_timeout / request_timeout unless given
         self.weight_transfer = weight_transfer  # TRL keeps it on the main process only; every rank pushes
 
     def _sync_weight_merged(self, t0: float) -> tuple[float, float, float]:

@@ -384,6 +384,12 @@ class WorkerTargets:
             self.transport = None
         self.regions.clear()
 
+    def unstage(self) -> None:
+        """Drop the staging of every staged layer (the arena is freed; the next
+        :meth:`stage` makes it again, zeros until the first update). The layers themselves are
+        untouched: they compute with what their last commit built. Idempotent."""
+        self.staged, self.staging_arena, self.staging_bytes = {}, None, 0
+
     # --------------------------------------------------------- staged targets (C22)
     def stage(self, modules: dict[str, str]) -> dict:
         """Give each layer in ``modules`` (module name -> why its runtime state is opaque) a
