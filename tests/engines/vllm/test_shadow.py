@@ -191,18 +191,29 @@ def test_c27_generation_runs_through_updates_each_span_right(mode, dirs, tmp_pat
         assert all(err[right] < e for s, e in err.items() if s != right), (mode, label, len(prefix), err)
 
 
+HOLD_S = 0.5
+"""Seconds the HTTP test holds each update open between its last write and its go-live: the
+window in which the server must keep generating, whatever the transfer's own length."""
+
+
 @pytest.mark.long  # its own vLLM server (1-2 min here): make test-long
-def test_c27_http_server_keeps_serving_through_shadow_updates(dirs, tmp_path):
-    """Through vLLM's OpenAI server and its own ``HTTPVLLMWeightSyncClient``: completions keep
-    being served while each update's bytes move (some finish inside every transfer, none
-    fails); the go-live runs in a ``/pause?mode=keep`` .. ``/resume`` bracket of its own; after
-    each push greedy tokens and logprobs of fixed prompts equal a fresh vLLM's of that step."""
+def test_c27_http_server_keeps_serving_through_shadow_updates(dirs, tmp_path, monkeypatch):
+    """Through vLLM's OpenAI server and its own ``HTTPVLLMWeightSyncClient``, shadow targets:
+    a streaming request runs through every update; each update is held open :data:`HOLD_S`
+    seconds before its go-live (whatever the transfer's length), and the engine computes tokens
+    between the update's start and its go-live -- on the engine's own step clock, and as
+    tokens streamed to the client --; the server is never paused (no ``/pause`` in its log;
+    the go-live is one engine-core call, ``wt_go_live`` over ``/collective_rpc``); after each
+    push greedy tokens and logprobs of fixed prompts equal a fresh vLLM's of that step."""
+    import json
     import threading
 
+    import requests
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from tests.helpers.vllm_server import Server
+    from weight_transfer.engines.vllm import recover
     from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
     from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
@@ -212,50 +223,74 @@ def test_c27_http_server_keeps_serving_through_shadow_updates(dirs, tmp_path):
     prompts = fixed_prompts(cfg.vocab_size)
     fresh = fresh_snapshots_subprocess({f"s{s}": {"dir": str(dirs[s]), "prompts": prompts, "hide_amx": True}
                                         for s in (1, 3)}, tmp_path / "fresh.pt", wait=False, omp_threads=1)
-    srv = Server(dirs[0], tmp_path / "server.log")
-    done, stop = [], threading.Event()
+    srv = Server(dirs[0], tmp_path / "server.log",
+                 extra=("--worker-extension-cls", "weight_transfer.engines.vllm.extension.WeightTransferExtension"))
+    go_lives: dict[int, float] = {}
+    real_go_live = recover.go_live_http
+
+    def held_go_live(base_url, version, **kw):  # the update held open before its go-live
+        time.sleep(HOLD_S)
+        go_lives[int(version)] = time.time()
+        return real_go_live(base_url, version, **kw)
+    monkeypatch.setattr(recover, "go_live_http", held_go_live)
+    tokens, errors, stop = [], [], threading.Event()
     try:
         srv.wait_ready()
+        srv.post("collective_rpc", json={"method": "wt_step_clock_install"})
         params = checkpoint_tensors(cfg, step=0, seed=0)
         trainer = WeightTransferTrainerFactory.trainer_init(
             OneSidedTrainerInitInfo(rank=0, timeout=60, shadow="copy"), client=HTTPVLLMWeightSyncClient(srv.url),
             source=DTensorSource(params))
 
-        def load():
+        def stream():  # one streaming request after the other, every token's arrival time
             while not stop.is_set():
-                t0 = time.time()
                 try:
-                    srv.post("v1/completions", json={"model": srv.cmd[4], "prompt": [5, 6, 7], "max_tokens": 24,
-                                                     "temperature": 0.0, "ignore_eos": True})
-                    done.append((t0, time.time(), True))
+                    with requests.post(f"{srv.url}/v1/completions", stream=True, timeout=120, json={
+                            "model": srv.cmd[4], "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True}) as r:
+                        r.raise_for_status()
+                        for line in r.iter_lines():
+                            if line.startswith(b"data: {"):
+                                json.loads(line[6:])
+                                tokens.append(time.time())
+                            if stop.is_set():
+                                break
                 except Exception as e:  # recorded: the test fails on it
-                    done.append((t0, time.time(), repr(e)))
-        th = threading.Thread(target=load, daemon=True)
-        th.start()
-        pushes, outs = {}, {}
+                    errors.append(repr(e))
+        pushes, outs, th = {}, {}, None
         try:
             for v, step in ((1, 1), (2, 3)):
                 for n, t in checkpoint_tensors(cfg, step=step, seed=0).items():
                     params[n].copy_(t)
+                stop.clear()
+                th = threading.Thread(target=stream, daemon=True)
+                th.start()
+                time.sleep(0.5)  # the request is generating
                 t0 = time.time()
                 trainer.send_weights(v)
                 pushes[v] = (t0, time.time())
-                time.sleep(0.5)
+                time.sleep(0.2)
                 stop.set()
-                th.join(60)
-                outs[v] = srv.generate(prompts)
-                stop.clear()
-                th = threading.Thread(target=load, daemon=True)
-                th.start()
+                th.join(120)
+                outs[v] = srv.generate(prompts)  # the load stopped: the fixed prompts alone, as the fresh engine
+            clock = srv.post("collective_rpc", json={"method": "wt_steps", "args": ["0"]})["results"][0]
         finally:
             stop.set()
-            th.join(60)
+            if th is not None:
+                th.join(60)
             trainer.shutdown()
+        log = open(srv.log.name).read()
     finally:
         srv.close()
-    assert done and all(ok is True for *_, ok in done), [d for d in done if d[2] is not True][:3]
-    for v, (t0, t1) in pushes.items():  # the server answered while the bytes moved
-        assert any(t0 < b < t1 for _, b, _ in done), (v, t1 - t0, "no completion finished during the transfer")
+    assert not errors, errors[:3]
+    assert "POST /pause" not in log and "POST /resume" not in log, "the server was paused"
+    for v, (t0, t1) in pushes.items():
+        g = go_lives[v]
+        assert t0 < g < t1, (v, t0, g, t1)
+        inside = [s for s in clock["steps"] if t0 <= s[0] and s[1] <= g and s[2] > 0]
+        streamed = [t for t in tokens if t0 <= t <= g]
+        assert inside and streamed, (v, g - t0, len(inside), len(streamed), "no token computed before the go-live")
+        assert any(m[0] == "go_live" and m[3].get("version") == v for m in clock["marks"]), clock["marks"]
     snaps = fresh()
     for v, step in ((1, 1), (2, 3)):
         assert outputs_equal(outs[v], snaps[f"s{step}"]["outputs"])[0], (v, outs[v][0], snaps[f"s{step}"]["outputs"][0])
