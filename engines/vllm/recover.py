@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 __all__ = ["GO_LIVE_RPC", "RECOVER_RPC", "install", "worker_release", "engine_core_recover", "store_alive",
-           "recover_http", "go_live_http", "rpc_http", "ServerError"]
+           "recover_http", "go_live_http", "rpc_http", "post_route", "wait_health", "server_message", "ServerError"]
 
 GO_LIVE_RPC = "wt_go_live"
 """``/collective_rpc`` method name of the shadow go-live (the engine core's, not a worker's)."""
@@ -184,6 +184,51 @@ def server_message(r) -> str:
     except Exception:
         pass
     return (r.text or "").strip()[:300]
+
+
+def post_route(base_url: str, path: str, doing: str, *, who: str, timeout: float, **params) -> dict:
+    """``POST {base_url}/{path}`` with query ``params``: its JSON answer (``{}`` when empty).
+    :class:`weight_transfer.errors.ControlError` naming ``who``, the URL and ``doing`` when the
+    server does not answer (dead, or a wrong URL); :class:`ServerError` with the server's own
+    reason when it answers otherwise than 200."""
+    import requests
+
+    from weight_transfer.errors import ControlError
+
+    try:
+        r = requests.post(f"{base_url}/{path}", params=params or None, timeout=timeout)
+    except requests.RequestException as e:
+        raise ControlError(f"{who}: the vLLM server at {base_url} did not answer POST /{path} ({doing}): "
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if r.status_code != 200:
+        why = server_message(r)
+        raise ServerError(f"{who}: the vLLM server at {base_url} refused POST /{path} ({doing}): {r.status_code}: "
+                          f"{why}", url=base_url, route=path, status=r.status_code, reason=why)
+    return r.json() if r.content else {}
+
+
+def wait_health(base_url: str, limit: float, *, who: str, setting: str) -> float:
+    """Poll ``{base_url}/health`` once a second until it answers 200; returns the seconds waited.
+    TimeoutError naming the URL and ``setting`` (the option that sets ``limit``) after ``limit``
+    seconds; RuntimeError at once when something else answers there (404: not a vLLM server)."""
+    import requests
+
+    t0 = time.monotonic()
+    last = "no answer"
+    while True:
+        try:
+            r = requests.get(f"{base_url}/health", timeout=5)
+            if r.status_code == 200:
+                return time.monotonic() - t0
+            if r.status_code == 404:
+                raise RuntimeError(f"{who}: {base_url} answers, but has no /health (404): not a vLLM server's URL?")
+            last = f"/health answered {r.status_code}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        if time.monotonic() - t0 > limit:
+            raise TimeoutError(f"{who}: the vLLM server at {base_url} did not answer /health within {limit:.0f} s "
+                               f"({last}; {setting})")
+        time.sleep(1.0)
 
 
 def go_live_http(base_url: str, version: int, *, reset: bool = True, timeout: float = 300.0) -> dict:

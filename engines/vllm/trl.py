@@ -59,11 +59,24 @@ and calls :meth:`OneSidedWeightTransfer.push` with the same version; no rank run
 several ranks, :meth:`OneSidedWeightTransfer.init_weight_transfer` refuses at train begin (a
 ``RuntimeError`` naming the subclass) rather than funnel a gathered model through rank 0.
 
+**Shadow targets** (``shadow="auto"``, ``"copy"``, ``"flip"``; C27): :meth:`~OneSidedWeightTransfer.pause`
+and :meth:`~OneSidedWeightTransfer.resume` call nothing -- TRL's rollouts keep generating through
+the sync; the go-live, vLLM's label and the prefix-cache reset are one engine-core call between
+two engine steps (``wt_go_live`` over the server's ``/collective_rpc``,
+:mod:`weight_transfer.engines.vllm.recover`). TRL tags each rollout group with the version at its
+start, so a request that crossed a go-live is tagged with its oldest tokens' version.
+
 Failures are the backend's (README: "What push promises inside your trainer"; docs/VLLM.md): a
 refused version (``VersionError``/``TypeError``/``ValueError``) on every rank before any byte
 moves; a failed update ``ControlError`` on every rank, vLLM's weight version ``incomplete:v``.
-The server then stays paused (``resume`` is not called: TRL's sync raises before it), as after a
-failed NCCL sync in TRL's own client: its weights are no complete version.
+Without shadow targets the server then stays paused (``resume`` is not called: TRL's sync raises
+before it), as after a failed NCCL sync in TRL's own client: its weights are no complete version
+(a note on the error says how to go on). A refused init or a refusal before any byte moved
+resumes a server this object paused. A server that does not answer is a ``ControlError`` naming
+the URL and the call in progress; an error answer carries the server's own reason. One run
+leaves nothing behind (C32): ``destroy`` returns every worker to a fresh server's state, and the
+first sync of a run releases what a run that is gone left there (:func:`recover`;
+``weight-transfer vllm-recover`` by hand).
 
 Not covered: PEFT models (TRL merges the adapter into the base weights for the sync; which memory
 that touches is not checked here: :meth:`OneSidedWeightTransfer.bind` refuses a PEFT model),
@@ -142,12 +155,17 @@ class OneSidedWeightTransfer:
     or ``WEIGHT_TRANSFER_SECRET_FILE`` in its environment, docs/VLLM.md "The job secret");
     ``options``, ``timeout``, ``targets``, ``verify`` (``"off"``, ``"sample"``, ``"full"``: the
     end-to-end fingerprints of every sync, docs/VERIFY.md): as
-    :class:`~weight_transfer.engines.vllm.backend.OneSidedTrainerInitInfo`; ``http_timeout``:
-    seconds per HTTP call (pause, resume, prefix-cache reset, and vLLM's weight-sync client);
-    ``reset_prefix_cache``: reset vLLM's prefix cache after each update (C21; only turn it off
-    when nothing is cached).
+    :class:`~weight_transfer.engines.vllm.backend.OneSidedTrainerInitInfo`; ``shadow``: one of
+    :data:`SHADOW_MODES` (``"off"``: pause-based syncs; else shadow targets, no pause);
+    ``http_timeout``: seconds per HTTP call (pause, resume, prefix-cache reset, and vLLM's
+    weight-sync client; None: TRL's ``request_timeout``, default 600); ``server_timeout``: seconds
+    to wait for the server's ``/health`` at train begin (None: TRL's ``vllm_server_timeout``,
+    default 240); ``reset_prefix_cache``: reset vLLM's prefix cache after each update (C21; only
+    turn it off when nothing is cached). ValueError for a bad URL, mode or timeout, and what the
+    init info refuses.
 
-    Attributes after the first update: :attr:`trainer` (the backend's trainer engine),
+    Attributes after the first update: :attr:`http_calls` (the routes this object called on the
+    server, in order), :attr:`trainer` (the backend's trainer engine),
     :attr:`version` (the last version sent or attempted), :attr:`last_stats` (this rank's
     :class:`weight_transfer.executor.StepStats` of the last update: bytes, writes,
     ``gather_bytes``), :attr:`last_result` (rank 0: the update's
@@ -209,27 +227,14 @@ class OneSidedWeightTransfer:
         return None if c is None else c.schedule
 
     def _post(self, path: str, doing: str, **params) -> dict:
-        """``POST {base_url}/{path}``: its JSON answer. :class:`weight_transfer.errors.ControlError`
-        naming the URL and ``doing`` when the server does not answer (dead, or a wrong URL);
-        :class:`~weight_transfer.engines.vllm.recover.ServerError` with the server's own reason
-        when it answers otherwise than 200."""
-        import requests
-
-        from weight_transfer.errors import ControlError
-
-        from .recover import ServerError, server_message
+        """``POST {base_url}/{path}`` (:func:`~weight_transfer.engines.vllm.recover.post_route`,
+        recorded in :attr:`http_calls`): its JSON answer; ControlError naming the URL and
+        ``doing`` when the server does not answer, ServerError with its reason otherwise."""
+        from .recover import post_route
 
         self.http_calls.append(path)
-        try:
-            r = requests.post(f"{self.base_url}/{path}", params=params or None, timeout=self.http_timeout)
-        except requests.RequestException as e:
-            raise ControlError(f"training {self.rank}: the vLLM server at {self.base_url} did not answer POST /{path} "
-                               f"({doing}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-        if r.status_code != 200:
-            why = server_message(r)
-            raise ServerError(f"training {self.rank}: the vLLM server at {self.base_url} refused POST /{path} ({doing}): "
-                              f"{r.status_code}: {why}", url=self.base_url, route=path, status=r.status_code, reason=why)
-        return r.json() if r.content else {}
+        return post_route(self.base_url, path, doing, who=f"training {self.rank}", timeout=self.http_timeout,
+                          **params)
 
     def weight_version(self) -> str | None:
         """vLLM's weight version now (``GET /weight_info``); ControlError naming the URL when the
@@ -338,27 +343,10 @@ class OneSidedWeightTransfer:
         TimeoutError naming the URL after ``timeout`` (default :attr:`server_timeout`: TRL's
         ``vllm_server_timeout``) seconds; RuntimeError at once when something else answers
         there (``/health`` not found: not a vLLM server)."""
-        import requests
+        from .recover import wait_health
 
-        limit = self.server_timeout if timeout is None else float(timeout)
-        t0 = time.monotonic()
-        last = "no answer"
-        while True:
-            try:
-                r = requests.get(f"{self.base_url}/health", timeout=5)
-                if r.status_code == 200:
-                    return time.monotonic() - t0
-                if r.status_code == 404:
-                    raise RuntimeError(f"OneSidedWeightTransfer: {self.base_url} answers, but has no /health (404): "
-                                       "not a vLLM server's URL?")
-                last = f"/health answered {r.status_code}"
-            except requests.RequestException as e:
-                last = f"{type(e).__name__}"
-            if time.monotonic() - t0 > limit:
-                raise TimeoutError(f"OneSidedWeightTransfer: the vLLM server at {self.base_url} did not answer "
-                                   f"/health within {limit:.0f} s ({last}; server_timeout, default TRL's "
-                                   "vllm_server_timeout)")
-            time.sleep(1.0)
+        return wait_health(self.base_url, self.server_timeout if timeout is None else float(timeout),
+                           who="OneSidedWeightTransfer", setting="server_timeout, default TRL's vllm_server_timeout")
 
     def pause(self) -> None:
         """Rank 0 (TRL calls it on the main process). Without shadow targets: ``POST

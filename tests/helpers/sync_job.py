@@ -10,7 +10,9 @@ byte (``verify="full"``). After each sync it reads vLLM's weight version. ``--di
 sync ``V`` the process kills itself (SIGKILL) at its first one-sided write -- the server paused
 (without shadow targets), its update session open, the store gone. Writes ``--out/report.json``
 (``syncs``: version, label, verify, seconds; ``http_calls``: the routes called) and
-``--out/final/`` (the last synced weights, a checkpoint for a fresh vLLM) unless it died.
+``--out/final/`` (the last synced weights, a checkpoint for a fresh vLLM) unless it died;
+``--linger S``: after the last sync (``--out/synced`` written) it stays attached ``S`` seconds
+before ``destroy()`` (another run meanwhile finds the server taken).
 """
 import argparse
 import json
@@ -41,6 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("--versions", default="1,2", help="comma-separated versions to sync")
     p.add_argument("--shadow", default="off")
     p.add_argument("--die-at", type=int, default=None)
+    p.add_argument("--linger", type=float, default=0.0, help="seconds to stay attached after the last sync")
     a = p.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
@@ -66,6 +69,8 @@ def main(argv=None) -> None:
         r = wt.last_result
         syncs.append({"version": v, "label": wt.weight_version(), "seconds": time.monotonic() - t0,
                       "verify": getattr(r, "verify", None), "verified_bytes": getattr(r, "verified_bytes", None)})
+    (out / "synced").write_text(json.dumps(syncs))  # the last sync returned: what lingers is attached
+    time.sleep(a.linger)
     wt.destroy()
     final = out / "final"
     final.mkdir(exist_ok=True)

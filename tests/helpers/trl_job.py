@@ -48,6 +48,11 @@ def main(argv=None) -> None:
     p.add_argument("--trainer", choices=("trl", "one_sided"), default="trl")
     p.add_argument("--outsider", metavar="FILE", help="C30: run the outsider battery between and inside sync 2")
     p.add_argument("--outsider-tcpstore", action="store_true", help="with torch's TCPStore client inside sync 2")
+    p.add_argument("--shadow", default="off", help="OneSidedWeightTransfer(shadow=...)")
+    p.add_argument("--hold", type=float, default=0.0,
+                   help="shadow: hold every sync open this many seconds before its go-live (rank 0)")
+    p.add_argument("--probe", action="store_true",
+                   help="rank 0: a streaming request generating the whole job (every token's arrival time)")
     a = p.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -88,7 +93,19 @@ def main(argv=None) -> None:
         return t
 
     DTensor.full_tensor = counting_full
-    wt = OneSidedWeightTransfer(a.url, timeout=120)
+    wt = OneSidedWeightTransfer(a.url, timeout=120, shadow=a.shadow)
+    go_lives: list[float] = []
+    if a.hold and rank == 0:
+        from weight_transfer.engines.vllm import recover
+
+        real_go_live = recover.go_live_http
+
+        def held_go_live(base_url, version, **kw):  # the sync held open before its go-live
+            time.sleep(a.hold)
+            go_lives.append(time.time())
+            return real_go_live(base_url, version, **kw)
+        recover.go_live_http = held_go_live
+    probe = Probe(a.url, a.model) if a.probe and rank == 0 else None
     syncs = []
     attacked = {"seen": [], "push": None, "seconds": []}
 
@@ -155,6 +172,7 @@ def main(argv=None) -> None:
         def _sync_weight(self):
             if a.outsider and rank == 0 and len(syncs) == 1:
                 attack_next_sync()
+            t_begin = time.time()
             b0, c0 = gathered["bytes"], gathered["calls"]
             gathered["in_sync"] = True
             try:
@@ -164,7 +182,8 @@ def main(argv=None) -> None:
             rec = {"full_tensor_bytes": gathered["bytes"] - b0, "full_tensor_calls": gathered["calls"] - c0,
                    "version": wt.version, "seconds": wt.seconds[-1] if wt.seconds else None,
                    "gather_bytes": getattr(wt.last_stats, "gather_bytes", None),
-                   "bytes_sent": getattr(wt.last_stats, "bytes_sent", None)}
+                   "bytes_sent": getattr(wt.last_stats, "bytes_sent", None), "t_begin": t_begin, "t_end": time.time(),
+                   "go_live": go_lives[-1] if go_lives and go_lives[-1] > t_begin else None}
             if rank == 0:
                 rec["vllm_version"] = wt.weight_version()
                 rec["plan_gather_bytes"] = wt.schedule.gather_bytes
@@ -184,7 +203,13 @@ def main(argv=None) -> None:
            if world > 1 else {}))
     trainer = Probed(model=a.model, reward_funcs=even_token_reward, args=args, train_dataset=ds, weight_transfer=wt)
     t0 = time.monotonic()
-    trainer.train()
+    if probe is not None:
+        probe.start()
+    try:
+        trainer.train()
+    finally:
+        if probe is not None:
+            probe.stop()
     train_seconds = time.monotonic() - t0
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -203,10 +228,48 @@ def main(argv=None) -> None:
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     report = {"rank": rank, "world": world, "trainer": a.trainer, "syncs": syncs, "streamed": streamed,
               "rewards": rewards, "version": wt.version, "dtensors": dtensors, "train_seconds": train_seconds,
-              "params": len(served), "param_bytes": param_bytes, "outsider": attacked}
+              "params": len(served), "param_bytes": param_bytes, "outsider": attacked,
+              "http_calls": wt.http_calls, "probe": None if probe is None else {"tokens": probe.tokens,
+                                                                               "errors": probe.errors}}
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     if world > 1:
         torch.distributed.barrier()
+
+
+class Probe:
+    """A streaming greedy request after the other against the server (rank 0), from before train
+    begin to the job's end: every token's arrival time (``time.time()`` seconds) in
+    :attr:`tokens`, failures in :attr:`errors`."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model, self.tokens, self.errors = url, model, [], []
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, name="probe", daemon=True)
+
+    def start(self) -> None:
+        self._th.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._th.join(120)
+
+    def _run(self) -> None:
+        import requests
+
+        while not self._stop.is_set():
+            try:
+                with requests.post(f"{self.url}/v1/completions", stream=True, timeout=300, json={
+                        "model": self.model, "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0.0,
+                        "ignore_eos": True, "stream": True}) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: {"):
+                            self.tokens.append(time.time())
+                        if self._stop.is_set():
+                            break
+            except Exception as e:  # the test fails on it
+                self.errors.append(repr(e))
+                time.sleep(0.5)
 
 
 if __name__ == "__main__":

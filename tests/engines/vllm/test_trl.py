@@ -82,6 +82,42 @@ def test_trls_own_trainer_on_several_ranks_is_refused_at_train_begin():
         OneSidedWeightTransfer("http://127.0.0.1:9", options={"watermrk": 1})
 
 
+def test_a_server_that_is_gone_and_trls_timeouts():
+    """No server at the URL (died, or a wrong URL): ``pause`` is a ControlError naming the URL and
+    what was in progress, not a bare ``requests`` error; the wait for the server follows
+    TRL's ``vllm_server_timeout`` (its config, through :meth:`use_trl_args`) unless given, and
+    fails naming the URL; shadow targets make ``pause``/``resume`` no calls at all."""
+    from types import SimpleNamespace
+
+    from weight_transfer.engines.vllm.trl import TRL_REQUEST_TIMEOUT, TRL_SERVER_TIMEOUT, OneSidedWeightTransfer
+    from weight_transfer.errors import ControlError
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    wt = OneSidedWeightTransfer(url)
+    assert (wt.server_timeout, wt.http_timeout) == (TRL_SERVER_TIMEOUT, TRL_REQUEST_TIMEOUT)
+    with pytest.raises(ControlError, match=rf"{url} did not answer POST /pause \(pausing generation"):
+        wt.pause()
+    with pytest.raises(ControlError, match=rf"{url} did not answer GET /weight_info"):
+        wt.weight_version()
+    wt.use_trl_args(SimpleNamespace(vllm_server_timeout=1.5, request_timeout=7))
+    assert (wt.server_timeout, wt.http_timeout) == (1.5, 7.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"{url} did not answer /health within 2 s"):
+        wt.wait_ready()
+    assert time.monotonic() - t0 < 30
+    mine = OneSidedWeightTransfer(url, http_timeout=3, server_timeout=4).use_trl_args(
+        SimpleNamespace(vllm_server_timeout=99, request_timeout=99))
+    assert (mine.server_timeout, mine.http_timeout) == (4.0, 3.0)  # the user's own win
+    shadow = OneSidedWeightTransfer(url, shadow="auto")
+    shadow._reclaimed = True  # (the first sync's recovery call would need a server)
+    shadow.pause()
+    shadow.resume()
+    assert shadow.http_calls == []
+    for bad in ({"shadow": "sometimes"}, {"http_timeout": 0}, {"server_timeout": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            OneSidedWeightTransfer(url, **bad)
+
+
 def test_bind_and_the_stream_check():
     import torch
 
@@ -190,7 +226,8 @@ class Server:
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                     "--port", str(self.port), "--host", "127.0.0.1", "--weight-transfer-config",
                     '{"backend": "one_sided"}', "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
-                    "--max-num-seqs", "8", "--seed", "0", "--enable-prefix-caching", "--no-enable-chunked-prefill"]
+                    "--max-num-seqs", "8", "--seed", "0", "--enable-prefix-caching", "--no-enable-chunked-prefill",
+                    "--worker-extension-cls", "weight_transfer.engines.vllm.extension.WeightTransferExtension"]
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
@@ -232,6 +269,23 @@ class Server:
 
         return requests.get(f"{self.url}/weight_info", timeout=30).json()["weight_version"]
 
+    def is_paused(self) -> bool:
+        import requests
+
+        return requests.get(f"{self.url}/is_paused", timeout=30).json()["is_paused"]
+
+    def steps(self, since: float) -> dict:
+        """The worker's step clock (engines/vllm/steps.py) since ``since`` (time.time() seconds),
+        installed at the first call."""
+        import requests
+
+        if not getattr(self, "_clock", False):
+            requests.post(f"{self.url}/collective_rpc", json={"method": "wt_step_clock_install"}, timeout=60)
+            self._clock = True
+        r = requests.post(f"{self.url}/collective_rpc", json={"method": "wt_steps", "args": [str(since)]}, timeout=60)
+        r.raise_for_status()
+        return r.json()["results"][0]
+
     def close(self):
         import signal
 
@@ -262,12 +316,14 @@ def server(checkpoint, tmp_path_factory):
     srv = Server(checkpoint, tmp_path_factory.mktemp("trl_server") / "server.log")
     try:
         srv.ready_seconds = srv.wait_ready()
+        srv.steps(time.time())  # the step clock installed, counting from now
         yield srv
     finally:
         srv.close()
 
 
-def _run_job(server, checkpoint, out, *, ranks: int, trainer: str, tcpstore: bool = False) -> tuple[list[dict], dict]:
+def _run_job(server, checkpoint, out, *, ranks: int, trainer: str, tcpstore: bool = False, outsider: bool = True,
+             job_args: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
     """Run tests/helpers/trl_job.py (``ranks`` processes; the outsider battery of case C30
     between and inside sync 2, ``tcpstore``: with torch's own TCPStore client), then compare the
     server's greedy outputs with a fresh vLLM's on the trainer's final weights. Returns the
@@ -279,12 +335,13 @@ def _run_job(server, checkpoint, out, *, ranks: int, trainer: str, tcpstore: boo
     prompts = fixed_prompts(TINY_QWEN3[1]["vocab_size"])
     before = server.generate(prompts)  # caches the long prompt's blocks under the weights before the job
     job = [str(JOB), "--url", server.url, "--model", checkpoint, "--out", str(out), "--steps", str(STEPS),
-           "--trainer", trainer, "--outsider", str(out / "outsider.jsonl"), *(["--outsider-tcpstore"] * tcpstore)]
+           "--trainer", trainer, *(["--outsider", str(out / "outsider.jsonl")] if outsider else []),
+           *(["--outsider-tcpstore"] * tcpstore), *job_args]
     cmd = ([sys.executable, *job] if ranks == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *job])
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
+    t0, t_wall = time.monotonic(), time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=out)
     seconds = time.monotonic() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:] + "\n--- server:\n" + server.tail(40)
@@ -293,10 +350,10 @@ def _run_job(server, checkpoint, out, *, ranks: int, trainer: str, tcpstore: boo
     fresh = fresh_snapshots_subprocess({"final": {"dir": str(out / "final"), "prompts": prompts, "hide_amx": True}},
                                        out / "fresh.pt", max_tokens=MAX_TOKENS, omp_threads=1)["final"]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
-    rows = [json.loads(line) for line in open(out / "outsider.jsonl")]
+    rows = [json.loads(line) for line in open(out / "outsider.jsonl")] if outsider else None
     return reports, {"before": before, "after": after, "fresh": fresh["outputs"], "version": version,
                      "seconds": seconds, "oracle_seconds": time.monotonic() - t1, "server_ready": server.ready_seconds,
-                     "outsider": rows, "out": out}
+                     "outsider": rows, "out": out, "t_wall": t_wall}
 
 
 def _check_common(reports: list[dict], res: dict) -> None:
@@ -312,7 +369,8 @@ def _check_common(reports: list[dict], res: dict) -> None:
     same, ulps = outputs_equal(res["after"], res["fresh"])
     assert same, (res["after"], res["fresh"])
     assert not outputs_equal(res["before"], res["fresh"])[0], "training did not change the greedy outputs"
-    c30 = _check_outsider(reports, res)
+    c30 = _check_outsider(reports, res) if res["outsider"] is not None else {"rows": 0, "max_seconds": 0.0,
+                                                                              "seconds": []}
     print(f"\n[trl {len(reports)} rank(s)] job {res['seconds']:.1f} s (train {r0['train_seconds']:.1f} s), rewards "
           f"{[round(x, 3) for x in r0['rewards']]}, per-update seconds {[round(s['seconds'], 3) for s in r0['syncs']]} "
           f"(transfer {[round(s['update_seconds'], 3) for s in r0['syncs']]}), {r0['syncs'][0]['update_bytes']} "
@@ -372,3 +430,147 @@ def test_two_fsdp2_ranks_every_rank_pushes_none_streams(server, checkpoint, tmp_
             assert s["full_tensor_bytes"] == s["gather_bytes"] == plan, (rank, i, s)
             assert r0["syncs"][i]["report_gather_bytes"][str(rank)] == s["gather_bytes"]
     assert sum(r["syncs"][0]["bytes_sent"] for r in reports) == r0["syncs"][0]["update_bytes"]
+
+
+# ---------------------------------------------------------------------------- shadow targets through TRL
+
+HOLD_S = 0.5
+"""Seconds each shadow sync is held open before its go-live (rank 0): the window in which the
+server must keep generating, whatever the transfer's own length."""
+
+
+def _check_shadow(reports: list[dict], res: dict, server) -> None:
+    """Shadow targets through TRL: no ``/pause`` or ``/resume`` from the integration; a request
+    generating the whole job (the probe, from before train begin) got tokens and the engine
+    computed tokens between every sync's start and its go-live (the step clock); each sync's
+    go-live is marked on the engine's clock with its version; the probe never failed."""
+    r0 = reports[0]
+    assert "pause" not in r0["http_calls"] and "resume" not in r0["http_calls"], r0["http_calls"]
+    assert not r0["probe"]["errors"], r0["probe"]["errors"][:3]
+    clock = server.steps(res["t_wall"])
+    gaps = []
+    for i, s in enumerate(r0["syncs"]):
+        g = s["go_live"]
+        assert g is not None and s["t_begin"] < g < s["t_end"], (i, s)
+        steps = [x for x in clock["steps"] if s["t_begin"] <= x[0] and x[1] <= g and x[2] > 0]
+        streamed = [t for t in r0["probe"]["tokens"] if s["t_begin"] <= t <= g]
+        assert steps and streamed, (i, g - s["t_begin"], len(steps), len(streamed), "no token before the go-live")
+        assert any(m[0] == "go_live" and m[3].get("version") == s["version"] for m in clock["marks"]), i
+        toks = [t for t in r0["probe"]["tokens"] if s["t_begin"] - 1 <= t <= s["t_end"] + 1]
+        gaps.append(max(b - a for a, b in zip(toks, toks[1:])))
+    print(f"[trl shadow {len(reports)} rank(s)] longest gap between two streamed tokens around each sync "
+          f"{[round(x, 3) for x in gaps]} s; syncs {[round(s['t_end'] - s['t_begin'], 3) for s in r0['syncs']]} s "
+          f"(each held {HOLD_S} s before its go-live)")
+
+
+@pytest.mark.long  # shares the server above; a TRL job and a fresh vLLM
+def test_one_rank_trls_own_trainer_on_shadow_targets(server, checkpoint, tmp_path):
+    """TRL's own ``AsyncGRPOTrainer`` with ``OneSidedWeightTransfer(url, shadow="auto")``:
+    versions advance once per sync, the server is never paused and keeps generating through
+    every sync (:func:`_check_shadow`), and the final served model equals a fresh vLLM's on the
+    trained weights."""
+    reports, res = _run_job(server, checkpoint, tmp_path, ranks=1, trainer="trl", outsider=False,
+                            job_args=("--shadow", "auto", "--hold", str(HOLD_S), "--probe"))
+    _check_common(reports, res)
+    _check_shadow(reports, res, server)
+
+
+@pytest.mark.long  # shares the server above; two training processes under torchrun
+def test_two_fsdp2_ranks_on_shadow_targets(server, checkpoint, tmp_path):
+    """``OneSidedAsyncGRPOTrainer`` on two FSDP2 ranks with ``shadow="auto"``: as the one-rank
+    test, every rank pushing its own shards."""
+    reports, res = _run_job(server, checkpoint, tmp_path, ranks=2, trainer="one_sided", outsider=False,
+                            job_args=("--shadow", "auto", "--hold", str(HOLD_S), "--probe"))
+    _check_common(reports, res)
+    _check_shadow(reports, res, server)
+    for r in reports:
+        assert r["dtensors"] == r["params"] > 0
+
+
+# ---------------------------------------------------------------------------- C32: runs against one server
+
+SYNC_JOB = ROOT / "tests" / "helpers" / "sync_job.py"
+
+
+def _sync_job(server, checkpoint, out, *args, check: bool = True, background: bool = False):
+    """tests/helpers/sync_job.py against ``server`` (one rank, fingerprints of every byte);
+    its report (or, ``check=False``, the finished process; ``background``: the running one)."""
+    cmd = [sys.executable, str(SYNC_JOB), "--url", server.url, "--model", str(checkpoint), "--out", str(out), *args]
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", OMP_NUM_THREADS="1")
+    if background:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if not check:
+        return p
+    assert p.returncode == 0, p.stderr[-4000:] + "\n--- server:\n" + server.tail(30)
+    return json.loads((out / "report.json").read_text())
+
+
+def _labels(rep: dict) -> list[str]:
+    assert all(s["verify"] == "full" and s["verified_bytes"] > 0 for s in rep["syncs"]), rep["syncs"]
+    return [s["label"] for s in rep["syncs"]]
+
+
+@pytest.mark.long  # shares the server above: a dozen short training runs and a fresh vLLM
+def test_c32_runs_against_one_server_leave_nothing_behind(server, checkpoint, tmp_path):
+    """Case C32 against one vLLM server (every sync's bytes checked end to end, ``verify="full"``):
+    a run with shadow targets, a plain run (each starting at version 1), a run refused while
+    another is attached (the server's own reason in the error, the server not left paused), a
+    run killed mid-sync (server paused, update session open), the documented recovery
+    (``weight-transfer vllm-recover``: released, ``incomplete:2``, resumed), a plain run that
+    continues at 3, a shadow run killed mid-sync (nothing live touched: the label stays), then
+    a shadow run that recovers by itself -- each new run works, and the served model equals a
+    fresh vLLM's on the last run's weights."""
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+    from weight_transfer.engines.vllm.verify import fixed_prompts, outputs_equal
+
+    rep = _sync_job(server, checkpoint, tmp_path / "shadow", "--shadow", "auto")
+    assert _labels(rep) == ["1", "2"] and rep["http_calls"] == [], rep
+    rep = _sync_job(server, checkpoint, tmp_path / "plain", "--versions", "1,2")
+    assert _labels(rep) == ["1", "2"] and rep["http_calls"].count("pause") == 2, rep
+
+    # a run while another is attached: refused with the server's reason; the server not left paused
+    holder = _sync_job(server, checkpoint, tmp_path / "holder", "--versions", "3", "--linger", "60", background=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "holder" / "synced").exists():
+            assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()[1][-3000:]
+            time.sleep(0.2)
+        p = _sync_job(server, checkpoint, tmp_path / "refused", "--versions", "1", check=False)
+        assert p.returncode == 1, p.stderr[-3000:]
+        assert "initialized already by another training run" in p.stderr and server.url in p.stderr, p.stderr[-3000:]
+        assert "was resumed" in p.stderr and not server.is_paused(), p.stderr[-3000:]
+        assert server.weight_version() == "3"
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+    # the holder was killed between syncs; a run killed mid-sync: paused, its session open, bytes mixed
+    p = _sync_job(server, checkpoint, tmp_path / "killed", "--versions", "1,2", "--die-at", "2", check=False)
+    assert p.returncode == -9 and "killed at the first write of version 2" in p.stderr, p.stderr[-3000:]
+    assert server.is_paused() and server.weight_version() == "1"
+    rec = subprocess.run([sys.executable, "-m", "weight_transfer.experiments", "vllm-recover", "--url", server.url],
+                         capture_output=True, text=True, timeout=300)
+    assert rec.returncode == 0, rec.stderr
+    assert "inference 0: released" in rec.stdout and "interrupted while writing the live weights" in rec.stdout, rec.stdout
+    assert "weight version: incomplete:2; generation resumed" in rec.stdout, rec.stdout
+    assert not server.is_paused() and server.weight_version() == "incomplete:2"
+    assert len(server.generate(fixed_prompts(TINY_QWEN3[1]["vocab_size"]))) == 2  # serving again
+
+    rep = _sync_job(server, checkpoint, tmp_path / "continued", "--versions", "3,4")
+    assert _labels(rep) == ["3", "4"], rep
+    p = _sync_job(server, checkpoint, tmp_path / "killed_shadow", "--versions", "5,6", "--die-at", "6", "--shadow",
+                  "auto", check=False)
+    assert p.returncode == -9, p.stderr[-3000:]
+    assert not server.is_paused() and server.weight_version() == "5"  # nothing live touched by the killed sync
+    p = _sync_job(server, checkpoint, tmp_path / "last", "--versions", "6,7", "--shadow", "auto", check=False)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "released the state of a training run that is gone" in p.stderr, p.stderr[-3000:]  # by itself
+    assert _labels(json.loads((tmp_path / "last" / "report.json").read_text())) == ["6", "7"]
+
+    prompts = fixed_prompts(TINY_QWEN3[1]["vocab_size"])
+    served = server.generate(prompts)
+    fresh = fresh_snapshots_subprocess({"last": {"dir": str(tmp_path / "last" / "final"), "prompts": prompts,
+                                                 "hide_amx": True}}, tmp_path / "fresh.pt", max_tokens=MAX_TOKENS,
+                                       omp_threads=1)["last"]
+    assert outputs_equal(served, fresh["outputs"])[0], (served, fresh["outputs"])
