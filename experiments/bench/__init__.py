@@ -10,6 +10,7 @@ Subcommands of the one CLI, their options generated from each module's config da
     weight-transfer bench-stall        # the engine's stall: pause-based vs shadow targets  (bench/stall.py)
     weight-transfer bench-control      # the authenticated control plane vs the opt-out  (bench/control.py)
     weight-transfer bench-verify       # end-to-end fingerprints off / sample / full  (bench/verify.py)
+    weight-transfer bench-trl          # TRL async GRPO: rollouts during syncs, pause vs shadow  (bench/trl.py)
 """
 from __future__ import annotations
 
@@ -30,5 +31,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                       "(docs/SECURITY.md)"),
     "bench-verify": ("weight_transfer.experiments.bench.verify", "VerifyBenchConfig",
                      "the main job with end-to-end fingerprints off, sample and full: p50 and ratios (docs/VERIFY.md)"),
+    "bench-trl": ("weight_transfer.experiments.bench.trl", "TrlBenchConfig",
+                  "TRL async GRPO through vLLM: rollout tokens/s during weight syncs, pause-based vs shadow targets, "
+                  "verified"),
 }
 """Subcommand -> (module, config dataclass, one-line help); the module's ``main(cfg)`` runs it."""
