@@ -17,6 +17,12 @@ update report (``gather_bytes``), and on rank 0 vLLM's weight version after the 
 ``--out/final/`` (the trainer's weights after the last step, cast to bf16 as vLLM serves them,
 with the model's config and tokenizer: a checkpoint for a fresh vLLM).
 
+``--probe`` (rank 0): a streaming request generating from before train begin to the end (every
+token's arrival time), and after each sync the engine's step clock over it (the server started
+with the project's worker extension and the clock installed): the steps that computed tokens
+between the sync's start and its go-live (``--hold S`` holds each shadow sync open ``S`` seconds
+before it), and the go-lives marked with their versions.
+
 ``--outsider FILE`` (case C30): on rank 0, after sync 1 returned and before sync 2 starts (in a
 thread, beside the training step; sync 2 waits for it to end), and inside sync 2 (at rank 0's first write: the update started, not yet committed), the outsider
 battery of tests/helpers/outsider.py runs against the job's store (training rank 0 serves it)
@@ -184,6 +190,15 @@ def main(argv=None) -> None:
                    "gather_bytes": getattr(wt.last_stats, "gather_bytes", None),
                    "bytes_sent": getattr(wt.last_stats, "bytes_sent", None), "t_begin": t_begin, "t_end": time.time(),
                    "go_live": go_lives[-1] if go_lives and go_lives[-1] > t_begin else None}
+            if rank == 0 and a.probe:  # the engine's step clock over this sync, read now (it keeps the newest steps)
+                import requests
+
+                clock = requests.post(f"{a.url}/collective_rpc", json={"method": "wt_steps", "args": [str(t_begin)]},
+                                      timeout=120).json()["results"][0]
+                end = rec["go_live"] or rec["t_end"]
+                rec["steps_before_go_live"] = sum(1 for x in clock["steps"] if t_begin <= x[0] and x[1] <= end
+                                                  and x[2] > 0)
+                rec["go_live_marks"] = [m[3].get("version") for m in clock["marks"] if m[0] == "go_live"]
             if rank == 0:
                 rec["vllm_version"] = wt.weight_version()
                 rec["plan_gather_bytes"] = wt.schedule.gather_bytes

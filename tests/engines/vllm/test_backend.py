@@ -38,6 +38,7 @@ beside the live engine's start.
 """
 import contextlib
 import os
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -207,8 +208,9 @@ def test_trainer_started_before_the_server_is_ready():
         held.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{held.getsockname()[1]}"
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"training 0: the inference side did not initialize the 'one_sided' "
-                                               r"backend .*HTTPVLLMWeightSyncClient.*ConnectionError.*Is vLLM up"):
+        with pytest.raises(RuntimeError, match=r"training 0: the inference side \(" + re.escape(url) + r"\) did not "
+                                               r"initialize the 'one_sided' backend .*HTTPVLLMWeightSyncClient"
+                                               r".*ConnectionError.*Is vLLM up"):
             WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=10),
                                                       client=HTTPVLLMWeightSyncClient(url, timeout=5),
                                                       source=DTensorSource({"w": torch.zeros(2)}))
