@@ -320,9 +320,11 @@ def run_job(c: TrlBenchConfig, srv, model: str, root: Path, ranks: int, mode: st
     the run's columns); ``prompts``: the fixed prompts of the verification. A failed job gives a row with ``error`` (and the server released)."""
     from weight_transfer.engines.vllm.recover import recover_http
 
-    out = root / f"ranks{ranks}-{mode}"
-    out.mkdir(parents=True, exist_ok=True)
-    srv.generate(prompts, MAX_TOKENS)  # caches the long prompt's blocks under the weights before the job (C21)
+    out, n = root / f"ranks{ranks}-{mode}", 1
+    while out.exists():  # a (ranks, mode) run twice
+        out, n = root / f"ranks{ranks}-{mode}-{n + 1}", n + 1
+    out.mkdir(parents=True)
+    before = srv.generate(prompts, MAX_TOKENS)  # caches the long prompt's blocks under the weights before (C21)
     load0 = os.getloadavg()
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     t0 = time.time()
@@ -342,6 +344,7 @@ def run_job(c: TrlBenchConfig, srv, model: str, root: Path, ranks: int, mode: st
         report = json.loads((out / "rank0.json").read_text())
         row.update(job_metrics(report, clock, c.warmup))
         after, row["server_version"] = srv.generate(prompts, MAX_TOKENS), srv.weight_version()
+        (out / "outputs.json").write_text(json.dumps({"prompts": prompts, "before": before, "after": after}))
         row["verified"], row["verify_ulps"] = _verify(c, out, prompts, after)
     except Exception as e:  # the row says it; the next job runs on a released server
         row.setdefault("job_s", time.time() - t0)
@@ -439,7 +442,7 @@ def format_table(rows: list[dict], notes: list[str]) -> str:
         if r.get("mode") != "off" and not r.get("error"):
             off = next((o for o in rows if o["ranks"] == r["ranks"] and o["mode"] == "off" and not o.get("error")), {})
             L.append(f"# {r['ranks']} rank(s), shadow={r['mode']}: rollout tokens/s during syncs "
-                     f"{_f(r['during_over_between'], '.2f')} x between (target >= 0.50: "
+                     f"{_f(r['during_over_between'], '.3f')} x between (target >= 0.50: "
                      f"{'met' if r.get('target_met') else 'NOT met'}); pause-based: "
                      f"{_f(off.get('tok_s_during'), '.0f')} tok/s during syncs")
     L.append("# sync: rank 0's _sync_weight window; update: the backend's update call; step: one GRPO step, step end "
