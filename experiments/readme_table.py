@@ -16,7 +16,8 @@ Examples::
 
 Groups (:data:`GROUPS`): the main job (``make demo``), the reference against the two baselines
 on the same job, the reference against peers, the three methods through an unmodified vLLM,
-and the simulated at-scale reproduction of the published Kimi-K2 update.
+TRL's async GRPO with pause-based syncs against shadow targets (``bench-trl``), and the
+simulated at-scale reproduction of the published Kimi-K2 update.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ class Group:
     """The command that appends the rows read here (run from the project root)."""
     kind: str
     """How the CSV is read: ``trial`` (a trial's rows, one run per method), ``peers``
-    (``bench-peers``: one run, a row per peer and transport) or ``sim`` (``simulate``: one
-    run, a row per method)."""
+    (``bench-peers``: one run, a row per peer and transport), ``sim`` (``simulate``: one
+    run, a row per method) or ``trl`` (``bench-trl``: one run, a row per training-rank count and
+    shadow mode, each against the pause-based row of its rank count)."""
     config: str = ""
     """``sim`` only: the simulation config whose latest run is shown."""
 
@@ -62,6 +64,8 @@ GROUPS: tuple[Group, ...] = (
     Group(title="through an unmodified vLLM (main job's model, BF16)", csv="results/vllm/trials_1p85gb_shards.csv",
           kind="trial", command="weight-transfer run --engine vllm --quant none --tp 1 --method all --steps 3 "
                                 "--warmup 1 --results results/vllm/trials_1p85gb_shards.csv"),
+    Group(title="inside TRL's async GRPO (61.9 M-parameter Qwen3, bf16; rollouts during syncs)",
+          csv="results/trl_bench.csv", kind="trl", command="weight-transfer bench-trl"),
     Group(title="at scale, **simulated**: Kimi-K2 1T", csv="results/simulated.csv", kind="sim",
           config="kimi_k2_256xh200efa_to_128_dpa_ep32",
           command="weight-transfer simulate kimi_k2_256xh200efa_to_128_dpa_ep32"),
@@ -150,6 +154,30 @@ def _sim_rows(df: pd.DataFrame, config: str) -> tuple[list[dict], str]:
     return out, note
 
 
+TRL_MODES = {"off": "`shadow=off`: /pause per sync", "auto": "`shadow=auto`: no pause, go-live between steps",
+             "copy": "`shadow=copy`: no pause", "flip": "`shadow=flip`: no pause"}
+
+
+def _trl_rows(df: pd.DataFrame) -> list[dict]:
+    """``bench-trl``'s latest run: one row per (ranks, mode) that completed; p50 = the sync's
+    window (rank 0's ``_sync_weight``), the rollout tokens/s during syncs against between in the
+    method cell, the ratio against the pause-based row of the same rank count."""
+    run = _latest(df)
+    run = run[run["error"].isna()] if "error" in run else run
+    out = []
+    for _, r in run.iterrows():
+        off = run[(run["ranks"] == r["ranks"]) & (run["mode"] == "off")]
+        nbytes, p50 = int(r["update_bytes"]), float(r["sync_s_p50"])
+        fsdp = ", FSDP2" if int(r["ranks"]) > 1 else ""
+        out.append(dict(method=f"{TRL_MODES.get(r['mode'], r['mode'])}; rollouts during syncs "
+                               f"{float(r['tok_s_during']):.0f} tok/s = {float(r['during_over_between']):.2f} x between, "
+                               f"engine busy {float(r['busy_during']):.2f} vs {float(r['busy_between']):.2f}",
+                        world=f"{int(r['ranks'])} -> TP1 (vllm, TRL 1.16{fsdp})", bytes=f"{nbytes:,}", p50=p50,
+                        gbps=f"{nbytes / p50 / 1e9:.3f}", verified=f"{int(_bool(pd.Series([r['verified']])).sum())}/1",
+                        ref=float(off["sync_s_p50"].iloc[0]) if len(off) else p50))
+    return out
+
+
 def group_rows(group: Group, root: Path) -> list[str]:
     """The markdown rows of one group, the reference first, ratios against it."""
     df = pd.read_csv(root / group.csv)
@@ -158,13 +186,15 @@ def group_rows(group: Group, root: Path) -> list[str]:
         rows = _trial_rows(df)
     elif group.kind == "peers":
         rows = _peer_rows(df)
+    elif group.kind == "trl":
+        rows = _trl_rows(df)
     else:
         rows, note = _sim_rows(df, group.config)
         title = f"{title}; {note}"
-    ref = rows[0]["p50"]
     lines = []
     for i, r in enumerate(rows):
         first = i == 0
+        ref = r.get("ref", rows[0]["p50"])
         lines.append(f"| {title if first else ''} | {r['method']} | {r['world']} | {r['bytes']} | {r['p50']:.3f} | "
                      f"{r['gbps']} | {r['p50'] / ref:.2f} | {r['verified']} | {'`' + group.csv + '`' if first else ''} | "
                      f"{'`' + group.command + '`' if first else ''} |")
