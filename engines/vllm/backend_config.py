@@ -9,6 +9,7 @@ the trainer side (:mod:`~weight_transfer.engines.vllm.backend_trainer`) and the 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -50,8 +51,6 @@ def _first_line(e: BaseException) -> str:
     out = f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
     resp = getattr(e, "response", None)
     if resp is not None and hasattr(resp, "status_code"):
-        from .recover import server_message
-
         why = server_message(resp)
         if why and why not in out:
             out += f" (the server says: {why.splitlines()[0]})"
@@ -232,3 +231,29 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
         if self.targets not in TARGETS:
             raise ValueError(f"targets={self.targets!r}: one of {', '.join(TARGETS)}")
         transfer_options(self.options)  # unknown keys / bad values refused here, before any process is reached
+
+
+def store_alive(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at the store's ``host:port`` within ``timeout``
+    seconds (a killed trainer's store refuses: its process is gone). A new store on the same
+    port would count as alive: :func:`worker_release` then keeps the registration and names it."""
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def server_message(r) -> str:
+    """A vLLM server's own reason in an error response (``{"error": {"message"}}``, FastAPI's
+    ``{"detail"}``), else the first 300 characters of the body."""
+    try:
+        body = r.json()
+        if isinstance(body, dict):
+            err = body.get("error")
+            msg = err.get("message") if isinstance(err, dict) else (err or body.get("detail") or body.get("message"))
+            if msg:
+                return str(msg).strip()
+    except Exception:
+        pass
+    return (r.text or "").strip()[:300]

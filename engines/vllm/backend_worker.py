@@ -358,7 +358,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         longer answers (a trainer killed without ``shutdown_weight_transfer_engine``), release
         its registration (:meth:`shutdown`) and go on as a fresh server would; otherwise
         RuntimeError naming the trainer still attached and the way out (C32)."""
-        from .recover import store_alive
+        from .backend_config import store_alive
 
         old = self.holder
         if old is not None and not store_alive(*old):

@@ -29,9 +29,10 @@ Why hand-written: vLLM 0.32 has no way to drop a worker's weight-transfer sessio
 """
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
+
+from .backend_config import server_message, store_alive
 
 __all__ = ["GO_LIVE_RPC", "RECOVER_RPC", "install", "worker_release", "engine_core_recover", "store_alive",
            "recover_http", "go_live_http", "rpc_http", "post_route", "wait_health", "server_message", "ServerError"]
@@ -51,31 +52,18 @@ class ServerError(RuntimeError):
         self.url, self.route, self.status, self.reason = url, route, status, reason
 
 
-def store_alive(host: str, port: int, timeout: float = 2.0) -> bool:
-    """Whether something accepts a TCP connection at the store's ``host:port`` within ``timeout``
-    seconds (a killed trainer's store refuses: its process is gone). A new store on the same
-    port would count as alive: :func:`worker_release` then keeps the registration and names it."""
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def worker_release(worker, stale_only: bool = True) -> dict:
     """In one vLLM worker (``collective_rpc`` with this callable): release its ``one_sided``
     engine to a fresh server's state. With ``stale_only`` a registration whose store still
     answers (a trainer alive) is kept. Returns ``{"rank", "holder" ("host:port" or None),
     "alive", "released", "interrupted" (an update session was open), "mixed" (the update had
     begun writing the live bytes: no shadow), "version" (the last version committed)}``."""
-    from .backend_worker import OneSidedWeightTransferEngine
-
     worker = getattr(worker, "worker", None) or worker  # vLLM's WorkerWrapperBase holds the worker
     eng = getattr(worker, "weight_transfer_engine", None)
     out: dict[str, Any] = {"rank": None, "holder": None, "alive": False, "released": False, "interrupted": False,
                            "mixed": False, "version": None}
-    if not isinstance(eng, OneSidedWeightTransferEngine):
-        return out
+    if "OneSidedWeightTransferEngine" not in {c.__name__ for c in type(eng).__mro__}:
+        return out  # another backend's engine, or none (by name: the worker engine's module imports this one)
     out["rank"], out["version"], holder = eng.rank, eng.version, eng.holder
     out["holder"] = None if holder is None else f"{holder[0]}:{holder[1]}"
     if holder is not None and stale_only and store_alive(*holder):
@@ -169,21 +157,6 @@ def rpc_http(base_url: str, method: str, args: list, *, timeout: float, doing: s
                           f"{r.status_code}{hint}): {why}", url=base_url, route="collective_rpc",
                           status=r.status_code, reason=why)
     return r.json()["results"][0]
-
-
-def server_message(r) -> str:
-    """A vLLM server's own reason in an error response (``{"error": {"message"}}``, FastAPI's
-    ``{"detail"}``), else the first 300 characters of the body."""
-    try:
-        body = r.json()
-        if isinstance(body, dict):
-            err = body.get("error")
-            msg = err.get("message") if isinstance(err, dict) else (err or body.get("detail") or body.get("message"))
-            if msg:
-                return str(msg).strip()
-    except Exception:
-        pass
-    return (r.text or "").strip()[:300]
 
 
 def post_route(base_url: str, path: str, doing: str, *, who: str, timeout: float, **params) -> dict:
