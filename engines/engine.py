@@ -459,18 +459,25 @@ def expected_from_checkpoint(cfg: ModelConfig, layout: InferenceLayout, rank: in
 
 def _load_traced(eng: Engine, get_tensor, names) -> None:
     """Fill ``eng``'s tensors with what vLLM's ``load_weights`` makes of ``get_tensor(n)`` for
-    ``names`` at its TP rank (a child process). KeyError names a tensor vLLM did not produce."""
+    ``names`` at its TP rank (a child process); under block FP8, of the step's FP8 checkpoint
+    (:func:`weight_transfer.engines.vllm.trace_fp8.fp8_checkpoint`: each tensor the trace says the
+    engine loads as FP8 quantized whole by the torch reference, not the recipes' assembled
+    tensors). KeyError names a tensor vLLM did not produce."""
     import json
     import tempfile
 
     from .vllm.checkpoint import hf_config
-    from .vllm.trace import layout_spec, loaded_params_subprocess
+    from .vllm.trace import cached_traces, layout_spec, loaded_params_subprocess
+    from .vllm.trace_fp8 import fp8_checkpoint, quantized_config
 
     params = eng.named_parameters()
+    tensors = {n: get_tensor(n) for n in names}
+    if eng.layout.quant is not None:  # the step's block-FP8 checkpoint: each tensor quantized whole (torch reference)
+        tensors = fp8_checkpoint(tensors, cached_traces(eng.cfg, eng.layout)[eng.rank].quantized)
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/config.json", "w") as f:
-            json.dump(hf_config(eng.cfg), f)
-        got = loaded_params_subprocess(d, layout_spec(eng.layout), {n: get_tensor(n) for n in names},
+            json.dump(quantized_config(hf_config(eng.cfg), eng.layout.quant, names), f)
+        got = loaded_params_subprocess(d, layout_spec(eng.layout), tensors,
                                        {eng.tp_rank: list(params)})[eng.tp_rank]
     for n, t in params.items():
         if n not in got:

@@ -193,8 +193,10 @@ def _verified_lines(result, done: list[dict], *, fleet: bool) -> list[str]:
                "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)"
                if result.cfg.run.engine == "vllm" else "the engine's load_weights"
                if result.cfg.model_config().hand_written else
-               "vLLM's own load_weights of the step's checkpoint (a CPU skeleton in a child process; the stand-in "
-               "engine's tensors are what vLLM's traced loader fills)")
+               "vLLM's own load_weights of the step's " + ("block-FP8 " if result.cfg.inference.quant else "")
+               + "checkpoint (a CPU skeleton in a child process; the stand-in engine's tensors are what vLLM's "
+               "traced loader fills" + ("; each weight quantized whole by the torch reference" if
+                                        result.cfg.inference.quant else "") + ")")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(done)} updates"
                  + (f" (every engine in each; {len(rows) - len(done)} failed update(s) above, named)" if fleet else "")
                  + ("" if n_ok == len(done) else "  <-- FAILED"))

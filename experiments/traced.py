@@ -21,11 +21,12 @@ __all__ = ["recipes_for", "trace_cache_dir", "layout_spec"]
 def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=None):
     """``(RecipeSet, how)``: the hand-written recipes (``how`` = ``"hand-written rules"``) for an
     architecture that has them, else the recipes traced from vLLM's loader for ``layout``
-    (``how`` names vLLM's version and the model class). PlanError for a traced architecture
-    without vLLM installed, with FP8 or data-parallel attention (not traced without workers), or
-    when the traced loader computes a tensor (named)."""
+    (``how`` names vLLM's version and the model class; block FP8 traced on its checkpoint form,
+    and the quantization state the engine keeps). PlanError for a traced architecture without
+    vLLM installed, with data-parallel attention (not traced without workers), or when the
+    traced loader computes a tensor (named)."""
     from weight_transfer.plan import build_recipes
-    from weight_transfer.plan.traced import recipes_from_traces
+    from weight_transfer.plan.traced import kept_line, recipes_from_traces
 
     if mcfg.hand_written:
         return build_recipes(mcfg, layout, source_dtypes=source_dtypes), "hand-written rules"
@@ -34,9 +35,9 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     if not vllm_available():
         raise PlanError(f"model {mcfg.label}: architecture {mcfg.architecture!r} is planned from vLLM's traced "
                         "loader and vLLM is not installed (make vllm)")
-    if layout.quant is not None or layout.dp_attention:
-        raise PlanError(f"model {mcfg.label}: {layout.describe()}: traced recipes are the BF16 load layout "
-                        "without data-parallel attention")
+    if layout.dp_attention:
+        raise PlanError(f"model {mcfg.label}: {layout.describe()}: traced recipes are planned without "
+                        "data-parallel attention (trace in the workers)")
     from weight_transfer.engines.vllm.trace import cached_traces
     from weight_transfer.testing.catalog import param_specs
 
@@ -44,4 +45,4 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
     dtypes = source_dtypes or {n: dt for n, (_, dt) in sources.items()}
     rs = recipes_from_traces(traces, layout, model=mcfg.label, source_dtypes=dtypes)
-    return rs, f"traced from {next(iter(traces.values())).source}"
+    return rs, f"traced from {next(iter(traces.values())).source}" + kept_line(rs)

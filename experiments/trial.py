@@ -121,10 +121,6 @@ def preflight(cfg: TrialConfig) -> None:
     mcfg = cfg.model_config()
     get_method(cfg.run.method)
     if not mcfg.hand_written:  # planned from the recipes traced from vLLM's loader (C29)
-        if cfg.inference.quant is not None:
-            raise ValueError(f"model {mcfg.label}: --quant {cfg.inference.quant} with architecture "
-                             f"{mcfg.architecture!r}: recipes traced from vLLM's loader are the BF16 load layout "
-                             "(--quant none)")
         if cfg.run.engine != "vllm":  # the stand-in's tensors and oracle come from vLLM's loader: trace it now, once
             from weight_transfer.experiments.traced import recipes_for, trace_cache_dir
 

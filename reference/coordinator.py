@@ -539,24 +539,22 @@ def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, 
     """The recipes to plan with and a line saying where they come from (C29): the recipes
     traced from vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`) when
     every inference rank in ``ranks`` published a trace (:data:`weight_transfer.plan.traced.TRACE_KEY`)
-    and the layout is the BF16 load layout -- cross-checked against the hand-written rules where
+    (BF16, or block FP8 traced on its checkpoint form) -- cross-checked against the hand-written rules where
     the architecture has them (a difference is named in the line: vLLM's loader is what the
     engine does); else the hand-written rules (:func:`weight_transfer.plan.build_recipes`).
     PlanError for an architecture without hand-written rules and without (usable) traces, or
     what :func:`~weight_transfer.plan.traced.recipes_from_traces` refuses (a loader step that
     computes, a parameter the trainer's tensors do not fill)."""
     from .plan import build_recipes
-    from .plan.traced import compare_recipes, recipes_from_traces
+    from .plan.traced import compare_recipes, kept_line, recipes_from_traces
 
     traces = loader_traces(store, ranks)
     whole = bool(traces) and set(traces) >= ranks
     label = model_config.label
-    if not whole or (model_config.hand_written and (layout.quant is not None or any(
-            t.error or t.refused for t in traces.values()))):
+    if not whole or (model_config.hand_written and any(t.error or t.refused for t in traces.values())):
         if not traces:  # an engine without a vLLM (the stand-in, your own): the rules, nothing to explain
             return build_recipes(model_config, layout, source_dtypes=sources), "recipes: hand-written rules"
         why = ("not every inference rank traced its loader" if not whole else
-               f"quant={layout.quant!r}: traced recipes are the BF16 load layout" if layout.quant else
                "vLLM's loader was not traced cleanly: " + _trace_problem(traces))
         return build_recipes(model_config, layout, source_dtypes=sources), f"recipes: hand-written rules ({why})"
     traced = recipes_from_traces(traces, layout, model=label, source_dtypes=sources)
@@ -566,7 +564,7 @@ def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, 
         diff = compare_recipes(build_recipes(model_config, layout, source_dtypes=sources), traced, max_problems=3)
         how += ("; equal to the hand-written rules, every destination byte" if not diff else
                 f"; DIFFERENT from the hand-written rules (vLLM's loader is used): {'; '.join(diff)}")
-    return traced, how
+    return traced, how + kept_line(traced)
 
 
 def check_shadows(store, infer_payloads: dict, options: TransferOptions) -> dict[int, dict]:
@@ -597,4 +595,4 @@ def only_ranks(recipes, ranks: set[int]):
         return recipes
     kept = [new_recipe(r.name, tuple(k for k in r.ranks if k in ranks), r.shape, r.assembled_dtype, r.pieces,
                        r.transform, r.outputs) for r in recipes if any(k in ranks for k in r.ranks)]
-    return RecipeSet(kept, recipes.ignored, layout=recipes.layout, model=recipes.model)
+    return RecipeSet(kept, recipes.ignored, layout=recipes.layout, model=recipes.model, kept=recipes.kept)

@@ -96,4 +96,4 @@ def retarget(recipes, layouts: dict, *, names: dict[str, str] | None = None):
         raise PlanError(f"weight plan refused for {recipes.model or 'recipe set'} against the running vLLM: "
                         f"{len(seen)} tensor(s) whose runtime bytes cannot be written as planned, first "
                         f"{seen[0]}\n{body}{more}")
-    return RecipeSet(out, recipes.ignored, layout=recipes.layout, model=recipes.model)
+    return RecipeSet(out, recipes.ignored, layout=recipes.layout, model=recipes.model, kept=recipes.kept)

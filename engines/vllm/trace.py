@@ -19,17 +19,14 @@ that code once on a **meta** skeleton of the model (no memory, never the live we
 
 Checkpoint tensors the loader consumes without writing (a tied ``lm_head.weight``, another EP
 rank's experts) are ``skipped``. The result is one :class:`~weight_transfer.plan.traced.LoaderTrace`
-per inference rank; :func:`weight_transfer.plan.traced.recipes_from_traces` makes the recipes.
+per inference rank; :func:`weight_transfer.plan.traced.recipes_from_traces` makes the recipes. A
+block-FP8 model is traced on its FP8 checkpoint form (:mod:`weight_transfer.engines.vllm.trace_fp8`).
 
-Two ways to get a model skeleton:
-
-- inside a vLLM worker (:func:`trace_worker`): the worker's own ``vllm_config`` (a copy) and its
-  real parallel state, so the trace is exactly this rank's loader;
-- in a process of its own (:func:`trace_layout`, ``python -m weight_transfer.engines.vllm.trace``):
-  for a model directory (``config.json`` only), with a one-process gloo group whose TP/EP rank and
-  size are set to each rank's in turn before the skeleton is built (the loaders read them at
-  construction and load). The harness's stand-in engine and the simulation use this for the
-  architectures without hand-written rules, and the cross-check test for the three with them.
+The skeleton is built inside a vLLM worker (:func:`trace_worker`: the worker's own ``vllm_config``
+and parallel state, exactly this rank's loader) or in a process of its own (:func:`trace_layout`,
+``python -m weight_transfer.engines.vllm.trace``) for a model directory (``config.json`` only),
+with a one-process gloo group whose TP/EP rank and size are set to each rank's in turn (the
+loaders read them at construction and load): the stand-in engine, the simulation, the cross-check.
 """
 from __future__ import annotations
 
@@ -43,8 +40,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from weight_transfer import wire
 from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
+
+from .trace_fp8 import meta_kernels, quantized_config, trace_quantized
 
 __all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "trace_many_subprocess", "loaded_params", "loaded_params_subprocess", "meta_model", "view_box", "parse_layout",
            "cached_traces", "trace_cache_dir", "layout_spec"]
@@ -305,20 +305,20 @@ def meta_model(vllm_config) -> torch.nn.Module:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     cfg = _isolated(vllm_config)
-    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), _MetaWeights():
+    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), _MetaWeights(), meta_kernels():
         return initialize_model(vllm_config=cfg, prefix="")
 
 
 def trace_worker(vllm_config, sources: Mapping[str, tuple[tuple[int, ...], str]]) -> LoaderTrace:
-    """This vLLM worker's loader, traced (:func:`trace_load` on :func:`meta_model`): run inside
-    the worker, whose parallel state says its TP/EP rank. A failure to build the skeleton is
-    returned as the trace's ``error``."""
+    """This vLLM worker's loader, traced (:func:`trace_load` on :func:`meta_model`; a block-FP8
+    model on its FP8 checkpoint form, :func:`weight_transfer.engines.vllm.trace_fp8.trace_quantized`):
+    run inside the worker, whose parallel state says its TP/EP rank. A failure to build the
+    skeleton is returned as the trace's ``error``."""
     try:
-        model = meta_model(vllm_config)
+        return trace_quantized(lambda: meta_model(vllm_config), sources, trace_load)
     except Exception as e:
         return LoaderTrace(params={}, error=f"building a meta skeleton of the model: {type(e).__name__}: "
                                             f"{str(e).splitlines()[0] if str(e) else ''}")
-    return trace_load(model, sources)
 
 
 def _one_process_group(vllm_config) -> None:
@@ -362,14 +362,13 @@ def trace_layout(model_dir: str, layout, sources: Mapping[str, tuple[tuple[int, 
     """Inference rank -> :class:`~weight_transfer.plan.traced.LoaderTrace` for every rank of
     ``layout`` (an :class:`~weight_transfer.types.InferenceLayout`; TP, EP, DP replicas), traced
     in this process (module docstring): each TP rank's skeleton is built with vLLM's TP (and EP)
-    group set to that rank, and DP replicas share their TP rank's trace. ValueError for a layout
-    this cannot trace (data-parallel attention, FP8)."""
+    group set to that rank, and DP replicas share their TP rank's trace. ``model_dir``'s
+    ``config.json`` says the quantization (block FP8: ``trace_fp8.quantized_config``). ValueError
+    for data-parallel attention."""
     from vllm.distributed import parallel_state as ps
 
     if layout.dp_attention:
         raise ValueError("trace_layout: data-parallel attention is not traced in one process (trace in the workers)")
-    if layout.quant is not None:
-        raise ValueError(f"trace_layout: quant={layout.quant!r}: traced recipes are the BF16 load layout")
     cfg = engine_config(model_dir, tp=layout.tp, ep=layout.ep, dtype=layout.dtype)
     _one_process_group(cfg)
     per_tp = {}
@@ -408,7 +407,8 @@ def loaded_params(model_dir: str, layout, tp_rank: int, tensors: Mapping[str, to
     try:
         c = _isolated(cfg)
         with set_current_vllm_config(c), set_default_torch_dtype(c.model_config.dtype), torch.no_grad():
-            model = initialize_model(vllm_config=c, prefix="")
+            with meta_kernels(c.model_config.quantization is not None):  # loaded, never computed with
+                model = initialize_model(vllm_config=c, prefix="")
             model.load_weights(iter(list(tensors.items())))
         return {n: p.detach().clone() for n, p in model.named_parameters() if names is None or n in names}
     finally:
@@ -464,16 +464,12 @@ class TraceJob(TypedDict):
 
 def write_data(path, obj) -> None:
     """Write ``obj`` (dicts, lists, tuples, the library's dataclasses) to ``path``: msgpack, no pickle."""
-    from weight_transfer import wire
-
     with open(path, "wb") as f:
         f.write(wire.encode(obj))
 
 
 def read_data(path, type_):
     """What :func:`write_data` wrote, decoded strictly as ``type_`` (an unknown or ill-typed field refused)."""
-    from weight_transfer import wire
-
     with open(path, "rb") as f:
         return wire.decode(f.read(), f"file {os.fspath(path)}", type_)
 
@@ -565,7 +561,9 @@ def cached_traces(mcfg, layout) -> dict:
     (:func:`trace_subprocess` on its ``config.json``) and kept in :func:`trace_cache_dir` keyed by
     the config, the layout, vLLM's version and this module's source (a changed tracer traces
     again), so the processes of one trial or sweep trace once.
-    ValueError for FP8 or data-parallel attention (not traced without workers)."""
+    Block FP8 (``layout.quant == "fp8"``) is traced on the FP8 checkpoint form
+    (:mod:`weight_transfer.engines.vllm.trace_fp8`). ValueError for data-parallel attention
+    (not traced without workers)."""
     import hashlib
     import json
     import tempfile
@@ -576,16 +574,18 @@ def cached_traces(mcfg, layout) -> dict:
     from .checkpoint import hf_config
     from .engine import vllm_version
 
-    if layout.quant is not None or layout.dp_attention:
-        raise ValueError(f"{layout.describe()}: traced recipes are the BF16 load layout without data-parallel attention")
-    cfgjson = json.dumps(hf_config(mcfg), sort_keys=True)
+    if layout.dp_attention:
+        raise ValueError(f"{layout.describe()}: traced recipes are planned without data-parallel attention")
+    specs = param_specs(mcfg)
+    cfgjson = json.dumps(quantized_config(hf_config(mcfg), layout.quant, [p.name for p in specs]), sort_keys=True)
     spec = layout_spec(layout)
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # a changed tracer traces again
+    code = hashlib.sha256(Path(__file__).read_bytes() + Path(__file__).with_name("trace_fp8.py").read_bytes()
+                          ).hexdigest()[:12]  # a changed tracer traces again
     key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}|{code}".encode()).hexdigest()[:20]
     path = trace_cache_dir() / f"{key}.msgpack"
     if path.exists():
         return read_data(path, dict[int, LoaderTrace])
-    sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
+    sources = {p.name: (tuple(p.shape), p.dtype) for p in specs}
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(cfgjson)
         traces = trace_subprocess(d, sources, [spec])[spec]

@@ -73,10 +73,13 @@ class RecipeSet:
 
     ``recipes`` are in checkpoint order of their first source. ``ignored`` names training-side
     tensors that map nowhere on purpose (see :func:`build_recipes`); :func:`~weight_transfer.plan.checks.validate` refuses
-    any other unused source. Lookups (:meth:`for_source`, :meth:`for_rank`) are built lazily.
+    any other unused source. ``kept`` names engine tensors no recipe writes on purpose: the
+    quantization state (KV-cache, activation scales) an engine keeps at its own value when the
+    trainer does not hold it (recipes traced from a block-FP8 loader); the plan line names them.
+    Lookups (:meth:`for_source`, :meth:`for_rank`) are built lazily.
     """
 
-    __slots__ = ("recipes", "ignored", "layout", "model", "_by_source", "_by_rank")
+    __slots__ = ("recipes", "ignored", "layout", "model", "kept", "_by_source", "_by_rank")
 
     def __init__(
         self,
@@ -85,11 +88,13 @@ class RecipeSet:
         *,
         layout: InferenceLayout | None = None,
         model: str = "",
+        kept: Iterable[str] = (),
     ):
         self.recipes: tuple[Recipe, ...] = tuple(recipes)
         self.ignored: frozenset[str] = frozenset(ignored)
         self.layout = layout
         self.model = model
+        self.kept: tuple[str, ...] = tuple(kept)
         self._by_source: dict[str, tuple[Recipe, ...]] | None = None
         self._by_rank: dict[int, tuple[Recipe, ...]] | None = None
 

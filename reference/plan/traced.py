@@ -30,14 +30,19 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..quant import QUANT_BLOCK, cdiv, scale_shape
 from ..types import Box, InferenceLayout, Piece, PlanError, new_output, new_piece, new_recipe
 
 __all__ = ["TracedParam", "LoaderTrace", "TRACE_KEY", "SOURCES_KEY", "recipes_from_traces", "canonical_pieces",
            "compare_recipes", "box_volume", "SOURCE_VIEWS_KEY", "check_views", "view_shape", "expand_sources",
-           "apply_source_views", "fused_expert_views"]
+           "apply_source_views", "fused_expert_views", "SCALE_SUFFIX", "kept_line"]
 
 TRACE_KEY = "meta/infer_trace/{rank}"
 """Store key under which an inference rank publishes its :class:`LoaderTrace`."""
+SCALE_SUFFIX = "_scale_inv"
+"""A block-FP8 weight ``x.weight``'s scale is ``x.weight_scale_inv``, in vLLM's model (``w13_weight``:
+``w13_weight_scale_inv``) as in a DeepSeek-V3 checkpoint."""
+FP8, BF16, F32 = "float8_e4m3fn", "bfloat16", "float32"
 SOURCES_KEY = "meta/train_sources"
 """Store key under which training rank 0 publishes ``{checkpoint name: (global shape, dtype name)}``
 before the inference side initializes: the names and shapes the workers trace their loader with
@@ -68,7 +73,11 @@ class LoaderTrace:
     ``skipped``: checkpoint names the loader consumed without writing them anywhere on this
     rank (a tied ``lm_head.weight``, experts of another EP rank, rotary buffers); ``error``: the
     loader raised (one line) and the trace is unusable; ``source``: which loader, e.g.
-    ``"vllm 0.32.0 LlamaForCausalLM.load_weights"``; ``seconds``: how long tracing took."""
+    ``"vllm 0.32.0 LlamaForCausalLM.load_weights"``; ``seconds``: how long tracing took.
+    A block-FP8 engine (:mod:`weight_transfer.engines.vllm.trace_fp8`): ``quantized``, checkpoint
+    name -> shape of each trainer tensor the engine loads as ``float8_e4m3fn`` + ``weight_scale_inv``
+    (the trace is of that checkpoint form); ``kept``, quantization-state parameters (KV-cache and
+    activation scales) the loader left at the engine's own value."""
 
     params: dict[str, TracedParam]
     refused: dict[str, str] = field(default_factory=dict)
@@ -76,6 +85,8 @@ class LoaderTrace:
     error: str = ""
     source: str = ""
     seconds: float = 0.0
+    quantized: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kept: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +125,46 @@ def _slots(name: str, tp: TracedParam):
     return sorted(per.items())
 
 
+def _block_problem(name: str, tp: TracedParam, scale: TracedParam | None, quantized) -> str:
+    """Why the block-FP8 weight ``name`` (its trace ``tp``, its scale's ``scale``) cannot be made by
+    quantizing the trainer's BF16 rows assembled as vLLM's loader places them, or ``""``: every
+    piece is whole 128x128 blocks of its source (``quantized``: source -> shape) landing on whole
+    blocks of the parameter (a partial block only at both tensors' ends), and vLLM loads the
+    scale of each destination block from the matching block of that source's ``weight_scale_inv``."""
+    if scale is None:
+        return (f"float8_e4m3fn without a block scale {name}{SCALE_SUFFIX} (per-tensor / per-channel FP8 is not "
+                "planned from traces)")
+    B = QUANT_BLOCK
+    want = []
+    for p in tp.pieces:
+        sshape = quantized.get(p.source) if p.source is not None else None
+        if sshape is None:
+            return f"filled from {p.source or 'zeros'}, which the engine does not load as block FP8"
+        ks, kd = len(p.src_box) - 2, len(p.dst_box) - 2
+        for box, shape, what in ((p.src_box[ks:], sshape[-2:], f"rows/columns {list(p.src_box)} of {p.source}"),
+                                 (p.dst_box[kd:], tp.shape[-2:], f"its box {list(p.dst_box)}")):
+            if any(a % B or (b % B and b != n) for (a, b), n in zip(box, shape)):
+                return f"{what} cut(s) a {B}x{B} quantization block (vLLM loads the checkpoint's blocks whole)"
+        blocks = lambda box: tuple((a // B, cdiv(b, B)) for a, b in box)  # noqa: E731
+        want.append((p.source + SCALE_SUFFIX, tuple(p.src_box[:ks]) + blocks(p.src_box[ks:]),
+                     tuple(p.dst_box[:kd]) + blocks(p.dst_box[kd:])))
+    got = sorted((q.source or "", tuple(q.src_box), tuple(q.dst_box)) for q in scale.pieces)
+    if sorted(want) != got:
+        diff = next((x for x in sorted(want) if x not in got), None) or next(x for x in got if x not in want)
+        return f"vLLM loads {name}{SCALE_SUFFIX} from other blocks than its weight's (first: {diff})"
+    return ""
+
+
+def _outputs(name: str, shape: tuple[int, ...], kind: str, lead: Box) -> tuple:
+    """A traced recipe's outputs: the box ``lead`` of ``name``'s leading dims and the rest whole;
+    for ``kind`` ``"fp8_block"`` the ``float8_e4m3fn`` weight and its float32 scale's same slots."""
+    tail = tuple((0, s) for s in shape[len(lead):])
+    if kind != "fp8_block":
+        return (new_output(name, lead + tail, kind),)
+    sc = scale_shape(shape)
+    return (new_output(name, lead + tail, FP8), new_output(name + SCALE_SUFFIX, lead + tuple((0, s) for s in sc[len(lead):]), F32))
+
+
 def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayout | None = None, *,
                         model: str = "", source_dtypes: Mapping[str, str] | None = None):
     """The :class:`~weight_transfer.plan.RecipeSet` of the traced loaders of every inference rank
@@ -125,16 +176,19 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
     rank's loader skipped (a tied head, rotary buffers); any other unused trainer tensor is left
     to :func:`weight_transfer.plan.checks.validate` to refuse (C2).
 
+    A block-FP8 parameter (``float8_e4m3fn`` with a ``_scale_inv`` sibling, traced on the FP8
+    checkpoint form, :attr:`LoaderTrace.quantized`) is one ``"fp8_block"`` recipe (per expert slot)
+    assembled in BF16 from the trainer's tensors, with two outputs, the weight and its scale, as
+    the hand-written FP8 rules make; its scale parameter is not a recipe of its own. ``kept``:
+    the quantization-state parameters every rank's engine keeps (:attr:`LoaderTrace.kept`).
+
     Raises :class:`PlanError` (one line per problem, the first 20) when a rank's loader raised,
     refused a parameter (a computation, not a copy: the loader step is named), or fills a
-    parameter only partly or twice; and for ``layout.quant == "fp8"`` (the traced recipes are
-    the BF16 load layout; block FP8 is planned by the hand-written families only)."""
+    parameter only partly or twice, or a block-FP8 weight cannot be quantized from the rows as
+    vLLM places them (:func:`_block_problem`: a piece cutting a 128x128 block, a scale loaded
+    from other blocks, per-tensor / per-channel FP8)."""
     from . import RecipeSet
 
-    if layout is not None and layout.quant == "fp8":
-        raise PlanError(f"model {model}: quant='fp8' with recipes traced from vLLM's loader: traced recipes plan "
-                        "the BF16 load layout; block FP8 (e4m3 + weight_scale_inv) is planned for the hand-written "
-                        "families only")
     problems: list[str] = []
     for r, t in sorted(traces.items()):
         if t.error:
@@ -147,10 +201,18 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
     for r, t in sorted(traces.items()):
         if t.error:
             continue
+        scales = {n + SCALE_SUFFIX for n, p in t.params.items() if p.dtype == FP8}
         for name, tp in t.params.items():
-            if name in t.refused or not _check(r, name, tp, problems):
+            if name in t.refused or name in scales or not _check(r, name, tp, problems):
                 continue
-            key = (name, tp.shape, tp.dtype, tp.pieces)
+            kind = tp.dtype
+            if tp.dtype == FP8:
+                why = _block_problem(name, tp, t.params.get(name + SCALE_SUFFIX), t.quantized)
+                if why:
+                    problems.append(f"inference rank {r}: {name} {list(tp.shape)}: {why}")
+                    continue
+                kind = "fp8_block"
+            key = (name, tp.shape, kind, tp.pieces)
             if key not in groups:
                 groups[key] = []
                 order.append(key)
@@ -167,22 +229,37 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
         name, shape, dtype, pieces = key
         ranks = tuple(sorted(groups[key]))
         rname = name if n_variants[name] == 1 else f"{name}@tp{ranks[0] % tp_size}"
-        tp = TracedParam(shape, dtype, pieces)
+        fp8 = dtype == "fp8_block"
+        tp = TracedParam(shape, FP8 if fp8 else dtype, pieces)
+
         slots = _slots(name, tp)
+        assembled, transform = (BF16, "fp8_block") if fp8 else (dtype, "copy")
         if slots is None:
-            recipes.append(new_recipe(rname, ranks, shape, dtype, pieces, "copy",
-                                      (new_output(name, tuple((0, s) for s in shape), dtype),)))
+            recipes.append(new_recipe(rname, ranks, shape, assembled, pieces, transform, _outputs(name, shape, dtype, ())))
             continue
-        rest = tuple((0, s) for s in shape[1:])
         for j, ps in slots:
-            recipes.append(new_recipe(f"{rname}[{j}]", ranks, (1,) + tuple(shape[1:]), dtype, tuple(ps), "copy",
-                                      (new_output(name, ((j, j + 1),) + rest, dtype),)))
+            recipes.append(new_recipe(f"{rname}[{j}]", ranks, (1,) + tuple(shape[1:]), assembled, tuple(ps), transform,
+                                      _outputs(name, shape, dtype, ((j, j + 1),))))
     ignored: frozenset[str] = frozenset()
     if source_dtypes:
         used = {p.source for r in recipes for p in r.pieces if p.source is not None}
         skipped = {s for t in traces.values() for s in t.skipped}
         ignored = frozenset(n for n in source_dtypes if n not in used and n in skipped)
-    return RecipeSet(recipes, ignored, layout=layout, model=model)
+    kept = sorted({k for t in traces.values() for k in t.kept})
+    return RecipeSet(recipes, ignored, layout=layout, model=model, kept=kept)
+
+
+def kept_line(recipes) -> str:
+    """The plan line's words for ``recipes.kept`` (a :class:`~weight_transfer.plan.RecipeSet`):
+    ``"; kept by the engine (the trainer holds none): 8 quantization-state tensor(s) (k_scale x2,
+    ...)"``, or ``""`` when it keeps nothing."""
+    from collections import Counter
+
+    if not recipes.kept:
+        return ""
+    kinds = Counter(n.rsplit(".", 1)[-1] for n in recipes.kept)
+    return (f"; kept by the engine (the trainer holds none): {len(recipes.kept)} quantization-state tensor(s) ("
+            + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + ")")
 
 
 # ============================================================================================
@@ -192,14 +269,21 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
 def canonical_pieces(recipes) -> dict[tuple[int, str], tuple]:
     """``(inference rank, destination tensor, dtype) -> sorted pieces`` in the destination tensor's own
     coordinates (each piece's ``dst_box`` moved by its recipe's output box; leading unit dims
-    kept), for ``"copy"`` recipes in the identity layout: two recipe sets that write the same
-    bytes from the same source slices have equal canonical pieces, however their recipes are cut.
-    Pieces are further cut at every row where either set cuts (:func:`compare_recipes`)."""
+    kept), for ``"copy"`` and ``"fp8_block"`` recipes in the identity layout: two recipe sets that
+    write the same bytes from the same source slices have equal canonical pieces, however their
+    recipes are cut. A ``"fp8_block"`` recipe's weight output counts as a copy (the quantizer's
+    input), and its scale output as one entry ``(scale box, "fp8_block of" weight, weight box)``:
+    equal entries quantize the same blocks. Pieces are further cut at every row where either set
+    cuts (:func:`compare_recipes`)."""
     out: dict[tuple[int, str], list] = {}
     for r in recipes:
-        if r.transform != "copy" or len(r.outputs) != 1:
+        if not (r.transform == "copy" and len(r.outputs) == 1 or r.transform == "fp8_block" and len(r.outputs) == 2):
             continue
         o = r.outputs[0]
+        if r.transform == "fp8_block":
+            s = r.outputs[1]
+            for rank in r.ranks:
+                out.setdefault((rank, s.tensor, s.dtype), []).append((tuple(s.box), f"fp8_block of {o.tensor}", o.box))
         origin = [a for a, _ in o.box]
         for p in r.pieces:
             k = len(o.box) - len(p.dst_box)
@@ -238,7 +322,7 @@ def compare_recipes(a, b, *, max_problems: int = 20) -> list[str]:
     tensor) that only one of them writes or that they make from different source slices (the
     first ``max_problems``); ``[]`` when every destination byte comes from the same source byte
     in both. Compares canonical pieces (:func:`canonical_pieces`), cut to single rows where the two
-    sets cut a tensor differently; ``"copy"`` recipes only (the BF16 load layout)."""
+    sets cut a tensor differently; ``"copy"`` and ``"fp8_block"`` recipes (:func:`canonical_pieces`)."""
     ca, cb = canonical_pieces(a), canonical_pieces(b)
     out = []
     for key in sorted(set(ca) | set(cb)):
@@ -332,7 +416,7 @@ def apply_source_views(recipes, views: Mapping[str, tuple[str, Box]]):
             pieces.append(new_piece(name, sb, p.dst_box))
         out.append(new_recipe(r.name, r.ranks, r.shape, r.assembled_dtype, tuple(pieces), r.transform, r.outputs))
     ignored = {views[n][0] if n in views else n for n in recipes.ignored}
-    return RecipeSet(out, ignored, layout=recipes.layout, model=recipes.model)
+    return RecipeSet(out, ignored, layout=recipes.layout, model=recipes.model, kept=recipes.kept)
 
 
 def fused_expert_views(shapes: Mapping[str, tuple[int, ...]], model_type: str) -> dict[str, tuple[str, Box]]:

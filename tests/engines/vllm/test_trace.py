@@ -10,6 +10,7 @@ random source tensors through both recipe sets (weight_transfer.transforms.assem
 compared with ``torch.equal`` -- 100% of the destination bytes of the load layout."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -101,3 +102,84 @@ def test_c29_traced_recipes_equal_the_hand_written_ones_byte_for_byte(traced, ke
               f"{sum(t.numel() * t.element_size() for t in a.values())} bytes equal; traced in {lay.seconds:.2f} s")
     if key == "qwen3_tied_lm_head_saved":
         assert "lm_head.weight" in rs.ignored
+
+
+MODELS_FP8 = {  # every TP-2 slice of every linear weight whole 128x128 blocks, as vLLM's block FP8 requires
+    "qwen3": ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                                 num_key_value_heads=4, head_dim=64, vocab_size=1000)),
+    "qwen3_moe": ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=512, moe_intermediate_size=256,
+                                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000)),
+    "deepseek_v3": ("deepseek-v3", dict(num_hidden_layers=2, first_k_dense_replace=1, num_experts=8, hidden_size=256,
+                                        moe_intermediate_size=256, intermediate_size=512, num_attention_heads=8,
+                                        vocab_size=1000, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+                                        qk_rope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1)),
+}
+
+
+@pytest.fixture(scope="module")
+def traced_fp8(tmp_path_factory):
+    """model -> (cfg, sources, {layout spec: {rank: LoaderTrace}}) of the block-FP8 engine (its
+    ``config.json`` with DeepSeek-V3's ``quantization_config``), traced on the FP8 checkpoint form."""
+    from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.engines.vllm.trace import trace_many_subprocess
+    from weight_transfer.engines.vllm.trace_fp8 import quantized_config
+    from weight_transfer.testing.catalog import load_config, param_specs
+
+    jobs, cfgs = [], {}
+    for key, (name, ov) in MODELS_FP8.items():
+        cfg = load_config(name, **ov)
+        d = tmp_path_factory.mktemp(key + "_fp8")
+        sources = {p.name: (p.shape, p.dtype) for p in param_specs(cfg)}
+        (d / "config.json").write_text(json.dumps(quantized_config(hf_config(cfg), "fp8", sources)))
+        jobs.append({"model_dir": str(d), "sources": sources,
+                     "layouts": [s for s in LAYOUTS if "ep" not in s or cfg.num_experts]})
+        cfgs[key] = (cfg, sources)
+    return {key: (*cfgs[key], t) for key, t in zip(MODELS_FP8, trace_many_subprocess(jobs))}
+
+
+def _dest_outputs(recipes, sources) -> dict:
+    """(rank, tensor) -> the destination tensor (FP8 weights and their scales too) the recipes make."""
+    from weight_transfer.plan.recipes import expected_dests
+    from weight_transfer.transforms import apply_transform, assemble
+    from weight_transfer.types import torch_dtype
+
+    out = {k: torch.zeros(shape, dtype=torch_dtype(dt)) for k, (shape, dt) in expected_dests(recipes).items()}
+    for r in recipes:
+        for o, t in zip(r.outputs, apply_transform(r, assemble(r, sources.__getitem__))):
+            for rank in r.ranks:
+                out[(rank, o.tensor)][tuple(slice(a, b) for a, b in o.box)] = t.view([b - a for a, b in o.box])
+    return out
+
+
+@pytest.mark.parametrize("key", list(MODELS_FP8))
+def test_issue57_fp8_traced_recipes_equal_the_hand_written_ones_byte_for_byte(traced_fp8, key):
+    """Block FP8 (e4m3 + weight_scale_inv at 128x128) planned from vLLM's loader traced on the FP8
+    checkpoint form equals the hand-written FP8 rules on every destination byte: every FP8 weight,
+    every scale, every BF16 tensor, on every rank of TP 1, TP 2, TP 2 + EP and TP 2 x DP 2; the KV-cache
+    scales vLLM's Fp8KVCacheMethod adds are named as kept (the trainer holds none)."""
+    from weight_transfer.engines.vllm.trace import parse_layout
+    from weight_transfer.plan import build_recipes
+    from weight_transfer.plan.traced import compare_recipes, kept_line, recipes_from_traces
+
+    cfg, sources, per_layout = traced_fp8[key]
+    dtypes = {n: dt for n, (_, dt) in sources.items()}
+    g = torch.Generator().manual_seed(0)
+    src = {n: torch.randn(shape, generator=g).to(getattr(torch, dt)) for n, (shape, dt) in sources.items()}
+    for spec, traces in per_layout.items():
+        assert all(not t.error and not t.refused for t in traces.values()), (spec, traces[0].error, traces[0].refused)
+        layout = dataclasses.replace(parse_layout(spec), quant="fp8")
+        rs = recipes_from_traces(traces, layout, model=cfg.label, source_dtypes=dtypes)
+        hand = build_recipes(cfg, layout, source_dtypes=dtypes)
+        assert sum(r.transform == "fp8_block" for r in rs) == sum(r.transform == "fp8_block" for r in hand) > 0, spec
+        assert compare_recipes(hand, rs) == [], spec
+        a, b = _dest_outputs(hand, src), _dest_outputs(rs, src)
+        assert a.keys() == b.keys(), (spec, sorted(set(a) ^ set(b))[:4])
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (spec, k)
+        kept = traces[0].kept  # vLLM 0.32's MLA attention has no KV-cache scale parameters
+        assert all(n.rsplit(".", 1)[-1] in ("q_scale", "k_scale", "v_scale", "prob_scale") for n in kept)
+        assert bool(kept) == (not cfg.is_mla) and (f"{len(rs.kept)} quantization-state tensor(s)" in kept_line(rs)
+                                                    or not kept)
+        n_fp8 = sum(t.numel() for (rk, n), t in a.items() if t.dtype == torch.float8_e4m3fn)
+        print(f"[{key} fp8 {spec}] {len(rs)} traced recipes, {len(hand)} hand-written; {len(a)} destination tensors "
+              f"({n_fp8} FP8 weight bytes) equal; kept: {len(rs.kept)}")
