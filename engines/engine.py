@@ -72,6 +72,7 @@ from weight_transfer.control import UpdateInProgress, read_consistent  # noqa: F
 from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
 
+from .draft import layer_prefix as draft_layer_prefix
 from .params import ALIGN, FP8_BLOCK, _Param, _plan, engine_tensor_metas  # noqa: F401 -- engine_tensor_metas re-exported
 
 GUARD = 64
@@ -281,9 +282,13 @@ class Engine:
             raise KeyError(f"unknown checkpoint tensor {name!r}: no engine parameter for it "
                            f"({cfg.label}, {self.layout.describe()})")
         layer, suffix = int(m.group(1)), m.group(2)
-        if cfg.is_mla and cfg.num_layers <= layer < cfg.num_layers + (cfg.get("num_nextn_predict_layers") or 0):
-            return []  # multi-token-prediction layer: loaded by a separate draft model in vLLM
         pre = f"model.layers.{layer}."
+        if cfg.is_mla and cfg.num_layers <= layer < cfg.num_layers + (cfg.get("num_nextn_predict_layers") or 0):
+            if self.layout.draft != "mtp":
+                return []  # multi-token-prediction layer: loaded by a separate draft model in vLLM
+            pre = draft_layer_prefix(layer, suffix)  # the draft's (engines/draft.py)
+            if pre is None:
+                return []  # served by the target's embed_tokens / lm_head (vLLM's proposer)
         em = _EXPERT.match(suffix)
         if em is not None:
             e, which = int(em.group(1)), em.group(2)

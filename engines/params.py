@@ -176,6 +176,10 @@ class _Builder:
         self.plain("model.norm.weight", (H,))
         if not cfg.tie_word_embeddings:
             self.vocab("lm_head.weight")
+        if self.layout.draft == "mtp":  # the speculative-decoding draft, after the target
+            from .draft import add_params
+
+            add_params(self)
         return self.params
 
 

@@ -70,9 +70,11 @@ def _quant(s: str) -> str | None:
     return None if s == "none" else s
 
 
-OPTION_META = {"quant": {"parse": _quant, "metavar": "{fp8,none}"}, "dtype": {"cli": False}}
+OPTION_META = {"quant": {"parse": _quant, "metavar": "{fp8,none}"}, "dtype": {"cli": False},
+               "draft": {"parse": _quant, "metavar": "{mtp,none}"}}
 """Command-line metadata of :class:`TrialConfig`'s leaves whose class is the library's
-(``InferenceLayout``): ``--quant fp8|none``; the inference dtype stays BF16 here."""
+(``InferenceLayout``): ``--quant fp8|none``, ``--draft mtp|none`` (the engine also serves the
+model's MTP layers as its speculative-decoding draft); the inference dtype stays BF16 here."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -349,7 +351,12 @@ class TrialConfig:
             from .fleet import check_fleet
 
             check_fleet(self)
-        self.model.config()  # validates the model name and the overrides (names and kinds)
+        mcfg = self.model.config()  # validates the model name and the overrides (names and kinds)
+        if (draft := self.inference.draft) and not (mcfg.is_mla and mcfg.get("num_nextn_predict_layers")):
+            raise ValueError(f"--draft {draft}: model {mcfg.label} has no MTP layers (num_nextn_predict_layers="
+                             f"{mcfg.get('num_nextn_predict_layers')!r}); the draft is DeepSeek-V3's multi-token prediction")
+        if draft and run.engine != "stand-in":
+            raise ValueError(f"--draft {draft} with engine={run.engine!r}: not wired for vLLM engines; use the stand-in")
 
     # ---- flat names: the command line's options, the sweep CSVs' columns ----------------------
     @classmethod
@@ -416,7 +423,7 @@ class TrialConfig:
         processes' own memory come on top), so a refusal is never wrong."""
         from weight_transfer.testing.catalog import total_bytes
 
-        bf16 = total_bytes(self.model_config())
+        bf16 = total_bytes(self.model_config(), self.inference.draft)
         train = bf16 * (2 if self.train.dtype == "float32" else 1)
         return train + bf16 * self.inference.dp
 
@@ -453,13 +460,13 @@ class TrialConfig:
                              f"{avail / 1e9:.1f} GB available; use smaller overrides (--override ...) or a cluster")
 
     def train_specs(self) -> list:
-        """The training side's parameters: the catalog's, less ``drop_params``, plus
-        ``extra_params``."""
+        """The training side's parameters: the catalog's (with the MTP layers when the engine
+        serves a draft, ``--draft mtp``), less ``drop_params``, plus ``extra_params``."""
         from weight_transfer.model_config import ParamSpec
         from weight_transfer.testing.catalog import param_specs
 
         drop = set(self.train.drop_params)
-        specs = [s for s in param_specs(self.model_config()) if s.name not in drop]
+        specs = [s for s in param_specs(self.model_config(), self.inference.draft) if s.name not in drop]
         return specs + [ParamSpec(name=n, shape=tuple(sh)) for n, sh in self.train.extra_params]
 
     @property
@@ -536,7 +543,7 @@ KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "
                 "delta_mode": "auto", "delta_format": "auto", "delta_wire_gbps": None, "delta_landing": 0.25, "delta_fused": True,
                 "change_fraction": (), "replay": "", "replay_start": 0, "delta_pairs": False, "kill_engine": (), "restart_engine": (), "engines_at": (),
                 "shadow": "off", "gen_load": 0, "gen_tokens": 64, "local_max_writes": 16,
-                "fingerprints": "off", "fingerprint_cycle": 32, "fingerprint_algo": "auto"}
+                "fingerprints": "off", "fingerprint_cycle": 32, "fingerprint_algo": "auto", "draft": None}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match. One of them changes what the default
 measures: ``local_max_writes`` (16) cuts the small recipes that rows recorded before it gathered

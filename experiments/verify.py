@@ -34,9 +34,9 @@ def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, st
     if source is not None:
         from weight_transfer.testing.replay import ReplayCheckpoint
 
-        ckpt = ReplayCheckpoint(source, param_specs(mcfg), step=step, dtype_override=dtype_override)
+        ckpt = ReplayCheckpoint(source, param_specs(mcfg, layout.draft), step=step, dtype_override=dtype_override)
     else:
-        ckpt = SyntheticCheckpoint(param_specs(mcfg), step=step, seed=seed, dtype_override=dtype_override, change=change)
+        ckpt = SyntheticCheckpoint(param_specs(mcfg, layout.draft), step=step, seed=seed, dtype_override=dtype_override, change=change)
     return expected_from_checkpoint(mcfg, layout, rank, ckpt.__getitem__, ckpt.names())
 
 

@@ -215,6 +215,10 @@ class InferenceLayout:
     expert. ``quant`` is ``None`` (serve the training dtype cast to ``dtype``) or ``"fp8"``
     (DeepSeek-V3 block FP8: e4m3 weights plus float32 ``weight_scale_inv`` per 128x128 block for
     linear layers). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
+    ``draft`` is ``None`` or ``"mtp"``: every rank also serves the draft model of speculative
+    decoding, DeepSeek-V3's multi-token-prediction layers (vLLM's ``DeepSeekMTP``, same TP / EP /
+    quantization as the target), whose tensors are written in the same update under the same
+    version (docs/LAYOUTS.md, "Draft model: DeepSeek MTP").
 
     ``dp_attention`` True (needs ``ep``): data-parallel attention with expert parallelism, as
     SGLang's ``--enable-dp-attention`` / vLLM's DP + EP serve MoE models: every rank of the
@@ -237,6 +241,10 @@ class InferenceLayout:
     """dtype of the non-quantized tensors on the inference side."""
     dp_attention: bool = False
     """Non-expert tensors replicated on every rank, experts split over the ``tp`` ranks."""
+    draft: Literal["mtp"] | None = None
+    """``None`` (no draft model; ``none`` on the command line) or ``"mtp"``: the engine also
+    serves the model's MTP layers as its speculative-decoding draft (destination names
+    ``draft.`` + vLLM's name inside ``DeepSeekMTP``)."""
 
     def __post_init__(self):
         if self.tp < 1 or self.dp < 1:
@@ -245,6 +253,8 @@ class InferenceLayout:
             raise ValueError("InferenceLayout: dp_attention=True needs ep=True (experts split over the tp ranks)")
         if self.quant not in (None, "fp8"):
             raise ValueError(f"InferenceLayout: unknown quant {self.quant!r} (None or 'fp8')")
+        if self.draft not in (None, "mtp"):
+            raise ValueError(f"InferenceLayout: unknown draft {self.draft!r} (None or 'mtp')")
         torch_dtype(self.dtype)
 
     @property
@@ -265,7 +275,7 @@ class InferenceLayout:
             s = f"DPA+EP{self.tp}"
             if self.dp > 1:
                 s += f"xDP{self.dp}"
-            return s + (f"-{self.quant}" if self.quant else "")
+            return s + (f"-{self.quant}" if self.quant else "") + (f"+{self.draft}" if self.draft else "")
         s = f"TP{self.tp}"
         if self.ep:
             s += "+EP"
@@ -273,6 +283,8 @@ class InferenceLayout:
             s += f"xDP{self.dp}"
         if self.quant:
             s += f"-{self.quant}"
+        if self.draft:
+            s += f"+{self.draft}"
         return s
 
 

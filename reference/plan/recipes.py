@@ -53,7 +53,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..model_config import ModelConfig
 from ..quant import QUANT_BLOCK, cdiv
 from ..types import DestTensorMeta, InferenceLayout, PlanError, Recipe, itemsize, numel
-from .rules import dense, mla, moe
+from .rules import dense, mla, moe, mtp
 from .rules.base import VOCAB_PAD, RecipeBuilder
 
 __all__ = [
@@ -79,7 +79,7 @@ class RecipeSet:
     Lookups (:meth:`for_source`, :meth:`for_rank`) are built lazily.
     """
 
-    __slots__ = ("recipes", "ignored", "layout", "model", "kept", "_by_source", "_by_rank")
+    __slots__ = ("recipes", "ignored", "shared", "layout", "model", "kept", "_by_source", "_by_rank")
 
     def __init__(
         self,
@@ -89,9 +89,14 @@ class RecipeSet:
         layout: InferenceLayout | None = None,
         model: str = "",
         kept: Iterable[str] = (),
+        shared: Mapping[str, str] | None = None,
     ):
         self.recipes: tuple[Recipe, ...] = tuple(recipes)
         self.ignored: frozenset[str] = frozenset(ignored)
+        self.shared: dict[str, str] = dict(shared or {})
+        """Training tensor -> the destination tensor that serves it, for tensors a draft model
+        shares with the target (:func:`weight_transfer.plan.rules.mtp.shared_sources`): written
+        once, as the target's; each is also in :attr:`ignored` when the trainer holds it."""
         self.layout = layout
         self.model = model
         self.kept: tuple[str, ...] = tuple(kept)
@@ -145,7 +150,8 @@ class RecipeSet:
 def _build(b: RecipeBuilder) -> list[Recipe]:
     """Every recipe of ``b``'s (model, layout), in checkpoint order: embeddings, per layer its
     norms, attention (:mod:`.rules.mla` or :mod:`.rules.dense`) and MLP (:mod:`.rules.moe` or
-    :mod:`.rules.dense`), the final norm, an untied ``lm_head``."""
+    :mod:`.rules.dense`), the final norm, an untied ``lm_head``; under ``layout.draft="mtp"`` the
+    draft's MTP layers last (:mod:`.rules.mtp`)."""
     cfg = b.cfg
     H = cfg.hidden_size
     b.vocab("model.embed_tokens.weight")
@@ -164,19 +170,24 @@ def _build(b: RecipeBuilder) -> list[Recipe]:
     b.replicated("model.norm.weight", (H,))
     if not cfg.tie_word_embeddings:
         b.vocab("lm_head.weight")
+    if b.L.draft == "mtp":
+        mtp.draft_layers(b)
     return b.recipes
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Training tensors vLLM's loaders skip on purpose (so may be unused without error)."""
+def _ignorable(cfg: ModelConfig, name: str, layout: InferenceLayout | None = None) -> bool:
+    """Training tensors vLLM's loaders skip on purpose (so may be unused without error): with a
+    draft (``layout.draft="mtp"``) only the MTP tensors the draft shares with the target."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return True  # tied: vLLM's lm_head *is* embed_tokens; a saved copy is skipped
-    if cfg.is_mla:  # DeepSeek multi-token-prediction layers are loaded separately
+    if layout is not None and layout.draft == "mtp":
+        return name in mtp.shared_sources(cfg)  # served by the target's tensor (vLLM's proposer)
+    if cfg.is_mla:  # DeepSeek multi-token-prediction layers are loaded separately, by a draft model
         m = _LAYER_RE.match(name)
         if m:
             i = int(m.group(1))
@@ -195,7 +206,10 @@ def build_recipes(
 
     ``source_dtypes`` (training-side name -> dtype), when given, decides ``ignored``: the
     training tensors that no recipe reads *and* that vLLM skips on purpose (a tied model's
-    saved ``lm_head.weight``, ``rotary_emb.inv_freq``, DeepSeek MTP layers). Any other unused
+    saved ``lm_head.weight``, ``rotary_emb.inv_freq``, DeepSeek MTP layers without a draft; with
+    ``layout.draft="mtp"`` the MTP layers are planned (:mod:`.rules.mtp`) and only their
+    ``embed_tokens`` / ``shared_head.head``, which vLLM serves with the target's tensors, are
+    ignored, and listed in :attr:`RecipeSet.shared`). Any other unused
     tensor is left for :func:`weight_transfer.plan.checks.validate` to refuse (C2). Source dtypes do
     not change the recipes: every source is cast to the assembled dtype (a planned cast,
     checked by :func:`weight_transfer.plan.checks.validate`).
@@ -205,6 +219,10 @@ def build_recipes(
     hand-written rules (``cfg.hand_written`` False): those are planned from recipes traced from
     vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`).
     """
+    if layout.draft == "mtp" and not (cfg.is_mla and cfg.get("num_nextn_predict_layers")):
+        raise PlanError(f"model {cfg.label}: draft 'mtp' needs DeepSeek-V3-style MTP layers (num_nextn_predict_layers "
+                        f">= 1, DeepseekV3ForCausalLM); it has architecture {cfg.architecture}, "
+                        f"num_nextn_predict_layers={cfg.get('num_nextn_predict_layers')!r}")
     if not cfg.hand_written:
         from ..model_config import ARCHITECTURES
 
@@ -218,8 +236,9 @@ def build_recipes(
         for r in recipes:
             for pc in r.pieces:
                 used.add(pc.source)
-        ignored = frozenset(n for n in source_dtypes if n not in used and _ignorable(cfg, n))
-    return RecipeSet(recipes, ignored, layout=layout, model=cfg.label)
+        ignored = frozenset(n for n in source_dtypes if n not in used and _ignorable(cfg, n, layout))
+    shared = mtp.shared_sources(cfg) if layout.draft == "mtp" else None
+    return RecipeSet(recipes, ignored, layout=layout, model=cfg.label, shared=shared)
 
 
 # ============================================================================================

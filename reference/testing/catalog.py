@@ -15,8 +15,10 @@ Supported architectures (``architectures[0]`` in the HF config):
   ``q_b_proj``, ``kv_a_proj_with_mqa`` -> ``kv_b_proj``), the first ``first_k_dense_replace``
   layers dense, then routed experts + ``n_shared_experts`` shared experts and the router's
   float32 ``e_score_correction_bias``. The multi-token-prediction layers
-  (``num_nextn_predict_layers``) are not part of the trained model here: inference engines
-  load them separately and RL trainers do not update them.
+  (``num_nextn_predict_layers``) are part of the trained model only when asked for
+  (``param_specs(cfg, draft="mtp")``: the engine serves them as its speculative-decoding
+  draft, and the trainer holds them, trained or frozen); without, inference engines that
+  serve no draft skip them.
 
 Any other architecture (:attr:`ModelConfig.hand_written` False) gets its list from transformers'
 own model class (:func:`weight_transfer.testing.hf_specs.hf_param_specs`: the names a
@@ -215,11 +217,37 @@ def _mlp(prefix: str, H: int, inter: int) -> list[ParamSpec]:
     ]
 
 
-def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+def _layer(cfg: ModelConfig, p: str, i: int) -> list[ParamSpec]:
+    """Decoder layer ``i``'s tensors under prefix ``p`` (norms, attention, MLP or MoE)."""
+    H = cfg.hidden_size
+    out = [ParamSpec(name=f"{p}.input_layernorm.weight", shape=(H,))]
+    out += _attn_params(cfg, p)
+    out.append(ParamSpec(name=f"{p}.post_attention_layernorm.weight", shape=(H,)))
+    if cfg.is_moe_layer(i):
+        E, mI = cfg.num_experts, cfg.moe_intermediate_size
+        out.append(ParamSpec(name=f"{p}.mlp.gate.weight", shape=(E, H)))
+        if cfg.is_mla:
+            out.append(ParamSpec(name=f"{p}.mlp.gate.e_score_correction_bias", shape=(E,), dtype="float32"))
+        for e in range(E):
+            out += _mlp(f"{p}.mlp.experts.{e}", H, mI)
+        if cfg.num_shared_experts:
+            out += _mlp(f"{p}.mlp.shared_experts", H, mI * cfg.num_shared_experts)
+    else:
+        out += _mlp(f"{p}.mlp", H, cfg["intermediate_size"])
+    return out
+
+
+def param_specs(cfg: ModelConfig, draft: str | None = None) -> list[ParamSpec]:
     """The training side's parameters: Hugging Face checkpoint names, global shapes, dtypes,
     in checkpoint order (embeddings, layers, final norm, lm_head). Tied embeddings produce no
     ``lm_head.weight``. All BF16 except DeepSeek's router ``e_score_correction_bias`` (float32
     in the published checkpoint).
+
+    ``draft="mtp"`` adds the MTP layers ``model.layers.{L}`` for ``L`` in ``[num_hidden_layers,
+    + num_nextn_predict_layers)`` after ``lm_head``, as DeepSeek-V3's checkpoint holds them:
+    ``embed_tokens.weight`` ``[V, H]``, ``enorm`` / ``hnorm`` ``[H]``, ``eh_proj.weight``
+    ``[H, 2H]``, a decoder layer (MLA + MoE, the target's names), ``shared_head.norm`` ``[H]``,
+    ``shared_head.head.weight`` ``[V, H]``. ValueError (one line) for a model without them.
 
     Architectures without a hand-written list (``cfg.hand_written`` False) are listed by
     :func:`weight_transfer.testing.hf_specs.hf_param_specs` from transformers' model class
@@ -228,31 +256,42 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     if not cfg.hand_written:
         from .hf_specs import hf_param_specs
 
+        if draft is not None:
+            _mtp_params(cfg, draft)  # refuses: the hand-written MTP layers are DeepSeek-V3's
         return hf_param_specs(cfg)
     H = cfg.hidden_size
     out = [ParamSpec(name="model.embed_tokens.weight", shape=(cfg.vocab_size, H))]
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        out.append(ParamSpec(name=f"{p}.input_layernorm.weight", shape=(H,)))
-        out += _attn_params(cfg, p)
-        out.append(ParamSpec(name=f"{p}.post_attention_layernorm.weight", shape=(H,)))
-        if cfg.is_moe_layer(i):
-            E, mI = cfg.num_experts, cfg.moe_intermediate_size
-            out.append(ParamSpec(name=f"{p}.mlp.gate.weight", shape=(E, H)))
-            if cfg.is_mla:
-                out.append(ParamSpec(name=f"{p}.mlp.gate.e_score_correction_bias", shape=(E,), dtype="float32"))
-            for e in range(E):
-                out += _mlp(f"{p}.mlp.experts.{e}", H, mI)
-            if cfg.num_shared_experts:
-                out += _mlp(f"{p}.mlp.shared_experts", H, mI * cfg.num_shared_experts)
-        else:
-            out += _mlp(f"{p}.mlp", H, cfg["intermediate_size"])
+        out += _layer(cfg, f"model.layers.{i}", i)
     out.append(ParamSpec(name="model.norm.weight", shape=(H,)))
     if not cfg.tie_word_embeddings:
         out.append(ParamSpec(name="lm_head.weight", shape=(cfg.vocab_size, H)))
+    if draft is not None:
+        out += _mtp_params(cfg, draft)
     return out
 
 
-def total_bytes(cfg: ModelConfig) -> int:
+def _mtp_params(cfg: ModelConfig, draft: str) -> list[ParamSpec]:
+    """The MTP layers' checkpoint tensors (:func:`param_specs` with ``draft="mtp"``)."""
+    n = cfg.get("num_nextn_predict_layers") or 0
+    if draft != "mtp" or not cfg.is_mla or n < 1:
+        raise ValueError(f"model {cfg.label}: draft {draft!r} needs DeepSeek-V3-style MTP layers "
+                         f"(num_nextn_predict_layers >= 1); it has architecture {cfg.architecture}, "
+                         f"num_nextn_predict_layers={cfg.get('num_nextn_predict_layers')!r}")
+    H, V = cfg.hidden_size, cfg.vocab_size
+    out = []
+    for L in range(cfg.num_layers, cfg.num_layers + n):
+        p = f"model.layers.{L}"
+        out += [ParamSpec(name=f"{p}.embed_tokens.weight", shape=(V, H)),
+                ParamSpec(name=f"{p}.enorm.weight", shape=(H,)),
+                ParamSpec(name=f"{p}.hnorm.weight", shape=(H,)),
+                ParamSpec(name=f"{p}.eh_proj.weight", shape=(H, 2 * H))]
+        out += _layer(cfg, p, L)
+        out += [ParamSpec(name=f"{p}.shared_head.norm.weight", shape=(H,)),
+                ParamSpec(name=f"{p}.shared_head.head.weight", shape=(V, H))]
+    return out
+
+
+def total_bytes(cfg: ModelConfig, draft: str | None = None) -> int:
     """Bytes of the training-side checkpoint (sum over :func:`param_specs`)."""
-    return sum(p.nbytes for p in param_specs(cfg))
+    return sum(p.nbytes for p in param_specs(cfg, draft))

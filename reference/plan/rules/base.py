@@ -46,6 +46,16 @@ class RecipeBuilder:
         self.T = layout.dense_tp
         self.tp_ranks = [self.all_ranks] if layout.dp_attention else self.ep_ranks
         self.recipes: list[Recipe] = []
+        self.rename: tuple[str, str] | None = None
+        """``(source prefix, destination prefix)`` while the rules of one layer are reused for a
+        module vLLM names differently (the MTP layer's ``mtp_block``, :mod:`.mtp`): every
+        destination tensor (and recipe name) starting with the source prefix gets the
+        destination prefix instead; the pieces keep the checkpoint names."""
+
+    def dest(self, name: str) -> str:
+        """Destination name of the rules' tensor ``name`` under :attr:`rename`."""
+        r = self.rename
+        return r[1] + name[len(r[0]):] if r is not None and name.startswith(r[0]) else name
 
     # -- checks ----------------------------------------------------------------------------
     def divide(self, what: str, n: int, d: int, dname: str = "tp") -> int:
@@ -59,9 +69,10 @@ class RecipeBuilder:
     # -- recipe constructors ----------------------------------------------------------------
     def copy(self, dest: str, ranks, shape, pieces, *, dtype: str | None = None, name: str | None = None):
         dt = dtype or self.dtype
+        dest = self.dest(dest)
         self.recipes.append(
             Recipe(
-                name or dest,
+                self.dest(name) if name else dest,
                 ranks,
                 shape,
                 dt,
@@ -78,9 +89,10 @@ class RecipeBuilder:
             return
         N, K = shape
         sshape = scale_shape(shape)
+        base = self.dest(base)
         self.recipes.append(
             Recipe(
-                name,
+                self.dest(name),
                 ranks,
                 shape,
                 BF16,
@@ -96,6 +108,7 @@ class RecipeBuilder:
     def expert_outputs(self, base: str, which: str, N: int, K: int):
         """Per-slot output factory for ``base.{which}_weight`` ``[El, N, K]`` (and its scale
         under FP8): returns ``slot j -> outputs`` with the constant parts built once."""
+        base = self.dest(base)
         wname = f"{base}.{which}_weight"
         nk = ((0, N), (0, K))
         if not self.fp8:

@@ -43,7 +43,7 @@ def experts(b: RecipeBuilder, p: str):
     sh13, sh2 = (1, 2 * Il, H), (1, H, Il)
     cH = (0, H)
     d_g, d_u, d_d = ((0, 1), (0, Il), cH), ((0, 1), (Il, 2 * Il), cH), ((0, 1), cH, (0, Il))
-    n13, n2 = f"{dbase}.w13_weight", f"{dbase}.w2_weight"
+    n13, n2 = b.dest(f"{dbase}.w13_weight"), b.dest(f"{dbase}.w2_weight")
     add = b.recipes.append
     for e in range(E):
         pre = f"{base}.{e}."
