@@ -203,13 +203,19 @@ def delta_mode_columns(stats: list) -> dict:
     """Per delta mode (``full``, ``scattered``, ``packed``, ``unchanged``: the cost model's choice
     per output and receiver, :attr:`weight_transfer.records.StepStats.delta_modes`), summed over
     training ranks: ``delta_n_<mode>`` writes and ``delta_bytes_<mode>`` bytes written (a packed
-    record's bytes for ``packed``). Empty without delta updates."""
+    record's bytes for ``packed``). Empty without delta updates. The writes into a draft model's
+    tensors (``draft.*``, ``--draft mtp``) are also counted on their own: ``delta_draft_n_<mode>``
+    and ``delta_draft_bytes_<mode>`` (a frozen draft: all ``unchanged`` after the first update)."""
     out: dict = {}
     for s in stats:
         for m, kinds in (getattr(s, "delta_modes", None) or {}).items():
             for n, wrote, _size in kinds.values():
                 out[f"delta_n_{m}"] = out.get(f"delta_n_{m}", 0) + n
                 out[f"delta_bytes_{m}"] = out.get(f"delta_bytes_{m}", 0) + wrote
+        for name, _kind, m, _size, wrote, _runs in getattr(s, "delta_tensors", None) or ():
+            if name.startswith("draft."):
+                out[f"delta_draft_n_{m}"] = out.get(f"delta_draft_n_{m}", 0) + 1
+                out[f"delta_draft_bytes_{m}"] = out.get(f"delta_draft_bytes_{m}", 0) + wrote
     return out
 
 

@@ -195,6 +195,9 @@ class RunOptions:
     num_hidden_layers=2,vocab_size=8192``); empty: synthetic steps."""
     replay_start: int = 0
     """With ``replay``: the saved step trial step 1 loads (0: the initial weights)."""
+    draft_frozen: bool = False
+    """With ``--draft mtp``: the MTP layers are held but not trained (step-0 weights at every
+    step): the first update writes them, a delta update then reports them ``unchanged``."""
     delta_pairs: bool = False
     """With ``delta``: push every step's weights twice through the same executor, once as a
     delta and once as a full update (the executor's delta state set aside: the plain path), both
@@ -352,11 +355,9 @@ class TrialConfig:
 
             check_fleet(self)
         mcfg = self.model.config()  # validates the model name and the overrides (names and kinds)
-        if (draft := self.inference.draft) and not (mcfg.is_mla and mcfg.get("num_nextn_predict_layers")):
-            raise ValueError(f"--draft {draft}: model {mcfg.label} has no MTP layers (num_nextn_predict_layers="
-                             f"{mcfg.get('num_nextn_predict_layers')!r}); the draft is DeepSeek-V3's multi-token prediction")
-        if draft and run.engine != "stand-in":
-            raise ValueError(f"--draft {draft} with engine={run.engine!r}: not wired for vLLM engines; use the stand-in")
+        from .draft import check_draft
+
+        check_draft(self, mcfg)
 
     # ---- flat names: the command line's options, the sweep CSVs' columns ----------------------
     @classmethod
@@ -543,7 +544,7 @@ KEY_DEFAULTS = {"engine": "stand-in", "device": "cpu", "vllm_targets": "auto", "
                 "delta_mode": "auto", "delta_format": "auto", "delta_wire_gbps": None, "delta_landing": 0.25, "delta_fused": True,
                 "change_fraction": (), "replay": "", "replay_start": 0, "delta_pairs": False, "kill_engine": (), "restart_engine": (), "engines_at": (),
                 "shadow": "off", "gen_load": 0, "gen_tokens": 64, "local_max_writes": 16,
-                "fingerprints": "off", "fingerprint_cycle": 32, "fingerprint_algo": "auto", "draft": None}
+                "fingerprints": "off", "fingerprint_cycle": 32, "fingerprint_algo": "auto", "draft": None, "draft_frozen": False}
 """Fields added after trial keys were first recorded: left out of the key at these defaults, so
 the keys of rows recorded before they existed still match. One of them changes what the default
 measures: ``local_max_writes`` (16) cuts the small recipes that rows recorded before it gathered

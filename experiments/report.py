@@ -163,6 +163,12 @@ def _warm_lines(result, meas: list[dict], *, staged: bool, delta: bool) -> list[
                 lines.append(f"# delta modes (p50 per update, outputs written each way): {per}; packed records "
                              f"scattered by the receivers' commit: {rec:.0f}"
                              + ("" if rec else " (none: no receiver offered a landing region, or none fit)"))
+            dm = [m for m in ("full", "scattered", "packed", "unchanged") if any(f"delta_draft_n_{m}" in r for r in meas)]
+            if dm:  # --draft mtp: the draft model's outputs on their own (a frozen draft: all unchanged)
+                per = ", ".join(f"{m} {statistics.median(int(r.get(f'delta_draft_n_{m}', 0) or 0) for r in meas):.0f}"
+                                for m in dm)
+                dbytes = statistics.median(sum(int(r.get(f"delta_draft_bytes_{m}", 0) or 0) for m in dm) for r in meas)
+                lines.append(f"# draft model (draft.*) outputs per update, p50: {per}; bytes written {dbytes:.0f}")
     if meas and meas[-1].get("trainer_copy_bytes") is not None:
         c = meas[-1]["trainer_copy_bytes"]
         lines.append(f"# trainers copied outside the writes: {c} B per update ({100 * c / max(1, meas[-1]['bytes']):.1f}% "

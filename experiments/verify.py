@@ -24,11 +24,12 @@ from weight_transfer.types import InferenceLayout
 
 
 def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
-                    dtype_override: str | None = None, change=None, source=None):
+                    dtype_override: str | None = None, change=None, source=None, frozen: tuple[str, ...] = ()):
     """A fresh engine loaded through ``load_weights`` with the full checkpoint of ``step``
     (``change``: the run's per-step change fractions, :mod:`weight_transfer.testing.weights`;
     ``source``: a :class:`weight_transfer.testing.replay.ReplaySteps` whose step ``step`` is the
-    checkpoint instead, the same bytes the training ranks loaded)."""
+    checkpoint instead, the same bytes the training ranks loaded; ``frozen``: name prefixes of
+    tensors the trainer does not train, at their step-0 weights: a frozen draft)."""
     from weight_transfer.engines import expected_from_checkpoint
 
     if source is not None:
@@ -36,7 +37,8 @@ def expected_engine(mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, st
 
         ckpt = ReplayCheckpoint(source, param_specs(mcfg, layout.draft), step=step, dtype_override=dtype_override)
     else:
-        ckpt = SyntheticCheckpoint(param_specs(mcfg, layout.draft), step=step, seed=seed, dtype_override=dtype_override, change=change)
+        ckpt = SyntheticCheckpoint(param_specs(mcfg, layout.draft), step=step, seed=seed, dtype_override=dtype_override, change=change,
+                                   frozen=frozen)
     return expected_from_checkpoint(mcfg, layout, rank, ckpt.__getitem__, ckpt.names())
 
 
@@ -61,14 +63,14 @@ def compare_engines(live, expected, *, max_report: int = 5) -> dict:
 
 def verify_engine(engine, mcfg: ModelConfig, layout: InferenceLayout, rank: int, *, step: int, seed: int,
                   dtype_override: str | None = None, gaps=None, change=None, keep: dict | None = None,
-                  source=None) -> dict:
+                  source=None, frozen: tuple[str, ...] = ()) -> dict:
     """Verify ``engine`` (the live receiving engine) holds exactly the weights of ``step``:
     ``{"ok", "bytes_checked", "mismatches", ...}`` plus ``gaps_written`` (changed gap spans)
     and ``guards_written`` (:meth:`Engine.guard_damage`) when not empty. ``keep``: a dict that
     receives the oracle engine as ``keep["expected"]`` (e.g. to replay generation steps).
     ``source``: replayed steps (:func:`expected_engine`)."""
     exp = expected_engine(mcfg, layout, rank, step=step, seed=seed, dtype_override=dtype_override, change=change,
-                          source=source)
+                          source=source, frozen=frozen)
     if keep is not None:
         keep["expected"] = exp
     res = compare_engines(engine, exp)

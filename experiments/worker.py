@@ -21,6 +21,7 @@ from weight_transfer.metadata import collect_metas, named_dtensors
 from weight_transfer.testing.training import build_fsdp_model, load_step
 
 from .config import TrialConfig
+from .draft import frozen_sources
 from .methods import serve_active_step
 
 
@@ -185,7 +186,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
         step = first_step
         while client.next_command(step) == "load":
             load_step(params, step=cfg.run.source_step(step), seed=cfg.run.seed,
-                      change=cfg.run.change_fraction or None, source=cfg.run.step_source())
+                      change=cfg.run.change_fraction or None, source=cfg.run.step_source(), frozen=frozen_sources(cfg))
             if cfg.fleet.active:  # the rows show that the trainers never restarted for a membership change
                 from .fleet import record_pid
 
@@ -343,7 +344,7 @@ def _check_version(cfg: TrialConfig, engine, mcfg, rank: int, v: int, gaps, side
         keep: dict = {}
         res = verify_engine(engine, mcfg, cfg.inference, rank, step=cfg.run.source_step(v), seed=cfg.run.seed,
                             change=cfg.run.change_fraction or None, source=cfg.run.step_source(),
-                            dtype_override=cfg.train.dtype_override, gaps=gaps, keep=keep)
+                            dtype_override=cfg.train.dtype_override, gaps=gaps, keep=keep, frozen=frozen_sources(cfg))
         res["seconds"] = time.perf_counter() - t0
     else:
         res = {"ok": None}

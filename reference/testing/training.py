@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from weight_transfer.testing.catalog import param_specs
-from weight_transfer.testing.weights import param_box
+from weight_transfer.testing.weights import frozen_step, param_box
 
 from ..metadata import shard_box
 from ..model_config import ModelConfig, ParamSpec
@@ -185,21 +185,24 @@ def build_two_group_params(cfg: ModelConfig, nodes: int, gpus_per_node: int, moe
     return build_dtensor_params(specs, mesh_for, dtype_override=dtype_override)
 
 
-def load_step(params: dict[str, DTensor], *, step: int, seed: int, change=None, source=None) -> int:
+def load_step(params: dict[str, DTensor], *, step: int, seed: int, change=None, source=None,
+              frozen: tuple[str, ...] = ()) -> int:
     """Overwrite every local shard with the synthetic weights of ``step`` (in place: the
     memory a transfer reads is the memory the trainer updates). Returns bytes written.
     ``change``: per-step fractions of elements that change, cycled (e.g. ``(0.01,)``: 1% of the
     elements of every tensor per step; :mod:`weight_transfer.testing.weights`); None: all.
     ``source``: read the weights from it instead (an object with ``param_box(name, shape, box, *,
     step, dtype, out)``, e.g. :class:`weight_transfer.testing.replay.ReplaySteps`: an RL run's
-    saved steps); ``seed`` and ``change`` are then unused."""
+    saved steps); ``seed`` and ``change`` are then unused. ``frozen``: name prefixes of
+    parameters the trainer does not train (a frozen draft): they keep their step-0 weights
+    (:func:`weight_transfer.testing.weights.frozen_step`)."""
     total = 0
     with torch.no_grad():
-        total = _load_step(params, step, seed, change, source)
+        total = _load_step(params, step, seed, change, source, frozen)
     return total
 
 
-def _load_step(params, step, seed, change=None, source=None) -> int:
+def _load_step(params, step, seed, change=None, source=None, frozen=()) -> int:
     total = 0
     host = getattr(params, "host", None) or {}  # offloaded: the trainer updates the host copies
     for name, p in params.items():
@@ -214,7 +217,8 @@ def _load_step(params, step, seed, change=None, source=None) -> int:
         if source is not None:
             source.param_box(name, tuple(p.shape), box, step=step, dtype=local.dtype, out=local)
         else:
-            param_box(name, tuple(p.shape), box, step=step, seed=seed, dtype=local.dtype, out=local, change=change)
+            param_box(name, tuple(p.shape), box, step=frozen_step(name, step, frozen), seed=seed, dtype=local.dtype,
+                      out=local, change=change)
         total += local.nbytes
     return total
 

@@ -188,6 +188,12 @@ def full_param(name: str, shape: tuple[int, ...], *, step: int, seed: int, dtype
     return param_box(name, shape, tuple((0, s) for s in shape), step=step, seed=seed, dtype=dtype, change=change)
 
 
+def frozen_step(name: str, step: int, frozen: tuple[str, ...] = ()) -> int:
+    """The step whose weights tensor ``name`` holds at ``step``: 0 (its initial weights, never
+    trained) when it starts with one of the ``frozen`` prefixes, else ``step``."""
+    return 0 if frozen and name.startswith(frozen) else step
+
+
 class SyntheticCheckpoint:
     """The full checkpoint of a model at one training step, tensor by tensor, on demand.
 
@@ -196,12 +202,16 @@ class SyntheticCheckpoint:
     ``checkpoint[name]`` generates one tensor; iteration yields ``(name, tensor)`` in spec
     order, one tensor alive at a time (what ``Engine.load_weights`` consumes). ``change``: per-step
     fractions of elements that change (the module docstring); None: every element, every step.
+    ``frozen``: name prefixes of tensors the trainer holds but does not train (a frozen draft):
+    they keep their step-0 weights at every step (:func:`frozen_step`).
     """
 
-    def __init__(self, specs, *, step: int, seed: int, dtype_override: str | None = None, change=None):
+    def __init__(self, specs, *, step: int, seed: int, dtype_override: str | None = None, change=None,
+                 frozen: tuple[str, ...] = ()):
         self.specs = {s.name: s for s in specs}
         self.step, self.seed, self.change = step, seed, (tuple(change) if change else None)
         self.dtype_override = dtype_override
+        self.frozen = tuple(frozen)
 
     def dtype_of(self, name: str) -> str:
         d = self.specs[name].dtype
@@ -209,7 +219,7 @@ class SyntheticCheckpoint:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         s = self.specs[name]
-        return full_param(name, s.shape, step=self.step, seed=self.seed, dtype=self.dtype_of(name), change=self.change)
+        return full_param(name, s.shape, step=frozen_step(name, self.step, self.frozen), seed=self.seed, dtype=self.dtype_of(name), change=self.change)
 
     def __iter__(self):
         for name in self.specs:

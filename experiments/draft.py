@@ -1,0 +1,30 @@
+"""The harness's speculative-decoding draft (``--draft mtp``, ``--draft-frozen``): what a trial
+with a draft checks before it starts, and which training tensors a frozen draft keeps."""
+from __future__ import annotations
+
+
+def check_draft(cfg, mcfg) -> None:
+    """ValueError (one line) unless ``cfg`` (a :class:`~weight_transfer.experiments.config.TrialConfig`
+    of model ``mcfg``) can serve its draft: ``--draft mtp`` needs a DeepSeek-V3-style model with
+    MTP layers (``num_nextn_predict_layers >= 1``) and the stand-in engine; ``--draft-frozen``
+    needs ``--draft``."""
+    draft = cfg.inference.draft
+    if cfg.run.draft_frozen and not draft:
+        raise ValueError("--draft-frozen without --draft: a frozen draft is one the engine serves; add --draft mtp")
+    if not draft:
+        return
+    n = mcfg.get("num_nextn_predict_layers")
+    if not mcfg.is_mla or not n:
+        raise ValueError(f"--draft {draft}: model {mcfg.label} has no MTP layers (num_nextn_predict_layers={n!r}); "
+                         "the draft is DeepSeek-V3's multi-token prediction")
+    if cfg.run.engine != "stand-in":
+        raise ValueError(f"--draft {draft} with engine={cfg.run.engine!r}: not wired for vLLM engines; use the stand-in")
+
+
+def frozen_sources(cfg) -> tuple[str, ...]:
+    """Name prefixes of the training tensors held but not trained: the MTP layers
+    (``model.layers.{L}.``, ``L >= num_hidden_layers``) under ``--draft-frozen``, else ``()``."""
+    if not cfg.run.draft_frozen:
+        return ()
+    m = cfg.model_config()
+    return tuple(f"model.layers.{L}." for L in range(m.num_layers, m.num_layers + m["num_nextn_predict_layers"]))

@@ -1,0 +1,38 @@
+"""A served draft model (``--draft mtp``: DeepSeek-V3's MTP layer) end to end: planned and written
+in the same update as the target, every byte of both verified against the stand-in's own
+load_weights; a frozen draft (``--draft-frozen``) is written by the first update and reported
+unchanged by the delta updates after it. Issue 57 (3)."""
+import pytest
+
+from weight_transfer.experiments.config import TrialConfig
+from weight_transfer.experiments.trial import run_trial
+
+TINY_DS = dict(num_hidden_layers=2, first_k_dense_replace=1, num_experts=4, hidden_size=128, intermediate_size=256,
+               moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+               qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, vocab_size=1001)
+
+
+def _cfg(**kw):
+    base = dict(model="deepseek-v3", overrides=TINY_DS, n_train=2, tp=2, quant="fp8", draft="mtp", steps=2,
+                warmup=0, timeout=60)
+    return TrialConfig.from_flat(**{**base, **kw})
+
+
+@pytest.mark.multiproc
+def test_frozen_draft_written_once_then_unchanged():
+    res = run_trial(_cfg(draft_frozen=True, delta=True))
+    assert [r["verified"] for r in res.rows] == [True, True], [r.get("verify_error") for r in res.rows]
+    first, second = res.rows
+    assert first["delta_draft_n_full"] > 0 and not first.get("delta_draft_n_unchanged")  # first update: whole
+    assert second["delta_draft_n_unchanged"] > 0 and not second.get("delta_draft_n_full")  # then unchanged
+    assert second["delta_draft_bytes_unchanged"] == 0 and second["delta_n_full"] > 0  # the target changed
+
+
+def test_draft_refused_one_line():
+    with pytest.raises(ValueError, match="has no MTP layers"):
+        TrialConfig.from_flat(model="qwen3-0.6b", draft="mtp")
+    with pytest.raises(ValueError, match="--draft-frozen without --draft"):
+        _cfg(draft=None, draft_frozen=True)
+    with pytest.raises(ValueError, match="not wired for vLLM engines"):
+        _cfg(engine="vllm", quant=None)
+    assert len(_cfg().train_specs()) > len(_cfg(draft=None).train_specs())
