@@ -3,7 +3,7 @@ and hardware (torchtitan style). ``weight-transfer simulate --list`` shows them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from weight_transfer.types import InferenceLayout
 
@@ -201,6 +201,29 @@ def deepseek_v3_256xh100_to_128xh100_fp8() -> SimConfig:
                      label="no anchor; MoE width 32, 8 x TP16+EP, H100 + CX-7")
 
 
+def _with_mtp(base: SimConfig, assumed: str) -> SimConfig:
+    """``base`` serving the MTP draft too (``layout.draft="mtp"``, issue 57 (3)): the trainer
+    holds the MTP layer and the update writes it with the target; ``simulate`` also predicts
+    ``base`` and prints what the draft adds (:mod:`~weight_transfer.experiments.sim.draft`)."""
+    return replace(base, name=f"{base.name}_mtp", layout=replace(base.layout, draft="mtp"),
+                   methods=("reference", "overlapped_writes"),
+                   overrides={**base.overrides, "num_nextn_predict_layers": 1},
+                   label=f"{base.label}; + the MTP draft ({assumed})")
+
+
+def kimi_k2_256xh100_to_128xh100_fp8_mtp() -> SimConfig:
+    """kimi_k2_256xh100_to_128xh100_fp8 with a DeepSeek-V3-style MTP draft layer (hypothetical:
+    Kimi-K2 ships none)."""
+    return _with_mtp(kimi_k2_256xh100_to_128xh100_fp8(),
+                     "hypothetical: Kimi-K2's config has num_nextn_predict_layers 0; one DeepSeek-V3-style layer at "
+                     "Kimi-K2's sizes assumed")
+
+
+def deepseek_v3_256xh100_to_128xh100_fp8_mtp() -> SimConfig:
+    """deepseek_v3_256xh100_to_128xh100_fp8 with its published MTP layer served as the draft."""
+    return _with_mtp(deepseek_v3_256xh100_to_128xh100_fp8(), "DeepSeek-V3's published MTP layer, model.layers.61")
+
+
 def kimi_k2_256xh20_ckpt_engine() -> SimConfig:
     """checkpoint-engine's published number: Kimi-K2 FP8 broadcast-updated on 256 H20
     (16 instances x TP16 assumed), 8 GiB buckets. The reference is not run (no training side
@@ -230,6 +253,18 @@ def tiny_qwen3_moe_2x2() -> SimConfig:
                      layout=InferenceLayout(tp=2, dp=2, quant="fp8"), watermark=256 << 20)
 
 
+def tiny_deepseek_v3_mtp_2x2() -> SimConfig:
+    """A small world with the MTP draft, for tests: DeepSeek-V3 with 2 layers (the first dense) and
+    its MTP layer, 8 experts, 2x2 training ranks, 2 x TP2+EP FP8 inference ranks."""
+    return SimConfig(name="tiny_deepseek_v3_mtp_2x2", model="deepseek-v3",
+                     overrides={"num_hidden_layers": 2, "first_k_dense_replace": 1, "num_experts": 8,
+                                "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+                                "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 96, "kv_lora_rank": 64,
+                                "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 1000},
+                     train_nodes=2, hardware=Hardware(gpus_per_node=2, nics_per_node=2), methods=("reference",),
+                     layout=InferenceLayout(tp=2, dp=2, ep=True, quant="fp8", draft="mtp"), watermark=256 << 20)
+
+
 def glm45_air_64xh100_to_16_traced() -> SimConfig:
     """GLM-4.5-Air (106B, 128 routed experts + a shared one) 64 -> 16: no hand-written rules, the
     recipes traced from vLLM's own loader (C29; needs vLLM). No published anchor."""
@@ -252,7 +287,8 @@ CONFIGS: dict[str, Callable[[], SimConfig]] = {f.__name__: f for f in (
     kimi_k2_256xh200efa_to_128_dpa_ep128, kimi_k2_256xh100_to_128xh100_fp8, kimi_k2_256xh100_to_128xh100_fp8_expert_whole,
     kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128xh200efa_to_32_dpa_ep8, qwen3_235b_128_to_32,
     deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2,
-    glm45_air_64xh100_to_16_traced, tiny_glm45_2x2_traced)}
+    glm45_air_64xh100_to_16_traced, tiny_glm45_2x2_traced, kimi_k2_256xh100_to_128xh100_fp8_mtp,
+    deepseek_v3_256xh100_to_128xh100_fp8_mtp, tiny_deepseek_v3_mtp_2x2)}
 
 
 def get_config(name: str) -> SimConfig:

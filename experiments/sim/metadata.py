@@ -63,12 +63,14 @@ def _meta(name, shape, dt, mesh, names, pl, off, lsh, offloaded) -> ParamMeta:
 
 
 def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str = "two_group",
-                offloaded: bool = False, dtype: str | None = None, moe_width: int | None = None) -> dict[int, list[ParamMeta]]:
+                offloaded: bool = False, dtype: str | None = None, moe_width: int | None = None,
+                draft: str | None = None) -> dict[int, list[ParamMeta]]:
     """Per training rank (``n * gpus_per_node + j`` for node ``n``, GPU ``j``), the
     :class:`ParamMeta` list it publishes, in parameter order (see module docstring).
     ``dtype`` overrides the BF16 parameters' dtype (e.g. ``"float32"`` masters);
     ``moe_width``: the MoE mesh width of ``two_group`` (nodes per expert sub-mesh; must
-    divide ``nodes``; None: all nodes)."""
+    divide ``nodes``; None: all nodes); ``draft`` ``"mtp"``: the trainer also holds the MTP
+    layers (:func:`weight_transfer.testing.catalog.param_specs`), sharded like the other layers."""
     from weight_transfer.testing.training import two_group_columns
 
     if layout not in TRAIN_LAYOUTS:
@@ -89,7 +91,7 @@ def train_metas(cfg: ModelConfig, nodes: int, gpus_per_node: int, *, layout: str
     shared_lists: dict[object, list[int]] = {}  # "all" / ("col", j) / ("rank", r) -> parameter indices
     k_expert = 0
     last_expert: tuple[str, int] | None = None
-    for i, s in enumerate(param_specs(cfg)):
+    for i, s in enumerate(param_specs(cfg, draft)):
         dt = dtype if (dtype and s.dtype == "bfloat16") else s.dtype
         if is_expert_param(s.name):
             if layout == "two_group":

@@ -28,6 +28,7 @@ from weight_transfer.testing.catalog import load_config, param_specs, total_byte
 from ..paths import project_dir
 from . import metadata, model
 from .configs import CONFIGS, SimConfig, get_config
+from .draft import draft_columns, draft_rows, draft_split, format_draft
 from .shadow import ShadowSpec, format_shadow, shadow_rows
 
 DEFAULT_CSV = project_dir() / "results" / "simulated.csv"
@@ -61,7 +62,7 @@ def build(cfg: SimConfig):
     """(model config, train metas, dest metas, recipes) for ``cfg``."""
     mcfg = load_config(cfg.model, **cfg.overrides)
     tm = metadata.train_metas(mcfg, cfg.train_nodes, cfg.hardware.gpus_per_node, layout=cfg.train_layout,
-                              offloaded=cfg.offloaded, moe_width=cfg.moe_width)
+                              offloaded=cfg.offloaded, moe_width=cfg.moe_width, draft=cfg.layout.draft)
     if not mcfg.hand_written:  # recipes traced from vLLM's loader (C29); the destinations are what they write
         from weight_transfer.experiments.traced import recipes_for
         from weight_transfer.plan.recipes import expected_dests, make_dest_metas
@@ -101,6 +102,7 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpe
                                                                     "sglang_pp_broadcast")):
         log(f"# synthesizing metadata: {cfg.n_train} training ranks, {cfg.n_infer} inference ranks ...")
         _, tm, dm, rs = build(cfg)
+        split = draft_split(dm) if cfg.layout.draft else None  # the draft's and the scales' bytes
         first = model.first_metas(tm)
         out.setup_seconds = time.perf_counter() - t0
         recv_total = None
@@ -142,11 +144,13 @@ def run(cfg: SimConfig, *, log=print, sensitivity: bool = False, delta: DeltaSpe
         if "sglang_pp_broadcast" in cfg.methods:
             out.results.append(model.sglang_pp_broadcast(first, hw, cfg.n_infer, recv_total))
         del tm, dm, rs, first
+        if split is not None:  # the same config without the draft, predicted after this one's memory is freed
+            out.extra["draft"] = draft_rows(cfg, split, out.results, rerun=run, log=log)
     if "ckpt_engine_broadcast" in cfg.methods:
         per_inst = [metadata.region_bytes(ms) for ms in
                     (__import__("weight_transfer.engines.engine", fromlist=["x"]).engine_tensor_metas(mcfg, cfg.layout, t)
                      for t in range(cfg.layout.tp))]
-        n_tensors = len(param_specs(mcfg)) * (2 if cfg.layout.quant else 1)
+        n_tensors = len(param_specs(mcfg, cfg.layout.draft)) * (2 if cfg.layout.quant else 1)
         out.results.append(model.ckpt_engine_broadcast(sum(per_inst), n_tensors, cfg.n_infer, hw))
     out.max_rss_bytes = _maxrss()
     return out
@@ -351,7 +355,7 @@ def format_table(sr: SimRun) -> str:
     mcfg = load_config(cfg.model, **cfg.overrides)
     L = [
         f"# at-scale simulation: {cfg.name}   (SIMULATED: cost model of docs/SIMULATION.md, not a measurement)",
-        f"# model: {mcfg.label} ({mcfg.architecture}; {total_bytes(mcfg) / 1e9:.1f} GB in bf16; source {mcfg.source})",
+        f"# model: {mcfg.label} ({mcfg.architecture}; {total_bytes(mcfg, cfg.layout.draft) / 1e9:.1f} GB in bf16; source {mcfg.source})",
         f"# label: {cfg.label or '-'}  [{cfg.calibration}]",
         f"# training: {cfg.n_train} GPUs = {cfg.train_nodes} nodes x {hw.gpus_per_node}, FSDP2 layout {cfg.train_layout_text}"
         f"{', offloaded to host' if cfg.offloaded else ''}; prepare: "
@@ -395,8 +399,9 @@ def format_table(sr: SimRun) -> str:
     dt = format_delta(sr)
     if dt:
         L.append(dt)
-    if sr.extra.get("shadow"):
-        L.append(format_shadow(sr.extra["shadow"]))
+    for key, fmt in (("shadow", format_shadow), ("draft", format_draft)):
+        if sr.extra.get(key):
+            L.append(fmt(sr.extra[key]))
     return "\n".join(L)
 
 
@@ -427,7 +432,7 @@ def rows(sr: SimRun) -> list[dict]:
             row[f"floor_{k}_seconds"] = r.floors.get(k)
         for k, v in r.stage_busy.items():
             row[f"busy_{k}_seconds"] = v
-        out.append(row)
+        out.append({**row, **draft_columns(sr.extra.get("draft"), r.method)})
     return out
 
 
@@ -585,16 +590,9 @@ def main(args) -> int:
             p = out_dir / f"sim_{cfg.name}_gantt.csv.gz"  # gzip (pandas, from the suffix): 10x smaller
             pd.DataFrame(g).to_csv(p, index=False)
             print(f"# per-stage timeline of ranks {gantt_ranks(cfg)} written to {p}")
-        if sr.extra.get("sensitivity"):
-            p = out_dir / f"sim_{cfg.name}_sensitivity.csv"
-            pd.DataFrame(sr.extra["sensitivity"]).to_csv(p, index=False)
-            print(f"# sensitivity table written to {p}")
-        if sr.extra.get("delta"):
-            p = out_dir / f"sim_{cfg.name}_delta.csv"
-            pd.DataFrame(sr.extra["delta"]).to_csv(p, index=False)
-            print(f"# delta table written to {p}")
-        if sr.extra.get("shadow"):
-            p = out_dir / f"sim_{cfg.name}_shadow.csv"
-            pd.DataFrame(sr.extra["shadow"]).to_csv(p, index=False)
-            print(f"# shadow table written to {p}")
+        for key in ("sensitivity", "delta", "shadow", "draft"):
+            if sr.extra.get(key):
+                p = out_dir / f"sim_{cfg.name}_{key}.csv"
+                pd.DataFrame(sr.extra[key]).to_csv(p, index=False)
+                print(f"# {key} table written to {p}")
     return 0

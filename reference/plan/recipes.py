@@ -238,6 +238,8 @@ def build_recipes(
                 used.add(pc.source)
         ignored = frozenset(n for n in source_dtypes if n not in used and _ignorable(cfg, n, layout))
     shared = mtp.shared_sources(cfg) if layout.draft == "mtp" else None
+    if shared and not source_dtypes:  # declared whether or not the trainer holds them (served by the target's)
+        ignored = frozenset(shared)
     return RecipeSet(recipes, ignored, layout=layout, model=cfg.label, shared=shared)
 
 
