@@ -44,8 +44,9 @@ vLLM behaviour matched
 - tied embeddings: no ``lm_head.weight`` tensor, a checkpoint ``lm_head.weight`` is skipped;
   ``rotary_emb.inv_freq`` / ``cos_cached`` / ``sin_cached`` and DeepSeek's multi-token-
   prediction layers (``model.layers.{L}`` for ``L >= num_hidden_layers``) are skipped like
-  vLLM (vLLM loads MTP in a separate draft model); every skip is recorded in
-  :attr:`Engine.skipped_names`;
+  vLLM (vLLM loads MTP in a separate draft model) unless the layout serves that draft
+  (``layout.draft="mtp"``: the draft's tensors, ``draft.*``, are laid out and loaded by
+  :mod:`weight_transfer.engines.draft`); every skip is recorded in :attr:`Engine.skipped_names`;
 - FP8: the checkpoint arrives in BF16 and the engine re-quantizes after loading
   (block 128x128, ``weight_scale_inv``), per expert slot for ``w13``/``w2``.
 

@@ -206,7 +206,7 @@ def _with_mtp(base: SimConfig, assumed: str) -> SimConfig:
     holds the MTP layer and the update writes it with the target; ``simulate`` also predicts
     ``base`` and prints what the draft adds (:mod:`~weight_transfer.experiments.sim.draft`)."""
     return replace(base, name=f"{base.name}_mtp", layout=replace(base.layout, draft="mtp"),
-                   methods=("reference", "overlapped_writes"),
+                   methods=("reference", "overlapped_writes"), anchors={},  # the published times are without a draft
                    overrides={**base.overrides, "num_nextn_predict_layers": 1},
                    label=f"{base.label}; + the MTP draft ({assumed})")
 
