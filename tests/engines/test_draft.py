@@ -64,3 +64,26 @@ def test_shard_rules_and_load(quant):
             assert w2.dtype == torch.float8_e4m3fn and d + "mtp_block.mlp.experts.routed_experts.w2_weight_scale_inv" in p
         assert "model.layers.2.embed_tokens.weight" in eng.skipped_names  # served by the target's
         assert "model.layers.2.shared_head.head.weight" in eng.skipped_names
+
+
+@pytest.mark.vllm
+def test_names_match_vllms_own_rewrite():
+    """vLLM 0.32's ``DeepSeekMTP._rewrite_spec_layer_name`` (it reads nothing of its model) puts
+    every checkpoint tensor of the MTP layer where :func:`layer_prefix` does (the shared embedding
+    aside: vLLM loads it into the draft's ``model.embed_tokens``, which its proposer then replaces
+    by the target's, so the stand-in skips it)."""
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+    cfg = deepseek()
+    for p in param_specs(cfg, "mtp"):
+        if not p.name.startswith("model.layers.2."):
+            continue
+        suffix = p.name.removeprefix("model.layers.2.")
+        theirs = DeepSeekMTP._rewrite_spec_layer_name(None, 2, p.name)
+        pre = layer_prefix(2, suffix)
+        if suffix == "embed_tokens.weight":
+            assert pre is None and theirs == "model.embed_tokens.weight"
+        elif suffix == "shared_head.head.weight":
+            assert pre is None and theirs == p.name  # loaded, then replaced by the target's lm_head
+        else:
+            assert "draft." + theirs == pre + suffix, p.name
