@@ -87,8 +87,25 @@ def _header_lines(result) -> list[str]:
         f"# inference: {cfg.n_infer} rank(s), {cfg.inference.describe()} ({cfg.inference.quant or cfg.inference.dtype}), "
         f"engine {_engine_text(cfg)}",
         f"# plan: {result.schedule_summary}; computed once in {result.plan_seconds:.3f} s",
+        *_draft_lines(cfg, mcfg),
         "#",
     ]
+
+
+def _draft_lines(cfg, mcfg) -> list[str]:
+    """``--draft mtp``: what the draft adds to every update (its destination bytes, all inference
+    ranks) and which MTP tensors it shares with the target (written once, as the target's)."""
+    if not cfg.inference.draft:
+        return []
+    from weight_transfer.engines.engine import engine_tensor_metas
+    from weight_transfer.plan.rules.mtp import shared_sources
+
+    metas = [m for r in range(cfg.n_infer) for m in engine_tensor_metas(mcfg, cfg.inference, r)]
+    draft = sum(m.nbytes for m in metas if m.name.startswith("draft."))
+    total = sum(m.nbytes for m in metas)
+    shared = ", ".join(f"{s} -> {t}" for s, t in shared_sources(mcfg).items())
+    return [f"# draft ({cfg.inference.draft}{', frozen' if cfg.run.draft_frozen else ''}): {draft} B of the {total} B "
+            f"every update writes ({100 * draft / max(1, total):.1f}%); shared with the target, written once as its: {shared}"]
 
 
 def _update_lines(rows: list[dict], *, staged: bool, delta: bool, fleet: bool) -> list[str]:
