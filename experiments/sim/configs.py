@@ -219,6 +219,15 @@ def kimi_k2_256xh100_to_128xh100_fp8_mtp() -> SimConfig:
                      "Kimi-K2's sizes assumed")
 
 
+def kimi_k2_256xh200efa_to_128_dpa_ep32_mtp() -> SimConfig:
+    """The headline (kimi_k2_256xh200efa_to_128_dpa_ep32) with a DeepSeek-V3-style MTP draft layer
+    (hypothetical: Kimi-K2 ships none); under data-parallel attention the draft's non-expert
+    tensors are whole on every inference GPU."""
+    return _with_mtp(kimi_k2_256xh200efa_to_128_dpa_ep32(),
+                     "hypothetical: Kimi-K2's config has num_nextn_predict_layers 0; one DeepSeek-V3-style layer at "
+                     "Kimi-K2's sizes assumed")
+
+
 def deepseek_v3_256xh100_to_128xh100_fp8_mtp() -> SimConfig:
     """deepseek_v3_256xh100_to_128xh100_fp8 with its published MTP layer served as the draft."""
     return _with_mtp(deepseek_v3_256xh100_to_128xh100_fp8(), "DeepSeek-V3's published MTP layer, model.layers.61")
@@ -288,6 +297,7 @@ CONFIGS: dict[str, Callable[[], SimConfig]] = {f.__name__: f for f in (
     kimi_k2_256xh100_to_128xh100_fp8_offload, qwen3_235b_128xh200efa_to_32_dpa_ep8, qwen3_235b_128_to_32,
     deepseek_v3_256xh100_to_128xh100_fp8, kimi_k2_256xh20_ckpt_engine, kimi_k2_sglang_megatron_pp8, tiny_qwen3_moe_2x2,
     glm45_air_64xh100_to_16_traced, tiny_glm45_2x2_traced, kimi_k2_256xh100_to_128xh100_fp8_mtp,
+    kimi_k2_256xh200efa_to_128_dpa_ep32_mtp,
     deepseek_v3_256xh100_to_128xh100_fp8_mtp, tiny_deepseek_v3_mtp_2x2)}
 
 
