@@ -6,8 +6,8 @@ from __future__ import annotations
 def check_draft(cfg, mcfg) -> None:
     """ValueError (one line) unless ``cfg`` (a :class:`~weight_transfer.experiments.config.TrialConfig`
     of model ``mcfg``) can serve its draft: ``--draft mtp`` needs a DeepSeek-V3-style model with
-    MTP layers (``num_nextn_predict_layers >= 1``) and the stand-in engine; ``--draft-frozen``
-    needs ``--draft``."""
+    MTP layers (``num_nextn_predict_layers >= 1``), the stand-in engine and synthetic steps (not
+    ``--replay``); ``--draft-frozen`` needs ``--draft``."""
     draft = cfg.inference.draft
     if cfg.run.draft_frozen and not draft:
         raise ValueError("--draft-frozen without --draft: a frozen draft is one the engine serves; add --draft mtp")
@@ -19,6 +19,9 @@ def check_draft(cfg, mcfg) -> None:
                          "the draft is DeepSeek-V3's multi-token prediction")
     if cfg.run.engine != "stand-in":
         raise ValueError(f"--draft {draft} with engine={cfg.run.engine!r}: not wired for vLLM engines; use the stand-in")
+    if cfg.run.replay:
+        raise ValueError(f"--draft {draft} with --replay: the saved RL steps are the RL loop's model, which has no MTP "
+                         "layer; use synthetic steps")
 
 
 def frozen_sources(cfg) -> tuple[str, ...]:
