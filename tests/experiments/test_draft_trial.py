@@ -28,6 +28,17 @@ def test_frozen_draft_written_once_then_unchanged():
     assert second["delta_draft_bytes_unchanged"] == 0 and second["delta_n_full"] > 0  # the target changed
 
 
+@pytest.mark.multiproc
+def test_c33_stale_draft_named_by_verification():
+    """C33: from the second update on the draft's writes are dropped (the target still lands and
+    the method reports success): verification fails that update and names a draft tensor."""
+    res = run_trial(_cfg(method="tests.helpers.stale_draft:"))
+    first, second = res.rows
+    assert first["verified"] is True and second["verified"] is False
+    assert "draft.model.layers.2." in second["verify_error"], second["verify_error"]
+    assert second["bytes"] < first["bytes"]  # the target's bytes only
+
+
 def test_draft_refused_one_line():
     with pytest.raises(ValueError, match="has no MTP layers"):
         TrialConfig.from_flat(model="qwen3-0.6b", draft="mtp")

@@ -6,6 +6,7 @@
 - :mod:`.transports`: the transport-contract receiver every transport suite starts;
 - :mod:`.planning`: FSDP metadata computed with ``shard_box``, exact-cover checks;
 - :mod:`.faults`: fault-injecting methods (``method="tests.helpers.faults:"``);
+- :mod:`.stale_draft`: a method whose draft goes stale after its first update (C33);
 - :mod:`.processes`: a command's processes found by their session;
 - :mod:`.slurm`: driving sweeps on the local SLURM cluster (scripts/slurm_local.sh);
 - :mod:`.api_world`: worlds driven through the public API with faults injected by role, stage and kind (C28);
