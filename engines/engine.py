@@ -473,7 +473,8 @@ def _load_traced(eng: Engine, get_tensor, names) -> None:
     import tempfile
 
     from .vllm.checkpoint import hf_config
-    from .vllm.trace import cached_traces, layout_spec, loaded_params_subprocess
+    from .vllm.trace import layout_spec, loaded_params_subprocess
+    from .vllm.trace_cache import cached_traces
     from .vllm.trace_fp8 import fp8_checkpoint, quantized_config
 
     params = eng.named_parameters()

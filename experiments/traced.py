@@ -11,7 +11,8 @@ sweep traces each (model, layout) once. The report says which recipes it planned
 """
 from __future__ import annotations
 
-from weight_transfer.engines.vllm.trace import layout_spec, trace_cache_dir  # re-exported
+from weight_transfer.engines.vllm.trace import layout_spec  # re-exported
+from weight_transfer.engines.vllm.trace_cache import trace_cache_dir  # re-exported
 from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import InferenceLayout, PlanError
 
@@ -38,7 +39,7 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     if layout.dp_attention:
         raise PlanError(f"model {mcfg.label}: {layout.describe()}: traced recipes are planned without "
                         "data-parallel attention (trace in the workers)")
-    from weight_transfer.engines.vllm.trace import cached_traces
+    from weight_transfer.engines.vllm.trace_cache import cached_traces
     from weight_transfer.testing.catalog import param_specs
 
     traces = cached_traces(mcfg, layout)

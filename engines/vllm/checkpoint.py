@@ -32,14 +32,16 @@ from weight_transfer.testing.weights import SyntheticCheckpoint
 __all__ = ["hf_config", "write_checkpoint", "write_checkpoint_tensors", "checkpoint_tensors"]
 
 
-def hf_config(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
+def hf_config(cfg: ModelConfig, *, max_position_embeddings: int | None = None, draft: str | None = None) -> dict:
     """The ``config.json`` dict for ``cfg`` (see module docstring). ``max_position_embeddings``
-    caps the published value (vLLM sizes its rotary cache from it)."""
+    caps the published value (vLLM sizes its rotary cache from it). ``draft="mtp"``: an engine
+    serving the MTP layers as its draft, so ``num_nextn_predict_layers`` is kept."""
     out = {k: v for k, v in cfg.hf.items() if not k.startswith("_")}
     out["torch_dtype"] = "bfloat16"
     if cfg.is_mla:
         out.pop("quantization_config", None)
-        out["num_nextn_predict_layers"] = 0
+        if draft is None:
+            out["num_nextn_predict_layers"] = 0
     if max_position_embeddings is not None:
         out["max_position_embeddings"] = min(out.get("max_position_embeddings", max_position_embeddings),
                                              max_position_embeddings)

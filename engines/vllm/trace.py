@@ -44,10 +44,10 @@ from weight_transfer import wire
 from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
 
-from .trace_fp8 import meta_kernels, quantized_config, trace_quantized
+from .trace_fp8 import meta_kernels, trace_quantized
 
 __all__ = ["trace_load", "trace_worker", "trace_layout", "trace_subprocess", "trace_many_subprocess", "loaded_params", "loaded_params_subprocess", "meta_model", "view_box", "parse_layout",
-           "cached_traces", "trace_cache_dir", "layout_spec"]
+           "layout_spec"]
 
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
@@ -295,27 +295,33 @@ def _isolated(vllm_config):
     return cfg
 
 
-def meta_model(vllm_config) -> torch.nn.Module:
-    """A skeleton of ``vllm_config``'s model with every parameter on ``meta`` (integer index
-    tables on the CPU, :class:`_MetaWeights`), built by vLLM's ``initialize_model`` from a copy
-    of the config with empty layer registries (:func:`_isolated`: the layers register themselves
-    there, not beside the live engine's)."""
+def meta_model(vllm_config, model_config=None) -> torch.nn.Module:
+    """A skeleton of ``vllm_config``'s model (``model_config``: another model of it, the draft's)
+    with every parameter on ``meta`` (integer index tables on the CPU, :class:`_MetaWeights`),
+    built by vLLM's ``initialize_model`` from a copy of the config with empty layer registries
+    (:func:`_isolated`: the layers register themselves there, not beside the live engine's)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     cfg = _isolated(vllm_config)
     with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), _MetaWeights(), meta_kernels():
-        return initialize_model(vllm_config=cfg, prefix="")
+        return initialize_model(vllm_config=cfg, model_config=model_config, prefix="")
 
 
 def trace_worker(vllm_config, sources: Mapping[str, tuple[tuple[int, ...], str]]) -> LoaderTrace:
     """This vLLM worker's loader, traced (:func:`trace_load` on :func:`meta_model`; a block-FP8
-    model on its FP8 checkpoint form, :func:`weight_transfer.engines.vllm.trace_fp8.trace_quantized`):
-    run inside the worker, whose parallel state says its TP/EP rank. A failure to build the
-    skeleton is returned as the trace's ``error``."""
+    model on its FP8 checkpoint form, :func:`weight_transfer.engines.vllm.trace_fp8.trace_quantized`;
+    an MTP draft's beside it, :func:`weight_transfer.engines.vllm.trace_draft.with_draft`): run
+    inside the worker, whose parallel state says its TP/EP rank. A failure to build the skeleton
+    is returned as the trace's ``error``."""
+    from .trace_draft import draft_model_config, with_draft
+
     try:
-        return trace_quantized(lambda: meta_model(vllm_config), sources, trace_load)
+        t = trace_quantized(lambda: meta_model(vllm_config), sources, trace_load)
+        if (dmc := draft_model_config(vllm_config)) is not None:
+            t = with_draft(t, trace_quantized(lambda: meta_model(vllm_config, dmc), sources, trace_load))
+        return t
     except Exception as e:
         return LoaderTrace(params={}, error=f"building a meta skeleton of the model: {type(e).__name__}: "
                                             f"{str(e).splitlines()[0] if str(e) else ''}")
@@ -344,14 +350,17 @@ def _as_rank(group, rank: int, size: int) -> None:
     group.world_size, group.rank_in_group = size, rank
 
 
-def engine_config(model_dir: str, *, tp: int = 1, ep: bool = False, dtype: str = "bfloat16"):
+def engine_config(model_dir: str, *, tp: int = 1, ep: bool = False, dtype: str = "bfloat16", draft=None):
     """vLLM's ``VllmConfig`` for the model directory ``model_dir`` (its ``config.json`` is enough)
-    at tensor-parallel size ``tp`` (expert-parallel with ``ep``): what a worker of that engine
-    would build its model from."""
+    at tensor-parallel size ``tp`` (expert-parallel with ``ep``), serving the speculative-decoding
+    ``draft`` (``"mtp"``: :data:`weight_transfer.engines.vllm.trace_draft.SPECULATIVE`): what a
+    worker of that engine would build its models from."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from .trace_draft import SPECULATIVE
+
     ea = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype=dtype, load_format="dummy", enforce_eager=True,
-                    max_model_len=256)
+                    max_model_len=256, speculative_config=SPECULATIVE[draft] if draft else None)
     cfg = ea.create_engine_config()
     cfg.parallel_config.tensor_parallel_size = tp
     cfg.parallel_config.enable_expert_parallel = ep
@@ -369,7 +378,7 @@ def trace_layout(model_dir: str, layout, sources: Mapping[str, tuple[tuple[int, 
 
     if layout.dp_attention:
         raise ValueError("trace_layout: data-parallel attention is not traced in one process (trace in the workers)")
-    cfg = engine_config(model_dir, tp=layout.tp, ep=layout.ep, dtype=layout.dtype)
+    cfg = engine_config(model_dir, tp=layout.tp, ep=layout.ep, dtype=layout.dtype, draft=layout.draft)
     _one_process_group(cfg)
     per_tp = {}
     for r in range(layout.tp):
@@ -438,16 +447,19 @@ def loaded_params_subprocess(model_dir: str, layout_spec: str, tensors: Mapping[
 
 def parse_layout(spec: str, dtype: str = "bfloat16"):
     """``"T"``, ``"TxD"``, either with ``"+ep"`` (TP size, DP replicas, expert-parallel; e.g.
-    ``"8x2+ep"``) as an :class:`~weight_transfer.types.InferenceLayout`. ValueError for another form."""
+    ``"8x2+ep"``), then ``"+mtp"`` for an MTP draft, as an :class:`~weight_transfer.types.InferenceLayout`.
+    ValueError for another form."""
     from weight_transfer.types import InferenceLayout
 
     s = spec.strip().lower()
+    draft = "mtp" if s.endswith("+mtp") else None
+    s = s.removesuffix("+mtp")
     ep = s.endswith("+ep")
     s = s.removesuffix("+ep")
     tp, _, dp = s.partition("x")
     if not tp.isdigit() or (dp and not dp.isdigit()):
         raise ValueError(f"layout {spec!r}: 'T' or 'TxD', either with '+ep' (e.g. '2', '2+ep', '2x2', '8x2+ep')")
-    return InferenceLayout(tp=int(tp), dp=int(dp or 1), ep=ep, dtype=dtype)
+    return InferenceLayout(tp=int(tp), dp=int(dp or 1), ep=ep, dtype=dtype, draft=draft)
 
 
 Sources = dict[str, tuple[tuple[int, ...], str]]  # {checkpoint name: (shape, dtype name)}: what is traced
@@ -541,59 +553,10 @@ def _child(model_dir: str, payload, layouts: str, timeout: float):
         return read_data(out, list[Traces] if model_dir == "-" else Traces)
 
 
-def trace_cache_dir():
-    """Where :func:`cached_traces` keeps traces (``WT_TRACE_CACHE`` or
-    ``~/.cache/weight_transfer/traces``)."""
-    from pathlib import Path
-
-    return Path(os.environ.get("WT_TRACE_CACHE") or Path.home() / ".cache" / "weight_transfer" / "traces")
-
-
 def layout_spec(layout) -> str:
     """``"T"`` or ``"TxD"``, with ``"+ep"``: the inverse of :func:`parse_layout`."""
-    return f"{layout.tp}" + (f"x{layout.dp}" if layout.dp > 1 else "") + ("+ep" if layout.ep else "")
-
-
-def cached_traces(mcfg, layout) -> dict:
-    """``{inference rank: LoaderTrace}`` of ``mcfg`` (a catalog
-    :class:`~weight_transfer.model_config.ModelConfig`; its checkpoint names from
-    :func:`weight_transfer.testing.catalog.param_specs`) on ``layout``, traced without a live engine
-    (:func:`trace_subprocess` on its ``config.json``) and kept in :func:`trace_cache_dir` keyed by
-    the config, the layout, vLLM's version and this module's source (a changed tracer traces
-    again), so the processes of one trial or sweep trace once.
-    Block FP8 (``layout.quant == "fp8"``) is traced on the FP8 checkpoint form
-    (:mod:`weight_transfer.engines.vllm.trace_fp8`). ValueError for data-parallel attention
-    (not traced without workers)."""
-    import hashlib
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from weight_transfer.testing.catalog import param_specs
-
-    from .checkpoint import hf_config
-    from .engine import vllm_version
-
-    if layout.dp_attention:
-        raise ValueError(f"{layout.describe()}: traced recipes are planned without data-parallel attention")
-    specs = param_specs(mcfg)
-    cfgjson = json.dumps(quantized_config(hf_config(mcfg), layout.quant, [p.name for p in specs]), sort_keys=True)
-    spec = layout_spec(layout)
-    code = hashlib.sha256(Path(__file__).read_bytes() + Path(__file__).with_name("trace_fp8.py").read_bytes()
-                          ).hexdigest()[:12]  # a changed tracer traces again
-    key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}|{code}".encode()).hexdigest()[:20]
-    path = trace_cache_dir() / f"{key}.msgpack"
-    if path.exists():
-        return read_data(path, dict[int, LoaderTrace])
-    sources = {p.name: (tuple(p.shape), p.dtype) for p in specs}
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(cfgjson)
-        traces = trace_subprocess(d, sources, [spec])[spec]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    write_data(tmp, traces)
-    tmp.replace(path)
-    return traces
+    return (f"{layout.tp}" + (f"x{layout.dp}" if layout.dp > 1 else "") + ("+ep" if layout.ep else "")
+            + (f"+{layout.draft}" if layout.draft else ""))
 
 
 if __name__ == "__main__":

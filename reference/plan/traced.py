@@ -77,7 +77,10 @@ class LoaderTrace:
     A block-FP8 engine (:mod:`weight_transfer.engines.vllm.trace_fp8`): ``quantized``, checkpoint
     name -> shape of each trainer tensor the engine loads as ``float8_e4m3fn`` + ``weight_scale_inv``
     (the trace is of that checkpoint form); ``kept``, quantization-state parameters (KV-cache and
-    activation scales) the loader left at the engine's own value."""
+    activation scales) the loader left at the engine's own value. An engine serving a draft model
+    (:mod:`weight_transfer.engines.vllm.trace_draft`): the draft's parameters are in ``params``
+    under ``draft.``; ``shared``, checkpoint name -> the target tensor that serves the draft
+    parameter it would fill (an MTP draft's embedding and head)."""
 
     params: dict[str, TracedParam]
     refused: dict[str, str] = field(default_factory=dict)
@@ -87,6 +90,7 @@ class LoaderTrace:
     seconds: float = 0.0
     quantized: dict[str, tuple[int, ...]] = field(default_factory=dict)
     kept: tuple[str, ...] = ()
+    shared: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +250,8 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
         skipped = {s for t in traces.values() for s in t.skipped}
         ignored = frozenset(n for n in source_dtypes if n not in used and n in skipped)
     kept = sorted({k for t in traces.values() for k in t.kept})
-    return RecipeSet(recipes, ignored, layout=layout, model=model, kept=kept)
+    shared = {s: to for t in traces.values() for s, to in t.shared.items()}
+    return RecipeSet(recipes, ignored, layout=layout, model=model, kept=kept, shared=shared)
 
 
 def kept_line(recipes) -> str:

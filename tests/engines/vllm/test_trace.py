@@ -33,25 +33,35 @@ MODELS = {
                                         vocab_size=1000, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
                                         qk_rope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1)),
 }
+MODELS["deepseek_v3_mtp"] = MODELS["deepseek_v3"]  # + its MTP layer served as the speculative-decoding draft
 LAYOUTS = ["1", "2", "2+ep", "2x2"]
+
+
+def _specs(key, cfg, lays):
+    """(checkpoint sources, config.json dict, layout specs) of ``key``: an ``_mtp`` key's engine
+    serves the MTP draft (its trainer holds the MTP layer; ``+mtp`` layouts)."""
+    from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.testing.catalog import param_specs
+
+    draft = "mtp" if key.endswith("_mtp") else None
+    sources = {p.name: (p.shape, p.dtype) for p in param_specs(cfg, draft)}
+    return sources, hf_config(cfg, draft=draft), [s + ("+mtp" if draft else "") for s in lays]
 
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     """model -> (cfg, sources, {layout spec: {rank: LoaderTrace}}), each model traced in one child."""
-    from weight_transfer.engines.vllm.checkpoint import hf_config
     from weight_transfer.engines.vllm.trace import trace_many_subprocess
-    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.catalog import load_config
 
     jobs, cfgs = [], {}
     for key, (name, ov) in MODELS.items():
         cfg = load_config(name, **ov)
         d = tmp_path_factory.mktemp(key)
-        (d / "config.json").write_text(json.dumps(hf_config(cfg)))
-        sources = {p.name: (p.shape, p.dtype) for p in param_specs(cfg)}
+        sources, hf, lays = _specs(key, cfg, [s for s in LAYOUTS if "ep" not in s or cfg.num_experts])
+        (d / "config.json").write_text(json.dumps(hf))
         if key == "qwen3_tied_lm_head_saved":  # a trainer that saves the tied head anyway: the loader skips it
             sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
-        lays = [s for s in LAYOUTS if "ep" not in s or cfg.num_experts]
         jobs.append({"model_dir": str(d), "sources": sources, "layouts": lays})
         cfgs[key] = (cfg, sources)
     traced = trace_many_subprocess(jobs)  # one child: vLLM imported once
@@ -92,7 +102,8 @@ def test_c29_traced_recipes_equal_the_hand_written_ones_byte_for_byte(traced, ke
         rs = recipes_from_traces(traces, layout, model=cfg.label, source_dtypes=dtypes)
         hand = build_recipes(cfg, layout, source_dtypes=dtypes)
         assert compare_recipes(hand, rs) == [], spec
-        assert rs.ignored == hand.ignored, spec
+        assert rs.ignored == hand.ignored and rs.shared == hand.shared, spec
+        assert any(r.name.startswith("draft.") for r in rs) == key.endswith("_mtp"), spec
         a, b = _dest_bytes(hand, src), _dest_bytes(rs, src)
         assert a.keys() == b.keys(), spec
         for k in a:
@@ -114,25 +125,24 @@ MODELS_FP8 = {  # every TP-2 slice of every linear weight whole 128x128 blocks, 
                                         vocab_size=1000, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
                                         qk_rope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1)),
 }
+MODELS_FP8["deepseek_v3_mtp"] = MODELS_FP8["deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
 def traced_fp8(tmp_path_factory):
     """model -> (cfg, sources, {layout spec: {rank: LoaderTrace}}) of the block-FP8 engine (its
     ``config.json`` with DeepSeek-V3's ``quantization_config``), traced on the FP8 checkpoint form."""
-    from weight_transfer.engines.vllm.checkpoint import hf_config
     from weight_transfer.engines.vllm.trace import trace_many_subprocess
     from weight_transfer.engines.vllm.trace_fp8 import quantized_config
-    from weight_transfer.testing.catalog import load_config, param_specs
+    from weight_transfer.testing.catalog import load_config
 
     jobs, cfgs = [], {}
     for key, (name, ov) in MODELS_FP8.items():
         cfg = load_config(name, **ov)
         d = tmp_path_factory.mktemp(key + "_fp8")
-        sources = {p.name: (p.shape, p.dtype) for p in param_specs(cfg)}
-        (d / "config.json").write_text(json.dumps(quantized_config(hf_config(cfg), "fp8", sources)))
-        jobs.append({"model_dir": str(d), "sources": sources,
-                     "layouts": [s for s in LAYOUTS if "ep" not in s or cfg.num_experts]})
+        sources, hf, lays = _specs(key, cfg, [s for s in LAYOUTS if "ep" not in s or cfg.num_experts])
+        (d / "config.json").write_text(json.dumps(quantized_config(hf, "fp8", sources)))
+        jobs.append({"model_dir": str(d), "sources": sources, "layouts": lays})
         cfgs[key] = (cfg, sources)
     return {key: (*cfgs[key], t) for key, t in zip(MODELS_FP8, trace_many_subprocess(jobs))}
 
@@ -172,6 +182,7 @@ def test_issue57_fp8_traced_recipes_equal_the_hand_written_ones_byte_for_byte(tr
         hand = build_recipes(cfg, layout, source_dtypes=dtypes)
         assert sum(r.transform == "fp8_block" for r in rs) == sum(r.transform == "fp8_block" for r in hand) > 0, spec
         assert compare_recipes(hand, rs) == [], spec
+        assert rs.ignored == hand.ignored and rs.shared == hand.shared, spec
         a, b = _dest_outputs(hand, src), _dest_outputs(rs, src)
         assert a.keys() == b.keys(), (spec, sorted(set(a) ^ set(b))[:4])
         for k in a:
