@@ -483,7 +483,7 @@ def _load_traced(eng: Engine, get_tensor, names) -> None:
         tensors = fp8_checkpoint(tensors, cached_traces(eng.cfg, eng.layout)[eng.rank].quantized)
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/config.json", "w") as f:
-            json.dump(quantized_config(hf_config(eng.cfg), eng.layout.quant, names), f)
+            json.dump(quantized_config(hf_config(eng.cfg, draft=eng.layout.draft), eng.layout.quant, names), f)
         got = loaded_params_subprocess(d, layout_spec(eng.layout), tensors,
                                        {eng.tp_rank: list(params)})[eng.tp_rank]
     for n, t in params.items():

@@ -210,9 +210,6 @@ def _traced_params(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list
                          "parameters come from vLLM's traced loader and vLLM is not installed (make vllm)")
     from .vllm.trace_cache import cached_traces
 
-    if layout.draft is not None:  # the draft's rules are hand-written for DeepSeek's MTP layer only
-        raise ValueError(f"model {cfg.label}: draft={layout.draft!r} with architecture {cfg.architecture!r}: the "
-                         "speculative-decoding draft is laid out for the hand-written MLA family only")
     t = cached_traces(cfg, layout)[rank]
     if t.error or t.refused:
         raise ValueError(f"model {cfg.label}: vLLM's loader was not traced cleanly on inference rank {rank}: "

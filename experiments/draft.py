@@ -5,8 +5,9 @@ from __future__ import annotations
 
 def check_draft(cfg, mcfg) -> None:
     """ValueError (one line) unless ``cfg`` (a :class:`~weight_transfer.experiments.config.TrialConfig`
-    of model ``mcfg``) can serve its draft: ``--draft mtp`` needs a DeepSeek-V3-style model with
-    MTP layers (``num_nextn_predict_layers >= 1``), the stand-in engine and synthetic steps (not
+    of model ``mcfg``) can serve its draft: ``--draft mtp`` needs a model with MTP layers
+    (``num_nextn_predict_layers >= 1``: DeepSeek-V3's hand-written, or a traced one's such as
+    GLM-4.5's), the stand-in engine and synthetic steps (not
     ``--replay``); ``--draft-frozen`` needs ``--draft``."""
     draft = cfg.inference.draft
     if cfg.run.draft_frozen and not draft:
@@ -14,9 +15,9 @@ def check_draft(cfg, mcfg) -> None:
     if not draft:
         return
     n = mcfg.get("num_nextn_predict_layers")
-    if not mcfg.is_mla or not n:
+    if (mcfg.hand_written and not mcfg.is_mla) or not n:
         raise ValueError(f"--draft {draft}: model {mcfg.label} has no MTP layers (num_nextn_predict_layers={n!r}); "
-                         "the draft is DeepSeek-V3's multi-token prediction")
+                         "the draft is the model's multi-token prediction (DeepSeek-V3, GLM-4.5)")
     if cfg.run.engine != "stand-in":
         raise ValueError(f"--draft {draft} with engine={cfg.run.engine!r}: not wired for vLLM engines; use the stand-in")
     if cfg.run.replay:

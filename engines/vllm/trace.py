@@ -400,26 +400,35 @@ def loaded_params(model_dir: str, layout, tp_rank: int, tensors: Mapping[str, to
     """What vLLM's own ``load_weights`` makes of the checkpoint ``tensors`` at TP rank
     ``tp_rank`` of ``layout``: a skeleton of the model built on the CPU (real memory: for small
     models), loaded, before any post-processing -- the load layout a staged layer's staging bytes
-    must equal. Returns ``{parameter name: tensor}`` (``names``: only those). In this process,
-    with the TP/EP group set as :func:`trace_layout` does."""
+    must equal. Returns ``{parameter name: tensor}`` (``names``: only those); an MTP draft's
+    (``layout.draft``) under ``draft.``, less what the target serves it with (``trace_draft``).
+    In this process, with the TP/EP group set as :func:`trace_layout` does."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    cfg = engine_config(model_dir, tp=layout.tp, ep=layout.ep, dtype=layout.dtype)
+    from .trace_draft import DRAFT_PREFIX, draft_model_config, shared_with_target
+
+    cfg = engine_config(model_dir, tp=layout.tp, ep=layout.ep, dtype=layout.dtype, draft=layout.draft)
     _one_process_group(cfg)
     _as_rank(ps.get_tp_group(), tp_rank, layout.tp)
     ep_group = getattr(ps, "_EP", None)
     if ep_group is not None:
         _as_rank(ep_group, tp_rank if layout.ep else 0, layout.tp if layout.ep else 1)
     try:
-        c = _isolated(cfg)
-        with set_current_vllm_config(c), set_default_torch_dtype(c.model_config.dtype), torch.no_grad():
-            with meta_kernels(c.model_config.quantization is not None):  # loaded, never computed with
-                model = initialize_model(vllm_config=c, prefix="")
-            model.load_weights(iter(list(tensors.items())))
-        return {n: p.detach().clone() for n, p in model.named_parameters() if names is None or n in names}
+        out = {}
+        for prefix, mc in (("", None), (DRAFT_PREFIX, draft_model_config(cfg))):
+            if prefix and mc is None:
+                continue
+            c = _isolated(cfg)
+            with set_current_vllm_config(c), set_default_torch_dtype(c.model_config.dtype), torch.no_grad():
+                with meta_kernels(c.model_config.quantization is not None):  # loaded, never computed with
+                    model = initialize_model(vllm_config=c, model_config=mc, prefix="")
+                model.load_weights(iter(list(tensors.items())))
+            out |= {prefix + n: p.detach().clone() for n, p in model.named_parameters()
+                    if (names is None or prefix + n in names) and not (prefix and shared_with_target(n, out))}
+        return out
     finally:
         _as_rank(ps.get_tp_group(), 0, 1)
         if ep_group is not None:

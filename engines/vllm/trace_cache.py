@@ -32,7 +32,8 @@ def cached_traces(mcfg, layout) -> dict:
     the config, the layout, vLLM's version and this module's source (a changed tracer traces
     again), so the processes of one trial or sweep trace once.
     Block FP8 (``layout.quant == "fp8"``) is traced on the FP8 checkpoint form
-    (:mod:`weight_transfer.engines.vllm.trace_fp8`). ValueError for data-parallel attention
+    (:mod:`weight_transfer.engines.vllm.trace_fp8`), a draft beside the target
+    (:mod:`weight_transfer.engines.vllm.trace_draft`). ValueError for data-parallel attention
     (not traced without workers)."""
     import hashlib
     import json
@@ -46,8 +47,9 @@ def cached_traces(mcfg, layout) -> dict:
 
     if layout.dp_attention:
         raise ValueError(f"{layout.describe()}: traced recipes are planned without data-parallel attention")
-    specs = param_specs(mcfg)
-    cfgjson = json.dumps(quantized_config(hf_config(mcfg), layout.quant, [p.name for p in specs]), sort_keys=True)
+    specs = param_specs(mcfg, layout.draft)  # a draft's (MTP) layers too, and its engine keeps them
+    cfgjson = json.dumps(quantized_config(hf_config(mcfg, draft=layout.draft), layout.quant, [p.name for p in specs]),
+                         sort_keys=True)
     spec = layout_spec(layout)
     code = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in TRACER)).hexdigest()[:12]
     key = hashlib.sha256(f"{cfgjson}|{spec}|{layout.dtype}|{vllm_version()}|{code}".encode()).hexdigest()[:20]

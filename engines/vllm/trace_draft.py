@@ -27,7 +27,7 @@ import dataclasses
 from weight_transfer.plan.rules.mtp import DRAFT_PREFIX
 from weight_transfer.plan.traced import LoaderTrace
 
-__all__ = ["SPECULATIVE", "with_draft", "draft_model_config", "shared_with_target"]
+__all__ = ["SPECULATIVE", "DRAFT_PREFIX", "with_draft", "draft_model_config", "shared_with_target"]
 
 SPECULATIVE = {"mtp": {"method": "mtp", "num_speculative_tokens": 1}}
 """``InferenceLayout.draft`` -> the ``speculative_config`` an engine serving it is started with."""

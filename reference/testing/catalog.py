@@ -247,7 +247,9 @@ def param_specs(cfg: ModelConfig, draft: str | None = None) -> list[ParamSpec]:
     + num_nextn_predict_layers)`` after ``lm_head``, as DeepSeek-V3's checkpoint holds them:
     ``embed_tokens.weight`` ``[V, H]``, ``enorm`` / ``hnorm`` ``[H]``, ``eh_proj.weight``
     ``[H, 2H]``, a decoder layer (MLA + MoE, the target's names), ``shared_head.norm`` ``[H]``,
-    ``shared_head.head.weight`` ``[V, H]``. ValueError (one line) for a model without them.
+    ``shared_head.head.weight`` ``[V, H]``. The same for an architecture without a hand-written
+    list that has MTP layers (GLM-4.5's), its decoder layer as transformers names layer ``L``.
+    ValueError (one line) for a model without them.
 
     Architectures without a hand-written list (``cfg.hand_written`` False) are listed by
     :func:`weight_transfer.testing.hf_specs.hf_param_specs` from transformers' model class
@@ -256,9 +258,7 @@ def param_specs(cfg: ModelConfig, draft: str | None = None) -> list[ParamSpec]:
     if not cfg.hand_written:
         from .hf_specs import hf_param_specs
 
-        if draft is not None:
-            _mtp_params(cfg, draft)  # refuses: the hand-written MTP layers are DeepSeek-V3's
-        return hf_param_specs(cfg)
+        return hf_param_specs(cfg) + (_mtp_params(cfg, draft) if draft is not None else [])
     H = cfg.hidden_size
     out = [ParamSpec(name="model.embed_tokens.weight", shape=(cfg.vocab_size, H))]
     for i in range(cfg.num_layers):
@@ -274,7 +274,7 @@ def param_specs(cfg: ModelConfig, draft: str | None = None) -> list[ParamSpec]:
 def _mtp_params(cfg: ModelConfig, draft: str) -> list[ParamSpec]:
     """The MTP layers' checkpoint tensors (:func:`param_specs` with ``draft="mtp"``)."""
     n = cfg.get("num_nextn_predict_layers") or 0
-    if draft != "mtp" or not cfg.is_mla or n < 1:
+    if draft != "mtp" or (cfg.hand_written and not cfg.is_mla) or n < 1:
         raise ValueError(f"model {cfg.label}: draft {draft!r} needs DeepSeek-V3-style MTP layers "
                          f"(num_nextn_predict_layers >= 1); it has architecture {cfg.architecture}, "
                          f"num_nextn_predict_layers={cfg.get('num_nextn_predict_layers')!r}")
@@ -286,10 +286,19 @@ def _mtp_params(cfg: ModelConfig, draft: str) -> list[ParamSpec]:
                 ParamSpec(name=f"{p}.enorm.weight", shape=(H,)),
                 ParamSpec(name=f"{p}.hnorm.weight", shape=(H,)),
                 ParamSpec(name=f"{p}.eh_proj.weight", shape=(H, 2 * H))]
-        out += _layer(cfg, p, L)
+        out += _layer(cfg, p, L) if cfg.hand_written else _traced_layer(cfg, L)
         out += [ParamSpec(name=f"{p}.shared_head.norm.weight", shape=(H,)),
                 ParamSpec(name=f"{p}.shared_head.head.weight", shape=(V, H))]
     return out
+
+
+def _traced_layer(cfg: ModelConfig, L: int) -> list[ParamSpec]:
+    """Decoder layer ``L`` (an MTP layer's block) of an architecture without a hand-written list:
+    layer ``L`` of the same config with ``L + 1`` layers, as transformers names it."""
+    from .hf_specs import hf_param_specs
+
+    more = ModelConfig(name=cfg.name, hf={**cfg.hf, "num_hidden_layers": L + 1}, overrides=cfg.overrides)
+    return [p for p in hf_param_specs(more) if p.name.startswith(f"model.layers.{L}.")]
 
 
 def total_bytes(cfg: ModelConfig, draft: str | None = None) -> int:

@@ -47,3 +47,28 @@ def test_draft_refused_one_line():
     with pytest.raises(ValueError, match="not wired for vLLM engines"):
         _cfg(engine="vllm", quant=None)
     assert len(_cfg().train_specs()) > len(_cfg(draft=None).train_specs())
+
+
+@pytest.mark.multiproc
+def test_a_traced_models_mtp_draft_is_traced_and_verified_against_vllms_loaders(tmp_path, monkeypatch):
+    """GLM-4.5-Air (no hand-written rules) serving its MTP layer as the draft: target and draft both
+    planned from vLLM's loaders traced in a child (``Glm4MoeForCausalLM`` + ``Glm4MoeMTP``), every
+    byte of both verified against vLLM's own load_weights of the step's checkpoint each update (the
+    draft's embedding and head are the target's, named as shared)."""
+    from weight_transfer.engines.vllm.engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (make vllm): a traced architecture needs vLLM's loader")
+    from weight_transfer.testing.tiny import TINY_TRACED
+
+    monkeypatch.setenv("WT_TRACE_CACHE", str(tmp_path / "traces"))
+    res = run_trial(TrialConfig.from_flat(model="glm-4.5-air", overrides=dict(TINY_TRACED["glm-4.5-air"]), n_train=2,
+                                          tp=2, draft="mtp", steps=2, warmup=0, timeout=60))
+    assert [r["verified"] for r in res.rows] == [True, True], [r.get("verify_error") for r in res.rows]
+    from weight_transfer.experiments.traced import recipes_for
+
+    rs, how = recipes_for(res.cfg.model_config(), res.cfg.inference)
+    assert "+ draft" in how and "Glm4MoeMTP.load_weights" in how, how
+    draft = [r for r in rs if r.outputs[0].tensor.startswith("draft.model.layers.2.mtp_block.")]
+    assert draft and rs.shared == {"model.layers.2.embed_tokens.weight": "model.embed_tokens.weight",
+                                   "model.layers.2.shared_head.head.weight": "lm_head.weight"}
