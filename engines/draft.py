@@ -48,14 +48,7 @@ def add_params(b) -> None:
         b.plain(f"{d}.hnorm.weight", (H,))
         b.plain(f"{d}.eh_proj.weight", (H, 2 * H))  # nn.Linear: replicated, unquantized
         b.plain(f"{d}.shared_head.norm.weight", (H,))
-        blk = f"{d}.mtp_block"
-        b.mla_attn(f"{blk}.self_attn")
-        if cfg.is_moe_layer(L):
-            b.moe(f"{blk}.mlp")
-        else:
-            b.mlp(f"{blk}.mlp", cfg["intermediate_size"])
-        b.plain(f"{blk}.input_layernorm.weight", (H,))
-        b.plain(f"{blk}.post_attention_layernorm.weight", (H,))
+        b.layer(f"{d}.mtp_block", L)  # the target's decoder layer (MLA + MoE) under mtp_block
 
 
 def layer_prefix(layer: int, suffix: str) -> str | None:

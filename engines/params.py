@@ -158,21 +158,25 @@ class _Builder:
         vl = _div(name, "padded vocab_size", vp, self.T)
         self.plain(name, (vl, H), "vocab", V=V, start=self.r * vl)
 
+    def layer(self, p: str, i: int) -> None:
+        """Decoder layer ``i``'s tensors under the name prefix ``p`` (an MTP block's too)."""
+        cfg, H = self.cfg, self.cfg.hidden_size
+        if cfg.is_mla:
+            self.mla_attn(f"{p}.self_attn")
+        else:
+            self.qwen3_attn(f"{p}.self_attn")
+        if cfg.is_moe_layer(i):
+            self.moe(f"{p}.mlp")
+        else:
+            self.mlp(f"{p}.mlp", cfg["intermediate_size"])
+        self.plain(f"{p}.input_layernorm.weight", (H,))
+        self.plain(f"{p}.post_attention_layernorm.weight", (H,))
+
     def build(self) -> list[_Param]:
         cfg, H = self.cfg, self.cfg.hidden_size
         self.vocab("model.embed_tokens.weight")
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
-            if cfg.is_mla:
-                self.mla_attn(f"{p}.self_attn")
-            else:
-                self.qwen3_attn(f"{p}.self_attn")
-            if cfg.is_moe_layer(i):
-                self.moe(f"{p}.mlp")
-            else:
-                self.mlp(f"{p}.mlp", cfg["intermediate_size"])
-            self.plain(f"{p}.input_layernorm.weight", (H,))
-            self.plain(f"{p}.post_attention_layernorm.weight", (H,))
+            self.layer(f"model.layers.{i}", i)
         self.plain("model.norm.weight", (H,))
         if not cfg.tie_word_embeddings:
             self.vocab("lm_head.weight")

@@ -53,8 +53,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..model_config import ModelConfig
 from ..quant import QUANT_BLOCK, cdiv
 from ..types import DestTensorMeta, InferenceLayout, PlanError, Recipe, itemsize, numel
-from .rules import dense, mla, moe, mtp
+from .rules import mtp
 from .rules.base import VOCAB_PAD, RecipeBuilder
+from .rules.layer import decoder_layer
 
 __all__ = [
     "RecipeSet",
@@ -156,17 +157,7 @@ def _build(b: RecipeBuilder) -> list[Recipe]:
     H = cfg.hidden_size
     b.vocab("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        b.replicated(f"{p}.input_layernorm.weight", (H,))
-        if cfg.is_mla:
-            mla.attention(b, p)
-        else:
-            dense.attention(b, p)
-        b.replicated(f"{p}.post_attention_layernorm.weight", (H,))
-        if cfg.is_moe_layer(i):
-            moe.experts(b, p)
-        else:
-            dense.mlp(b, f"{p}.mlp", cfg["intermediate_size"])
+        decoder_layer(b, f"model.layers.{i}", i)
     b.replicated("model.norm.weight", (H,))
     if not cfg.tie_word_embeddings:
         b.vocab("lm_head.weight")

@@ -25,8 +25,8 @@ layer ``L = num_hidden_layers + i`` (``i < num_nextn_predict_layers``), docs/LAY
 from __future__ import annotations
 
 from ...types import Piece, full_box
-from . import dense, mla, moe
 from .base import RecipeBuilder
+from .layer import decoder_layer
 
 DRAFT_PREFIX = "draft."
 """Prefix of every destination tensor of the draft model: ``draft.`` + vLLM's name inside
@@ -63,12 +63,6 @@ def draft_layers(b: RecipeBuilder) -> None:
         b.copy(f"{dst}.eh_proj.weight", b.all_ranks, (H, 2 * H), (Piece(eh, full_box((H, 2 * H)), full_box((H, 2 * H))),))
         b.rename = (f"{src}.", f"{dst}.mtp_block.")
         try:
-            b.replicated(f"{src}.input_layernorm.weight", (H,))
-            mla.attention(b, src)
-            b.replicated(f"{src}.post_attention_layernorm.weight", (H,))
-            if cfg.is_moe_layer(L):
-                moe.experts(b, src)
-            else:
-                dense.mlp(b, f"{src}.mlp", cfg["intermediate_size"])
+            decoder_layer(b, src, L)  # the target's rules (MLA + MoE) under mtp_block
         finally:
             b.rename = None
