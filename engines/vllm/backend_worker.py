@@ -67,6 +67,25 @@ def connect_worker(init_info: OneSidedInitInfo, *, who: str):
                                   f"job's? {SECRET_HOW}") from None
 
 
+def refuse_draft(vllm_config, who: str) -> None:
+    """RuntimeError when the engine serves a speculative-decoding draft (``--speculative-config``
+    with a draft model: MTP, EAGLE): the backend registers the target's memory only, so every
+    update would leave the draft at its old weights and speculative acceptance collapses
+    (C33, miles#1926) -- refused at init, before anything is registered, rather than served stale.
+    The plan, the stand-in engine and the simulation carry MTP drafts (docs/VLLM.md)."""
+    from .trace_draft import draft_model_config
+
+    dmc = draft_model_config(vllm_config)
+    if dmc is None:
+        return
+    arch = (getattr(dmc.hf_config, "architectures", None) or ["?"])[0]
+    method = getattr(vllm_config.speculative_config, "method", "?")
+    raise RuntimeError(f"{who}: this engine serves a speculative-decoding draft ({arch}, speculative_config method "
+                       f"{method!r}): the one_sided backend does not write a draft's weights yet, so an update would "
+                       "leave the draft stale and its acceptance would collapse (C33); start vLLM without "
+                       "--speculative-config")
+
+
 def hf_config_dict(hf_config) -> dict:
     """The model's Hugging Face config as a dict, as vLLM holds it (``hf_config.to_dict()``), with
     each ``attribute_map`` alias added under its published name too: transformers 5 writes
@@ -91,7 +110,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
     init_info_cls = OneSidedInitInfo
     update_info_cls = OneSidedUpdateInfo
-    supports_draft_weight_update = False  # a draft model's memory is not registered
+    supports_draft_weight_update = False  # a draft model's memory is not registered: refused at init (refuse_draft)
     trace = None
     """This worker's :class:`~weight_transfer.plan.traced.LoaderTrace` (published at init)."""
     metrics = None
@@ -157,6 +176,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
         if self.receiver is not None:
             self._release_stale(init_info)
+        refuse_draft(self.vllm_config, self._who())
         pc = self.parallel_config
         if getattr(pc, "pipeline_parallel_size", 1) != 1:
             raise RuntimeError(f"{self._who()}: pipeline_parallel_size={pc.pipeline_parallel_size}: the one_sided "

@@ -24,3 +24,22 @@ def test_stand_in_draft_equals_vllms_deepseek_mtp(tp, rank, ep):
     assert r["architecture"] == "DeepSeekMTPModel"
     assert r["only_vllm"] == ["draft.model.embed_tokens.weight", "draft.model.layers.2.shared_head.head.weight"]
     assert r["only_stand_in"] == [] and r["differ"] == [] and r["same_order"] and r["compared"] >= 18
+
+
+def test_c33_an_engine_serving_a_draft_is_refused_at_init_not_left_stale(tmp_path):
+    """The backend registers the target's memory only: a vLLM engine started with an MTP draft
+    (``--speculative-config '{"method": "mtp"}'``, vLLM's real config for a GLM-4.5 checkpoint with its
+    MTP layer) is refused at ``init_transfer_engine``, naming the draft, before anything is registered:
+    an update would otherwise leave the draft stale (C33). The same engine without a draft passes."""
+    from weight_transfer.engines.vllm.backend_worker import refuse_draft
+    from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.engines.vllm.trace import engine_config
+    from weight_transfer.testing.catalog import load_config
+    from weight_transfer.testing.tiny import TINY_TRACED
+
+    cfg = load_config("glm-4.5-air", **TINY_TRACED["glm-4.5-air"])
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg, draft="mtp")))
+    refuse_draft(engine_config(str(tmp_path)), "inference 0")  # no draft: nothing to refuse
+    with pytest.raises(RuntimeError, match=r"inference 0: this engine serves a speculative-decoding draft "
+                                           r"\(Glm4MoeMTPModel, speculative_config method 'mtp'\).*stale.*C33"):
+        refuse_draft(engine_config(str(tmp_path), draft="mtp"), "inference 0")
