@@ -32,6 +32,7 @@ from .backend_config import (
     OneSidedTrainerInitInfo,
     _first_line,
     engine_key,
+    server_message,
     transfer_options,
 )
 
@@ -524,16 +525,11 @@ SECRET_MARK = "WEIGHT_TRANSFER_SECRET"
 
 
 def _server_reason(e: BaseException) -> str:
-    """The inference side's own reason for ``e``: a vLLM server's error response
-    (``{"error": {"message"}}``, behind ``requests``' ``HTTPError``) when there is one, else ``""``."""
+    """The inference side's own reason for ``e``: a vLLM server's error response behind
+    ``requests``' ``HTTPError`` (:func:`~weight_transfer.engines.vllm.backend_config.server_message`)
+    when there is one, else ``""``."""
     resp = getattr(e, "response", None)
-    if resp is None:
-        return ""
-    try:
-        msg = resp.json()["error"]["message"]
-        return str(msg).strip()
-    except Exception:
-        return (getattr(resp, "text", "") or "").strip()[:500]
+    return "" if resp is None else server_message(resp)
 
 
 def _init_inference(client, worker_info: dict) -> None:

@@ -34,6 +34,15 @@ TINY_QWEN3: tuple[str, Mapping[str, int]] = ("qwen3-0.6b", MappingProxyType(dict
 """``(catalog name, read-only overrides)`` of the tiny dense Qwen3 (module docstring)."""
 
 
+TINY_DEEPSEEK: tuple[str, Mapping[str, int]] = ("deepseek-v3", MappingProxyType(dict(
+    num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1000, hidden_size=256, intermediate_size=512,
+    moe_intermediate_size=128, num_experts=8, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)))
+"""``(catalog name, read-only overrides)`` of the tiny DeepSeek-V3 (MLA + MoE; its catalog
+``num_nextn_predict_layers=1``: one MTP layer, layer 2) the stand-in's MLA and draft tests build:
+a dense first layer, 8 routed experts + 1 shared, 4 heads, ``q_lora_rank`` 96."""
+
+
 def override_args(overrides: Mapping[str, object]) -> list[str]:
     """The ``weight-transfer`` command-line form of ``overrides``: ``["--override", "k=v", ...]``
     in the mapping's order (``str(v)`` for each value; a bool or a float prints as Python writes

@@ -18,6 +18,7 @@ from weight_transfer.engines import (
     quantize_block_fp8,
 )
 from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.tiny import TINY_DEEPSEEK
 from weight_transfer.types import InferenceLayout
 
 BF16 = torch.bfloat16
@@ -38,11 +39,7 @@ def qwen3_moe(**kw):
 
 
 def deepseek(**kw):
-    base = dict(num_hidden_layers=3, first_k_dense_replace=1, vocab_size=1000, hidden_size=256,
-                intermediate_size=512, moe_intermediate_size=128, num_experts=8, n_shared_experts=1,
-                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
-                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
-    return load_config("deepseek-v3", **{**base, **kw})
+    return load_config(TINY_DEEPSEEK[0], **{**TINY_DEEPSEEK[1], "num_hidden_layers": 3, **kw})
 
 
 def checkpoint(cfg, dtype=BF16, seed=0) -> dict[str, torch.Tensor]:

@@ -11,9 +11,9 @@ import tempfile
 
 import torch
 
-TINY = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1000, hidden_size=256, intermediate_size=512,
-            moe_intermediate_size=128, num_experts=8, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4,
-            q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+from weight_transfer.testing.tiny import TINY_DEEPSEEK
+
+TINY = TINY_DEEPSEEK[1]
 
 
 def compare(tp: int, rank: int, ep: bool) -> dict:

@@ -11,17 +11,14 @@ from weight_transfer.engines import Engine, engine_tensor_metas, expected_from_c
 from weight_transfer.experiments.verify import compare_engines
 from weight_transfer.plan import PlanError, build_recipes, validate
 from weight_transfer.testing.catalog import load_config, param_specs
+from weight_transfer.testing.tiny import TINY_DEEPSEEK
 from weight_transfer.testing.weights import SyntheticCheckpoint
 from weight_transfer.transforms import recipe_outputs
 from weight_transfer.types import InferenceLayout, box_flat_range
 
 
 def mla(**kw):
-    base = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1000, hidden_size=256,
-                intermediate_size=512, moe_intermediate_size=128, num_experts=8, n_shared_experts=1,
-                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
-                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
-    return load_config("deepseek-v3", **{**base, **kw})
+    return load_config(TINY_DEEPSEEK[0], **{**TINY_DEEPSEEK[1], **kw})
 
 
 LAYOUTS = [InferenceLayout(tp=2, draft="mtp"), InferenceLayout(tp=2, ep=True, quant="fp8", draft="mtp"),

@@ -115,16 +115,12 @@ def test_c29_traced_recipes_equal_the_hand_written_ones_byte_for_byte(traced, ke
         assert "lm_head.weight" in rs.ignored
 
 
-MODELS_FP8 = {  # every TP-2 slice of every linear weight whole 128x128 blocks, as vLLM's block FP8 requires
-    "qwen3": ("qwen3-0.6b", dict(num_hidden_layers=2, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                 num_key_value_heads=4, head_dim=64, vocab_size=1000)),
-    "qwen3_moe": ("qwen3-30b-a3b", dict(num_hidden_layers=2, num_experts=8, hidden_size=512, moe_intermediate_size=256,
-                                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000)),
-    "deepseek_v3": ("deepseek-v3", dict(num_hidden_layers=2, first_k_dense_replace=1, num_experts=8, hidden_size=256,
-                                        moe_intermediate_size=256, intermediate_size=512, num_attention_heads=8,
-                                        vocab_size=1000, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
-                                        qk_rope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1)),
-}
+MODELS_FP8 = {  # wider, so that every TP-2 slice of every linear weight is whole 128x128 blocks, as vLLM's FP8 requires
+    key: (MODELS[key][0], {**MODELS[key][1], **wider}) for key, wider in {
+        "qwen3": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4),
+        "qwen3_moe": dict(hidden_size=512, moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=4),
+        "deepseek_v3": dict(moe_intermediate_size=256, intermediate_size=512, num_attention_heads=8),
+    }.items()}
 MODELS_FP8["deepseek_v3_mtp"] = MODELS_FP8["deepseek_v3"]
 
 
