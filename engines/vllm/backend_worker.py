@@ -67,23 +67,30 @@ def connect_worker(init_info: OneSidedInitInfo, *, who: str):
                                   f"job's? {SECRET_HOW}") from None
 
 
-def refuse_draft(vllm_config, who: str) -> None:
-    """RuntimeError when the engine serves a speculative-decoding draft (``--speculative-config``
-    with a draft model: MTP, EAGLE): the backend registers the target's memory only, so every
-    update would leave the draft at its old weights and speculative acceptance collapses
-    (C33, miles#1926) -- refused at init, before anything is registered, rather than served stale.
-    The plan, the stand-in engine and the simulation carry MTP drafts (docs/VLLM.md)."""
-    from .trace_draft import draft_model_config
+def check_draft(vllm_config, draft, who: str) -> None:
+    """At init: the speculative-decoding draft this engine serves, if any, must be one the backend
+    writes. RuntimeError, before anything is registered, for a draft that is not an MTP draft
+    (EAGLE heads and separate draft models share the target's tensors by comparing weights at
+    load time, which the planner does not trace yet: refused rather than served stale, C33), and
+    for an engine whose draft vLLM's engine core did not hand over before the init
+    (:func:`weight_transfer.engines.vllm.draft_targets.attach_draft_rpc`: the ``one_sided``
+    plugin must be loaded in the engine core)."""
+    from .draft_targets import draft_method
 
-    dmc = draft_model_config(vllm_config)
-    if dmc is None:
+    method = draft_method(vllm_config)
+    if method is None:
         return
-    arch = (getattr(dmc.hf_config, "architectures", None) or ["?"])[0]
-    method = getattr(vllm_config.speculative_config, "method", "?")
-    raise RuntimeError(f"{who}: this engine serves a speculative-decoding draft ({arch}, speculative_config method "
-                       f"{method!r}): the one_sided backend does not write a draft's weights yet, so an update would "
-                       "leave the draft stale and its acceptance would collapse (C33); start vLLM without "
-                       "--speculative-config")
+    arch = (getattr(vllm_config.speculative_config.draft_model_config.hf_config, "architectures", None) or ["?"])[0]
+    if "mtp" not in method:
+        raise RuntimeError(f"{who}: this engine serves a speculative-decoding draft ({arch}, speculative_config method "
+                           f"{method!r}): the one_sided backend writes MTP drafts (method 'mtp') with the target; an "
+                           "EAGLE head or a separate draft model would stay at its old weights and its acceptance "
+                           "would collapse (C33): start vLLM with an MTP draft or without --speculative-config")
+    if draft is None:
+        raise RuntimeError(f"{who}: this engine serves an MTP draft ({arch}) but vLLM's engine core did not hand it to "
+                           "the one_sided engine before init_weight_transfer_engine (the one_sided plugin's engine-core "
+                           "hook, weight_transfer.engines.vllm.recover.install): is the plugin installed where the "
+                           "engine core runs?")
 
 
 def hf_config_dict(hf_config) -> dict:
@@ -110,7 +117,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
     init_info_cls = OneSidedInitInfo
     update_info_cls = OneSidedUpdateInfo
-    supports_draft_weight_update = False  # a draft model's memory is not registered: refused at init (refuse_draft)
+    supports_draft_weight_update = True
+    """vLLM's flag: this engine writes a speculative-decoding draft (an MTP draft) -- with the
+    target, in every update under one version (:meth:`attach_draft`), not in a draft session of
+    its own (``start_draft_weight_update`` after init is refused, naming this)."""
+    draft = None
+    """The draft model vLLM serves beside the target (:meth:`attach_draft`), or None."""
     trace = None
     """This worker's :class:`~weight_transfer.plan.traced.LoaderTrace` (published at init)."""
     metrics = None
@@ -158,6 +170,21 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         return f"inference {self.rank if self.rank is not None else '?'} (vLLM worker pid {os.getpid()})"
 
     # ------------------------------------------------------------------ once
+    def attach_draft(self, model: torch.nn.Module, model_config) -> None:
+        """Take the speculative-decoding draft ``model`` (``model_config``: its vLLM
+        ``ModelConfig``) that this worker serves beside the target: the next
+        :meth:`init_transfer_engine` reports, stages, registers and publishes its tensors with
+        the target's (``draft.`` + vLLM's name), so every update writes both under one version.
+        Called by vLLM's engine core in each worker right before the init
+        (:func:`weight_transfer.engines.vllm.draft_targets.attach_draft_rpc`). Idempotent for
+        the same draft; RuntimeError while initialized (a registered layout does not change)."""
+        if self.draft is model:
+            return
+        if self.receiver is not None:
+            raise RuntimeError(f"{self._who()}: attach_draft while initialized; shutdown_weight_transfer_engine first")
+        self.draft, self.draft_config = model, model_config
+        self.targets = WorkerTargets(self._default_model, self.vllm_config, self.tp_rank, draft=model)
+
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:
         """Report, stage, register once, publish (see the module docstring): the tensors are
         registered with the transport that fits their memory (:meth:`WorkerTargets.receive`).
@@ -176,7 +203,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
         if self.receiver is not None:
             self._release_stale(init_info)
-        refuse_draft(self.vllm_config, self._who())
+        check_draft(self.vllm_config, self.draft, self._who())
         pc = self.parallel_config
         if getattr(pc, "pipeline_parallel_size", 1) != 1:
             raise RuntimeError(f"{self._who()}: pipeline_parallel_size={pc.pipeline_parallel_size}: the one_sided "
@@ -209,7 +236,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
                 return
             layout = InferenceLayout(tp=int(pc.tensor_parallel_size), dp=int(getattr(pc, "data_parallel_size", 1)),
                                      ep=bool(getattr(pc, "enable_expert_parallel", False)), quant=quant,
-                                     dtype=str(mc.dtype).removeprefix("torch."))
+                                     dtype=str(mc.dtype).removeprefix("torch."),
+                                     draft="mtp" if self.draft is not None else None)
             control.put(store, engine_key(init_info.first_rank), {
                 "hf_config": hf_config_dict(mc.hf_config), "layout": layout,
                 "name": str(getattr(mc, "served_model_name", None) or mc.model),
@@ -246,6 +274,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         ``init_weight_transfer_engine``): no byte may be written there."""
         if self.receiver is None:
             raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
+        if self.model is not self._default_model:  # vLLM's start_draft_weight_update retargeted us
+            raise RuntimeError(f"{self._who()}: start_draft_weight_update: the one_sided backend writes the draft "
+                               f"({'registered' if self.draft is not None else 'none served'}) with the target in "
+                               "every update, under one version; start_weight_update")
         if self.shadow is not None:
             from .shadow import start_shadow_update
 

@@ -48,23 +48,25 @@ def hf_config(cfg: ModelConfig, *, max_position_embeddings: int | None = None, d
     return out
 
 
-def checkpoint_tensors(cfg: ModelConfig, *, step: int, seed: int) -> dict:
-    """name -> full tensor of step ``step`` (every parameter of :func:`param_specs`)."""
-    ck = SyntheticCheckpoint(param_specs(cfg), step=step, seed=seed)
+def checkpoint_tensors(cfg: ModelConfig, *, step: int, seed: int, draft: str | None = None) -> dict:
+    """name -> full tensor of step ``step`` (every parameter of :func:`param_specs`; ``draft="mtp"``:
+    the MTP layers too)."""
+    ck = SyntheticCheckpoint(param_specs(cfg, draft), step=step, seed=seed)
     return {n: t.contiguous() for n, t in ck}
 
 
 def write_checkpoint(cfg: ModelConfig, path: str | Path, *, step: int, seed: int,
-                     max_position_embeddings: int | None = 4096) -> str:
+                     max_position_embeddings: int | None = 4096, draft: str | None = None) -> str:
     """Write ``config.json`` and ``model.safetensors`` for step ``step`` into ``path`` (created)
-    and return it as a string. Overwrites existing files. Raises ImportError when
-    ``safetensors`` is missing (install the ``.[vllm]`` extra)."""
-    return write_checkpoint_tensors(cfg, path, checkpoint_tensors(cfg, step=step, seed=seed),
-                                    max_position_embeddings=max_position_embeddings)
+    and return it as a string. Overwrites existing files. ``draft="mtp"``: with the model's MTP
+    layers, and a config that keeps them (an engine started with an MTP draft serves them).
+    Raises ImportError when ``safetensors`` is missing (install the ``.[vllm]`` extra)."""
+    return write_checkpoint_tensors(cfg, path, checkpoint_tensors(cfg, step=step, seed=seed, draft=draft),
+                                    max_position_embeddings=max_position_embeddings, draft=draft)
 
 
 def write_checkpoint_tensors(cfg: ModelConfig, path: str | Path, tensors, *,
-                             max_position_embeddings: int | None = 4096) -> str:
+                             max_position_embeddings: int | None = 4096, draft: str | None = None) -> str:
     """Write ``config.json`` (:func:`hf_config`) and ``model.safetensors`` holding the given
     ``tensors`` (``{Hugging Face name: tensor}``, e.g. a training step's gathered weights cast
     to bf16, as served) into ``path`` (created) and return it as a string. Tensors are written
@@ -73,7 +75,7 @@ def write_checkpoint_tensors(cfg: ModelConfig, path: str | Path, tensors, *,
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    (p / "config.json").write_text(json.dumps(hf_config(cfg, max_position_embeddings=max_position_embeddings),
+    (p / "config.json").write_text(json.dumps(hf_config(cfg, max_position_embeddings=max_position_embeddings, draft=draft),
                                               indent=1))
     save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, str(p / "model.safetensors"),
               metadata={"format": "pt"})

@@ -121,12 +121,14 @@ class VllmEngine:
     in the trial (instance ``d`` of TP ``T`` has ``first_rank = d * T``); ``max_model_len``:
     tokens per sequence; ``weight_transfer_config``: vLLM's (e.g. ``{"backend": "one_sided"}``,
     :mod:`weight_transfer.engines.vllm.backend`; the extension's reads then see that backend's
-    staging tensors). Raises whatever ``vllm.LLM`` raises when it cannot start.
+    staging tensors); ``speculative_config``: vLLM's (e.g. ``{"method": "mtp",
+    "num_speculative_tokens": 1}``: an MTP draft served beside the model; its tensors are reported
+    and read under ``draft.``). Raises whatever ``vllm.LLM`` raises when it cannot start.
     """
 
     def __init__(self, model_dir: str, *, tp: int = 1, first_rank: int = 0, seed: int = 0,
                  max_model_len: int = 1024, kv_cache_gib: int = 1, max_num_seqs: int = 4, targets: str = "auto",
-                 weight_transfer_config: dict | None = None):
+                 weight_transfer_config: dict | None = None, speculative_config: dict | None = None):
         if targets not in TARGETS:
             raise ValueError(f"VllmEngine: targets={targets!r}; one of {', '.join(TARGETS)}")
         self.targets = targets
@@ -141,7 +143,11 @@ class VllmEngine:
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
                        dtype="bfloat16", max_model_len=max_model_len, seed=seed, max_num_seqs=max_num_seqs,
                        enable_prefix_caching=True, worker_extension_cls=EXTENSION,
-                       weight_transfer_config=weight_transfer_config)
+                       weight_transfer_config=weight_transfer_config, speculative_config=speculative_config,
+                       **({"per_request_spec_decode_metrics": "detailed"} if speculative_config else {}))
+        self.acceptance: list[list[int]] | None = None
+        """With a draft: per prompt of the last :meth:`generate`, the accepted draft tokens of each
+        verify step (vLLM's per-request ``spec_decode_metrics.per_step_accepted``)."""
 
     # ---------------------------------------------------------------------------- metadata
     def reports(self) -> list[dict]:
@@ -201,11 +207,14 @@ class VllmEngine:
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
-        res = []
+        res, acc = [], []
         for o in outs:
             c = o.outputs[0]
             lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
             res.append((list(c.token_ids), lps))
+            m = getattr(c, "spec_decode_metrics", None)
+            acc.append(list(m.per_step_accepted) if m is not None else [])
+        self.acceptance = acc if any(acc) or self.llm.llm_engine.vllm_config.speculative_config else None
         return res
 
     # --------------------------------------------------------------------- control plane

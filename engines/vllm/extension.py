@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .draft_targets import worker_draft
 from .worker_state import (
     HIDE_AMX_ENV,
     IN_PLACE_METHODS,
@@ -78,8 +79,9 @@ class WeightTransferExtension:
             return engine_targets
         own = getattr(self, "_wt_own_targets", None)
         if own is None:
+            found = worker_draft(self)  # an MTP draft vLLM serves beside the model: reported under draft.
             own = self._wt_own_targets = WorkerTargets(self._wt_model(), self.vllm_config,  # type: ignore[attr-defined]
-                                                       self._wt_tp_rank())
+                                                       self._wt_tp_rank(), draft=found[0] if found else None)
         return own
 
     def wt_report(self) -> dict:

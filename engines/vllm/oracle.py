@@ -32,7 +32,8 @@ __all__ = ["fresh_snapshots", "fresh_snapshots_subprocess", "main", "score"]
 def fresh_snapshots(jobs: dict[str, dict], *, max_tokens: int = 6) -> dict[str, dict]:
     """``{key: snapshot}`` of a fresh engine per job, in this process (see module docstring).
     A job: ``{"dir": checkpoint directory, "prompts": [[token id, ...], ...], "hide_amx": bool,
-    "max_tokens": int (optional), "score": [[prefix, continuation], ...] (optional: the snapshot's
+    "max_tokens": int (optional), "speculative": vLLM's ``speculative_config`` (optional: a
+    draft served beside the model, its tensors in the snapshot under ``draft.``), "score": [[prefix, continuation], ...] (optional: the snapshot's
     ``"scores"``, :func:`score`)}``. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the starts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm.envs
@@ -46,7 +47,8 @@ def fresh_snapshots(jobs: dict[str, dict], *, max_tokens: int = 6) -> dict[str, 
     for key, job in jobs.items():
         vllm.envs.disable_envs_cache()  # an in-process engine core caches the environment
         with amx_check(bool(job.get("hide_amx", False))):
-            eng = VllmEngine(job["dir"], targets="direct")  # an oracle is never written: nothing staged
+            eng = VllmEngine(job["dir"], targets="direct",  # an oracle is never written: nothing staged
+                             speculative_config=job.get("speculative"))
             try:
                 reports = eng.reports()
                 layouts = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in reports}

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from .backend_config import server_message, store_alive
+from .draft_targets import attach_draft_rpc, draft_method
 
 __all__ = ["GO_LIVE_RPC", "RECOVER_RPC", "install", "worker_release", "engine_core_recover", "store_alive",
            "recover_http", "go_live_http", "rpc_http", "post_route", "wait_health", "server_message", "ServerError"]
@@ -109,8 +110,11 @@ def engine_core_recover(self, stale_only: bool = True, resume: bool = True) -> d
 def install(engine_core_cls, go_live) -> None:
     """Wrap ``engine_core_cls.collective_rpc`` (idempotent) so :data:`GO_LIVE_RPC` runs
     ``go_live(self, version, reset)`` and :data:`RECOVER_RPC` :func:`engine_core_recover` in
-    the engine core, each answering a one-element list (what the route returns as JSON); every
-    other method goes to the workers unchanged."""
+    the engine core, each answering a one-element list (what the route returns as JSON); before
+    ``init_weight_transfer_engine`` reaches the workers of an engine serving a speculative-decoding
+    draft, each worker hands its draft to its ``one_sided`` engine
+    (:func:`weight_transfer.engines.vllm.draft_targets.attach_draft_rpc`); every other method
+    goes to the workers unchanged."""
     real = engine_core_cls.collective_rpc
     if getattr(real, "_wt_wrapped", False):
         return
@@ -122,6 +126,8 @@ def install(engine_core_cls, go_live) -> None:
         if method == RECOVER_RPC:
             stale_only, resume = (list(args) + [True, True])[:2]
             return [engine_core_recover(self, _flag(stale_only), _flag(resume))]
+        if method == "init_weight_transfer_engine" and draft_method(getattr(self, "vllm_config", None)):
+            real(self, attach_draft_rpc, timeout, (), None)  # the draft registered with the target (C33)
         return real(self, method, timeout, args, kwargs)
 
     collective_rpc._wt_wrapped = True

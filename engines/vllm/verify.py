@@ -67,16 +67,18 @@ def snapshot(engine, layouts: dict, prompts: list[list[int]] | None = None, *, m
     """``{"tensors": {rank: {name: tensor}}, "staging": {rank: {name: tensor}}, "outputs":
     [(tokens, logprobs)] | None}`` of ``engine``: every name of ``layouts[r].check`` (rank ->
     :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout`; the same names on every rank of one engine)
-    and every staging tensor."""
+    and every staging tensor; with a speculative-decoding draft also ``"acceptance"``: per prompt,
+    the draft tokens accepted at each verify step (:attr:`weight_transfer.engines.vllm.engine.VllmEngine.acceptance`)."""
     names = sorted({n for lay in layouts.values() for n in lay.check})
     tensors = engine.read(names)
     staging_names = sorted({n for lay in layouts.values() for n in lay.staging_names()})
     staging = engine.read(staging_names) if staging_names else {}
     outs = engine.generate(prompts, max_tokens=max_tokens) if prompts else None
-    return {"tensors": tensors, "staging": staging, "outputs": outs}
+    acc = getattr(engine, "acceptance", None) if prompts else None
+    return {"tensors": tensors, "staging": staging, "outputs": outs, **({"acceptance": acc} if acc is not None else {})}
 
 
-def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[int, dict]:
+def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int, draft: str | None = None) -> dict[int, dict]:
     """rank -> {staged parameter name: expected checkpoint-layout tensor}, made by the stand-in
     engine's ``load_weights`` (:class:`weight_transfer.engines.engine.Engine`: vLLM's loader semantics written
     independently of the recipes) from the full checkpoint tensors ``get_tensor(name)`` for the
@@ -84,7 +86,8 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[in
     with staged targets (only those tensors are made and loaded). KeyError names a staged
     parameter the stand-in does not have or one no checkpoint tensor filled. For an architecture
     the stand-in does not know (``cfg.hand_written`` False): vLLM's own ``load_weights`` on a CPU
-    skeleton, in a child process (:func:`_loader_staging_oracle`)."""
+    skeleton, in a child process (:func:`_loader_staging_oracle`; ``draft="mtp"``: the engine serves
+    the MTP draft too, whose staged parameters are named ``draft.`` + vLLM's name)."""
     from weight_transfer.engines.engine import Engine
     from weight_transfer.types import InferenceLayout
 
@@ -92,13 +95,13 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[in
 
     names = list(names)
     if not cfg.hand_written:  # no stand-in for this architecture: vLLM's own load_weights, on the CPU
-        return _loader_staging_oracle(cfg, layouts, get_tensor, names, tp=tp)
+        return _loader_staging_oracle(cfg, layouts, get_tensor, names, tp=tp, draft=draft)
     out = {}
     for rank, lay in layouts.items():
         want = {n.removesuffix(STAGING_SUFFIX) for n in lay.staging_names()}
         if not want:
             continue
-        eng = Engine(cfg, InferenceLayout(tp=tp), lay.tp_rank)
+        eng = Engine(cfg, InferenceLayout(tp=tp, draft=draft), lay.tp_rank)
         params = eng.named_parameters()
         missing = sorted(want - set(params))
         if missing:
@@ -112,7 +115,7 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[in
     return out
 
 
-def _loader_staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) -> dict[int, dict]:
+def _loader_staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int, draft: str | None = None) -> dict[int, dict]:
     """:func:`staging_oracle` for an architecture without hand-written rules (C29): what vLLM's
     own ``load_weights`` makes of the full checkpoint tensors, in a child process, on a CPU
     skeleton (:func:`weight_transfer.engines.vllm.trace.loaded_params`): the engine's loader on
@@ -133,8 +136,8 @@ def _loader_staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int) ->
         return {}
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/config.json", "w") as f:
-            json.dump(hf_config(cfg), f)
-        got = loaded_params_subprocess(d, str(tp), {n: get_tensor(n) for n in names}, want)
+            json.dump(hf_config(cfg, draft=draft), f)
+        got = loaded_params_subprocess(d, f"{tp}+{draft}" if draft else str(tp), {n: get_tensor(n) for n in names}, want)
     return {rank: got[lay.tp_rank] for rank, lay in layouts.items() if lay.tp_rank in got}
 
 
@@ -150,13 +153,15 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int, int]:
 
 
 def compare_snapshots(live: dict, fresh: dict, *, staging_expected: dict | None = None, max_report: int = 5) -> dict:
-    """Byte, staging and output comparison. Returns ``{"ok", "bytes_ok", "outputs_ok",
+    """Byte, staging and output comparison. Returns ``{"ok", "acceptance_ok", "bytes_ok", "outputs_ok",
     "staging_ok", "bytes_checked", "staging_bytes_checked", "logprob_ulps", "mismatches":
     [(rank, name, n_bad_bytes, first_bad_byte)], "n_mismatched", "output_diffs"}``. Outputs are
     equal per :func:`outputs_equal` (tokens identical, logprobs within :data:`LOGPROB_ULPS`);
     ``logprob_ulps`` is the largest difference seen (0.0: bit-identical). ``staging_ok`` is None
     when the live snapshot has no staging tensors; a staging tensor with no expected tensor in
-    ``staging_expected`` (rank -> {parameter: tensor}) is a mismatch."""
+    ``staging_expected`` (rank -> {parameter: tensor}) is a mismatch. ``"acceptance_ok"``: with a
+    speculative-decoding draft in both snapshots, whether the draft tokens accepted at every
+    verify step of every prompt are the same (None otherwise)."""
     from .runtime import STAGING_SUFFIX
 
     bad, checked = [], 0
@@ -193,7 +198,9 @@ def compare_snapshots(live: dict, fresh: dict, *, staging_expected: dict | None 
                 out_diffs.append({"prompt": i, "live": lo, "fresh": fo})
     outputs_ok = None if live.get("outputs") is None or fresh.get("outputs") is None else not out_diffs
     staging_ok = (not s_bad) if any(staging.values()) else None
-    return {"ok": not bad and outputs_ok is not False and staging_ok is not False, "bytes_ok": not bad,
+    acc_ok = None if "acceptance" not in live or "acceptance" not in fresh else live["acceptance"] == fresh["acceptance"]
+    return {"ok": not bad and outputs_ok is not False and staging_ok is not False and acc_ok is not False,
+            "acceptance_ok": acc_ok, "bytes_ok": not bad,
             "outputs_ok": outputs_ok, "staging_ok": staging_ok, "bytes_checked": checked,
             "staging_bytes_checked": s_checked, "logprob_ulps": ulps, "mismatches": (bad + s_bad)[:max_report],
             "n_mismatched": len(bad) + len(s_bad), "output_diffs": out_diffs[:max_report]}

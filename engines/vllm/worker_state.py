@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .draft_targets import served_models
 from .handles import cpu_moe_layers, tied_modules, unread_gemm_handles
 from .isa import HIDE_AMX_ENV, INIT_AMX_ENV, amx_check, host_isa  # applies both in every process that imports this
 
@@ -193,10 +194,15 @@ class WorkerTargets:
     """One vLLM worker's runtime tensors, staged targets and registered region (see the module
     docstring). ``model``: the worker's model (after ``process_weights_after_loading``);
     ``vllm_config``: the worker's ``VllmConfig`` (vLLM's post-processing runs under it at
-    commit); ``tp_rank``: its tensor-parallel rank."""
+    commit); ``tp_rank``: its tensor-parallel rank; ``draft``: the speculative-decoding draft
+    model vLLM serves beside it (an MTP draft), whose tensors are then reported, staged,
+    registered and committed with the target's, named ``draft.`` + vLLM's name
+    (:class:`~weight_transfer.engines.vllm.draft_targets.ServedModels`). :attr:`model` is that
+    tree (the target alone without a draft); :attr:`draft` the draft model or None."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config, tp_rank: int):
-        self.model, self.vllm_config, self.tp_rank = model, vllm_config, int(tp_rank)
+    def __init__(self, model: torch.nn.Module, vllm_config, tp_rank: int, draft: torch.nn.Module | None = None):
+        self.model = served_models(model, draft)
+        self.draft, self.vllm_config, self.tp_rank = draft, vllm_config, int(tp_rank)
         self.staged: dict[str, dict] = {}
         """Staged layers: module -> ``{"mode", "why", "params": {name: staging tensor}}``."""
         self.staging_arena: torch.Tensor | None = None

