@@ -319,8 +319,9 @@ class WorkerShadow:
         t1 = time.perf_counter()
         mods = dict(self.targets.model.named_modules())
         for mname, clone in (self._built or {}).items():
-            keep = () if self.targets.staged[mname]["mode"] == "copy" else tuple(
-                pn for pn, _ in mods[mname].named_parameters(recurse=False))
+            staged = self.targets.staged[mname]  # the layer keeps every parameter the trainers write in place:
+            keep = tuple(pn for pn, _ in mods[mname].named_parameters(recurse=False)  # in a "copy" layer,
+                         if staged["mode"] != "copy" or pn not in staged["params"])  # those not staged (a router's bias)
             apply_clone(mods[mname], clone, keep_params=keep)
         swap = time.perf_counter() - t1
         layers = len(self._built or {})

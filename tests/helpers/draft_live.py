@@ -16,11 +16,14 @@ Run as a child (in-process engine core; ``OMP_NUM_THREADS`` as the oracle's)::
     python -m tests.helpers.draft_live OUT.pt CKPT_ROOT
 
 ``CKPT_ROOT/step{s}`` are the checkpoints of :func:`write_agree_checkpoints`. The engine starts
-from step 0; the trainer (world size 1, the full tensors of target and draft) updates it to
-steps 1 and 2 (versions 1 and 2). ``OUT.pt`` (``torch.save``; tensors, lists, numbers, strings):
-``{"snaps": {version: snapshot}, "staging_expected": {version: {rank: {name: tensor}}},
-"report": the worker's report after init (names only), "recipes": the planner's line,
-"draft_session": the error of vLLM's ``start_draft_weight_update`` after the updates,
+from step 0; a trainer (world size 1, the full tensors of target and draft) updates it to steps
+1 and 2 (versions 1 and 2), shuts down (and vLLM's ``shutdown_weight_transfer_engine``), and a second trainer, with shadow targets (``auto``),
+updates the same engine to steps 1 and 2 again (versions 3 and 4) (:data:`PHASES`). ``OUT.pt``
+(``torch.save``; tensors, lists, numbers, strings): ``{"snaps": {version: snapshot}, "step":
+{version: step}, "shadow": {version: shadow mode}, "staging_expected": {version: {rank: {name:
+tensor}}} (versions without shadow targets), "report": the worker's report after init (names
+only), "recipes": {shadow mode: the planner's line},
+"draft_session": the error of vLLM's ``start_draft_weight_update`` after the last update,
 "label_after": vLLM's weight version after it}``. ``WT_DRAFT_LIVE_MP=1``: a multi-process engine
 (engine core and worker in processes of their own) instead.
 """
@@ -94,6 +97,11 @@ def prompts(vocab: int) -> list[list[int]]:
     return fixed_prompts(vocab) + [[(13 * i + 5) % (vocab - 1) + 1 for i in range(9)]]
 
 
+PHASES = (("off", ((1, 1), (2, 2))), ("auto", ((3, 1), (4, 2))))
+"""(the workers' shadow targets, ((version, step), ...)): one trainer per phase, the second
+initialized on the same engine after the first's ``shutdown``."""
+
+
 def main(out: str, root: str) -> int:
     if os.environ.get("WT_DRAFT_LIVE_MP") != "1":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -111,31 +119,39 @@ def main(out: str, root: str) -> int:
     eng = VllmEngine(os.path.join(root, "step0"), targets="direct", weight_transfer_config={"backend": "one_sided"},
                      speculative_config=SPEC)
     params = {n: t.clone() for n, t in agree_tensors(cfg, 0).items()}
-    res = {"snaps": {}, "staging_expected": {}}
-    trainer = WeightTransferTrainerFactory.trainer_init(OneSidedTrainerInitInfo(rank=0, timeout=120),
-                                                        client=LLMClient(eng.llm), source=DTensorSource(params))
+    res = {"snaps": {}, "staging_expected": {}, "step": {}, "shadow": {}, "recipes": {}}
     try:
-        rep = eng.reports()[0]
-        res["report"] = {"params": [p["name"] for p in rep["params"]], "aliases": dict(rep["aliases"]),
-                         "staged": [s["module"] for s in rep["staged"]]}
-        res["recipes"] = str(trainer.coordinator.recipes_from)  # where the recipes came from, what is kept
-        for v, step in ((1, 1), (2, 2)):
-            new = agree_tensors(cfg, step)
-            for n, t in new.items():
-                params[n].copy_(t)
-            trainer.send_weights(version=v)
-            lays = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in eng.reports()}
-            res["snaps"][v] = snapshot(eng, lays, ps, max_tokens=MAX_TOKENS)
-            res["snaps"][v]["label"] = eng.llm.get_weight_version()
-            res["staging_expected"][v] = staging_oracle(cfg, lays, new.__getitem__, new, tp=1, draft="mtp")
-        try:  # vLLM's own draft session: the draft is written with the target, so it is refused by name
-            eng.llm.start_draft_weight_update()
-            res["draft_session"] = "accepted"
-        except Exception as e:
-            res["draft_session"] = str(e)
-        res["label_after"] = eng.llm.get_weight_version()
+        for shadow, updates in PHASES:
+            trainer = WeightTransferTrainerFactory.trainer_init(
+                OneSidedTrainerInitInfo(rank=0, timeout=120, shadow=shadow), client=LLMClient(eng.llm),
+                source=DTensorSource(params))
+            try:
+                rep = eng.reports()[0]
+                res["report"] = {"params": [p["name"] for p in rep["params"]], "aliases": dict(rep["aliases"]),
+                                 "staged": [s["module"] for s in rep["staged"]]}
+                res["recipes"][shadow] = str(trainer.coordinator.recipes_from)  # where the recipes came from
+                for v, step in updates:
+                    new = agree_tensors(cfg, step)
+                    for n, t in new.items():
+                        params[n].copy_(t)
+                    trainer.send_weights(version=v)
+                    lays = {r["tp_rank"]: runtime_layout(r, r["tp_rank"]) for r in eng.reports()}
+                    res["snaps"][v] = snapshot(eng, lays, ps, max_tokens=MAX_TOKENS)
+                    res["snaps"][v]["label"] = eng.llm.get_weight_version()
+                    res["step"][v], res["shadow"][v] = step, shadow
+                    if shadow == "off":  # with shadow targets the live layers are rebuilt clones, not the staging
+                        res["staging_expected"][v] = staging_oracle(cfg, lays, new.__getitem__, new, tp=1,
+                                                                    draft="mtp")
+                try:  # vLLM's own draft session: the draft is written with the target, so it is refused by name
+                    eng.llm.start_draft_weight_update()
+                    res["draft_session"] = "accepted"
+                except Exception as e:
+                    res["draft_session"] = str(e)
+                res["label_after"] = eng.llm.get_weight_version()
+            finally:
+                trainer.shutdown()
+                eng.llm.shutdown_weight_transfer_engine()  # vLLM's release: the next trainer inits afresh
     finally:
-        trainer.shutdown()
         eng.close()
     torch.save(res, out)
     return 0
