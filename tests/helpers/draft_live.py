@@ -21,7 +21,7 @@ from step 0; a trainer (world size 1, the full tensors of target and draft) upda
 updates the same engine to steps 1 and 2 again (versions 3 and 4) (:data:`PHASES`). ``OUT.pt``
 (``torch.save``; tensors, lists, numbers, strings): ``{"snaps": {version: snapshot}, "step":
 {version: step}, "shadow": {version: shadow mode}, "staging_expected": {version: {rank: {name:
-tensor}}} (versions without shadow targets), "report": the worker's report after init (names
+tensor}}} (versions without shadow targets), "coverage": {version: verify.coverage of the layouts}, "report": the worker's report after init (names
 only), "recipes": {shadow mode: the planner's line},
 "draft_session": the error of vLLM's ``start_draft_weight_update`` after the last update,
 "label_after": vLLM's weight version after it}``. ``WT_DRAFT_LIVE_MP=1``: a multi-process engine
@@ -112,14 +112,14 @@ def main(out: str, root: str) -> int:
     from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.engine import VllmEngine
     from weight_transfer.engines.vllm.runtime import runtime_layout
-    from weight_transfer.engines.vllm.verify import snapshot, staging_oracle
+    from weight_transfer.engines.vllm.verify import coverage, snapshot, staging_oracle
 
     cfg = config()
     ps = prompts(cfg.vocab_size)
     eng = VllmEngine(os.path.join(root, "step0"), targets="direct", weight_transfer_config={"backend": "one_sided"},
                      speculative_config=SPEC)
     params = {n: t.clone() for n, t in agree_tensors(cfg, 0).items()}
-    res = {"snaps": {}, "staging_expected": {}, "step": {}, "shadow": {}, "recipes": {}}
+    res = {"snaps": {}, "staging_expected": {}, "step": {}, "shadow": {}, "recipes": {}, "coverage": {}}
     try:
         for shadow, updates in PHASES:
             trainer = WeightTransferTrainerFactory.trainer_init(
@@ -139,6 +139,7 @@ def main(out: str, root: str) -> int:
                     res["snaps"][v] = snapshot(eng, lays, ps, max_tokens=MAX_TOKENS)
                     res["snaps"][v]["label"] = eng.llm.get_weight_version()
                     res["step"][v], res["shadow"][v] = step, shadow
+                    res["coverage"][v] = coverage(lays)  # fractions of the engine's bytes each check can cover
                     if shadow == "off":  # with shadow targets the live layers are rebuilt clones, not the staging
                         res["staging_expected"][v] = staging_oracle(cfg, lays, new.__getitem__, new, tp=1,
                                                                     draft="mtp")

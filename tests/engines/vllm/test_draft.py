@@ -118,9 +118,17 @@ def test_c33_live_engine_with_an_mtp_draft_updated_with_its_target(draft_live):
         assert r["bytes_checked"] > 0
         steps = [a for per in snap["acceptance"] for a in per]
         assert steps and all(a == 1 for a in steps)  # the draft of this version: every token accepted
+        c = dict(live["coverage"][v])
+        if shadow:  # staging not compared: opaque state checked through the outputs only
+            c["outputs_only"], c["staged"] = c["outputs_only"] + c["staged"], 0.0
+        print(f"\nv{v} (step {step}, shadow {live['shadow'][v]}): {r['bytes_checked']:,} B compared with the fresh "
+              f"engine (target + draft), {r['staging_bytes_checked']:,} B staging with load_weights; of the engine's "
+              f"{c['engine_bytes']:,} B: direct {c['direct']:.1%}, through staging {c['staged']:.1%}, outputs only "
+              f"{c['outputs_only']:.1%}; accepted draft tokens {sum(steps)}/{len(steps)} verify steps")
     assert sorted(live["shadow"].values()) == ["auto", "auto", "off", "off"]
     stale = [a for per in fresh["step2_draft1"]["acceptance"] for a in per]
     assert stale and sum(stale) <= len(stale) // 4  # a draft one step old: (almost) nothing accepted
+    print(f"fresh engine of step 2 with step 1's draft: accepted {sum(stale)}/{len(stale)} verify steps")
     assert "start_draft_weight_update: the one_sided backend writes the draft (registered) with the target" in \
         live["draft_session"]
     assert live["label_after"] == "4"
