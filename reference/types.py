@@ -204,6 +204,10 @@ class DestTensorMeta:
     nbytes: int
 
 
+QUANTS = (None, "fp8", "fp8-tensor", "fp8-channel")
+"""Values of :attr:`InferenceLayout.quant`: BF16, block FP8, per-tensor FP8, per-channel FP8."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InferenceLayout:
     """How the inference world is laid out (vLLM terms).
@@ -212,9 +216,13 @@ class InferenceLayout:
     (each receives a full copy); ``ep`` True places MoE experts expert-parallel over the
     instance's ``tp`` ranks (each rank holds ``E / tp`` whole experts, vLLM's linear placement:
     global expert ``e`` on rank ``e // (E/tp)``, slot ``e % (E/tp)``) instead of TP-slicing every
-    expert. ``quant`` is ``None`` (serve the training dtype cast to ``dtype``) or ``"fp8"``
+    expert. ``quant`` is ``None`` (serve the training dtype cast to ``dtype``), ``"fp8"``
     (DeepSeek-V3 block FP8: e4m3 weights plus float32 ``weight_scale_inv`` per 128x128 block for
-    linear layers). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
+    linear layers), ``"fp8-tensor"`` (e4m3 weights plus one float32 ``weight_scale`` per checkpoint
+    tensor: vLLM's ``Fp8Config`` without ``weight_block_size``) or ``"fp8-channel"`` (e4m3 weights
+    plus a float32 ``weight_scale`` ``[N, 1]`` per output row: compressed-tensors' FP8 channel
+    scheme); the last two are planned from vLLM's traced loader only
+    (:mod:`weight_transfer.quant_scaled`). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
     ``draft`` is ``None`` or ``"mtp"``: every rank also serves the draft model of speculative
     decoding, DeepSeek-V3's multi-token-prediction layers (vLLM's ``DeepSeekMTP``, same TP / EP /
     quantization as the target), whose tensors are written in the same update under the same
@@ -234,9 +242,10 @@ class InferenceLayout:
     """Inference replicas (engine instances, each receiving a full copy)."""
     ep: bool = False
     """Place MoE experts expert-parallel over each instance's TP ranks."""
-    quant: Literal["fp8"] | None = None
-    """``None`` (serve BF16; ``none`` on the command line) or ``"fp8"`` (block FP8 e4m3 with
-    ``weight_scale_inv``)."""
+    quant: Literal["fp8", "fp8-tensor", "fp8-channel"] | None = None
+    """``None`` (serve BF16; ``none`` on the command line), ``"fp8"`` (block FP8 e4m3 with
+    ``weight_scale_inv``), ``"fp8-tensor"`` or ``"fp8-channel"`` (e4m3 with a per-tensor or
+    per-output-channel float32 ``weight_scale``)."""
     dtype: str = "bfloat16"
     """dtype of the non-quantized tensors on the inference side."""
     dp_attention: bool = False
@@ -251,8 +260,8 @@ class InferenceLayout:
             raise ValueError(f"InferenceLayout: tp={self.tp} and dp={self.dp} must be >= 1")
         if self.dp_attention and not self.ep:
             raise ValueError("InferenceLayout: dp_attention=True needs ep=True (experts split over the tp ranks)")
-        if self.quant not in (None, "fp8"):
-            raise ValueError(f"InferenceLayout: unknown quant {self.quant!r} (None or 'fp8')")
+        if self.quant not in QUANTS:
+            raise ValueError(f"InferenceLayout: unknown quant {self.quant!r} (None, {', '.join(map(repr, QUANTS[1:]))})")
         if self.draft not in (None, "mtp"):
             raise ValueError(f"InferenceLayout: unknown draft {self.draft!r} (None or 'mtp')")
         torch_dtype(self.dtype)
@@ -318,7 +327,7 @@ class Output:
     such as ``"blocked:32x2"`` (vLLM CPU packed GEMM weights)."""
 
 
-Transform = Literal["copy", "fp8_block"]
+Transform = Literal["copy", "fp8_block", "fp8_tensor", "fp8_channel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +340,12 @@ class Recipe:
     - ``"copy"``: one output, the assembled tensor cast to the output dtype;
     - ``"fp8_block"``: two outputs, the FP8 e4m3 weight (same shape) and its float32
       ``weight_scale_inv`` of shape ``[..., ceil(N/128), ceil(K/128)]`` over the last two dims
-      (DeepSeek-V3 format), quantized from exactly the assembled BF16 tensor.
+      (DeepSeek-V3 format), quantized from exactly the assembled BF16 tensor;
+    - ``"fp8_tensor"`` / ``"fp8_channel"``: two outputs, the FP8 e4m3 weight and its float32
+      ``weight_scale`` (one value; ``[rows, 1]``), quantized per tensor / per row over the whole
+      assembled BF16 tensor (:mod:`weight_transfer.quant_scaled`); the weight output is the
+      assembled tensor's leading corner of the output box's shape (the destination's own
+      elements; the rest are the source rows / columns the scale needs besides them).
 
     ``ranks`` are the inference ranks that receive identical bytes (TP-replicated tensors and
     DP replicas are extra destinations of one recipe).

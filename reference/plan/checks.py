@@ -165,9 +165,25 @@ def _check_recipe(r: Recipe, sources, probs: _Problems, missing: dict[str, list[
                     probs.add("shape", f"fp8_block recipe {name!r}: scale box {sc.box} of {sc.tensor!r} has shape {box_shape(sc.box)}, need {want}")
             else:
                 probs.add("shape", f"fp8_block recipe {name!r}: shape {shape} has < 2 dims")
+    elif tr in ("fp8_tensor", "fp8_channel"):
+        if len(outs) != 2:
+            probs.add("bad-recipe", f"{tr} recipe {name!r} has {len(outs)} outputs (needs weight, weight_scale)")
+        else:
+            w, sc = outs
+            ws = box_shape(w.box)
+            if adt != BF16 or w.dtype != FP8 or sc.dtype != F32:
+                probs.add("dtype", f"{tr} recipe {name!r}: assembles {adt} into {w.dtype} / {sc.dtype}, need {BF16} "
+                                   f"into {FP8} / {F32}")
+            if len(shape) != 2 or len(ws) != 2 or any(e > n for e, n in zip(ws, shape)):
+                probs.add("shape", f"{tr} recipe {name!r}: weight box {w.box} is not a corner of its 2-D assembled "
+                                   f"shape {shape}")
+            elif numel(box_shape(sc.box)) != (1 if tr == "fp8_tensor" else ws[0]) or (
+                    tr == "fp8_channel" and ws[0] != shape[0]):
+                probs.add("shape", f"{tr} recipe {name!r}: scale box {sc.box} does not hold its weight's "
+                                   f"{'one scale' if tr == 'fp8_tensor' else f'{ws[0]} row scales'}")
     else:
         probs.add("bad-recipe", f"recipe {name!r}: unknown transform {tr!r}")
-    if outs and box_shape(outs[0].box) != tuple(shape):
+    if outs and tr not in ("fp8_tensor", "fp8_channel") and box_shape(outs[0].box) != tuple(shape):
         probs.add("shape", f"recipe {name!r}: output box {outs[0].box} of {outs[0].tensor!r} does not have the assembled shape {shape}")
     # pieces
     total = numel(shape)

@@ -16,6 +16,8 @@ whole tensor (each block's scale depends on that block only). FSDP2's even shard
 What still needs ``full_tensor()`` (the recipe is gathered whole, as before):
 
 - a quantized recipe whose rows change hands inside a 128-row block (C7's odd head counts);
+- a per-tensor FP8 recipe (``"fp8_tensor"``) whose source rows several ranks hold: its scale is the
+  whole tensor's (a per-channel one is cut into row bands like a copy: each row's scale is its own);
 - a piece whose source rows do not run along the recipe's cut dimension (a transpose, a
   column-sharded placement: ``Shard(1)``), or a source with no row-range shards;
 - a recipe smaller than ``min_bytes`` whose rows span several ranks, when cutting it would cost
@@ -101,12 +103,16 @@ def _cut(rec: Recipe, owners: Owners, mesh: frozenset[int]):
     common = frozenset.intersection(*hs) if hs else mesh
     if common:
         return ("whole", common)
+    if rec.transform == "fp8_tensor":
+        return ("gather", "FP8 per-tensor: the scale is the whole tensor's, whose rows several ranks hold")
     if not rec.shape:
         return ("gather", "a scalar whose holders differ")
     d = split_dim(rec)
     n = rec.shape[d]
     if n <= 1:
         return ("gather", "one row along its split dim, held by several ranks")
+    if rec.transform == "fp8_channel" and d >= len(rec.shape) - 1:
+        return ("gather", "FP8 per-channel: a row's scale needs all its columns, which several ranks hold")
     # atomic cuts: piece boundaries along d, and shard boundaries inside a piece's rows
     cuts = {0, n}
     slot_dim = False

@@ -208,8 +208,12 @@ def build_recipes(
     Raises :class:`PlanError` naming the tensor and sizes when the layout does not divide the
     model (heads, intermediate sizes, experts, padded vocab), and for an architecture without
     hand-written rules (``cfg.hand_written`` False): those are planned from recipes traced from
-    vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`).
+    vLLM's loader (:func:`weight_transfer.plan.traced.recipes_from_traces`), and for per-tensor /
+    per-channel FP8 (``"fp8-tensor"``, ``"fp8-channel"``), planned from traces only.
     """
+    if layout.quant not in (None, "fp8"):
+        raise PlanError(f"model {cfg.label}: quant {layout.quant!r}: the hand-written rules know BF16 and block FP8 "
+                        "('fp8'); per-tensor / per-channel FP8 is planned from vLLM's traced loader only")
     if layout.draft == "mtp" and not (cfg.is_mla and cfg.get("num_nextn_predict_layers")):
         raise PlanError(f"model {cfg.label}: draft 'mtp' needs DeepSeek-V3-style MTP layers (num_nextn_predict_layers "
                         f">= 1, DeepseekV3ForCausalLM); it has architecture {cfg.architecture}, "

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from ..quant import QUANT_BLOCK, cdiv, scale_shape
 from ..types import Box, InferenceLayout, Piece, PlanError, new_output, new_piece, new_recipe
+from .scaled import SCALE, scaled_kind, scaled_parts
 
 __all__ = ["TracedParam", "LoaderTrace", "TRACE_KEY", "SOURCES_KEY", "recipes_from_traces", "canonical_pieces",
            "compare_recipes", "box_volume", "SOURCE_VIEWS_KEY", "check_views", "view_shape", "expand_sources",
@@ -136,8 +137,7 @@ def _block_problem(name: str, tp: TracedParam, scale: TracedParam | None, quanti
     blocks of the parameter (a partial block only at both tensors' ends), and vLLM loads the
     scale of each destination block from the matching block of that source's ``weight_scale_inv``."""
     if scale is None:
-        return (f"float8_e4m3fn without a block scale {name}{SCALE_SUFFIX} (per-tensor / per-channel FP8 is not "
-                "planned from traces)")
+        return f"float8_e4m3fn without a scale {name}{SCALE_SUFFIX} or {name}{SCALE}"
     B = QUANT_BLOCK
     want = []
     for p in tp.pieces:
@@ -183,14 +183,18 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
     A block-FP8 parameter (``float8_e4m3fn`` with a ``_scale_inv`` sibling, traced on the FP8
     checkpoint form, :attr:`LoaderTrace.quantized`) is one ``"fp8_block"`` recipe (per expert slot)
     assembled in BF16 from the trainer's tensors, with two outputs, the weight and its scale, as
-    the hand-written FP8 rules make; its scale parameter is not a recipe of its own. ``kept``:
+    the hand-written FP8 rules make; its scale parameter is not a recipe of its own. A per-tensor
+    or per-channel FP8 parameter (``float8_e4m3fn`` with a ``_scale`` sibling) is one
+    ``"fp8_tensor"`` / ``"fp8_channel"`` recipe per quantization domain, gathering the source rows
+    or columns its scale needs beyond the destination's (:mod:`weight_transfer.plan.scaled`). ``kept``:
     the quantization-state parameters every rank's engine keeps (:attr:`LoaderTrace.kept`).
 
     Raises :class:`PlanError` (one line per problem, the first 20) when a rank's loader raised,
     refused a parameter (a computation, not a copy: the loader step is named), or fills a
     parameter only partly or twice, or a block-FP8 weight cannot be quantized from the rows as
     vLLM places them (:func:`_block_problem`: a piece cutting a 128x128 block, a scale loaded
-    from other blocks, per-tensor / per-channel FP8)."""
+    from other blocks), or a per-tensor / per-channel FP8 weight does not fit its format
+    (:func:`~weight_transfer.plan.scaled.scaled_parts`; MoE experts, refused naming the parameter)."""
     from . import RecipeSet
 
     problems: list[str] = []
@@ -205,11 +209,27 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
     for r, t in sorted(traces.items()):
         if t.error:
             continue
-        scales = {n + SCALE_SUFFIX for n, p in t.params.items() if p.dtype == FP8}
+        scales = {n + sfx for n, p in t.params.items() if p.dtype == FP8 for sfx in (SCALE_SUFFIX, SCALE)}
         for name, tp in t.params.items():
             if name in t.refused or name in scales or not _check(r, name, tp, problems):
                 continue
             kind = tp.dtype
+            sc = t.params.get(name + SCALE) if tp.dtype == FP8 and name + SCALE_SUFFIX not in t.params else None
+            if sc is not None:  # per-tensor / per-channel FP8 (weight_transfer.plan.scaled)
+                k = scaled_kind(tp.shape, sc.shape)
+                parts, why = scaled_parts(name, tp, sc, k, t.quantized) if k else ([], (
+                    f"a {len(tp.shape)}-D FP8 weight with a {list(sc.shape)} {name}{SCALE}: MoE experts are not planned "
+                    "under per-tensor / per-channel FP8 (block FP8 plans them)" if len(tp.shape) == 3 else
+                    f"its scale {name}{SCALE} {list(sc.shape)} is neither per-tensor nor per-channel"))
+                if why:
+                    problems.append(f"inference rank {r}: {name} {list(tp.shape)}: {why}")
+                for suffix, shape, pieces, outs in parts:
+                    key = (name + suffix, shape, k, pieces, outs)
+                    if key not in groups:
+                        groups[key] = []
+                        order.append(key)
+                    groups[key].append(r)
+                continue
             if tp.dtype == FP8:
                 why = _block_problem(name, tp, t.params.get(name + SCALE_SUFFIX), t.quantized)
                 if why:
@@ -230,9 +250,12 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
         n_variants[key[0]] = n_variants.get(key[0], 0) + 1
     recipes = []
     for key in order:
-        name, shape, dtype, pieces = key
+        name, shape, dtype, pieces = key[:4]
         ranks = tuple(sorted(groups[key]))
         rname = name if n_variants[name] == 1 else f"{name}@tp{ranks[0] % tp_size}"
+        if len(key) == 5:  # per-tensor / per-channel FP8: its outputs made by scaled_parts
+            recipes.append(new_recipe(rname, ranks, shape, BF16, pieces, dtype, key[4]))
+            continue
         fp8 = dtype == "fp8_block"
         tp = TracedParam(shape, FP8 if fp8 else dtype, pieces)
 
