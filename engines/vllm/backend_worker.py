@@ -14,6 +14,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from . import delta_apply  # packed deltas: the landing region and the commit's scatter
 from .backend_config import OneSidedInitInfo, OneSidedUpdateInfo, _first_line, engine_key
+from .trace_fp8 import layout_quant
 from .worker_state import WorkerTargets  # applies WT_VLLM_HIDE_AMX in the worker, before the model is built
 
 __all__ = ["OneSidedWeightTransferEngine", "hf_config_dict", "worker_secret", "connect_worker", "SECRET_HOW"]
@@ -226,10 +227,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             raise RuntimeError(f"{self._who()}: no runtime tensor to write (every weight refused: "
                                f"{lay.refused[:3]})")
         mc = self.model_config
-        quant = getattr(mc, "quantization", None)
-        if rank == init_info.first_rank and quant not in (None, "fp8"):
-            raise RuntimeError(f"{self._who()}: quantization={quant!r}: the one_sided backend plans BF16 "
-                               "or block-FP8 ('fp8') weights")
+        try:  # vLLM's quantization and its config -> the layout's quant (trace_fp8.layout_quant)
+            quant = layout_quant(getattr(mc, "quantization", None),
+                                 getattr(mc.hf_config, "quantization_config", None) or {})
+        except ValueError as e:
+            if rank == init_info.first_rank:
+                raise RuntimeError(f"{self._who()}: {e}: the one_sided backend plans BF16, block-FP8 ('fp8'), "
+                                   "per-tensor FP8 ('fp8-tensor') or per-channel FP8 ('fp8-channel') weights") from None
+            quant = None  # only the first worker describes the model
 
         def engine_info(rx) -> None:  # the deployment's first worker says what the model is (the plan's input)
             if rank != init_info.first_rank:
