@@ -21,7 +21,8 @@ from step 0; a trainer (world size 1, the full tensors of target and draft) upda
 updates the same engine to steps 1 and 2 again (versions 3 and 4) (:data:`PHASES`). ``OUT.pt``
 (``torch.save``; tensors, lists, numbers, strings): ``{"snaps": {version: snapshot}, "step":
 {version: step}, "shadow": {version: shadow mode}, "staging_expected": {version: {rank: {name:
-tensor}}} (versions without shadow targets), "coverage": {version: verify.coverage of the layouts}, "report": the worker's report after init (names
+tensor}}} (versions without shadow targets), "coverage": {version: verify.coverage of the layouts}, "verified": {version: (fingerprint mode,
+bytes fingerprinted, bytes written)} (``verify="full"``), "report": the worker's report after init (names
 only), "recipes": {shadow mode: the planner's line},
 "draft_session": the error of vLLM's ``start_draft_weight_update`` after the last update,
 "label_after": vLLM's weight version after it}``. ``WT_DRAFT_LIVE_MP=1``: a multi-process engine
@@ -119,11 +120,11 @@ def main(out: str, root: str) -> int:
     eng = VllmEngine(os.path.join(root, "step0"), targets="direct", weight_transfer_config={"backend": "one_sided"},
                      speculative_config=SPEC)
     params = {n: t.clone() for n, t in agree_tensors(cfg, 0).items()}
-    res = {"snaps": {}, "staging_expected": {}, "step": {}, "shadow": {}, "recipes": {}, "coverage": {}}
+    res = {"snaps": {}, "staging_expected": {}, "step": {}, "shadow": {}, "recipes": {}, "coverage": {}, "verified": {}}
     try:
         for shadow, updates in PHASES:
             trainer = WeightTransferTrainerFactory.trainer_init(
-                OneSidedTrainerInitInfo(rank=0, timeout=120, shadow=shadow), client=LLMClient(eng.llm),
+                OneSidedTrainerInitInfo(rank=0, timeout=120, shadow=shadow, verify="full"), client=LLMClient(eng.llm),
                 source=DTensorSource(params))
             try:
                 rep = eng.reports()[0]
@@ -139,6 +140,8 @@ def main(out: str, root: str) -> int:
                     res["snaps"][v] = snapshot(eng, lays, ps, max_tokens=MAX_TOKENS)
                     res["snaps"][v]["label"] = eng.llm.get_weight_version()
                     res["step"][v], res["shadow"][v] = step, shadow
+                    lr = trainer.last_result  # the update's end-to-end fingerprints (verify="full")
+                    res["verified"][v] = (str(lr.verify), int(lr.verified_bytes or 0), int(lr.bytes))
                     res["coverage"][v] = coverage(lays)  # fractions of the engine's bytes each check can cover
                     if shadow == "off":  # with shadow targets the live layers are rebuilt clones, not the staging
                         res["staging_expected"][v] = staging_oracle(cfg, lays, new.__getitem__, new, tp=1,

@@ -118,11 +118,13 @@ def test_c33_live_engine_with_an_mtp_draft_updated_with_its_target(draft_live):
         assert r["bytes_checked"] > 0
         steps = [a for per in snap["acceptance"] for a in per]
         assert steps and all(a == 1 for a in steps)  # the draft of this version: every token accepted
+        mode, fingerprinted, written = live["verified"][v]  # the update's own end-to-end fingerprints
+        assert mode == "full" and fingerprinted == written > 0, live["verified"][v]
         c = dict(live["coverage"][v])
         if shadow:  # staging not compared: opaque state checked through the outputs only
             c["outputs_only"], c["staged"] = c["outputs_only"] + c["staged"], 0.0
         print(f"\nv{v} (step {step}, shadow {live['shadow'][v]}): {r['bytes_checked']:,} B compared with the fresh "
-              f"engine (target + draft), {r['staging_bytes_checked']:,} B staging with load_weights; of the engine's "
+              f"engine (target + draft), {fingerprinted:,} B fingerprinted, {r['staging_bytes_checked']:,} B staging with load_weights; of the engine's "
               f"{c['engine_bytes']:,} B: direct {c['direct']:.1%}, through staging {c['staged']:.1%}, outputs only "
               f"{c['outputs_only']:.1%}; accepted draft tokens {sum(steps)}/{len(steps)} verify steps")
     assert sorted(live["shadow"].values()) == ["auto", "auto", "off", "off"]
