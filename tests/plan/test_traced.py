@@ -271,8 +271,8 @@ def test_issue57_block_fp8_traces_that_cut_a_block_or_disagree_on_scales_are_ref
               Piece("a_scale_inv", ((0, 1), (0, 2)), ((1, 2), (0, 2)))])
     with pytest.raises(PlanError, match="vLLM loads w_scale_inv from other blocks than its weight's"):
         recipes_from_traces({0: _trace_fp8(p, {"a": (256, 256)})})
-    # per-tensor FP8: an e4m3 weight without a block scale
+    # an e4m3 weight without any scale (per-tensor / per-channel FP8 have a w_scale: tests/plan/test_scaled.py)
     t = LoaderTrace(params={"w": TracedParam((128, 128), "float8_e4m3fn",
                                              (Piece("a", ((0, 128), (0, 128)), ((0, 128), (0, 128))),))})
-    with pytest.raises(PlanError, match="without a block scale w_scale_inv .per-tensor / per-channel FP8"):
+    with pytest.raises(PlanError, match="float8_e4m3fn without a scale w_scale_inv or w_scale"):
         recipes_from_traces({0: t})
