@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 
+from weight_transfer.clients import job_ending
+
 METHODS = {
     "reference": ("weight_transfer.method", "ReferenceController", "ReferenceTrainer", "ReferenceInference"),
     "rank0_funnel": ("weight_transfer.baselines.funnel", "FunnelController", "FunnelTrainer", "FunnelInference"),
@@ -46,6 +48,7 @@ def serve_active_step(client, side, step: int) -> bool:
     try:
         client.done(step, ok=True, stats=side.receive(step))
     except Exception as e:  # reported to the controller, which fails the update
-        traceback.print_exc()
+        if not job_ending(client.store):  # the controller ending the job reports that itself
+            traceback.print_exc()
         client.done(step, ok=False, error=f"{type(e).__name__}: {e}")
     return True

@@ -119,11 +119,16 @@ def _agree_backend(cfg: TrialConfig, store, rank: int, gen: int, device: torch.d
 
 def _exit_with_parent(parent: int | None) -> None:
     """Local launcher: this process gets SIGKILL when its parent (the controller) dies, so a
-    killed controller leaves nothing behind (Linux ``PR_SET_PDEATHSIG``)."""
+    killed controller leaves nothing behind (Linux ``PR_SET_PDEATHSIG``), and ignores SIGINT: a
+    Ctrl-C in the terminal reaches the whole process group, and ending the ranks is the
+    controller's (SIGTERM), so the command prints its one ``error:`` line and no rank a traceback."""
+    import signal
+
+    if parent is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent is None or not sys.platform.startswith("linux"):
         return
     import ctypes
-    import signal
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before prctl
@@ -199,13 +204,15 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
                 client.done(step, ok=True, stats=stats,
                             fingerprints=getattr(getattr(side, "executor", None), "fingerprints", None))
             except Exception as e:
-                traceback.print_exc()
+                if not clients.job_ending(store):
+                    traceback.print_exc()
                 client.done(step, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             step += 1
         side.teardown()
         dist.destroy_process_group()
     except BaseException as e:
-        traceback.print_exc()
+        if not clients.job_ending(store):
+            traceback.print_exc()
         try:
             control.report_fatal(store, f"train{rank}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         except Exception:
@@ -272,7 +279,8 @@ def inference_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, stall:
             landing.close()
         side.teardown()
     except BaseException as e:
-        traceback.print_exc()
+        if not clients.job_ending(store):
+            traceback.print_exc()
         try:
             control.report_fatal(store, f"infer{rank}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         except Exception:

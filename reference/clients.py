@@ -178,3 +178,17 @@ class InferenceClient:
 
     def report(self, step: int, result: dict) -> None:
         put(self.store, f"step/{step}/verified/{self.rank}", result)
+
+
+def job_ending(store) -> bool:
+    """Whether the controller is ending the job (its ``shutdown`` key, or an ``abort`` it set
+    itself, ``controller: ...``), or the store is gone: an error a rank sees then is that end,
+    which the controller reports in its own one line, so the rank prints no traceback (a rank
+    printing one while the controller stops it would leave a cut-off traceback on the command's
+    stderr)."""
+    try:
+        if store.check(["shutdown"]):
+            return True
+        return store.check(["abort"]) and get_text(store, "abort").startswith("controller:")
+    except Exception:
+        return True

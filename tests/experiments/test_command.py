@@ -214,11 +214,13 @@ def test_c25_disk_fills_mid_run_rows_before_are_in_the_csv(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_signal_mid_run_one_error_line_and_no_process_left(tmp_path, sig, code):
-    """SIGINT / SIGTERM to ``weight-transfer run`` mid-trial: exit 128 + the signal, one
-    ``error:`` line naming it (no traceback), every process of the command gone, and the rows of
-    the updates that finished in the CSV."""
+@pytest.mark.parametrize("sig,code,group", [("SIGINT", 130, False), ("SIGTERM", 143, False), ("SIGINT", 130, True)],
+                         ids=["SIGINT", "SIGTERM", "ctrl-c"])
+def test_signal_mid_run_one_error_line_and_no_process_left(tmp_path, sig, code, group):
+    """SIGINT / SIGTERM to ``weight-transfer run`` mid-trial, and SIGINT to its whole process
+    group (a Ctrl-C in the terminal: every rank gets it too): exit 128 + the signal, one
+    ``error:`` line naming it (no traceback from the command or any rank), every process of the
+    command gone, and the rows of the updates that finished in the CSV."""
     import os
     import signal
 
@@ -229,7 +231,7 @@ def test_signal_mid_run_one_error_line_and_no_process_left(tmp_path, sig, code):
     p = _start([*TINY, "--steps", "500", "--results", str(tmp_path / "trials.csv")], tmp_path)
     try:
         _lines_until(p, "# step 2:")
-        os.kill(p.pid, getattr(signal, sig))
+        (os.killpg if group else os.kill)(p.pid, getattr(signal, sig))  # its own session: pgid = pid
         rest = p.stderr.read().splitlines()
         assert p.wait(60) == code, rest[-5:]
         errors = [line for line in rest if line.startswith("error:")]
