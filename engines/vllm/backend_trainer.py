@@ -35,6 +35,7 @@ from .backend_config import (
     server_message,
     transfer_options,
 )
+from .trace_draft import refuse_missing_draft
 
 __all__ = ["DTensorSource", "Deployment", "OneSidedTrainerEngine"]
 
@@ -178,12 +179,13 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         coordinator, n_workers = None, 1
         if rank == 0:
             try:
-                _publish_sources(store, params, getattr(source, "views", None) or {})
+                names = _publish_sources(store, params, getattr(source, "views", None) or {})
                 _init_inference(client, _worker_info(host, port, 0, init_info, opts, timeout, secret_file))
                 if not store.check([ENGINE_KEY]):
                     raise RuntimeError(f"training 0: init_weight_transfer_engine returned but no worker published "
                                        f"{ENGINE_KEY!r}: is the engine's backend {BACKEND!r}?")
                 eng = control.get(store, ENGINE_KEY)
+                refuse_missing_draft(eng, names)  # an engine serving an MTP draft needs its tensors in the source
                 n_workers = int(eng["n_workers"])
                 n_infer = init_info.n_infer or n_workers
                 coordinator = Coordinator(store, n_train=world, n_infer=n_infer, options=opts, timeout=timeout,
@@ -415,16 +417,18 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             remove_secret_file(made)
 
 
-def _publish_sources(store, params, views) -> None:
+def _publish_sources(store, params, views) -> dict:
     """Training rank 0's checkpoint names, global shapes and dtypes (fused tensors replaced by
     the checkpoint tensors their ``views`` hold), for the workers to trace their loader with
-    (:data:`weight_transfer.plan.traced.SOURCES_KEY`, C29)."""
+    (:data:`weight_transfer.plan.traced.SOURCES_KEY`, C29); returned too."""
     from weight_transfer import control
     from weight_transfer.plan.traced import SOURCES_KEY, expand_sources
 
     named = dict(params.named_parameters()) if isinstance(params, torch.nn.Module) else dict(params)
     held = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named.items()}
-    control.put(store, SOURCES_KEY, expand_sources(held, views))
+    out = expand_sources(held, views)
+    control.put(store, SOURCES_KEY, out)
+    return out
 
 
 def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerInitInfo, opts, timeout: float,

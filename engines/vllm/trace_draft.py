@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from weight_transfer.plan import PlanError
 from weight_transfer.plan.rules.mtp import DRAFT_PREFIX
 from weight_transfer.plan.traced import LoaderTrace
 
-__all__ = ["SPECULATIVE", "DRAFT_PREFIX", "with_draft", "draft_model_config", "shared_with_target"]
+__all__ = ["SPECULATIVE", "DRAFT_PREFIX", "with_draft", "draft_model_config", "shared_with_target",
+           "refuse_missing_draft"]
 
 SPECULATIVE = {"mtp": {"method": "mtp", "num_speculative_tokens": 1}}
 """``InferenceLayout.draft`` -> the ``speculative_config`` an engine serving it is started with."""
@@ -73,3 +75,26 @@ def with_draft(target: LoaderTrace, draft: LoaderTrace) -> LoaderTrace:
         skipped=skipped, error=error, source=f"{target.source} + draft {draft.source.removeprefix('vllm ')}",
         seconds=target.seconds + draft.seconds, quantized=target.quantized | draft.quantized,
         kept=target.kept + tuple(DRAFT_PREFIX + k for k in draft.kept), shared=shared)
+
+
+def refuse_missing_draft(engine: dict, sources) -> None:
+    """Before planning: when the engine serves an MTP draft (``engine``: what its first worker
+    published, :data:`weight_transfer.api.ENGINE_KEY`: ``layout.draft == "mtp"`` and its
+    ``hf_config``) and the trainer's checkpoint names ``sources`` hold none of the MTP layers'
+    tensors (``model.layers.{L}.*`` for ``L`` in ``[num_hidden_layers, + num_nextn_predict_layers)``:
+    transformers' own DeepSeek-V3 / GLM-4.5 classes drop them at load), :class:`weight_transfer.plan.PlanError`
+    naming them and the two ways out, before any byte moves; the draft would otherwise stay at
+    its checkpoint weights while the target moves (C33)."""
+    lay = engine.get("layout")
+    if getattr(lay, "draft", None) != "mtp":
+        return
+    hf = engine.get("hf_config") or {}
+    first = int(hf.get("num_hidden_layers") or 0)
+    n = int(hf.get("num_nextn_predict_layers") or 1)
+    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + n))
+    if any(s.startswith(prefixes) for s in sources):
+        return
+    raise PlanError(f"the engine serves an MTP draft (checkpoint tensors {prefixes[0]}*"
+                    + (f" .. {prefixes[-1]}*" if n > 1 else "") + ") and the trainer's source holds none of them: add "
+                    "them to the source (trained, or loaded from the checkpoint and held frozen), or start vLLM without "
+                    "--speculative-config (docs/VLLM.md, Draft models)")

@@ -134,3 +134,23 @@ def test_c33_live_engine_with_an_mtp_draft_updated_with_its_target(draft_live):
     assert "start_draft_weight_update: the one_sided backend writes the draft (registered) with the target" in \
         live["draft_session"]
     assert live["label_after"] == "4"
+
+
+def test_c33_a_trainer_holding_no_mtp_tensors_is_refused_before_planning():
+    """An engine serving an MTP draft and a trainer whose source holds none of the MTP layer's
+    checkpoint tensors (transformers' GLM-4.5 / DeepSeek-V3 classes drop them at load):
+    ``PlanError`` at ``trainer_init`` naming the layer and the two ways out, before any byte
+    moves; a source with them, or an engine without a draft, passes."""
+    from weight_transfer.engines.vllm.trace_draft import refuse_missing_draft
+    from weight_transfer.plan import PlanError
+    from weight_transfer.types import InferenceLayout
+
+    eng = {"layout": InferenceLayout(tp=1, draft="mtp"), "hf_config": {"num_hidden_layers": 2,
+                                                                      "num_nextn_predict_layers": 1}}
+    target = ["model.embed_tokens.weight", "model.layers.1.mlp.gate.weight", "lm_head.weight"]
+    with pytest.raises(PlanError, match=r"serves an MTP draft \(checkpoint tensors model\.layers\.2\.\*\) and the "
+                                        r"trainer's source holds none of them: add them to the source .*held frozen.*"
+                                        r"without --speculative-config"):
+        refuse_missing_draft(eng, target)
+    refuse_missing_draft(eng, [*target, "model.layers.2.eh_proj.weight"])
+    refuse_missing_draft({**eng, "layout": InferenceLayout(tp=1)}, target)
