@@ -17,16 +17,26 @@ Run as a child (in-process engine core; ``OMP_NUM_THREADS`` as the oracle's)::
 
 ``CKPT_ROOT/step{s}`` are the checkpoints of :func:`write_agree_checkpoints`. The engine starts
 from step 0; a trainer (world size 1, the full tensors of target and draft) updates it to steps
-1 and 2 (versions 1 and 2), shuts down (and vLLM's ``shutdown_weight_transfer_engine``), and a second trainer, with shadow targets (``auto``),
-updates the same engine to steps 1 and 2 again (versions 3 and 4) (:data:`PHASES`). ``OUT.pt``
-(``torch.save``; tensors, lists, numbers, strings): ``{"snaps": {version: snapshot}, "step":
-{version: step}, "shadow": {version: shadow mode}, "staging_expected": {version: {rank: {name:
-tensor}}} (versions without shadow targets), "coverage": {version: verify.coverage of the layouts}, "verified": {version: (fingerprint mode,
-bytes fingerprinted, bytes written)} (``verify="full"``), "report": the worker's report after init (names
-only), "recipes": {shadow mode: the planner's line},
-"draft_session": the error of vLLM's ``start_draft_weight_update`` after the last update,
-"label_after": vLLM's weight version after it}``. ``WT_DRAFT_LIVE_MP=1``: a multi-process engine
-(engine core and worker in processes of their own) instead.
+1 and 2 (versions 1 and 2) and shuts down (with vLLM's ``shutdown_weight_transfer_engine``); a
+second trainer, with shadow targets (``auto``), updates the same engine to steps 1 and 2 again
+(versions 3 and 4) (:data:`PHASES`). Every update runs with end-to-end fingerprints
+(``verify="full"``).
+
+``OUT.pt`` (``torch.save``; tensors, lists, numbers, strings):
+
+- ``"snaps"``: {version: snapshot (:func:`weight_transfer.engines.vllm.verify.snapshot`, with
+  ``"label"``: vLLM's weight version)}; ``"step"``, ``"shadow"``: {version: step, shadow mode};
+- ``"staging_expected"``: {version: {rank: {name: tensor}}}, vLLM's ``load_weights`` of the
+  step (versions without shadow targets);
+- ``"coverage"``: {version: :func:`~weight_transfer.engines.vllm.verify.coverage` of the layouts};
+- ``"verified"``: {version: (fingerprint mode, bytes fingerprinted, bytes written)};
+- ``"report"``: the worker's report after init (names only); ``"recipes"``: {shadow mode: the
+  planner's line};
+- ``"draft_session"``: the error of vLLM's ``start_draft_weight_update`` after the last update;
+  ``"label_after"``: vLLM's weight version after it.
+
+``WT_DRAFT_LIVE_MP=1``: a multi-process engine (engine core and worker in processes of their own)
+instead of the in-process one.
 """
 from __future__ import annotations
 
