@@ -72,7 +72,7 @@ def test_run_help_lists_every_option_with_its_default(capsys):
         flag = md.get("flag", "--" + lf.flat.replace("_", "-"))
         assert flag in help_, flag
     for text in ("--watermark-mb MiB", "[MiB] (default: none)", "[MiB] (default: 64)", "--gather-all",
-                 "--serial", "--timeout TIMEOUT", "[s] (default: 120.0)", "--quant {fp8,none}", "(default: fp8)",
+                 "--serial", "--timeout TIMEOUT", "[s] (default: 120.0)", "--quant {fp8,fp8-tensor,fp8-channel,none}", "(default: fp8)",
                  "--override KEY=VALUE", "(repeatable)", "--bucket-bytes"):
         assert text in help_, text
 
