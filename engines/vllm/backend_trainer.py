@@ -563,7 +563,7 @@ def _init_inference(client, worker_info: dict) -> None:
                 f"job secret: {SECRET_MARK} or {SECRET_MARK}_FILE in the vLLM server's environment, or the init "
                 f"info's secret_file ({worker_info.get('secret_file')!r}) readable by the vLLM server's user "
                 "(docs/VLLM.md)") from e
-        if server:  # the server answered: its reason is the cause
+        if server or "(vLLM worker pid " in reason:  # a server's or our worker engine's own reason: the cause
             raise RuntimeError(f"{where}: {reason}") from e
         raise RuntimeError(
             f"{where}: {reason}. "

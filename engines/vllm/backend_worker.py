@@ -204,7 +204,6 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
 
         if self.receiver is not None:
             self._release_stale(init_info)
-        check_draft(self.vllm_config, self.draft, self._who())
         pc = self.parallel_config
         if getattr(pc, "pipeline_parallel_size", 1) != 1:
             raise RuntimeError(f"{self._who()}: pipeline_parallel_size={pc.pipeline_parallel_size}: the one_sided "
@@ -212,6 +211,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
         rank = init_info.first_rank + dp_index * int(pc.world_size) + self.local_rank
         self.rank = rank
+        check_draft(self.vllm_config, self.draft, self._who())  # before anything is registered
         store = connect_worker(init_info, who=self._who())
         from .trace_publish import publish_trace
 
