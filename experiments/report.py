@@ -218,8 +218,9 @@ def _verified_lines(result, done: list[dict], *, fleet: bool) -> list[str]:
                if result.cfg.model_config().hand_written else
                "vLLM's own load_weights of the step's " + ({"fp8": "block-FP8 ", "fp8-tensor": "per-tensor FP8 ",
                                                     "fp8-channel": "per-channel FP8 "}.get(result.cfg.inference.quant, ""))
-               + "checkpoint (a CPU skeleton in a child process; the stand-in engine's tensors are what vLLM's "
-               "traced loader fills" + ("; each weight quantized whole by the torch reference" if
+               + "checkpoint (a CPU skeleton in a child process" + (", of the target and of its MTP draft"
+                                                                      if result.cfg.inference.draft else "")
+               + "; the stand-in engine's tensors are what vLLM's traced loader fills" + ("; each weight quantized whole by the torch reference" if
                                         result.cfg.inference.quant else "") + ")")
     lines.append(f"# verified bit-exact against {against}: {n_ok}/{len(done)} updates"
                  + (f" (every engine in each; {len(rows) - len(done)} failed update(s) above, named)" if fleet else "")

@@ -109,6 +109,10 @@ def _stop(ps, grace: float) -> None:
             p.join(10)
 
 
+_ANNOUNCED: set = set()
+"""(model, layout) whose traced-recipe line :func:`preflight` printed in this process."""
+
+
 def preflight(cfg: TrialConfig) -> None:
     """Refuse a world that cannot work before any process starts: the model config loads, the
     method exists, and the inference layout divides every tensor (the recipes and the engine's
@@ -130,9 +134,14 @@ def preflight(cfg: TrialConfig) -> None:
                                  "loader: --engine vllm)")
             import sys
 
-            print(f"# {mcfg.architecture}: tracing vLLM's loader (cached in {trace_cache_dir()}); each update is "
-                  "verified against vLLM's own load_weights in a child process (about 10 s per rank)",
-                  file=sys.stderr, flush=True)
+            if cfg.inference.quant in ("fp8-tensor", "fp8-channel") and mcfg.num_experts:
+                raise ValueError(f"--quant {cfg.inference.quant}: model {mcfg.label} has MoE experts, which per-tensor "
+                                 "/ per-channel FP8 does not plan; use --quant fp8 (block FP8) or --quant none")
+            if (mcfg.label, str(cfg.inference)) not in _ANNOUNCED:  # preflight runs twice in one command
+                _ANNOUNCED.add((mcfg.label, str(cfg.inference)))
+                print(f"# {mcfg.architecture}: vLLM's loader traced (or read from its cache, {trace_cache_dir()}); "
+                      "each update is verified against vLLM's own load_weights in a child process (about 10 s per "
+                      "rank)", file=sys.stderr, flush=True)
             recipes_for(mcfg, cfg.inference)  # PlanError naming what vLLM's loader computes; cached for the ranks
             for rank in range(min(cfg.n_infer, cfg.inference.tp)):
                 engine_tensor_metas(mcfg, cfg.inference, rank)

@@ -257,6 +257,8 @@ BAD_INPUT = [
     (["run", "--results", "/dev/full"], "--results '/dev/full' is not a regular file"),
     (["sweep", "ci_cpu_regression", "--results-dir", "/dev/null"], "--results-dir '/dev/null' is a file"),
     (["sweep", "ci_cpu_regression", "--cluster", "slurm"], "--cluster slurm: no sbatch on PATH"),
+    (["run", "--model", "glm-4.5-air", "--override", "num_hidden_layers=2", "--override", "num_experts=8",
+      "--quant", "fp8-channel"], "has MoE experts, which per-tensor / per-channel FP8 does not plan; use --quant fp8"),
 ]
 
 
