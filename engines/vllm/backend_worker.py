@@ -77,11 +77,12 @@ def check_draft(vllm_config, draft, who: str) -> None:
     (:func:`weight_transfer.engines.vllm.draft_targets.attach_draft_rpc`: the ``one_sided``
     plugin must be loaded in the engine core)."""
     from .draft_targets import draft_method
+    from .trace_draft import draft_model_config
 
     method = draft_method(vllm_config)
     if method is None:
         return
-    arch = (getattr(vllm_config.speculative_config.draft_model_config.hf_config, "architectures", None) or ["?"])[0]
+    arch = (getattr(draft_model_config(vllm_config).hf_config, "architectures", None) or ["?"])[0]
     if "mtp" not in method:
         raise RuntimeError(f"{who}: this engine serves a speculative-decoding draft ({arch}, speculative_config method "
                            f"{method!r}): the one_sided backend writes MTP drafts (method 'mtp') with the target; an "
@@ -171,9 +172,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         return f"inference {self.rank if self.rank is not None else '?'} (vLLM worker pid {os.getpid()})"
 
     # ------------------------------------------------------------------ once
-    def attach_draft(self, model: torch.nn.Module, model_config) -> None:
-        """Take the speculative-decoding draft ``model`` (``model_config``: its vLLM
-        ``ModelConfig``) that this worker serves beside the target: the next
+    def attach_draft(self, model: torch.nn.Module) -> None:
+        """Take the speculative-decoding draft ``model`` that this worker serves beside the
+        target: the next
         :meth:`init_transfer_engine` reports, stages, registers and publishes its tensors with
         the target's (``draft.`` + vLLM's name), so every update writes both under one version.
         Called by vLLM's engine core in each worker right before the init
@@ -183,7 +184,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
             return
         if self.receiver is not None:
             raise RuntimeError(f"{self._who()}: attach_draft while initialized; shutdown_weight_transfer_engine first")
-        self.draft, self.draft_config = model, model_config
+        self.draft = model
         self.targets = WorkerTargets(self._default_model, self.vllm_config, self.tp_rank, draft=model)
 
     def init_transfer_engine(self, init_info: OneSidedInitInfo) -> None:

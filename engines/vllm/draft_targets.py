@@ -13,7 +13,7 @@ tensors ``draft.`` + vLLM's name inside the draft model.
   points an MTP draft's ``embed_tokens`` and ``lm_head`` at the target's modules) is one
   Parameter reached under two names: reported once, under the target's name, the draft's as an
   alias.
-- :func:`worker_draft`: ``(draft model, draft ModelConfig)`` of a vLLM worker, or None.
+- :func:`worker_draft`: the draft model of a vLLM worker, or None.
 - :func:`attach_draft_rpc`: run in each worker through vLLM's ``collective_rpc`` by the engine
   core right before ``init_weight_transfer_engine`` (:func:`weight_transfer.engines.vllm.recover.install`):
   hands the worker's draft to its ``one_sided`` engine
@@ -27,6 +27,8 @@ registered with the target's, at init.
 from __future__ import annotations
 
 import torch
+
+from .trace_draft import draft_model_config
 
 __all__ = ["DRAFT_MODULE", "ServedModels", "served_models", "worker_draft", "attach_draft_rpc", "draft_method"]
 
@@ -65,23 +67,21 @@ def served_models(target: torch.nn.Module, draft: torch.nn.Module | None) -> tor
 
 
 def worker_draft(worker):
-    """``(draft model, draft ModelConfig)`` of a vLLM worker (``Worker.get_draft_model()`` and its
-    ``speculative_config.draft_model_config``; ``worker`` may be vLLM's ``WorkerWrapperBase``), or
-    None when it serves no draft."""
+    """The draft model of a vLLM worker (``Worker.get_draft_model()``, when its config has a
+    draft model config; ``worker`` may be vLLM's ``WorkerWrapperBase``), or None when it serves no
+    draft."""
     worker = getattr(worker, "worker", None) or worker
     get = getattr(worker, "get_draft_model", None)
-    spec = getattr(worker, "speculative_config", None)
-    dmc = getattr(spec, "draft_model_config", None) if spec is not None else None
-    model = get() if callable(get) else None
-    return (model, dmc) if model is not None and dmc is not None else None
+    if draft_model_config(getattr(worker, "vllm_config", None)) is None or not callable(get):
+        return None
+    return get()
 
 
 def draft_method(vllm_config) -> str | None:
     """``speculative_config.method`` of ``vllm_config`` when it serves a draft model, else None."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or getattr(spec, "draft_model_config", None) is None:
+    if draft_model_config(vllm_config) is None:
         return None
-    return str(getattr(spec, "method", None))
+    return str(getattr(vllm_config.speculative_config, "method", None))
 
 
 def attach_draft_rpc(worker) -> bool:
@@ -92,8 +92,8 @@ def attach_draft_rpc(worker) -> bool:
     eng = getattr(worker, "weight_transfer_engine", None)
     if not hasattr(eng, "attach_draft"):
         return False
-    found = worker_draft(worker)
-    if found is None:
+    draft = worker_draft(worker)
+    if draft is None:
         return False
-    eng.attach_draft(*found)
+    eng.attach_draft(draft)
     return True

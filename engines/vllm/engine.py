@@ -145,6 +145,7 @@ class VllmEngine:
                        enable_prefix_caching=True, worker_extension_cls=EXTENSION,
                        weight_transfer_config=weight_transfer_config, speculative_config=speculative_config,
                        **({"per_request_spec_decode_metrics": "detailed"} if speculative_config else {}))
+        self.speculative = speculative_config
         self.acceptance: list[list[int]] | None = None
         """With a draft: per prompt of the last :meth:`generate`, the accepted draft tokens of each
         verify step (vLLM's per-request ``spec_decode_metrics.per_step_accepted``)."""
@@ -214,7 +215,7 @@ class VllmEngine:
             res.append((list(c.token_ids), lps))
             m = getattr(c, "spec_decode_metrics", None)
             acc.append(list(m.per_step_accepted) if m is not None else [])
-        self.acceptance = acc if any(acc) or self.llm.llm_engine.vllm_config.speculative_config else None
+        self.acceptance = acc if self.speculative else None
         return res
 
     # --------------------------------------------------------------------- control plane

@@ -79,9 +79,8 @@ class WeightTransferExtension:
             return engine_targets
         own = getattr(self, "_wt_own_targets", None)
         if own is None:
-            found = worker_draft(self)  # an MTP draft vLLM serves beside the model: reported under draft.
             own = self._wt_own_targets = WorkerTargets(self._wt_model(), self.vllm_config,  # type: ignore[attr-defined]
-                                                       self._wt_tp_rank(), draft=found[0] if found else None)
+                                                       self._wt_tp_rank(), draft=worker_draft(self))  # an MTP draft under draft.
         return own
 
     def wt_report(self) -> dict:
