@@ -11,7 +11,8 @@ the draft's ``eh_proj`` is ``[I | 0]`` and its ``enorm`` / ``hnorm`` ones, so th
 then agrees with the target (accepted), a stale one predicts with the previous step's norm
 (mostly rejected). Every other tensor is the synthetic checkpoint of that step.
 
-Run as a child (in-process engine core; ``OMP_NUM_THREADS`` as the oracle's)::
+Run as a child (in-process engine core; ``OMP_NUM_THREADS`` as the oracle's; the test sets
+``WT_VLLM_HIDE_AMX=1`` so that an AMX host takes the same oneDNN path, with staged linears)::
 
     python -m tests.helpers.draft_live OUT.pt CKPT_ROOT
 
@@ -139,7 +140,7 @@ def main(out: str, root: str) -> int:
             try:
                 rep = eng.reports()[0]
                 res["report"] = {"params": [p["name"] for p in rep["params"]], "aliases": dict(rep["aliases"]),
-                                 "staged": [s["module"] for s in rep["staged"]]}
+                                 "staged": [s["module"] for s in rep["staged"]], "isa": rep["isa"]}
                 res["recipes"][shadow] = str(trainer.coordinator.recipes_from)  # where the recipes came from
                 for v, step in updates:
                     new = agree_tensors(cfg, step)

