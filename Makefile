@@ -7,7 +7,7 @@ PY ?= .venv/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # extras `make setup` installs: EXTRAS=dev,triton adds triton (248 MB wheel, 0.9 GB installed,
-# about a minute), which runs tests/test_quant_triton.py under TRITON_INTERPRET=1 on CPUs
+# about a minute), which runs tests/convert/test_quant_triton.py under TRITON_INTERPRET=1 on CPUs
 # (on an existing .venv: rm .venv/.installed first, or .venv/bin/pip install -e ".[triton]")
 EXTRAS ?= dev
 

@@ -30,7 +30,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from weight_transfer import control, wire
+from weight_transfer.control import protocol as control
+from weight_transfer.control import wire
 from weight_transfer.types import RegionDescriptor, torch_dtype
 
 from .options import DEFAULT_BUCKET_BYTES, DEFAULT_RPC_TIMEOUT, BaselineOptions
@@ -79,7 +80,7 @@ class BaselineStats:
         return {}
 
 
-# The baselines' results travel through the store as data (weight_transfer.wire): a training
+# The baselines' results travel through the store as data (weight_transfer.control.wire): a training
 # rank's stats as a tagged value of step/{v}/done/{r}; the controller publishes the parameter
 # list and the landed byte count once. Registered here, imported by every process of a trial
 # that runs a baseline (the method's module imports this one).

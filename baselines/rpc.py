@@ -43,7 +43,8 @@ import msgspec
 import torch
 import zmq
 
-from weight_transfer import control, wire
+from weight_transfer.control import protocol as control
+from weight_transfer.control import wire
 from weight_transfer.method import ControllerSide, InferenceSide, TrainerSide
 from weight_transfer.types import torch_dtype
 

@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from weight_transfer.control import UpdateInProgress, read_consistent  # noqa: F401 -- re-exported (they live in the library)
+from weight_transfer.control.protocol import UpdateInProgress, read_consistent  # noqa: F401 -- re-exported (they live in the library)
 from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import DestTensorMeta, InferenceLayout, dtype_name, torch_dtype
 
@@ -215,7 +215,7 @@ class Engine:
     def rebind(self, arena: torch.Tensor) -> None:
         """Compute from ``arena`` (a flat ``uint8`` tensor of :attr:`arena`'s size, same layout)
         from now on: every parameter becomes a view into it (flip shadow targets' go-live,
-        :mod:`weight_transfer.shadow`). ValueError for another size."""
+        :mod:`weight_transfer.api.shadow`). ValueError for another size."""
         if arena.numel() != self.arena.numel() or arena.dtype != torch.uint8:
             raise ValueError(f"rebind: {arena.numel()} {arena.dtype} bytes, the arena is {self.arena.numel()} uint8")
         self.arena = arena
@@ -225,9 +225,9 @@ class Engine:
 
     def commit_delta(self, landing, version: int) -> dict:
         """The stand-in's commit of a packed delta: scatter every record of ``version`` in
-        ``landing`` (a :class:`weight_transfer.delta_packed.Landing` this engine's receiver
+        ``landing`` (a :class:`weight_transfer.delta.packed.Landing` this engine's receiver
         registered beside :attr:`arena`) into the arena, every record checked before any byte
-        moves (:class:`weight_transfer.delta_packed.PackedError` otherwise). Returns the apply's
+        moves (:class:`weight_transfer.delta.packed.PackedError` otherwise). Returns the apply's
         stats (``delta_apply_s`` seconds, records, runs, bytes)."""
         return landing.apply(version, self.arena.data_ptr(), [(0, self.arena.numel())])
 

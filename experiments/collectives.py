@@ -75,7 +75,7 @@ def broadcast(obj, src: int = 0, *, type_=list[str] | None):
     then bytes; ``obj``: numbers, strings, lists, dicts, msgspec structs), decoded strictly into
     ``type_`` on the other ranks (``src`` keeps ``obj`` as it is). ValueError for bytes that are
     not a ``type_``."""
-    from weight_transfer.collectives import broadcast_data
+    from weight_transfer.control.collectives import broadcast_data
 
     try:
         return broadcast_data(obj, src, type_=type_)

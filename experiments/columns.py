@@ -145,9 +145,9 @@ def _delta_mode(stats) -> str:
 
 def _prepare_kinds(stats: list) -> str:
     """JSON ``{kind: [tasks, gather_s, build_s, gathered_bytes, built_bytes]}`` summed over the
-    training ranks' task records (:func:`weight_transfer.records.prepare_by_kind`); ``""`` for a
+    training ranks' task records (:func:`weight_transfer.pipeline.records.prepare_by_kind`); ``""`` for a
     method without task records (the baselines)."""
-    from weight_transfer.records import prepare_by_kind
+    from weight_transfer.pipeline.records import prepare_by_kind
 
     tot: dict[str, list] = {}
     for s in stats:
@@ -201,7 +201,7 @@ def phase_columns(stats: list, seconds: float, write_seconds: float | None, resu
 
 def delta_mode_columns(stats: list) -> dict:
     """Per delta mode (``full``, ``scattered``, ``packed``, ``unchanged``: the cost model's choice
-    per output and receiver, :attr:`weight_transfer.records.StepStats.delta_modes`), summed over
+    per output and receiver, :attr:`weight_transfer.pipeline.records.StepStats.delta_modes`), summed over
     training ranks: ``delta_n_<mode>`` writes and ``delta_bytes_<mode>`` bytes written (a packed
     record's bytes for ``packed``). Empty without delta updates. The writes into a draft model's
     tensors (``draft.*``, ``--draft mtp``) are also counted on their own: ``delta_draft_n_<mode>``

@@ -179,7 +179,7 @@ def sweep_main(args) -> int:
 
         check_output_dir(args.results_dir, "--results-dir")  # C25: before any job is submitted
         check_output_dir(opt.folder, "--folder")
-        from weight_transfer.security import JobSecret
+        from weight_transfer.security.secret import JobSecret
 
         JobSecret.from_env()  # a secret set in this environment is used for every job: it must be one
         if opt.cluster == "slurm" and not shutil.which("sbatch"):
@@ -235,7 +235,7 @@ def secret_main(args) -> int:
     import os
     import shlex
 
-    from weight_transfer.security import ENV_SECRET_FILE, JobSecret
+    from weight_transfer.security.secret import ENV_SECRET_FILE, JobSecret
 
     secret = JobSecret.generate()
     if args.out is None:
@@ -364,7 +364,7 @@ def _run(args: argparse.Namespace) -> int:
     ``--results`` as its update finishes, then the table. Exit status 0 when every update
     verified, 1 when one did not or the results file failed, 2 on bad input (one ``error:``
     line); with ``--method all``, :func:`weight_transfer.experiments.compare.run_all`'s."""
-    from weight_transfer.control import ControlError
+    from weight_transfer.control.protocol import ControlError
     from weight_transfer.types import PlanError
 
     from .report import append_csv, check_output_file, format_table

@@ -76,7 +76,7 @@ class _VllmOracleDir:
 
 def _run_one(cfg, m, progress, run_trial) -> tuple[str, object]:
     """One method's trial: (method, TrialResult or the exception that stopped it)."""
-    from weight_transfer.control import ControlError
+    from weight_transfer.control.protocol import ControlError
     from weight_transfer.types import PlanError
 
     mcfg = cfg.replace(method=m)

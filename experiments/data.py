@@ -9,7 +9,7 @@ msgpack or JSON, decoded strictly into the type the reader expects), never pickl
   dataclass);
 - the RL loop's training ranks over their gloo group: :mod:`weight_transfer.experiments.collectives`.
 
-The control plane's own values go through :mod:`weight_transfer.wire` (a schema per store key);
+The control plane's own values go through :mod:`weight_transfer.control.wire` (a schema per store key);
 the baselines' messages through their modules (:mod:`weight_transfer.baselines.rpc`,
 :mod:`weight_transfer.baselines.funnel`).
 """

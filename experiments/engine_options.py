@@ -112,7 +112,7 @@ class ServeOptions:
     the whole update (the pause-based update), with them only for the go-live."""
 
     shadow: str = field(default="off", metadata={"choices": ("off", "flip", "copy")})
-    """Shadow targets (:mod:`weight_transfer.shadow`): each inference rank registers one shadow of
+    """Shadow targets (:mod:`weight_transfer.api.shadow`): each inference rank registers one shadow of
     its weights once; every update writes it while the engine serves the live weights, and the
     commit makes it live between two engine steps: ``flip`` swaps the halves of a double buffer
     (the engine reads its weights at call time), ``copy`` copies shadow -> live (addresses
@@ -123,7 +123,7 @@ class ServeOptions:
     """Tokens per request of the generation load (a finished request is replaced)."""
 
     def __post_init__(self):
-        from weight_transfer.shadow import check_mode
+        from weight_transfer.api.shadow import check_mode
 
         check_mode(self.shadow, where="--shadow")
         for name in ("gen_load", "gen_tokens"):

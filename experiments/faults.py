@@ -50,7 +50,7 @@ def run_row(fault: Fault, *, stall: float = 5.0, restarts: int = 1, cfg=None) ->
     """Run one trial with ``fault`` in this process (the controller) and return what happened:
     ``{"error", "seconds_to_error", "state", "restored", "rows"}``. Raises nothing for the
     fault's own error."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     from .trial import run_trial
 

@@ -13,13 +13,13 @@ the process handles, :class:`FleetProcs`):
   scaled away are asked to leave (``fleet/leave/{rank}``: the rank's receiver announces
   leaving, deregisters its region and the process exits 0); restarted and added engines are
   started as fresh processes (fresh, poisoned memory) and waited for until each registered
-  (a join announcement, :func:`weight_transfer.membership.announce_join`);
+  (a join announcement, :func:`weight_transfer.control.membership.announce_join`);
 - after "load", before "go": the members that are gone (killed, left, process no longer
   running) are dropped and the newcomers taken; when the membership changed the schedule is
   recomputed for the new members only (:func:`weight_transfer.api.plan_against` with a new plan
   epoch; timed: the row's ``replan_seconds``), each newcomer is made a member from ``S`` on (it
   verifies no version before ``S``: the version it holds is its own,
-  :func:`weight_transfer.membership.member_since`) and the training ranks follow the new epoch
+  :func:`weight_transfer.control.membership.member_since`) and the training ranks follow the new epoch
   after the go (:meth:`weight_transfer.api.Sender._follow_plan`); the trainers' processes never
   restart;
 - a kill while update ``S`` writes: training rank 0 stops half-way through its write tasks of
@@ -254,7 +254,7 @@ def members_text(ranks) -> str:
 
 class FleetDriver:
     """The controller's side of an elastic fleet (see the module docstring): ``ctl`` the
-    trial's :class:`weight_transfer.control.Controller` (its liveness and heartbeat views are
+    trial's :class:`weight_transfer.control.protocol.Controller` (its liveness and heartbeat views are
     kept to the members), ``procs`` the launcher's :class:`FleetProcs`."""
 
     def __init__(self, cfg, store, ctl, procs: FleetProcs, log=None):
@@ -295,7 +295,7 @@ class FleetDriver:
     def _unwatch(self, ranks) -> None:
         """Drop ``ranks`` from the heartbeat view and from the membership keys (a newcomer with
         the same rank reads no version before its own first update)."""
-        from weight_transfer import membership
+        from weight_transfer.control import membership
 
         mon = self.ctl.monitor
         for r in ranks:
@@ -316,7 +316,7 @@ class FleetDriver:
     def setup(self, train_metas: dict, infer_payloads: dict) -> None:
         """After the first plan: remember what it was made from; the first members hold
         every version from the first on."""
-        from weight_transfer import membership
+        from weight_transfer.control import membership
 
         self._train_metas, self._payloads = train_metas, dict(infer_payloads)
         _, self._joins_seen = membership.new_joins(self.store, 0)
@@ -326,7 +326,8 @@ class FleetDriver:
     def before_load(self, step: int) -> None:
         """Kills ``:before``, leaves and starts of ``step``; returns once every started rank
         registered (ControlError naming it when it died or did not within the timeout)."""
-        from weight_transfer import control, membership
+        from weight_transfer.control import membership
+        from weight_transfer.control import protocol as control
 
         ev = self.events.get(step)
         self.change = None
@@ -379,8 +380,9 @@ class FleetDriver:
         ranks that registered, recompute the plan for that membership (a new epoch) and make
         each newcomer a member from ``step``. Returns the change (``{"step", "epoch",
         "members", "gone", "joined", "seconds", "join_seconds"}``) or None."""
-        from weight_transfer import control, membership
         from weight_transfer.api import plan_against
+        from weight_transfer.control import membership
+        from weight_transfer.control import protocol as control
 
         gone = set(self.lost) & self.members
         gone |= membership.left(self.store, self.members)
@@ -449,7 +451,7 @@ class FleetDriver:
         """After update ``step`` failed: the members whose processes are gone (killed by
         ``--kill-engine`` or otherwise), now dropped from every view (the next update is planned
         without them); [] when none is, or none would be left (the failure is not the fleet's)."""
-        from weight_transfer import membership
+        from weight_transfer.control import membership
 
         dead = set(self.procs.dead()) | {r for r in self.members if membership.process_gone(self._payloads[r][0])}
         ev = self.events.get(step)
@@ -467,7 +469,7 @@ class FleetDriver:
         go to the error, ``seconds_to_error`` from the kill to the error (None when nothing was
         killed by the run), no bytes, ``verified`` None (nothing to verify: the weights are
         ``incomplete``); ``base``: the trial's common columns."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         msg = str(error).splitlines()[0] if str(error) else type(error).__name__
         now = time.time()
@@ -482,7 +484,7 @@ class FleetDriver:
     def verified(self, step: int) -> dict[int, dict]:
         """Wait for every member's verification of ``step`` (but those lost after it completed);
         ``{rank: result}``."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         ranks = sorted(self.members - self.lost)
         self.ctl._wait({i: f"step/{step}/verified/{i}" for i in ranks}, f"step {step} verification")
@@ -495,7 +497,7 @@ class FleetDriver:
         registration), ``joined`` / ``gone`` (ranks), ``newcomer_first`` (ranks whose first
         update this is), ``train_pids`` (every training rank's pid at this update), the
         fleet options' text."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         c = self.change or {}
         fo = self.cfg.fleet
@@ -522,7 +524,8 @@ def wait_version_or_leave(store, rank: int, last: int, *, timeout: float, poll: 
     rank holds is published (a version before its first update, :func:`membership.member_since`,
     is passed over), or the job shuts down, or this rank is asked to leave (``fleet/leave/{rank}``):
     None for both. ControlError after ``timeout`` seconds without one."""
-    from weight_transfer import control, membership
+    from weight_transfer.control import membership
+    from weight_transfer.control import protocol as control
 
     for expired in control.backoff(timeout, poll):
         s = control.read_state(store)

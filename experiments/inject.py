@@ -131,7 +131,7 @@ def install_watcher(fault: Fault | None, who: tuple[str, int], addr: tuple[str, 
     the main thread, through a SIGUSR1 handler). Call from the main thread."""
     if fault is None or (fault.role, fault.rank) != who:
         return
-    from weight_transfer import store as store_api
+    from weight_transfer.control import store as store_api
 
     where = f"{fault.name}'s main thread"
 

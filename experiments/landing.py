@@ -1,15 +1,15 @@
 """Packed delta updates into the harness's stand-in engine (:class:`weight_transfer.engines.Engine`):
 the landing region each inference rank registers once, and the commit that scatters the
 packed records before the version is published complete (docs/DELTA.md, "Packed delta and
-the fused compare"; :mod:`weight_transfer.delta_packed` has the format and the checks).
+the fused compare"; :mod:`weight_transfer.delta.packed` has the format and the checks).
 
 - :func:`attach` (the inference rank's setup, after its receiver registered the arena and
   before its metadata is published, so every sender finds it when it builds its executor):
   with delta updates that may pack (``--delta``, ``--delta-mode auto|packed``,
   ``--delta-landing F > 0``), allocate ``F x`` the arena's bytes (at least
-  :data:`~weight_transfer.delta_packed.MIN_LANDING`), register it with the receiver's own
+  :data:`~weight_transfer.delta.packed.MIN_LANDING`), register it with the receiver's own
   transport object (cma, shm, nixl: whatever the trial uses) and publish its descriptor at
-  :data:`~weight_transfer.delta_packed.LANDING_KEY`, as the vLLM worker does
+  :data:`~weight_transfer.delta.packed.LANDING_KEY`, as the vLLM worker does
   (engines/vllm/delta_apply.py). No landing region where the stand-in cannot scatter (an arena
   on a GPU: the scatter is a host ``memcpy`` loop; shadow targets: the commit is the go-live);
   with ``--delta-mode packed`` that is a ValueError naming why (never a silent fallback),
@@ -43,9 +43,10 @@ def wants_landing(transfer) -> bool:
 def attach(transfer, engine, receiver, store, rank: int, *, shadow: bool = False, log=print):
     """Register and publish the stand-in inference rank ``rank``'s landing region (see the
     module docstring). ``receiver``: the rank's :class:`weight_transfer.api.Receiver` over
-    ``engine.arena``. Returns the :class:`~weight_transfer.delta_packed.Landing` or None;
+    ``engine.arena``. Returns the :class:`~weight_transfer.delta.packed.Landing` or None;
     ValueError when ``--delta-mode packed`` was asked and this rank cannot take packed records."""
-    from weight_transfer.delta_packed import LANDING_KEY, Landing
+    from weight_transfer.control.wire import put
+    from weight_transfer.delta.packed import LANDING_KEY, Landing
 
     try:
         store.delete_key(LANDING_KEY.format(rank=rank))  # a predecessor's, if any
@@ -69,7 +70,7 @@ def attach(transfer, engine, receiver, store, rank: int, *, shadow: bool = False
         return None
     nbytes = Landing.size_for(engine.arena.numel() * engine.arena.element_size(), float(ex.delta_landing))
     landing = Landing(nbytes, receiver.transport)
-    landing.publish(store, rank)
+    put(store, LANDING_KEY.format(rank=rank), landing.descriptor)  # the senders read it at their executor's build
     landing.rank = rank
     log(f"delta: landing region of {nbytes / 1e6:.1f} MB registered ({receiver.transport.name}, "
         f"{ex.delta_landing} x the arena) for packed records")
@@ -78,7 +79,7 @@ def attach(transfer, engine, receiver, store, rank: int, *, shadow: bool = False
 
 def landing_ranks(store, n_infer: int) -> tuple[int, ...]:
     """Inference ranks whose landing region is published (read after they published their metadata)."""
-    from weight_transfer.delta_packed import LANDING_KEY
+    from weight_transfer.delta.packed import LANDING_KEY
 
     return tuple(i for i in range(n_infer) if store.check([LANDING_KEY.format(rank=i)]))
 
@@ -98,7 +99,7 @@ class CommitServer:
         self._thread.start()
 
     def _run(self) -> None:
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         while not self._stop.is_set():
             try:
@@ -116,7 +117,7 @@ class CommitServer:
         """Scatter ``version``'s packed records and report this rank's commit; returns the
         stats (``seconds``, ``delta_apply_s``, ``delta_records``, ``delta_runs``,
         ``delta_bytes``) or None when it failed (reported ``ok: False``)."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         self.last = version
         key = f"step/{version}/committed/{self.rank}"

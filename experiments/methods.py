@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from weight_transfer.clients import job_ending
+from weight_transfer.control.clients import job_ending
 
 METHODS = {
     "reference": ("weight_transfer.method", "ReferenceController", "ReferenceTrainer", "ReferenceInference"),

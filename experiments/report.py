@@ -173,7 +173,7 @@ def _warm_lines(result, meas: list[dict], *, staged: bool, delta: bool) -> list[
                          f"shadow on the trainers {meas[0].get('delta_shadow_bytes', 0) / 1e6:.1f} MB; full updates at "
                          f"steps {[r['step'] for r in rows if r.get('delta', 'delta') != 'delta']}")
             modes = [m for m in ("full", "scattered", "packed") if any(f"delta_n_{m}" in r for r in meas)]
-            if modes:  # the cost model's choice per output (reference/delta_cost.py): writes per mode, p50
+            if modes:  # the cost model's choice per output (reference/delta/cost.py): writes per mode, p50
                 per = ", ".join(f"{m} {statistics.median(int(r.get(f'delta_n_{m}', 0) or 0) for r in meas):.0f}"
                                 for m in modes)
                 rec = statistics.median(int(r.get("delta_records", 0) or 0) for r in meas)

@@ -80,7 +80,7 @@ TENSOR_COLUMNS = ["lr", "step", "version", "rank", "tensor", "kind", "mode", "ou
 
 def commit_stats(store, version: int, ranks: int = 64) -> list[dict]:
     """The inference ranks' commit reports of ``version`` (``step/{v}/committed/{i}`` stats)."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     out = []
     for i in range(ranks):
@@ -494,10 +494,10 @@ class StepLog:
 
 
 def change_rows(lr: float, step: int, old: dict, new: dict) -> list[dict]:
-    """Item 2's tidy rows: :func:`weight_transfer.changes.changes_by_kind` between two served
+    """Item 2's tidy rows: :func:`weight_transfer.delta.changes.changes_by_kind` between two served
     versions, one row per kind x granularity (``scales``: FP8 ``weight_scale_inv`` entries; its
     delta bytes are part of each FP8 granularity's)."""
-    from weight_transfer.changes import GRANULARITIES, changes_by_kind
+    from weight_transfer.delta.changes import GRANULARITIES, changes_by_kind
 
     rows = []
     for kind, c in changes_by_kind(old, new).items():
@@ -532,7 +532,7 @@ def magnitude_rows(weights: dict, lrs=(1e-6, 1e-5)) -> list[dict]:
     Adam's first step is ``lr * sign(g)``)."""
     import torch
 
-    from weight_transfer.changes import tensor_kind
+    from weight_transfer.delta.changes import tensor_kind
 
     by: dict[str, list] = {}
     for n, t in weights.items():

@@ -41,7 +41,7 @@ class RLOptions:
     seed: int = 0
     """Model init and sampling seed."""
     changes: bool = False
-    """Measure what each step changes (weight_transfer.changes on the gathered weights, rank 0) and write out_dir/rl_changes.csv rows for this lr."""
+    """Measure what each step changes (weight_transfer.delta.changes on the gathered weights, rank 0) and write out_dir/rl_changes.csv rows for this lr."""
     verify: bool = True
     """Check every push against the reload oracle (a second vLLM in rank 1) and the final weights against a fresh vLLM."""
     out_dir: str = field(default=str(RESULTS), metadata={"metavar": "DIR"})
@@ -62,7 +62,7 @@ class RLOptions:
     (docs/DELTA.md, "On a wire-bound link"); empty: nothing saved."""
     delta_granularity: int = 0
     """--delta: block size of the comparison (bytes); 0: the delta mode's default (1 when it may
-    pack, else 8: :func:`weight_transfer.delta.default_granularity`)."""
+    pack, else 8: :func:`weight_transfer.delta.runs.default_granularity`)."""
     delta_op_cost: int = -1
     """--delta: what one scattered run costs, in bytes at the wire (the cost model's run cost);
     0: runs are free (scattered always beats packed and whole: the fewest bytes), -1: the

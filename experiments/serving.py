@@ -6,7 +6,7 @@ Inference side (:class:`StandInServing`, one per inference rank, in ``inference_
 - a :class:`weight_transfer.engines.generate.GenerationLoad` steps the engine (``--gen-load``
   concurrent requests), each step holding the engine's step lock and carrying the engine's
   version label;
-- with shadow targets the receiver's :class:`weight_transfer.shadow.GoLiveServer` runs each
+- with shadow targets the receiver's :class:`weight_transfer.api.shadow.GoLiveServer` runs each
   go-live holding the same lock and changes the label inside it (no step computes with new
   weights under the old label, or the reverse);
 - without them and with a load, the pause-based update: the controller asks for a pause
@@ -25,10 +25,11 @@ from __future__ import annotations
 import threading
 import time
 
-from weight_transfer import control, wire
+from weight_transfer.control import protocol as control
+from weight_transfer.control import wire
 
 KEY_T_BEGIN = "step/{v}/t_begin"
-"""The controller's wall-clock start of update ``v``'s window (a float, :mod:`weight_transfer.wire`)."""
+"""The controller's wall-clock start of update ``v``'s window (a float, :mod:`weight_transfer.control.wire`)."""
 wire.register(KEY_T_BEGIN, float, "the harness: wall-clock start of an update's window (generation load, C27)")
 
 __all__ = ["StandInServing", "before_update", "after_update", "serve_columns", "serve_lines", "SERVE_COLUMNS"]

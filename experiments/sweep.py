@@ -142,7 +142,7 @@ def submit_with_secret(executor, fn, *args, fresh: bool = True):
     trial jobs share a secret."""
     if not fresh:
         return executor.submit(fn, *args)
-    from weight_transfer.security import ENV_SECRET, JobSecret
+    from weight_transfer.security.secret import ENV_SECRET, JobSecret
 
     old = os.environ.get(ENV_SECRET)
     os.environ[ENV_SECRET] = JobSecret.generate().hex()
@@ -500,7 +500,7 @@ def run_sweep(sweep: Sweep, opt: LaunchOptions | None = None, *, results_dir: Pa
         if opt.cluster != "slurm":  # the ranks start on this machine: the same checks as `run` (C18)
             cfg.preflight(local=True)
     fn = _debug_trial_job if opt.cluster == "debug" else trial_job
-    from weight_transfer.security import JobSecret
+    from weight_transfer.security.secret import JobSecret
 
     fresh = opt.cluster in ("local", "slurm") and JobSecret.from_env() is None  # one secret per trial job
     if opt.cluster in ("local", "slurm"):  # tasks import this project (sbatch exports the environment)

@@ -28,8 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from weight_transfer import control
-from weight_transfer import store as store_api
+from weight_transfer.control import protocol as control
+from weight_transfer.control import store as store_api
 from weight_transfer.method import ControllerContext
 
 from .columns import update_row
@@ -543,11 +543,11 @@ def run_task(cfg: TrialConfig, global_rank: int, store_host: str, store_port: in
     ``WEIGHT_TRANSFER_SECRET_FILE``), set by whoever started the job before it started
     (:func:`weight_transfer.experiments.sweep.submit_with_secret`; scripts/netns_trial.py): the
     controller does not make one, since no other task could learn it.
-    :class:`weight_transfer.security.AuthenticationError` naming how to pass it otherwise
+    :class:`weight_transfer.security.secret.AuthenticationError` naming how to pass it otherwise
     (unless ``WEIGHT_TRANSFER_INSECURE=1``)."""
     role, rank = task_role(cfg, global_rank)
     if role == "controller":
-        from weight_transfer.security import insecure_requested, resolve_secret
+        from weight_transfer.security.secret import insecure_requested, resolve_secret
 
         if not insecure_requested():
             resolve_secret(where=f"trial task 0 (the controller of a {world_size(cfg)}-task job)")

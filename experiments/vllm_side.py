@@ -12,7 +12,7 @@ host, port, ``first_rank = d * tp``, ``--vllm-targets``, the transport); each wo
 reports its runtime tensors (after ``process_weights_after_loading``), stages what vLLM keeps
 opaque, registers its memory once and publishes the region descriptor, the destination metadata
 and the :class:`weight_transfer.engines.vllm.runtime.RuntimeLayout` (``meta/infer_runtime/{rank}``),
-so the controller plans against the runtime layout (:func:`weight_transfer.retarget.retarget`)
+so the controller plans against the runtime layout (:func:`weight_transfer.plan.retarget.retarget`)
 and the training ranks (:class:`weight_transfer.api.Sender`) write one-sidedly into it. Per
 update: ``pause`` and ``start_weight_update`` when the controller announces the step (before any
 write; the worker refuses when a destination moved since init); once every write of the step
@@ -64,9 +64,9 @@ import time
 import traceback
 from pathlib import Path
 
-from weight_transfer import control
-from weight_transfer import store as store_api
-from weight_transfer.clients import InferenceClient
+from weight_transfer.control import protocol as control
+from weight_transfer.control import store as store_api
+from weight_transfer.control.clients import InferenceClient
 
 __all__ = ["vllm_instance_main", "prefill_oracle", "prefill_oracle_main", "KEY_RUNTIME", "KEY_PAUSED", "VllmLoadPath", "ORACLE_DIR_ENV", "own_process_group",
            "kill_group"]

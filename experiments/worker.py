@@ -15,9 +15,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from weight_transfer import clients, control
-from weight_transfer import store as store_api
-from weight_transfer.metadata import collect_metas, named_dtensors
+from weight_transfer.control import clients
+from weight_transfer.control import protocol as control
+from weight_transfer.control import store as store_api
+from weight_transfer.plan.metadata import collect_metas, named_dtensors
 from weight_transfer.testing.training import build_fsdp_model, load_step
 
 from .config import TrialConfig
@@ -170,7 +171,7 @@ def trainer_main(cfg: TrialConfig, rank: int, addr: tuple[str, int], *, gen: int
                                     world_size=cfg.train.n_train)
             params = build_training_params(cfg, rank)
             if cfg.transfer.executor.offload:  # shards live in host memory; the executor's h2d stage copies them in
-                from weight_transfer.metadata import offload_to_host
+                from weight_transfer.plan.metadata import offload_to_host
 
                 params = offload_to_host(params)
             client.publish_meta(collect_metas(params, offloaded=cfg.transfer.executor.offload))
@@ -332,7 +333,7 @@ def _setup_inference(cfg: TrialConfig, rank: int, store, client, local_rank: int
                              shadow=cfg.serve.shadow != "off", log=lambda m: log(tag, m))
         client.publish_meta(*payload)
         if cfg.fleet.active:  # an elastic fleet (C24): the controller plans a rank in once it announced itself
-            from weight_transfer import membership
+            from weight_transfer.control import membership
 
             membership.announce_join(store, rank)
     except Exception as e:

@@ -31,14 +31,14 @@ __all__ = [
 
 _WHERE = {
     "Sender": "api", "Coordinator": "api", "Receiver": "api", "UpdateResult": "api", "serve_store": "api",
-    "connect_store": "api", "JobSecret": "security", "AuthenticationError": "security",
+    "connect_store": "api", "JobSecret": "security.secret", "AuthenticationError": "security.secret",
     "TransferOptions": "options", "PlanOptions": "options", "ExecutorOptions": "options",
     "TransportOptions": "options", "ControlOptions": "options", "VerifyOptions": "options",
     "InferenceLayout": "types", "PlanError": "types", "ModelConfig": "model_config",
     "fused_expert_views": "plan.traced",
-    "WeightsState": "control", "ControlError": "control", "VersionError": "control",
-    "UpdateInProgress": "control", "read_consistent": "control",
-    "UpdateStats": "method", "StepStats": "executor", "UpdateMetrics": "metrics",
+    "WeightsState": "control.protocol", "ControlError": "control.protocol", "VersionError": "control.protocol",
+    "UpdateInProgress": "control.protocol", "read_consistent": "control.protocol",
+    "UpdateStats": "method", "StepStats": "pipeline.executor", "UpdateMetrics": "metrics",
 }
 
 

@@ -1,5 +1,5 @@
 """Arguments checked at the door: the validators the public API (:mod:`weight_transfer.api`,
-:mod:`weight_transfer.receiver`, :mod:`weight_transfer.store`) runs before it connects to the
+:mod:`weight_transfer.api.receiver`, :mod:`weight_transfer.control.store`) runs before it connects to the
 store or publishes anything.
 
 The library lives in someone else's trainer, so a wrong argument is refused at once, with the

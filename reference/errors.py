@@ -1,7 +1,7 @@
 """The errors the control plane hands between ranks, and its one bounded poll loop.
 
-The bottom of the control plane's modules (:mod:`weight_transfer.control` re-exports all of it):
-:mod:`weight_transfer.security`, :mod:`weight_transfer.wire` and :mod:`weight_transfer.store`
+The bottom of the control plane's modules (:mod:`weight_transfer.control.protocol` re-exports all of it):
+:mod:`weight_transfer.security.secret`, :mod:`weight_transfer.control.wire` and :mod:`weight_transfer.control.store`
 import it, and it imports none of them."""
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def backoff(timeout: float | None, poll: float = 0.02, *, wake=None) -> Iterator
 def watch(store, keys, seconds: float, seen=None) -> None:
     """Block up to ``seconds`` until one of ``keys`` holds something other than ``seen`` (a
     list: each key's value as last read, None for absent; default: all absent) -- at the store's
-    server when it can (:meth:`weight_transfer.secure_store.SecureStore.watch`: no polling, woken
+    server when it can (:meth:`weight_transfer.security.secure_store.SecureStore.watch`: no polling, woken
     by the change); another store: sleep ``min(seconds, 1 ms)`` and let the caller look again."""
     w = getattr(store, "watch", None)
     if w is None:

@@ -33,7 +33,7 @@ from .types import InferenceLayout
 class UpdateStats(Protocol):
     """What a trainer side's :meth:`TrainerSide.transfer` returns for one update, whatever the
     method: the trial's rows and the report read only these. Implemented by
-    :class:`weight_transfer.executor.StepStats` and ``weight_transfer.baselines.common.BaselineStats``.
+    :class:`weight_transfer.pipeline.executor.StepStats` and ``weight_transfer.baselines.common.BaselineStats``.
 
     Byte counts are bytes, ``seconds`` wall seconds of this rank's part of the update."""
 
@@ -94,7 +94,7 @@ class InferenceContext:
     layout: InferenceLayout
     log: Callable[[str], None] = print
     shadow: str | None = None
-    """Shadow targets (``"flip"`` / ``"copy"``, :mod:`weight_transfer.shadow`), None: off."""
+    """Shadow targets (``"flip"`` / ``"copy"``, :mod:`weight_transfer.api.shadow`), None: off."""
 
 
 @dataclass(kw_only=True)
@@ -149,7 +149,7 @@ class InferenceSide(abc.ABC):
 # the reference: one-sided writes, static schedule
 
 
-from .store import RUNTIME_KEY, runtime_layouts  # noqa: E402,F401 -- part of this module's API
+from .control.store import RUNTIME_KEY, runtime_layouts  # noqa: E402,F401 -- part of this module's API
 
 
 class ReferenceController(ControllerSide):
@@ -158,8 +158,8 @@ class ReferenceController(ControllerSide):
 
     def setup(self, ctx: ControllerContext) -> str:
         from .api import plan_against
-        from .fingerprint import VERIFY_KEY, Verifier, plan_value
-        from .wire import put
+        from .control.fingerprint import VERIFY_KEY, Verifier, plan_value
+        from .control.wire import put
 
         v = ctx.transfer.verify  # before the training ranks' parts: they read it with theirs
         put(ctx.store, VERIFY_KEY, plan_value(v, ctx.infer_payloads))
@@ -185,7 +185,7 @@ class ReferenceTrainer(TrainerSide):
 
     @property
     def executor(self):
-        """The sender's :class:`weight_transfer.executor.Executor` (fault injection wraps its stages)."""
+        """The sender's :class:`weight_transfer.pipeline.executor.Executor` (fault injection wraps its stages)."""
         return self.sender.executor
 
     @property

@@ -18,7 +18,7 @@ table and a sample scrape in docs/METRICS.md:
   multiprocess registry, :func:`vllm.v1.metrics.prometheus.get_prometheus_registry`)
   otherwise: see docs/METRICS.md for when vLLM sets it and when the operator must.
 
-The phases of an update (wall seconds, from :class:`weight_transfer.update.UpdateResult` --
+The phases of an update (wall seconds, from :class:`weight_transfer.api.update.UpdateResult` --
 what the coordinator and the training ranks measured; nothing estimated). They overlap (the
 pipeline prepares while it writes), so they do not add up to the update's seconds:
 
@@ -91,7 +91,7 @@ def _commit_reports(result) -> list[dict]:
 
 def go_live_seconds(result) -> float | None:
     """Shadow targets: the longest go-live the update's engines reported (``("commit", i)``
-    reports with a ``mode``: :meth:`weight_transfer.receiver.Receiver.go_live`'s stats), else
+    reports with a ``mode``: :meth:`weight_transfer.api.receiver.Receiver.go_live`'s stats), else
     the commit call's ``go_live_s`` (the vLLM backend with shadow targets); None without."""
     reports = _commit_reports(result)
     lives = [float(c["seconds"]) for c in reports if c.get("mode") in ("flip", "copy") and "seconds" in c]
@@ -102,7 +102,7 @@ def go_live_seconds(result) -> float | None:
 
 
 def phase_seconds(result) -> dict[str, float]:
-    """``{phase: seconds}`` of a :class:`weight_transfer.update.UpdateResult`, the phases it
+    """``{phase: seconds}`` of a :class:`weight_transfer.api.update.UpdateResult`, the phases it
     measured (see the module docstring for each one's definition)."""
     out: dict[str, float] = {}
     busy = [s.stage_busy().get("prepare") for s in (result.stats or {}).values() if hasattr(s, "stage_busy")]
@@ -156,7 +156,7 @@ class UpdateMetrics:
     a ``prometheus_client`` collector registered into ``registry`` (the caller's
     ``CollectorRegistry``; default: a private one, never the global ``REGISTRY``, so two
     coordinators of one process do not collide). :meth:`observe` takes each completed
-    :class:`weight_transfer.update.UpdateResult`, :meth:`failed` each refused or failed push;
+    :class:`weight_transfer.api.update.UpdateResult`, :meth:`failed` each refused or failed push;
     :meth:`serve` exports :attr:`registry` over HTTP. Thread-safe. ValueError (from
     ``prometheus_client``) when ``registry`` already has these names."""
 
@@ -180,7 +180,7 @@ class UpdateMetrics:
 
     # ------------------------------------------------------------------ recording
     def observe(self, result) -> None:
-        """One completed update (a :class:`weight_transfer.update.UpdateResult`): its phases
+        """One completed update (a :class:`weight_transfer.api.update.UpdateResult`): its phases
         into the phase histogram, its seconds into the update histogram, bytes and writes into
         their counters, and the last-update gauges (version, bytes, seconds, delta ratio,
         stall, timestamp); a fingerprint check's verified bytes."""

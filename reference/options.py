@@ -7,7 +7,7 @@ object per component:
 - :class:`PlanOptions` -- the planner's (chunk size, shard-local prepare), handed to
   :func:`weight_transfer.plan.plan`;
 - :class:`ExecutorOptions` -- the executor's (pipeline, watermark, offload, trace), handed
-  whole to :class:`weight_transfer.executor.Executor`;
+  whole to :class:`weight_transfer.pipeline.executor.Executor`;
 - :class:`TransportOptions` -- the data plane's back end;
 - :class:`ControlOptions` -- the control plane's timeout;
 - :class:`VerifyOptions` -- the end-to-end fingerprint check (``verify=off|sample|full``).
@@ -94,7 +94,7 @@ class ExecutorOptions:
     """Directory for one Chrome trace per update and rank (``step{N}.rank{r}.json``); the CLI
     merges them into ``step{N}.json`` per update (Perfetto, ``weight-transfer timeline``)."""
     delta: bool = False
-    """Delta updates (:mod:`weight_transfer.delta`): each update writes only the byte runs of each
+    """Delta updates (:mod:`weight_transfer.delta.runs`): each update writes only the byte runs of each
     output that differ from what this sender wrote there last (exact comparison against a shadow
     copy, one per byte of the rank's outputs); the first update, and the one after a failed or
     incomplete update or a re-registered receiver, is full (C26)."""
@@ -104,31 +104,31 @@ class ExecutorOptions:
     packed or auto and a receiver published a landing region: a packed run costs its bytes plus
     a ~2-byte index entry, and a small step changes only the low byte of most bf16 elements),
     else 8 (a scattered run costs a remote segment whatever its length)
-    (:func:`weight_transfer.delta.default_granularity`, docs/DELTA.md)."""
+    (:func:`weight_transfer.delta.runs.default_granularity`, docs/DELTA.md)."""
     delta_merge_gap: int = field(default=0, metadata={"unit": "bytes"})
     """Changed runs separated by at most this many unchanged bytes are written as one run
     (bytes; 0: only adjacent changed blocks coalesce)."""
     delta_op_cost: int | None = field(default=None, metadata={"unit": "bytes"})
     """What one more run costs, in bytes at the transport's bandwidth: an output whose runs cost
-    more than writing it whole is written whole (:mod:`weight_transfer.delta`). None: the
+    more than writing it whole is written whole (:mod:`weight_transfer.delta.runs`). None: the
     transport's measured cost (cma 1024, shm 64, others 12288:
     :func:`weight_transfer.transport.runs.segment_cost_bytes`); 0: never (fewest bytes)."""
     delta_mode: str = field(default="auto", metadata={"choices": ("auto", "scattered", "packed")})
-    """How a delta writes each changed output (:mod:`weight_transfer.delta_cost`): ``auto`` the
+    """How a delta writes each changed output (:mod:`weight_transfer.delta.cost`): ``auto`` the
     cost model's cheapest of scattered runs, one packed record (into the receiver's landing
-    region, scattered at its commit: :mod:`weight_transfer.delta_packed`) or the whole output;
+    region, scattered at its commit: :mod:`weight_transfer.delta.packed`) or the whole output;
     ``scattered`` never packed (runs or whole); ``packed`` packed whenever it fits."""
     delta_format: str = field(default="auto", metadata={"choices": ("auto", "runs", "masks")})
-    """How a packed record carries an output's changes (:mod:`weight_transfer.delta_packed`):
+    """How a packed record carries an output's changes (:mod:`weight_transfer.delta.packed`):
     ``runs`` (format 2: a varint index of runs, ~2 bytes per run; the fewest bytes), ``masks``
     (format 3: a 64-bit byte mask per changed 64-byte chunk, 12 bytes of index per changed chunk,
     found and applied with a vector compare, compress and expand: the least CPU), ``auto`` the
     cost model's choice from the wire's bandwidth and the transport's run cost
-    (:meth:`weight_transfer.delta_cost.CostModel.pack_format`: masks above ~0.25-0.4 GB/s, e.g.
+    (:meth:`weight_transfer.delta.cost.CostModel.pack_format`: masks above ~0.25-0.4 GB/s, e.g.
     on one host or a NIC; runs on a slow link)."""
     delta_wire_gbps: float | None = field(default=None, metadata={"unit": "GB/s"})
     """The cost model's wire bandwidth (GB/s, 1e9 bytes/s); None: the transport's default
-    (:data:`weight_transfer.delta_cost.WIRE_GBPS`: cma 3, shm 6, nixl/verbs 12.5). A slow link
+    (:data:`weight_transfer.delta.cost.WIRE_GBPS`: cma 3, shm 6, nixl/verbs 12.5). A slow link
     (a rate-limited veth) makes packed deltas win."""
     delta_landing: float = 0.25
     """Landing region a receiver registers for packed deltas, as a fraction of its target
@@ -136,7 +136,7 @@ class ExecutorOptions:
     record that would not fit goes scattered or whole. 0: none (no packed deltas)."""
     delta_fused: bool = True
     """Fuse the comparison into the prepare stage's fp32 -> bf16 cast where an output is one
-    contiguous cast of one source (:mod:`weight_transfer.delta_fused`): one pass casts,
+    contiguous cast of one source (:mod:`weight_transfer.delta.fused`): one pass casts,
     compares, updates the shadow and emits the runs."""
     delta_max_bytes: int | None = field(default=None, metadata={"flag": "--delta-max-mb", "unit": "MiB", "scale": MiB})
     """Most bytes of shadow copy one training rank may hold for delta updates (bytes; on the
@@ -215,7 +215,7 @@ class ControlOptions:
 
 
 VERIFY_MODES = ("off", "sample", "full")
-"""``verify=`` values: no check, a rotating subset, every byte (:mod:`weight_transfer.fingerprint`)."""
+"""``verify=`` values: no check, a rotating subset, every byte (:mod:`weight_transfer.control.fingerprint`)."""
 VERIFY_ALGOS = ("auto", "xxh3", "fold64")
 """The fingerprints' hash: ``auto`` (by where the receivers' memory is), XXH3-64 on the host, or a
 torch fold computed on the bytes' own device."""
@@ -223,7 +223,7 @@ torch fold computed on the bytes' own device."""
 
 @dataclass(kw_only=True, slots=True)
 class VerifyOptions:
-    """The end-to-end check of every update (:mod:`weight_transfer.fingerprint`, C31): the
+    """The end-to-end check of every update (:mod:`weight_transfer.control.fingerprint`, C31): the
     training side hashes the bytes it sends, the inference side the same ranges of its memory
     after they landed, the coordinator compares them before it publishes ``complete v``. On
     the harness's command line ``--fingerprints`` / ``--fingerprint-cycle`` (its ``--verify``
@@ -242,7 +242,7 @@ class VerifyOptions:
     (``weight-transfer bench-verify``, docs/VERIFY.md); 32 keeps it within 5%."""
 
     algo: str = field(default="auto", metadata={"flat": "fingerprint_algo", "choices": VERIFY_ALGOS})
-    """The hash (:func:`weight_transfer.fingerprint.hash_pieces`): ``"xxh3"`` (XXH3-64 on the
+    """The hash (:func:`weight_transfer.control.fingerprint.hash_pieces`): ``"xxh3"`` (XXH3-64 on the
     host; GPU bytes are copied to it first), ``"fold64"`` (a position-weighted 64-bit sum in torch
     ops, computed where the bytes are: a GPU hashes its own memory), or ``"auto"``: ``fold64``
     when a receiver's memory is on a GPU (its region's transport is ``cuda_ipc``), else ``xxh3``.

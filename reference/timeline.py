@@ -79,7 +79,7 @@ def _us(stats, t: float) -> float:
 
 
 def rank_events(stats) -> list[dict]:
-    """Trace events of one rank's :class:`weight_transfer.executor.StepStats`."""
+    """Trace events of one rank's :class:`weight_transfer.pipeline.executor.StepStats`."""
     pid = stats.rank
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"train rank {pid}"}},

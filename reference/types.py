@@ -5,7 +5,7 @@ What a training rank holds (:class:`ParamMeta`), what an inference rank exposes
 (:class:`InferenceLayout`), and the *recipes* that say how destination bytes are made from
 source parameters (:class:`Piece`, :class:`Output`, :class:`Recipe`); and the plan made of
 them (:class:`Schedule` of :class:`RankPlan` of :class:`Task` of :class:`Assignment` of
-:class:`WriteSpec`, built by :func:`weight_transfer.plan.plan`, run by :mod:`weight_transfer.executor`),
+:class:`WriteSpec`, built by :func:`weight_transfer.plan.plan`, run by :mod:`weight_transfer.pipeline.executor`),
 and :class:`PlanError`, the error of a plan that cannot be executed correctly.
 
 Boxes
@@ -222,7 +222,7 @@ class InferenceLayout:
     tensor: vLLM's ``Fp8Config`` without ``weight_block_size``) or ``"fp8-channel"`` (e4m3 weights
     plus a float32 ``weight_scale`` ``[N, 1]`` per output row: compressed-tensors' FP8 channel
     scheme); the last two are planned from vLLM's traced loader only
-    (:mod:`weight_transfer.quant_scaled`). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
+    (:mod:`weight_transfer.convert.quant_scaled`). Inference rank ``i`` is instance ``i // tp``, TP rank ``i % tp``.
     ``draft`` is ``None`` or ``"mtp"``: every rank also serves the draft model of speculative
     decoding, DeepSeek-V3's multi-token-prediction layers (vLLM's ``DeepSeekMTP``, same TP / EP /
     quantization as the target), whose tensors are written in the same update under the same
@@ -322,7 +322,7 @@ class Output:
     box: Box
     dtype: str
     layout: str = "identity"
-    """Element order of the bytes in the destination (see :mod:`weight_transfer.layouts`):
+    """Element order of the bytes in the destination (see :mod:`weight_transfer.convert.layouts`):
     ``"identity"`` (C order, what ``load_weights`` makes) or an engine's post-processed order
     such as ``"blocked:32x2"`` (vLLM CPU packed GEMM weights)."""
 
@@ -343,7 +343,7 @@ class Recipe:
       (DeepSeek-V3 format), quantized from exactly the assembled BF16 tensor;
     - ``"fp8_tensor"`` / ``"fp8_channel"``: two outputs, the FP8 e4m3 weight and its float32
       ``weight_scale`` (one value; ``[rows, 1]``), quantized per tensor / per row over the whole
-      assembled BF16 tensor (:mod:`weight_transfer.quant_scaled`); the weight output is the
+      assembled BF16 tensor (:mod:`weight_transfer.convert.quant_scaled`); the weight output is the
       assembled tensor's leading corner of the output box's shape (the destination's own
       elements; the rest are the source rows / columns the scale needs besides them).
 

@@ -1,4 +1,4 @@
-"""Run the public API's fault worlds (tests/test_api_faults.py, case C28) and print what every
+"""Run the public API's fault worlds (tests/api/test_api_faults.py, case C28) and print what every
 rank saw, one row per push: the fault injected, each training rank's outcome (returned, or the
 exception type and the first 90 characters of its message), the slowest rank's seconds, and
 every receiver's state after it (``c`` complete with every byte equal to a fresh engine's
@@ -9,7 +9,7 @@ Usage (from the repository root; about 2 minutes on 2 cores)::
 
     .venv/bin/python scripts/api_faults.py [WORLD ...]       # default: every world
 
-The worlds are tests.test_api_faults.WORLDS; an unknown name is one ``error:`` line, exit 2.
+The worlds are tests.api.test_api_faults.WORLDS; an unknown name is one ``error:`` line, exit 2.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _state(c) -> str:
 
 def main(argv: list[str]) -> int:
     from tests.helpers.api_world import run
-    from tests.test_api_faults import WORLDS
+    from tests.api.test_api_faults import WORLDS
 
     names = argv or list(WORLDS)
     bad = [n for n in names if n not in WORLDS]

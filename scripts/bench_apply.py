@@ -1,4 +1,4 @@
-"""The receiver's commit of a packed delta (``weight_transfer.delta_packed.apply_landing``: every
+"""The receiver's commit of a packed delta (``weight_transfer.delta.packed.apply_landing``: every
 record checked, then scattered) on 1 and more threads, on records shaped like the RL loop's lr
 1e-6 step: 30 records of 0.5-4 M bf16 elements (the 2-layer Qwen3 of ``weight-transfer rl``, 72
 MB of targets), each with the runs of a cast whose fp32 source moved by 1e-6 in half its elements
@@ -25,12 +25,12 @@ SIZES = [4 << 20] + [1 << 20] * 8 + [512 << 10] * 8 + [1536 << 10] * 13
 def build(version: int = 7):
     """(landing buffer, target arena): every record of ``SIZES`` packed for ``version`` into one
     training rank's area, with its directory entry."""
-    from weight_transfer import delta_packed as dp
-    from weight_transfer.delta import KERNEL
+    from weight_transfer.delta import packed as dp
+    from weight_transfer.delta.runs import KERNEL
 
     lib = KERNEL.lib()
     if lib is None:
-        raise SystemExit("error: the native delta kernel is not available (weight_transfer.delta.native_status())")
+        raise SystemExit("error: the native delta kernel is not available (weight_transfer.delta.runs.native_status())")
     g = torch.Generator().manual_seed(0)
     land = torch.zeros(8 << 20, dtype=torch.uint8)
     at, _ = dp.area(land.numel(), 1, 0)
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (APPLY_THREADS)")
     ap.add_argument("--repeats", type=int, default=7, help="timed applies per thread count (best kept)")
     a = ap.parse_args(argv)
-    from weight_transfer import delta_packed as dp
+    from weight_transfer.delta import packed as dp
 
     try:
         counts = [int(x) for x in a.threads.split(",")]

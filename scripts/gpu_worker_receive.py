@@ -58,8 +58,8 @@ class SenderReport(TypedDict):
 
 
 def _register_keys() -> None:
-    """The schema of :data:`SENT` (the store reads only keys with one: weight_transfer.wire)."""
-    from weight_transfer import wire
+    """The schema of :data:`SENT` (the store reads only keys with one: weight_transfer.control.wire)."""
+    from weight_transfer.control import wire
 
     wire.register(SENT, SenderReport, "scripts/gpu_worker_receive.py: the sender's report")
 
@@ -104,8 +104,8 @@ def sender(addr: str, device: str, timeout: float) -> int:
     """A training rank's side: connect to what the worker published, write new weights."""
     import torch
 
-    from weight_transfer import control
     from weight_transfer.api import connect_store
+    from weight_transfer.control import protocol as control
     from weight_transfer.transport import BoundsError, WriteOp, make_transport
 
     _register_keys()
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
               f"CUDA build {torch.version.cuda or 'none'}): the worker's cuda_ipc registration needs a GPU", flush=True)
         return SKIP
     try:
-        from weight_transfer import control
         from weight_transfer.api import serve_store
+        from weight_transfer.control import protocol as control
         from weight_transfer.engines.vllm.runtime import runtime_layout
         from weight_transfer.engines.vllm.worker_state import WorkerTargets, choose_transport
     except ImportError as e:

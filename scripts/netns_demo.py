@@ -78,7 +78,7 @@ def _recv(s: socket.socket, type_):
 
 def _descriptor(s: socket.socket):
     """The receiver's region descriptor (``extra`` back to the nested tuples the transport compares)."""
-    from weight_transfer.keys import fix_descriptor
+    from weight_transfer.control.keys import fix_descriptor
     from weight_transfer.types import RegionDescriptor
 
     return fix_descriptor(_recv(s, RegionDescriptor))

@@ -27,7 +27,7 @@ What happens:
    :func:`weight_transfer.experiments.trial.run_task`: the controller and the training ranks in A, the
    inference ranks in B. The controller's store listens in A and every rank reaches it at
    10.77.0.1 (the inference ranks over the veth). The launcher makes the job secret first
-   (:meth:`weight_transfer.security.JobSecret.generate`, unless its own environment has one)
+   (:meth:`weight_transfer.security.secret.JobSecret.generate`, unless its own environment has one)
    and every task gets it in its environment (``WEIGHT_TRANSFER_SECRET``; never on the command
    line, never in a file). The trial config travels as JSON, the controller's result as msgpack
    (:mod:`weight_transfer.experiments.data`), both in the launcher's
@@ -321,9 +321,9 @@ def _counters(sh, names: tuple[str, str, str, str]) -> dict[str, int]:
 
 def task_env() -> dict[str, str]:
     """The environment every task starts with: this launcher's, with the job secret (this
-    environment's, else a fresh one: :mod:`weight_transfer.security`) -- the controller serves
+    environment's, else a fresh one: :mod:`weight_transfer.security.secret`) -- the controller serves
     the store with it and the ranks prove membership with it -- and the project on the path."""
-    from weight_transfer.security import ENV_INSECURE, ENV_SECRET, JobSecret, insecure_requested
+    from weight_transfer.security.secret import ENV_INSECURE, ENV_SECRET, JobSecret, insecure_requested
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                UCX_TLS="tcp", OMP_NUM_THREADS="1")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from weight_transfer.metadata import shard_box
 from weight_transfer.plan import build_recipes, plan
+from weight_transfer.plan.metadata import shard_box
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.types import ParamMeta
 

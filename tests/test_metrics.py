@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import weight_transfer as wt
-from weight_transfer.control import ControlError, VersionError
+from weight_transfer.api.update import UpdateResult
+from weight_transfer.control.protocol import ControlError, VersionError
 from weight_transfer.metrics import (
     BUCKETS,
     FINGERPRINT_MISMATCH,
@@ -28,8 +29,7 @@ from weight_transfer.metrics import (
     phase_seconds,
     recorded,
 )
-from weight_transfer.records import StepStats, TaskRecord
-from weight_transfer.update import UpdateResult
+from weight_transfer.pipeline.records import StepStats, TaskRecord
 
 
 def samples(text: str) -> dict[tuple, float]:

@@ -6,7 +6,7 @@ import ast
 import json
 
 from tests.helpers import ROOT
-from weight_transfer.executor import BarrierRecord, StepStats, TaskRecord
+from weight_transfer.pipeline.executor import BarrierRecord, StepStats, TaskRecord
 from weight_transfer.timeline import TRACKS, chrome_trace, merge_step_traces, save_rank_trace, task_stages
 
 

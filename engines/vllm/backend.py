@@ -31,7 +31,7 @@ What happens (the reference's protocol, :mod:`weight_transfer.api`):
   store's address and the path of the secret's file -- never the secret; vLLM's API has no
   return path). Each worker joins the store with its own environment's secret, else that file's
   (:func:`~weight_transfer.engines.vllm.backend_worker.worker_secret`; without one the trainer
-  gets :class:`weight_transfer.security.AuthenticationError` with the worker's reason). In every worker,
+  gets :class:`weight_transfer.security.secret.AuthenticationError` with the worker's reason). In every worker,
   :meth:`OneSidedWeightTransferEngine.init_transfer_engine` reports the runtime tensors (after
   ``process_weights_after_loading``), stages the layers vLLM keeps opaque (oneDNN handles on CPUs
   without AMX: C22), registers the destination tensors once with the transport that fits their

@@ -63,10 +63,10 @@ class OneSidedInitInfo(WeightTransferInitInfo):
     the side channel vLLM's API lacks.
 
     ``store_host`` / ``store_port``: the control-plane store (a
-    :class:`weight_transfer.secure_store.SecureStore` in training rank 0) the worker connects to
+    :class:`weight_transfer.security.secure_store.SecureStore` in training rank 0) the worker connects to
     and publishes its region descriptor, destination metadata and runtime layout in;
     ``secret_file``: the path of a file holding the job secret (hex, mode 0600, owned by the user
-    reading it: :meth:`weight_transfer.security.JobSecret.from_file`) -- the path only, never the
+    reading it: :meth:`weight_transfer.security.secret.JobSecret.from_file`) -- the path only, never the
     secret, which does not cross vLLM's HTTP routes; the worker takes the secret from its own
     environment (``WEIGHT_TRANSFER_SECRET`` / ``WEIGHT_TRANSFER_SECRET_FILE``) first, else from
     this file (None: from the environment only; :func:`weight_transfer.engines.vllm.backend_worker.worker_secret`); ``first_rank``: the inference rank of this deployment's worker 0 (worker
@@ -116,7 +116,7 @@ class OneSidedInitInfo(WeightTransferInitInfo):
             raise ValueError(f"transport={self.transport!r}: 'auto' or one of {', '.join(sorted(TRANSPORTS))}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout={self.timeout!r}: seconds > 0")
-        from weight_transfer.shadow import check_mode
+        from weight_transfer.api.shadow import check_mode
 
         if self.shadow != "auto":  # auto: each worker picks flip where it can, else copy (engines/vllm/shadow.py)
             check_mode(self.shadow, where="shadow")
@@ -174,7 +174,7 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     (each calls ``trainer_init`` and ``send_weights``); ``store_host`` / ``store_port``: where
     training rank 0 starts the control-plane store and where the vLLM workers and other ranks
     reach it (``store_port=0``: a free port, sent to the other ranks with
-    :func:`weight_transfer.collectives.broadcast_data` (msgpack, no pickle) over the default process group, which must exist
+    :func:`weight_transfer.control.collectives.broadcast_data` (msgpack, no pickle) over the default process group, which must exist
     when ``world_size > 1``; with a default process group the path of the job secret's file goes
     the same way, :func:`job_secret`); ``n_infer``: inference ranks (None: every worker of the engine the
     client drives, as it reports); ``options``: :func:`transfer_options` (a dict of flat
@@ -190,7 +190,7 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     off, a port to serve, a ``CollectorRegistry`` or a :class:`weight_transfer.metrics.UpdateMetrics`;
     docs/METRICS.md); ``verify``: ``"off"``, ``"sample"`` or ``"full"``, the end-to-end fingerprints
     of every update (None: ``options``' ``fingerprints``, itself ``"off"`` unless
-    ``WEIGHT_TRANSFER_VERIFY`` says otherwise; :mod:`weight_transfer.fingerprint`, docs/VERIFY.md):
+    ``WEIGHT_TRANSFER_VERIFY`` says otherwise; :mod:`weight_transfer.control.fingerprint`, docs/VERIFY.md):
     each worker hashes the planned ranges of its memory after ``update_weights`` (with shadow
     targets in the shadow, before the go-live), training rank 0's coordinator compares them with
     what the training ranks sent before vLLM's weight version is set; a mismatch fails the
@@ -210,8 +210,8 @@ class OneSidedTrainerInitInfo(TrainerInitInfo):
     verify: str | None = None
 
     def __post_init__(self):
+        from weight_transfer.api.shadow import check_mode
         from weight_transfer.options import VERIFY_MODES
-        from weight_transfer.shadow import check_mode
 
         if self.verify is not None and self.verify not in VERIFY_MODES:
             raise ValueError(f"verify={self.verify!r}: one of {', '.join(VERIFY_MODES)}, or None (the options')")

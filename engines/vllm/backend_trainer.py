@@ -132,7 +132,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
     def trainer_init(cls, init_info: OneSidedTrainerInitInfo, *, client, source=None) -> OneSidedTrainerEngine:
         """Rendezvous (see the module docstring) and plan once.
 
-        The job secret (:mod:`weight_transfer.security`): training rank 0 takes the one of its
+        The job secret (:mod:`weight_transfer.security.secret`): training rank 0 takes the one of its
         environment or makes one (:func:`job_secret`), serves the store with it and hands the
         vLLM workers the path of a file holding it (``secret_file`` in their init info; a file
         :func:`write_secret_file` wrote, removed by :meth:`shutdown`, unless the environment
@@ -141,7 +141,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         with the store's address over the default process group, when there is one).
 
         Raises RuntimeError naming the inference side when ``client.init_weight_transfer_engine``
-        fails (e.g. the server is not up), :class:`weight_transfer.security.AuthenticationError`
+        fails (e.g. the server is not up), :class:`weight_transfer.security.secret.AuthenticationError`
         when its workers (or a training rank) could not join the store for want of the job
         secret (naming ``WEIGHT_TRANSFER_SECRET`` and the secret file), ValueError for a secret
         in the environment that is none, :class:`weight_transfer.plan.PlanError` naming a tensor
@@ -149,8 +149,8 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         TypeError for a ``source`` the backend cannot write from."""
         import torch.distributed as dist
 
-        from weight_transfer import control
         from weight_transfer.api import ENGINE_KEY, Coordinator, Sender, serve_store
+        from weight_transfer.control import protocol as control
 
         from . import runtime  # noqa: F401 -- registers the workers' RuntimeLayout (read by the coordinator)
 
@@ -170,7 +170,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
             if not dist.is_initialized():
                 raise RuntimeError(f"training {rank}: store_port=0 with world_size={world} needs the default process "
                                    "group to send rank 0's store address (or give store_port)")
-            from weight_transfer.collectives import broadcast_data
+            from weight_transfer.control.collectives import broadcast_data
 
             # the secret file's path, never the secret; data, not a pickle
             host, port, secret_file = broadcast_data((host, port, secret_file), 0, type_=tuple[str, int, str | None])
@@ -226,8 +226,9 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         Raises RuntimeError naming the inference side when its init fails, ValueError when it
         serves another model or parallel layout than the first engine (its registration is
         then withdrawn: it is never planned in)."""
-        from weight_transfer import control, membership
         from weight_transfer.api import ENGINE_KEY
+        from weight_transfer.control import membership
+        from weight_transfer.control import protocol as control
 
         if not self.is_sender or self.coordinator is None:
             raise RuntimeError("add_engine: on training rank 0 (it hosts the coordinator) only")
@@ -288,7 +289,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         """One update, on every training rank: a collective call (see the module docstring)
         with :meth:`weight_transfer.api.Sender.push`'s contract. ``version``: an int (None: the
         last version attempted + 1, from 1). Returns this rank's
-        :class:`weight_transfer.executor.StepStats` (rank 0: :attr:`last_result` holds the
+        :class:`weight_transfer.pipeline.executor.StepStats` (rank 0: :attr:`last_result` holds the
         update's :class:`weight_transfer.api.UpdateResult`).
 
         Raises, on every training rank alike (one decision for all of them, C28):
@@ -305,7 +306,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
           weight version was set to :data:`INCOMPLETE` (rank 0) on every engine whose update
           began and that still answers. :attr:`version` is then the failed version, so the next
           default is above it (the coordinator refuses a failed version again)."""
-        from weight_transfer.control import ControlError, VersionError
+        from weight_transfer.control.protocol import ControlError, VersionError
 
         v = self.version + 1 if version is None else version  # push checks it (TypeError on every rank alike)
         started: list[Deployment] = []
@@ -368,7 +369,7 @@ class OneSidedTrainerEngine(TrainerWeightTransferEngine[OneSidedTrainerInitInfo]
         go-live, so every engine serves the last complete version untouched)."""
         if self.info is None or self.info.shadow in (None, "off") or self.store is None:
             return False
-        from weight_transfer.control import read_state
+        from weight_transfer.control.protocol import read_state
 
         try:
             return read_state(self.store).complete
@@ -421,7 +422,7 @@ def _publish_sources(store, params, views) -> dict:
     """Training rank 0's checkpoint names, global shapes and dtypes (fused tensors replaced by
     the checkpoint tensors their ``views`` hold), for the workers to trace their loader with
     (:data:`weight_transfer.plan.traced.SOURCES_KEY`, C29); returned too."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
     from weight_transfer.plan.traced import SOURCES_KEY, expand_sources
 
     named = dict(params.named_parameters()) if isinstance(params, torch.nn.Module) else dict(params)
@@ -447,13 +448,13 @@ def _worker_info(host: str, port: int, first_rank: int, info: OneSidedTrainerIni
 def job_secret():
     """Training rank 0's job secret and the file the vLLM workers may read it from:
     ``(secret, path)``. The secret is the trainer's environment's
-    (:data:`~weight_transfer.security.ENV_SECRET`, else the file
-    :data:`~weight_transfer.security.ENV_SECRET_FILE` names: then ``path`` is that file's
+    (:data:`~weight_transfer.security.secret.ENV_SECRET`, else the file
+    :data:`~weight_transfer.security.secret.ENV_SECRET_FILE` names: then ``path`` is that file's
     absolute path), else a fresh one (``path`` None: :func:`write_secret_file` writes it once the
     store's port is known). ``(None, None)`` under the opt-out
-    (:data:`~weight_transfer.security.ENV_INSECURE`). ValueError naming the variable when it
+    (:data:`~weight_transfer.security.secret.ENV_INSECURE`). ValueError naming the variable when it
     holds no secret."""
-    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, JobSecret, insecure_requested
+    from weight_transfer.security.secret import ENV_SECRET, ENV_SECRET_FILE, JobSecret, insecure_requested
 
     if insecure_requested():
         return None, None
@@ -469,7 +470,7 @@ SECRET_DIR = os.path.join("weight-transfer", "secrets")
 
 
 def write_secret_file(secret, port: int) -> str:
-    """Write ``secret`` (a :class:`~weight_transfer.security.JobSecret`) to a file of this user's,
+    """Write ``secret`` (a :class:`~weight_transfer.security.secret.JobSecret`) to a file of this user's,
     ``<cache>/weight-transfer/secrets/<port>-<random>.key`` (directory 0700, file 0600; a fresh
     ``tempfile.mkdtemp`` directory when the cache is not writable), for the vLLM workers of this
     host (or of a shared home) to read; removed by :meth:`OneSidedTrainerEngine.shutdown` and at
@@ -504,7 +505,13 @@ def _connect_rank(rank: int, host: str, port: int, secret_file: str | None, *, t
     of ``secret_file`` (training 0's, sent over the default process group). AuthenticationError
     naming the rank and how to pass the secret when it has neither (or cannot read the file)."""
     from weight_transfer.api import connect_store
-    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError, JobSecret, insecure_requested
+    from weight_transfer.security.secret import (
+        ENV_SECRET,
+        ENV_SECRET_FILE,
+        AuthenticationError,
+        JobSecret,
+        insecure_requested,
+    )
 
     secret = None
     if not insecure_requested():
@@ -539,11 +546,11 @@ def _server_reason(e: BaseException) -> str:
 def _init_inference(client, worker_info: dict) -> None:
     """``client.init_weight_transfer_engine(worker_info)``; when it fails, an error naming the
     inference side with the workers' own reason (a vLLM server's error response included):
-    :class:`weight_transfer.security.AuthenticationError` when a worker could not prove it is a
+    :class:`weight_transfer.security.secret.AuthenticationError` when a worker could not prove it is a
     member of the job (no job secret, an unreadable secret file, another secret: the reason
     names ``WEIGHT_TRANSFER_SECRET``), RuntimeError otherwise, with what to check (e.g. the
     server is not up yet)."""
-    from weight_transfer.security import AuthenticationError
+    from weight_transfer.security.secret import AuthenticationError
 
     base = getattr(client, "base_url", None)
     if base:  # a server: release what a training run that is gone left there (C32), then init

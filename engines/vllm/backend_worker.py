@@ -28,14 +28,14 @@ SECRET_HOW = ("set WEIGHT_TRANSFER_SECRET (the job secret, hex) or WEIGHT_TRANSF
 
 def worker_secret(init_info: OneSidedInitInfo, *, who: str):
     """The job secret this worker joins the store with: its own environment's
-    (:meth:`weight_transfer.security.JobSecret.from_env`) first, else the file the init info's
-    ``secret_file`` names (:meth:`~weight_transfer.security.JobSecret.from_file`: a regular file
+    (:meth:`weight_transfer.security.secret.JobSecret.from_env`) first, else the file the init info's
+    ``secret_file`` names (:meth:`~weight_transfer.security.secret.JobSecret.from_file`: a regular file
     this user owns, mode 0600/0400). None under the opt-out (``WEIGHT_TRANSFER_INSECURE=1`` in
-    the worker's environment). :class:`weight_transfer.security.AuthenticationError` naming
+    the worker's environment). :class:`weight_transfer.security.secret.AuthenticationError` naming
     ``who``, ``WEIGHT_TRANSFER_SECRET`` and :data:`SECRET_HOW` when there is none, or when the
     variable or the file holds no secret or the file is not this user's alone. One line: it
     travels to the trainer in vLLM's error text."""
-    from weight_transfer.security import AuthenticationError, JobSecret, insecure_requested
+    from weight_transfer.security.secret import AuthenticationError, JobSecret, insecure_requested
 
     if insecure_requested():
         return None
@@ -57,7 +57,7 @@ def connect_worker(init_info: OneSidedInitInfo, *, who: str):
     :func:`worker_secret`). AuthenticationError (naming ``WEIGHT_TRANSFER_SECRET``) when it has
     no secret or not the store's; ControlError when no store answers within the timeout."""
     from weight_transfer.api import connect_store
-    from weight_transfer.security import AuthenticationError
+    from weight_transfer.security.secret import AuthenticationError
 
     secret = worker_secret(init_info, who=who)
     addr = (init_info.store_host, init_info.store_port)
@@ -195,10 +195,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         parallel layout this backend does not plan (pipeline parallelism); ValueError, naming the
         tensor and its device, before anything is registered or published, for a tensor no
         configured transport can register (a CUDA tensor with ``transport="cma"``, a ``meta``
-        tensor, tensors on two devices); :class:`weight_transfer.security.AuthenticationError`
+        tensor, tensors on two devices); :class:`weight_transfer.security.secret.AuthenticationError`
         naming ``WEIGHT_TRANSFER_SECRET`` when the worker has no job secret or not the store's
         (:func:`connect_worker`), before anything is registered."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
         from weight_transfer.types import InferenceLayout
 
         from .runtime import opaque_layers, post_processed_layers, runtime_layout
@@ -317,8 +317,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         vLLM's post-processing for the staged layers (:meth:`WorkerTargets.commit`). Raises
         RuntimeError naming the training rank that did not report or failed (the weights are
         then not one version: vLLM must not label them ``v``)."""
-        from weight_transfer import control
         from weight_transfer.api import WORLD_KEY
+        from weight_transfer.control import protocol as control
 
         if self.receiver is None:
             raise RuntimeError(f"{self._who()}: init_weight_transfer_engine first")
@@ -368,7 +368,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
     def _verifying(self) -> bool:
         """Whether the coordinator runs fingerprints (``plan/verify``, read once)."""
         if getattr(self, "_verify_mode", None) is None:
-            from weight_transfer.fingerprint import verify_options
+            from weight_transfer.control.fingerprint import verify_options
 
             self._verify_mode = "off"
             try:
@@ -380,7 +380,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[OneSidedInitInfo, OneSid
         return self._verify_mode != "off"
 
     def _staged_committed(self, version: int, offsets, lengths) -> None:
-        """The fingerprint server's check before hashing (:class:`weight_transfer.fingerprint.FingerprintServer`):
+        """The fingerprint server's check before hashing (:class:`weight_transfer.control.fingerprint.FingerprintServer`):
         a requested range of a staged layer (a ``"copy"`` layer's staging tensor, an ``"in_place"``
         layer's weight whose kernel handle vLLM rebuilds) stands for what vLLM computes with only
         once ``update_weights`` committed that version (vLLM's post-processing re-run);

@@ -1,13 +1,13 @@
 """Packed delta updates in a vLLM worker of the ``one_sided`` backend: the landing region,
 registered once beside the worker's targets, and the scatter its ``update_weights`` runs
-(:mod:`weight_transfer.delta_packed` has the format and the checks).
+(:mod:`weight_transfer.delta.packed` has the format and the checks).
 
 - :func:`attach` (``init_transfer_engine``, after the targets are registered and published):
   with ``OneSidedInitInfo.delta_landing > 0`` (the trainer sets it from its
   ``ExecutorOptions.delta_landing`` when it runs delta updates that may pack), allocate
   ``delta_landing x`` the worker's target bytes of host memory, register it with the
   receiver's own transport and publish its descriptor
-  (:data:`weight_transfer.delta_packed.LANDING_KEY`); the senders read it when they build their
+  (:data:`weight_transfer.delta.packed.LANDING_KEY`); the senders read it when they build their
   executors. CPU targets only (``cma``; a GPU worker would scatter with a kernel: not built), so a
   worker on another transport publishes none and gets no packed records.
 - :func:`apply_delta` (``update_weights(v)``, after the backend checked every training rank
@@ -35,9 +35,10 @@ __all__ = ["attach", "apply_delta", "copy_in", "finish", "close"]
 def attach(engine, rx, layout, store, rank: int, fraction: float):
     """Register and publish a landing region of ``fraction`` x the target bytes of ``layout``
     for the worker whose receiver is ``rx``; returns the
-    :class:`~weight_transfer.delta_packed.Landing`, or None (``fraction`` 0, a transport other
+    :class:`~weight_transfer.delta.packed.Landing`, or None (``fraction`` 0, a transport other
     than ``cma``/``shm``, or GPU targets). ValueError for a fraction outside [0, 4]."""
-    from weight_transfer.delta_packed import LANDING_KEY, Landing
+    from weight_transfer.control.wire import put
+    from weight_transfer.delta.packed import LANDING_KEY, Landing
 
     fraction = float(fraction or 0.0)
     if not 0 <= fraction <= 4:
@@ -51,7 +52,7 @@ def attach(engine, rx, layout, store, rank: int, fraction: float):
         return None
     target = sum(m.nbytes for m in layout.dest_metas())
     landing = Landing(Landing.size_for(target, fraction), tx)
-    landing.publish(store, rank)
+    put(store, LANDING_KEY.format(rank=rank), landing.descriptor)  # the senders read it at their executor's build
     landing.rank = rank
     return landing
 
@@ -84,7 +85,7 @@ def apply_delta(engine, version: int, defer: bool = False) -> dict:
 
 def copy_in(engine):
     """The commit's copy of a staging tensor for ``engine`` (``WorkerTargets.commit(copy_in=...)``):
-    ``(dst, src) -> bool``, :meth:`weight_transfer.delta_packed.Landing.copy_in` against the
+    ``(dst, src) -> bool``, :meth:`weight_transfer.delta.packed.Landing.copy_in` against the
     receiver's region; None when there is no landing region or nothing was deferred."""
     landing = getattr(engine, "delta_landing", None)
     if landing is None or not landing.deferred:
@@ -116,7 +117,7 @@ def finish(engine, version: int, stats: dict) -> dict:
 def _failed(engine, version: int, e: Exception):
     """Report this rank's commit of ``version`` failed because its packed delta was not applied
     (``step/{v}/committed/{rank}``) and raise RuntimeError from ``e``."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     why = f"packed delta of version {version} not applied: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     control.put(engine.store, f"step/{version}/committed/{engine.rank}", {"ok": False, "error": why, "stats": None})
@@ -129,7 +130,7 @@ def close(engine) -> None:
     if landing is None:
         return
     engine.delta_landing = None
-    from weight_transfer.delta_packed import LANDING_KEY
+    from weight_transfer.delta.packed import LANDING_KEY
 
     try:
         engine.store.delete_key(LANDING_KEY.format(rank=landing.rank))

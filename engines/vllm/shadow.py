@@ -5,7 +5,7 @@ is the go-live, between two engine steps.
 Per worker (:class:`WorkerShadow`, built by the ``one_sided`` worker engine at
 ``init_weight_transfer_engine`` with ``shadow="copy"`` or ``"flip"``):
 
-- one :class:`weight_transfer.shadow.Shadow` over every target of the worker's
+- one :class:`weight_transfer.api.shadow.Shadow` over every target of the worker's
   :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout` -- direct targets (the bytes vLLM
   computes with) and the staging tensors of staged layers -- registered once as the worker's
   region; the layout published for the plan points into it (:meth:`WorkerShadow.layout`);
@@ -38,8 +38,8 @@ from typing import TypedDict
 
 import torch
 
-from weight_transfer import wire
-from weight_transfer.shadow import Shadow, check_mode
+from weight_transfer.api.shadow import Shadow, check_mode
+from weight_transfer.control import wire
 
 from .runtime import STAGING_SUFFIX
 
@@ -166,8 +166,8 @@ class WorkerShadow:
             self.params[name].data = v
 
     def info(self) -> dict:
-        """What the coordinator hands the trainers (:data:`weight_transfer.control.SHADOW_KEY`,
-        schema :class:`weight_transfer.keys.ShadowInfo`): :meth:`Shadow.info` (bytes) with
+        """What the coordinator hands the trainers (:data:`weight_transfer.control.protocol.SHADOW_KEY`,
+        schema :class:`weight_transfer.control.keys.ShadowInfo`): :meth:`Shadow.info` (bytes) with
         ``shift`` as ``(lo, hi, delta)`` over the plan's offsets (half A: ``[0, length)``) for a
         flip, 0 for a copy, and ``why`` (how the mode was chosen, one line)."""
         out = self.shadow.info()
@@ -188,7 +188,7 @@ class WorkerShadow:
         being written (``version_of_update()``: the version in ``weights/shadow``, polled),
         rebuilds every staged layer on a clone from the written half (:func:`clone_processed`)
         and publishes :data:`READY_KEY` (ok, or the rebuild's error)."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         self._built, self._build_error, self._build_for = None, None, None
 
@@ -219,7 +219,7 @@ class WorkerShadow:
 
     @staticmethod
     def _wait_written(store, version_of_update, n_train: int, timeout: float, closed=lambda: False) -> int | None:
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         deadline = time.monotonic() + timeout
         v = None
@@ -338,12 +338,12 @@ def receive_shadow(targets, layout, mode: str, *, rank: int, store, transport: s
                    before_publish=None):
     """The shadow variant of :meth:`WorkerTargets.receive`: a :class:`WorkerShadow` over the
     layout's targets, its region (one allocation) registered with the transport its memory
-    takes, its info published under :data:`weight_transfer.control.SHADOW_KEY`, then
+    takes, its info published under :data:`weight_transfer.control.protocol.SHADOW_KEY`, then
     ``before_publish(receiver)`` and the receiver's metadata (the layout pointing into the
     shadow). Returns ``(WorkerShadow, Receiver)``; the errors of :class:`WorkerShadow` and of the
     Receiver, before anything is published."""
-    from weight_transfer import control
     from weight_transfer.api import Receiver
+    from weight_transfer.control import protocol as control
 
     from .worker_state import choose_transport
 
@@ -373,8 +373,8 @@ def start_shadow_update(sh: WorkerShadow, store, *, who: str) -> None:
     refuse when a live tensor moved since init (vLLM rebuilt the layer: the go-live would copy
     into memory vLLM no longer reads), then start the rebuild thread for the next version
     written (one above what ``weights/shadow`` holds now)."""
-    from weight_transfer import control
     from weight_transfer.api import WORLD_KEY
+    from weight_transfer.control import protocol as control
 
     live = sh.targets.runtime_tensors()
     for name, ptr in sh.live_ptrs().items():
@@ -409,7 +409,7 @@ def shadow_go_live(sh: WorkerShadow, store, version: int, *, rank: int, timeout:
     ``step/{version}/committed/{rank}``, and the shadow's info republished (a flip moved the
     half the next update writes). Returns the go-live's stats; RuntimeError (reported as a
     failed commit) otherwise."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     from .steps import mark
 
@@ -433,14 +433,14 @@ def shadow_go_live(sh: WorkerShadow, store, version: int, *, rank: int, timeout:
 def trainer_go_live(store, deployments, version: int, *, timeout: float) -> dict:
     """The trainer engine's commit with shadow targets: wait (at most ``timeout`` seconds) until
     every worker of every deployment in ``deployments`` published :data:`READY_KEY` ok for
-    ``version`` -- raising :class:`weight_transfer.control.GoLiveNotStarted` otherwise, so the
+    ``version`` -- raising :class:`weight_transfer.control.protocol.GoLiveNotStarted` otherwise, so the
     update fails with nothing live touched --, then the go-live of each deployment: the
     client's ``go_live(version)`` (:meth:`AsyncLLMClient.go_live`: go-live, label and prefix
     reset in one between-steps window), a server's (:func:`http_go_live`), or, for another
     client, ``update_weights`` then ``finish_weight_update(str(version))`` (the label lags the
     go-live by one round trip).
     Returns ``{"ready_wait_s", "go_live_s", "rebuild_s", "engines"}`` (seconds)."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     t0 = time.perf_counter()
     keys = {r: READY_KEY.format(version=version, rank=r) for d in deployments for r in d.ranks}

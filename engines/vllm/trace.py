@@ -40,7 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from weight_transfer import wire
+from weight_transfer.control import wire
 from weight_transfer.plan.traced import LoaderTrace, TracedParam
 from weight_transfer.types import Box, new_piece, torch_dtype
 

@@ -8,7 +8,7 @@ A model served as **block FP8** (``quantization_config`` ``{"quant_method": "fp8
 weight plus a float32 ``weight_scale`` per checkpoint tensor (a 0-dim checkpoint tensor; vLLM's
 ``PerTensorScaleParameter`` holds one per logical shard of a fused layer), and **per-channel FP8**
 (compressed-tensors, :data:`FP8_CHANNEL_CONFIG`) the weight plus a float32 ``weight_scale``
-``[N, 1]`` (``ChannelQuantScaleParameter``); :mod:`weight_transfer.quant_scaled` has both formats.
+``[N, 1]`` (``ChannelQuantScaleParameter``); :mod:`weight_transfer.convert.quant_scaled` has both formats.
 The trainer holds none of them: it holds the BF16 weights. :func:`trace_quantized` finds out
 which of the trainer's tensors the engine loads as FP8, and what its loader does with their
 scales, in two passes over fresh meta skeletons (:func:`weight_transfer.engines.vllm.trace.trace_load`):
@@ -105,7 +105,7 @@ def fp8_sources(sources: Mapping[str, tuple[tuple[int, ...], str]], quantized: s
     (``"fp8"``, ``"fp8-tensor"``, ``"fp8-channel"``): each name in ``quantized`` as
     ``float8_e4m3fn`` with its :func:`scale_name` float32 beside it, of ``[..., ceil(N/128),
     ceil(K/128)]`` (block), ``[]`` (per-tensor) or ``[..., N, 1]`` (per-channel)."""
-    from weight_transfer.quant import scale_shape
+    from weight_transfer.convert.quant import scale_shape
 
     out = {}
     for n, (shape, dt) in sources.items():
@@ -175,13 +175,13 @@ def fp8_checkpoint(tensors: Mapping[str, torch.Tensor], quantized, quant: str = 
     (``"fp8"``, ``"fp8-tensor"``, ``"fp8-channel"``): each name in ``quantized`` replaced by its
     ``float8_e4m3fn`` weight and :func:`scale_name` float32 scale, each quantized whole in its own
     coordinates by the torch reference quantizer
-    (:func:`weight_transfer.quant.quantize_fp8_block_reference`; the transfer uses the native
+    (:func:`weight_transfer.convert.quant.quantize_fp8_block_reference`; the transfer uses the native
     kernel on assembled per-rank tensors; per-tensor / per-channel:
-    :mod:`weight_transfer.quant_scaled`, the transfer's own quantizer, with a 0-dim / ``[N, 1]``
+    :mod:`weight_transfer.convert.quant_scaled`, the transfer's own quantizer, with a 0-dim / ``[N, 1]``
     scale): what an FP8 checkpoint of this version holds, for vLLM's own ``load_weights`` (the
     oracle). ValueError for another ``quant``."""
-    from weight_transfer.quant import quantize_fp8_block_reference
-    from weight_transfer.quant_scaled import quantize_fp8_channel_reference, quantize_fp8_tensor_reference
+    from weight_transfer.convert.quant import quantize_fp8_block_reference
+    from weight_transfer.convert.quant_scaled import quantize_fp8_channel_reference, quantize_fp8_tensor_reference
 
     if quant not in SCHEMES:
         raise ValueError(f"quant={quant!r}: an FP8 checkpoint is one of {sorted(SCHEMES)}")

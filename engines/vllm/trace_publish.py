@@ -50,7 +50,7 @@ def publish_trace(store, rank: int, vllm_config) -> LoaderTrace:
     :func:`checkpoint_sources`) and publish it under :data:`~weight_transfer.plan.traced.TRACE_KEY`
     for inference rank ``rank``. Never raises: a failure is the published trace's ``error``,
     and the planner says so (or falls back to the hand-written rules where they exist)."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
     from weight_transfer.plan.traced import SOURCES_KEY, TRACE_KEY
 
     try:

@@ -167,7 +167,7 @@ class OneSidedWeightTransfer:
     Attributes after the first update: :attr:`http_calls` (the routes this object called on the
     server, in order), :attr:`trainer` (the backend's trainer engine),
     :attr:`version` (the last version sent or attempted), :attr:`last_stats` (this rank's
-    :class:`weight_transfer.executor.StepStats` of the last update: bytes, writes,
+    :class:`weight_transfer.pipeline.executor.StepStats` of the last update: bytes, writes,
     ``gather_bytes``), :attr:`last_result` (rank 0: the update's
     :class:`weight_transfer.api.UpdateResult`), :attr:`schedule` (rank 0: the plan),
     :attr:`seconds` (per update: wall seconds of the update call on this rank)."""
@@ -441,7 +441,7 @@ class OneSidedWeightTransfer:
         try:
             self.last_stats = self.trainer.send_weights(version)
         except BaseException as e:
-            from weight_transfer.control import VersionError
+            from weight_transfer.control.protocol import VersionError
 
             refused = isinstance(e, (VersionError, TypeError, ValueError))  # before any byte moved
             self.version = self.trainer.version
@@ -563,7 +563,7 @@ class OneSidedAsyncGRPOTrainer(AsyncGRPOTrainer):
         bump) with the transfer replaced: every rank binds its (wrapped) module at the first
         sync and calls :meth:`OneSidedWeightTransfer.push` with rank 0's ``model_version + 1``
         (broadcast: TRL restores ``model_version`` on the main process only when resuming)."""
-        from weight_transfer.collectives import broadcast_data
+        from weight_transfer.control.collectives import broadcast_data
 
         wt, acc = self.weight_transfer, self.accelerator
         model = acc.unwrap_model(self.model)

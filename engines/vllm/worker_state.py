@@ -21,7 +21,7 @@ transferred byte (the commit of staged layers runs once per update, only for tho
 - :meth:`WorkerTargets.receive` (the ``one_sided`` backend, once): chooses the transport from
   the destination tensors' memory (:func:`choose_transport`: host memory ``cma``, CUDA memory
   ``cuda_ipc``, or the one the init info names when it can register them), registers them as
-  one region of one part per allocation (:func:`weight_transfer.receiver.storage_parts`) in a
+  one region of one part per allocation (:func:`weight_transfer.api.receiver.storage_parts`) in a
   :class:`weight_transfer.api.Receiver` and publishes it: one path for every transport, run on
   the CPU by the tests and on a GPU by ``scripts/gpu_worker_receive.py``. Nothing here imports
   vLLM, so that script runs where there is none.
@@ -328,7 +328,7 @@ class WorkerTargets:
         2. :func:`choose_transport` from their memory and ``transport`` (the init info's):
            a refusal names the tensor and its device, before anything is registered or published;
         3. a :class:`weight_transfer.api.Receiver` (``publish=False``) over one region of one part
-           per allocation (:func:`weight_transfer.receiver.storage_parts`; on a GPU no one tensor
+           per allocation (:func:`weight_transfer.api.receiver.storage_parts`; on a GPU no one tensor
            can span two allocations) with ``layout.dest_metas()``: the plan's offsets count from
            the lowest destination byte, ``layout.base``, as before; ``layout.registered`` is its
            descriptor;
@@ -338,7 +338,7 @@ class WorkerTargets:
         Returns the published Receiver (the caller closes it). RuntimeError naming a target with
         no runtime tensor; the Receiver's own errors (the store, the rank's ownership)."""
         from weight_transfer.api import Receiver
-        from weight_transfer.receiver import storage_parts
+        from weight_transfer.api.receiver import storage_parts
 
         tensors = self.runtime_tensors()
         missing = [t.name for t in layout.targets if t.name not in tensors]
@@ -361,8 +361,8 @@ class WorkerTargets:
 
     @staticmethod
     def span_view(base: int, length: int) -> torch.Tensor:
-        """:func:`weight_transfer.receiver.span_view`: ``[base, base + length)`` viewed in place."""
-        from weight_transfer.receiver import span_view
+        """:func:`weight_transfer.api.receiver.span_view`: ``[base, base + length)`` viewed in place."""
+        from weight_transfer.api.receiver import span_view
 
         return span_view(base, length)
 

@@ -5,7 +5,7 @@ Two tables:
 
 1. **Store round trips**: per operation (``check`` of a flag, ``set`` and ``get`` of a 200-byte
    value, ``set`` of a 1 MiB value), microseconds per call from a client process of its own, to
-   the job's store (:class:`weight_transfer.secure_store.SecureStore`: mutual TLS, every value
+   the job's store (:class:`weight_transfer.security.secure_store.SecureStore`: mutual TLS, every value
    sealed with AES-SIV) and to torch's plain ``TCPStore`` (the ``WEIGHT_TRANSFER_INSECURE=1``
    opt-out), the median of ``--repeats`` batches.
 2. **The main job** (``weight-transfer run``'s default, every update verified) with the store
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from weight_transfer.security import ENV_INSECURE
+from weight_transfer.security.secret import ENV_INSECURE
 
 from ..config import main_job_with
 from ..paths import project_dir

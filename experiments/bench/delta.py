@@ -155,8 +155,8 @@ def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int
     """Seconds of each delta phase on one bf16 output of ``elements`` elements cast from an fp32
     master, ``fraction`` of its elements changed (uniformly scattered, 8-byte blocks), best of
     ``repeats``, in this process: ``separate`` the cast (torch) then the native comparison,
-    ``fused`` the fused cast + compare (:mod:`weight_transfer.delta_fused`), ``pack`` packing the
-    runs into one record, ``apply`` the receiver's scatter of it (:mod:`weight_transfer.delta_packed`);
+    ``fused`` the fused cast + compare (:mod:`weight_transfer.delta.fused`), ``pack`` packing the
+    runs into one record, ``apply`` the receiver's scatter of it (:mod:`weight_transfer.delta.packed`);
     then the two packed formats at 1-byte granularity, the packed default: ``cast`` torch's cast
     alone (the floor a fused pass is held to), ``fused-runs`` / ``pack-runs`` / ``check-runs`` /
     ``apply-runs`` (format 2: ``wt_cast_bf16_delta`` with the run values, ``wt_pack_runs_v``,
@@ -167,7 +167,7 @@ def packed_costs(elements: int = 8 << 20, fraction: float = 0.0128, repeats: int
     ``seconds``."""
     import torch
 
-    from weight_transfer.delta import KERNEL
+    from weight_transfer.delta.runs import KERNEL
 
     lib = KERNEL.lib()
     if lib is None:
@@ -185,8 +185,8 @@ def _packed_costs(lib, elements: int, fraction: float, repeats: int) -> list[dic
 
     import torch
 
-    from weight_transfer.delta import changed_masks, changed_runs_native, index_size
-    from weight_transfer.delta_fused import cast_bf16_delta
+    from weight_transfer.delta.fused import cast_bf16_delta
+    from weight_transfer.delta.runs import changed_masks, changed_runs_native, index_size
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(elements, generator=g) * 0.02

@@ -72,7 +72,7 @@ class _StoreMeta:
 def _store(port: int | None, master: bool, timeout: float = 600.0):
     """The bench's store: served here (``master``; the secret made and exported for the ranks
     spawned next), or a rank's connection to it (the secret inherited)."""
-    from weight_transfer.store import connect_store, serve_store
+    from weight_transfer.control.store import connect_store, serve_store
 
     if master:
         return serve_store("127.0.0.1", 0, timeout=timeout)
@@ -105,7 +105,7 @@ def _steps(store, role, rank, n_steps, prepare, transfer, verify):
 def run_world(kind: str, tensors, n_train: int, tp: int, steps: int, warmup: int, timeout: float) -> list[float | str]:
     """Start the ranks of one peer, time each update from "go" to the last "done"; returns
     per update its seconds, or the error text of a failed verification."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     store = _store(None, True)
     n = warmup + steps

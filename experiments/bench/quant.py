@@ -6,7 +6,7 @@ Shapes: a 4096x4096 linear weight, and Kimi-K2's expert shapes (``moe_intermedia
 2048, ``hidden_size`` 7168, from reference/testing/configs/kimi-k2.json): the fused ``w13`` slab of one
 expert ``[2*2048, 7168]`` and ``w2`` ``[7168, 2048]``. GB/s counts BF16 *input* bytes
 (1e9 B/s); memcpy is a same-size ``copy_`` of the BF16 tensor on the same device in the same
-run. Timed: the fast path of ``weight_transfer.quant`` (the native C kernel on the CPU, Triton on
+run. Timed: the fast path of ``weight_transfer.convert.quant`` (the native C kernel on the CPU, Triton on
 CUDA), the torch reference (``quantize_fp8_block_reference``, the oracle) and the engine's own
 loader quantizer; every output is checked byte-identical to the reference. Rounds alternate
 copy and quantizers; min/median/max of ``--repeats`` rounds; on CUDA, timed with events after a
@@ -53,12 +53,12 @@ def _timer(device: str):
 def _impls(device: str) -> dict:
     """The quantizers to time on ``device``: the fast path, the torch reference (oracle) and
     the engine's own loader quantizer, by table label."""
-    from weight_transfer.engines.engine import quantize_block_fp8
-    from weight_transfer.quant import (
+    from weight_transfer.convert.quant import (
         native_status,
         quantize_fp8_block,
         quantize_fp8_block_reference,
     )
+    from weight_transfer.engines.engine import quantize_block_fp8
 
     out = {}
     if device == "cpu":
@@ -68,7 +68,7 @@ def _impls(device: str) -> dict:
             print(f"# native CPU kernel skipped: {native_status()}")
     else:
         try:
-            from weight_transfer.quant_triton import quantize_fp8_block_triton
+            from weight_transfer.convert.quant_triton import quantize_fp8_block_triton
 
             out["triton"] = lambda x: quantize_fp8_block(x, impl="triton")
             for w in (4, 16):  # the default is 8 warps per block; these show whether to change it

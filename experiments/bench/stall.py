@@ -203,7 +203,7 @@ def run_vllm(c: StallBenchConfig) -> tuple[list[dict], dict, dict, list[str]]:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
     from weight_transfer.engines.vllm import write_checkpoint
     from weight_transfer.engines.vllm.backend import AsyncLLMClient, DTensorSource, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors

@@ -3,7 +3,7 @@ docs/SIMULATION.md, "Delta mode"): what an update that writes only what one RL s
 costs on the real planner's schedule, under the same cost model (:func:`.model.simulate` with
 ``delta=``) as the full update.
 
-What a delta update does (reference/delta.py, the executor's ``--delta``): the plan stays
+What a delta update does (reference/delta/runs.py, the executor's ``--delta``): the plan stays
 static; after preparing an output (gather, fusion, FP8 quantization: all unchanged, on the full
 shard), each training rank compares it exactly with its *shadow* (a copy of what it wrote there
 last) in units of ``granularity``, coalesces changed units into runs, merges runs separated by at
@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-from weight_transfer.changes import tensor_kind
+from weight_transfer.delta.changes import tensor_kind
 from weight_transfer.types import Recipe, itemsize
 
 from .fractions import (  # noqa: F401
@@ -87,7 +87,7 @@ def _series(p: float, g: int) -> tuple[np.ndarray, np.ndarray]:
 def expected_runs_and_units(n: int, p: float, gap_units: int) -> tuple[float, float]:
     """(expected runs, expected units written) over ``n`` units each changed independently with
     probability ``p``, changed units coalesced and runs separated by at most ``gap_units``
-    unchanged units merged (reference/delta.py ``changed_runs``: ``merge_gap // granularity``).
+    unchanged units merged (reference/delta/runs.py ``changed_runs``: ``merge_gap // granularity``).
 
     A run starts at a changed unit with no changed unit among the ``gap_units + 1`` before it:
     ``E[runs] = (1 - q^min(n, g+1)) + p q^(g+1) max(0, n - g - 1)``. Written: the changed units,
@@ -118,7 +118,7 @@ MODES = ("scattered", "packed", "masks")
 """How a delta's changed units reach the receiver: one RDMA WRITE per run, or one packed record
 per output and receiver scattered by the receiver at its commit -- ``packed``: format 2 (64-byte
 header + a varint index of :func:`index_per_run` bytes per run + the changed bytes, 64-byte
-aligned: :mod:`weight_transfer.delta_packed`), ``masks``: format 3 (:func:`masks_record`), the
+aligned: :mod:`weight_transfer.delta.packed`), ``masks``: format 3 (:func:`masks_record`), the
 format the executor's cost model packs on a NIC."""
 CHUNK_BYTES = 64
 """Format 3's chunk: one 64-bit byte mask and a 4-byte index per changed 64-byte chunk."""
@@ -130,11 +130,11 @@ def masks_record(nbytes: int, elem_bytes: int, p: float) -> tuple[float, float, 
     ``p``: a chunk changes when any of its ``64 / elem_bytes`` elements does; the changed bytes are
     counted as every byte of a changed element (an upper-side estimate: a bf16 step usually moves
     its low byte only); ``record = 64 + 8 x chunks + 4 x chunks`` (padded to 8) ``+ changed``,
-    rounded up to 64 (:mod:`weight_transfer.delta_packed`)."""
+    rounded up to 64 (:mod:`weight_transfer.delta.packed`)."""
     if p <= 0 or nbytes <= 0:
         return 0.0, 0.0, 0.0
-    from weight_transfer.delta_masks import masks_index_bytes
-    from weight_transfer.delta_packed import record_size
+    from weight_transfer.delta.masks import masks_index_bytes
+    from weight_transfer.delta.packed import record_size
 
     per = max(1, CHUNK_BYTES // elem_bytes)
     chunks = -(-nbytes // CHUNK_BYTES) * (1.0 - (1.0 - p) ** per)
@@ -149,7 +149,7 @@ def _vlen(v: float) -> int:
 
 def index_per_run(n: float, runs: float, units: float) -> float:
     """Bytes of packed index per run of an output of ``n`` compare units with ``runs`` expected
-    runs covering ``units`` units (format 2, :mod:`weight_transfer.delta_packed`: two LEB128
+    runs covering ``units`` units (format 2, :mod:`weight_transfer.delta.packed`: two LEB128
     varints per run, the gap since the previous run and the length, in units), at the mean gap
     ``(n - units) / runs`` and the mean length ``units / runs``. An estimate: a varint's size is
     a step function of its value, so the mean of the sizes can exceed the size at the mean (the

@@ -14,14 +14,14 @@ record format (``format`` column):
 
 - ``memcpy``: ``copy_`` of the output (the unit: one *pass* over ``N`` bytes);
 - ``runs`` (format 2): ``compare`` the native exact comparison at 8-byte blocks
-  (``weight_transfer.delta``'s ``changed_runs_native``: reads the output and the shadow, writes
+  (``weight_transfer.delta.runs``'s ``changed_runs_native``: reads the output and the shadow, writes
   the changed blocks into the shadow, emits the runs) over the whole output; ``pack``
   ``wt_pack_runs`` (the varint index and the changed bytes into one record,
-  :mod:`weight_transfer.delta_packed`); ``apply`` ``wt_unpack`` (the runs scattered into a target
+  :mod:`weight_transfer.delta.packed`); ``apply`` ``wt_unpack`` (the runs scattered into a target
   of ``N`` bytes);
 - ``masks`` (format 3, what the cost model packs above ~0.25 GB/s, i.e. on a NIC):
   ``compare`` ``changed_masks`` at 1-byte granularity (one vector compare per 64-byte chunk, a
-  compress per changed chunk; :mod:`weight_transfer.delta_masks`); ``pack`` ``wt_pack_masks``;
+  compress per changed chunk; :mod:`weight_transfer.delta.masks`); ``pack`` ``wt_pack_masks``;
   ``apply`` ``wt_unpack_masks`` (an expand per changed chunk).
 
 **Passes per byte**: ``compare_passes = t_compare / t_memcpy(N)`` per output byte;
@@ -88,15 +88,15 @@ def measure(nbytes: int = 40 << 20, fraction: float = 0.0128, repeats: int = 3, 
             fmt: str = "runs") -> dict:
     """One row of :data:`COLUMNS` (seconds, bytes, passes) for a bf16 output of ``nbytes`` bytes
     whose elements change with probability ``fraction``, packed in format ``fmt``
-    (:data:`FORMATS`). Raises RuntimeError when the native kernel (``reference/_delta.c``; needs a
+    (:data:`FORMATS`). Raises RuntimeError when the native kernel (``reference/native/_delta.c``; needs a
     C compiler) is not available: the torch fallback's costs are not what the simulation should
     scale; ValueError for an unknown format."""
     import torch
 
     if fmt not in FORMATS:
         raise ValueError(f"delta costs format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    from weight_transfer.delta import KERNEL, changed_runs_native, index_size
-    from weight_transfer.delta_packed import HEADER, record_size
+    from weight_transfer.delta.packed import HEADER, record_size
+    from weight_transfer.delta.runs import KERNEL, changed_runs_native, index_size
 
     lib = KERNEL.lib()
     if lib is None:
@@ -147,8 +147,8 @@ def _measure_masks(lib, nb, ob, t_copy: float, nbytes: int, fraction: float, rep
     apply (``wt_unpack_masks``) of the same output and shadow."""
     import torch
 
-    from weight_transfer.delta_masks import changed_masks, masks_index_bytes
-    from weight_transfer.delta_packed import HEADER, record_size
+    from weight_transfer.delta.masks import changed_masks, masks_index_bytes
+    from weight_transfer.delta.packed import HEADER, record_size
 
     shadows = [ob.clone() for _ in range(repeats)]
     it = iter(shadows)

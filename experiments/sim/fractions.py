@@ -23,10 +23,10 @@ scale 4 B); "rows" 128 bytes (one row of one 128x128 FP8 block, 64 bf16 elements
 tensors and scales at 128-byte rows)."""
 
 ROW_BYTES = 128
-"""Bytes of a ``rows`` unit (reference/changes.py ``ROW_BYTES``; the executor's default
+"""Bytes of a ``rows`` unit (reference/delta/changes.py ``ROW_BYTES``; the executor's default
 ``--delta-granularity``)."""
 MEASURED = ("bf16_elems", "bf16_rows", "fp8_elems", "fp8_rows", "fp8_blocks", "scales")
-"""Granularities of results/rl_changes.csv (reference/changes.py)."""
+"""Granularities of results/rl_changes.csv (reference/delta/changes.py)."""
 CSV_COLUMNS = ("lr", "step", "kind", "granularity", "changed", "total", "fraction")
 """Columns ``--delta-fractions`` needs (``weight-transfer rl --changes`` writes these and more)."""
 FALLBACK = {"experts": "mlp", "router": "all", "other": "all", "attention": "all", "mlp": "all",
@@ -44,7 +44,7 @@ SCALES_PER_BF16 = 0.067
 
 @dataclass
 class Fractions:
-    """Per tensor kind (:func:`weight_transfer.changes.tensor_kind`, plus ``"all"``), the
+    """Per tensor kind (:func:`weight_transfer.delta.changes.tensor_kind`, plus ``"all"``), the
     fraction of units one step changes at each :data:`MEASURED` granularity (0..1)."""
 
     label: str

@@ -10,8 +10,8 @@ model's parameters as DTensors, in one of two layouts:
   ``(e // gpus_per_node) % (nodes / moe_width)``, ``(Shard(0),)`` across the ``moe_width``
   nodes of that group (``moe_width`` None: all nodes, one group). Each rank publishes the
   parameters whose mesh contains it, in
-  parameter order, with the box :func:`weight_transfer.metadata.shard_box` gives -- the same
-  :class:`~weight_transfer.types.ParamMeta` that :func:`weight_transfer.metadata.collect_metas` returns on
+  parameter order, with the box :func:`weight_transfer.plan.metadata.shard_box` gives -- the same
+  :class:`~weight_transfer.types.ParamMeta` that :func:`weight_transfer.plan.metadata.collect_metas` returns on
   a real world (tests/experiments/sim/test_run.py checks this on a 2x2 gloo world).
 - ``"expert_whole"``: non-expert parameters as above; every routed expert held whole by one
   rank (a 1-rank mesh, ``(Shard(0),)``), the ``k``-th expert tensor triple (in checkpoint order)
@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from weight_transfer.metadata import shard_box
 from weight_transfer.model_config import ModelConfig
+from weight_transfer.plan.metadata import shard_box
 from weight_transfer.testing.catalog import param_specs
 from weight_transfer.testing.training import expert_id, is_expert_param
 from weight_transfer.types import DestTensorMeta, InferenceLayout, ParamMeta, RegionDescriptor

@@ -1,6 +1,6 @@
 """The stage-level cost model: executes a :class:`~weight_transfer.types.Schedule` on paper.
 
-Semantics are the executor's (reference/executor.py, DESIGN.md "Pipeline"):
+Semantics are the executor's (reference/pipeline/executor.py, DESIGN.md "Pipeline"):
 
 - every training rank runs its tasks in plan order through four FIFO stages, each one task
   at a time: ``h2d`` (host-to-device copy of the rank's shards of the task's sources, only when
@@ -58,7 +58,7 @@ from .loop import STAGES, EventLoop  # noqa: F401  (STAGES re-exported)
 
 WRITES_IN_FLIGHT = ("task", "watermark")
 """How many tasks' writes one training rank has in flight (:func:`simulate`'s
-``writes_in_flight``). ``"task"``: one task at a time, as ``reference/executor.py`` ran them
+``writes_in_flight``). ``"task"``: one task at a time, as ``reference/pipeline/executor.py`` ran them
 before the finding of docs/SIMULATION.md section 3 (and still does with ``pipeline=False``:
 a task's writes posted as one batch, every completion waited for before the next task). Its
 pipelined write stage now keeps several tasks' batches in flight, i.e. ``"watermark"``. ``"watermark"``: as the published executor runs them (Perplexity,

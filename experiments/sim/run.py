@@ -449,8 +449,8 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto", wi
     CPU seconds include the child's. ``checks``: ``"auto"``, ``"forked"`` or ``"in-process"``
     (``plan(parallel_checks=None / True / False)``), to compare the two on the same day.
 
-    ``received=True`` first passes every rank's list through :mod:`weight_transfer.wire`, as
-    :func:`weight_transfer.control.put` / ``get`` deliver it to the controller: each rank then holds
+    ``received=True`` first passes every rank's list through :mod:`weight_transfer.control.wire`, as
+    :func:`weight_transfer.control.protocol.put` / ``get`` deliver it to the controller: each rank then holds
     its own copies of shapes and meshes, which the consistency checks compare by value.
 
     ``without=N``: the replan after a membership change (C24): the last ``N`` inference ranks

@@ -32,6 +32,12 @@ The plan's types (:class:`~weight_transfer.types.Schedule`, :class:`~weight_tran
 
 Deterministic: same inputs, same schedule. Errors are :class:`weight_transfer.types.PlanError`
 naming the tensors or ranks.
+
+Beside the planner: :mod:`.metadata` (what a training rank publishes about its parameters,
+the planner's input) and :mod:`.retarget` (recipes aimed at the runtime tensors a live engine
+reports).
+
+Imports: ``types``, ``model_config``, ``native``, ``convert``.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The sender policy is :func:`least_loaded` (the busiest NIC sets the time). At Ki
 the plan has about two million writes; choosing their senders one by one in Python, with the
 grouping into tasks and assignments around it, was two thirds of ``plan()``. So the choice
 runs in one call of a C kernel (``_greedy.c``: the policy, nothing else; compiled on first use
-with the system C compiler and cached like :mod:`weight_transfer.quant`'s ``_fp8_cpu.c``, falling
+with the system C compiler and cached like :mod:`weight_transfer.convert.quant`'s ``_fp8_cpu.c``, falling
 back to :func:`_greedy_py`, the same loop in Python, when there is no compiler or
 ``WT_PLAN_NATIVE=0``), and the records are built from its output with numpy and C-level
 ``map`` calls, once per distinct object.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..native import NativeKernel
+from ..native.build import NativeKernel
 from ..types import DestTensorMeta, Recipe, Task, box_flat_range, itemsize
 from .fast import _piece, _recipe, assignments_of, new_write, tasks_of
 
@@ -47,7 +47,7 @@ def _declare_greedy(lib: ctypes.CDLL) -> None:
 
 _KERNEL = NativeKernel(Path(__file__).with_name("_greedy.c"), stem="plan_greedy", env="WT_PLAN_NATIVE",
                        flag_sets=(("-O2", "-fPIC", "-shared", "-std=c11"),), declare=_declare_greedy)
-"""``_greedy.c``, built and cached by :class:`weight_transfer.native.NativeKernel`."""
+"""``_greedy.c``, built and cached by :class:`weight_transfer.native.build.NativeKernel`."""
 
 
 def _native():

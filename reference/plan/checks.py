@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from ..layouts import check_layout, layout_box_ok, layout_row_block
-from ..quant import scale_shape
+from ..convert.layouts import check_layout, layout_box_ok, layout_row_block
+from ..convert.quant import scale_shape
 from ..types import Box, DestTensorMeta, Output, ParamMeta, PlanError, Recipe, box_flat_range, box_shape, numel
 from .recipes import RecipeSet
 from .screen import screen

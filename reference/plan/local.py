@@ -24,11 +24,11 @@ What still needs ``full_tensor()`` (the recipe is gathered whole, as before):
   more than ``max_writes`` writes (bands x receiving ranks x outputs: a norm over 256 FSDP ranks
   into 128 receivers); with fewer, it is cut, since a ``full_tensor()`` is a barrier of the
   whole mesh whose price is the ranks' skew, not its few KB;
-- an output in an engine's runtime layout (:mod:`weight_transfer.layouts`) whose rows change
+- an output in an engine's runtime layout (:mod:`weight_transfer.convert.layouts`) whose rows change
   hands inside one of the layout's row blocks (16 or 32 rows of vLLM's CPU prepack), or whose
   layout is never cut (``"transposed"``, the MoE router's float32 transpose) and whose rows lie
   on several ranks. A band of whole row blocks is one byte range in the runtime order, so the
-  rank holding those rows builds and writes its blocks itself (:func:`~weight_transfer.layouts.layout_box_ok`).
+  rank holding those rows builds and writes its blocks itself (:func:`~weight_transfer.convert.layouts.layout_box_ok`).
 
 :func:`localize_group` says which of these applies to each gathered recipe (``reasons=``; the
 plan's :attr:`~weight_transfer.types.Schedule.gathers`, printed in its summary).
@@ -38,9 +38,9 @@ the shards' row ranges.
 """
 from __future__ import annotations
 
-from ..layouts import has_runtime_layout, recipe_row_block
-from ..quant import QUANT_BLOCK
-from ..transforms import split_dim, split_recipe_bands
+from ..convert.layouts import has_runtime_layout, recipe_row_block
+from ..convert.quant import QUANT_BLOCK
+from ..convert.transforms import split_dim, split_recipe_bands
 from ..types import Recipe
 
 __all__ = ["localize_group", "localize_recipe"]
@@ -66,7 +66,7 @@ def _block_dim(rec: Recipe, d: int) -> bool:
 
 
 def localize_recipe(rec: Recipe, owners: Owners, mesh: frozenset[int]) -> list[tuple[Recipe, frozenset[int]]] | None:
-    """``rec`` cut into bands along :func:`~weight_transfer.transforms.split_dim`, each with the
+    """``rec`` cut into bands along :func:`~weight_transfer.convert.transforms.split_dim`, each with the
     non-empty set of ranks holding all its rows; None when some band would need rows of
     several ranks (see the module docstring). Bands are as few as possible: consecutive
     stretches held by a common rank stay one band. Bands of a quantized recipe along a
@@ -190,7 +190,7 @@ def localize_group(group: list[Recipe], owners: Owners, mesh: tuple[int, ...], m
     Candidate senders are sorted rank tuples. ``cache``: a dict kept across the calls of one
     plan (it must not outlive ``owners``): where a recipe is cut (:func:`_cut`) is decided
     once per :func:`_shape_key` -- thousands of Kimi-K2 experts share one -- and only the
-    cutting itself (:func:`~weight_transfer.transforms.split_recipe_bands`) is done per recipe.
+    cutting itself (:func:`~weight_transfer.convert.transforms.split_recipe_bands`) is done per recipe.
     ``owner_keys``: source name -> a key equal for two names only when their ``owners`` lists
     are (:func:`weight_transfer.plan.owners.row_owners` gives one); by default the lists themselves.
     ``reasons`` (optional dict): filled with recipe name -> why it is gathered, for each gathered recipe."""

@@ -21,7 +21,7 @@ One :class:`~weight_transfer.types.Recipe` per (destination tensor, distinct con
 - MoE experts get one recipe per expert slot (the box ``[j:j+1, :, :]`` of ``w13_weight`` /
   ``w2_weight``, and the matching box of the ``*_scale_inv`` tensor under FP8); the assembled
   shape is ``[1, N, K]`` and the 2-D source slices fill it (a piece's ``dst_box`` may have extra
-  leading dims of extent 1, see :mod:`weight_transfer.transforms`);
+  leading dims of extent 1, see :mod:`weight_transfer.convert.transforms`);
 - vocab padding rows (``Vp = ceil(V/64)*64``) are a zero :class:`~weight_transfer.types.Piece`.
 
 Under ``quant="fp8"`` every linear weight is an ``"fp8_block"`` recipe assembled in BF16 (the
@@ -50,8 +50,8 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from ..convert.quant import QUANT_BLOCK, cdiv
 from ..model_config import ModelConfig
-from ..quant import QUANT_BLOCK, cdiv
 from ..types import DestTensorMeta, InferenceLayout, PlanError, Recipe, itemsize, numel
 from .rules import mtp
 from .rules.base import VOCAB_PAD, RecipeBuilder

@@ -3,7 +3,7 @@
 An engine serving per-tensor FP8 (``InferenceLayout.quant == "fp8-tensor"``) or per-channel FP8
 (``"fp8-channel"``) loads each quantized linear weight ``x.weight`` as ``float8_e4m3fn`` and its
 float32 ``x.weight_scale`` from a checkpoint that stores both
-(:mod:`weight_transfer.quant_scaled`). The trace of that checkpoint form
+(:mod:`weight_transfer.convert.quant_scaled`). The trace of that checkpoint form
 (:func:`weight_transfer.engines.vllm.trace_fp8.trace_quantized`) says where each checkpoint
 tensor's rows go (the weight's pieces) and where its scale goes (the scale's pieces):
 
@@ -19,7 +19,7 @@ and a per-channel weight whose columns are split (whole rows). Such a recipe **g
 assembles the destination's own elements in the leading corner of its assembled tensor and the
 other rows / columns of the domain after them (the maximum over ``|x|`` does not depend on the
 order), quantizes the whole, and writes the corner and the scale
-(:func:`weight_transfer.transforms.apply_transform`). :func:`scaled_gather_line` says how much
+(:func:`weight_transfer.convert.transforms.apply_transform`). :func:`scaled_gather_line` says how much
 is gathered in the plan line.
 
 MoE experts (a 3-D fused ``w13_weight`` / ``w2_weight``) are not planned under these two

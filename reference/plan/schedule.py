@@ -25,8 +25,8 @@ from functools import partial
 from operator import attrgetter
 from typing import NamedTuple
 
-from ..quant import QUANT_BLOCK
-from ..transforms import split_dim, split_recipe
+from ..convert.quant import QUANT_BLOCK
+from ..convert.transforms import split_dim, split_recipe
 from ..types import (
     DestTensorMeta,
     ParamMeta,
@@ -81,8 +81,8 @@ def mesh_groups(meshes: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
 
 def _split_big(recipe: Recipe, max_chunk_bytes: int) -> list[tuple[Recipe, int]]:
     """``recipe`` cut into row bands of at most ``max_chunk_bytes`` output bytes per receiving
-    rank (FP8 bands in whole :data:`~weight_transfer.quant.QUANT_BLOCK`-row quantization blocks, runtime
-    layouts in whole row blocks: :func:`~weight_transfer.transforms.split_recipe`), each with its output bytes."""
+    rank (FP8 bands in whole :data:`~weight_transfer.convert.quant.QUANT_BLOCK`-row quantization blocks, runtime
+    layouts in whole row blocks: :func:`~weight_transfer.convert.transforms.split_recipe`), each with its output bytes."""
     per_rank = recipe.output_nbytes
     if per_rank <= max_chunk_bytes or len(recipe.shape) == 0:
         return [(recipe, per_rank)]

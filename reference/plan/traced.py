@@ -30,7 +30,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..quant import QUANT_BLOCK, cdiv, scale_shape
+from ..convert.quant import QUANT_BLOCK, cdiv, scale_shape
 from ..types import Box, InferenceLayout, Piece, PlanError, new_output, new_piece, new_recipe
 from .scaled import SCALE, scaled_kind, scaled_parts
 
@@ -175,7 +175,7 @@ def recipes_from_traces(traces: Mapping[int, LoaderTrace], layout: InferenceLayo
     in ``traces`` (rank -> :class:`LoaderTrace`): one ``"copy"`` recipe per (parameter,
     content), the ranks receiving identical bytes merged, MoE expert slots cut (module docstring);
     each recipe's output is the whole parameter (or slot) in its load-time dtype, for
-    :func:`weight_transfer.retarget.retarget` to aim at the runtime layout as for the
+    :func:`weight_transfer.plan.retarget.retarget` to aim at the runtime layout as for the
     hand-written recipes. ``ignored``: the ``source_dtypes`` names no recipe reads that some
     rank's loader skipped (a tied head, rotary buffers); any other unused trainer tensor is left
     to :func:`weight_transfer.plan.checks.validate` to refuse (C2).

@@ -3,5 +3,7 @@ catalog (:mod:`.catalog`: published Hugging Face configs of Qwen3, Qwen3-MoE, De
 Kimi-K2 in ``configs/``, their checkpoint parameter lists), deterministic synthetic weights
 (:mod:`.weights`) and FSDP2 / DTensor model builders with a synthetic training step
 (:mod:`.training`). The library (``weight_transfer``) never imports this package; an embedding
-trainer brings its own model and calls :func:`weight_transfer.metadata.collect_metas`.
+trainer brings its own model and calls :func:`weight_transfer.plan.metadata.collect_metas`.
+
+Imports: ``types``, ``model_config``, ``plan``.
 """

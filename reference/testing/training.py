@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from weight_transfer.testing.catalog import param_specs
 from weight_transfer.testing.weights import frozen_step, param_box
 
-from ..metadata import shard_box
 from ..model_config import ModelConfig, ParamSpec
+from ..plan.metadata import shard_box
 
 
 class _Holder(nn.Module):

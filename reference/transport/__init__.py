@@ -16,6 +16,8 @@ posts and waits. Back ends (docs/TRANSPORTS.md has install notes):
 
 The modules import their optional libraries only when a transport is built, so
 ``make_transport`` raises an ImportError that says what to install when one is missing.
+
+Imports: ``types``, ``native``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Batched run writes: many ``(offset, length)`` runs of one span in one op (delta updates).
 
-A delta update (:mod:`weight_transfer.delta`) writes, per output and receiver, the byte runs
+A delta update (:mod:`weight_transfer.delta.runs`) writes, per output and receiver, the byte runs
 that changed: at a real RL step's ~1% of bf16 elements that is about one run per changed
 element, hundreds of thousands per rank. One :class:`~.base.WriteOp` per run costs ~3 us of
 Python (the dataclass, the checks, the iovec), far more than its bytes, so a :class:`RunsOp`
@@ -87,7 +87,7 @@ def expand(ops: Sequence) -> list[WriteOp]:
 
 
 def _lib():
-    from ..delta import KERNEL
+    from ..native.delta import KERNEL
 
     return KERNEL.lib()
 

@@ -304,7 +304,7 @@ class ShmTransport(Transport):
         """Check that every receiving process is alive, then ``memcpy`` every op into this
         sender's mapping of its region. Returns a completed handle with the bytes written.
 
-        With the native delta kernel (``reference/_delta.c``; ctypes releases the GIL for the
+        With the native delta kernel (``reference/native/_delta.c``; ctypes releases the GIL for the
         call) every piece of a group is copied by one C loop, ``wt_copy_pieces``: streaming
         stores from 256 B (no read-for-ownership of the receiver's lines; glibc's memcpy streams
         only above ~3/4 of the last-level cache) and one store fence at the end. Ops with
@@ -335,6 +335,6 @@ def _pieces_lib():
     ``_memcpy`` is patched (tests that count or fail copies see every piece)."""
     if _memcpy is not _MEMCPY:
         return None
-    from ..delta import KERNEL
+    from ..native.delta import KERNEL
 
     return KERNEL.lib()

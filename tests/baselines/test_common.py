@@ -28,7 +28,7 @@ from weight_transfer.baselines.common import (
 from weight_transfer.baselines.funnel import FunnelController, FunnelInference, FunnelTrainer
 from weight_transfer.baselines.options import BaselineOptions
 from weight_transfer.baselines.rpc import RpcClient, RpcController, RpcError, RpcInference, RpcTrainer
-from weight_transfer.control import ControlError
+from weight_transfer.control.protocol import ControlError
 from weight_transfer.engines import engine_tensor_metas
 from weight_transfer.experiments.config import TrialConfig
 from weight_transfer.options import ControlOptions, TransferOptions
@@ -213,7 +213,7 @@ def test_rpc_c1_c10_c11_versions_bit_exact_then_dead_worker_fails_update(monkeyp
     the update fails, and the weights are marked incomplete (never
     version 2 over changed bytes). (One trial for both,
     to keep the multi-process tests short.)"""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
     from weight_transfer.experiments import trial
 
     made = []

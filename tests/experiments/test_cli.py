@@ -15,11 +15,11 @@ import pytest
 from tests.helpers import ROOT
 from weight_transfer.baselines.common import BaselineStats, bucket_bytes, rpc_timeout
 from weight_transfer.baselines.options import DEFAULT_BUCKET_BYTES, BaselineOptions
-from weight_transfer.executor import StepStats
 from weight_transfer.experiments.cli import add_dataclass_options, dataclass_from_args, field_docs
 from weight_transfer.experiments.config import RunOptions, TrialConfig, trial_key
 from weight_transfer.method import UpdateStats
 from weight_transfer.options import ControlOptions, ExecutorOptions, PlanOptions, TransferOptions, TransportOptions
+from weight_transfer.pipeline.executor import StepStats
 
 
 @dataclass(kw_only=True, slots=True)

@@ -104,7 +104,7 @@ def test_secret_prints_a_fresh_secret_or_writes_a_private_file(tmp_path, capsys)
     import stat
 
     from weight_transfer.experiments.command import main
-    from weight_transfer.security import JobSecret
+    from weight_transfer.security.secret import JobSecret
 
     assert main(["secret"]) == 0 and main(["secret"]) == 0
     a, b = capsys.readouterr().out.split()

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.helpers.loopback import Loopback
-from weight_transfer import clients, control
-from weight_transfer import store as store_api
+from weight_transfer.control import clients
+from weight_transfer.control import protocol as control
+from weight_transfer.control import store as store_api
 from weight_transfer.engines import UpdateInProgress, expected_from_checkpoint
 from weight_transfer.engines.engine import GUARD, GUARD_BYTE
 from weight_transfer.experiments.faults import Fault

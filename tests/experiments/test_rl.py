@@ -142,7 +142,7 @@ def test_delta_push_mode_overrides_and_table(tmp_path):
     aside and gives it back (a failed one makes the next delta full, C26); the table's p50s."""
     import pytest
 
-    from weight_transfer.delta import DeltaState
+    from weight_transfer.delta.runs import DeltaState
     from weight_transfer.experiments import rl
 
     assert rl.transfer_overrides(rl.RLOptions()) is None
@@ -173,7 +173,7 @@ def test_delta_push_mode_overrides_and_table(tmp_path):
     text = rl.delta_table(rl.save_pushes(o, rows))
     assert "delta/full p50: 2.000x seconds" in text and "0.1000x bytes" in text
     # the per-phase seconds and the modes of a delta push, from its ranks' step records and the commits
-    from weight_transfer.records import StepStats
+    from weight_transfer.pipeline.records import StepStats
 
     st = StepStats(rank=0, delta="delta", delta_compare_s=0.01, delta_pack_s=0.002, delta_wire_s=0.003,
                    delta_modes={"packed": {"mlp": [2, 100, 1000]}, "full": {"norms": [1, 50, 50]}},

@@ -213,7 +213,7 @@ def test_sweep_cli_exit_status_and_bad_options(tmp_path, monkeypatch, capsys):
 def _record_secrets(monkeypatch) -> list[str]:
     """The hex of every job secret made from now on (JobSecret.generate recorded), with no
     secret in this process's environment to start with."""
-    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, JobSecret
+    from weight_transfer.security.secret import ENV_SECRET, ENV_SECRET_FILE, JobSecret
 
     monkeypatch.delenv(ENV_SECRET, raising=False)
     monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
@@ -231,7 +231,7 @@ def test_each_trial_job_is_submitted_with_a_fresh_secret_in_its_environment(monk
     """The controller is one of the job's tasks, so the secret exists before the job: each
     submission sees a fresh one in the environment its tasks inherit, and the sweep's own
     environment is left as it was; a secret the user set is used as is."""
-    from weight_transfer.security import ENV_SECRET, JobSecret
+    from weight_transfer.security.secret import ENV_SECRET, JobSecret
 
     made = _record_secrets(monkeypatch)
 
@@ -273,7 +273,7 @@ def test_local_executor_runs_a_trial_as_one_job_with_one_task_per_rank(tmp_path,
     """Controller + 1 training + 1 inference rank as the 3 tasks of one local submitit job;
     the store address travels through the job folder, the job secret through the tasks'
     environment (made by the sweep, in no file of the job folder); every update verified."""
-    from weight_transfer.security import ENV_SECRET
+    from weight_transfer.security.secret import ENV_SECRET
 
     made = _record_secrets(monkeypatch)
     cfg = tiny(steps=1, warmup=1, timeout=90.0)
@@ -302,7 +302,7 @@ def test_run_controller_and_run_task_exist_with_their_signatures():
 def test_a_task_0_without_the_job_secret_is_refused_before_serving(monkeypatch):
     """run_task's controller does not make a secret the job's other tasks could never learn:
     without one in its environment it refuses at once, naming how to pass it."""
-    from weight_transfer.security import AuthenticationError
+    from weight_transfer.security.secret import AuthenticationError
 
     _record_secrets(monkeypatch)
     monkeypatch.delenv("WEIGHT_TRANSFER_INSECURE", raising=False)

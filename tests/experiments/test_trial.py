@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from weight_transfer.control import ControlError
+from weight_transfer.control.protocol import ControlError
 from weight_transfer.experiments.config import TrialConfig
 from weight_transfer.experiments.trial import run_trial
 from weight_transfer.types import PlanError
@@ -137,8 +137,8 @@ def test_gpu_cuda_ipc_every_process_on_the_gpu(kw):
 
 def test_phase_columns_from_the_ranks_stats():
     """The report's per-phase and per-process columns (issue 28 item 4) from two ranks' stats."""
-    from weight_transfer.executor import BarrierRecord, StepStats, TaskRecord
     from weight_transfer.experiments.columns import phase_columns
+    from weight_transfer.pipeline.executor import BarrierRecord, StepStats, TaskRecord
 
     def rank(r, secs, sent, prep, write, wait):
         st = StepStats(rank=r, bytes_sent=sent, seconds=secs, peak_alloc_bytes=100 * (r + 1))

@@ -10,8 +10,9 @@ incomplete label after a failure, also when vLLM already closed the update sessi
 """
 import pytest
 
-from weight_transfer import clients, control
-from weight_transfer import store as store_api
+from weight_transfer.control import clients
+from weight_transfer.control import protocol as control
+from weight_transfer.control import store as store_api
 from weight_transfer.experiments import vllm_side
 
 

@@ -1,5 +1,5 @@
-"""The small one-process API world of tests/test_api.py (a 1-layer Qwen3, the stand-in engine as
-the receiver), shared with tests/test_fingerprint.py and tests/test_metrics.py."""
+"""The small one-process API world of tests/api/test_api.py (a 1-layer Qwen3, the stand-in engine as
+the receiver), shared with tests/control/test_fingerprint.py and tests/test_metrics.py."""
 from __future__ import annotations
 
 import torch

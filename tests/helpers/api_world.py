@@ -1,5 +1,5 @@
 """A small world driven through the public API only, with faults injected by role, stage and
-kind (tests/test_api_faults.py, case C28).
+kind (tests/api/test_api_faults.py, case C28).
 
 Processes (``spawn``): ``n_train`` FSDP2 training ranks on a Gloo group (the tiny Qwen3, its
 shards filled with the synthetic weights of step ``v`` before ``push(v)``), one
@@ -16,9 +16,9 @@ published version's checkpoint (every byte of its arena), and a digest of its ar
 that was refused must leave it unchanged).
 
 Faults (:class:`Fault`) are injected inside the target process by wrapping the library's own
-functions for one version: ``prepare`` wraps :func:`weight_transfer.executor.prepare_outputs`,
+functions for one version: ``prepare`` wraps :func:`weight_transfer.pipeline.executor.prepare_outputs`,
 ``write`` the sender's ``transport.write``, ``release`` :meth:`Executor._release`, ``plan``
-:meth:`Sender._build` (a training rank) or :func:`weight_transfer.coordinator.plan_against` (the
+:meth:`Sender._build` (a training rank) or :func:`weight_transfer.api.coordinator.plan_against` (the
 coordinator), ``commit`` the ``commit`` callable the coordinator runs; an inference rank's fault
 is made from training rank 0's first write of the version (``kill``: SIGKILL its process,
 ``stall``: SIGSTOP it for 1.5 s, ``raise``: it closes its region, as an engine that shuts
@@ -163,9 +163,9 @@ def train_main(rank: int, addr, w: World, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import weight_transfer as wt
-    import weight_transfer.coordinator as api_coord
-    import weight_transfer.executor as executor
-    import weight_transfer.sender as api_sender
+    import weight_transfer.api.coordinator as api_coord
+    import weight_transfer.api.sender as api_sender
+    import weight_transfer.pipeline.executor as executor
     from weight_transfer.testing.training import build_fsdp_model, load_step
 
     torch.set_num_threads(1)
@@ -284,7 +284,7 @@ def _inject_coord(f: Fault, api, timeout: float) -> list:
 
 def _inject_infer(f: Fault, tx, store, w: World) -> list:
     """Training rank 0's first write of the version makes inference rank ``f.rank``'s fault."""
-    from weight_transfer import control
+    from weight_transfer.control import protocol as control
 
     tx.plan()
     real = tx.transport.write
@@ -312,12 +312,20 @@ def coord_main(addr, w: World, out: str) -> None:
     import weight_transfer as wt
 
     store = wt.connect_store(addr, timeout=30)
+    # The world's control timeout (seconds) bounds how long a fault goes unnamed in an update, not
+    # how long the other processes take to start: on a loaded machine importing torch and building
+    # an FSDP2 module alone can take longer. The coordinator is built once every rank's metadata
+    # is in (bounded: a rank that never starts fails the world after 120 s, its error named).
+    keys = [f"meta/train/{r}" for r in range(w.n_train)] + [f"meta/infer/{i}" for i in range(w.n_infer)]
+    deadline = time.monotonic() + 120.0
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
     coord = wt.Coordinator(store, n_train=w.n_train, n_infer=w.n_infer, model_config=_cfg(), layout=_layout(w),
                            timeout=w.timeout)
     faults = {k: p.fault for k, p in enumerate(w.pushes) if p.fault is not None and p.fault.role == "coord"}
     served = {"n": 0}
     if faults.get(0) is not None and faults[0].stage == "plan":
-        import weight_transfer.coordinator as api_coord
+        import weight_transfer.api.coordinator as api_coord
 
         _inject_coord(faults[0], api_coord, w.timeout)
 

@@ -4,8 +4,8 @@
 reports success: the failure kind "update returns OK with no data moved" (C11). The harness
 must catch it by verification, not by trusting the method.
 """
-from weight_transfer.executor import StepStats
 from weight_transfer.method import ReferenceController, ReferenceInference, ReferenceTrainer
+from weight_transfer.pipeline.executor import StepStats
 
 
 class NoopTrainer(ReferenceTrainer):

@@ -15,9 +15,9 @@ transfers copy the new values in place and run the same executor, so no update r
 import torch
 
 from weight_transfer.engines import Engine, expected_from_checkpoint
-from weight_transfer.executor import Executor
-from weight_transfer.metadata import whole_metas
+from weight_transfer.pipeline.executor import Executor
 from weight_transfer.plan import build_recipes, plan
+from weight_transfer.plan.metadata import whole_metas
 from weight_transfer.transport import make_transport
 from weight_transfer.types import dtype_name
 
@@ -43,10 +43,10 @@ class Loopback:
         self.regions = {r: self.rx.register(e.arena) for r, e in enumerate(self.engines)}
         self.desc = {r: reg.descriptor() for r, reg in self.regions.items()}
         self.landings = {}
-        """Inference rank -> :class:`weight_transfer.delta_packed.Landing` (``landing``: a
+        """Inference rank -> :class:`weight_transfer.delta.packed.Landing` (``landing``: a
         fraction of each arena registered for packed deltas, committed by :meth:`transfer`)."""
         if landing:
-            from weight_transfer.delta_packed import Landing
+            from weight_transfer.delta.packed import Landing
 
             self.landings = {r: Landing(Landing.size_for(e.arena.numel(), landing), self.rx)
                              for r, e in enumerate(self.engines)}

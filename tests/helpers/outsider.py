@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
 
     nocert = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     nocert.check_hostname, nocert.verify_mode = False, ssl.CERT_NONE
-    from weight_transfer.security import JobSecret
+    from weight_transfer.security.secret import JobSecret
 
     other = JobSecret.generate().tls_context(server=False)  # a member of another job
     for key in keys_of(n, v):
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
             ok, why = try_tcpstore(host, port, key, marker)
             rec("tcpstore", key, "set-pickle", ok, t0, why)
     if "--flood" in argv:
-        from weight_transfer.secure_store import MAX_PENDING
+        from weight_transfer.security.secure_store import MAX_PENDING
 
         t0 = time.monotonic()
         held = []

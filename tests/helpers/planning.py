@@ -4,7 +4,7 @@ stand-in engine's destination metadata (:func:`dest_metas`) and the exact-cover 
 from collections import defaultdict
 
 from weight_transfer.engines.engine import engine_tensor_metas
-from weight_transfer.metadata import shard_box
+from weight_transfer.plan.metadata import shard_box
 from weight_transfer.testing.catalog import param_specs
 from weight_transfer.types import ParamMeta
 

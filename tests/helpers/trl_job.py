@@ -117,7 +117,7 @@ def main(argv=None) -> None:
 
     def outsider(stage: str, *, n: int, v: int, tcpstore: bool = False, label: bool = True) -> None:
         """C30: the battery against this job's store from a process without the secret, then what members read."""
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))  # this script's folder is on the path, the checkout is not

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weight_transfer.convert.transforms import recipe_outputs
 from weight_transfer.engines import Engine, engine_tensor_metas, expected_from_checkpoint
 from weight_transfer.experiments.verify import compare_engines
 from weight_transfer.plan import PlanError, build_recipes, validate
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.testing.tiny import TINY_DEEPSEEK
 from weight_transfer.testing.weights import SyntheticCheckpoint
-from weight_transfer.transforms import recipe_outputs
 from weight_transfer.types import InferenceLayout, box_flat_range
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.planning import MOE, SMALL, check_exact_cover, dest_metas, fsdp_metas
 from weight_transfer.engines.engine import expected_from_checkpoint
-from weight_transfer.executor import gather_sources, prepare_outputs
+from weight_transfer.pipeline.executor import gather_sources, prepare_outputs
 from weight_transfer.plan import build_recipes, plan
 from weight_transfer.plan.local import localize_recipe
 from weight_transfer.testing.catalog import load_config, param_specs
@@ -167,7 +167,7 @@ def test_runtime_layouts_made_from_the_shards(expert_layout):
     at shard boundaries in whole row blocks and built by the rank holding the rows, bit-exact
     with the gather-all plan; what still needs rows of several ranks (the router's transpose) is
     gathered and the schedule names why; shards that change hands inside a 16-row block gather."""
-    from weight_transfer.layouts import apply_layout
+    from weight_transfer.convert.layouts import apply_layout
 
     cfg = load_config("qwen3-30b-a3b", **MOE)
     layout = InferenceLayout(tp=1)
@@ -202,7 +202,7 @@ def test_runtime_layouts_made_from_the_shards(expert_layout):
 
 def test_layout_box_rules():
     """A band of whole row blocks of a runtime layout is one byte range; anything else is refused."""
-    from weight_transfer.layouts import layout_box_ok, recipe_row_block
+    from weight_transfer.convert.layouts import layout_box_ok, recipe_row_block
 
     assert layout_box_ok("blocked:16x1", ((2, 3), (32, 64), (0, 8)), (4, 70, 8))
     assert layout_box_ok("blocked:16x1", ((0, 1), (64, 70), (0, 8)), (4, 70, 8))  # the short last block

@@ -215,7 +215,7 @@ def test_every_metadata_inconsistency_is_named(case, parallel):
 
 
 def test_metadata_as_the_controller_receives_it_plans_identically():
-    """Rank lists that went through pickle (as weight_transfer.control.put/get move them) hold their
+    """Rank lists that went through pickle (as weight_transfer.control.protocol.put/get move them) hold their
     own copies of every shape and mesh; the checks then compare values, and the schedule is the
     same as on shared objects."""
     import pickle

@@ -12,6 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from weight_transfer.convert.quant import quantize_fp8_block
+from weight_transfer.convert.transforms import apply_transform, assemble, recipe_outputs, split_recipe
 from weight_transfer.plan import (
     PlanError,
     RecipeSet,
@@ -22,9 +24,7 @@ from weight_transfer.plan import (
     make_dest_metas,
     validate,
 )
-from weight_transfer.quant import quantize_fp8_block
 from weight_transfer.testing.catalog import load_config, param_specs
-from weight_transfer.transforms import apply_transform, assemble, recipe_outputs, split_recipe
 from weight_transfer.types import InferenceLayout, Output, box_flat_range, torch_dtype
 
 # ------------------------------------------------------------------------------------------

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_transfer.plan.scaled import scaled_gather_line
-from weight_transfer.plan.traced import LoaderTrace, TracedParam, recipes_from_traces
-from weight_transfer.quant_scaled import (
+from weight_transfer.convert.quant_scaled import (
     dequantize_fp8_scaled,
     quantize_fp8_channel_reference,
     quantize_fp8_tensor_reference,
 )
-from weight_transfer.transforms import recipe_outputs
+from weight_transfer.convert.transforms import recipe_outputs
+from weight_transfer.plan.scaled import scaled_gather_line
+from weight_transfer.plan.traced import LoaderTrace, TracedParam, recipes_from_traces
 from weight_transfer.types import InferenceLayout, PlanError, new_piece
 
 FP8, F32 = "float8_e4m3fn", "float32"
@@ -131,7 +131,7 @@ def test_per_channel_row_parallel_gathers_column_parallel_does_not():
 
 
 def test_scaled_recipes_cut_along_rows_only():
-    from weight_transfer.transforms import split_recipe, split_recipe_bands
+    from weight_transfer.convert.transforms import split_recipe, split_recipe_bands
 
     rs = recipes_from_traces({r: _trace(r, "fp8-channel") for r in (0, 1)}, InferenceLayout(tp=2, quant="fp8-channel"))
     o = next(r for r in rs if r.outputs[0].tensor == "o.weight" and r.ranks == (0,))

@@ -124,7 +124,7 @@ def test_compare_finds_a_swapped_slice_and_accepts_a_different_cut():
     lay = InferenceLayout(tp=2)
     hand = build_recipes(cfg, lay)
     assert compare_recipes(hand, hand) == []
-    from weight_transfer.transforms import split_recipe
+    from weight_transfer.convert.transforms import split_recipe
 
     cut = [p for r in hand for p in split_recipe(r, 8)]  # the same bytes, cut in row bands
     assert compare_recipes(hand, cut) == []
@@ -145,8 +145,8 @@ def test_fused_experts_read_through_views_make_the_same_bytes():
     [E, H, I]) declares the per-expert checkpoint slices, read from transformers' conversion
     mapping; the recipes read them in place and make the bytes the per-expert tensors make."""
     pytest.importorskip("transformers")
+    from weight_transfer.convert.transforms import assemble
     from weight_transfer.plan.traced import apply_source_views, check_views, expand_sources, fused_expert_views
-    from weight_transfer.transforms import assemble
 
     cfg = load_config("qwen3-30b-a3b", num_hidden_layers=1, num_experts=4, hidden_size=64, moe_intermediate_size=32,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=128)
@@ -179,11 +179,11 @@ def test_the_planner_chooses_traced_recipes_and_says_why_not():
     """choose_recipes: traced when every rank published a clean trace (cross-checked for a
     hand-written family), the hand-written rules otherwise (saying why), a refusal for an
     architecture with neither."""
-    from weight_transfer import control
-    from weight_transfer.coordinator import choose_recipes
+    from weight_transfer.api.coordinator import choose_recipes
+    from weight_transfer.control import protocol as control
+    from weight_transfer.control.store import serve_store
     from weight_transfer.model_config import ModelConfig
     from weight_transfer.plan.traced import TRACE_KEY
-    from weight_transfer.store import serve_store
 
     cfg = load_config("qwen3-0.6b", num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, vocab_size=128)
@@ -223,7 +223,7 @@ def test_the_planner_chooses_traced_recipes_and_says_why_not():
 
 def _fp8(shape, pieces, scale_pieces):
     """A block-FP8 parameter and its scale as a loader traced on the FP8 checkpoint form fills them."""
-    from weight_transfer.quant import scale_shape
+    from weight_transfer.convert.quant import scale_shape
 
     return {"w": (shape, pieces, "float8_e4m3fn"), "w_scale_inv": (scale_shape(shape), scale_pieces, "float32")}
 

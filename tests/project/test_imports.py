@@ -8,7 +8,9 @@ code uses the old top-level names.
 Every import counts: absolute ones, relative ones (``from .x import y``, and ``from . import x``,
 which names a module, not an attribute), and those inside functions."""
 import ast
+import re
 import sys
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,7 @@ def _files() -> list[Path]:
 
 def test_the_walk_finds_the_modules():
     names = {p.relative_to(REFERENCE).as_posix() for p in MODULES}
-    assert {"types.py", "executor.py", "plan/__init__.py", "plan/schedule.py"} <= names
+    assert {"types.py", "pipeline/executor.py", "plan/__init__.py", "plan/schedule.py"} <= names
     assert module_name(ROOT / "engines" / "vllm" / "runtime.py") == "weight_transfer.engines.vllm.runtime"
     assert module_name(REFERENCE / "plan" / "__init__.py") == "weight_transfer.plan"
 
@@ -261,4 +263,114 @@ def test_tests_mirror_the_package_and_import_no_other_test():
                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{rel}:{node.lineno}: imports {m}" for m in mods
                     if (m.startswith("tests.") and not m.startswith("tests.helpers")) or m.split(".")[0].startswith("test_")]
+    for d in sorted(q for q in tests.rglob("*") if q.is_dir() and q.name != "__pycache__"):
+        rel = d.relative_to(tests)
+        if rel.parts[0] in ("helpers", "project", "scripts", "data"):
+            continue
+        src = ROOT / rel if rel.parts[0] in FOLDERS else REFERENCE / rel
+        if not (src / "__init__.py").exists():
+            bad.append(f"tests/{rel.as_posix()}: mirrors no package of the project ({src.relative_to(ROOT)})")
     assert not bad, bad
+
+
+# The library's rooms.
+#
+# The library's rooms (``reference/``, installed as ``weight_transfer``): one folder per
+# concern, each ``__init__`` saying what it owns and, on its ``Imports:`` line, which other rooms
+# and top-level modules it may import. This test holds the code to those lines: every import of
+# every module (relative or absolute, inside functions too) stays in its room or goes to one its
+# room declares; the declarations form no cycle, so imports run one way; the top level keeps at
+# most 12 modules. The top-level modules' own allowances are :data:`TOP_LEVEL` below.
+#
+# docs/HOW_IT_WORKS.md draws the same rooms from a ``push()`` to the bytes in the engine.
+
+
+TOP_LEVEL = {
+    "types": set(), "args": set(), "timeline": set(), "errors": {"types"}, "model_config": {"types"},
+    "metrics": {"args"}, "options": {"transport"}, "method": {"types", "options", "control", "api"},
+}
+"""Top-level module -> what it may import (``__init__`` imports its public names lazily, by name)."""
+MAX_TOP_LEVEL = 12
+
+
+def room_of(name: str) -> str | None:
+    """The room (or top-level module) of an installed module name; ``__init__`` for the package
+    itself; None outside the library."""
+    parts = name.split(".")
+    if parts[0] != "weight_transfer":
+        return None
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def declared(init_source: str) -> set[str] | None:
+    """The rooms an ``__init__`` docstring's ``Imports:`` line names (``set()`` for "nothing of
+    the package"); None when it has no such line."""
+    doc = ast.get_docstring(ast.parse(init_source)) or ""
+    m = re.search(r"^Imports: (.*(?:\n(?!\n).*)*)", doc, re.M)
+    if m is None:
+        return None
+    return set(re.findall(r"``(\w+)``", m.group(1)))
+
+
+def rooms() -> dict[str, set[str]]:
+    """Every room and top-level module -> what it may import."""
+    out = dict(TOP_LEVEL)
+    for init in sorted(REFERENCE.glob("*/__init__.py")):
+        out[init.parent.name] = declared(init.read_text())
+    return out
+
+
+def violations(allowed: dict[str, set[str]], imports) -> list[str]:
+    """``file:line: room -> module`` for every import in ``imports`` (``(path, line, importing
+    module, imported module)``) that leaves its room for one the room does not declare."""
+    bad = []
+    for path, line, src, dst in imports:
+        a, b = room_of(src), room_of(dst)
+        if b is None or a == b or a == "__init__" or b.startswith("engines") or b in ("experiments", "baselines",
+                                                                                     "analysis"):
+            continue
+        if b not in allowed.get(a, set()):
+            bad.append(f"{path}:{line}: {a} -> {dst}")
+    return bad
+
+
+def _all_imports():
+    known = {module_name(p) for p in MODULES}
+    for p in MODULES:
+        for line, m in _imported(p, known):
+            yield p.relative_to(REFERENCE.parent), line, module_name(p), m
+
+
+def test_every_room_declares_what_it_imports():
+    missing = [room for room, deps in rooms().items() if deps is None]
+    assert not missing, f"rooms without an `Imports:` line in their __init__ docstring: {missing}"
+    unknown = {room: deps - set(rooms()) for room, deps in rooms().items() if deps - set(rooms())}
+    assert not unknown, f"`Imports:` names what is no room or top-level module: {unknown}"
+
+
+def test_imports_run_one_way_between_the_rooms():
+    assert not violations(rooms(), _all_imports())
+    try:
+        order = list(TopologicalSorter(rooms()).static_order())
+    except CycleError as e:
+        pytest.fail(f"the rooms' declared imports form a cycle: {e.args[1]}")
+    assert order.index("types") < order.index("plan") < order.index("api")
+
+
+def test_the_checker_catches_an_import_against_the_direction():
+    allowed = {"delta": {"types"}, "api": {"delta", "types"}, "types": set()}
+    imports = [("reference/delta/runs.py", 3, "weight_transfer.delta.runs", "weight_transfer.api.receiver"),
+               ("reference/delta/runs.py", 4, "weight_transfer.delta.runs", "weight_transfer.types"),
+               ("reference/api/x.py", 5, "weight_transfer.api.x", "weight_transfer.delta.masks")]
+    assert violations(allowed, imports) == ["reference/delta/runs.py:3: delta -> weight_transfer.api.receiver"]
+    with pytest.raises(CycleError):
+        list(TopologicalSorter({"a": {"b"}, "b": {"a"}}).static_order())
+    assert declared('"""x\n\nImports: ``types``, ``native``.\n"""') == {"types", "native"}
+    assert declared('"""x\n\nImports: nothing of the package.\n"""') == set()
+    assert declared('"""x"""') is None
+
+
+def test_the_top_level_keeps_few_modules():
+    top = sorted(p.name for p in REFERENCE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+    assert {p.removesuffix(".py") for p in top} - {"__init__"} == set(TOP_LEVEL)

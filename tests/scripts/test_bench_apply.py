@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT
-from weight_transfer.delta import native_status
+from weight_transfer.delta.runs import native_status
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_apply
@@ -15,7 +15,7 @@ import bench_apply
 
 @pytest.mark.skipif(native_status() != "ok", reason="the native delta kernel is unavailable")
 def test_bench_apply_prints_a_row_per_thread_count(capsys, monkeypatch):
-    import weight_transfer.delta_packed as dp
+    import weight_transfer.delta.packed as dp
 
     monkeypatch.setattr(dp, "APPLY_THREADS", dp.APPLY_THREADS)
     monkeypatch.setattr(dp, "_POOL", None)

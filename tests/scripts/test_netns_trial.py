@@ -124,7 +124,7 @@ def _netns_trial():
 def test_tasks_get_the_job_secret_in_their_environment_only(monkeypatch):
     """The controller task serves the store, the others connect: every task's environment holds
     one secret, made by the launcher unless its own environment has one; the opt-out passes on."""
-    from weight_transfer.security import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE, JobSecret
+    from weight_transfer.security.secret import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE, JobSecret
 
     nt = _netns_trial()
     for var in (ENV_SECRET, ENV_SECRET_FILE, ENV_INSECURE):

@@ -8,12 +8,12 @@ tensors, see ``docs/LAYOUTS.md``); the per-family modules (:mod:`.dense`, :mod:`
 
 Under ``quant="fp8"`` :meth:`RecipeBuilder.linear` makes an ``"fp8_block"`` recipe assembled
 in BF16 with two outputs (the ``float8_e4m3fn`` weight and its float32 ``weight_scale_inv`` of
-:func:`weight_transfer.quant.scale_shape`); everything else is a ``"copy"`` in ``layout.dtype``.
+:func:`weight_transfer.convert.quant.scale_shape`); everything else is a ``"copy"`` in ``layout.dtype``.
 """
 from __future__ import annotations
 
+from ...convert.quant import cdiv, scale_shape
 from ...model_config import ModelConfig
-from ...quant import cdiv, scale_shape
 from ...types import InferenceLayout, Output, Piece, PlanError, Recipe, full_box
 
 VOCAB_PAD = 64

@@ -236,8 +236,8 @@ class StandInClient:
     def init_weight_transfer_engine(self, init_info):
         import types
 
-        from weight_transfer import control
         from weight_transfer.api import ENGINE_KEY, Receiver
+        from weight_transfer.control import protocol as control
         from weight_transfer.engines import Engine
         from weight_transfer.engines.vllm.backend import OneSidedInitInfo, OneSidedWeightTransferEngine, engine_key
         from weight_transfer.engines.vllm.backend_worker import connect_worker
@@ -383,8 +383,8 @@ def test_worker_engine_registration_path_end_to_end_over_host_memory(monkeypatch
     import torch
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from weight_transfer import control
     from weight_transfer.api import ENGINE_KEY
+    from weight_transfer.control import protocol as control
     from weight_transfer.engines import expected_from_checkpoint
     from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
     from weight_transfer.testing.catalog import load_config, param_specs
@@ -461,7 +461,7 @@ class SecretlessClient(ModuleWorkerClient):
         self.other, self.infos = other, []
 
     def init_weight_transfer_engine(self, init_info):
-        from weight_transfer.security import ENV_SECRET, JobSecret
+        from weight_transfer.security.secret import ENV_SECRET, JobSecret
 
         self.infos.append(dict(init_info))
         if not self.other:
@@ -485,7 +485,7 @@ def test_worker_without_the_job_secret_is_named_to_the_trainer(other, monkeypatc
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
-    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError
+    from weight_transfer.security.secret import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError
     from weight_transfer.testing.catalog import load_config
 
     monkeypatch.delenv(ENV_SECRET, raising=False)
@@ -517,7 +517,7 @@ def test_secret_file_of_the_trainers_environment_reaches_the_workers(tmp_path, m
 
     from weight_transfer.engines.vllm.backend import DTensorSource, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.backend_trainer import _init_inference
-    from weight_transfer.security import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError, JobSecret
+    from weight_transfer.security.secret import ENV_SECRET, ENV_SECRET_FILE, AuthenticationError, JobSecret
     from weight_transfer.testing.catalog import load_config, param_specs
     from weight_transfer.testing.weights import SyntheticCheckpoint
 
@@ -560,8 +560,8 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    import weight_transfer.executor as executor
-    from weight_transfer import control
+    import weight_transfer.pipeline.executor as executor
+    from weight_transfer.control import protocol as control
     from weight_transfer.engines import expected_from_checkpoint
     from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo
     from weight_transfer.testing.catalog import load_config, param_specs
@@ -846,7 +846,7 @@ class OfflineWorld:
         """C30: the outsider battery (tests/helpers/outsider.py) against this job's store, from a
         process holding only the store's ``host:port``, now; then what the members read."""
         from tests.helpers.outsider import run_outsider
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         st = self.trainer.store
         self.outsider += run_outsider(st.host, st.port, f"{self.key}/{stage}", self.outsider_out, n=n, v=v,
@@ -1046,7 +1046,7 @@ def test_c22_staged_layers_committed_by_update_weights(world):
         # an input embedding's GEMM handle is never read (the logits read the head's): not rebuilt, tied or
         # not; the head is (the tied world's lm_head shares embed_tokens' Parameter: its handle must follow the
         # update, and the fresh-engine comparison of every update says the logits do)
-        from weight_transfer import control
+        from weight_transfer.control import protocol as control
 
         st = control.get(world.trainer.store, "step/1/committed/0")["stats"]
         emb = {m for m in lay.staged if m.endswith("embed_tokens")}
@@ -1061,7 +1061,7 @@ def test_c14_c15_training_rank_fails_mid_update(world):
     seconds (the stage's exception its ``__cause__``, C28); the store says ``incomplete 4``; vLLM
     labels outputs ``incomplete:4`` (never 4, never 3 over changed bytes); the workers refuse
     ``update_weights(4)`` naming the rank; bytes did change."""
-    from weight_transfer.control import ControlError, VersionError
+    from weight_transfer.control.protocol import ControlError, VersionError
     from weight_transfer.engines.vllm.backend import INCOMPLETE
     from weight_transfer.engines.vllm.verify import compare_snapshots
 
@@ -1093,9 +1093,9 @@ def test_c31_fingerprints_catch_a_byte_flipped_in_the_worker_and_a_skipped_commi
     equals a fresh vLLM's, every byte."""
     import torch
 
-    from weight_transfer.control import ControlError
+    from weight_transfer.control.fingerprint import region_bytes
+    from weight_transfer.control.protocol import ControlError
     from weight_transfer.engines.vllm.verify import compare_snapshots
-    from weight_transfer.fingerprint import region_bytes
     from weight_transfer.transport.ops import WriteOp
 
     for v in world.updates:
@@ -1442,7 +1442,8 @@ class ElasticWorld:
         import psutil
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-        from weight_transfer import control, membership
+        from weight_transfer.control import membership
+        from weight_transfer.control import protocol as control
         from weight_transfer.engines.vllm import VllmEngine
         from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient, OneSidedTrainerInitInfo
         from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
@@ -1613,7 +1614,7 @@ def test_vllm_worker_dies_mid_update(elastic):
     says ``incomplete 4``, engine A is labelled ``incomplete:4``, never 4 nor 3 over partly
     written bytes); B's processes are all gone once it is closed; update 5 goes to the survivor
     alone (B dropped from the plan, the trainer not restarted) and is bit-exact."""
-    from weight_transfer.control import ControlError, VersionError
+    from weight_transfer.control.protocol import ControlError, VersionError
     from weight_transfer.engines.vllm.verify import compare_snapshots
 
     w = elastic

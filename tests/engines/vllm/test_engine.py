@@ -179,7 +179,7 @@ def test_c22_opaque_layers_staged_and_committed(world):
     from weight_transfer.engines.vllm.runtime import runtime_layout
     from weight_transfer.engines.vllm.verify import coverage
     from weight_transfer.plan import PlanError, build_recipes
-    from weight_transfer.retarget import retarget
+    from weight_transfer.plan.retarget import retarget
     from weight_transfer.types import InferenceLayout, dtype_name
 
     lay = next(iter(world.updater.layouts.values()))
@@ -269,7 +269,7 @@ def test_c21_stale_prefix_cache_without_reset(world):
     up.update(s0)                                     # back to step 0 (a second version), cache reset
     assert same(live.generate(world.prompts, max_tokens=6), world.before)  # step-0 KV now cached
     live.pause()
-    from weight_transfer.executor import Executor
+    from weight_transfer.pipeline.executor import Executor
     Executor(up.schedule.rank_plans[0], world.sources, up.tx, up.descriptors).run()  # step 1, no reset
     live.commit()
     live.resume()

@@ -1,6 +1,6 @@
 """Per-tensor and per-channel FP8 (``--quant fp8-tensor`` / ``fp8-channel``) planned from vLLM's
 loader traced on the checkpoint form, checked against vLLM's own ``load_weights`` of the version's
-FP8 checkpoint (made by :mod:`weight_transfer.quant_scaled`, the transfer's quantizer) on a CPU
+FP8 checkpoint (made by :mod:`weight_transfer.convert.quant_scaled`, the transfer's quantizer) on a CPU
 skeleton at TP 2: every byte of every parameter the loader fills on both ranks -- the
 ``float8_e4m3fn`` weights, their ``weight_scale``, the BF16 tensors -- equals what the recipes
 write. The TP-split per-tensor weights and the row-parallel per-channel ones gather (their
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason=
 
 def _written(recipes, tensors, rank) -> dict:
     """What the recipes write on inference ``rank`` from ``tensors``: {parameter: tensor}."""
+    from weight_transfer.convert.transforms import recipe_outputs
     from weight_transfer.plan.recipes import expected_dests
-    from weight_transfer.transforms import recipe_outputs
     from weight_transfer.types import torch_dtype
 
     out = {n: torch.zeros(s, dtype=torch_dtype(dt)) for (r, n), (s, dt) in expected_dests(recipes).items() if r == rank}

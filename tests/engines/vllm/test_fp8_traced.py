@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 
 def _written(recipes, tensors, rank) -> dict:
     """What the recipes write on inference ``rank`` from ``tensors``: {parameter: tensor}."""
+    from weight_transfer.convert.transforms import apply_transform, assemble
     from weight_transfer.plan.recipes import expected_dests
-    from weight_transfer.transforms import apply_transform, assemble
     from weight_transfer.types import torch_dtype
 
     out = {n: torch.zeros(s, dtype=torch_dtype(dt)) for (r, n), (s, dt) in expected_dests(recipes).items() if r == rank}

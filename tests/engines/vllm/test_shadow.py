@@ -75,7 +75,7 @@ def run_world(mode: str, dirs: dict, out) -> dict:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from weight_transfer.control import ControlError
+    from weight_transfer.control.protocol import ControlError
     from weight_transfer.engines.vllm.backend import AsyncLLMClient, DTensorSource, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
     from weight_transfer.engines.vllm.runtime import runtime_layout
@@ -210,7 +210,7 @@ def test_c27_http_server_keeps_serving_through_shadow_updates(dirs, tmp_path, mo
 
     import requests
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.control.clients import HTTPVLLMWeightSyncClient
 
     from tests.helpers.vllm_server import Server
     from weight_transfer.engines.vllm import recover

@@ -6,7 +6,7 @@ expert parallelism and TP 2 x DP 2. Two independent derivations: the rules were 
 docs/LAYOUTS.md, the traces are what vLLM's code does; any difference is a bug in one of them.
 
 Bytes, not only structure: every destination tensor of every rank is assembled from the same
-random source tensors through both recipe sets (weight_transfer.transforms.assemble) and
+random source tensors through both recipe sets (weight_transfer.convert.transforms.assemble) and
 compared with ``torch.equal`` -- 100% of the destination bytes of the load layout."""
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def traced(tmp_path_factory):
 
 def _dest_bytes(recipes, sources) -> dict:
     """(rank, tensor) -> the destination tensor the recipes make from ``sources``."""
+    from weight_transfer.convert.transforms import assemble
     from weight_transfer.plan.recipes import expected_dests
-    from weight_transfer.transforms import assemble
     from weight_transfer.types import torch_dtype
 
     out = {k: torch.full(shape, float("nan"), dtype=torch_dtype(dt)) for k, (shape, dt) in expected_dests(recipes).items()}
@@ -145,8 +145,8 @@ def traced_fp8(tmp_path_factory):
 
 def _dest_outputs(recipes, sources) -> dict:
     """(rank, tensor) -> the destination tensor (FP8 weights and their scales too) the recipes make."""
+    from weight_transfer.convert.transforms import apply_transform, assemble
     from weight_transfer.plan.recipes import expected_dests
-    from weight_transfer.transforms import apply_transform, assemble
     from weight_transfer.types import torch_dtype
 
     out = {k: torch.zeros(shape, dtype=torch_dtype(dt)) for k, (shape, dt) in expected_dests(recipes).items()}

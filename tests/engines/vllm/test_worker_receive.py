@@ -98,8 +98,8 @@ def test_one_path_over_host_memory_one_part_per_allocation():
     """auto -> cma; one region spanning every parameter, one part per allocation; the plan's
     offsets from the lowest destination byte (the runtime layout's base), unchanged; published
     with the runtime layout; the descriptor carries the parts the senders' writes are held to."""
-    from weight_transfer import control
-    from weight_transfer.store import RUNTIME_KEY
+    from weight_transfer.control import protocol as control
+    from weight_transfer.control.store import RUNTIME_KEY
 
     m = module()
     params = dict(m.named_parameters())
@@ -136,8 +136,8 @@ def test_refusal_before_anything_is_registered_or_published(device, requested, n
 
 
 def test_before_publish_failing_publishes_nothing_and_frees_the_rank():
-    from weight_transfer import control
-    from weight_transfer.receiver import OWNER_KEY
+    from weight_transfer.api.receiver import OWNER_KEY
+    from weight_transfer.control import protocol as control
 
     targets, lay, store, receive = _receive(module())
 

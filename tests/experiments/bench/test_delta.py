@@ -16,7 +16,7 @@ def test_config_refuses_bad_values():
 
 
 # `long` (make test-long): 30-60 s of CI's 25 minutes; delta updates are verified bit-exact in the default
-# set by tests/test_delta.py and tests/experiments/test_trial.py::test_delta_trial_every_update_bit_exact_*.
+# set by tests/delta/test_runs.py and tests/experiments/test_trial.py::test_delta_trial_every_update_bit_exact_*.
 @pytest.mark.long
 def test_small_run_full_and_delta_rows_verified(tmp_path, capsys):
     out = tmp_path / "d.csv"
@@ -31,7 +31,7 @@ def test_small_run_full_and_delta_rows_verified(tmp_path, capsys):
     assert full["delta_bytes"] == full["bytes"] == delta["bytes"] and delta["delta_bytes"] == 0  # nothing changed
     ops = pd.read_csv(tmp_path / "ops.csv")
     assert set(ops["transport"]) == {"cma", "shm"} and (ops["us_per_op"] > 0).all()
-    from weight_transfer.delta import native_status
+    from weight_transfer.delta.runs import native_status
 
     if native_status() == "ok":  # the RunsOp path is measured too
         assert set(ops["path"]) == {"op", "run"}

@@ -55,7 +55,7 @@ def test_peer_bench_store_is_authenticated_and_carries_data_not_pickles():
     import multiprocessing as mp
 
     from weight_transfer.experiments.bench.peer_worlds import _store, _StoreMeta, dumps, loads
-    from weight_transfer.secure_store import SecureStore
+    from weight_transfer.security.secure_store import SecureStore
 
     store = _store(None, True, timeout=30)
     assert isinstance(store, SecureStore)

@@ -198,7 +198,7 @@ def test_packed_index_per_run_is_format_2_varints():
     length) against the real format-2 index of uniformly scattered 1-byte changes."""
     import torch
 
-    from weight_transfer.delta import changed_runs_native, index_size
+    from weight_transfer.delta.runs import changed_runs_native, index_size
     from weight_transfer.experiments.sim.delta import expected_runs_and_units, index_per_run
 
     assert index_per_run(1000, 0, 0) == 0.0

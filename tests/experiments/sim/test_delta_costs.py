@@ -16,7 +16,7 @@ from weight_transfer.plan import plan
 
 
 def test_measure_small_and_round_trip(tmp_path):
-    from weight_transfer.delta import KERNEL
+    from weight_transfer.delta.runs import KERNEL
 
     if KERNEL.lib() is None:
         pytest.skip("the native delta kernel is not built here (no C compiler)")
@@ -39,8 +39,8 @@ def test_measure_small_and_round_trip(tmp_path):
 def test_measure_masks_rows(tmp_path):
     """Format 3's row: one changed chunk per index entry, the record laid out as the executor's
     (64 + 12 bytes per chunk + changed bytes, 64-aligned), and its passes loaded by format."""
-    from weight_transfer.delta import KERNEL
-    from weight_transfer.delta_packed import record_size
+    from weight_transfer.delta.packed import record_size
+    from weight_transfer.delta.runs import KERNEL
 
     if KERNEL.lib() is None:
         pytest.skip("the native delta kernel is not built here (no C compiler)")

@@ -212,7 +212,7 @@ def _world_rank(rank, world, port, q, moe_width=None):
     import torch
     import torch.distributed as dist
 
-    from weight_transfer.metadata import collect_metas
+    from weight_transfer.plan.metadata import collect_metas
     from weight_transfer.testing.training import build_two_group_params
 
     torch.set_num_threads(1)
@@ -463,7 +463,7 @@ def _write_spans(res):
 
 
 def test_writes_in_flight_task_vs_watermark():
-    """``writes_in_flight="task"`` (reference/executor.py: one write thread, a task's batch is
+    """``writes_in_flight="task"`` (reference/pipeline/executor.py: one write thread, a task's batch is
     waited on before the next) never has two tasks' writes of one rank in flight together;
     ``"watermark"`` (the published executor) posts every task's writes the moment its prepare
     ends, so writes of several tasks overlap; both move the same bytes and keep the watermark."""
