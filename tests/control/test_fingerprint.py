@@ -284,9 +284,9 @@ def test_a_strided_gather_list_hashes_as_its_rows_in_order():
     try:
         reg = tx.register(shard.view(-1))
         cols = shard[:, 16:48]
-        rows = fp._segment_pieces(reg, 16, Segments(np.arange(64) * 96, np.full(64, 32)))
+        rows = hashes._segment_pieces(reg, 16, Segments(np.arange(64) * 96, np.full(64, 32)))
         assert len(rows) == 1 and torch.equal(rows[0], cols.contiguous())
-        odd = fp._segment_pieces(reg, 0, Segments([96 * 5, 7, 300], [10, 20, 5]))
+        odd = hashes._segment_pieces(reg, 0, Segments([96 * 5, 7, 300], [10, 20, 5]))
         flat = shard.view(-1)
         assert torch.equal(torch.cat(odd), torch.cat([flat[480:490], flat[7:27], flat[300:305]]))
         assert fp.hash_pieces(rows, 64 * 32) == fp.hash_pieces([cols.contiguous()], 64 * 32)
