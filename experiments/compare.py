@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import sys
 
+from .load import summary_line as load_summary
 from .report import append_csv, coverage_line, kind_lines, percentile, train_layout_text
 
 COMPARE_METHODS = ("reference", "rank0_funnel", "rpc")
@@ -158,6 +159,9 @@ def format_comparison(cfg, runs: list[tuple[str, object]]) -> str:
                              f"{s['p50'] / ref['p50']:.2f} (p99: {s['p99'] / ref['p99']:.2f}); > 1: the reference is faster")
     if first is not None and first.memcpy_gbps:
         lines.append(f"# memcpy on this machine (1 thread, 256 MiB): {first.memcpy_gbps:.2f} GB/s")
+    for m, r in runs:  # how loaded the machine was through each method's measured updates (experiments/load.py)
+        if not isinstance(r, BaseException):
+            lines.append(load_summary([x for x in r.rows if not x.get("warmup")] or r.rows, f" [{m}]"))
     n_ok = sum(s["ok"] for s in sums.values())
     n_all = sum(s["all"] for s in sums.values())
     failed = [m for m, r in runs if isinstance(r, BaseException)]

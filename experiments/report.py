@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .load import summary_line as load_summary
+
 
 def percentile(xs: list[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]); numpy's default method."""
@@ -209,6 +211,7 @@ def _verified_lines(result, done: list[dict], *, fleet: bool) -> list[str]:
     lines: list[str] = []
     if result.memcpy_gbps:
         lines.append(f"# memcpy on this machine (same run, 1 thread, 256 MiB): {result.memcpy_gbps:.2f} GB/s")
+    lines.append(load_summary([r for r in done if not r.get("warmup")] or done))  # experiments/load.py
     cov = coverage_line(rows)
     if cov:
         lines.append(cov)

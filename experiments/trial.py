@@ -35,6 +35,7 @@ from weight_transfer.method import ControllerContext
 from .columns import update_row
 from .config import TrialConfig
 from .env import environment, git_sha, measure_memcpy_gbps  # noqa: F401  (git_sha: re-exported)
+from .load import LoadMeter
 from .methods import get_method
 from .worker import inference_main, trainer_main
 
@@ -169,7 +170,10 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     world may be restarted after an update failed on the training side (the inference ranks
     keep their memory; the next update must restore a complete version). ``fault``
     (:class:`weight_transfer.experiments.inject.Fault`) is injected; ``probe`` (a dict) receives what happened
-    at the first failure (``error``, ``t_error``, ``fired``, ``state_after_fault``)."""
+    at the first failure (``error``, ``t_error``, ``fired``, ``state_after_fault``). Every row
+    carries the load columns (experiments/load.py): the load average now, before any process of
+    the trial, and the other processes' CPU through each update, this process's tree its own."""
+    load = LoadMeter()
     preflight(cfg)
     if fault is not None:
         fault.check(cfg)
@@ -202,7 +206,7 @@ def run_trial(cfg: TrialConfig, *, progress=None, fault=None, stall: float | Non
     try:
         result = run_controller(cfg, store, procs.dead_train, procs.dead_infer, progress=progress, env=env,
                                 memcpy_gbps=memcpy, stall=stall, restarts=restarts,
-                                restart_training=restart_training, fault=fault, probe=probe, fleet=fleet)
+                                restart_training=restart_training, fault=fault, probe=probe, fleet=fleet, load=load)
     except BaseException:
         stop_processes(procs.all(), groups=procs.groups())
         raise
@@ -268,7 +272,7 @@ def _fleet_procs(cfg: TrialConfig, procs: _Procs, ctx, addr, store, stall: float
 def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=None, *, progress=None,
                    env: dict | None = None, memcpy_gbps: float | None = None, stall: float | None = None,
                    restarts: int = 0, restart_training=None, fault=None, probe: dict | None = None,
-                   fleet=None) -> TrialResult:
+                   fleet=None, load: LoadMeter | None = None) -> TrialResult:
     """The controller's part of a trial, on its own: whoever started the ranks (this module's
     :func:`run_trial`, a submitit job's tasks, SLURM) hands over the master ``store`` they
     connect to. Collects metadata, plans once, drives warmup + measured updates, returns
@@ -279,11 +283,14 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     training world and the run continues with the next step. ``fleet``: the launcher's
     :class:`weight_transfer.experiments.fleet.FleetProcs` for a trial whose engines are killed,
     restarted or scaled (C24; ``--kill-engine`` ...): a failed update that lost an engine is a
-    row (``outcome`` ``failed``, the named error) and the run goes on with the survivors. Shuts
-    the ranks down on success and on error."""
+    row (``outcome`` ``failed``, the named error) and the run goes on with the survivors.
+    ``load``: the rows' load columns (:class:`weight_transfer.experiments.load.LoadMeter`, its
+    window around each update's go; default: the load average now, no own process tree, the ranks
+    not being this process's children). Shuts the ranks down on success and on error."""
     from weight_transfer.experiments.inject import install_watcher
 
     env = env if env is not None else environment()
+    load = load if load is not None else LoadMeter(root=None)
     stall = cfg.transfer.control.timeout if stall is None else stall
     if cfg.fleet.active and fleet is None:
         raise ValueError("--kill-engine/--restart-engine/--engines-at: only the local launcher (weight-transfer run) "
@@ -298,6 +305,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
     probe = probe if probe is not None else {}
     try:
         plan = _configure(cfg, ctl, store, fleet)
+        plan.load = load
         gen, step = 0, 1
         while step <= cfg.run.warmup + cfg.run.steps:
             try:
@@ -328,6 +336,7 @@ def run_controller(cfg: TrialConfig, store, liveness_train=None, liveness_infer=
                              write_seconds=ctl.last_write_seconds, results=results, ver=ver, ok=ok,
                              plan_s=plan.plan_s, recv_bytes=plan.recv_bytes, bytes_staged=plan.bytes_staged,
                              infer_active=plan.infer_cls.active)
+            row.update(plan.load.columns())  # how loaded the machine was through this update
             lv = ctl.last_verify  # --fingerprints: the reference's end-to-end check (docs/VERIFY.md)
             if lv["mode"] != "off":
                 row.update(fingerprints=lv["mode"], verify_bytes=lv["bytes"], verify_s=lv["seconds"])
@@ -365,6 +374,8 @@ class _Plan:
     """Bytes per update into staged targets (post-processed by the engine at commit)."""
     driver: object = None
     """The fleet's :class:`weight_transfer.experiments.fleet.FleetDriver` (None: a fixed fleet)."""
+    load: LoadMeter | None = None
+    """The rows' load columns; its window is each update's :func:`_go`."""
 
 
 def _configure(cfg: TrialConfig, ctl, store, fleet) -> _Plan:
@@ -438,10 +449,12 @@ def _before_go(cfg: TrialConfig, ctl, store, plan: _Plan, step: int, liveness_in
 def _go(cfg: TrialConfig, ctl, store, plan: _Plan, step: int) -> tuple[float, dict]:
     """Send "go" for update ``step``, wait for every completion and commit, publish the
     version: ``(seconds, {rank: result})``; the generation load's update window closes
-    either way. ControlError on a failed rank."""
+    either way. ControlError on a failed rank. ``plan.load`` measures the window."""
+    plan.load.start()
     try:
         return ctl.transfer(step, inference_active=plan.infer_cls.active, commit_ranks=plan.commit_ranks)
     finally:
+        plan.load.stop()
         if cfg.serve.active:
             from .serving import after_update
 
@@ -473,7 +486,7 @@ def _failed_base(cfg: TrialConfig, env: dict, run_id: str, plan: _Plan, step: in
             "dtype": cfg.inference.quant or "bfloat16", "train_dtype": cfg.train.dtype,
             "n_train": cfg.train.n_train, "layout": cfg.inference.describe(),
             "transport": cfg.transport, "device": cfg.run.device, "engine": cfg.run.engine,
-            "warmup": step <= cfg.run.warmup, "plan_seconds": plan.plan_s}
+            "warmup": step <= cfg.run.warmup, "plan_seconds": plan.plan_s, **plan.load.columns()}
 
 
 def _emit(rows: list[dict], row: dict, progress) -> None:
