@@ -51,7 +51,6 @@ Output: an nccl-tests-style table on stdout; tidy rows in ``--csv`` (raw bytes a
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -328,8 +327,12 @@ def _run_one(a: PeersBenchConfig, run: _Run, peer: str, tr: str | None, label: s
 
 def _run_peers(a: PeersBenchConfig, run: _Run) -> None:
     """Every row in turn (a peer not available here, or failing, goes to ``run.skipped``), the
-    memcpy measured before each; fills ``run.rows``."""
+    memcpy measured before each; fills ``run.rows``. Each row's load columns
+    (experiments/load.py): the load average before its memcpy, the other processes' CPU from the
+    start to the end of its processes (this process's tree its own: the peers' processes are
+    its descendants)."""
     from weight_transfer.experiments.env import measure_memcpy_gbps
+    from weight_transfer.experiments.load import LoadMeter
 
     jobs = [(p, t) for p in a.peers for t in (a.torchstore_transports if p == "torchstore" else
                                               a.reference_transports if p == "reference" else (None,))]
@@ -343,19 +346,23 @@ def _run_peers(a: PeersBenchConfig, run: _Run) -> None:
             continue
         label = (REFERENCE_LABEL[ts_tr] if peer == "reference" else TORCHSTORE_LABEL[ts_tr] if ts_tr
                  else _TRANSPORT.get(peer, "-"))
+        load = LoadMeter()
         run.memcpys.append(measure_memcpy_gbps())
+        load.start()
         try:
             secs, warm, got_bytes, phases = _run_one(a, run, peer, ts_tr, label)
         except Exception as e:
             run.skipped.append((peer if not ts_tr else f"{peer} {ts_tr}",
                                 f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"))
             continue
+        load.stop()
         meas = [x for x, w in zip(secs, warm) if not w]
         ok = all(isinstance(x, float) for x in secs)
         times = [x for x in meas if isinstance(x, float)]
         run.rows.append(dict(peer=peer, transport=label, bytes=got_bytes, times=times, ok=ok,
                              errors=[x for x in secs if not isinstance(x, float)], memcpy=run.memcpys[-1],
-                             phases=[ph for ph, w in zip(phases, warm) if not w], cold=secs[0] if secs else None))
+                             phases=[ph for ph, w in zip(phases, warm) if not w], cold=secs[0] if secs else None,
+                             load=load.columns()))
 
 
 def _table(run: _Run, mem: float, ref_gbps: float | None) -> list[dict]:
@@ -380,7 +387,7 @@ def _table(run: _Run, mem: float, ref_gbps: float | None) -> list[dict]:
             out_rows.append(dict(run_id=run.run_id, git_sha=run.env["git_sha"], timestamp=run.stamp, host=run.env["host"],
                                  peer=r["peer"], transport=r["transport"], model=run.label, n_train=run.n_train,
                                  n_infer=run.tp, step=i, bytes=r["bytes"], seconds=f"{s:.6f}",
-                                 memcpy_gbps=f"{r['memcpy']:.3f}", verified=r["ok"]))
+                                 memcpy_gbps=f"{r['memcpy']:.3f}", verified=r["ok"], **r["load"]))
     return out_rows
 
 
@@ -409,6 +416,10 @@ def _footer(run: _Run, mem: float, ref_gbps: float | None) -> int:
             g = r["bytes"] / statistics.median(r["times"]) / 1e9
             print(f"# reference {r['transport']} / best torchstore ({best['transport']}): {g / best_gbps:.2f}x "
                   f"({g:.3f} vs {best_gbps:.3f} GB/s, same run, both verified)")
+    from weight_transfer.experiments.load import summary_line
+
+    for r in rows:  # how loaded the machine was through each row's processes (experiments/load.py)
+        print(summary_line([r["load"]], f" [{r['peer']} {r['transport']}]", window="its run"))
     n_bad = sum(not r["ok"] for r in rows)
     print(f"# verified bit-exact: {len(rows) - n_bad}/{len(rows)} peers" + ("" if not n_bad else "  <-- FAILED"))
     for r in rows:
@@ -420,15 +431,13 @@ def _footer(run: _Run, mem: float, ref_gbps: float | None) -> int:
 
 
 def _append_csv(path: str, out_rows: list[dict]) -> None:
-    """Append the tidy rows to ``path`` (a header when the file is new); nothing for '' or no rows."""
+    """Append the tidy rows to ``path`` (a header when the file is new; a file whose header lacks a
+    column, e.g. the load columns, is rewritten with the union: its old rows leave them empty);
+    nothing for '' or no rows."""
     if path and out_rows:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(out_rows[0]))
-            if new:
-                w.writeheader()
-            w.writerows(out_rows)
+        from weight_transfer.experiments.report import append_csv
+
+        append_csv(out_rows, path)
         print(f"# results: {path} (+{len(out_rows)} rows)")
 
 

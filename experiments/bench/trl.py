@@ -49,7 +49,11 @@ last sync. Per (ranks, mode), from the engine's step records ``[t_start, t_end, 
   the job's final weights (:mod:`weight_transfer.engines.vllm.oracle`); ``server_version``: vLLM's
   weight version then (the job's last sync);
 - ``load1_start`` ... ``load15_end``: ``os.getloadavg()`` at the job's start and end (this
-  machine is shared: a busy neighbour shows here).
+  machine is shared: a busy neighbour shows here);
+- ``load_avg_1m``, ``cpus``, ``other_cpu``, ``own_cpu``: the load columns of every result row
+  (:mod:`weight_transfer.experiments.load`): the load average right before the job, and the
+  fraction of the CPUs that processes outside this command's process tree (the server, the job,
+  the verification are in it) kept busy through the job's process.
 
 The issue's target, reported and not asserted: the shadow run's ``tok_s_during`` is at least 50%
 of its ``tok_s_between`` (``target_met``), where the pause-based run's is 0.
@@ -79,6 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..load import LoadMeter, summary_line
 from ..paths import project_dir
 
 ROOT = project_dir()
@@ -93,7 +98,7 @@ COLUMNS = ("run_id", "timestamp", "git_sha", "ranks", "mode", "model", "update_b
            "target_met", "busy_during", "busy_between", "steps_during", "tokens_during", "max_gap_sync_s", "max_gap_s", "p50_gap_between_s",
            "go_lives", "dropped_stale", "paused", "http_routes", "reward_last", "verified", "verify_ulps",
            "server_version", "job_s", "load1_start", "load5_start", "load15_start", "load1_end", "load5_end",
-           "load15_end", "trainer_cpus", "error")
+           "load15_end", "load_avg_1m", "cpus", "other_cpu", "own_cpu", "trainer_cpus", "error")
 """The CSV's columns, in order (module docstring for their meaning; seconds, tokens/s, bytes)."""
 
 
@@ -326,14 +331,17 @@ def run_job(c: TrlBenchConfig, srv, model: str, root: Path, ranks: int, mode: st
     out.mkdir(parents=True)
     before = srv.generate(prompts, MAX_TOKENS)  # caches the long prompt's blocks under the weights before (C21)
     load0 = os.getloadavg()
+    meter = LoadMeter()  # the load average now; the others' CPU through the job's process
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     t0 = time.time()
     row = {"ranks": ranks, "mode": mode, "trainer_cpus": cpus or "any",
            **{f"load{k}_start": round(x, 2) for k, x in zip((1, 5, 15), load0)}}
     try:
+        meter.start()
         with open(out / "job.log", "w") as log:
             p = subprocess.run(_job_cmd(c, srv.url, model, out, ranks, mode, cpus), stdout=log,
                                stderr=subprocess.STDOUT, env=env, cwd=out, timeout=c.job_timeout)
+        meter.stop()
         row["job_s"] = time.time() - t0
         row.update({f"load{k}_end": round(x, 2) for k, x in zip((1, 5, 15), os.getloadavg())})
         if p.returncode != 0:
@@ -353,6 +361,7 @@ def run_job(c: TrlBenchConfig, srv, model: str, root: Path, ranks: int, mode: st
             recover_http(srv.url, stale_only=False, resume=True, timeout=120)
         except Exception as r:
             row["error"] += f" | recovery: {type(r).__name__}: {r}"[:500]
+    row.update(meter.columns())
     if row.get("tok_s_during") is not None and mode != "off":
         r = row.get("during_over_between")
         row["target_met"] = bool(r == r and r >= 0.5)
@@ -360,17 +369,39 @@ def run_job(c: TrlBenchConfig, srv, model: str, root: Path, ranks: int, mode: st
 
 
 def append_row(path: str, row: dict) -> None:
-    """Append ``row`` to the CSV at ``path`` in :data:`COLUMNS` order (the header first when new)."""
+    """Append ``row`` to the CSV at ``path`` in :data:`COLUMNS` order (the header first when new;
+    a file written before a column was added is first rewritten with :data:`COLUMNS` as its
+    header, its rows' cells unchanged and the new columns empty)."""
     if not path:
         return
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     new = not p.exists() or p.stat().st_size == 0
+    if not new:
+        _widen(p)
     with open(p, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+
+
+def _widen(p: Path) -> None:
+    """Rewrite the CSV at ``p`` with :data:`COLUMNS` as its header (atomically) when its header
+    lacks one of them; its cells stay as written."""
+    with open(p, newline="") as f:
+        rows = list(csv.DictReader(f))
+        f.seek(0)
+        header = next(csv.reader(f), [])
+    if not set(COLUMNS) - set(header):
+        return
+    cols = list(COLUMNS) + [h for h in header if h not in COLUMNS]
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, p)
 
 
 def _cell(x):
@@ -445,6 +476,7 @@ def format_table(rows: list[dict], notes: list[str]) -> str:
                      f"{_f(r['during_over_between'], '.3f')} x between (target >= 0.50: "
                      f"{'met' if r.get('target_met') else 'NOT met'}); pause-based: "
                      f"{_f(off.get('tok_s_during'), '.0f')} tok/s during syncs")
+    L += [summary_line([r], f" [{r['ranks']} rank(s), shadow={r['mode']}]", window="the job") for r in rows]
     L.append("# sync: rank 0's _sync_weight window; update: the backend's update call; step: one GRPO step, step end "
              "to step end; tok/s: tokens of the engine's steps (prefill included) inside / outside the measured "
              "syncs; busy: the fraction of that time the engine spent in a forward; gap: the longest idle gap between two engine steps overlapping a sync / anywhere in the span; "

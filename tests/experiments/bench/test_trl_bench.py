@@ -112,3 +112,18 @@ def test_rows_are_appended_as_they_come(tmp_path):
     assert rows[0]["tok_s_during"] == "0" and rows[0]["tok_s_between"] == "" and rows[1]["error"] == "RuntimeError: x"
     text = format_table([{"ranks": 1, "mode": "auto", "error": "RuntimeError: x"}], ["a note"])
     assert "FAILED: RuntimeError: x" in text and "# a note" in text
+
+
+def test_a_csv_without_the_load_columns_is_widened_before_a_row_is_appended(tmp_path):
+    out = tmp_path / "trl.csv"
+    old_cols = [c for c in COLUMNS if c not in ("load_avg_1m", "cpus", "other_cpu", "own_cpu")]
+    out.write_text(",".join(old_cols) + "\n" + ",".join("1.50" if c == "load1_start" else "off" if c == "mode" else ""
+                                                         for c in old_cols) + "\n")
+    append_row(str(out), {"ranks": 1, "mode": "auto", "load_avg_1m": 0.25, "cpus": 2, "other_cpu": 0.031,
+                          "own_cpu": 0.9})
+    rows = list(csv.DictReader(open(out)))
+    assert list(rows[0]) == list(COLUMNS) and [r["mode"] for r in rows] == ["off", "auto"]
+    assert rows[0]["load1_start"] == "1.50" and rows[0]["other_cpu"] == ""  # the old row's cells as written
+    assert rows[1]["other_cpu"] == "0.031" and rows[1]["cpus"] == "2"
+    assert "# load [1 rank(s), shadow=auto]: other processes kept 3% of the 2 CPU(s) busy during the job" in \
+        format_table([{"ranks": 1, "mode": "auto", "error": "x", "other_cpu": 0.031, "cpus": 2, "load_avg_1m": 0.25}], [])
