@@ -5,9 +5,12 @@ committed CSV under ``results/`` (raw ``bytes`` and ``seconds``, one row per upd
 latest run, and derives p50, GB/s and the ratio to the group's reference row the way the
 command that wrote the CSV prints them (p50: numpy's linear-interpolated median over the
 measured updates, warm-up updates left out; GB/s = bytes / p50 / 1e9). Each row names the CSV
-and the command that produces it. ``tests/project/test_readme.py`` checks that the README's
-table, between ``<!-- results-table:begin -->`` and ``<!-- results-table:end -->``, is exactly
-what this command prints.
+and the command that produces it, and says how loaded the machine was while it was measured
+(the ``load`` column, :func:`load_cell`: the other processes' share of the CPUs, marked
+``loaded`` above the threshold of :mod:`weight_transfer.experiments.load`, or ``not recorded``).
+``tests/project/test_readme.py`` checks that the README's table, between
+``<!-- results-table:begin -->`` and ``<!-- results-table:end -->``, is exactly what this command
+prints.
 
 Examples::
 
@@ -71,12 +74,28 @@ GROUPS: tuple[Group, ...] = (
           command="weight-transfer simulate kimi_k2_256xh200efa_to_128_dpa_ep32"),
 )
 
-HEADER = ("| result | method | world | bytes per update | p50 (s) | GB/s | x reference p50 | verified | rows | command |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| result | method | world | bytes per update | p50 (s) | GB/s | x reference p50 | verified | load | rows | "
+          "command |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 # simulate's method names -> what they are (docs/SIMULATION.md)
 SIM_METHODS = {"overlapped_writes": "reference (this executor: every prepared task's writes in flight)",
                "rank0_funnel": "rank0_funnel", "rpc_update_weight": "rpc"}
+
+
+def _col(df: pd.DataFrame, name: str):
+    """Column ``name`` of ``df``, or nothing (a CSV written before it existed)."""
+    return df[name] if name in df else ()
+
+
+def load_cell(df: pd.DataFrame, load_avg: str = "load_avg_1m") -> str:
+    """The ``load`` cell of a table row whose CSV rows are ``df`` (its measured updates, or one
+    job): :func:`weight_transfer.experiments.load.judge` over their ``other_cpu`` (the mean
+    weighted by their ``seconds`` where the CSV has them), the load average in column ``load_avg``
+    and ``cpus`` (columns a CSV may lack: ``not recorded``)."""
+    from .load import cell, judge
+
+    return cell(judge(_col(df, "other_cpu"), _col(df, load_avg), _col(df, "cpus"),
+                      df["seconds"] if "seconds" in df else None))
 
 
 def _p50(seconds) -> float:
@@ -121,7 +140,8 @@ def _trial_rows(df: pd.DataFrame) -> list[dict]:
         p50 = _p50(warm["seconds"])
         nbytes = int(warm["bytes"].iloc[0])
         out.append(dict(method=_method(run.iloc[0]), world=_world(run.iloc[0]), bytes=f"{nbytes:,}", p50=p50,
-                        gbps=f"{nbytes / p50 / 1e9:.3f}", verified=f"{int(_bool(run['verified']).sum())}/{len(run)}"))
+                        gbps=f"{nbytes / p50 / 1e9:.3f}", verified=f"{int(_bool(run['verified']).sum())}/{len(run)}",
+                        load=load_cell(warm)))
     return out
 
 
@@ -133,7 +153,7 @@ def _peer_rows(df: pd.DataFrame) -> list[dict]:
         p50, nbytes = _p50(g["seconds"]), int(g["bytes"].iloc[0])
         out.append(dict(method=f"{peer}: {transport}", world=f"{int(g['n_train'].iloc[0])} -> {int(g['n_infer'].iloc[0])}",
                         bytes=f"{nbytes:,}", p50=p50, gbps=f"{nbytes / p50 / 1e9:.3f}",
-                        verified=f"{int(_bool(g['verified']).sum())}/{len(g)}"))
+                        verified=f"{int(_bool(g['verified']).sum())}/{len(g)}", load=load_cell(g)))
     return out
 
 
@@ -147,7 +167,7 @@ def _sim_rows(df: pd.DataFrame, config: str) -> tuple[list[dict], str]:
         r = by[method]
         out.append(dict(method=label, world=f"{int(r['n_train'])} -> {int(r['n_infer'])} {r['layout']}",
                         bytes=f"{int(r['bytes']):,} (all receivers)", p50=float(r["seconds"]),
-                        gbps=f"{int(r['bytes']) / float(r['seconds']) / 1e9:,.0f}", verified="simulated"))
+                        gbps=f"{int(r['bytes']) / float(r['seconds']) / 1e9:,.0f}", verified="simulated", load="-"))
     ref = by["overlapped_writes"]
     note = (f"published {float(ref['published_seconds']):.2f} s, floor {float(ref['floor_seconds']):.3f} s "
             f"({ref['hardware']})")
@@ -161,7 +181,8 @@ TRL_MODES = {"off": "`shadow=off`: /pause per sync", "auto": "`shadow=auto`: no 
 def _trl_rows(df: pd.DataFrame) -> list[dict]:
     """``bench-trl``'s latest run: one row per (ranks, mode) that completed; p50 = the sync's
     window (rank 0's ``_sync_weight``), the rollout tokens/s during syncs against between in the
-    method cell, the ratio against the pause-based row of the same rank count."""
+    method cell, the ratio against the pause-based row of the same rank count; the load over the
+    job (the load average before it: ``load_avg_1m``, else the older ``load1_start``)."""
     run = _latest(df)
     run = run[run["error"].isna()] if "error" in run else run
     out = []
@@ -174,8 +195,18 @@ def _trl_rows(df: pd.DataFrame) -> list[dict]:
                                f"engine busy {float(r['busy_during']):.2f} vs {float(r['busy_between']):.2f}",
                         world=f"{int(r['ranks'])} -> TP1 (vllm, TRL 1.16{fsdp})", bytes=f"{nbytes:,}", p50=p50,
                         gbps=f"{nbytes / p50 / 1e9:.3f}", verified=f"{int(_bool(pd.Series([r['verified']])).sum())}/1",
-                        ref=float(off["sync_s_p50"].iloc[0]) if len(off) else p50))
+                        ref=float(off["sync_s_p50"].iloc[0]) if len(off) else p50,
+                        load=load_cell(_trl_load(run, r))))
     return out
+
+
+def _trl_load(run: pd.DataFrame, r: pd.Series) -> pd.DataFrame:
+    """Row ``r`` of a ``bench-trl`` run as a frame for :func:`load_cell`, its load average from
+    ``load1_start`` where ``load_avg_1m`` is missing (rows from before it)."""
+    one = run.loc[[r.name]].copy()
+    if "load1_start" in one:
+        one["load_avg_1m"] = one["load_avg_1m"].fillna(one["load1_start"]) if "load_avg_1m" in one else one["load1_start"]
+    return one
 
 
 def group_rows(group: Group, root: Path) -> list[str]:
@@ -196,7 +227,8 @@ def group_rows(group: Group, root: Path) -> list[str]:
         first = i == 0
         ref = r.get("ref", rows[0]["p50"])
         lines.append(f"| {title if first else ''} | {r['method']} | {r['world']} | {r['bytes']} | {r['p50']:.3f} | "
-                     f"{r['gbps']} | {r['p50'] / ref:.2f} | {r['verified']} | {'`' + group.csv + '`' if first else ''} | "
+                     f"{r['gbps']} | {r['p50'] / ref:.2f} | {r['verified']} | {r['load']} | "
+                     f"{'`' + group.csv + '`' if first else ''} | "
                      f"{'`' + group.command + '`' if first else ''} |")
     return lines
 
