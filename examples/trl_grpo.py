@@ -1,6 +1,6 @@
 """TRL's async GRPO (TRL 1.16.0) training a tiny Qwen3 whose rollouts an unmodified vLLM server
 generates, every weight sync written one-sidedly by the ``one_sided`` backend
-(weight_transfer.engines.vllm.trl; docs/VLLM.md, "TRL's async GRPO").
+(weight_transfer.engines.vllm.trl.trainer; docs/VLLM.md, "TRL's async GRPO").
 
     python examples/trl_grpo.py --init /tmp/tiny-qwen3          # the checkpoint + a tokenizer
     VLLM_SERVER_DEV_MODE=1 WT_VLLM_HIDE_AMX=1 python -m vllm.entrypoints.openai.api_server \\
@@ -12,7 +12,7 @@ generates, every weight sync written one-sidedly by the ``one_sided`` backend
 The reward is a toy: the fraction of even token ids in a completion (a random model earns 0.5).
 Prints, per step, the step's mean reward, vLLM's weight version after the step's sync and the
 sync's update seconds. On a CPU-only host TRL's GPU-only pieces are shimmed
-(weight_transfer.engines.vllm.trl_cpu: applied here, explicitly).
+(weight_transfer.engines.vllm.trl.cpu: applied here, explicitly).
 """
 import argparse, os, torch
 from transformers import TrainerCallback
@@ -40,15 +40,15 @@ def main():
     a = p.parse_args()
     if a.init:
         from weight_transfer.engines.vllm import write_checkpoint
-        from weight_transfer.engines.vllm.trl_cpu import write_tokenizer
+        from weight_transfer.engines.vllm.trl.cpu import write_tokenizer
         from weight_transfer.testing.catalog import load_config
         from weight_transfer.testing.tiny import TINY_QWEN3
         cfg = load_config(TINY_QWEN3[0], **TINY_QWEN3[1])
         print(write_tokenizer(write_checkpoint(cfg, a.init, step=0, seed=0), cfg.vocab_size)); return
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig
-    from weight_transfer.engines.vllm.trl import OneSidedAsyncGRPOTrainer, OneSidedWeightTransfer
-    from weight_transfer.engines.vllm.trl_cpu import apply_cpu_shims, even_token_reward
+    from weight_transfer.engines.vllm.trl.trainer import OneSidedAsyncGRPOTrainer, OneSidedWeightTransfer
+    from weight_transfer.engines.vllm.trl.cpu import apply_cpu_shims, even_token_reward
     cpu, world = not torch.cuda.is_available(), int(os.environ.get("WORLD_SIZE", 1))
     if cpu:
         torch.set_num_threads(1); apply_cpu_shims(fsdp2=True)   # opt-in: TRL's GPU-only pieces on a CPU

@@ -204,14 +204,14 @@ def sweep_main(args) -> int:
 
 def recover_main(args) -> int:
     """``weight-transfer vllm-recover --url URL [--force]``: the server's recovery
-    (:func:`weight_transfer.engines.vllm.recover.recover_http`); prints what it released, the
+    (:func:`weight_transfer.engines.vllm.backend.recover.recover_http`); prints what it released, the
     weight version and whether generation resumed, one line each. Exit 2 with one ``error:``
     line for a bad URL or timeout, 1 when the server refuses or does not answer."""
     if not args.url.startswith(("http://", "https://")) or not args.timeout > 0:
         print(f"error: --url {args.url!r} --timeout {args.timeout}: an http(s):// URL and seconds > 0",
               file=sys.stderr)
         return 2
-    from weight_transfer.engines.vllm.recover import ServerError, recover_http
+    from weight_transfer.engines.vllm.backend.recover import ServerError, recover_http
 
     try:
         out = recover_http(args.url, stale_only=not args.force, timeout=args.timeout)

@@ -10,7 +10,7 @@ the fused compare"; :mod:`weight_transfer.delta.packed` has the format and the c
   :data:`~weight_transfer.delta.packed.MIN_LANDING`), register it with the receiver's own
   transport object (cma, shm, nixl: whatever the trial uses) and publish its descriptor at
   :data:`~weight_transfer.delta.packed.LANDING_KEY`, as the vLLM worker does
-  (engines/vllm/delta_apply.py). No landing region where the stand-in cannot scatter (an arena
+  (engines/vllm/worker/delta_apply.py). No landing region where the stand-in cannot scatter (an arena
   on a GPU: the scatter is a host ``memcpy`` loop; shadow targets: the commit is the go-live);
   with ``--delta-mode packed`` that is a ValueError naming why (never a silent fallback),
   with ``auto`` a log line.

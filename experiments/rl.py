@@ -344,8 +344,8 @@ class OracleCheck:
     :func:`final_check` runs the same comparison against a fresh vLLM."""
 
     def __init__(self, rank: int, engine, cfg):
-        from weight_transfer.engines.vllm.runtime import runtime_layout
         from weight_transfer.engines.vllm.verify import fixed_prompts
+        from weight_transfer.engines.vllm.worker.runtime import runtime_layout
 
         self.rank, self.engine, self.cfg = rank, engine, cfg
         self.prompts = fixed_prompts(cfg.vocab_size)
@@ -367,8 +367,8 @@ class OracleCheck:
         "mismatched": [names], "logprob_ulps", "logprob_maxdiff" (nats; None when the tokens
         differ), "seconds"}`` (the same on every rank). ``reload=False``: rank 1's engine already
         holds ``served`` (:func:`final_check`)."""
-        from weight_transfer.engines.vllm.runtime import STAGING_SUFFIX
         from weight_transfer.engines.vllm.verify import outputs_equal, staging_oracle
+        from weight_transfer.engines.vllm.worker.runtime import STAGING_SUFFIX
 
         t0 = time.perf_counter()
         if reload:

@@ -2,17 +2,17 @@
 rules for the three families that have them, the recipes traced from vLLM's own loader for the
 rest, where a vLLM is installed (C29).
 
-A live vLLM worker traces its own loader (:mod:`weight_transfer.engines.vllm.trace`); without
+A live vLLM worker traces its own loader (:mod:`weight_transfer.engines.vllm.trace.loader`); without
 one, :func:`recipes_for` traces in a child process from the model's ``config.json``
-(:func:`weight_transfer.engines.vllm.trace.trace_subprocess`: a meta skeleton per TP rank, no
+(:func:`weight_transfer.engines.vllm.trace.loader.trace_subprocess`: a meta skeleton per TP rank, no
 weights) and keeps the traces in a cache directory (``WT_TRACE_CACHE``, default
 ``~/.cache/weight_transfer/traces``), keyed by the config, the layout and vLLM's version, so a
 sweep traces each (model, layout) once. The report says which recipes it planned with.
 """
 from __future__ import annotations
 
-from weight_transfer.engines.vllm.trace import layout_spec  # re-exported
-from weight_transfer.engines.vllm.trace_cache import trace_cache_dir  # re-exported
+from weight_transfer.engines.vllm.trace.cache import trace_cache_dir  # re-exported
+from weight_transfer.engines.vllm.trace.loader import layout_spec  # re-exported
 from weight_transfer.model_config import ModelConfig
 from weight_transfer.types import InferenceLayout, PlanError
 
@@ -40,7 +40,7 @@ def recipes_for(mcfg: ModelConfig, layout: InferenceLayout, *, source_dtypes=Non
     if layout.dp_attention:
         raise PlanError(f"model {mcfg.label}: {layout.describe()}: traced recipes are planned without "
                         "data-parallel attention (trace in the workers)")
-    from weight_transfer.engines.vllm.trace_cache import cached_traces
+    from weight_transfer.engines.vllm.trace.cache import cached_traces
     from weight_transfer.testing.catalog import param_specs
 
     traces = cached_traces(mcfg, layout)

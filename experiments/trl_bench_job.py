@@ -5,13 +5,13 @@
 
 TRL 1.16's asynchronous GRPO (``OneSidedAsyncGRPOTrainer``, every rank pushing its own shards;
 two ranks: accelerate's FSDP2 on the CPU over gloo) trains the checkpoint ``--model`` (a Qwen3
-with :func:`~weight_transfer.engines.vllm.trl_cpu.write_tokenizer`'s byte-level tokenizer) for
+with :func:`~weight_transfer.engines.vllm.trl.cpu.write_tokenizer`'s byte-level tokenizer) for
 ``--steps`` optimizer steps against the vLLM server ``--url``, rewarded by
-:func:`~weight_transfer.engines.vllm.trl_cpu.even_token_reward`, every weight sync through
+:func:`~weight_transfer.engines.vllm.trl.cpu.even_token_reward`, every weight sync through
 ``OneSidedWeightTransfer(url, shadow=--shadow)``: ``off`` pauses the server for each sync
 (``/pause?mode=keep`` ... ``/resume``), ``auto`` never does (shadow targets, go-live between two
 engine steps). TRL's GPU-only pieces are shimmed in this process
-(:func:`~weight_transfer.engines.vllm.trl_cpu.apply_cpu_shims`).
+(:func:`~weight_transfer.engines.vllm.trl.cpu.apply_cpu_shims`).
 
 ``--cpus 1,2``: this process (and the rollout worker TRL spawns from rank 0) runs on those CPUs
 only (``sched_setaffinity``), off the server's worker CPU.
@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     from transformers import TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    from weight_transfer.engines.vllm.trl import OneSidedAsyncGRPOTrainer, OneSidedWeightTransfer
-    from weight_transfer.engines.vllm.trl_cpu import apply_cpu_shims, even_token_reward
+    from weight_transfer.engines.vllm.trl.cpu import apply_cpu_shims, even_token_reward
+    from weight_transfer.engines.vllm.trl.trainer import OneSidedAsyncGRPOTrainer, OneSidedWeightTransfer
 
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

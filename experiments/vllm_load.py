@@ -1,10 +1,10 @@
 """A generation load on a real vLLM ``AsyncLLM``: what a client sees while weights are updated.
 
 Issue 38 ("serving never stops") measures the stall an update causes with the engine busy. The
-engine side is the step clock in the worker (:mod:`weight_transfer.engines.vllm.steps`); this is
+engine side is the step clock in the worker (:mod:`weight_transfer.engines.vllm.worker.steps`); this is
 the client side: :class:`AsyncGenerationLoad` keeps ``n_requests`` streaming greedy requests in
 flight on an ``AsyncLLM`` whose event loop runs in another thread (``loop``, as
-:class:`weight_transfer.engines.vllm.backend.AsyncLLMClient` drives it), each finished request
+:class:`weight_transfer.engines.vllm.backend.plugin.AsyncLLMClient` drives it), each finished request
 replaced by a new one until :meth:`AsyncGenerationLoad.stop`. Per token it records the client's
 arrival time (``time.time()`` seconds: the clock the worker's step records use on one host), the
 token and its logprob; per request its ``finish_reason`` and the weight-version spans vLLM 0.32
@@ -18,7 +18,7 @@ request runs its full length: ``finish_reason`` ``"length"`` unless aborted), ou
 ``DELTA`` (default) or ``CUMULATIVE``. Tokens that vLLM's output collector merged into one
 ``RequestOutput`` (a client slower than the engine) share an arrival time.
 
-Example (the test: tests/engines/vllm/test_steps.py)::
+Example (the test: tests/engines/vllm/worker/test_steps.py)::
 
     with async_engine(model_dir) as (engine, loop):
         run(loop, engine.collective_rpc("wt_step_clock_install"))

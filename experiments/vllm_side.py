@@ -4,14 +4,14 @@ One process per vLLM instance (inference ranks ``d*tp .. d*tp+tp-1``): it writes
 checkpoint and starts :class:`weight_transfer.engines.vllm.VllmEngine`.
 
 The reference goes through vLLM's own weight-transfer API with this project's backend
-(:mod:`weight_transfer.engines.vllm.backend`): the engine is started with
+(:mod:`weight_transfer.engines.vllm.backend.plugin`): the engine is started with
 ``weight_transfer_config={"backend": "one_sided"}`` and driven with vLLM's four calls through
-:class:`weight_transfer.engines.vllm.backend.LLMClient`. ``init_weight_transfer_engine`` hands
-every worker the trial's store (:class:`~weight_transfer.engines.vllm.backend.OneSidedInitInfo`:
+:class:`weight_transfer.engines.vllm.backend.plugin.LLMClient`. ``init_weight_transfer_engine`` hands
+every worker the trial's store (:class:`~weight_transfer.engines.vllm.backend.plugin.OneSidedInitInfo`:
 host, port, ``first_rank = d * tp``, ``--vllm-targets``, the transport); each worker's engine
 reports its runtime tensors (after ``process_weights_after_loading``), stages what vLLM keeps
 opaque, registers its memory once and publishes the region descriptor, the destination metadata
-and the :class:`weight_transfer.engines.vllm.runtime.RuntimeLayout` (``meta/infer_runtime/{rank}``),
+and the :class:`weight_transfer.engines.vllm.worker.runtime.RuntimeLayout` (``meta/infer_runtime/{rank}``),
 so the controller plans against the runtime layout (:func:`weight_transfer.plan.retarget.retarget`)
 and the training ranks (:class:`weight_transfer.api.Sender`) write one-sidedly into it. Per
 update: ``pause`` and ``start_weight_update`` when the controller announces the step (before any
@@ -30,7 +30,7 @@ must be equal, the staged bytes must equal what ``load_weights`` makes from the 
 vLLM's weight version (``LLM.get_weight_version``) must be the published one. The live bytes
 are read with :meth:`weight_transfer.engines.vllm.VllmEngine.read` (``collective_rpc`` into
 :mod:`weight_transfer.engines.vllm.extension`, which reads through the backend's own
-:class:`~weight_transfer.engines.vllm.worker_state.WorkerTargets`): the harness's check, no part of
+:class:`~weight_transfer.engines.vllm.worker.state.WorkerTargets`): the harness's check, no part of
 the update.
 
 Baselines (``--method rank0_funnel|rpc``, ``--tp 1``): the method's own inference side
@@ -264,7 +264,7 @@ def _init_backend(engine, cfg, instance: int, addr: tuple[str, int], store, rank
     (see the module docstring); returns ``(client, {rank: RuntimeLayout})``, the layouts as the
     workers published them (each with its registered region). RuntimeError naming the rank when
     a worker published nothing."""
-    from weight_transfer.engines.vllm.backend import LLMClient
+    from weight_transfer.engines.vllm.backend.plugin import LLMClient
 
     client = LLMClient(engine.llm, reset_prefix_cache=False)  # the harness resets after publishing
     client.init_weight_transfer_engine({
@@ -338,7 +338,7 @@ def _start_instance(cfg, instance: int, addr: tuple[str, int], store, clients: d
     by rank, weight-transfer client or None, baseline side or None, its loader or None)``; on
     an error the abort key names the instance and no vLLM process outlives it."""
     from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
-    from weight_transfer.engines.vllm.backend import BACKEND
+    from weight_transfer.engines.vllm.backend.plugin import BACKEND
     from weight_transfer.method import InferenceContext
 
     from .methods import get_method
@@ -464,7 +464,7 @@ def vllm_instance_main(cfg, instance: int, addr: tuple[str, int], parent: int | 
     """vLLM instance ``instance`` of the trial (see module docstring). Runs in a process group
     of its own (:func:`own_process_group`): no vLLM process outlives it."""
     own_process_group(parent)
-    from weight_transfer.engines.vllm.backend import INCOMPLETE
+    from weight_transfer.engines.vllm.backend.plugin import INCOMPLETE
     from weight_transfer.engines.vllm.verify import fixed_prompts
 
     from .methods import serve_active_step

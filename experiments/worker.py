@@ -312,7 +312,7 @@ def _setup_inference(cfg: TrialConfig, rank: int, store, client, local_rank: int
         alloc = T.allocate if (cfg.run.method == "reference" and getattr(T, "publishes_allocated_only", False)) else None
         engine = Engine(mcfg, cfg.inference, rank, device=device, allocate=alloc)
         if not mcfg.hand_written:  # C29: the loader trace the engine's tensors come from, for the plan
-            from weight_transfer.engines.vllm.trace_cache import cached_traces
+            from weight_transfer.engines.vllm.trace.cache import cached_traces
             from weight_transfer.plan.traced import TRACE_KEY
 
             control.put(store, TRACE_KEY.format(rank=rank), cached_traces(mcfg, cfg.inference)[rank])

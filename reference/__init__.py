@@ -5,7 +5,7 @@ from its FSDP2 module and call :meth:`Sender.push` after each ``optimizer.step()
 :class:`Coordinator` (in training rank 0 or its own process) plans once and publishes the
 weight versions; a :class:`Receiver` on every inference rank registers that engine's tensors
 once. For vLLM, the registered weight-transfer backend does the inference side for you
-(``weight_transfer.engines.vllm.backend``: ``LLM(..., weight_transfer_config={"backend":
+(``weight_transfer.engines.vllm.backend.plugin``: ``LLM(..., weight_transfer_config={"backend":
 "one_sided"})``). Everything else in the package (planner, executor, transports) is importable
 for those who build their own, and documented in docs/.
 

@@ -43,8 +43,8 @@ def _state(c) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from tests.helpers.api_world import run
     from tests.api.test_api_faults import WORLDS
+    from tests.helpers.api_world import run
 
     names = argv or list(WORLDS)
     bad = [n for n in names if n not in WORLDS]

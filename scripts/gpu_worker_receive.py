@@ -5,13 +5,13 @@ written one-sidedly by another process through ``cuda_ipc`` (issue 42, item 3): 
     python scripts/gpu_worker_receive.py [--device cuda|cpu] [--timeout S]
 
 No vLLM is needed (the lent H200 image has none): the path it drives is
-:meth:`weight_transfer.engines.vllm.worker_state.WorkerTargets.receive`, which the backend's
+:meth:`weight_transfer.engines.vllm.worker.state.WorkerTargets.receive`, which the backend's
 ``OneSidedWeightTransferEngine.init_transfer_engine`` calls after vLLM's post-processing, here over
 a plain module instead of a vLLM model:
 
 1. a small bf16 module on ``--device`` (an embedding, two linears, a layer norm: 6 parameters, each
    its own allocation), reported as a worker reports its model (``WorkerTargets.report`` ->
-   :func:`weight_transfer.engines.vllm.runtime.runtime_layout`);
+   :func:`weight_transfer.engines.vllm.worker.runtime.runtime_layout`);
 2. ``WorkerTargets.receive(layout, transport="auto")``: the transport chosen from the tensors'
    memory (``cuda_ipc`` for CUDA, ``cma`` for host memory), one region of one part per
    allocation registered in a :class:`weight_transfer.api.Receiver` and published in the store;
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     try:
         from weight_transfer.api import serve_store
         from weight_transfer.control import protocol as control
-        from weight_transfer.engines.vllm.runtime import runtime_layout
-        from weight_transfer.engines.vllm.worker_state import WorkerTargets, choose_transport
+        from weight_transfer.engines.vllm.worker.runtime import runtime_layout
+        from weight_transfer.engines.vllm.worker.state import WorkerTargets, choose_transport
     except ImportError as e:
         print(f"error: {sys.executable} cannot import weight_transfer ({e}); run with a python that has the project "
               "installed (pip install -e .)", file=sys.stderr)

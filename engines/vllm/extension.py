@@ -14,7 +14,7 @@ Methods (all return plain picklable data; tensors only from ``wt_read``):
   second name is an alias), every **derived** tensor that post-processing attached to a
   module outside ``named_parameters`` (MLA ``W_UV`` / ``W_UK_T``, CPU GEMM packed weights held
   in ``layer.cpu_linear``'s closure, oneDNN handles), each MoE layer's expert kernel (class,
-  ISA), and the worker's pid, TP rank and host. See ``engines/vllm/runtime.py`` for how the
+  ISA), and the worker's pid, TP rank and host. See ``engines/vllm/worker/runtime.py`` for how the
   planner uses it.
 - :meth:`wt_register`: registers, in the worker, the byte range holding the destination tensors
   with the CMA transport and returns its region descriptor (once).
@@ -27,7 +27,7 @@ Methods (all return plain picklable data; tensors only from ``wt_read``):
 - :meth:`wt_reload_begin` / :meth:`wt_load_weights` / :meth:`wt_reload_finish`: vLLM's own
   in-place reload, as the baselines use it (see the methods).
 
-The ``wt_report`` ... ``wt_commit`` logic is :class:`weight_transfer.engines.vllm.worker_state.WorkerTargets`;
+The ``wt_report`` ... ``wt_commit`` logic is :class:`weight_transfer.engines.vllm.worker.state.WorkerTargets`;
 the methods here delegate to one instance per worker. When the worker also runs the one-sided
 weight-transfer backend (``weight_transfer_config={"backend": "one_sided"}``), that instance is the
 backend engine's own (:attr:`OneSidedWeightTransferEngine.targets`), so reads see its staging tensors.
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from .draft_targets import worker_draft
-from .worker_state import (
+from weight_transfer.engines.vllm.worker.draft_targets import worker_draft
+from weight_transfer.engines.vllm.worker.state import (
     HIDE_AMX_ENV,
     IN_PLACE_METHODS,
     STAGING_ALIGN,
@@ -143,8 +143,8 @@ class WeightTransferExtension:
         :func:`vllm.model_executor.model_loader.reload.finalize_layerwise_reload` processes
         the layers not processed yet (attention, partly loaded ones) and puts the running
         tensors back on every layer; then each tied layer's ``quant_method.process_weights_after_loading``
-        again (:func:`weight_transfer.engines.vllm.worker_state.tied_modules`) and each CPU MoE layer's expert prepack
-        (:func:`weight_transfer.engines.vllm.worker_state.cpu_moe_layers`): two steps vLLM 0.32's reload leaves out on CPU."""
+        again (:func:`weight_transfer.engines.vllm.worker.state.tied_modules`) and each CPU MoE layer's expert prepack
+        (:func:`weight_transfer.engines.vllm.worker.state.cpu_moe_layers`): two steps vLLM 0.32's reload leaves out on CPU."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -158,31 +158,31 @@ class WeightTransferExtension:
 
     @staticmethod
     def _wt_cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
-        """:func:`weight_transfer.engines.vllm.worker_state.cpu_moe_layers`."""
+        """:func:`weight_transfer.engines.vllm.worker.state.cpu_moe_layers`."""
         return cpu_moe_layers(model)
 
     @staticmethod
     def _wt_tied_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        """:func:`weight_transfer.engines.vllm.worker_state.tied_modules`."""
+        """:func:`weight_transfer.engines.vllm.worker.state.tied_modules`."""
         return tied_modules(model)
 
     # ------------------------------------------------------------ the step clock (issue 38)
     def wt_step_clock_install(self) -> dict:
         """Install the step clock on this worker's model, once (idempotent):
-        :meth:`weight_transfer.engines.vllm.steps.StepClock.install`. Returns ``{"pid",
+        :meth:`weight_transfer.engines.vllm.worker.steps.StepClock.install`. Returns ``{"pid",
         "tp_rank", "installed_at"}`` (``time.time()`` seconds of the first install)."""
         import os
 
-        from .steps import StepClock
+        from weight_transfer.engines.vllm.worker.steps import StepClock
 
         clock = StepClock.install(self._wt_model())
         return {"pid": os.getpid(), "tp_rank": self._wt_tp_rank(), "installed_at": clock.installed_at}
 
     def wt_steps(self, since: float = 0.0) -> dict:
         """This worker's step records and marks ending after ``since`` (``time.time()``
-        seconds): :meth:`weight_transfer.engines.vllm.steps.StepClock.snapshot` plus
+        seconds): :meth:`weight_transfer.engines.vllm.worker.steps.StepClock.snapshot` plus
         ``"tp_rank"``. RuntimeError when :meth:`wt_step_clock_install` was not called."""
-        from .steps import StepClock
+        from weight_transfer.engines.vllm.worker.steps import StepClock
 
         clock = StepClock.of(self._wt_model())
         if clock is None:
@@ -196,7 +196,7 @@ class WeightTransferExtension:
         when no clock is installed."""
         import time
 
-        from .steps import mark
+        from weight_transfer.engines.vllm.worker.steps import mark
 
         t0 = time.time()
         if hold_s > 0:

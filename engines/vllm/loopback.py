@@ -1,7 +1,7 @@
 """One-sided updates of a live vLLM engine from one training process holding whole tensors.
 
 The smallest complete path, used by the vLLM tests and by ``python -m weight_transfer.engines.vllm.demo``:
-the runtime layout the engine reports -> recipes aimed at it (:func:`weight_transfer.engines.vllm.runtime.retarget`)
+the runtime layout the engine reports -> recipes aimed at it (:func:`weight_transfer.engines.vllm.worker.runtime.retarget`)
 -> the real planner -> the real executor -> ``process_vm_writev`` into the vLLM worker
 process(es). Around the writes only control-plane calls reach vLLM: pause, reset the prefix
 cache, resume. The multi-process trial (``weight-transfer run --engine vllm``) uses the
@@ -13,13 +13,12 @@ import time
 
 import torch
 
+from weight_transfer.engines.vllm.worker.runtime import retarget
 from weight_transfer.pipeline.executor import Executor
 from weight_transfer.plan import build_recipes, plan
 from weight_transfer.plan.metadata import whole_metas
 from weight_transfer.transport import make_transport
 from weight_transfer.types import InferenceLayout, ParamMeta, dtype_name
-
-from .runtime import retarget
 
 __all__ = ["OneSidedUpdater", "source_metas"]
 

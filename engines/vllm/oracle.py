@@ -13,8 +13,8 @@ environment cache, the torch.distributed group, thread binding, a frozen GC heap
     # jobs.json: {"step1": {"dir": "/tmp/ck1", "prompts": [[1, 2, 3]], "hide_amx": true}, ...}
 
 ``hide_amx``: vLLM's AMX check answers as on a CPU without AMX during that start
-(:func:`weight_transfer.engines.vllm.worker_state.amx_check`), the in-process counterpart of
-:data:`weight_transfer.engines.vllm.worker_state.HIDE_AMX_ENV`. The output is
+(:func:`weight_transfer.engines.vllm.worker.state.amx_check`), the in-process counterpart of
+:data:`weight_transfer.engines.vllm.worker.state.HIDE_AMX_ENV`. The output is
 ``torch.save({key: snapshot})``; :func:`fresh_snapshots_subprocess` runs it and loads it.
 """
 from __future__ import annotations
@@ -38,10 +38,10 @@ def fresh_snapshots(jobs: dict[str, dict], *, max_tokens: int = 6) -> dict[str, 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm.envs
 
-    from .engine import VllmEngine
-    from .runtime import runtime_layout
-    from .verify import snapshot
-    from .worker_state import amx_check
+    from weight_transfer.engines.vllm.engine import VllmEngine
+    from weight_transfer.engines.vllm.verify import snapshot
+    from weight_transfer.engines.vllm.worker.runtime import runtime_layout
+    from weight_transfer.engines.vllm.worker.state import amx_check
 
     out = {}
     for key, job in jobs.items():

@@ -3,7 +3,7 @@ outputs must equal those of a fresh vLLM engine started from that step's checkpo
 staging bytes must equal what ``load_weights`` makes from that checkpoint.
 
 :func:`snapshot` reads, from one engine, every addressable runtime weight tensor
-(:attr:`weight_transfer.engines.vllm.runtime.RuntimeLayout.check`: the direct targets, packed copies, a staged
+(:attr:`weight_transfer.engines.vllm.worker.runtime.RuntimeLayout.check`: the direct targets, packed copies, a staged
 MoE layer's re-prepacked experts; never staging tensors), the staging tensors (staged targets,
 checkpoint layout) and greedy tokens and logprobs for fixed prompts; :func:`compare_snapshots`
 compares two snapshots byte for byte and token for token (logprobs within
@@ -66,7 +66,7 @@ def fixed_prompts(vocab_size: int, *, long_tokens: int = 2 * KV_BLOCK_TOKENS + 1
 def snapshot(engine, layouts: dict, prompts: list[list[int]] | None = None, *, max_tokens: int = 6) -> dict:
     """``{"tensors": {rank: {name: tensor}}, "staging": {rank: {name: tensor}}, "outputs":
     [(tokens, logprobs)] | None}`` of ``engine``: every name of ``layouts[r].check`` (rank ->
-    :class:`~weight_transfer.engines.vllm.runtime.RuntimeLayout`; the same names on every rank of one engine)
+    :class:`~weight_transfer.engines.vllm.worker.runtime.RuntimeLayout`; the same names on every rank of one engine)
     and every staging tensor; with a speculative-decoding draft also ``"acceptance"``: per prompt,
     the draft tokens accepted at each verify step (:attr:`weight_transfer.engines.vllm.engine.VllmEngine.acceptance`)."""
     names = sorted({n for lay in layouts.values() for n in lay.check})
@@ -89,9 +89,8 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int, draft: str
     skeleton, in a child process (:func:`_loader_staging_oracle`; ``draft="mtp"``: the engine serves
     the MTP draft too, whose staged parameters are named ``draft.`` + vLLM's name)."""
     from weight_transfer.engines.engine import Engine
+    from weight_transfer.engines.vllm.worker.runtime import STAGING_SUFFIX
     from weight_transfer.types import InferenceLayout
-
-    from .runtime import STAGING_SUFFIX
 
     names = list(names)
     if not cfg.hand_written:  # no stand-in for this architecture: vLLM's own load_weights, on the CPU
@@ -118,14 +117,14 @@ def staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int, draft: str
 def _loader_staging_oracle(cfg, layouts: dict, get_tensor, names, *, tp: int, draft: str | None = None) -> dict[int, dict]:
     """:func:`staging_oracle` for an architecture without hand-written rules (C29): what vLLM's
     own ``load_weights`` makes of the full checkpoint tensors, in a child process, on a CPU
-    skeleton (:func:`weight_transfer.engines.vllm.trace.loaded_params`): the engine's loader on
+    skeleton (:func:`weight_transfer.engines.vllm.trace.loader.loaded_params`): the engine's loader on
     real bytes, independent of the traced recipes the update was planned with."""
     import json
     import tempfile
 
-    from .checkpoint import hf_config
-    from .runtime import STAGING_SUFFIX
-    from .trace import loaded_params_subprocess
+    from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.engines.vllm.trace.loader import loaded_params_subprocess
+    from weight_transfer.engines.vllm.worker.runtime import STAGING_SUFFIX
 
     want = {}
     for lay in layouts.values():
@@ -162,7 +161,7 @@ def compare_snapshots(live: dict, fresh: dict, *, staging_expected: dict | None 
     ``staging_expected`` (rank -> {parameter: tensor}) is a mismatch. ``"acceptance_ok"``: with a
     speculative-decoding draft in both snapshots, whether the draft tokens accepted at every
     verify step of every prompt are the same (None otherwise)."""
-    from .runtime import STAGING_SUFFIX
+    from weight_transfer.engines.vllm.worker.runtime import STAGING_SUFFIX
 
     bad, checked = [], 0
     if set(live["tensors"]) != set(fresh["tensors"]):
@@ -208,7 +207,7 @@ def compare_snapshots(live: dict, fresh: dict, *, staging_expected: dict | None 
 
 def coverage(layouts: dict, result: dict | None = None) -> dict:
     """Fractions of the engine's weight bytes (all ranks of ``layouts``; see
-    :attr:`weight_transfer.engines.vllm.runtime.RuntimeLayout.engine_bytes`) each check covered:
+    :attr:`weight_transfer.engines.vllm.worker.runtime.RuntimeLayout.engine_bytes`) each check covered:
     ``direct`` (compared byte for byte with a fresh vLLM), ``staged`` (opaque state whose source,
     the staging bytes or an in-place weight, was compared with the checkpoint), ``outputs_only``
     (opaque state checked through greedy tokens and logprobs only); plus ``engine_bytes``,

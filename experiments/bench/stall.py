@@ -9,9 +9,9 @@ backend re-initialised between modes):
 - ``pause``: ``pause_generation(mode="keep")`` -> the update -> ``resume_generation()``
   (what RL frameworks do today: the stall is the whole update);
 - ``copy`` / ``flip``: shadow targets, no pause; the go-live is one engine-core call between
-  two steps (engines/vllm/shadow.py).
+  two steps (engines/vllm/worker/shadow.py).
 
-The engine's steps are timestamped in the worker (engines/vllm/steps.py); each update's stall
+The engine's steps are timestamped in the worker (engines/vllm/worker/steps.py); each update's stall
 is the longest gap between two engine steps that overlaps the update (experiments/stall.py),
 beside the update's seconds, the go-live's, the longest gap between steps during and between
 updates, tokens/s during and between. Every update is verified: every addressable runtime byte
@@ -169,7 +169,7 @@ def _push(mode: str, trainer, load, version: int) -> tuple[float, float, float |
 
 def _mode_rows(mode, pushes, clock, extra_bytes, checks) -> tuple[list[dict], list, list]:
     """The rows of one mode from its pushes, the worker's step clock and the byte checks."""
-    from weight_transfer.engines.vllm.steps import step_log
+    from weight_transfer.engines.vllm.worker.steps import step_log
 
     from ..stall import between_stats, update_stall
 
@@ -205,9 +205,9 @@ def run_vllm(c: StallBenchConfig) -> tuple[list[dict], dict, dict, list[str]]:
 
     from weight_transfer.control import protocol as control
     from weight_transfer.engines.vllm import write_checkpoint
-    from weight_transfer.engines.vllm.backend import AsyncLLMClient, DTensorSource, OneSidedTrainerInitInfo
+    from weight_transfer.engines.vllm.backend.plugin import AsyncLLMClient, DTensorSource, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
-    from weight_transfer.engines.vllm.runtime import runtime_layout
+    from weight_transfer.engines.vllm.worker.runtime import runtime_layout
 
     from ..vllm_load import AsyncGenerationLoad, async_engine, run
 

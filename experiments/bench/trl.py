@@ -5,9 +5,9 @@ its own, and syncs the weights after every optimizer step. ``OneSidedWeightTrans
 shadow="off")`` pauses the server for each sync (``POST /pause?mode=keep`` ... ``/resume``): no
 token is generated while the bytes move. ``shadow="auto"`` never pauses: the writes land in a
 shadow copy while vLLM keeps generating, and the go-live is one engine-core call between two
-engine steps (engines/vllm/trl.py, engines/vllm/recover.py ``go_live_http``). This benchmark runs
+engine steps (engines/vllm/trl/trainer.py, engines/vllm/backend/recover.py ``go_live_http``). This benchmark runs
 both inside real TRL jobs and reads, from the vLLM worker's own step clock
-(engines/vllm/steps.py), how much generation the syncs cost.
+(engines/vllm/worker/steps.py), how much generation the syncs cost.
 
 One server (:class:`weight_transfer.experiments.vllm_server.VLLMServer`) for the whole benchmark;
 for each ``ranks`` value (1: one training process; 2: two under ``torch.distributed.run``,
@@ -280,7 +280,7 @@ def job_metrics(report: dict, clock: dict, warmup: int) -> dict:
 def _checkpoint(c: TrlBenchConfig, root: Path) -> tuple[str, object]:
     """The model at step 0 (synthetic weights) with the byte-level tokenizer: (dir, ModelConfig)."""
     from weight_transfer.engines.vllm import write_checkpoint
-    from weight_transfer.engines.vllm.trl_cpu import write_tokenizer
+    from weight_transfer.engines.vllm.trl.cpu import write_tokenizer
     from weight_transfer.testing.catalog import load_config
     from weight_transfer.testing.tiny import TINY_QWEN3
 
@@ -323,7 +323,7 @@ def _verify(c: TrlBenchConfig, out: Path, prompts, after) -> tuple[bool | None, 
 def run_job(c: TrlBenchConfig, srv, model: str, root: Path, ranks: int, mode: str, cpus: str, prompts) -> dict:
     """One job against ``srv`` (:class:`VLLMServer`), measured and verified: its row (without
     the run's columns); ``prompts``: the fixed prompts of the verification. A failed job gives a row with ``error`` (and the server released)."""
-    from weight_transfer.engines.vllm.recover import recover_http
+    from weight_transfer.engines.vllm.backend.recover import recover_http
 
     out, n = root / f"ranks{ranks}-{mode}", 1
     while out.exists():  # a (ranks, mode) run twice

@@ -41,7 +41,7 @@ docs/SECURITY.md) and one-sided writes (the data plane, :mod:`weight_transfer.tr
   (:meth:`Receiver.read_consistent`).
 
 The harness (``weight_transfer.experiments``) is one user of these objects, the vLLM
-weight-transfer backend (``weight_transfer.engines.vllm.backend``) another, and
+weight-transfer backend (``weight_transfer.engines.vllm.backend.plugin``) another, and
 ``examples/train_and_push.py`` a third.
 
 Errors: bad arguments raise ``ValueError``/``TypeError`` naming the argument before any byte

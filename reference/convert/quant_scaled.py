@@ -22,7 +22,7 @@ another domain -- the whole tensor, or each whole row::
     scale = max(amax, 1e-12) / 448.0                             (float32)
     q     = clamp(x / scale, -448, 448).to(float8_e4m3fn)        (true division)
 
-The same functions make the oracle's FP8 checkpoint (:func:`weight_transfer.engines.vllm.trace_fp8.fp8_checkpoint`)
+The same functions make the oracle's FP8 checkpoint (:func:`weight_transfer.engines.vllm.trace.fp8.fp8_checkpoint`)
 and the transfer's outputs (:func:`weight_transfer.convert.transforms.apply_transform`), so the bytes a
 recipe writes are those vLLM's ``load_weights`` makes of that checkpoint.
 """

@@ -2,7 +2,7 @@
 
 :func:`weight_transfer.plan.build_recipes` writes the engine's tensors as ``load_weights`` fills
 them. A running engine may compute with other memory: a packed copy of a linear weight, a
-permuted expert tensor (``engines/vllm/runtime.py`` classifies what vLLM reports). The engine
+permuted expert tensor (``engines/vllm/worker/runtime.py`` classifies what vLLM reports). The engine
 side publishes, per inference rank, an object with
 
 - ``targets``: records with ``param`` (the engine tensor a recipe writes), ``name`` (the

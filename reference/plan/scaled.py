@@ -4,7 +4,7 @@ An engine serving per-tensor FP8 (``InferenceLayout.quant == "fp8-tensor"``) or 
 (``"fp8-channel"``) loads each quantized linear weight ``x.weight`` as ``float8_e4m3fn`` and its
 float32 ``x.weight_scale`` from a checkpoint that stores both
 (:mod:`weight_transfer.convert.quant_scaled`). The trace of that checkpoint form
-(:func:`weight_transfer.engines.vllm.trace_fp8.trace_quantized`) says where each checkpoint
+(:func:`weight_transfer.engines.vllm.trace.fp8.trace_quantized`) says where each checkpoint
 tensor's rows go (the weight's pieces) and where its scale goes (the scale's pieces):
 
 - per-tensor: ``weight_scale`` is one value per logical shard (``qkv_proj``: ``[3]``, one slot

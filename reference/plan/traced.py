@@ -5,7 +5,7 @@ model vLLM serves is planned from a **loader trace**: each vLLM worker runs its 
 ``load_weights`` once, on ``meta`` tensors (a skeleton of the model, never the live weights),
 with the trainer's checkpoint names and shapes as input, and records every ``copy_`` into a
 parameter (which slice of which checkpoint tensor lands at which slice of which parameter) and
-every zero fill (vocabulary padding). :mod:`weight_transfer.engines.vllm.trace` makes the traces
+every zero fill (vocabulary padding). :mod:`weight_transfer.engines.vllm.trace.loader` makes the traces
 (it needs vLLM); this module, which does not, turns the traces of every inference rank into the
 planner's :class:`~weight_transfer.plan.RecipeSet` (:func:`recipes_from_traces`), and compares two
 recipe sets destination byte by destination byte (:func:`compare_recipes`, the cross-check of the
@@ -75,11 +75,11 @@ class LoaderTrace:
     rank (a tied ``lm_head.weight``, experts of another EP rank, rotary buffers); ``error``: the
     loader raised (one line) and the trace is unusable; ``source``: which loader, e.g.
     ``"vllm 0.32.0 LlamaForCausalLM.load_weights"``; ``seconds``: how long tracing took.
-    A block-FP8 engine (:mod:`weight_transfer.engines.vllm.trace_fp8`): ``quantized``, checkpoint
+    A block-FP8 engine (:mod:`weight_transfer.engines.vllm.trace.fp8`): ``quantized``, checkpoint
     name -> shape of each trainer tensor the engine loads as ``float8_e4m3fn`` + ``weight_scale_inv``
     (the trace is of that checkpoint form); ``kept``, quantization-state parameters (KV-cache and
     activation scales) the loader left at the engine's own value. An engine serving a draft model
-    (:mod:`weight_transfer.engines.vllm.trace_draft`): the draft's parameters are in ``params``
+    (:mod:`weight_transfer.engines.vllm.trace.draft`): the draft's parameters are in ``params``
     under ``draft.``; ``shared``, checkpoint name -> the target tensor that serves the draft
     parameter it would fill (an MTP draft's embedding and head)."""
 

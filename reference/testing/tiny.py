@@ -11,10 +11,10 @@ mistake. (A ``MappingProxyType`` does not pickle: hand a ``dict(...)`` copy to a
   (the catalog's ``num_experts_per_tok=8``: every token routed to all 8), hidden 256, expert FFN 128, 4 query / 2 KV heads of 64,
   vocabulary 1024 (``intermediate_size=512`` is the catalog's dense-FFN field, unused by its
   all-MoE layers). Used by tests/engines/vllm/test_engine.py (``MODELS["qwen3_moe"]``,
-  ``MODELS["qwen3_moe_staged"]``) and tests/engines/vllm/test_backend.py (``WORLDS["host_path"]``).
+  ``MODELS["qwen3_moe_staged"]``) and tests/engines/vllm/backend/test_plugin.py (``WORLDS["host_path"]``).
 - :data:`TINY_QWEN3`: ``qwen3-0.6b`` (``Qwen3ForCausalLM``: dense, tied embeddings), 2 layers,
   hidden 256, FFN 512, 4 query / 2 KV heads of 64, vocabulary 1024. Used by
-  tests/engines/vllm/test_engine.py (``MODELS["qwen3"]``), tests/engines/vllm/test_backend.py
+  tests/engines/vllm/test_engine.py (``MODELS["qwen3"]``), tests/engines/vllm/backend/test_plugin.py
   (``WORLDS["no_amx"]``), tests/experiments/test_vllm_side.py (as ``--override`` arguments:
   :func:`override_args`) and scripts/gpu_vllm_backends.py (every backend's model).
 """

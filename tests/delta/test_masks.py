@@ -429,13 +429,13 @@ def test_overlapping_records_are_refused_before_any_byte_is_scattered():
 
 
 def test_a_deferred_record_left_after_the_commit_fails_it():
-    """engines/vllm/delta_apply.finish: a deferred record the commit's copies did not take is
+    """engines/vllm/worker/delta_apply.finish: a deferred record the commit's copies did not take is
     scattered into the staging, and the rank's commit is reported failed (the layer vLLM
     computes with lacks those bytes): RuntimeError, ``ok`` False in the store."""
     from types import SimpleNamespace
 
     from weight_transfer.control import protocol as control
-    from weight_transfer.engines.vllm import delta_apply
+    from weight_transfer.engines.vllm.worker import delta_apply
 
     rx, tx, landing, pk, region = _cma_landing()
     new = region.clone()

@@ -49,7 +49,7 @@ def test_draft_refused_one_line():
     assert len(_cfg().train_specs()) > len(_cfg(draft=None).train_specs())
 
 
-@pytest.mark.long  # 45 s here; the traced draft's recipes are checked in CI by tests/engines/vllm/test_trace.py
+@pytest.mark.long  # 45 s here; the traced draft's recipes are checked in CI by tests/engines/vllm/trace/test_loader.py
 def test_a_traced_models_mtp_draft_is_traced_and_verified_against_vllms_loaders(tmp_path, monkeypatch):
     """GLM-4.5-Air (no hand-written rules) serving its MTP layer as the draft: target and draft both
     planned from vLLM's loaders traced in a child (``Glm4MoeForCausalLM`` + ``Glm4MoeMTP``), every

@@ -222,7 +222,7 @@ def test_c29_traced_architecture_on_the_stand_in_engine(tmp_path, monkeypatch):
     cfg = small(model="opt-125m", overrides=dict(TINY_TRACED["opt-125m"]), steps=1)
     res = run_trial(cfg)
     assert_all_verified(res, 1)
-    assert len(list((tmp_path / "traces").glob("*.msgpack"))) == 1  # the data-only cache (engines/vllm/trace.py)
+    assert len(list((tmp_path / "traces").glob("*.msgpack"))) == 1  # the data-only cache (engines/vllm/trace/loader.py)
     with pytest.raises(ValueError, match="no stand-in load_weights .* --engine vllm"):
         run_trial(small(model="opt-125m", overrides=dict(TINY_TRACED["opt-125m"]), method="rank0_funnel"))
     from weight_transfer.experiments.command import main

@@ -10,7 +10,7 @@
 - :mod:`.processes`: a command's processes found by their session;
 - :mod:`.slurm`: driving sweeps on the local SLURM cluster (scripts/slurm_local.sh);
 - :mod:`.api_world`: worlds driven through the public API with faults injected by role, stage and kind (C28);
-- :mod:`.trl_job`: one TRL async GRPO job per training rank, a script (tests/engines/vllm/test_trl.py);
+- :mod:`.trl_job`: one TRL async GRPO job per training rank, a script (tests/engines/vllm/trl/test_trainer.py);
 - :mod:`.mtp_vllm`: vLLM's own MTP draft loaded on the CPU against the stand-in's, a script
   (tests/engines/vllm/test_draft.py).
 """

@@ -121,10 +121,10 @@ def main(out: str, root: str) -> int:
     import torch
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient, OneSidedTrainerInitInfo
+    from weight_transfer.engines.vllm.backend.plugin import DTensorSource, LLMClient, OneSidedTrainerInitInfo
     from weight_transfer.engines.vllm.engine import VllmEngine
-    from weight_transfer.engines.vllm.runtime import runtime_layout
     from weight_transfer.engines.vllm.verify import coverage, snapshot, staging_oracle
+    from weight_transfer.engines.vllm.worker.runtime import runtime_layout
 
     cfg = config()
     ps = prompts(cfg.vocab_size)

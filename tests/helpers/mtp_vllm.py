@@ -24,8 +24,8 @@ def compare(tp: int, rank: int, ep: bool) -> dict:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from weight_transfer.engines import expected_from_checkpoint
-    from weight_transfer.engines.vllm import trace as T
     from weight_transfer.engines.vllm.checkpoint import hf_config
+    from weight_transfer.engines.vllm.trace import loader as T
     from weight_transfer.testing.catalog import load_config, param_specs
     from weight_transfer.testing.weights import SyntheticCheckpoint
     from weight_transfer.types import InferenceLayout

@@ -9,7 +9,7 @@ mean the store answered the outsider.
 Run: ``python -m tests.helpers.outsider HOST PORT STAGE PUSH VERSION OUT MARKER [--tcpstore]
 [--flood]``, or from a test :func:`run_outsider` (a process of its own without the secret in its
 environment) and :func:`check_refused` on its rows: tests/helpers/api_world.py runs it inside an
-update, at the stage named; tests/engines/vllm/test_backend.py and tests/helpers/trl_job.py inside
+update, at the stage named; tests/engines/vllm/backend/test_plugin.py and tests/helpers/trl_job.py inside
 and between the vLLM backend's updates.
 
 Ways in (``via``): ``tls-nocert`` (our framing over TLS without a certificate: the server wants a

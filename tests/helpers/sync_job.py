@@ -1,6 +1,6 @@
 """One training run against a vLLM server through
-:class:`~weight_transfer.engines.vllm.trl.OneSidedWeightTransfer` without TRL's trainer loop
-(case C32, tests/engines/vllm/test_trl.py): run as a script, one training rank.
+:class:`~weight_transfer.engines.vllm.trl.trainer.OneSidedWeightTransfer` without TRL's trainer loop
+(case C32, tests/engines/vllm/trl/test_trainer.py): run as a script, one training rank.
 
 It binds the checkpoint ``--model``'s tensors (``model.safetensors``, plain tensors: the
 source), then per sync ``v`` in ``--versions`` changes every tensor in place (a seeded
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from weight_transfer.engines.vllm.trl import OneSidedWeightTransfer
+    from weight_transfer.engines.vllm.trl.trainer import OneSidedWeightTransfer
 
     torch.set_num_threads(1)
     out = Path(a.out)

@@ -1,13 +1,13 @@
-"""One TRL async GRPO job for tests/engines/vllm/test_trl.py, run as a script on each training
+"""One TRL async GRPO job for tests/engines/vllm/trl/test_trainer.py, run as a script on each training
 rank (``python trl_job.py ...`` for one rank, ``torchrun --nproc-per-node 2 trl_job.py ...``
 for two: accelerate's FSDP2 on the CPU over gloo).
 
-It trains the checkpoint ``--model`` (a tiny Qwen3 with :func:`weight_transfer.engines.vllm.trl_cpu.write_tokenizer`'s
+It trains the checkpoint ``--model`` (a tiny Qwen3 with :func:`weight_transfer.engines.vllm.trl.cpu.write_tokenizer`'s
 tokenizer) against the vLLM server ``--url`` for ``--steps`` steps, with
-:func:`~weight_transfer.engines.vllm.trl_cpu.even_token_reward`, through
-:class:`~weight_transfer.engines.vllm.trl.OneSidedWeightTransfer` -- ``--trainer trl``: TRL's own
+:func:`~weight_transfer.engines.vllm.trl.cpu.even_token_reward`, through
+:class:`~weight_transfer.engines.vllm.trl.trainer.OneSidedWeightTransfer` -- ``--trainer trl``: TRL's own
 ``AsyncGRPOTrainer`` (one rank), ``--trainer one_sided``: ``OneSidedAsyncGRPOTrainer``. TRL's
-GPU-only pieces are shimmed (:func:`~weight_transfer.engines.vllm.trl_cpu.apply_cpu_shims`, in
+GPU-only pieces are shimmed (:func:`~weight_transfer.engines.vllm.trl.cpu.apply_cpu_shims`, in
 this process only).
 
 Probes, in this process only: the calls of TRL's ``_streaming_iter`` and the tensors it yielded;
@@ -69,8 +69,8 @@ def main(argv=None) -> None:
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
-    from weight_transfer.engines.vllm.trl import OneSidedAsyncGRPOTrainer, OneSidedWeightTransfer
-    from weight_transfer.engines.vllm.trl_cpu import apply_cpu_shims, even_token_reward
+    from weight_transfer.engines.vllm.trl.cpu import apply_cpu_shims, even_token_reward
+    from weight_transfer.engines.vllm.trl.trainer import OneSidedAsyncGRPOTrainer, OneSidedWeightTransfer
 
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     wt = OneSidedWeightTransfer(a.url, timeout=120, shadow=a.shadow)
     go_lives: list[float] = []
     if a.hold and rank == 0:
-        from weight_transfer.engines.vllm import recover
+        from weight_transfer.engines.vllm.backend import recover
 
         real_go_live = recover.go_live_http
 

@@ -1,5 +1,5 @@
 """A vLLM OpenAI server for the tests: ``python -m vllm.entrypoints.openai.api_server`` with the
-``one_sided`` weight-transfer backend (tests/engines/vllm/test_backend.py, test_shadow.py)."""
+``one_sided`` weight-transfer backend (tests/engines/vllm/backend/test_plugin.py, test_shadow.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -141,7 +141,7 @@ def test_localize_recipe_rules():
 
 
 def _with_runtime_layouts(rs, expert_layout):
-    """``rs`` with vLLM CPU's runtime layouts on its outputs (engines/vllm/runtime.py): experts in
+    """``rs`` with vLLM CPU's runtime layouts on its outputs (engines/vllm/worker/runtime.py): experts in
     ``expert_layout``, the MoE router ``gate`` transposed, dense linears ``blocked:32x2``."""
     from dataclasses import replace
 

@@ -4,7 +4,7 @@ loader traces of a TP-2 engine -- a TP-split per-tensor weight gathers its whole
 plan line says so; a row-parallel per-channel weight gathers its rows' other columns; a
 column-parallel one does not; MoE experts are refused by name. The bytes the recipes write equal
 the checkpoint's quantized whole and sliced as vLLM's loader slices it (the TP-2 cross-check
-against vLLM itself is tests/engines/vllm/test_fp8_scaled_traced.py)."""
+against vLLM itself is tests/engines/vllm/trace/test_fp8_scaled.py)."""
 from __future__ import annotations
 
 import pytest
@@ -187,13 +187,13 @@ def test_hand_written_rules_refuse_scaled_fp8():
     ("compressed-tensors", None, "fp8-channel"),
 ])
 def test_layout_quant(quantization, config, want):
-    from weight_transfer.engines.vllm.trace_fp8 import FP8_CHANNEL_CONFIG, layout_quant
+    from weight_transfer.engines.vllm.trace.fp8 import FP8_CHANNEL_CONFIG, layout_quant
 
     assert layout_quant(quantization, FP8_CHANNEL_CONFIG if config is None else config) == want
 
 
 def test_layout_quant_refuses_what_it_does_not_know():
-    from weight_transfer.engines.vllm.trace_fp8 import FP8_CHANNEL_CONFIG, layout_quant
+    from weight_transfer.engines.vllm.trace.fp8 import FP8_CHANNEL_CONFIG, layout_quant
 
     tensor = {**FP8_CHANNEL_CONFIG, "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8,
                                                                          "strategy": "tensor"}}}}
@@ -204,7 +204,7 @@ def test_layout_quant_refuses_what_it_does_not_know():
 
 
 def test_quantized_config_and_checkpoint_forms():
-    from weight_transfer.engines.vllm.trace_fp8 import fp8_checkpoint, fp8_sources, quantized_config
+    from weight_transfer.engines.vllm.trace.fp8 import fp8_checkpoint, fp8_sources, quantized_config
 
     names = ["model.layers.0.mlp.gate.weight", "x.weight"]
     assert quantized_config({}, "fp8-tensor", names)["quantization_config"] == {

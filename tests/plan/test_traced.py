@@ -1,13 +1,13 @@
 """Recipes from loader traces (weight_transfer.plan.traced) and the loader recorder
-(weight_transfer.engines.vllm.trace's view boxes and dispatch recorder, which need torch only):
+(weight_transfer.engines.vllm.trace.loader's view boxes and dispatch recorder, which need torch only):
 synthetic traces and toy loaders, no vLLM. The traces of vLLM's real loaders are checked in
-tests/engines/vllm/test_trace.py."""
+tests/engines/vllm/trace/test_loader.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weight_transfer.engines.vllm.trace import trace_load, view_box
+from weight_transfer.engines.vllm.trace.loader import trace_load, view_box
 from weight_transfer.plan import build_recipes
 from weight_transfer.plan.traced import LoaderTrace, TracedParam, compare_recipes, recipes_from_traces
 from weight_transfer.testing.catalog import load_config, param_specs

@@ -48,4 +48,4 @@ def test_the_api_doc_has_every_public_name():
         assert f"### `weight_transfer.{name}`" in text, name
     _, names = GEN._backend_all()
     for name in names:
-        assert f"### `weight_transfer.engines.vllm.backend.{name}`" in text, name
+        assert f"### `weight_transfer.engines.vllm.backend.plugin.{name}`" in text, name

@@ -30,8 +30,8 @@ MODULES = sorted(REFERENCE.rglob("*.py"))
 
 
 def module_name(path: Path) -> str:
-    """The installed name of a source file (``engines/vllm/runtime.py`` ->
-    ``weight_transfer.engines.vllm.runtime``; a package's ``__init__`` is the package)."""
+    """The installed name of a source file (``engines/vllm/worker/runtime.py`` ->
+    ``weight_transfer.engines.vllm.worker.runtime``; a package's ``__init__`` is the package)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     parts = parts[:-1] if parts[-1] == "__init__" else parts
     return ".".join([FOLDERS[parts[0]], *parts[1:]])
@@ -73,7 +73,7 @@ def _files() -> list[Path]:
 def test_the_walk_finds_the_modules():
     names = {p.relative_to(REFERENCE).as_posix() for p in MODULES}
     assert {"types.py", "pipeline/executor.py", "plan/__init__.py", "plan/schedule.py"} <= names
-    assert module_name(ROOT / "engines" / "vllm" / "runtime.py") == "weight_transfer.engines.vllm.runtime"
+    assert module_name(ROOT / "engines" / "vllm" / "worker" / "runtime.py") == "weight_transfer.engines.vllm.worker.runtime"
     assert module_name(REFERENCE / "plan" / "__init__.py") == "weight_transfer.plan"
 
 

@@ -74,11 +74,11 @@ class World:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
-        from weight_transfer.engines.vllm.backend import DTensorSource, LLMClient, OneSidedTrainerInitInfo
+        from weight_transfer.engines.vllm.backend.plugin import DTensorSource, LLMClient, OneSidedTrainerInitInfo
         from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
         from weight_transfer.engines.vllm.oracle import fresh_snapshots_subprocess
-        from weight_transfer.engines.vllm.runtime import runtime_layout
         from weight_transfer.engines.vllm.verify import fixed_prompts, snapshot
+        from weight_transfer.engines.vllm.worker.runtime import runtime_layout
         from weight_transfer.plan.traced import fused_expert_views
 
         t0 = time.monotonic()

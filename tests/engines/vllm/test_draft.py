@@ -33,9 +33,9 @@ def test_check_draft_at_init():
     import tempfile
     from types import SimpleNamespace as NS
 
-    from weight_transfer.engines.vllm.backend_worker import check_draft
+    from weight_transfer.engines.vllm.backend.worker import check_draft
     from weight_transfer.engines.vllm.checkpoint import hf_config
-    from weight_transfer.engines.vllm.trace import engine_config
+    from weight_transfer.engines.vllm.trace.loader import engine_config
     from weight_transfer.testing.catalog import load_config
     from weight_transfer.testing.tiny import TINY_TRACED
 
@@ -149,7 +149,7 @@ def test_c33_a_trainer_holding_no_mtp_tensors_is_refused_before_planning():
     checkpoint tensors (transformers' GLM-4.5 / DeepSeek-V3 classes drop them at load):
     ``PlanError`` at ``trainer_init`` naming the layer and the two ways out, before any byte
     moves; a source with them, or an engine without a draft, passes."""
-    from weight_transfer.engines.vllm.trace_draft import refuse_missing_draft
+    from weight_transfer.engines.vllm.trace.draft import refuse_missing_draft
     from weight_transfer.plan import PlanError
     from weight_transfer.types import InferenceLayout
 

@@ -10,7 +10,7 @@ equal to what ``load_weights`` makes from the checkpoint. Engine starts take 35-
 cores, hence module-scoped fixtures.
 
 Each test reads which path vLLM took for each layer from the worker's report
-(``report["gemm"]``, ``report["moe"]``; :func:`weight_transfer.engines.vllm.runtime.opaque_layers`) and checks
+(``report["gemm"]``, ``report["moe"]``; :func:`weight_transfer.engines.vllm.worker.runtime.opaque_layers`) and checks
 the behaviour that path must have, so the tests are right on hosts with and without AMX:
 
 - ``sgl`` (AMX, weights <= 1 MiB): the packed copy is a direct target in ``blocked:32x2``;
@@ -81,8 +81,8 @@ class World:
         from weight_transfer.engines.vllm import VllmEngine, write_checkpoint
         from weight_transfer.engines.vllm.checkpoint import checkpoint_tensors
         from weight_transfer.engines.vllm.loopback import OneSidedUpdater
-        from weight_transfer.engines.vllm.runtime import opaque_layers, post_processed_layers
         from weight_transfer.engines.vllm.verify import fixed_prompts, snapshot, staging_oracle
+        from weight_transfer.engines.vllm.worker.runtime import opaque_layers, post_processed_layers
         from weight_transfer.testing.catalog import load_config
 
         name, ov, self.hide_amx, self.targets = MODELS[key]
@@ -121,7 +121,7 @@ class World:
 # The staged world (every post-processed layer staged on any host) is `long` (make test-long):
 # its engine start and 8 tests cost about a minute of CI's 25. C22 through the product's path,
 # staged layers committed by update_weights, stays in the default set: the `one_sided` backend's
-# no-AMX world (tests/engines/vllm/test_backend.py, every linear a oneDNN handle, staged) and the
+# no-AMX world (tests/engines/vllm/backend/test_plugin.py, every linear a oneDNN handle, staged) and the
 # staged trial of tests/experiments/test_vllm_side.py.
 # The dense no-AMX world (`qwen3`, two engine starts: ~1.5 min of CI) is `long` too, since the RL
 # loop's 3 steps (tests/engines/vllm/test_rl_loop.py, ~2 min) run in CI: the same tiny dense Qwen3 on
@@ -176,8 +176,8 @@ def test_c22_opaque_layers_staged_and_committed(world):
     in place (an embedding, whose weight stays), vLLM's post-processing re-run at commit
     (timed), the byte check's coverage stated. Without staging, the same report is refused
     naming exactly the opaque layers, before any byte moves."""
-    from weight_transfer.engines.vllm.runtime import runtime_layout
     from weight_transfer.engines.vllm.verify import coverage
+    from weight_transfer.engines.vllm.worker.runtime import runtime_layout
     from weight_transfer.plan import PlanError, build_recipes
     from weight_transfer.plan.retarget import retarget
     from weight_transfer.types import InferenceLayout, dtype_name

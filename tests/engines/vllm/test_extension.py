@@ -44,7 +44,7 @@ def test_unread_gemm_handles_are_input_embeddings_that_are_not_heads():
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    from weight_transfer.engines.vllm.worker_state import unread_gemm_handles
+    from weight_transfer.engines.vllm.worker.state import unread_gemm_handles
 
     model = torch.nn.Module()
     model.model = torch.nn.Module()

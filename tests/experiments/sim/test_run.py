@@ -512,7 +512,7 @@ def test_traced_architecture_simulated_from_vllms_loader(tmp_path, monkeypatch, 
 
     if not vllm_available():
         pytest.skip("vLLM is not installed (make vllm): traced recipes need vLLM's loader")
-    from weight_transfer.engines.vllm.trace import parse_layout
+    from weight_transfer.engines.vllm.trace.loader import parse_layout
     from weight_transfer.experiments.sim.run import build, run
     from weight_transfer.experiments.traced import layout_spec, recipes_for, trace_cache_dir
 
