@@ -23,10 +23,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.vllm_server import LIVE_CPU, env_vars
 from weight_transfer.engines.vllm.worker.steps import CLOCK_ATTR, StepClock, gaps, mark, max_gap, step_log
 from weight_transfer.experiments.vllm_load import max_arrival_gap, span_problems, spans_ok
-
-from ...helpers.vllm_server import LIVE_CPU, env_vars
 
 
 class Toy(torch.nn.Module):
