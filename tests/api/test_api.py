@@ -241,7 +241,7 @@ def test_a_writer_left_blocked_refuses_the_next_push_until_it_ends(world, monkey
         tx.push(2)
     assert "still blocked" in str(ei.value.__cause__)  # this rank's own account
     assert tx.writer_blocked and not tx.wait_writer(0.1)
-    assert time.monotonic() - t0 < 2 + 2 + 3  # the timeout, the grace, slack
+    assert time.monotonic() - t0 < 2 + 2 + 8  # the timeout, the grace, slack for a loaded machine
     assert rx.state().state == "incomplete"
     with pytest.raises(wt.ControlError, match="writes of version 2 are still blocked"):
         tx.push(3)

@@ -347,7 +347,7 @@ def test_rpc_round_trip_error_reply_and_dead_worker(workers):
             client.call({"op": "load", "name": "c.weight", "dtype": "float32", "shape": (4,)},
                         memoryview(torch.ones(4).view(torch.uint8).numpy()), timeout=1.5)
         dt = time.monotonic() - t0
-        assert 1.4 <= dt < 3.0
+        assert 1.4 <= dt < 10  # at its timeout, not at the default one
         msg = str(ei.value)
         assert f"no reply from inference worker(s) 1 at {eps[1]} within 1.5 s" in msg
         assert "'c.weight'" in msg and f"0 at {eps[0]}" not in msg

@@ -83,7 +83,7 @@ def test_connect_without_a_secret_fails_at_once_naming_how_to_pass_it(store, mon
     with pytest.raises(AuthenticationError, match=r"connect_store\(127.0.0.1:\d+\): no job secret: set "
                                                   r"WEIGHT_TRANSFER_SECRET .* or WEIGHT_TRANSFER_SECRET_FILE"):
         wt.connect_store(("127.0.0.1", store.port), timeout=30)
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 10
 
 
 def test_connect_with_another_secret_is_refused_by_both_sides(store):
