@@ -139,7 +139,8 @@ class StandInServing:
 
     def stats(self, version: int, oracle=None) -> dict:
         """The stall columns of update ``version`` (:data:`SERVE_COLUMNS`), from the steps the
-        load recorded so far; waits up to 2 s for the first step after the go-live. With
+        load recorded so far; waits up to 10 s for a paused update's window (the pause watcher
+        records it once it sees the resume) and up to 2 s for the first step after the go-live. With
         ``oracle`` (the verification's engine of ``version``) also ``replayed`` /
         ``replay_errors`` (:meth:`replay_check`)."""
         out = {"shadow": self.shadow.mode if self.shadow is not None else "off", "gen_load": self.serve.gen_load,
@@ -150,6 +151,11 @@ class StandInServing:
         if self.load is None:
             return out
         w = self.window(version)
+        deadline = time.time() + 10.0  # a paused update's window is recorded by the watcher thread once it
+        while (w is None and self._server is None and time.time() < deadline  # saw the resume: on a loaded
+               and self.store.check([f"step/{version}/pause"])):  # machine it may trail the update's end
+            time.sleep(0.005)
+            w = self.window(version)
         if w is None:
             return out
         from .stall import between_stats, label_errors, update_stall

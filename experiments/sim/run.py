@@ -457,7 +457,7 @@ def bench_planner(name: str, *, received: bool = False, checks: str = "auto", wi
     left, so the recipes are restricted to the others (:func:`weight_transfer.api.only_ranks`,
     timed with ``plan()``) and planned for that membership only."""
     code = (
-        "import gc, json, resource, time\nfrom weight_transfer import wire\n"
+        "import gc, json, resource, time\nfrom weight_transfer.control import wire\n"
         "from weight_transfer.experiments.sim.configs import get_config\n"
         "from weight_transfer.experiments.sim.run import _cpu_seconds, build\n"
         "from weight_transfer.plan import plan\n"
