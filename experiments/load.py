@@ -277,10 +277,13 @@ def judge(other_cpu: Iterable = (), load_avg: Iterable = (), cpus: Iterable = ()
 
 
 def cell(load: Load) -> str:
-    """The table's text for ``load``: ``0.03`` (other processes' share of the CPUs), ``loadavg
+    """The table's text for ``load``: ``0.03 (loadavg 0.21)`` (other processes' share of the
+    CPUs, the 1-minute load average before the run in parentheses where it was kept), ``loadavg
     0.40 / 2 CPUs`` when only that is known, ``not recorded``; ``**... loaded**`` when loaded."""
     if load.other_cpu == load.other_cpu:
         text = f"{load.other_cpu:.2f}"
+        if load.load_avg_1m == load.load_avg_1m:
+            text += f" (loadavg {load.load_avg_1m:.2f})"
     elif load.state != "not recorded":
         text = f"loadavg {load.load_avg_1m:.2f} / {load.cpus} CPUs"
     else:

@@ -186,8 +186,9 @@ def test_judge_loaded_quiet_and_not_recorded():
 
 
 def test_cells_say_the_load_and_mark_the_loaded():
-    assert cell(judge([0.02], [0.5], [2])) == "0.02"
-    assert cell(judge([0.31], [0.5], [2])) == "**0.31 loaded**"
+    assert cell(judge([0.02], [0.5], [2])) == "0.02 (loadavg 0.50)"
+    assert cell(judge([0.02], [], [2])) == "0.02"
+    assert cell(judge([0.31], [0.5], [2])) == "**0.31 (loadavg 0.50) loaded**"
     assert cell(judge([], [0.4], [2])) == "loadavg 0.40 / 2 CPUs"
     assert cell(judge([], [3.1], [2])) == "**loadavg 3.10 / 2 CPUs loaded**"
     assert cell(judge([], [1.09], [])) == "not recorded (loadavg 1.09)"

@@ -32,7 +32,7 @@ def test_trial_rows_loaded_quiet_and_not_recorded(tmp_path):
     pd.DataFrame(rows).to_csv(tmp_path / "t.csv", index=False)
     g = Group(title="t", csv="t.csv", kind="trial", command="weight-transfer run")
     lines = group_rows(g, tmp_path)
-    assert _load_cells(lines) == ["0.02", "**0.35 loaded**", "not recorded"]
+    assert _load_cells(lines) == ["0.02 (loadavg 0.30)", "**0.35 (loadavg 0.40) loaded**", "not recorded"]
     assert lines[1].split(" | ")[6] == "2.00"  # the ratio is still there, the row marked beside it
 
 
@@ -59,7 +59,7 @@ def test_peer_rows(tmp_path):
                     other_cpu=0.45) for i in range(2)])
     pd.DataFrame(rows).to_csv(tmp_path / "p.csv", index=False)
     g = Group(title="p", csv="p.csv", kind="peers", command="weight-transfer bench-peers")
-    assert _load_cells(group_rows(g, tmp_path)) == ["0.01", "**0.45 loaded**"]
+    assert _load_cells(group_rows(g, tmp_path)) == ["0.01 (loadavg 0.20)", "**0.45 (loadavg 1.80) loaded**"]
 
 
 def test_trl_rows_fall_back_to_the_load_average_they_kept(tmp_path):
@@ -69,4 +69,4 @@ def test_trl_rows_fall_back_to_the_load_average_they_kept(tmp_path):
             dict(base, mode="auto", sync_s_p50=0.3, load1_start=0.5, load_avg_1m=0.5, cpus=2, other_cpu=0.2)]
     pd.DataFrame(rows).to_csv(tmp_path / "trl.csv", index=False)
     g = Group(title="trl", csv="trl.csv", kind="trl", command="weight-transfer bench-trl")
-    assert _load_cells(group_rows(g, tmp_path)) == ["not recorded (loadavg 1.09)", "**0.20 loaded**"]
+    assert _load_cells(group_rows(g, tmp_path)) == ["not recorded (loadavg 1.09)", "**0.20 (loadavg 0.50) loaded**"]
