@@ -8,7 +8,7 @@ static plan, never from the ops the data plane posted, so a write that landed sh
 range written twice (and another not at all), a byte changed after the write, or a shadow
 still holding the previous version differ from what the plan says the range must hold.
 
-- **Training side** (:func:`sender_hashes`): the executor hashes each selected output from
+- **Training side** (:mod:`weight_transfer.pipeline.hashes`, re-exported here): the executor hashes each selected output from
   the buffer it is written from (a pool slot, a view of a shard, or the shard pieces of a
   fused band, in output order), once the output is final and before the buffer is reused.
 - **Inference side** (:class:`FingerprintServer`): a thread beside each
