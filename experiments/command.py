@@ -1,4 +1,4 @@
-"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,secret,vllm-recover,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall}``
+"""The one command: ``weight-transfer {run,rl,simulate,sweep,faults,secret,vllm-recover,analyze,timeline,report,bench-quant,bench-pipeline,bench-transports,bench-peers,bench-delta,bench-stall,bench-control,bench-verify,bench-trl}``
 (the console script of the ``weight-transfer`` distribution; ``python -m weight_transfer.experiments`` is the same).
 
 Examples::

@@ -46,9 +46,9 @@ weight-transfer backend (``weight_transfer.engines.vllm.backend.plugin``) anothe
 
 Errors: bad arguments raise ``ValueError``/``TypeError`` naming the argument before any byte
 moves; a plan the receivers cannot take raises :class:`weight_transfer.plan.PlanError` naming the
-tensor; a failed, dead or stalled rank raises :class:`weight_transfer.control.protocol.ControlError`
+tensor; a failed, dead or stalled rank raises :class:`weight_transfer.errors.ControlError`
 naming role, rank and cause, within the control timeout; a version that does not increase
-raises :class:`weight_transfer.control.protocol.VersionError`; a process without the job secret, or a
+raises :class:`weight_transfer.errors.VersionError`; a process without the job secret, or a
 store value no member sealed, raises :class:`weight_transfer.security.secret.AuthenticationError` (a
 ControlError) naming how to pass the secret or the key refused; a value its key's schema does
 not allow raises :class:`weight_transfer.control.wire.WireError` (a ControlError) naming the key and field.

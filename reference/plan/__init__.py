@@ -33,7 +33,8 @@ The plan's types (:class:`~weight_transfer.types.Schedule`, :class:`~weight_tran
 Deterministic: same inputs, same schedule. Errors are :class:`weight_transfer.types.PlanError`
 naming the tensors or ranks.
 
-Beside the planner: :mod:`.metadata` (what a training rank publishes about its parameters,
+The schedule's fast record constructors (:mod:`.fast`) and the recipes of per-tensor and
+per-channel FP8 (:mod:`.scaled`) serve the same steps. Beside the planner: :mod:`.metadata` (what a training rank publishes about its parameters,
 the planner's input) and :mod:`.retarget` (recipes aimed at the runtime tensors a live engine
 reports).
 

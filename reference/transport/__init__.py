@@ -17,6 +17,11 @@ posts and waits. Back ends (docs/TRANSPORTS.md has install notes):
 The modules import their optional libraries only when a transport is built, so
 ``make_transport`` raises an ImportError that says what to install when one is missing.
 
+Beside the back ends: :mod:`.ops` (what a write is, the batch checks) and :mod:`.runs` (byte runs),
+:mod:`.segment` (the ``shm`` back end's sealed segments), :mod:`.guard` (guard bytes around
+regions), :mod:`.lease` (epochs, revocation, leases), :mod:`.verbs_plan` (the verbs back end's pure
+parts) and :mod:`.views` (this process's memory as ``uint8`` tensors).
+
 Imports: ``types``, ``native``.
 """
 from __future__ import annotations
