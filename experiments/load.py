@@ -3,7 +3,14 @@
 The CPU machines this harness runs on are shared: another job on the same cores slows every
 method, and not equally, so a row measured under load bends the ratios quoted from it. Every
 row of ``weight-transfer run`` (each method of ``--method all``, ``--engine vllm``),
-``bench-peers`` and ``bench-trl`` carries four columns (docs/PERFORMANCE.md "Load"):
+``bench-peers`` and ``bench-trl`` carries four columns (docs/PERFORMANCE.md "Load").
+
+Why ``/proc`` is read here and not through ``psutil`` (whose ``cpu_times`` and
+``Process.children(recursive=True)`` give the same figures): ``psutil`` is not a dependency of the
+project's own install (only vLLM's and the peers' extras pull it), and the two reads it would
+replace are a few dozen lines; where ``/proc`` is missing the columns are empty, as they would be.
+
+The columns:
 
 - ``load_avg_1m``: ``os.getloadavg()[0]``, the machine's 1-minute load average (runnable plus
   uninterruptible tasks, exponentially averaged by the kernel), sampled right before the
